@@ -1,0 +1,80 @@
+"""Pure checkpoint layout: names, completeness, what to load, what to purge.
+
+A checkpoint is a directory ``step-NNNNNNN`` under the checkpoint root. DCP writes its
+``.metadata`` file last, after every rank's shards, so a step directory is *complete* only
+when ``.metadata`` exists; when a manifest is required (integrity on), it must exist too,
+since the manifest is written after ``.metadata`` at commit. Nothing here touches storage:
+callers pass in listings and get decisions back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+STEP_RE = re.compile(r"^step-(\d{7,})$")
+METADATA = ".metadata"
+MANIFEST = "manifest.json"
+INFO = "harness.json"
+
+
+def step_dirname(step: int) -> str:
+    assert step >= 0
+    return f"step-{step:07d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class StepDir:
+    step: int
+    name: str
+    complete: bool
+
+
+def scan(listing: Mapping[str, Iterable[str]], require_manifest: bool = False) -> list[StepDir]:
+    """Step directories, oldest first, from ``{dirname: filenames}``.
+
+    Names that are not step directories (temp files, quarantined checkpoints) are ignored.
+    """
+    out = []
+    for name, files in listing.items():
+        step = parse_step(name)
+        if step is None:
+            continue
+        files = set(files)
+        complete = METADATA in files and (MANIFEST in files or not require_manifest)
+        out.append(StepDir(step, name, complete))
+    return sorted(out, key=lambda d: d.step)
+
+
+def load_candidates(dirs: list[StepDir]) -> list[StepDir]:
+    """Complete checkpoints, newest first: try them in this order until one verifies."""
+    return [d for d in reversed(dirs) if d.complete]
+
+
+def to_purge(
+    dirs: list[StepDir],
+    keep: int,
+    keep_every: int = 0,
+    protected: Iterable[int] = (),
+) -> list[StepDir]:
+    """Complete checkpoints beyond the newest ``keep``, oldest first.
+
+    Never purged: incomplete directories (a save may be writing them; the manager deals
+    with stale ones), milestones (``step % keep_every == 0``), and ``protected`` steps
+    (being loaded or written).
+    """
+    assert keep >= 2, "the spec guarantees keep >= 2"
+    protected = set(protected)
+    complete = [d for d in dirs if d.complete]
+    older = complete[:-keep] if len(complete) > keep else []
+    return [
+        d
+        for d in older
+        if d.step not in protected and not (keep_every and d.step % keep_every == 0)
+    ]

@@ -1,0 +1,59 @@
+"""Command line: thin. Parses, calls the library, prints.
+
+Each subcommand lives in its own module exposing ``register(subparsers)``; the parser it
+adds sets ``func(args) -> int``. A ``HarnessError`` becomes one clear line on stderr and its
+exit code; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from elastic_harness.errors import HarnessError
+
+# Subcommand modules, in --help order.
+COMMANDS = [
+    "elastic_harness.commands.run",
+    "elastic_harness.commands.agent",
+    "elastic_harness.commands.spec",
+    "elastic_harness.commands.report",
+    "elastic_harness.commands.chaos",
+    "elastic_harness.commands.ckpt",
+    "elastic_harness.commands.k8s",
+    "elastic_harness.commands.bench",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-harness",
+        description="Fault-tolerant elastic training for PyTorch (torchelastic + DCP).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # not written yet; any other missing module is a real error
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""One exception hierarchy for mistakes a user can fix.
+
+Every ``HarnessError`` carries a one-line message naming the problem and a ``hint`` naming
+the fix. The CLI prints exactly that and exits non-zero; tracebacks go to the run's log.
+``assert`` is kept for our own invariants. This module imports nothing of ours, so every
+layer (the pure ``spec`` included) may raise these.
+"""
+
+from __future__ import annotations
+
+
+class HarnessError(Exception):
+    """A problem the user can fix. ``exit_code`` is what the CLI returns for it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  fix: {self.hint}" if self.hint else self.message
+
+
+class SpecError(HarnessError):
+    """The job YAML is malformed or a value is out of range. ``path`` is the dotted key."""
+
+    def __init__(self, path: str, message: str, hint: str = "") -> None:
+        where = f"{path}: " if path else ""
+        super().__init__(f"job spec error: {where}{message}", hint)
+        self.path = path
+
+
+class TaskError(HarnessError):
+    """The task named by ``task.target`` cannot be imported or built."""
+
+
+class RunDirError(HarnessError):
+    """The run directory cannot be created or written."""
+
+
+class CheckpointError(HarnessError):
+    """A checkpoint cannot be written, read, or does not belong to this job."""
+
+
+class ClusterError(HarnessError):
+    """The job could not keep enough nodes, or lost its rendezvous host."""
+
+    exit_code = 1

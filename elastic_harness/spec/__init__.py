@@ -1,0 +1,30 @@
+"""Pure job spec: YAML -> frozen, validated ``JobSpec``. Imports only ``errors``."""
+
+from elastic_harness.spec.loader import describe, dump_job, load_job, parse_job
+from elastic_harness.spec.schema import (
+    CheckpointSpec,
+    FaultSpec,
+    JobSpec,
+    NodesSpec,
+    OptimizerSpec,
+    RendezvousSpec,
+    TaskSpec,
+    TimeoutsSpec,
+    TrainSpec,
+)
+
+__all__ = [
+    "CheckpointSpec",
+    "FaultSpec",
+    "JobSpec",
+    "NodesSpec",
+    "OptimizerSpec",
+    "RendezvousSpec",
+    "TaskSpec",
+    "TimeoutsSpec",
+    "TrainSpec",
+    "describe",
+    "dump_job",
+    "load_job",
+    "parse_job",
+]

@@ -1,0 +1,152 @@
+"""YAML text -> ``JobSpec``, and back.
+
+Conversion is generic over the dataclasses in ``schema``: unknown keys are rejected with
+their dotted path and the closest valid name, values are type-checked (an int where a float
+is expected is fine; a bool is never an int), then each dataclass validates its ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elastic_harness.errors import SpecError
+from elastic_harness.spec.schema import FaultSpec, JobSpec
+
+_LIST_ITEMS = {"chaos": FaultSpec}
+
+
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read a job YAML file, apply ``key.path=value`` overrides, validate."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SpecError("", f"job file '{path}' does not exist", "check the path") from None
+    except OSError as e:
+        raise SpecError("", f"cannot read job file '{path}': {e.strerror}") from None
+    return parse_job(text, overrides, source=str(path))
+
+
+def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: str = "") -> JobSpec:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError("", f"{source or 'job'} is not valid YAML{where}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SpecError("", f"{source or 'job'} must be a mapping of keys, got {type(raw).__name__}")
+    for item in overrides:
+        apply_override(raw, item)
+    return build(JobSpec, raw, "")
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Set ``a.b.c=value`` in a raw mapping; the value is parsed as YAML (so 3 is an int)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SpecError("", f"--set '{item}' is not KEY.PATH=VALUE", "e.g. --set train.steps=20")
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(key, "cannot set a key inside a non-mapping value")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def build(cls: type, raw: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking keys and types."""
+    if not isinstance(raw, dict):
+        raise SpecError(path, f"must be a mapping, got {type(raw).__name__} ({raw!r})")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+            raise SpecError(_join(path, str(key)), "unknown key", hint)
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _convert(hints[name], value, _join(path, name), name)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value if value is not None else {}, path)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"choose one of {list(choices)}"
+            raise SpecError(path, f"'{value}' is not one of {list(choices)}", hint)
+        return value
+    if tp is list:
+        if not isinstance(value, list):
+            raise SpecError(path, f"must be a list, got {type(value).__name__}")
+        item_cls = _LIST_ITEMS.get(name)
+        if item_cls is None:
+            return list(value)
+        return [build(item_cls, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise SpecError(path, f"must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(path, f"must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported spec type {tp} at {path}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def to_dict(spec: Any) -> dict:
+    return dataclasses.asdict(spec)
+
+
+def dump_job(spec: JobSpec) -> str:
+    """The resolved spec as YAML; ``parse_job(dump_job(s)) == s``."""
+    return yaml.safe_dump(to_dict(spec), sort_keys=False)
+
+
+def describe(cls: type = JobSpec, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field: the reference printed by ``spec --help``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = _join(prefix, f.name)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.append((key, "", f.metadata.get("doc", "")))
+            rows.extend(describe(tp, key))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((key, repr(default), f.metadata.get("doc", "")))
+        if f.name in _LIST_ITEMS:
+            rows.extend(describe(_LIST_ITEMS[f.name], f"{key}[]"))
+    return rows

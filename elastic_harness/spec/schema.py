@@ -1,0 +1,234 @@
+"""The job spec: one frozen, typed, validated object per job YAML.
+
+Every field carries one line of documentation in its metadata; ``elastic-harness spec``
+prints that text. Each class checks its own ranges in ``__post_init__`` and raises
+``SpecError`` naming the field. Cross-field rules live in ``JobSpec.__post_init__``.
+This module is pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from elastic_harness.errors import SpecError
+
+
+def doc(default: Any, text: str, **kw: Any) -> Any:
+    """A dataclass field with a default and one line of documentation."""
+    if isinstance(default, (dict, list)):
+        factory = (lambda d=default: type(d)(d))  # noqa: E731
+        return field(default_factory=factory, metadata={"doc": text, **kw})
+    return field(default=default, metadata={"doc": text, **kw})
+
+
+def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise SpecError(path, f"must be {need}, got {value}")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    target: str = doc(
+        "elastic_harness.tasks.mlp:MLPRegression",
+        "Import path 'package.module:callable' returning a Task (model, dataset, loss).",
+    )
+    args: dict = doc({}, "Keyword arguments passed to the task callable.")
+
+    def __post_init__(self) -> None:
+        mod, sep, attr = self.target.partition(":")
+        if not sep or not mod or not attr:
+            raise SpecError(
+                "task.target",
+                f"'{self.target}' is not of the form 'package.module:callable'",
+                "write e.g. 'elastic_harness.tasks.charlm:CharLM'",
+            )
+
+
+@dataclass(frozen=True)
+class NodesSpec:
+    min: int = doc(1, "Fewest nodes (elastic agents) the job trains on.")
+    max: int = doc(1, "Most nodes; extra nodes wait until a membership change admits them.")
+
+    def __post_init__(self) -> None:
+        _positive("nodes.min", self.min)
+        _positive("nodes.max", self.max)
+        if self.min > self.max:
+            raise SpecError(
+                "nodes", f"min ({self.min}) is greater than max ({self.max})", "set min <= max"
+            )
+
+
+@dataclass(frozen=True)
+class RendezvousSpec:
+    backend: Literal["c10d", "etcd", "etcd-v2"] = doc(
+        "c10d", "Rendezvous backend: c10d (store inside one agent) or etcd (external server)."
+    )
+    endpoint: str = doc(
+        "", "HOST:PORT of the rendezvous store; empty = 127.0.0.1 with a free port (local runs)."
+    )
+    id: str = doc("", "Rendezvous id; empty = a fresh unique id per submission (recommended).")
+    join_timeout: int = doc(120, "Seconds to wait for nodes.min nodes before failing.")
+    last_call_timeout: int = doc(
+        2, "Seconds to wait for more nodes once nodes.min have joined (torch default 30)."
+    )
+    close_timeout: int = doc(10, "Seconds for the rendezvous to close on shutdown.")
+    heartbeat_timeout: int = doc(5, "Seconds within which a keep-alive must complete.")
+    keep_alive_interval: int = doc(1, "Seconds between agent keep-alives (torch default 5).")
+    keep_alive_max_attempt: int = doc(
+        3, "Missed keep-alives before a node is declared dead (torch default 3)."
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "heartbeat_timeout",
+            "keep_alive_interval",
+            "keep_alive_max_attempt",
+        ):
+            _positive(f"rendezvous.{name}", getattr(self, name))
+        if self.endpoint and ":" not in self.endpoint:
+            raise SpecError(
+                "rendezvous.endpoint", f"'{self.endpoint}' has no port", "write HOST:PORT"
+            )
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int = doc(100, "Optimizer steps to train for (the run ends after this many).")
+    global_batch_size: int = doc(
+        32, "Samples per optimizer step, over all ranks; constant whatever the world size."
+    )
+    micro_batch_size: int = doc(
+        8, "Most samples one rank puts through forward/backward at once (accumulation unit)."
+    )
+    seed: int = doc(0, "Seed for model init, data order and per-step randomness.")
+    log_every: int = doc(1, "Write a 'step' event every this many steps.")
+
+    def __post_init__(self) -> None:
+        _positive("train.steps", self.steps)
+        _positive("train.global_batch_size", self.global_batch_size)
+        _positive("train.micro_batch_size", self.micro_batch_size)
+        _positive("train.log_every", self.log_every)
+        _positive("train.seed", self.seed, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: Literal["adamw", "sgd"] = doc("adamw", "Optimizer: adamw or sgd.")
+    lr: float = doc(1e-3, "Peak learning rate.")
+    weight_decay: float = doc(0.0, "Decoupled weight decay (adamw) or L2 (sgd).")
+    betas: list = doc([0.9, 0.95], "AdamW betas [beta1, beta2].")
+    momentum: float = doc(0.0, "SGD momentum.")
+    grad_clip: float = doc(0.0, "Clip the global gradient norm to this value; 0 = off.")
+    warmup_steps: int = doc(0, "Linear warm-up steps from 0 to lr.")
+    schedule: Literal["constant", "cosine"] = doc(
+        "constant", "LR after warm-up: constant, or cosine decay to min_lr_ratio * lr."
+    )
+    min_lr_ratio: float = doc(0.1, "Final LR as a fraction of lr (cosine only).")
+
+    def __post_init__(self) -> None:
+        _positive("optimizer.lr", self.lr)
+        _positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optimizer.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
+        if len(self.betas) != 2 or not all(0 <= float(b) < 1 for b in self.betas):
+            raise SpecError("optimizer.betas", f"must be two numbers in [0, 1), got {self.betas}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise SpecError("optimizer.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    dir: str = doc("", "Where checkpoints go; empty = RUN_DIR/checkpoints. Local path or s3://.")
+    every_steps: int = doc(50, "Save every this many steps; 0 = only by time and at the end.")
+    every_seconds: float = doc(0.0, "Also save when this many seconds passed since the last save.")
+    keep: int = doc(3, "Keep the newest K complete checkpoints (K >= 2).")
+    keep_every: int = doc(0, "Also keep every checkpoint whose step is a multiple of this; 0 = off.")
+    save_final: bool = doc(True, "Save at the last step.")
+    async_save: bool = doc(
+        False, "Write in the background after staging to host memory (one save in flight)."
+    )
+    verify: Literal["full", "size", "none"] = doc(
+        "full", "On load, check the manifest: full checksums, sizes only, or nothing."
+    )
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        _positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
+        _positive("checkpoint.keep_every", self.keep_every, allow_zero=True)
+        if self.keep < 2:
+            raise SpecError(
+                "checkpoint.keep",
+                f"must be >= 2, got {self.keep}",
+                "keep at least two: the newest may be the one a crash interrupted",
+            )
+
+
+@dataclass(frozen=True)
+class TimeoutsSpec:
+    process_group: int = doc(
+        120, "Seconds before a stuck collective fails (gloo's own default is 30 minutes)."
+    )
+    shutdown_grace: int = doc(
+        30, "Seconds workers get after SIGTERM to finish the step and save before SIGKILL."
+    )
+    monitor_interval: float = doc(0.1, "Seconds between the agent's checks of its workers.")
+
+    def __post_init__(self) -> None:
+        _positive("timeouts.process_group", self.process_group)
+        _positive("timeouts.shutdown_grace", self.shutdown_grace)
+        _positive("timeouts.monitor_interval", self.monitor_interval)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: Literal["kill-worker", "kill-node", "add-node", "preempt", "hang", "partition"] = doc(
+        "kill-worker", "What to do: kill-worker, kill-node, add-node, preempt, hang, partition."
+    )
+    target: int = doc(0, "Global rank (kill-worker, hang) or node index (others).")
+    at_step: int = doc(0, "Fire when the job first completes this step; 0 = use at_seconds.")
+    at_seconds: float = doc(0.0, "Fire this many seconds after the job started.")
+
+    def __post_init__(self) -> None:
+        _positive("chaos[].target", self.target, allow_zero=True)
+        _positive("chaos[].at_step", self.at_step, allow_zero=True)
+        _positive("chaos[].at_seconds", self.at_seconds, allow_zero=True)
+        if self.at_step == 0 and self.at_seconds == 0:
+            raise SpecError("chaos[]", f"fault '{self.kind}' has neither at_step nor at_seconds")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str = doc("job", "Job name: names the run directory and the Kubernetes objects.")
+    task: TaskSpec = doc(TaskSpec(), "The model, data and loss to train.")
+    parallelism: Literal["ddp", "fsdp"] = doc("ddp", "ddp (replicated) or fsdp (FSDP2 sharding).")
+    device: Literal["auto", "cpu", "cuda"] = doc(
+        "auto", "auto = CUDA + NCCL when GPUs are present, else CPU + gloo."
+    )
+    nodes: NodesSpec = doc(NodesSpec(), "Elastic node range.")
+    nproc_per_node: int = doc(2, "Worker processes per node.")
+    max_restarts: int = doc(3, "Worker-group restarts each agent allows after failures.")
+    rendezvous: RendezvousSpec = doc(RendezvousSpec(), "How nodes find each other.")
+    train: TrainSpec = doc(TrainSpec(), "Steps, batch sizes, seed.")
+    optimizer: OptimizerSpec = doc(OptimizerSpec(), "Optimizer and learning-rate schedule.")
+    checkpoint: CheckpointSpec = doc(CheckpointSpec(), "Checkpoint policy.")
+    timeouts: TimeoutsSpec = doc(TimeoutsSpec(), "Failure-detection timeouts.")
+    chaos: list = doc([], "Faults to inject (list of kind/target/at_step/at_seconds).")
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise SpecError("name", f"'{self.name}' must be non-empty [A-Za-z0-9._-]")
+        _positive("nproc_per_node", self.nproc_per_node)
+        _positive("max_restarts", self.max_restarts, allow_zero=True)
+        most_ranks = self.nodes.max * self.nproc_per_node
+        if self.train.global_batch_size < most_ranks:
+            raise SpecError(
+                "train.global_batch_size",
+                f"{self.train.global_batch_size} is smaller than the largest world size "
+                f"({most_ranks} = nodes.max x nproc_per_node): some ranks would get no samples",
+                f"raise it to at least {most_ranks}",
+            )
