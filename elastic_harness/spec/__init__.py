@@ -3,6 +3,7 @@
 from elastic_harness.spec.loader import describe, dump_job, load_job, parse_job
 from elastic_harness.spec.schema import (
     CheckpointSpec,
+    DeploySpec,
     FaultSpec,
     JobSpec,
     NodesSpec,
@@ -15,6 +16,7 @@ from elastic_harness.spec.schema import (
 
 __all__ = [
     "CheckpointSpec",
+    "DeploySpec",
     "FaultSpec",
     "JobSpec",
     "NodesSpec",

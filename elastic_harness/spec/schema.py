@@ -8,6 +8,7 @@ This module is pure: no I/O, no torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -107,6 +108,9 @@ class TrainSpec:
     )
     seed: int = doc(0, "Seed for model init, data order and per-step randomness.")
     log_every: int = doc(1, "Write a 'step' event every this many steps.")
+    record_samples: bool = doc(
+        False, "Log the dataset indices each rank used per step to RUN_DIR/samples/ (audits)."
+    )
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps)
@@ -201,6 +205,71 @@ class FaultSpec:
             raise SpecError("chaos[]", f"fault '{self.kind}' has neither at_step nor at_seconds")
 
 
+# Kubernetes quantity ("2", "500m", "8Gi", "1e3"): the API server's pattern, sign excluded.
+_QUANTITY = re.compile(
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(?P<unit>([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]+))?$"
+)
+# DNS-1123 subdomain: what Kubernetes accepts as a Secret name.
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _quantity(path: str, value: str) -> None:
+    match = _QUANTITY.match(value)
+    number = value[: match.start("unit")] if match and match.group("unit") else value
+    if not match or float(number) == 0:
+        raise SpecError(path, f"'{value}' is not a positive Kubernetes quantity", "e.g. '500m', '8Gi'")
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """How ``elastic-harness k8s render`` deploys the job; local runs ignore this section."""
+
+    endpoint_port: int = doc(
+        8080, "Port of the agent's HTTP endpoint; Kubernetes probes GET /healthz on it."
+    )
+    rdzv_port: int = doc(
+        29400, "Port of the c10d store on the first worker pod (PyTorchJob flavor, c10d)."
+    )
+    cpu: str = doc("2", "CPU request per node pod; a string in YAML: '2' or '500m'.")
+    memory: str = doc("8Gi", "Memory request and limit per node pod (Kubernetes quantity).")
+    gpus: int = doc(0, "GPUs per node pod (nvidia.com/gpu); device cuda needs >= nproc_per_node.")
+    shm_size: str = doc("1Gi", "Size of the in-memory /dev/shm volume (data loaders, NCCL).")
+    storage: str = doc("20Gi", "Size of the ReadWriteMany volume holding runs and checkpoints.")
+    storage_class: str = doc(
+        "", "StorageClass of that volume (must offer ReadWriteMany); empty = cluster default."
+    )
+    s3_secret: str = doc(
+        "aws-credentials",
+        "Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used for s3:// checkpoints.",
+    )
+    etcd_image: str = doc(
+        "quay.io/coreos/etcd:v3.5.17", "etcd image for the rendezvous; 3.5.x (3.6 has no v2 API)."
+    )
+    run_as_user: int = doc(
+        10001, "Non-root UID and GID of every container; k8s/Dockerfile creates this user."
+    )
+    grace_margin: int = doc(
+        15, "Seconds added to timeouts.shutdown_grace for the pod's termination grace period."
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint_port", "rdzv_port"):
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise SpecError(f"deploy.{name}", f"must be a port in 1..65535, got {port}")
+        if self.endpoint_port == self.rdzv_port:
+            raise SpecError("deploy.rdzv_port", f"equals deploy.endpoint_port ({self.rdzv_port})")
+        for name in ("cpu", "memory", "shm_size", "storage"):
+            _quantity(f"deploy.{name}", getattr(self, name))
+        _positive("deploy.gpus", self.gpus, allow_zero=True)
+        _positive("deploy.grace_margin", self.grace_margin)
+        _positive("deploy.run_as_user", self.run_as_user)  # 0 is root
+        if not _DNS1123.match(self.s3_secret):
+            raise SpecError("deploy.s3_secret", f"'{self.s3_secret}' is not a valid Secret name")
+        if not self.etcd_image:
+            raise SpecError("deploy.etcd_image", "must not be empty")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     name: str = doc("job", "Job name: names the run directory and the Kubernetes objects.")
@@ -218,6 +287,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = doc(CheckpointSpec(), "Checkpoint policy.")
     timeouts: TimeoutsSpec = doc(TimeoutsSpec(), "Failure-detection timeouts.")
     chaos: list = doc([], "Faults to inject (list of kind/target/at_step/at_seconds).")
+    deploy: DeploySpec = doc(DeploySpec(), "Kubernetes deployment: ports, resources, storage.")
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):

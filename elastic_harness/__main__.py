@@ -1,0 +1,5 @@
+import sys
+
+from elastic_harness.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpoints: pure layout, storage, DCP save/load, integrity."""

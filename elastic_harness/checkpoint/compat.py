@@ -1,0 +1,60 @@
+"""Refuse a checkpoint that belongs to another model or job, before loading anything.
+
+DCP's default load planner raises on missing keys but silently ignores *extra* keys in a
+checkpoint, so a checkpoint of a bigger model would load "fine" into a smaller one. We
+compare key sets and shapes ourselves, from ``.metadata`` alone (no shard is read).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+
+from elastic_harness.errors import CheckpointError
+
+# Keys compared exactly: the model's parameters/buffers and the optimizer's per-param state.
+_STRICT_PREFIXES = ("model.", "optim.state.")
+
+
+def flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """``{dotted key: global shape}`` as DCP flattens it (None for non-tensors)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+    flat, _ = flatten_state_dict(plain)
+    return {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in flat.items()}
+
+
+def check_compatible(reader: Any, state: dict[str, Any], manifest: dict, info: dict) -> None:
+    """Raise ``CheckpointError`` if the checkpoint's keys/shapes/task differ from ``state``."""
+    where = getattr(reader, "path", "checkpoint")
+    task = manifest.get("task")
+    if task and info.get("task") and task != info["task"]:
+        raise CheckpointError(
+            f"{where} was written by task '{task}', this job trains '{info['task']}'",
+            "use a new --run-dir (or --fresh) for a different task",
+        )
+    saved = reader.read_metadata().state_dict_metadata
+    want = flat_shapes(state)
+    saved_keys = {k for k in saved if k.startswith(_STRICT_PREFIXES)}
+    want_keys = {k for k in want if k.startswith(_STRICT_PREFIXES)}
+    missing, extra = sorted(want_keys - saved_keys), sorted(saved_keys - want_keys)
+    bad_shape = [
+        f"{k}: saved {tuple(saved[k].size)}, model {want[k]}"
+        for k in sorted(saved_keys & want_keys)
+        if isinstance(saved[k], TensorStorageMetadata) and tuple(saved[k].size) != want[k]
+    ]
+    if missing or extra or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} keys (e.g. {missing[:3]})")
+        if extra:
+            parts.append(f"{len(extra)} unexpected keys (e.g. {extra[:3]})")
+        if bad_shape:
+            parts.append(f"{len(bad_shape)} shape mismatches (e.g. {bad_shape[:2]})")
+        raise CheckpointError(
+            f"{where} does not match this model/optimizer: " + "; ".join(parts),
+            "it belongs to another model or config: use a new --run-dir or --fresh",
+        )

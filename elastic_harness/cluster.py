@@ -1,0 +1,124 @@
+"""Simulated nodes on one machine: each node is an ``elastic-harness agent`` subprocess.
+
+Each agent runs in its own session (process group) so a node can be stopped, killed or
+frozen as a whole, by process group, without touching anything this module did not start.
+Workers also carry ``PR_SET_PDEATHSIG`` so they die with their agent.
+
+Call order: ``start()`` once; ``poll()`` repeatedly; ``signal_node`` / ``add_node`` as chaos
+requires; ``stop()`` at the end (safe to call twice).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_harness.launch.config import agent_environ
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    index: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session: the agent leads its own group
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        job_path: Path,
+        run_dir: Path,
+        nodes: int,
+        rdzv_id: str,
+        endpoint: str,
+        backend: str = "c10d",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.job_path, self.run_dir, self.initial = job_path, run_dir, nodes
+        self.rdzv_id, self.endpoint, self.backend = rdzv_id, endpoint, backend
+        self.extra_args = extra_args
+        self.nodes: dict[int, Node] = {}
+        self._stopped = False
+
+    def start(self) -> None:
+        for i in range(self.initial):
+            self.add_node(i)
+
+    def add_node(self, index: int | None = None) -> Node:
+        index = max(self.nodes, default=-1) + 1 if index is None else index
+        cmd = [
+            sys.executable, "-m", "elastic_harness", "agent", str(self.job_path),
+            "--run-dir", str(self.run_dir), "--rdzv-endpoint", self.endpoint,
+            "--rdzv-id", self.rdzv_id, "--rdzv-backend", self.backend, "--node", str(index),
+            *self.extra_args,
+        ]
+        if self.backend == "c10d":
+            # One agent hosts the c10d store; it is explicit so no two agents race for it.
+            cmd.append("--is-host" if index == 0 else "--no-host")
+        log_dir = self.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"agent-{index}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=agent_environ(), start_new_session=True,
+            )
+        node = Node(index, proc, log_path)
+        self.nodes[index] = node
+        return node
+
+    def poll(self) -> dict[int, int | None]:
+        return {i: n.returncode() for i, n in self.nodes.items()}
+
+    def running(self) -> list[int]:
+        return [i for i, code in self.poll().items() if code is None]
+
+    def signal_node(self, index: int, sig: int) -> None:
+        """Send ``sig`` to the node's whole process group (agent and its workers)."""
+        node = self.nodes[index]
+        if node.returncode() is None:
+            try:
+                os.killpg(node.pgid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float = 40.0) -> None:
+        """SIGTERM every live node, wait up to ``grace_s``, then SIGKILL what is left."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for i in self.running():
+            self.signal_node(i, signal.SIGCONT)  # a frozen node cannot handle SIGTERM
+            self.signal_node(i, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for node in self.nodes.values():
+            try:
+                node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes.values():
+            # Kill the group even if the agent exited: its workers may linger.
+            try:
+                os.killpg(node.pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            node.proc.wait()

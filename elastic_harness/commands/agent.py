@@ -1,0 +1,49 @@
+"""``elastic-harness agent JOB.yaml``: one node's elastic agent, as a cluster runs it.
+
+Flags override ``PET_*`` environment variables (set by Kubeflow's operator), which override
+the spec. See ``elastic_harness.launch.agent`` for exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from elastic_harness.launch.agent import run_agent
+from elastic_harness.launch.config import node_options
+from elastic_harness.rundir import prepare
+from elastic_harness.spec import load_job
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("agent", help="run one node's elastic agent (what a cluster node runs)")
+    p.add_argument("job")
+    p.add_argument("--run-dir", help="shared run directory (default runs/<job name>)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous store (or PET_RDZV_ENDPOINT)")
+    p.add_argument("--rdzv-backend", help="c10d or etcd (or PET_RDZV_BACKEND)")
+    p.add_argument("--rdzv-id", help="rendezvous id shared by the job's nodes (or PET_RDZV_ID)")
+    p.add_argument("--nnodes", help="MIN:MAX nodes (or PET_NNODES)")
+    p.add_argument("--nproc-per-node", type=int, help="workers on this node (or PET_NPROC_PER_NODE)")
+    p.add_argument("--max-restarts", type=int, help="worker-group restarts (or PET_MAX_RESTARTS)")
+    p.add_argument("--node", default="", help="a name for this node in events and logs")
+    p.add_argument("--local-addr", help="this node's address, if the hostname does not resolve to it")
+    host = p.add_mutually_exclusive_group()
+    host.add_argument("--is-host", dest="is_host", action="store_const", const=True,
+                      help="c10d: this agent hosts the rendezvous store")
+    host.add_argument("--no-host", dest="is_host", action="store_const", const=False)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_agent, is_host=None)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    spec = load_job(args.job, args.set)
+    run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec)
+    flags = {k: getattr(args, k) for k in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "nnodes",
+                                           "nproc_per_node", "max_restarts", "is_host", "local_addr")}
+    opts = node_options(spec, run_dir, flags, os.environ)
+    if not opts.rdzv_id:
+        from elastic_harness.errors import HarnessError
+
+        raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
+    return run_agent(spec, opts, node=args.node or os.uname().nodename)

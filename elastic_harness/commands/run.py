@@ -1,0 +1,124 @@
+"""``elastic-harness run JOB.yaml``: train on this machine with N simulated nodes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from elastic_harness.cluster import LocalCluster, free_port
+from elastic_harness.errors import ClusterError, HarnessError
+from elastic_harness.events import EventLog, read_events
+from elastic_harness.launch.config import new_rdzv_id
+from elastic_harness.progress import EventTail, Progress
+from elastic_harness.rundir import prepare
+from elastic_harness.spec import load_job
+from elastic_harness.summary import current_invocation, summarize
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="train a job on this machine (CPU/gloo, or GPUs when present)")
+    p.add_argument("job", help="job YAML file")
+    p.add_argument("--run-dir", help="run directory (default runs/<job name>); re-using it resumes")
+    p.add_argument("--fresh", action="store_true", help="start over: move earlier checkpoints aside")
+    p.add_argument("--nodes", type=int, help="simulated nodes (agents) to start (default nodes.min)")
+    p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.set_defaults(func=cmd_run)
+
+
+def load_with_flags(args: argparse.Namespace):
+    overrides = list(args.set)
+    if args.nproc_per_node is not None:
+        overrides.append(f"nproc_per_node={args.nproc_per_node}")
+    return load_job(args.job, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec = load_with_flags(args)
+    nodes = args.nodes or spec.nodes.min
+    if not spec.nodes.min <= nodes <= spec.nodes.max:
+        raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
+                           "pick a count in range or change nodes in the job")
+    _preflight_task(spec)
+    run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
+    return launch_local(spec, run_dir, nodes)
+
+
+def _preflight_task(spec) -> None:
+    """Import and build the task here, so a bad task.target fails before any agent starts."""
+    from elastic_harness.tasks import load_task
+
+    load_task(spec.task.target, spec.task.args)
+
+
+def launch_local(spec, run_dir: Path, nodes: int, chaos=None) -> int:
+    events = EventLog(run_dir / "events.jsonl")
+    endpoint = spec.rendezvous.endpoint or f"127.0.0.1:{free_port()}"
+    rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
+    tail = EventTail(run_dir / "events.jsonl")
+    events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
+                run_dir=str(run_dir))
+    print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
+    cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
+                           backend=spec.rendezvous.backend)
+    progress = Progress(spec.train.steps)
+    fatal = None
+    try:
+        cluster.start()
+        fatal = _supervise(cluster, tail, progress, chaos, spec)
+    finally:
+        progress.close()
+        cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
+    return _finish(run_dir, events, cluster, fatal)
+
+
+def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec) -> str | None:
+    """Follow events until every agent exits; returns a fatal message if one was logged."""
+    first_exit = None
+    while True:
+        for e in tail.read():
+            progress.update(e)
+            if chaos is not None:
+                chaos.observe(e, cluster)
+            if e["event"] == "failure" and e.get("fatal"):
+                return e["message"]
+        if chaos is not None:
+            chaos.tick(cluster)
+        codes = cluster.poll()
+        if all(c is not None for c in codes.values()):
+            return None
+        if first_exit is None and any(c not in (None, 0) for c in codes.values()):
+            first_exit = time.monotonic()
+        # Survivors of a failed peer get the rendezvous close time plus their own drain.
+        if first_exit and time.monotonic() - first_exit > spec.rendezvous.close_timeout + spec.timeouts.shutdown_grace + 30:
+            return None
+        time.sleep(0.2)
+
+
+def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None) -> int:
+    codes = {i: n.returncode() for i, n in cluster.nodes.items()}
+    all_events = read_events(run_dir / "events.jsonl")
+    summary = summarize(all_events)
+    summary["agent_exit_codes"] = codes
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if fatal:
+        events.emit("exit", who="host", code=2, message=fatal)
+        raise HarnessError(fatal.replace("\n  fix:", "\n  fix:"))
+    if summary["finished"]:
+        print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
+              f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
+        print(f"model digest {summary['model_digest']}")
+        events.emit("exit", who="host", code=0)
+        return 0
+    message = _failure_message(current_invocation(all_events), codes)
+    events.emit("exit", who="host", code=1, message=message)
+    raise ClusterError(message, f"see {run_dir / 'logs'}; re-run the same command to resume from the last checkpoint")
+
+
+def _failure_message(events: list[dict], codes: dict[int, int | None]) -> str:
+    agent_exits = [e for e in events if e["event"] == "exit" and e.get("who") == "agent" and e.get("code")]
+    if agent_exits:
+        return f"job failed: {agent_exits[-1].get('message') or 'agent exit ' + str(agent_exits[-1]['code'])}"
+    return f"job failed: agents exited with {codes}"

@@ -1,0 +1,1 @@
+"""World-size-free data position: the resumable sample stream."""

@@ -1,0 +1,53 @@
+"""Run one elastic agent (one node) in this process: torchelastic's ``launch_agent``.
+
+Exit codes (documented for schedulers):
+  0    every worker finished the job;
+  143  the agent was preempted (SIGTERM; 128 + signal number for other signals), so
+       schedulers that retry only codes >= 128 (Kubeflow's ExitCode policy) retry it;
+  1    a permanent failure (workers failed more than ``max_restarts`` times, rendezvous
+       host lost, too few nodes within ``rendezvous.join_timeout``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from elastic_harness.events import EventLog
+from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
+from elastic_harness.spec import JobSpec
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import launch_agent
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see launch.config.agent_environ
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    events = EventLog(Path(opts.run_dir) / "events.jsonl")
+    config = launch_config(spec, opts)
+    entrypoint, args = worker_command(Path(opts.run_dir))
+    events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
+                nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
+    code, message = EXIT_OK, ""
+    try:
+        launch_agent(config, entrypoint, args)
+    except SignalException as e:
+        code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"
+    except ChildFailedError as e:
+        code, message = EXIT_FAILED, _first_failure(e)
+    except RendezvousError as e:
+        code, message = EXIT_FAILED, f"rendezvous failed: {type(e).__name__}: {e}"
+    events.emit("exit", who="agent", node=node, code=code, message=message)
+    return code
+
+
+def _first_failure(err) -> str:
+    rank, failure = err.get_first_failure()
+    msg = failure.message if isinstance(failure.message, str) else str(failure.message)
+    return f"workers failed after all restarts (first: rank {rank}, exit {failure.exitcode}): {msg[:300]}"

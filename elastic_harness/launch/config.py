@@ -1,0 +1,151 @@
+"""Spec + per-node options -> torchelastic's ``LaunchConfig``.
+
+The only module that knows torchrun's knobs: rendezvous configuration keys, the agent's
+monitor interval and shutdown grace, log redirection, and how a worker is started.
+Pure apart from constructing torch's config objects (no processes, no network).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from elastic_harness.errors import SpecError
+from elastic_harness.spec import JobSpec
+
+# torch's backend names: "etcd-v2" is the dynamic rendezvous on etcd's v2 API.
+_BACKENDS = {"c10d": "c10d", "etcd": "etcd-v2", "etcd-v2": "etcd-v2"}
+DEFAULT_ETCD_PORT = 2379
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What one agent needs beyond the spec. CLI flags, then PET_* env, then the spec."""
+
+    run_dir: Path
+    rdzv_endpoint: str
+    rdzv_id: str
+    rdzv_backend: str
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    is_host: bool | None = None  # c10d only: whether this agent hosts the store
+    local_addr: str | None = None  # this node's address, when the hostname is ambiguous
+
+
+def new_rdzv_id(job_name: str) -> str:
+    """A fresh rendezvous id: a finished id stays closed for good, so never reuse one."""
+    return f"{job_name}-{uuid.uuid4().hex[:12]}"
+
+
+def node_options(
+    spec: JobSpec, run_dir: Path, flags: Mapping[str, object], environ: Mapping[str, str]
+) -> NodeOptions:
+    """Merge per-node flags (``None`` = unset) and Kubeflow's PET_* variables over the spec."""
+
+    def pick(flag: str, pet: str, default: object) -> object:
+        if flags.get(flag) is not None:
+            return flags[flag]
+        if environ.get(pet):
+            return environ[pet]
+        return default
+
+    nnodes = str(pick("nnodes", "PET_NNODES", f"{spec.nodes.min}:{spec.nodes.max}"))
+    lo, _, hi = nnodes.partition(":")
+    try:
+        min_nodes, max_nodes = int(lo), int(hi or lo)
+    except ValueError:
+        raise SpecError("--nnodes", f"'{nnodes}' is not N or MIN:MAX") from None
+    backend = str(pick("rdzv_backend", "PET_RDZV_BACKEND", spec.rendezvous.backend))
+    if backend not in _BACKENDS:
+        raise SpecError("rendezvous.backend", f"'{backend}' is not one of {list(_BACKENDS)}")
+    endpoint = str(pick("rdzv_endpoint", "PET_RDZV_ENDPOINT", spec.rendezvous.endpoint))
+    if not endpoint:
+        raise SpecError(
+            "rendezvous.endpoint", "no endpoint", "pass --rdzv-endpoint HOST:PORT or set it"
+        )
+    return NodeOptions(
+        run_dir=run_dir,
+        rdzv_endpoint=endpoint,
+        rdzv_id=str(pick("rdzv_id", "PET_RDZV_ID", spec.rendezvous.id or "")) or "",
+        rdzv_backend=_BACKENDS[backend],
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=int(pick("nproc_per_node", "PET_NPROC_PER_NODE", spec.nproc_per_node)),
+        max_restarts=int(pick("max_restarts", "PET_MAX_RESTARTS", spec.max_restarts)),
+        is_host=flags.get("is_host"),  # type: ignore[arg-type]
+        local_addr=flags.get("local_addr"),  # type: ignore[arg-type]
+    )
+
+
+def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
+    r = spec.rendezvous
+    conf: dict[str, object] = {
+        "timeout": r.join_timeout,
+        "join_timeout": r.join_timeout,
+        "last_call_timeout": r.last_call_timeout,
+        "close_timeout": r.close_timeout,
+        "heartbeat_timeout": r.heartbeat_timeout,
+        "keep_alive_interval": r.keep_alive_interval,
+        "keep_alive_max_attempt": r.keep_alive_max_attempt,
+    }
+    if opts.rdzv_backend == "c10d":
+        conf["read_timeout"] = max(r.join_timeout, 60)
+        if opts.is_host is not None:
+            conf["is_host"] = opts.is_host
+    return conf
+
+
+def launch_config(spec: JobSpec, opts: NodeOptions):
+    """torchelastic's LaunchConfig for one agent of this job."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if not opts.rdzv_id:
+        raise AssertionError("callers must give every submission its own rendezvous id")
+    logs = DefaultLogsSpecs(log_dir=str(opts.run_dir / "logs"), redirects=Std.ALL)
+    return LaunchConfig(
+        min_nodes=opts.min_nodes,
+        max_nodes=opts.max_nodes,
+        nproc_per_node=opts.nproc_per_node,
+        logs_specs=logs,
+        run_id=opts.rdzv_id,
+        role="trainer",
+        rdzv_endpoint=opts.rdzv_endpoint,
+        rdzv_backend=opts.rdzv_backend,
+        rdzv_configs=rdzv_configs(spec, opts),
+        max_restarts=opts.max_restarts,
+        monitor_interval=spec.timeouts.monitor_interval,
+        start_method="spawn",
+        local_addr=opts.local_addr,
+        shutdown_timeout=spec.timeouts.shutdown_grace,
+    )
+
+
+def worker_command(run_dir: Path) -> tuple[str, list[str]]:
+    """Entrypoint and args the agent runs per rank: a fresh interpreter, unbuffered."""
+    job = run_dir / "job.resolved.yaml"
+    return sys.executable, ["-u", "-m", "elastic_harness.runtime.worker", str(job), str(run_dir)]
+
+
+def agent_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for an agent process.
+
+    Workers get their own TCPStore instead of sharing the rendezvous store: with the shared
+    store, restarted gloo groups often failed with ``connectFullMesh ... Connection refused``
+    here (pytorch issue 135712). One OpenMP thread per worker unless the user chose.
+    """
+    env = dict(os.environ if base is None else base)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def with_endpoint(opts: NodeOptions, endpoint: str) -> NodeOptions:
+    return replace(opts, rdzv_endpoint=endpoint)

@@ -1,0 +1,89 @@
+"""Follow ``events.jsonl`` while a run goes, and show it on the terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+
+class EventTail:
+    """Reads complete new lines since the last call."""
+
+    def __init__(self, path: Path, start_at_end: bool = True) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if (start_at_end and path.exists()) else 0
+        self._partial = b""
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+
+class Progress:
+    """A one-line bar on a terminal; plain lines (notable events, every 10%) otherwise."""
+
+    def __init__(self, total_steps: int, out: TextIO = sys.stderr) -> None:
+        self.total = total_steps
+        self.out = out
+        self.tty = out.isatty()
+        self.restarts = 0
+        self._last_decile = -1
+
+    def update(self, e: dict) -> None:
+        kind = e["event"]
+        if kind == "resume":
+            self.restarts += 0 if e.get("fresh") and self.restarts == 0 else 1
+            self._line(e.get("message") or "starting fresh (no checkpoint found)")
+        elif kind == "step":
+            self._step(e)
+        elif kind in ("checkpoint", "warning", "failure", "fault", "drain"):
+            self._line(_describe(e))
+
+    def _step(self, e: dict) -> None:
+        pct = e["step"] / self.total
+        width = 24
+        bar = "#" * int(pct * width) + "-" * (width - int(pct * width))
+        text = (f"[{bar}] step {e['step']}/{self.total} loss {e['loss']:.4f} "
+                f"{e['samples_per_s']:.0f} samples/s world {e['world_size']} restarts {self.restarts}")
+        if self.tty:
+            self.out.write("\r" + text)
+            self.out.flush()
+        elif int(pct * 10) != self._last_decile:
+            self._last_decile = int(pct * 10)
+            self.out.write(text + "\n")
+
+    def _line(self, text: str) -> None:
+        self.out.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+
+
+def _describe(e: dict) -> str:
+    kind = e["event"]
+    if kind == "checkpoint":
+        mode = "async" if e.get("asynchronous") else "sync"
+        return f"checkpoint step {e['step']} ({mode}, blocked {e['blocking_s']:.2f} s, total {e['total_s']:.2f} s)"
+    if kind == "fault":
+        return f"fault: {e.get('kind')} target {e.get('target')} at step {e.get('step')}"
+    if kind == "drain":
+        return f"drained at step {e['step']} (state saved)"
+    return f"{kind}: {e.get('message', '')}"

@@ -1,0 +1,1 @@
+"""Worker side: one process per rank, started by the elastic agent (see ``worker``)."""

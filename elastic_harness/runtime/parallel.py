@@ -1,0 +1,41 @@
+"""Wrap a model for the current world size: DDP or FSDP2, and gradient-sync control."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def wrap(model: nn.Module, kind: str, device: torch.device, task: object) -> nn.Module:
+    model = model.to(device)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DDP(model, device_ids=ids)
+    from torch.distributed.fsdp import fully_shard
+
+    # Shard the task's units (e.g. transformer blocks) first, then the root.
+    units = getattr(task, "shard_units", None)
+    for unit in units(model) if units else []:
+        fully_shard(unit)
+    fully_shard(model)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, kind: str, enabled: bool) -> Iterator[None]:
+    """Accumulate locally (no gradient all-reduce) unless ``enabled``."""
+    if kind == "ddp":
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
