@@ -1,0 +1,69 @@
+"""``elastic-harness k8s render``: a job YAML -> Kubernetes manifests.
+
+Prints one multi-document YAML stream, or with ``--out DIR`` writes one file per object plus
+a ``kustomization.yaml`` (how the repository's ``k8s/plain`` and ``k8s/pytorchjob`` are made).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from elastic_harness.k8s import DEFAULT_IMAGE, FLAVORS, RenderError, manifest_files, render, to_yaml
+from elastic_harness.spec import load_job
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "k8s", help="Kubernetes manifests for a job.", description="Kubernetes manifests."
+    )
+    actions = parser.add_subparsers(dest="k8s_action", metavar="ACTION", required=True)
+    r = actions.add_parser(
+        "render",
+        help="Render a job to manifests (PyTorchJob or plain StatefulSets).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("job", help="Job YAML file.")
+    r.add_argument("--flavor", required=True, choices=FLAVORS, help="pytorchjob or plain.")
+    r.add_argument("--image", default=DEFAULT_IMAGE, help=f"Image (default {DEFAULT_IMAGE}).")
+    r.add_argument("--namespace", default=None, help="Namespace (default: none set).")
+    r.add_argument("--out", default=None, metavar="DIR", help="Write files here, not stdout.")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Override a job field, e.g. --set nodes.max=4 (repeatable).",
+    )
+    r.set_defaults(func=run_render)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    spec = load_job(args.job, args.overrides)
+    manifests = render(spec, args.flavor, args.image, args.namespace)
+    if args.out is None:
+        print(to_yaml(manifests), end="")
+        return 0
+    source = Path(args.job).as_posix()
+    files = manifest_files(manifests, args.flavor, source)
+    write_tree(Path(args.out), files)
+    return 0
+
+
+def write_tree(out: Path, files: dict[str, str]) -> None:
+    """Write the files; name any other YAML in ``out`` so stale objects do not linger."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (out / name).write_text(text)
+    except OSError as e:
+        raise RenderError(f"cannot write to '{out}': {e.strerror}", "check --out") from None
+    for name in sorted(files):
+        print(out / name)
+    stale = sorted(p.name for p in out.glob("*.yaml") if p.name not in files)
+    if stale:
+        print(
+            f"note: {out} also holds {', '.join(stale)}, not part of this render: remove if stale"
+        )

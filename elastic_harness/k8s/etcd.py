@@ -1,0 +1,132 @@
+"""A three-member etcd for the etcd / etcd-v2 rendezvous backends.
+
+torch's etcd backends speak etcd's v2 API (python-etcd), so the members run with
+``--enable-v2`` and the image stays on etcd 3.5. Each member keeps its data on its own
+volume: a member that restarts with an empty data dir cannot rejoin its cluster. The
+volumes are deleted with the StatefulSet, so a re-applied job starts with a fresh etcd
+(etcd remembers finished rendezvous ids for about two hours).
+"""
+
+from __future__ import annotations
+
+from elastic_harness.k8s.common import (
+    ETCD_CLIENT_PORT,
+    ETCD_MEMBERS,
+    ETCD_PEER_PORT,
+    Target,
+    labels,
+    metadata,
+    obj,
+)
+from elastic_harness.k8s.pod import container_security, pod_security
+
+_DATA = "/var/run/etcd"
+_VOLUME_SIZE = "1Gi"  # rendezvous state is a few keys
+
+
+def client_endpoint(target: Target) -> str:
+    return f"{target.names.etcd_client}:{ETCD_CLIENT_PORT}"
+
+
+def etcd_objects(target: Target) -> list[dict]:
+    """Peer Service (headless), client Service, StatefulSet and its disruption budget."""
+    names = target.names
+    ports = [
+        {"name": "client", "port": ETCD_CLIENT_PORT, "targetPort": "client"},
+        {"name": "peer", "port": ETCD_PEER_PORT, "targetPort": "peer"},
+    ]
+    selector = labels(target, "etcd")
+    peers = {
+        "clusterIP": "None",
+        # members must find each other before any is ready: readiness needs a quorum
+        "publishNotReadyAddresses": True,
+        "selector": selector,
+        "ports": ports,
+    }
+    client = {"selector": selector, "ports": ports[:1]}
+    budget = {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    return [
+        obj("v1", "Service", metadata(target, names.etcd, "etcd"), spec=peers),
+        obj("v1", "Service", metadata(target, names.etcd_client, "etcd"), spec=client),
+        _statefulset(target),
+        obj("policy/v1", "PodDisruptionBudget", metadata(target, names.etcd, "etcd"), spec=budget),
+    ]
+
+
+def _args(target: Target) -> list[str]:
+    svc = target.names.etcd
+    members = ",".join(
+        f"{svc}-{i}=http://{svc}-{i}.{svc}:{ETCD_PEER_PORT}" for i in range(ETCD_MEMBERS)
+    )
+    # $(POD_NAME) is expanded by the kubelet from the container's env, not by a shell
+    return [
+        "--name=$(POD_NAME)",
+        f"--data-dir={_DATA}/data",
+        f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
+        f"--advertise-client-urls=http://$(POD_NAME).{svc}:{ETCD_CLIENT_PORT}",
+        f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
+        f"--initial-advertise-peer-urls=http://$(POD_NAME).{svc}:{ETCD_PEER_PORT}",
+        f"--initial-cluster={members}",
+        "--initial-cluster-state=new",
+        f"--initial-cluster-token={svc}",
+        "--enable-v2=true",
+    ]
+
+
+def _container(target: Target) -> dict:
+    return {
+        "name": "etcd",
+        "image": target.spec.deploy.etcd_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["/usr/local/bin/etcd"],
+        "args": _args(target),
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [
+            {"name": "client", "containerPort": ETCD_CLIENT_PORT},
+            {"name": "peer", "containerPort": ETCD_PEER_PORT},
+        ],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"memory": "512Mi"},
+        },
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "tcpSocket": {"port": "client"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "data", "mountPath": _DATA}],
+    }
+
+
+def _statefulset(target: Target) -> dict:
+    selector = labels(target, "etcd")
+    claim = {
+        "metadata": {"name": "data"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": _VOLUME_SIZE}},
+        },
+    }
+    spec = {
+        "serviceName": target.names.etcd,
+        "replicas": ETCD_MEMBERS,
+        # all members start together: the first cannot become ready without the others
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector},
+        "template": {
+            "metadata": {"labels": selector},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "enableServiceLinks": False,
+                "securityContext": pod_security(target),
+                "containers": [_container(target)],
+            },
+        },
+        "volumeClaimTemplates": [claim],
+        "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+    }
+    meta = metadata(target, target.names.etcd, "etcd")
+    return obj("apps/v1", "StatefulSet", meta, spec=spec)

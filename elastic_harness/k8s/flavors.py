@@ -1,0 +1,93 @@
+"""The two flavors: the objects each adds around the shared node pod.
+
+``pytorchjob``: the Kubeflow training operator creates the node pods from a PyTorchJob and
+passes the rendezvous to the agent as PET_* variables taken from ``elasticPolicy``.
+``plain``: no operator; node pods come from a StatefulSet and rendezvous through an etcd
+rendered alongside, passed to the agent as flags.
+"""
+
+from __future__ import annotations
+
+from elastic_harness.k8s.common import OPERATOR_PORT_NAME, Target, labels, metadata, obj
+from elastic_harness.k8s.etcd import client_endpoint, etcd_objects
+from elastic_harness.k8s.pod import agent_args, pod_template
+
+# spec.rendezvous.backend -> the operator's RDZVBackend values (a plain string in the CRD;
+# the operator's Go type lists exactly these three).
+OPERATOR_BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd-v2"}
+
+
+def rendezvous_id(target: Target) -> str:
+    """One id shared by every node pod: the spec's, else the Kubernetes job name.
+
+    Agents must agree on it, so it cannot be drawn per pod the way local runs draw one.
+    """
+    return target.spec.rendezvous.id or target.names.base
+
+
+def render_plain(target: Target) -> list[dict]:
+    spec = target.spec
+    flags = {
+        "rdzv-backend": "etcd-v2",
+        "rdzv-endpoint": client_endpoint(target),
+        "rdzv-id": rendezvous_id(target),
+        "nnodes": f"{spec.nodes.min}:{spec.nodes.max}",
+        "nproc-per-node": spec.nproc_per_node,
+        "max-restarts": spec.max_restarts,
+    }
+    selector = labels(target, "worker")
+    service = {
+        "clusterIP": "None",
+        # pods rendezvous before they are ready, so their names must resolve before that
+        "publishNotReadyAddresses": True,
+        "selector": selector,
+        "ports": [{"name": "endpoint", "port": spec.deploy.endpoint_port}],
+    }
+    workers = {
+        "serviceName": target.names.worker,
+        "replicas": spec.nodes.max,
+        # every node joins at once; the rendezvous, not the pod order, forms the group
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector},
+        "template": pod_template(target, agent_args(target, flags), []),
+    }
+    meta = metadata(target, target.names.worker, "worker")
+    return [
+        *etcd_objects(target),
+        obj("v1", "Service", meta, spec=service),
+        obj("apps/v1", "StatefulSet", meta, spec=workers),
+    ]
+
+
+def render_pytorchjob(target: Target) -> list[dict]:
+    spec = target.spec
+    backend = OPERATOR_BACKENDS[spec.rendezvous.backend]
+    policy: dict = {
+        "minReplicas": spec.nodes.min,
+        "maxReplicas": spec.nodes.max,
+        "rdzvBackend": backend,
+        "rdzvId": rendezvous_id(target),
+        "maxRestarts": spec.max_restarts,
+        # deprecated in favour of spec.nprocPerNode, but only this one becomes
+        # PET_NPROC_PER_NODE in the operator's elastic env generator
+        "nProcPerNode": spec.nproc_per_node,
+    }
+    ports: list[dict] = []
+    extra: list[dict] = []
+    if backend == "c10d":
+        # the store lives in the first worker's agent: PET_RDZV_ENDPOINT=<job>-worker-0:port
+        policy["rdzvPort"] = spec.deploy.rdzv_port
+        ports = [{"name": OPERATOR_PORT_NAME, "containerPort": spec.deploy.rdzv_port}]
+    else:
+        host, port = client_endpoint(target).rsplit(":", 1)
+        policy.update(rdzvHost=host, rdzvPort=int(port))
+        extra = etcd_objects(target)
+    worker = {
+        "replicas": spec.nodes.max,
+        # a preempted agent exits 143 (128+15): ExitCode retries >= 128, fails on 1..127
+        "restartPolicy": "ExitCode",
+        "template": pod_template(target, agent_args(target, {}), ports),
+    }
+    body = {"elasticPolicy": policy, "pytorchReplicaSpecs": {"Worker": worker}}
+    job = obj("kubeflow.org/v1", "PyTorchJob", metadata(target, target.names.base), spec=body)
+    return [*extra, job]
