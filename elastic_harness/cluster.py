@@ -10,6 +10,7 @@ requires; ``stop()`` at the end (safe to call twice).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -96,10 +97,8 @@ class LocalCluster:
         """Send ``sig`` to the node's whole process group (agent and its workers)."""
         node = self.nodes[index]
         if node.returncode() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pgid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, grace_s: float = 40.0) -> None:
         """SIGTERM every live node, wait up to ``grace_s``, then SIGKILL what is left."""
@@ -111,14 +110,10 @@ class LocalCluster:
             self.signal_node(i, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for node in self.nodes.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for node in self.nodes.values():
             # Kill the group even if the agent exited: its workers may linger.
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(node.pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             node.proc.wait()

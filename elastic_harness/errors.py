@@ -48,3 +48,9 @@ class ClusterError(HarnessError):
     """The job could not keep enough nodes, or lost its rendezvous host."""
 
     exit_code = 1
+
+
+class Preempted(ClusterError):
+    """The job was stopped by a signal after draining; re-running resumes it."""
+
+    exit_code = 143

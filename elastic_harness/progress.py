@@ -52,6 +52,8 @@ class Progress:
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
             self._step(e)
+        elif kind == "failure" and e.get("fatal"):
+            return  # the host prints it once, as the error
         elif kind in ("checkpoint", "warning", "failure", "fault", "drain"):
             self._line(_describe(e))
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
+from elastic_harness.chaos.inject import ChaosController
+from elastic_harness.chaos.schedule import parse_fault
 from elastic_harness.cluster import LocalCluster, free_port
-from elastic_harness.errors import ClusterError, HarnessError
+from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.progress import EventTail, Progress
@@ -25,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, help="simulated nodes (agents) to start (default nodes.min)")
     p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.add_argument("--chaos", action="append", default=[], metavar="FAULT",
+                   help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
     p.set_defaults(func=cmd_run)
 
 
@@ -42,8 +47,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
     _preflight_task(spec)
+    # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
+    spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
-    return launch_local(spec, run_dir, nodes)
+    return launch_local(spec, run_dir, nodes, spec.chaos)
 
 
 def _preflight_task(spec) -> None:
@@ -53,8 +60,9 @@ def _preflight_task(spec) -> None:
     load_task(spec.task.target, spec.task.args)
 
 
-def launch_local(spec, run_dir: Path, nodes: int, chaos=None) -> int:
+def launch_local(spec, run_dir: Path, nodes: int, faults=()) -> int:
     events = EventLog(run_dir / "events.jsonl")
+    chaos = ChaosController(faults, events) if faults else None
     endpoint = spec.rendezvous.endpoint or f"127.0.0.1:{free_port()}"
     rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
     tail = EventTail(run_dir / "events.jsonl")
@@ -113,12 +121,19 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
         events.emit("exit", who="host", code=0)
         return 0
     message = _failure_message(current_invocation(all_events), codes)
+    resume_hint = "re-run the same command to resume from the last checkpoint"
+    if any(c is not None and c >= 128 for c in codes.values()):
+        events.emit("exit", who="host", code=Preempted.exit_code, message=message)
+        raise Preempted(message, resume_hint)
     events.emit("exit", who="host", code=1, message=message)
-    raise ClusterError(message, f"see {run_dir / 'logs'}; re-run the same command to resume from the last checkpoint")
+    raise ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
 
 
 def _failure_message(events: list[dict], codes: dict[int, int | None]) -> str:
     agent_exits = [e for e in events if e["event"] == "exit" and e.get("who") == "agent" and e.get("code")]
+    drains = [e for e in events if e["event"] == "drain"]
+    if agent_exits and agent_exits[-1]["code"] >= 128 and drains:
+        return f"job stopped by {agent_exits[-1].get('message', 'a signal')}; drained and saved at step {drains[-1]['step']}"
     if agent_exits:
         return f"job failed: {agent_exits[-1].get('message') or 'agent exit ' + str(agent_exits[-1]['code'])}"
     return f"job failed: agents exited with {codes}"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from elastic_harness.events import EventLog
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
+from elastic_harness.launch.env import NODE_VAR
 from elastic_harness.spec import JobSpec
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -28,6 +29,7 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     from torch.distributed.launcher.api import launch_agent
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see launch.config.agent_environ
+    os.environ[NODE_VAR] = node  # workers inherit the agent's environment
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     events = EventLog(Path(opts.run_dir) / "events.jsonl")
     config = launch_config(spec, opts)

@@ -130,7 +130,7 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
 def worker_command(run_dir: Path) -> tuple[str, list[str]]:
     """Entrypoint and args the agent runs per rank: a fresh interpreter, unbuffered."""
     job = run_dir / "job.resolved.yaml"
-    return sys.executable, ["-u", "-m", "elastic_harness.runtime.worker", str(job), str(run_dir)]
+    return sys.executable, ["-u", "-m", "elastic_harness.runtime.entry", str(job), str(run_dir)]
 
 
 def agent_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:

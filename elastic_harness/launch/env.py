@@ -10,6 +10,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+NODE_VAR = "ELASTIC_HARNESS_NODE"  # set by our agent for its workers
+
 
 @dataclass(frozen=True)
 class WorkerEnv:
@@ -23,6 +25,7 @@ class WorkerEnv:
     run_id: str
     master_addr: str
     master_port: int
+    node: str = ""  # the agent's node name (``--node``), for node-targeted faults
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -44,4 +47,5 @@ class WorkerEnv:
             run_id=env.get("TORCHELASTIC_RUN_ID", ""),
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
+            node=env.get(NODE_VAR, ""),
         )

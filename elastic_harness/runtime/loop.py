@@ -40,6 +40,7 @@ class Trainer:
     world_size: int
     collate: Any = None
     sample_log: Path | None = None
+    generation: str = ""  # id of this worker generation (same on all ranks)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -92,8 +93,8 @@ def train_step(tr: Trainer, state: TrainState, flags: list[float]) -> tuple[floa
 
 
 def _record(tr: Trainer, step: int, indices: list[int]) -> None:
-    line = {"t_ns": time.time_ns(), "step": step, "rank": tr.rank, "world_size": tr.world_size,
-            "indices": indices}
+    line = {"t_ns": time.time_ns(), "generation": tr.generation, "step": step, "rank": tr.rank,
+            "world_size": tr.world_size, "indices": indices}
     fd = os.open(tr.sample_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (json.dumps(line) + "\n").encode())

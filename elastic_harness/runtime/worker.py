@@ -1,6 +1,7 @@
 """Worker entry, one process per rank: build, resume, loop, close.
 
-Started by the elastic agent as ``python -m elastic_harness.runtime.worker JOB RUN_DIR``.
+Started by the elastic agent through ``runtime.entry`` (``python -m elastic_harness.runtime.entry
+JOB RUN_DIR``).
 It reads the agent's environment once (``WorkerEnv``) and passes plain values down.
 Errors cross to the agent through torchelastic's ``@record`` error file; a mistake the user
 must fix (``HarnessError``) is also logged as a ``fatal`` failure event so the host stops
@@ -9,7 +10,6 @@ restarting and prints it as one line.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import signal
 import sys
@@ -26,6 +26,7 @@ from elastic_harness.errors import CheckpointError, HarnessError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.runtime import dist as hdist
+from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.loop import Trainer, save_due, train_step
 from elastic_harness.runtime.parallel import wrap
 from elastic_harness.runtime.state import ModelState, OptimState, TrainState
@@ -50,15 +51,6 @@ class Drain:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
-
-
-def die_with_parent() -> None:
-    """If the agent is SIGKILLed, take this worker down too (no orphans at the old size)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def build_trainer(spec: JobSpec, env: WorkerEnv, device: torch.device, run_dir: Path) -> Trainer:
@@ -112,7 +104,8 @@ def model_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, events, drain: Drain) -> bool:
+def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, events, drain: Drain,
+         faults: WorkerFaults) -> bool:
     """Train to the last step. Returns False if it stopped early to drain."""
     spec, train = tr.spec, state["train"]
     last_save, last_saved_step, loss = time.monotonic(), train.step, float("nan")
@@ -135,13 +128,24 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
             if drain_n > 0 and not final:
                 events.emit("drain", step=train.step, world_size=env.world_size)
                 return False
-        elif by_steps or time_n > 0:
-            if ckpt.save(train.step, state, blocking=False):
-                last_save, last_saved_step = time.monotonic(), train.step
+        elif (by_steps or time_n > 0) and ckpt.save(train.step, state, blocking=False):
+            last_save, last_saved_step = time.monotonic(), train.step
+        faults.after_step(train.step)
     ckpt.wait()
     events.emit("finish", step=train.step, loss=round(loss, 6), digest=model_digest(tr.model),
                 samples=train.data.cursor, world_size=env.world_size)
     return True
+
+
+def _agree_generation(rank: int) -> str:
+    """A fresh id for this worker generation, the same on every rank (for audits)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    box = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @record
@@ -149,18 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     job_path, run_dir = (argv or sys.argv[1:])[:2]
     run_dir = Path(run_dir)
     env = WorkerEnv.from_environ()
-    die_with_parent()
     drain = Drain()
     spec = load_job(job_path)
     log = EventLog(run_dir / "events.jsonl")
     events = log if env.rank == 0 else NullLog()  # rank 0 narrates; any rank reports fatals
     t0 = time.perf_counter()
     groups = hdist.init(env, spec.device, spec.timeouts.process_group)
-    events.emit("rendezvous", world_size=env.world_size, restart=env.restart_count,
+    log.emit("worker", rank=env.rank, local_rank=env.local_rank, node=env.group_rank,
+             restart=env.restart_count, world_size=env.world_size)
+    generation = _agree_generation(env.rank)
+    events.emit("rendezvous", generation=generation, world_size=env.world_size, restart=env.restart_count,
                 nodes=env.world_size // max(env.local_world_size, 1), pg_init_s=round(time.perf_counter() - t0, 3))
     ckpt = None
     try:
         tr = build_trainer(spec, env, groups.device, run_dir)
+        tr.generation = generation
         storage = open_storage(spec.checkpoint.dir or str(run_dir / "checkpoints"))
         info = {"task": spec.task.target, "parallelism": spec.parallelism, "job": spec.name}
         ckpt = CheckpointManager(storage, spec.checkpoint, rank=env.rank, world_size=env.world_size,
@@ -169,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         state = {"model": ModelState(tr.model), "optim": OptimState(tr.model, tr.optim),
                  "train": TrainState(data, env.world_size)}
         resume(tr, ckpt, state, env, events)
-        finished = loop(tr, ckpt, state, env, events, drain)
+        faults = WorkerFaults(spec.chaos, rank=env.rank, node=env.node, local_rank=env.local_rank,
+                              marker_dir=run_dir / "chaos", events=log)
+        finished = loop(tr, ckpt, state, env, events, drain, faults)
     except HarnessError as e:
         log.emit("failure", fatal=True, message=str(e), rank=env.rank)
         raise

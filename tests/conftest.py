@@ -1,0 +1,88 @@
+"""Shared helpers: run the real CLI in a subprocess, read what a run left behind.
+
+Every subprocess runs in its own session and is killed by process group if a test times
+out, so nothing a test started outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = REPO / "jobs"
+MLP = JOBS / "mlp.yaml"
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+    run_dir: Path | None
+
+    @property
+    def events(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "events.jsonl")
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def kinds(self, kind: str) -> list[dict]:
+        """Events of this kind from this invocation (a run dir accumulates invocations)."""
+        from elastic_harness.summary import current_invocation
+
+        return [e for e in current_invocation(self.events) if e["event"] == kind]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def cli(*args: str, run_dir: Path | None = None, timeout: float = 240, cwd: Path | None = None,
+        env: dict | None = None) -> Result:
+    """Run ``elastic-harness ARGS`` to completion (bounded), killing its group on timeout."""
+    cmd = [sys.executable, "-m", "elastic_harness", *args]
+    if run_dir is not None:
+        cmd += ["--run-dir", str(run_dir)]
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd or REPO, env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"elastic-harness {' '.join(args)} timed out after {timeout}s\n{out}\n{err}")
+    return Result(proc.returncode, out, err, run_dir)
+
+
+def model_of(step_dir: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from elastic_harness.checkpoint.offline import load_model_tensors
+
+    return load_model_tensors(FileSystemReader(str(step_dir)))
+
+
+def final_ckpt(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+
+
+@pytest.fixture(scope="session")
+def mlp_reference(tmp_path_factory) -> Result:
+    """The uninterrupted MLP run at world size 2: what every faulted run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("mlp-ref")
+    r = cli("run", str(MLP), "--set", "train.record_samples=true", run_dir=run_dir)
+    assert r.code == 0, r.err
+    return r

@@ -1,0 +1,85 @@
+"""Bad input: one clear line naming the problem and the fix, non-zero exit, nothing lost."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from tests.conftest import MLP, cli
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def tree_digest(root) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_clear_error(r, *words):
+    assert r.code == 2, (r.code, r.err)
+    assert "Traceback" not in r.err and "Traceback" not in r.out
+    first = r.err.strip().splitlines()[0]
+    assert first.startswith("error: "), r.err
+    for w in words:
+        assert w in r.err, (w, r.err)
+
+
+@pytest.mark.parametrize(
+    "yaml_text, words",
+    [
+        ("name: x\ntrain: {steps: 3\n  bad: [\n", ["not valid YAML at line"]),
+        ("name: x\ntrian: {steps: 3}\n", ["trian: unknown key", "did you mean 'train'"]),
+        ("name: x\ntrain: {steps: -1}\n", ["train.steps: must be > 0"]),
+        ("name: x\nnodes: {min: 2, max: 1}\n", ["min (2) is greater than max (1)"]),
+        ("name: x\ntask: {target: 'no_such_pkg.mod:Task'}\n", ["cannot import module 'no_such_pkg.mod'"]),
+        ("name: x\ntask: {target: 'elastic_harness.tasks.mlp:Nope'}\n", ["has no attribute 'Nope'"]),
+        ("name: x\ntask: {target: 'elastic_harness.tasks.mlp:MLPRegression', args: {wings: 2}}\n",
+         ["rejected task.args", "wings"]),
+    ],
+)
+def test_bad_job_files(tmp_path, yaml_text, words):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml_text)
+    r = cli("run", str(job), run_dir=tmp_path / "run", timeout=60)
+    assert_clear_error(r, *words)
+    assert not (tmp_path / "run").exists(), "nothing is created for a job that cannot start"
+
+
+def test_missing_job_file(tmp_path):
+    assert_clear_error(cli("run", str(tmp_path / "nope.yaml"), timeout=60), "does not exist")
+
+
+def test_unwritable_run_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    r = cli("run", str(MLP), run_dir=blocker / "run", timeout=60)
+    assert_clear_error(r, "is not writable", "--run-dir")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("saved")
+    r = cli("run", str(MLP), "--set", "train.steps=10", run_dir=run_dir)
+    assert r.code == 0, r.err
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["task.args.hidden=32"], ["does not match this model", "shape mismatches", "--fresh"]),
+        (["task.args.depth=3"], ["does not match this model", "missing"]),
+        (["task.target=tests.tasks:OtherMLP"], ["was written by task 'elastic_harness.tasks.mlp:MLPRegression'"]),
+        (["optimizer.name=sgd"], ["does not match this model"]),
+        (["train.seed=5"], ["cannot continue this job", "train.seed=0"]),
+    ],
+)
+def test_foreign_checkpoint_is_refused_and_kept(saved_run, overrides, words):
+    before = tree_digest(saved_run / "checkpoints")
+    args = [a for o in overrides for a in ("--set", o)]
+    r = cli("run", str(MLP), "--set", "train.steps=20", *args, run_dir=saved_run, timeout=120)
+    assert_clear_error(r, *words)
+    assert tree_digest(saved_run / "checkpoints") == before
+    assert "Traceback" in "".join(p.read_text() for p in (saved_run / "logs").rglob("*.log")), \
+        "the full traceback goes to the run's logs"
