@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from elastic_harness.events import EventLog
+from elastic_harness.launch import bridge, watchdog
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import NODE_VAR
 from elastic_harness.spec import JobSpec
@@ -33,6 +34,10 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     events = EventLog(Path(opts.run_dir) / "events.jsonl")
     config = launch_config(spec, opts)
+    config.event_log_handler = bridge.install(events, node)
+    # Step watchdog: workers renew a file timer around each step (runtime.watchdog); a hung
+    # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
+    timer_server = watchdog.start(opts.rdzv_id)
     entrypoint, args = worker_command(Path(opts.run_dir))
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
                 nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
@@ -45,6 +50,8 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
         code, message = EXIT_FAILED, _first_failure(e)
     except RendezvousError as e:
         code, message = EXIT_FAILED, f"rendezvous failed: {type(e).__name__}: {e}"
+    finally:
+        timer_server.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
 

@@ -26,6 +26,7 @@ class WorkerEnv:
     master_addr: str
     master_port: int
     node: str = ""  # the agent's node name (``--node``), for node-targeted faults
+    timer_file: str = ""  # the agent's watchdog FIFO (torchelastic's FileTimerServer)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -48,4 +49,5 @@ class WorkerEnv:
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
             node=env.get(NODE_VAR, ""),
+            timer_file=env.get("TORCHELASTIC_TIMER_FILE", ""),
         )

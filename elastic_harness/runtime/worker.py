@@ -30,6 +30,7 @@ from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.loop import Trainer, save_due, train_step
 from elastic_harness.runtime.parallel import wrap
 from elastic_harness.runtime.state import ModelState, OptimState, TrainState
+from elastic_harness.runtime.watchdog import ProgressWatchdog
 from elastic_harness.spec import JobSpec, load_job
 from elastic_harness.tasks import load_task
 
@@ -108,10 +109,12 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
          faults: WorkerFaults) -> bool:
     """Train to the last step. Returns False if it stopped early to drain."""
     spec, train = tr.spec, state["train"]
+    watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
     last_save, last_saved_step, loss = time.monotonic(), train.step, float("nan")
     while train.step < spec.train.steps:
         t0 = time.perf_counter()
         time_flag = float(env.rank == 0 and save_due(spec, 1, time.monotonic() - last_save)[1])
+        watchdog.arm()
         loss, (drain_n, time_n) = train_step(tr, train, [float(drain.requested), time_flag])
         dt = time.perf_counter() - t0
         if train.step % spec.train.log_every == 0 or train.step == spec.train.steps:
@@ -124,13 +127,16 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
         by_steps, _ = save_due(spec, train.step, 0.0)
         if drain_n > 0 or (final and spec.checkpoint.save_final):
             if train.step != last_saved_step:
+                watchdog.arm(extra_s=spec.timeouts.process_group)  # a blocking save may take long
                 ckpt.save(train.step, state, blocking=True)
             if drain_n > 0 and not final:
                 events.emit("drain", step=train.step, world_size=env.world_size)
+                watchdog.disarm()
                 return False
         elif (by_steps or time_n > 0) and ckpt.save(train.step, state, blocking=False):
             last_save, last_saved_step = time.monotonic(), train.step
         faults.after_step(train.step)
+    watchdog.disarm()
     ckpt.wait()
     events.emit("finish", step=train.step, loss=round(loss, 6), digest=model_digest(tr.model),
                 samples=train.data.cursor, world_size=env.world_size)

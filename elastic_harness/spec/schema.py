@@ -154,7 +154,7 @@ class CheckpointSpec:
     keep_every: int = doc(0, "Also keep every checkpoint whose step is a multiple of this; 0 = off.")
     save_final: bool = doc(True, "Save at the last step.")
     async_save: bool = doc(
-        False, "Write in the background after staging to host memory (one save in flight)."
+        True, "Write in the background after staging to host memory (one save in flight)."
     )
     verify: Literal["full", "size", "none"] = doc(
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."
@@ -181,11 +181,15 @@ class TimeoutsSpec:
         30, "Seconds workers get after SIGTERM to finish the step and save before SIGKILL."
     )
     monitor_interval: float = doc(0.1, "Seconds between the agent's checks of its workers.")
+    step: float = doc(
+        60.0, "Seconds one training step may take before the watchdog kills the worker; 0 = off."
+    )
 
     def __post_init__(self) -> None:
         _positive("timeouts.process_group", self.process_group)
         _positive("timeouts.shutdown_grace", self.shutdown_grace)
         _positive("timeouts.monitor_interval", self.monitor_interval)
+        _positive("timeouts.step", self.step, allow_zero=True)
 
 
 @dataclass(frozen=True)
