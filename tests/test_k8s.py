@@ -392,8 +392,6 @@ def test_agent_accepts_rendered_command(flavor: str) -> None:
     c = _node_container(render(parse_job(SMALL), flavor))
     assert c["command"] == ["elastic-harness", "agent"]
     args, extra = parser.parse_known_args(["agent", *c["args"]])
-    if extra == ["--endpoint-port", "8080"]:
-        pytest.xfail("the agent does not take --endpoint-port (nor serve /healthz) yet")
     assert extra == []
     assert args.job == "/etc/elastic-harness/job.yaml"
     assert args.run_dir == "/mnt/elastic-harness/runs/demo"

@@ -1,42 +1,61 @@
 """Carry out faults against a ``LocalCluster``; every fault fired is logged as an event.
 
-Worker pids come from the ``worker`` events each rank writes at start, so ``kill-worker 1``
-kills whichever process is rank 1 now. Node faults act on a node's process group, which
-``LocalCluster`` started: nothing this module did not start is ever signalled.
+Step-keyed faults on training processes fire inside the workers (``runtime.faults``); this
+controller fires the rest: time-keyed faults, ``add-node``, and faults requested while the
+job runs (``elastic-harness chaos RUN_DIR FAULT`` drops a request file in
+``RUN_DIR/chaos/requests``). Worker pids come from the ``worker`` events each rank writes
+at start; node faults act on processes ``LocalCluster`` started. Nothing else is signalled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
-from elastic_harness.chaos.schedule import due
+from elastic_harness.chaos.schedule import due, parse_fault
 from elastic_harness.cluster import LocalCluster
 from elastic_harness.events import EventLog
 from elastic_harness.spec import FaultSpec
 
+REQUESTS = Path("chaos") / "requests"
+
+
+def request(run_dir: Path, fault_text: str) -> Path:
+    """Ask the ``run`` supervising ``run_dir`` to fire a fault now (validated here)."""
+    parse_fault(fault_text)
+    folder = run_dir / REQUESTS
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{uuid.uuid4().hex}.tmp"
+    tmp.write_text(json.dumps({"fault": fault_text}))
+    final = tmp.with_name(tmp.name[1:-4] + ".json")
+    os.replace(tmp, final)
+    return final
+
 
 class ChaosController:
-    def __init__(self, faults: Sequence[FaultSpec], events: EventLog, clock=time.monotonic) -> None:
+    def __init__(self, faults: Sequence[FaultSpec], events: EventLog, run_dir: Path,
+                 clock=time.monotonic) -> None:
         self.faults = list(faults)
-        self.events = events
-        self.clock = clock
+        self.events, self.run_dir, self.clock = events, run_dir, clock
         self.t0 = clock()
         self.fired: set[int] = set()
         self.step = 0
-        self.workers: dict[int, int] = {}  # rank -> pid, latest generation
+        self.workers: dict[int, tuple[int, str]] = {}  # rank -> (pid, node), latest generation
 
     def observe(self, e: dict, cluster: LocalCluster) -> None:
         if e["event"] == "worker":
-            self.workers[e["rank"]] = e["pid"]
+            self.workers[e["rank"]] = (e["pid"], str(e.get("node", "")))
         elif e["event"] == "step":
             self.step = max(self.step, e["step"])
-        self.tick(cluster)
 
     def tick(self, cluster: LocalCluster) -> None:
+        self._take_requests()
         for i in due(self.faults, self.fired, self.step, self.clock() - self.t0):
             f = self.faults[i]
             if f.kind in ("kill-worker", "hang") and f.target not in self.workers:
@@ -45,27 +64,38 @@ class ChaosController:
             detail = fire(f, cluster, self.workers)
             self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, detail=detail)
 
+    def _take_requests(self) -> None:
+        folder = self.run_dir / REQUESTS
+        if not folder.is_dir():
+            return
+        for path in sorted(folder.glob("*.json")):
+            text = json.loads(path.read_text())["fault"]
+            path.unlink()
+            f = parse_fault(text)
+            # Requested faults fire now, from the host, whatever their kind.
+            self.faults.append(FaultSpec(kind=f.kind, target=f.target, at_seconds=0.001))
 
-def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, int]) -> str:
+
+def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]]) -> str:
     if f.kind == "kill-worker":
-        _kill_pid(workers[f.target], signal.SIGKILL)
-        return f"SIGKILL rank {f.target} (pid {workers[f.target]})"
+        _signal(workers[f.target][0], signal.SIGKILL)
+        return f"SIGKILL rank {f.target} (pid {workers[f.target][0]})"
     if f.kind == "hang":
-        _kill_pid(workers[f.target], signal.SIGSTOP)
-        return f"SIGSTOP rank {f.target} (pid {workers[f.target]})"
+        _signal(workers[f.target][0], signal.SIGSTOP)
+        return f"SIGSTOP rank {f.target} (pid {workers[f.target][0]})"
     if f.kind == "kill-node":
-        cluster.signal_node(f.target, signal.SIGKILL)
+        cluster.signal_node(f.target, signal.SIGKILL)  # workers die with their agent (PDEATHSIG)
         return f"SIGKILL node {f.target} (agent and workers)"
     if f.kind == "preempt":
         # Only the agent: it forwards SIGTERM to its workers, which drain and save.
-        os.kill(cluster.nodes[f.target].proc.pid, signal.SIGTERM)
+        _signal(cluster.nodes[f.target].proc.pid, signal.SIGTERM)
         return f"SIGTERM node {f.target} agent"
     if f.kind == "add-node":
         node = cluster.add_node()
         return f"started node {node.index}"
-    raise NotImplementedError(f"fault kind '{f.kind}' needs --netns (not available in this mode)")
+    raise NotImplementedError(f"fault kind '{f.kind}' is not available in this mode")
 
 
-def _kill_pid(pid: int, sig: int) -> None:
+def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)

@@ -32,6 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     host.add_argument("--is-host", dest="is_host", action="store_const", const=True,
                       help="c10d: this agent hosts the rendezvous store")
     host.add_argument("--no-host", dest="is_host", action="store_const", const=False)
+    p.add_argument("--endpoint-port", type=int,
+                   help="serve /healthz, /progress and /metrics on this port (0 = any free port)")
+    p.add_argument("--endpoint-host", default="127.0.0.1",
+                   help="address the endpoint binds (default loopback; 0.0.0.0 in a pod)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_agent, is_host=None)
 
@@ -46,4 +50,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         from elastic_harness.errors import HarnessError
 
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
-    return run_agent(spec, opts, node=args.node or os.uname().nodename)
+    endpoint = None
+    if args.endpoint_port is not None:
+        from elastic_harness.launch.endpoint import Endpoint
+
+        endpoint = Endpoint(run_dir, args.endpoint_host, args.endpoint_port)
+        print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
+    try:
+        return run_agent(spec, opts, node=args.node or os.uname().nodename)
+    finally:
+        if endpoint is not None:
+            endpoint.close()

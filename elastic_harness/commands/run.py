@@ -62,7 +62,7 @@ def _preflight_task(spec) -> None:
 
 def launch_local(spec, run_dir: Path, nodes: int, faults=()) -> int:
     events = EventLog(run_dir / "events.jsonl")
-    chaos = ChaosController(faults, events) if faults else None
+    chaos = ChaosController(faults, events, run_dir)
     endpoint = spec.rendezvous.endpoint or f"127.0.0.1:{free_port()}"
     rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
     tail = EventTail(run_dir / "events.jsonl")
@@ -88,12 +88,10 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
     while True:
         for e in tail.read():
             progress.update(e)
-            if chaos is not None:
-                chaos.observe(e, cluster)
+            chaos.observe(e, cluster)
             if e["event"] == "failure" and e.get("fatal"):
                 return e["message"]
-        if chaos is not None:
-            chaos.tick(cluster)
+        chaos.tick(cluster)
         codes = cluster.poll()
         if all(c is not None for c in codes.values()):
             return None

@@ -56,7 +56,8 @@ def check_devices(target: Target) -> None:
 def agent_args(target: Target, flags: dict[str, object]) -> list[str]:
     """Arguments after ``elastic-harness agent``: the job file, then ``--flag value`` pairs."""
     args = [JOB_FILE]
-    common = {"run-dir": run_dir(target), "endpoint-port": target.spec.deploy.endpoint_port}
+    common = {"run-dir": run_dir(target), "endpoint-port": target.spec.deploy.endpoint_port,
+              "endpoint-host": "0.0.0.0"}
     for key, value in {**flags, **common}.items():
         args += [f"--{key}", str(value)]
     return args

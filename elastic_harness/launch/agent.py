@@ -49,7 +49,8 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     except ChildFailedError as e:
         code, message = EXIT_FAILED, _first_failure(e)
     except RendezvousError as e:
-        code, message = EXIT_FAILED, f"rendezvous failed: {type(e).__name__}: {e}"
+        code, message = EXIT_FAILED, explain_rendezvous_error(type(e).__name__, str(e), opts,
+                                                              spec.rendezvous.join_timeout)
     finally:
         timer_server.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
@@ -60,3 +61,18 @@ def _first_failure(err) -> str:
     rank, failure = err.get_first_failure()
     msg = failure.message if isinstance(failure.message, str) else str(failure.message)
     return f"workers failed after all restarts (first: rank {rank}, exit {failure.exitcode}): {msg[:300]}"
+
+
+def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_timeout: int) -> str:
+    """Pure: one line saying what a rendezvous failure means for this job."""
+    if kind == "RendezvousTimeoutError":
+        return (f"too few nodes: fewer than nodes.min={opts.min_nodes} joined within "
+                f"rendezvous.join_timeout={join_timeout}s; checkpoints are intact, start enough "
+                "nodes and re-run to resume")
+    if kind == "RendezvousConnectionError" and opts.rdzv_backend == "c10d" and not opts.is_host:
+        return (f"rendezvous host lost: the c10d store at {opts.rdzv_endpoint} lived in the agent "
+                "that hosted it, and it is gone, which ends a c10d job (use rendezvous.backend: etcd "
+                "to survive losing any node); re-run to resume with a new rendezvous id")
+    if kind == "RendezvousClosedError":
+        return f"rendezvous '{opts.rdzv_id}' is closed (that job already finished); use a new id"
+    return f"rendezvous failed: {kind}: {detail[:300]}"

@@ -1,7 +1,7 @@
 """The one reader of the environment torchelastic gives each worker.
 
 The worker calls ``WorkerEnv.from_environ()`` once at its entry and passes the plain values
-down; nothing deeper reads ``os.environ`` or asks ``dist.get_rank()``.
+down; nothing deeper reads ``os.environ`` or asks torch.distributed for its rank.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     events = log if env.rank == 0 else NullLog()  # rank 0 narrates; any rank reports fatals
     t0 = time.perf_counter()
     groups = hdist.init(env, spec.device, spec.timeouts.process_group)
-    log.emit("worker", rank=env.rank, local_rank=env.local_rank, node=env.group_rank,
+    log.emit("worker", rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank, node=env.node,
              restart=env.restart_count, world_size=env.world_size)
     generation = _agree_generation(env.rank)
     events.emit("rendezvous", generation=generation, world_size=env.world_size, restart=env.restart_count,

@@ -1,0 +1,70 @@
+"""Real servers for tests, started on OS-picked loopback ports and stopped by pid."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    """Poll ``check()`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def etcd_server(data_dir: Path) -> Iterator[str]:
+    """One etcd member with the v2 API (what torch's etcd-v2 rendezvous speaks)."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.fail("etcd is not installed: run `bash .ci/setup` (installs Debian's etcd-server)")
+    client, peer = free_port(), free_port()
+    cmd = [
+        binary, "--name", "t0", "--data-dir", str(data_dir), "--enable-v2",
+        "--listen-client-urls", f"http://127.0.0.1:{client}",
+        "--advertise-client-urls", f"http://127.0.0.1:{client}",
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"t0=http://127.0.0.1:{peer}",
+    ]
+    with open(data_dir.parent / "etcd.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{client}/health") or proc.poll() is not None,
+                   30, "etcd to become healthy")
+        assert proc.poll() is None, (data_dir.parent / "etcd.log").read_text()[-2000:]
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

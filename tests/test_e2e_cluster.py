@@ -1,0 +1,103 @@
+"""Simulated multi-node jobs: each node is a real elastic agent process with its own workers.
+
+The job is the MLP made heavy enough (a step takes tens of ms) for membership changes to
+land mid-run. Faults are keyed by step and each test asserts they actually fired.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.audit import audit
+from tests.conftest import MLP, cli, final_ckpt, model_of
+from tests.servers import etcd_server
+from tests.test_e2e_core import assert_close
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+STEPS, G = 300, 30
+HEAVY = ["--set", "task.args.dim=256", "--set", "task.args.hidden=1024", "--set", "task.args.depth=3",
+         "--set", "optimizer.lr=0.001", "--set", f"train.steps={STEPS}", "--set", "train.record_samples=true",
+         "--nproc-per-node", "1"]
+ELASTIC = ["--set", "nodes.min=1", "--set", "nodes.max=2"]
+
+
+@pytest.fixture(scope="module")
+def heavy_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("heavy-ref")
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, run_dir=run_dir)
+    assert r.code == 0, r.err
+    return r
+
+
+def fault_kinds(r) -> list[str]:
+    return [f["kind"] for f in r.kinds("fault")]
+
+
+def test_node_loss_shrinks_and_new_node_grows(heavy_reference, tmp_path):
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY,
+            "--chaos", "kill-node:1@30", "--chaos", "add-node@100", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert fault_kinds(r) == ["kill-node", "add-node"]
+    gens = r.kinds("rendezvous")
+    assert [g["world_size"] for g in gens] == [2, 1, 2]
+    # Scale-up is a membership change, not a failure: no restart is spent on it.
+    assert gens[2]["restart"] == gens[1]["restart"] == gens[0]["restart"] + 1
+    (drain,) = r.kinds("drain")
+    assert r.kinds("resume")[-1]["step"] == drain["step"], "scale-up must lose no step"
+    seen = audit(tmp_path, 1024, G, STEPS)
+    assert set(seen["world_sizes"].values()) == {1, 2}
+    diff = assert_close(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(heavy_reference.run_dir)))
+    print(f"shrink+grow vs uninterrupted: {diff}")
+
+
+def test_preempted_node_drains_with_zero_lost_steps(tmp_path):
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=120",
+            "--chaos", "preempt:1@40", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert fault_kinds(r) == ["preempt"]
+    (drain,) = r.kinds("drain")
+    assert drain["step"] >= 40
+    resumed = r.kinds("resume")[-1]
+    assert resumed["step"] == drain["step"] and resumed["world_size"] == 1
+    exits = {e["node"]: e["code"] for e in r.kinds("exit") if e.get("who") == "agent"}
+    assert exits == {"1": 143, "0": 0}, "a preempted agent exits 128+15 so schedulers retry it"
+    audit(tmp_path, 1024, G, 120)
+
+
+def test_below_min_nodes_fails_clearly_keeps_checkpoints_and_resumes(tmp_path):
+    fixed = ["--set", "nodes.min=2", "--set", "nodes.max=2", "--set", "rendezvous.join_timeout=6"]
+    r = cli("run", str(MLP), "--nodes", "2", *fixed, *HEAVY, "--set", "train.steps=80",
+            "--chaos", "kill-node:1@25", run_dir=tmp_path)
+    assert r.code == 1, r.err
+    assert "too few nodes" in r.err and "nodes.min=2" in r.err and "Traceback" not in r.err
+    assert fault_kinds(r) == ["kill-node"]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*/manifest.json"))
+    assert saved, "earlier checkpoints must survive the failed job"
+    again = cli("run", str(MLP), "--nodes", "2", *fixed, *HEAVY, "--set", "train.steps=80", run_dir=tmp_path)
+    assert again.code == 0, again.err
+    assert again.kinds("resume")[0]["step"] >= 10
+    audit(tmp_path, 1024, G, 80)
+
+
+def test_losing_the_c10d_host_is_explained_and_rerun_resumes(tmp_path):
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80",
+            "--chaos", "kill-node:0@25", run_dir=tmp_path)
+    assert r.code == 1, r.err
+    assert "rendezvous host lost" in r.err and "etcd" in r.err
+    first_id = r.kinds("start")[0]["run_id"]
+    again = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80", run_dir=tmp_path)
+    assert again.code == 0, again.err
+    assert again.kinds("start")[0]["run_id"] != first_id, "a new rendezvous id per submission"
+    assert again.kinds("resume")[0]["step"] >= 10
+
+
+def test_etcd_rendezvous_survives_losing_node_zero(tmp_path):
+    with etcd_server(tmp_path / "etcd-data") as endpoint:
+        r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=120",
+                "--set", "rendezvous.backend=etcd", "--set", f"rendezvous.endpoint={endpoint}",
+                "--chaos", "kill-node:0@30", run_dir=tmp_path / "run")
+    assert r.code == 0, r.err
+    assert fault_kinds(r) == ["kill-node"]
+    assert [g["world_size"] for g in r.kinds("rendezvous")] == [2, 1]
+    audit(tmp_path / "run", 1024, G, 120)
