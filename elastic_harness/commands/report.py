@@ -1,0 +1,184 @@
+"""``elastic-harness report RUN_DIR`` and ``elastic-harness verify RUN_DIR REF_RUN_DIR``.
+
+``report`` reads ``RUN_DIR/events.jsonl`` and prints, per injected fault, when it was
+detected, when the rendezvous completed, when the checkpoint was loaded and when the first
+step after it finished, then the goodput and its badput (``report.timeline`` defines each
+term). It draws ``RUN_DIR/report.png``. ``verify`` compares the final models of two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from elastic_harness.errors import CheckpointError, RunDirError
+from elastic_harness.events import read_events
+from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
+
+# What the tests accept after a resize (reduction order changes): see tests/test_e2e_core.py.
+DEFAULT_ATOL, DEFAULT_RTOL = 1e-5, 1e-4
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="per-fault recovery times, goodput, report.png",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="run directory (holds events.jsonl)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--no-plot", action="store_true", help="do not write report.png")
+    p.set_defaults(func=cmd_report)
+    v = sub.add_parser("verify", help="compare the final models of two runs (exit 1 if they differ)")
+    v.add_argument("run_dir", help="run directory to check")
+    v.add_argument("ref_run_dir", help="reference run directory")
+    v.add_argument("--atol", type=float, default=DEFAULT_ATOL, help=f"absolute tolerance (default {DEFAULT_ATOL})")
+    v.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help=f"relative tolerance (default {DEFAULT_RTOL})")
+    v.add_argument("--json", action="store_true", help="print JSON")
+    v.set_defaults(func=cmd_verify)
+
+
+def load_timeline(run_dir: Path) -> Timeline:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        raise RunDirError(f"no events.jsonl in '{run_dir}'", "name a run directory that 'elastic-harness run' wrote")
+    events = read_events(path)
+    if not events:
+        raise RunDirError(f"'{path}' has no events", "run the job first")
+    return build(events)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    tl = load_timeline(run_dir)
+    plot_path = None
+    if not args.no_plot:
+        from elastic_harness.report.plot import draw
+
+        plot_path = draw(tl, run_dir / "report.png", title=f"{run_dir.name}: " + _headline(tl))
+    if args.json:
+        print(json.dumps(as_json(tl, run_dir, plot_path), indent=1))
+    else:
+        print("\n".join(render(tl, run_dir)))
+        if plot_path:
+            print(f"plot: {plot_path}")
+    return 0
+
+
+def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
+    return {
+        "run_dir": str(run_dir), "invocations": tl.invocations, "generations": tl.generations,
+        "faults": [dataclasses.asdict(f) for f in tl.faults],
+        "goodput": dataclasses.asdict(tl.goodput), "plot": str(plot_path) if plot_path else None,
+    }
+
+
+def _headline(tl: Timeline) -> str:
+    g = tl.goodput
+    return f"goodput {g.goodput:.1%} ({g.productive_s:.1f} s productive of {g.wall_s:.1f} s wall)"
+
+
+def _at(x: float | None, base: float) -> str:
+    return "-" if x is None else f"+{x - base:.2f}"
+
+
+def _fault_line(f: FaultRow) -> str:
+    lost = "-" if f.steps_lost is None else str(f.steps_lost) + (" (drained)" if f.graceful else "")
+    cells = [str(f.index), f.kind, str(f.target), "-" if f.step is None else str(f.step), f"{f.t:.2f}",
+             _at(f.detected, f.t), _at(f.rendezvous, f.t), _at(f.loaded, f.t), _at(f.first_step, f.t),
+             "-" if f.resumed_from is None else str(f.resumed_from), lost]
+    return _row(cells)
+
+
+def _row(cells: list[str]) -> str:
+    widths = (3, 12, 6, 6, 8, 9, 11, 8, 11, 8, 0)
+    return "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+
+def render(tl: Timeline, run_dir: Path) -> list[str]:
+    lines = [f"run dir: {run_dir}  ({tl.invocations} invocation(s), {tl.generations} worker generation(s))"]
+    if tl.faults:
+        lines.append("faults (at: seconds since the run started; +s: seconds after the fault)")
+        lines.append(_row(["#", "kind", "target", "step", "at", "detected", "rendezvous", "loaded",
+                           "first step", "resumed", "steps lost"]))
+        lines += [_fault_line(f) for f in tl.faults]
+    else:
+        lines.append("no faults injected")
+    g = tl.goodput
+    lines.append(_headline(tl))
+    for kind in BADPUT_KINDS:
+        share = g.badput[kind] / g.wall_s if g.wall_s else 0.0
+        lines.append(f"  {kind:<20} {g.badput[kind]:9.2f} s  {share:6.1%}")
+    return lines
+
+
+# --- verify -------------------------------------------------------------------------------
+
+
+def final_checkpoint(run_dir: Path):
+    """(storage, step dir name) of the newest complete checkpoint that verifies."""
+    from elastic_harness.checkpoint import integrity, layout
+    from elastic_harness.checkpoint.storage import open_storage
+
+    if not run_dir.is_dir():
+        raise RunDirError(f"'{run_dir}' is not a directory", "name a run directory")
+    root = _checkpoint_root(run_dir)
+    storage = open_storage(root)
+    listing = storage.listing() if "://" in root or Path(root).is_dir() else {}
+    candidates = layout.load_candidates(layout.scan(listing, require_manifest=True))
+    if not candidates:
+        raise CheckpointError(f"no complete checkpoint in {root} (run dir '{run_dir}')",
+                              "finish the run first, or name a run dir that has saved checkpoints")
+    reasons = []
+    for d in candidates:
+        verdict = integrity.verify(storage, d.name, "full")
+        if verdict.ok:
+            return storage, d.name
+        reasons.append(f"{d.name}: {verdict.reason}")
+    raise CheckpointError(f"no checkpoint in {root} verifies: " + "; ".join(reasons),
+                          "see 'elastic-harness ckpt ls' for the run dir")
+
+
+def _checkpoint_root(run_dir: Path) -> str:
+    """RUN_DIR/checkpoints, or where the run's resolved spec put them."""
+    resolved = run_dir / "job.resolved.yaml"
+    if resolved.is_file():
+        from elastic_harness.spec import load_job
+
+        where = load_job(str(resolved)).checkpoint.dir
+        if where:
+            return where
+    return str(run_dir / "checkpoints")
+
+
+def within(a: dict, b: dict, atol: float, rtol: float) -> bool:
+    """Every element satisfies |a - b| <= atol + rtol * |b| (b is the reference)."""
+    return all(
+        bool(((a[k].double() - b[k].double()).abs() <= atol + rtol * b[k].double().abs()).all()) for k in a
+    )
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from elastic_harness.checkpoint.offline import compare, load_model_tensors
+
+    sides = []
+    for where in (args.run_dir, args.ref_run_dir):
+        storage, name = final_checkpoint(Path(where))
+        sides.append((load_model_tensors(storage.reader(name)), storage.uri(name)))
+    (a, where_a), (b, where_b) = sides
+    diff = compare(a, b)
+    ok = diff["comparable"] and (diff["identical"] or within(a, b, args.atol, args.rtol))
+    verdict = _verdict(diff, ok, args.atol, args.rtol)
+    if args.json:
+        print(json.dumps({"run": where_a, "reference": where_b, "ok": ok, "verdict": verdict, **diff}, indent=1))
+    else:
+        print(f"{where_a}\n  vs {where_b}\n{verdict}")
+    return 0 if ok else 1
+
+
+def _verdict(diff: dict, ok: bool, atol: float, rtol: float) -> str:
+    if not diff["comparable"]:
+        return f"NOT COMPARABLE (different parameters or shapes): {json.dumps({k: v for k, v in diff.items() if k != 'comparable'})}"
+    if diff["identical"]:
+        return "bit-identical"
+    where = "within" if ok else "OUTSIDE"
+    return f"differs: max abs {diff['max_abs']:.3g}, max rel {diff['max_rel']:.3g} ({where} atol={atol:g}, rtol={rtol:g})"
