@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_harness.launch.config import agent_environ
+from elastic_harness.netns import NetnsTopology
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,10 +54,12 @@ class LocalCluster:
         endpoint: str,
         backend: str = "c10d",
         extra_args: tuple[str, ...] = (),
+        netns: NetnsTopology | None = None,
     ) -> None:
         self.job_path, self.run_dir, self.initial = job_path, run_dir, nodes
         self.rdzv_id, self.endpoint, self.backend = rdzv_id, endpoint, backend
         self.extra_args = extra_args
+        self.netns = netns
         self.nodes: dict[int, Node] = {}
         self._stopped = False
 
@@ -75,13 +78,19 @@ class LocalCluster:
         if self.backend == "c10d":
             # One agent hosts the c10d store; it is explicit so no two agents race for it.
             cmd.append("--is-host" if index == 0 else "--no-host")
+        env = agent_environ()
+        if self.netns is not None:
+            # Its own address: gloo and the agent bind there, not to the shared hostname.
+            host = self.netns.hosts.get(index) or self.netns.add_host(index)
+            cmd = self.netns.wrap(index, [*cmd, "--local-addr", host.addr])
+            env["GLOO_SOCKET_IFNAME"] = host.ifname
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"agent-{index}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=agent_environ(), start_new_session=True,
+                env=env, start_new_session=True,
             )
         node = Node(index, proc, log_path)
         self.nodes[index] = node

@@ -40,15 +40,18 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def etcd_server(data_dir: Path) -> Iterator[str]:
-    """One etcd member with the v2 API (what torch's etcd-v2 rendezvous speaks)."""
+def etcd_server(data_dir: Path, listen_all: bool = False) -> Iterator[str]:
+    """One etcd member with the v2 API (what torch's etcd-v2 rendezvous speaks).
+
+    ``listen_all``: also listen on this machine's other addresses (network namespaces reach
+    it through their bridge); the endpoint returned is still the loopback one."""
     binary = shutil.which("etcd")
     if binary is None:
         pytest.fail("etcd is not installed: run `bash .ci/setup` (installs Debian's etcd-server)")
     client, peer = free_port(), free_port()
     cmd = [
         binary, "--name", "t0", "--data-dir", str(data_dir), "--enable-v2",
-        "--listen-client-urls", f"http://127.0.0.1:{client}",
+        "--listen-client-urls", f"http://{'0.0.0.0' if listen_all else '127.0.0.1'}:{client}",
         "--advertise-client-urls", f"http://127.0.0.1:{client}",
         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",

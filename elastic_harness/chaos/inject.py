@@ -20,6 +20,7 @@ from pathlib import Path
 
 from elastic_harness.chaos.schedule import due, parse_fault
 from elastic_harness.cluster import LocalCluster
+from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog
 from elastic_harness.spec import FaultSpec
 
@@ -47,6 +48,7 @@ class ChaosController:
         self.fired: set[int] = set()
         self.step = 0
         self.workers: dict[int, tuple[int, str]] = {}  # rank -> (pid, node), latest generation
+        self.heals: list[tuple[float, int]] = []  # (when, node) for timed partitions
 
     def observe(self, e: dict, cluster: LocalCluster) -> None:
         if e["event"] == "worker":
@@ -56,12 +58,19 @@ class ChaosController:
 
     def tick(self, cluster: LocalCluster) -> None:
         self._take_requests()
+        now = self.clock()
+        for when, node in [h for h in self.heals if h[0] <= now]:
+            self.heals.remove((when, node))
+            cluster.netns.heal(node)
+            self.events.emit("fault", kind="heal", target=node, step=self.step, detail=f"link of node {node} up")
         for i in due(self.faults, self.fired, self.step, self.clock() - self.t0):
             f = self.faults[i]
             if f.kind in ("kill-worker", "hang") and f.target not in self.workers:
                 continue  # that rank has not started yet; try again later
             self.fired.add(i)
             detail = fire(f, cluster, self.workers)
+            if f.kind == "partition" and f.duration:
+                self.heals.append((self.clock() + f.duration, f.target))
             self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, detail=detail)
 
     def _take_requests(self) -> None:
@@ -93,7 +102,10 @@ def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]
     if f.kind == "add-node":
         node = cluster.add_node()
         return f"started node {node.index}"
-    raise NotImplementedError(f"fault kind '{f.kind}' is not available in this mode")
+    if f.kind == "partition" and cluster.netns is not None:
+        cluster.netns.cut(f.target)
+        return f"link of node {f.target} down"
+    raise HarnessError(f"fault '{f.kind}' needs simulated hosts", "run with --netns (as root)")
 
 
 def _signal(pid: int, sig: int) -> None:

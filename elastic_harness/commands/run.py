@@ -14,6 +14,7 @@ from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch.config import new_rdzv_id
+from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import EventTail, Progress
 from elastic_harness.rundir import prepare
 from elastic_harness.spec import load_job
@@ -28,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, help="simulated nodes (agents) to start (default nodes.min)")
     p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.add_argument("--netns", action="store_true",
+                   help="give every node its own network namespace and address (root; enables partition)")
     p.add_argument("--chaos", action="append", default=[], metavar="FAULT",
                    help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
     p.set_defaults(func=cmd_run)
@@ -49,8 +52,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     _preflight_task(spec)
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
+    if any(f.kind == "partition" for f in spec.chaos) and not args.netns:
+        raise HarnessError("fault 'partition' needs simulated hosts with their own network",
+                           "run with --netns (as root)")
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
-    return launch_local(spec, run_dir, nodes, spec.chaos)
+    return launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
 
 
 def _preflight_task(spec) -> None:
@@ -60,17 +66,41 @@ def _preflight_task(spec) -> None:
     load_task(spec.task.target, spec.task.args)
 
 
-def launch_local(spec, run_dir: Path, nodes: int, faults=()) -> int:
+def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False) -> int:
     events = EventLog(run_dir / "events.jsonl")
     chaos = ChaosController(faults, events, run_dir)
-    endpoint = spec.rendezvous.endpoint or f"127.0.0.1:{free_port()}"
     rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
+    topology = NetnsTopology() if use_netns else None
+    try:
+        endpoint = _endpoint(spec, topology)
+        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology)
+    finally:
+        if topology is not None:
+            topology.teardown()
+
+
+def _endpoint(spec, topology: NetnsTopology | None) -> str:
+    """Where the rendezvous lives. With namespaces, loopback means this machine's bridge
+    address (a namespace's own loopback is its own), and c10d's store lives in node 0."""
+    endpoint = spec.rendezvous.endpoint
+    if topology is None:
+        return endpoint or f"127.0.0.1:{free_port()}"
+    topology.setup()
+    host0 = topology.add_host(0)
+    if not endpoint:
+        return f"{host0.addr}:{free_port()}"
+    host, _, port = endpoint.rpartition(":")
+    return f"{topology.gateway}:{port}" if host in ("127.0.0.1", "localhost") else endpoint
+
+
+def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
+            topology: NetnsTopology | None) -> int:
     tail = EventTail(run_dir / "events.jsonl")
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir))
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend)
+                           backend=spec.rendezvous.backend, netns=topology)
     progress = Progress(spec.train.steps)
     fatal = None
     try:
@@ -83,8 +113,11 @@ def launch_local(spec, run_dir: Path, nodes: int, faults=()) -> int:
 
 
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec) -> str | None:
-    """Follow events until every agent exits; returns a fatal message if one was logged."""
-    first_exit = None
+    """Follow events until every agent exits; returns a fatal message if one was logged.
+
+    Agents end by themselves: on success, after too few nodes for rendezvous.join_timeout,
+    when isolated from the rendezvous, or when their restarts run out.
+    """
     while True:
         for e in tail.read():
             progress.update(e)
@@ -92,13 +125,9 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
             if e["event"] == "failure" and e.get("fatal"):
                 return e["message"]
         chaos.tick(cluster)
-        codes = cluster.poll()
-        if all(c is not None for c in codes.values()):
-            return None
-        if first_exit is None and any(c not in (None, 0) for c in codes.values()):
-            first_exit = time.monotonic()
-        # Survivors of a failed peer get the rendezvous close time plus their own drain.
-        if first_exit and time.monotonic() - first_exit > spec.rendezvous.close_timeout + spec.timeouts.shutdown_grace + 30:
+        if all(code is not None for code in cluster.poll().values()):
+            for e in tail.read():
+                progress.update(e)
             return None
         time.sleep(0.2)
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from elastic_harness.events import EventLog
-from elastic_harness.launch import bridge, watchdog
+from elastic_harness.launch import bridge, isolation, watchdog
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import NODE_VAR
 from elastic_harness.spec import JobSpec
@@ -38,6 +38,11 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     # Step watchdog: workers renew a file timer around each step (runtime.watchdog); a hung
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
     timer_server = watchdog.start(opts.rdzv_id)
+    cutoff = None
+    if spec.rendezvous.isolation_timeout:
+        cutoff = isolation.IsolationWatchdog(
+            opts.rdzv_endpoint, spec.rendezvous.isolation_timeout,
+            isolation.exit_isolated(events, node, opts.rdzv_endpoint)).start()
     entrypoint, args = worker_command(Path(opts.run_dir))
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
                 nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
@@ -53,6 +58,8 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
                                                               spec.rendezvous.join_timeout)
     finally:
         timer_server.stop()
+        if cutoff is not None:
+            cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
 

@@ -80,6 +80,9 @@ class RendezvousSpec:
     keep_alive_max_attempt: int = doc(
         3, "Missed keep-alives before a node is declared dead (torch default 3)."
     )
+    isolation_timeout: float = doc(
+        20.0, "An agent that cannot reach the rendezvous this long stops itself; 0 = never."
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -91,6 +94,7 @@ class RendezvousSpec:
             "keep_alive_max_attempt",
         ):
             _positive(f"rendezvous.{name}", getattr(self, name))
+        _positive("rendezvous.isolation_timeout", self.isolation_timeout, allow_zero=True)
         if self.endpoint and ":" not in self.endpoint:
             raise SpecError(
                 "rendezvous.endpoint", f"'{self.endpoint}' has no port", "write HOST:PORT"
@@ -200,9 +204,11 @@ class FaultSpec:
     target: int = doc(0, "Global rank (kill-worker, hang) or node index (others).")
     at_step: int = doc(0, "Fire when the job first completes this step; 0 = use at_seconds.")
     at_seconds: float = doc(0.0, "Fire this many seconds after the job started.")
+    duration: float = doc(0.0, "partition: seconds until the link comes back; 0 = never.")
 
     def __post_init__(self) -> None:
         _positive("chaos[].target", self.target, allow_zero=True)
+        _positive("chaos[].duration", self.duration, allow_zero=True)
         _positive("chaos[].at_step", self.at_step, allow_zero=True)
         _positive("chaos[].at_seconds", self.at_seconds, allow_zero=True)
         if self.at_step == 0 and self.at_seconds == 0:
