@@ -105,6 +105,9 @@ def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]
     if f.kind == "partition" and cluster.netns is not None:
         cluster.netns.cut(f.target)
         return f"link of node {f.target} down"
+    if f.kind == "heal" and cluster.netns is not None:
+        cluster.netns.heal(f.target)
+        return f"link of node {f.target} up"
     raise HarnessError(f"fault '{f.kind}' needs simulated hosts", "run with --netns (as root)")
 
 

@@ -52,8 +52,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     _preflight_task(spec)
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
-    if any(f.kind == "partition" for f in spec.chaos) and not args.netns:
-        raise HarnessError("fault 'partition' needs simulated hosts with their own network",
+    if any(f.kind in ("partition", "heal") for f in spec.chaos) and not args.netns:
+        raise HarnessError("faults 'partition' and 'heal' need simulated hosts with their own network",
                            "run with --netns (as root)")
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
     return launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)

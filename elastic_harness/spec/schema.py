@@ -198,8 +198,11 @@ class TimeoutsSpec:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    kind: Literal["kill-worker", "kill-node", "add-node", "preempt", "hang", "partition"] = doc(
-        "kill-worker", "What to do: kill-worker, kill-node, add-node, preempt, hang, partition."
+    kind: Literal[
+        "kill-worker", "kill-node", "add-node", "preempt", "hang", "partition", "heal"
+    ] = doc(
+        "kill-worker",
+        "What to do: kill-worker, kill-node, add-node, preempt, hang, partition, heal (link up).",
     )
     target: int = doc(0, "Global rank (kill-worker, hang) or node index (others).")
     at_step: int = doc(0, "Fire when the job first completes this step; 0 = use at_seconds.")
