@@ -16,7 +16,7 @@ import pytest
 from tests.audit import audit
 from tests.conftest import MLP, REPO, Result, cli, read_jsonl
 from tests.servers import etcd_server, wait_until
-from tests.test_e2e_cluster import ELASTIC, G, HEAVY
+from tests.test_e2e_cluster import ELASTIC, HEAVY, G
 
 pytestmark = [
     pytest.mark.e2e,
