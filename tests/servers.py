@@ -71,3 +71,40 @@ def etcd_server(data_dir: Path, listen_all: bool = False) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def etcd_cluster(root: Path, members: int = 3) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+    """``members`` etcd members forming one cluster on loopback: [(client endpoint, process)]."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.fail("etcd is not installed: run `bash .ci/setup` (installs Debian's etcd-server)")
+    ports = [(free_port(), free_port()) for _ in range(members)]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    procs = []
+    try:
+        for i, (client, peer) in enumerate(ports):
+            cmd = [binary, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"), "--enable-v2",
+                   "--listen-client-urls", f"http://127.0.0.1:{client}",
+                   "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                   "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                   "--initial-cluster", initial, "--initial-cluster-state", "new",
+                   "--initial-cluster-token", root.name]
+            with open(root / f"m{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        for client, _ in ports:
+            wait_until(lambda c=client: _healthy(f"http://127.0.0.1:{c}/health"), 60,
+                       f"etcd member on port {client} to become healthy")
+        yield [(f"127.0.0.1:{client}", p) for (client, _), p in zip(ports, procs, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -70,3 +70,16 @@ def test_isolation_decision_and_watchdog():
 def test_k8s_kill_node_command():
     assert kubectl_kill_node("demo", "ns", 2) == [
         "kubectl", "delete", "pod", "demo-worker-2", "--namespace", "ns", "--grace-period=0", "--wait=false"]
+
+
+def test_etcd_tls_settings_reach_torchs_rendezvous_conf():
+    from elastic_harness.launch.config import rdzv_configs
+    from elastic_harness.spec import parse_job
+
+    spec = parse_job("rendezvous: {backend: etcd, endpoint: 'e:2379', etcd_protocol: https, "
+                     "etcd_ca_cert: /tls/ca.pem, etcd_cert: /tls/c.pem, etcd_key: /tls/k.pem}")
+    conf = rdzv_configs(spec, opts("etcd-v2"))
+    assert conf["protocol"] == "https" and conf["ca_cert"] == "/tls/ca.pem"
+    assert (conf["ssl_cert"], conf["ssl_cert_key"]) == ("/tls/c.pem", "/tls/k.pem")
+    with pytest.raises(SpecError, match="etcd_protocol"):
+        parse_job("rendezvous: {etcd_ca_cert: /tls/ca.pem}")

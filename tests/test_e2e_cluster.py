@@ -6,11 +6,16 @@ land mid-run. Faults are keyed by step and each test asserts they actually fired
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from tests.audit import audit
-from tests.conftest import MLP, cli, final_ckpt, model_of
-from tests.servers import etcd_server
+from tests.conftest import MLP, REPO, cli, final_ckpt, model_of, read_jsonl
+from tests.servers import etcd_cluster, etcd_server, wait_until
 from tests.test_e2e_core import assert_close
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
@@ -101,3 +106,42 @@ def test_etcd_rendezvous_survives_losing_node_zero(tmp_path):
     assert fault_kinds(r) == ["kill-node"]
     assert [g["world_size"] for g in r.kinds("rendezvous")] == [2, 1]
     audit(tmp_path / "run", 1024, G, 120)
+
+
+def test_three_member_etcd_survives_losing_a_member(tmp_path):
+    """Kill one of three etcd members mid-training, then lose a node: the re-rendezvous
+    after the node loss runs on the two remaining members (quorum) and the job finishes.
+    The agents talk to member 0 (one client endpoint; on Kubernetes it is the etcd
+    Service, which routes to live members), so the member killed is another one."""
+    (tmp_path / "etcd").mkdir()
+    run_dir = tmp_path / "run"
+    with etcd_cluster(tmp_path / "etcd") as members:
+        endpoint = members[0][0]
+        cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir),
+               "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=200",
+               "--set", "rendezvous.backend=etcd", "--set", f"rendezvous.endpoint={endpoint}",
+               "--chaos", "kill-node:1@80"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=REPO, start_new_session=True)
+        try:
+            steps = lambda: [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "step"]  # noqa: E731
+            wait_until(lambda: len(steps()) >= 20 or proc.poll() is not None, 180, "step 20")
+            killed = members[2][1]
+            killed.kill()
+            killed.wait()
+            out, err = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode == 0, err
+    events = read_jsonl(run_dir / "events.jsonl")
+    kill_t = max(e["t"] for e in steps_of(events)[:20])
+    assert [e["kind"] for e in events if e["event"] == "fault"] == ["kill-node"]
+    sizes = [(e["t"] > kill_t, e["world_size"]) for e in events if e["event"] == "rendezvous"]
+    assert sizes[-1] == (True, 1), "a rendezvous after the member loss formed the smaller group"
+    audit(run_dir, 1024, G, 200)
+
+
+def steps_of(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["event"] == "step"]

@@ -95,6 +95,13 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
         "keep_alive_interval": r.keep_alive_interval,
         "keep_alive_max_attempt": r.keep_alive_max_attempt,
     }
+    if opts.rdzv_backend == "etcd-v2":
+        # torch's etcd-v2 backend reads these keys; paths only, never key material.
+        conf["protocol"] = r.etcd_protocol
+        for key, value in (("ca_cert", r.etcd_ca_cert), ("ssl_cert", r.etcd_cert),
+                           ("ssl_cert_key", r.etcd_key)):
+            if value:
+                conf[key] = value
     if opts.rdzv_backend == "c10d":
         conf["read_timeout"] = max(r.join_timeout, 60)
         if opts.is_host is not None:

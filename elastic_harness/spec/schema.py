@@ -80,6 +80,10 @@ class RendezvousSpec:
     keep_alive_max_attempt: int = doc(
         3, "Missed keep-alives before a node is declared dead (torch default 3)."
     )
+    etcd_protocol: Literal["http", "https"] = doc("http", "etcd: http, or https for client TLS.")
+    etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")
+    etcd_cert: str = doc("", "etcd https: client certificate path (mutual TLS).")
+    etcd_key: str = doc("", "etcd https: client key path (with etcd_cert).")
     isolation_timeout: float = doc(
         20.0, "An agent that cannot reach the rendezvous this long stops itself; 0 = never."
     )
@@ -95,6 +99,11 @@ class RendezvousSpec:
         ):
             _positive(f"rendezvous.{name}", getattr(self, name))
         _positive("rendezvous.isolation_timeout", self.isolation_timeout, allow_zero=True)
+        if self.etcd_key and not self.etcd_cert:
+            raise SpecError("rendezvous.etcd_key", "given without etcd_cert", "set both or neither")
+        if (self.etcd_ca_cert or self.etcd_cert) and self.etcd_protocol != "https":
+            raise SpecError("rendezvous.etcd_protocol", "TLS files given but protocol is http",
+                            "set etcd_protocol: https")
         if self.endpoint and ":" not in self.endpoint:
             raise SpecError(
                 "rendezvous.endpoint", f"'{self.endpoint}' has no port", "write HOST:PORT"

@@ -1,0 +1,75 @@
+"""Run the rendered pods' exact container command and environment as local processes.
+
+Two "pods" of the plain flavor (a worker StatefulSet) start from the rendered command, args
+and env, with the job file from the rendered ConfigMap, against a real local etcd. The only
+substitutions are what a cluster provides: the etcd Service name (no DNS here), the mounted
+paths, and a free endpoint port (both pods share one network namespace here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from elastic_harness.k8s.render import render
+from elastic_harness.spec import parse_job
+from tests.conftest import REPO, read_jsonl
+from tests.servers import etcd_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+JOB = """
+name: podtest
+task: {target: "elastic_harness.tasks.mlp:MLPRegression"}
+nodes: {min: 2, max: 2}
+nproc_per_node: 1
+train: {steps: 40, global_batch_size: 30, micro_batch_size: 8}
+checkpoint: {every_steps: 10}
+"""
+
+
+def worker_container(manifests: list[dict]) -> tuple[dict, str]:
+    (sts,) = [m for m in manifests if m["kind"] == "StatefulSet" and m["metadata"]["name"].endswith("-worker")]
+    (container,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "pytorch"]
+    (cm,) = [m for m in manifests if m["kind"] == "ConfigMap"]
+    return container, cm["data"]["job.yaml"]
+
+
+def localize(container: dict, job_file: str, run_dir: str, etcd: str) -> list[str]:
+    args = list(container["args"])
+    replace = {"--rdzv-endpoint": etcd, "--run-dir": run_dir, "--endpoint-port": "0",
+               "--endpoint-host": "127.0.0.1"}
+    for flag, value in replace.items():
+        args[args.index(flag) + 1] = value
+    assert args[0] == "/etc/elastic-harness/job.yaml"
+    args[0] = job_file
+    assert container["command"] == ["elastic-harness", "agent"]
+    return [sys.executable, "-m", "elastic_harness", "agent", *args]
+
+
+def test_rendered_pods_form_a_group_and_train(tmp_path):
+    container, job_yaml = worker_container(render(parse_job(JOB), "plain"))
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(job_yaml)
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
+    run_dir = tmp_path / "runs" / "podtest"
+    with etcd_server(tmp_path / "etcd-data") as etcd:
+        cmd = localize(container, str(job_file), str(run_dir), etcd)
+        pods = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
+        try:
+            codes = [p.wait(timeout=240) for p in pods]
+        finally:
+            for p in pods:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    assert codes == [0, 0]
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["world_size"] for e in events if e["event"] == "rendezvous"] == [2]
+    (finish,) = [e for e in events if e["event"] == "finish"]
+    assert finish["step"] == 40 and finish["world_size"] == 2
