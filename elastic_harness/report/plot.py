@@ -42,6 +42,8 @@ def _loss(ax, tl: Timeline) -> None:
         ax.plot([p.t for p in lost], [p.loss for p in lost], "x", ms=3, color="grey",
                 label="loss (steps redone later)")
     ax.set_ylabel("loss")
+    if kept and min(p.loss for p in kept + lost) > 0:
+        ax.set_yscale("log")  # early losses would otherwise flatten the rest
     ax.grid(alpha=0.3)
 
 
@@ -73,4 +75,4 @@ def _faults(ax, tl: Timeline, label: bool) -> None:
             ax.annotate(f"{f.kind}:{f.target}", (f.t, 1), xycoords=("data", "axes fraction"),
                         rotation=90, va="top", ha="right", fontsize=7, color=color)
     if label and tl.points:
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)

@@ -1,0 +1,396 @@
+"""``elastic-harness bench recovery``: how fast a job recovers from faults, side by side.
+
+Runs the same small MLP job under the harness (``elastic-harness run``) and under plain
+``torchrun`` (``python -m torch.distributed.run``, c10d rendezvous, torch's default
+rendezvous settings, our worker entry ``-m elastic_harness.runtime.entry JOB RUN_DIR``),
+reads each run's ``events.jsonl`` with ``report.timeline``, and prints one JSON object
+with medians, ratios and whether each goal was met:
+
+- kill-node: SIGKILL one of 2 nodes (agent and workers; nodes.min=1), fault to the first
+  completed step after it, harness / torchrun, medians of ``--repeats`` runs     <= 0.15
+- kill-worker: SIGKILL one rank, same measure, harness / torchrun, median over
+  ``--faults`` faults injected at different steps of one long run each           <= 1.0
+  and every one of them recovered (harness)
+- goodput with a seeded kill-worker about every 60 s over 5 minutes (``--long``; by
+  default 1 fault every 20 s over 2 minutes, which says so in the JSON)          >= 0.85
+- lost work: mean steps lost per kill <= checkpoint interval / 2 + 1; 0 after a
+  graceful drain (the run is ended by a preempt, then resumed to check that).
+
+What torchrun is given beyond its defaults, and why: the job's ``--nnodes`` (1:2 for
+kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault, and
+``ELASTIC_HARNESS_NODE`` so our step-keyed fault injector knows which node it is on. It
+does not get our tuning: short rendezvous timeouts, a private worker store
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), the progress watchdog. Node 0 starts first so it
+hosts the c10d store, and node 1 is the one killed (killing the store host ends the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elastic_harness.errors import HarnessError
+from elastic_harness.events import EventLog, read_events
+from elastic_harness.report.timeline import FaultRow, build, split_invocations
+
+MIN_REPEATS_FOR_GOALS = 5
+STALL_S = 240.0  # a launcher whose run writes no event for this long is stuck: stop it
+GOALS = {"kill_node_ratio": 0.15, "kill_worker_ratio": 1.0, "goodput": 0.85}
+CKPT_EVERY = 10  # steps between checkpoints in the recovery runs
+GOODPUT_CKPT_EVERY = 50
+
+# The MLP job of jobs/mlp.yaml, inlined so an installed package can run the bench.
+JOB = """\
+name: bench-recovery
+task:
+  target: elastic_harness.tasks.mlp:MLPRegression
+  args: {{samples: 1024, dim: 16, hidden: {hidden}, depth: {depth}}}
+parallelism: ddp
+nodes: {{min: 1, max: {max_nodes}}}
+nproc_per_node: 2
+max_restarts: {max_restarts}
+train: {{steps: {steps}, global_batch_size: {batch}, micro_batch_size: {micro}, seed: 0}}
+optimizer: {{name: adamw, lr: 0.001}}
+checkpoint: {{every_steps: {every}, keep: 3}}
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("recovery", help="recovery time and goodput under faults, harness vs torchrun (JSON)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5, help="kill-node runs per launcher; medians reported (default 5)")
+    p.add_argument("--faults", type=int, default=20, help="kill-worker faults in the restart run (default 20)")
+    p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the goodput fault schedule (default 0)")
+    p.add_argument("--only", action="append", choices=["kill-node", "kill-worker", "goodput"],
+                   help="run only these parts (repeatable; default all)")
+    p.add_argument("--dir", help="scratch directory for run dirs (default: system temp; removed after)")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs (to run 'report' on them)")
+    p.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_recovery)
+
+
+def cmd_recovery(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.faults < 1:
+        raise HarnessError("--repeats and --faults must be >= 1")
+    parts = args.only or ["kill-node", "kill-worker", "goodput"]
+    scratch = Path(tempfile.mkdtemp(prefix="eh-recovery-", dir=args.dir))
+    report: dict = {"bench": "recovery", "settings": _settings(args, parts, scratch)}
+    try:
+        if "kill-node" in parts:
+            report["kill_node"] = bench_kill_node(scratch, args.repeats)
+        if "kill-worker" in parts:
+            report["kill_worker"] = bench_kill_worker(scratch, args.faults)
+        if "goodput" in parts:
+            report["goodput"] = bench_goodput(scratch, args.long, args.seed)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    report["goals_met"] = goals_met(report, args.repeats)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict:
+    duration, interval = (300, 60) if args.long else (120, 20)
+    return {
+        "parts": parts, "repeats": args.repeats, "kill_worker_faults": args.faults,
+        "goodput_mode": ("long" if args.long else "short (use --long for the goal's 1 fault/60 s over 5 min)"),
+        "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
+        "run_dirs": str(scratch) if args.keep else None, "cpu_count": os.cpu_count(),
+        "torchrun": "python -m torch.distributed.run --rdzv-backend c10d --nnodes 1:2 (kill-node) or 1:1 "
+                    "--max-restarts <job's>, default rendezvous conf and worker store",
+    }
+
+
+# --- the three measurements ----------------------------------------------------------------
+
+
+def bench_kill_node(scratch: Path, repeats: int) -> dict:
+    """Kill node 1 of 2 at step 40; harness and torchrun runs alternate."""
+    job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=2)
+    out: dict[str, list] = {"harness": [], "torchrun": []}
+    for r in range(repeats):
+        for launcher in ("harness", "torchrun"):
+            run_dir = scratch / f"kill-node-{launcher}-{r}"
+            code = launch(launcher, job, run_dir, nodes=2, nproc=1, chaos=["kill-node:1@40"], timeout=420)
+            out[launcher].append(_one_recovery(run_dir, code))
+    return _compare(out, GOALS["kill_node_ratio"])
+
+
+def bench_kill_worker(scratch: Path, faults: int) -> dict:
+    """One long run per launcher with ``faults`` kill-worker faults at different steps."""
+    schedule = kill_worker_schedule(faults, CKPT_EVERY)
+    steps = faults * CKPT_EVERY + 2 * CKPT_EVERY
+    job = write_job(scratch / "kill-worker.yaml", steps=steps, max_restarts=faults + 10)
+    out: dict[str, dict] = {}
+    for launcher in ("harness", "torchrun"):
+        run_dir = scratch / f"kill-worker-{launcher}"
+        code = launch(launcher, job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=faults * 45 + 120)
+        out[launcher] = restart_stats(read_events(run_dir / "events.jsonl"), faults, code)
+    ratio = _ratio(out["harness"]["median_recovery_s"], out["torchrun"]["median_recovery_s"])
+    return {
+        **out, "ratio": ratio, "goal": f"ratio <= {GOALS['kill_worker_ratio']} and all {faults} recovered",
+        "met": ratio is not None and ratio <= GOALS["kill_worker_ratio"] and out["harness"]["recovered"] == faults,
+    }
+
+
+def bench_goodput(scratch: Path, long: bool, seed: int) -> dict:
+    """Seeded kill-worker faults until a graceful preempt ends the run; then resume it."""
+    duration, interval = (300.0, 60.0) if long else (120.0, 20.0)
+    job = write_job(scratch / "goodput.yaml", steps=10**7, max_restarts=100, hidden=256, depth=3,
+                    batch=64, micro=32, every=GOODPUT_CKPT_EVERY)
+    run_dir = scratch / "goodput"
+    schedule = goodput_schedule(duration, interval, seed, ranks=2)
+    first = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=int(duration) + 300)
+    drains = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "drain"]
+    second = None
+    if drains:  # resume a few steps past the drain: proves the drain lost nothing
+        second = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=240,
+                        sets=[f"train.steps={drains[-1]['step'] + 5}"])
+    events = read_events(run_dir / "events.jsonl")
+    return goodput_result(events, schedule, (first, second), GOODPUT_CKPT_EVERY)
+
+
+# --- pure pieces: schedules and summaries ---------------------------------------------------
+
+
+def kill_worker_schedule(n: int, every: int) -> list[str]:
+    """``n`` kill-worker faults, alternating ranks, at different points of the save interval."""
+    return [f"kill-worker:{i % 2}@{(i + 1) * every + 1 + (i * 3) % (every - 1)}" for i in range(n)]
+
+
+def goodput_schedule(duration: float, interval: float, seed: int, ranks: int) -> list[str]:
+    """A kill-worker about every ``interval`` s (seeded jitter, rank), then a preempt at ``duration``."""
+    rng = random.Random(seed)
+    out = []
+    t = interval
+    while t < duration - interval / 2:
+        at = t + rng.uniform(-0.25, 0.25) * interval
+        out.append(f"kill-worker:{rng.randrange(ranks)}@{at:.1f}s")
+        t += interval
+    return [*out, f"preempt:0@{duration:.1f}s"]
+
+
+def _one_recovery(run_dir: Path, code: int | None) -> dict:
+    events = read_events(run_dir / "events.jsonl")
+    rows = build(events).faults
+    row = rows[0] if rows else None
+    return {
+        "exit": code, "fired": bool(rows), "recovery_s": row.recovery_s if row else None,
+        "detect_s": _since(row, row.detected) if row else None,
+        "rendezvous_s": _since(row, row.rendezvous) if row else None,
+        "steps_lost": row.steps_lost if row else None,
+        "finished": any(e["event"] == "finish" for e in events),
+    }
+
+
+def _since(row: FaultRow, t: float | None) -> float | None:
+    return None if t is None else round(t - row.t, 3)
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _compare(out: dict[str, list], goal: float) -> dict:
+    med = {k: _median([r["recovery_s"] for r in v]) for k, v in out.items()}
+    ratio = _ratio(med["harness"], med["torchrun"])
+    return {
+        "harness_median_s": med["harness"], "torchrun_median_s": med["torchrun"], "ratio": ratio,
+        "goal": f"ratio <= {goal}", "met": ratio is not None and ratio <= goal,
+        "runs": out,
+    }
+
+
+def restart_stats(events: list[dict], requested: int, code: int | None) -> dict:
+    """Per fault: recovered (a step followed), and on the first try (one restart used)."""
+    tl = build(events)
+    steps = [e for e in events if e["event"] == "step"]
+    first_try = 0
+    for f in tl.faults:
+        if f.first_step is None:
+            continue
+        before = [e.get("restart", 0) for e in steps if e["t"] - tl.t0 <= f.t]
+        after = next((e.get("restart", 0) for e in steps if e["t"] - tl.t0 >= f.first_step), None)
+        if before and after is not None and after - before[-1] == 1:
+            first_try += 1
+    rows = [f for f in tl.faults if f.recovery_s is not None]
+    return {
+        "exit": code, "requested": requested, "fired": len(tl.faults), "recovered": len(rows),
+        "recovered_first_try": first_try, "median_recovery_s": _median([f.recovery_s for f in rows]),
+        "max_recovery_s": max((f.recovery_s for f in rows), default=None),
+        "finished": any(e["event"] == "finish" for e in events),
+        "steps_lost": [f.steps_lost for f in tl.faults],
+    }
+
+
+def goodput_result(events: list[dict], schedule: list[str], codes: tuple, every: int) -> dict:
+    """Goodput of the faulted invocation; lost work per kill and across the drain."""
+    invocations = split_invocations(events)
+    faulted = build(invocations[0]) if invocations else build([])
+    rows = build(events).faults
+    kills = [f for f in rows if f.kind == "kill-worker"]
+    drains = [f for f in rows if f.kind == "preempt"]
+    mean_lost = _mean([f.steps_lost for f in kills])
+    lost_goal = every / 2 + 1
+    g = faulted.goodput
+    return {
+        "schedule": schedule, "exit_codes": list(codes), "wall_s": g.wall_s, "productive_s": g.productive_s,
+        "goodput": g.goodput, "badput_s": g.badput, "faults_fired": len(rows),
+        "median_recovery_s": _median([f.recovery_s for f in kills]),
+        "steps_lost_per_kill": [f.steps_lost for f in kills], "mean_steps_lost_per_kill": mean_lost,
+        "steps_lost_after_drain": [f.steps_lost for f in drains], "checkpoint_every_steps": every,
+        "goal": f"goodput >= {GOALS['goodput']}; mean steps lost per kill <= {lost_goal}; 0 after a drain",
+        "met": {
+            "goodput": g.goodput >= GOALS["goodput"],
+            "lost_work": mean_lost is not None and mean_lost <= lost_goal,
+            "graceful_lost_zero": bool(drains) and all(f.steps_lost == 0 for f in drains),
+        },
+    }
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 3) if xs else None
+
+
+def goals_met(report: dict, repeats: int) -> dict:
+    out = {}
+    if "kill_node" in report:
+        out["kill_node_ratio"] = report["kill_node"]["met"]
+    if "kill_worker" in report:
+        out["kill_worker_ratio_and_restarts"] = report["kill_worker"]["met"]
+    if "goodput" in report:
+        out.update({f"goodput_{k}": v for k, v in report["goodput"]["met"].items()})
+    if repeats < MIN_REPEATS_FOR_GOALS and "kill_node" in report:
+        out["note"] = f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node medians are indicative only"
+    return out
+
+
+# --- launching ------------------------------------------------------------------------------
+
+
+def write_job(path: Path, *, steps: int, max_restarts: int, max_nodes: int = 1, hidden: int = 64,
+              depth: int = 2, batch: int = 30, micro: int = 8, every: int = CKPT_EVERY) -> Path:
+    """The bench's job. One node at most unless asked: a rendezvous that may still grow waits
+    its last-call timeout every round (torchrun's default: 30 s), which no single-node
+    comparison should pay."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(JOB.format(steps=steps, max_restarts=max_restarts, max_nodes=max_nodes, hidden=hidden,
+                               depth=depth, batch=batch, micro=micro, every=every))
+    return path
+
+
+def launch(launcher: str, job: Path, run_dir: Path, *, nodes: int, nproc: int, chaos: list[str],
+           timeout: int, sets: list[str] | None = None) -> int | None:
+    if launcher == "harness":
+        return run_harness(job, run_dir, nodes, nproc, chaos, timeout, sets or [])
+    return run_torchrun(job, run_dir, nodes, nproc, chaos, timeout)
+
+
+def run_harness(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[str], timeout: int,
+                sets: list[str]) -> int | None:
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(job), "--run-dir", str(run_dir),
+           "--nodes", str(nodes), "--nproc-per-node", str(nproc)]
+    cmd += [a for s in sets for a in ("--set", s)] + [a for c in chaos for a in ("--chaos", c)]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = _spawn(cmd, run_dir / "bench-host.log", dict(os.environ))
+    return _wait([proc], timeout, run_dir / "events.jsonl", interrupt_first=True)[0]
+
+
+def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[str], timeout: int) -> int | None:
+    """Plain torchrun agents (one per simulated node) on our worker entry; see module doc."""
+    import dataclasses
+
+    from elastic_harness.chaos.schedule import parse_fault
+    from elastic_harness.cluster import free_port
+    from elastic_harness.rundir import prepare
+    from elastic_harness.spec import load_job
+
+    spec = load_job(job, [f"nproc_per_node={nproc}"])
+    spec = dataclasses.replace(spec, chaos=[parse_fault(c) for c in chaos])
+    run_dir = prepare(run_dir, spec)
+    port = free_port()
+    EventLog(run_dir / "events.jsonl").emit("start", who="host", launcher="torchrun", nodes=nodes)
+    procs = []
+    for i in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id=bench-{os.getpid()}-{port}", f"--max-restarts={spec.max_restarts}",
+               "-m", "elastic_harness.runtime.entry", str(run_dir / "job.resolved.yaml"), str(run_dir)]
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+        env["ELASTIC_HARNESS_NODE"] = str(i)
+        procs.append(_spawn(cmd, run_dir / f"torchrun-{i}.log", env))
+        if i == 0:
+            _wait_for_port(port, procs[0], 60)  # node 0 hosts the store
+    codes = _wait(procs, timeout, run_dir / "events.jsonl")
+    stuck = None in codes
+    EventLog(run_dir / "events.jsonl").emit("exit", who="host", code=None if stuck else max(codes),
+                                            message="stopped by the bench: no progress or timeout" if stuck else "")
+    return None if stuck else codes[0]
+
+
+def _spawn(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interrupt_first: bool = False,
+          stall_s: float = STALL_S) -> list[int | None]:
+    """Wait for all. Past ``timeout``, or when ``progress`` (the event log) has not grown for
+    ``stall_s``, interrupt (the harness host cleans up its agents), then kill the groups.
+    Returns exit codes, None for a process that had to be stopped."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if progress.exists() and time.time() - progress.stat().st_mtime > stall_s:
+                break
+            time.sleep(0.5)
+    except BaseException:  # interrupted: leave nothing running
+        for p in procs:
+            _signal_group(p, signal.SIGINT if interrupt_first else signal.SIGKILL)
+        raise
+    late = [p for p in procs if p.poll() is None]
+    for p in late:
+        if interrupt_first:
+            _signal_group(p, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=60)
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+    return [None if p in late else p.returncode for p in procs]
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
