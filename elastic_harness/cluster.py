@@ -11,6 +11,7 @@ requires; ``stop()`` at the end (safe to call twice).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -28,6 +29,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_host() -> None:
+    """Simulated nodes belong to the ``run`` that started them: if it is killed outright,
+    they go too (and their workers with them), instead of training on as orphans."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -90,7 +98,7 @@ class LocalCluster:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
+                env=env, start_new_session=True, preexec_fn=_die_with_host,
             )
         node = Node(index, proc, log_path)
         self.nodes[index] = node

@@ -61,8 +61,13 @@ def cli(*args: str, run_dir: Path | None = None, timeout: float = 240, cwd: Path
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        # SIGTERM first: `run` then stops the nodes it started; SIGKILL if it does not end.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         pytest.fail(f"elastic-harness {' '.join(args)} timed out after {timeout}s\n{out}\n{err}")
     return Result(proc.returncode, out, err, run_dir)
 

@@ -145,3 +145,15 @@ def test_three_member_etcd_survives_losing_a_member(tmp_path):
 
 def steps_of(events: list[dict]) -> list[dict]:
     return [e for e in events if e["event"] == "step"]
+
+
+def test_frozen_node_is_dropped_by_the_watchdog_and_keep_alives(tmp_path):
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=200",
+            "--set", "timeouts.step=5", "--set", "timeouts.shutdown_grace=5",
+            "--chaos", "hang-node:1@40", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    (fault,) = r.kinds("fault")
+    assert fault["kind"] == "hang-node" and "SIGSTOP node 1" in fault["detail"]
+    gens = r.kinds("rendezvous")
+    assert gens[0]["world_size"] == 2 and gens[-1]["world_size"] == 1
+    audit(tmp_path, 1024, G, 200)

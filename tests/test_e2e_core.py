@@ -45,7 +45,9 @@ def test_killed_worker_resumes_bit_identical(mlp_reference, tmp_path):
     (fault,) = r.kinds("fault")
     assert (fault["kind"], fault["rank"], fault["step"]) == ("kill-worker", 1, 25)
     fresh, resumed = r.kinds("resume")
-    assert fresh["fresh"] and resumed["step"] == 20 and resumed["saved_world_size"] == 2
+    # Step 20's async save may still be committing when rank 1 dies 5 steps later; then the
+    # resume falls back to step 10. Either way the result must be the same, bit for bit.
+    assert fresh["fresh"] and resumed["step"] in (10, 20) and resumed["saved_world_size"] == 2
     assert r.summary["restarts"] == 1
     assert r.summary["model_digest"] == mlp_reference.summary["model_digest"]
     diff = compare(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(mlp_reference.run_dir)))

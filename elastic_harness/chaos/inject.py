@@ -67,11 +67,20 @@ class ChaosController:
             f = self.faults[i]
             if f.kind in ("kill-worker", "hang") and f.target not in self.workers:
                 continue  # that rank has not started yet; try again later
+            if f.kind == "hang-node" and str(f.target) not in {n for _, n in self.workers.values()}:
+                continue
             self.fired.add(i)
             detail = fire(f, cluster, self.workers)
             if f.kind == "partition" and f.duration:
                 self.heals.append((self.clock() + f.duration, f.target))
             self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, detail=detail)
+
+    def thaw(self, cluster: LocalCluster) -> None:
+        """SIGCONT every process a hang froze, so shutdown is not held up by them."""
+        for pid, _ in self.workers.values():
+            _signal(pid, signal.SIGCONT)
+        for index in cluster.running():
+            cluster.signal_node(index, signal.SIGCONT)
 
     def _take_requests(self) -> None:
         folder = self.run_dir / REQUESTS
@@ -92,6 +101,13 @@ def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]
     if f.kind == "hang":
         _signal(workers[f.target][0], signal.SIGSTOP)
         return f"SIGSTOP rank {f.target} (pid {workers[f.target][0]})"
+    if f.kind == "hang-node":
+        # Freeze the whole node: its agent (keep-alives stop) and every worker it runs.
+        pids = [pid for pid, node in workers.values() if node == str(f.target)]
+        cluster.signal_node(f.target, signal.SIGSTOP)
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        return f"SIGSTOP node {f.target} (agent and workers {pids})"
     if f.kind == "kill-node":
         cluster.signal_node(f.target, signal.SIGKILL)  # workers die with their agent (PDEATHSIG)
         return f"SIGKILL node {f.target} (agent and workers)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, help="simulated nodes (agents) to start (default nodes.min)")
     p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    p.add_argument("--verify", metavar="REF_RUN_DIR",
+                   help="after the run, compare the final model with this run's (see `verify`)")
     p.add_argument("--netns", action="store_true",
                    help="give every node its own network namespace and address (root; enables partition)")
     p.add_argument("--chaos", action="append", default=[], metavar="FAULT",
@@ -56,7 +59,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HarnessError("faults 'partition' and 'heal' need simulated hosts with their own network",
                            "run with --netns (as root)")
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
-    return launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
+    code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
+    if code == 0 and args.verify:
+        from elastic_harness.commands.report import cmd_verify
+
+        check = argparse.Namespace(run_dir=str(run_dir), ref_run_dir=args.verify, atol=1e-5,
+                                   rtol=1e-4, json=False)
+        code = cmd_verify(check)
+    return code
 
 
 def _preflight_task(spec) -> None:
@@ -103,31 +113,46 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
                            backend=spec.rendezvous.backend, netns=topology)
     progress = Progress(spec.train.steps)
     fatal = None
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         cluster.start()
         fatal = _supervise(cluster, tail, progress, chaos, spec)
     finally:
         progress.close()
+        chaos.thaw(cluster)
         cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
+        signal.signal(signal.SIGTERM, previous)
     return _finish(run_dir, events, cluster, fatal)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM to ``run``: unwind like Ctrl-C, so the nodes are drained and stopped."""
+    raise KeyboardInterrupt
 
 
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec) -> str | None:
     """Follow events until every agent exits; returns a fatal message if one was logged.
 
     Agents end by themselves: on success, after too few nodes for rendezvous.join_timeout,
-    when isolated from the rendezvous, or when their restarts run out.
+    when isolated from the rendezvous, or when their restarts run out. Once the job has
+    finished, a node that has not exited within the shutdown grace (say, a frozen one that
+    is no longer part of the job) is left to ``cluster.stop``.
     """
+    finished_at = None
     while True:
         for e in tail.read():
             progress.update(e)
             chaos.observe(e, cluster)
             if e["event"] == "failure" and e.get("fatal"):
                 return e["message"]
+            if e["event"] == "finish":
+                finished_at = time.monotonic()
         chaos.tick(cluster)
         if all(code is not None for code in cluster.poll().values()):
             for e in tail.read():
                 progress.update(e)
+            return None
+        if finished_at and time.monotonic() - finished_at > spec.timeouts.shutdown_grace + 10:
             return None
         time.sleep(0.2)
 

@@ -208,10 +208,11 @@ class TimeoutsSpec:
 @dataclass(frozen=True)
 class FaultSpec:
     kind: Literal[
-        "kill-worker", "kill-node", "add-node", "preempt", "hang", "partition", "heal"
+        "kill-worker", "kill-node", "add-node", "preempt", "hang", "hang-node", "partition", "heal"
     ] = doc(
         "kill-worker",
-        "What to do: kill-worker, kill-node, add-node, preempt, hang, partition, heal (link up).",
+        "What to do: kill-worker, kill-node, add-node, preempt, hang (a rank), hang-node "
+        "(SIGSTOP a node's agent and workers), partition, heal (link up).",
     )
     target: int = doc(0, "Global rank (kill-worker, hang) or node index (others).")
     at_step: int = doc(0, "Fire when the job first completes this step; 0 = use at_seconds.")
