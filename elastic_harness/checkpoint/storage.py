@@ -11,7 +11,10 @@ Call order, per save (see ``manager``):
 
 Per load: rank 0 ``listing()`` and ``read_bytes`` of manifests; every rank ``reader(name)``.
 Object stores have no atomic rename; the commit marker is a single small object written
-last, which is atomic there.
+last, which is atomic there (``remote.FsspecStorage``).
+
+A checkpoint directory is trusted input: DCP unpickles ``.metadata`` (see
+``docs/checkpoints.md``). Only point the harness at storage that you and your jobs write.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Storage(Protocol):
 
     def uri(self, name: str) -> str: ...
 
+    def ensure(self) -> None: ...
+
     def listing(self) -> dict[str, list[str]]: ...
 
     def files(self, name: str) -> dict[str, int]: ...
@@ -41,9 +46,11 @@ class Storage(Protocol):
 
     def rename(self, name: str, new_name: str) -> None: ...
 
-    def writer(self, name: str): ...
+    def writer(self, name: str):
+        """A fresh DCP ``StorageWriter`` for step directory ``name`` (never overwrites)."""
 
-    def reader(self, name: str): ...
+    def reader(self, name: str):
+        """A DCP ``StorageReader`` for step directory ``name``."""
 
 
 class LocalStorage:
@@ -97,9 +104,11 @@ class LocalStorage:
     def writer(self, name: str):
         from torch.distributed.checkpoint import FileSystemWriter
 
+        from elastic_harness.checkpoint.integrity import hashing
+
         # overwrite=False: a save never lands on top of an existing checkpoint (a crash
         # part-way through an in-place overwrite leaves a mix that loads without error).
-        return FileSystemWriter(self.uri(name), sync_files=True, overwrite=False)
+        return hashing(FileSystemWriter(self.uri(name), sync_files=True, overwrite=False))
 
     def reader(self, name: str):
         from torch.distributed.checkpoint import FileSystemReader

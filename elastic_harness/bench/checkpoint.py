@@ -1,0 +1,142 @@
+"""``elastic-harness bench checkpoint``: how much checkpointing costs, side by side, in one run.
+
+Spawns three processes with ``torch.multiprocessing`` on loopback gloo (a port from the OS);
+see ``ckpt_ranks`` and ``ckpt_train`` for what each measures. Prints one JSON object: the
+median of every measurement over ``--repeats`` (>= 5 for the goals to count), the ratios
+the goals are stated in, and whether each goal was met:
+
+- async save blocking time / sync DCP save time of the same state          <= 0.15
+- sync save throughput / raw write bandwidth (same disk, same fsyncs)      >= 0.8
+- load resharded 2 -> 3 processes / same-layout load 2 -> 2                <= 1.5
+- step-time overhead of training with an async save every N steps          <= 3 %
+
+The seeds' approach (rank 0 ``torch.save`` of the full state + barrier, every rank
+``torch.load``s it) is measured alongside as the baseline. Loads read from disk: our own
+files are evicted from the page cache first (``posix_fadvise``; nothing global).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from elastic_harness.errors import HarnessError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+MIN_REPEATS_FOR_GOALS = 5
+
+
+def parse_size(text: str) -> int:
+    """'64MB' -> 67108864 (K/M/G are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise HarnessError(f"--size '{text}' is not a size", "write e.g. 64MB or 1GB")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size < 1 << 20:
+        raise HarnessError(f"--size {text} is below 1MB", "use at least 1MB")
+    return size
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="checkpoint save/load/async/overhead benchmark (JSON)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="64MB", help="state size: weights + 2 optimizer moments (default 64MB)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats per measurement; medians reported (default 5)")
+    p.add_argument("--every", type=int, default=10, help="training: save every N steps (default 10)")
+    p.add_argument("--steps", type=int, default=30, help="training: steps per timed window (default 30)")
+    p.add_argument("--dir", help="scratch directory on the disk to measure (default: system temp)")
+    p.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_checkpoint)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.every < 1 or args.steps < args.every:
+        raise HarnessError("--repeats and --every must be >= 1 and --steps >= --every")
+    size = parse_size(args.size)
+    scratch = Path(tempfile.mkdtemp(prefix="eh-bench-", dir=args.dir))
+    try:
+        raw = measure(size, args.repeats, args.every, args.steps, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report = summarize(raw, size, args)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def threads_per_rank(cpus: int) -> int:
+    """Compute threads for each of the 2 training ranks, leaving each one core for its
+    background checkpoint thread where there are cores to spare (as a GPU job would)."""
+    return max(1, cpus // 2 - 1) if cpus >= 6 else max(1, cpus // 2)
+
+
+def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    from elastic_harness.bench.ckpt_ranks import main
+    from elastic_harness.cluster import free_port
+
+    cfg = {"port": free_port(), "size": size, "repeats": repeats, "every": every, "steps": steps,
+           "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}
+    t0 = time.perf_counter()
+    mp.spawn(main, args=(cfg,), nprocs=3, join=True)
+    raw = json.loads((scratch / "results.json").read_text())
+    raw["wall_s"] = time.perf_counter() - t0
+    return raw
+
+
+def _goal(value: float, target: float, higher_is_better: bool, enough: bool) -> dict:
+    met = value >= target if higher_is_better else value <= target
+    return {"value": round(value, 4), "target": (">= " if higher_is_better else "<= ") + str(target),
+            "met": bool(met and enough)}
+
+
+def summarize(raw: dict, size: int, args: argparse.Namespace) -> dict:
+    med = {k: statistics.median(v) for k, v in raw["samples"].items()}
+    state = raw["state_bytes"]
+    mb = state / (1 << 20)
+    ratios = {
+        "async_blocking_over_sync_save": med["async_blocking"] / med["dcp_sync_save"],
+        "sync_save_over_raw_write_throughput": med["raw_write"] / med["dcp_sync_save"],
+        "dcp_only_over_raw_write_throughput": med["raw_write"] / med["dcp_only_sync_save"],
+        "resharded_load_over_same_layout": med["load_resharded_2to3"] / med["load_same_layout_2to2"],
+        "step_overhead_async_save": med["step_async_save"] / med["step_no_save"] - 1,
+        "step_overhead_sync_save": med["step_sync_save"] / med["step_no_save"] - 1,
+        "baseline_save_over_sync_save": med["baseline_save"] / med["dcp_sync_save"],
+        "baseline_save_over_async_blocking": med["baseline_save"] / med["async_blocking"],
+        "baseline_load_over_same_layout_load": med["baseline_load"] / med["load_same_layout_2to2"],
+    }
+    enough = args.repeats >= MIN_REPEATS_FOR_GOALS
+    goals = {
+        "async_blocking_over_sync_save<=0.15": _goal(ratios["async_blocking_over_sync_save"], 0.15, False, enough),
+        "sync_save_throughput_over_raw>=0.8": _goal(ratios["sync_save_over_raw_write_throughput"], 0.8, True, enough),
+        "resharded_load_2to3_over_same_layout<=1.5": _goal(ratios["resharded_load_over_same_layout"], 1.5, False, enough),
+        "step_overhead_async_every_N<=0.03": _goal(ratios["step_overhead_async_save"], 0.03, False, enough),
+    }
+    return {
+        "bench": "checkpoint",
+        "config": {"size": args.size, "state_bytes": state, "repeats": args.repeats, "every": args.every,
+                   "steps_per_window": args.steps, "save_ranks": 2, "load_ranks": [2, 3],
+                   "cpus": os.cpu_count(), "threads_per_rank": threads_per_rank(os.cpu_count() or 1),
+                   "wall_s": round(raw["wall_s"], 1)},
+        "median_s": {k: round(v, 5) for k, v in sorted(med.items())},
+        "throughput_MBps": {"raw_write": round(mb / med["raw_write"], 1),
+                            "dcp_sync_save": round(mb / med["dcp_sync_save"], 1),
+                            "dcp_only_sync_save": round(mb / med["dcp_only_sync_save"], 1),
+                            "baseline_save": round(mb / med["baseline_save"], 1)},
+        "ratios": {k: round(v, 4) for k, v in ratios.items()},
+        "goals": goals,
+        "all_goals_met": all(g["met"] for g in goals.values()),
+        "note": "" if enough else f"goals need --repeats >= {MIN_REPEATS_FOR_GOALS}; marked not met",
+        "samples_s": {k: [round(x, 5) for x in v] for k, v in sorted(raw["samples"].items())},
+    }

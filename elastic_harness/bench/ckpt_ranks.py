@@ -1,0 +1,192 @@
+"""What each process of ``bench checkpoint`` does (spawned by ``bench.checkpoint``).
+
+Three processes on loopback gloo. Ranks 0 and 1 are the "training job": they hold a state
+of ``size`` bytes sharded over a 2-rank mesh (FSDP-style DTensors: weights and two optimizer
+moments) and measure saves; all three load it back resharded. Every timing is the slowest
+participating rank's, after a barrier. Measurements of one repeat are interleaved, in an
+order that rotates between repeats, so disk speed drifting (3-7x here) hits all alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from elastic_harness.checkpoint.manager import CheckpointManager
+from elastic_harness.checkpoint.storage import LocalStorage
+from elastic_harness.spec import CheckpointSpec
+
+N_MATRICES, COLS = 8, 1024
+
+
+class Events:
+    """Collects the manager's events in memory (rank 0 emits)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        self.seen.append({"event": event, **fields})
+        return fields
+
+
+def timed(fn, group: Any) -> float:
+    """Seconds ``fn`` took on the slowest rank of ``group``."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def rows_for(size: int) -> int:
+    """Rows per matrix so that 3 x N_MATRICES fp32 matrices of COLS columns hold ``size`` bytes."""
+    return max(6, size // (4 * COLS * 3 * N_MATRICES))
+
+
+def full_state(rows: int) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        part: {f"layer{i}.weight": torch.randn(rows, COLS, generator=g) for i in range(N_MATRICES)}
+        for part in ("model", "exp_avg", "exp_avg_sq")
+    }
+
+
+def sharded(full: dict, mesh: DeviceMesh, rank: int, world: int, fill: bool) -> dict:
+    """The DTensor view of ``full`` over ``mesh`` (Shard(0)); zeros unless ``fill``."""
+    out: dict = {}
+    for part, tensors in full.items():
+        out[part] = {}
+        for name, t in tensors.items():
+            chunks = t.chunk(world)
+            local = chunks[rank].clone() if rank < len(chunks) else t.new_zeros(0, t.shape[1])
+            if not fill:
+                local.zero_()
+            out[part][name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                 shape=t.shape, stride=t.stride())
+    return out
+
+
+def drop_cache(path: Path) -> None:
+    """Evict our own files from the page cache so loads read the disk (no global drop)."""
+    for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
+    """The same bytes DCP writes for this rank, with DCP's fsync semantics."""
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _local(state: dict) -> list[torch.Tensor]:
+    return [d.to_local() for part in state.values() for d in part.values()]
+
+
+def main(rank: int, cfg: dict) -> None:
+    """mp.spawn entry. ``cfg``: port, size, repeats, every, steps, dir, threads."""
+    torch.set_num_threads(cfg["threads"])
+    timeout = dt.timedelta(seconds=600)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+                            world_size=3, timeout=timeout)
+    try:
+        results = run_all(rank, cfg)
+        if rank == 0:
+            Path(cfg["dir"], "results.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_all(rank: int, cfg: dict) -> dict:
+    root, repeats = Path(cfg["dir"]), cfg["repeats"]
+    mesh2, mesh3 = DeviceMesh("cpu", torch.arange(2)), DeviceMesh("cpu", torch.arange(3))
+    g2 = mesh2.get_group() if rank < 2 else None
+    ckpt_group = dist.new_group([0, 1], backend="gloo", timeout=dt.timedelta(seconds=600))
+    rows = rows_for(cfg["size"])
+    full = full_state(rows)
+    samples: dict[str, list[float]] = {}
+    if rank < 2:
+        from elastic_harness.bench.ckpt_train import save_phase
+
+        save_phase(rank, full, mesh2, g2, ckpt_group, root, repeats, samples)
+    dist.barrier()
+    load_phase(rank, full, mesh2, mesh3, g2, root, repeats, samples)
+    dist.barrier()
+    if rank < 2:
+        from elastic_harness.bench.ckpt_train import train_phase
+
+        train_phase(rank, cfg, g2, ckpt_group, root, samples)
+    dist.barrier()
+    return {"samples": samples, "state_bytes": 3 * N_MATRICES * rows * COLS * 4, "rows": rows}
+
+
+def make_manager(rank: int, root: Path, group: Any, async_save: bool, events: Events) -> CheckpointManager:
+    storage = LocalStorage(root)
+    storage.ensure()
+    policy = CheckpointSpec(keep=2, async_save=async_save, verify="size")
+    return CheckpointManager(storage, policy, rank=rank, world_size=2, group=group, events=events,
+                             info={"task": "bench", "job": "bench"})
+
+
+def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: Any, root: Path,
+               repeats: int, samples: dict) -> None:
+    """2 -> 2 (same layout) and 2 -> 3 (resharded) DCP loads, and the seeds' torch.load."""
+    src, legacy = root / "load-src", root / "legacy.pt"
+    same = sharded(full, mesh2, rank, 2, fill=False) if rank < 2 else None
+    more = sharded(full, mesh3, rank, 3, fill=False)
+    world = dist.group.WORLD
+
+    def prep() -> None:
+        if rank == 0:
+            drop_cache(src)
+            drop_cache(legacy)
+        dist.barrier()
+
+    def one(kind: str) -> None:
+        prep()
+        if kind == "load_resharded_2to3":
+            t = timed(lambda: dcp.load(more, checkpoint_id=str(src), process_group=world), world)
+        elif rank < 2 and kind == "load_same_layout_2to2":
+            t = timed(lambda: dcp.load(same, checkpoint_id=str(src), process_group=g2), g2)
+        elif rank < 2:  # the seeds' way: every rank reads the whole file, keeps its part
+            t = timed(lambda: _legacy_load(legacy, same), g2)
+        else:
+            t = 0.0
+        samples.setdefault(kind, []).append(t)
+
+    kinds = ["load_same_layout_2to2", "load_resharded_2to3", "baseline_load"]
+    for r in range(repeats):
+        for kind in kinds[r % 3:] + kinds[:r % 3]:
+            one(kind)
+    ok = all(torch.equal(more[p][n].to_local(), full[p][n].chunk(3)[rank]) for p in full for n in full[p])
+    assert ok, "resharded load returned wrong values"
+
+
+def _legacy_load(path: Path, into: dict) -> None:
+    whole = torch.load(path, map_location="cpu", weights_only=True)
+    for part, tensors in into.items():
+        for name, d in tensors.items():
+            local = d.to_local()
+            start = d.device_mesh.get_coordinate()[0] * ((d.shape[0] + 1) // 2)
+            local.copy_(whole[part][name][start:start + local.shape[0]])

@@ -1,0 +1,191 @@
+"""``elastic-harness ckpt``: inspect, verify, export, import and compare checkpoints.
+
+DIR may be a run directory (its ``checkpoints/``, or the ``checkpoint.dir`` its resolved
+job names), a checkpoint root, one ``step-NNNNNNN`` directory, or an ``s3://`` URL of
+either. Everything here runs in one process, without a process group, on CPU.
+A checkpoint directory is trusted input: DCP unpickles its ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from elastic_harness.checkpoint import integrity, layout, offline
+from elastic_harness.checkpoint.export import load_model_file, save_model_file, save_single_process
+from elastic_harness.checkpoint.storage import open_storage
+from elastic_harness.errors import CheckpointError
+
+_FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="list, verify, export, import and diff checkpoints",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    acts = p.add_subparsers(dest="ckpt_action", metavar="ACTION", required=True)
+    a = acts.add_parser("ls", help="one line per checkpoint: step, world size, size, status")
+    a.add_argument("dir")
+    a.add_argument("--verify", choices=integrity.VERIFY_MODES, default="size",
+                   help="how hard to check each one (default size; full re-hashes every file)")
+    a.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    a.set_defaults(func=cmd_ls)
+    a = acts.add_parser("verify", help="check checkpoints against their manifests (exit 1 if any is bad)")
+    a.add_argument("dir")
+    a.add_argument("--mode", choices=integrity.VERIFY_MODES, default="full")
+    a.set_defaults(func=cmd_verify)
+    a = acts.add_parser("export", help="write the model as one plain state dict (.pt or .safetensors)")
+    a.add_argument("dir")
+    a.add_argument("--to", required=True, metavar="FILE", help="model.pt or model.safetensors")
+    a.add_argument("--step", type=int, help="which step (default: the newest that verifies)")
+    a.set_defaults(func=cmd_export)
+    a = acts.add_parser("import", help="start a run from a legacy single-file checkpoint (weights only)")
+    a.add_argument("file", help="a torch.save file (read with weights_only=True) or .safetensors")
+    a.add_argument("job", help="the job YAML that will train from it")
+    a.add_argument("--run-dir", help="run directory (default runs/<job name>)")
+    a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    a.set_defaults(func=cmd_import)
+    a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
+    a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
+    a.add_argument("b")
+    a.set_defaults(func=cmd_diff)
+
+
+def _locate(target: str) -> offline.Location:
+    """Like ``offline.locate``, but a run dir whose job put checkpoints elsewhere follows it."""
+    resolved = Path(target) / "job.resolved.yaml"
+    if "://" not in target and resolved.is_file():
+        from elastic_harness.spec import load_job
+
+        where = load_job(str(resolved)).checkpoint.dir
+        if where:
+            return offline.locate(where)
+    return offline.locate(target)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    loc = _locate(args.dir)
+    rows = offline.describe(loc.storage, args.verify)
+    if loc.step is not None:
+        rows = [r for r in rows if r["name"] == loc.step]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{loc.storage.root}  (verify={args.verify})")
+    print(f"{'STEP':>9}  {'WORLD':>5}  {'SIZE':>10}  STATUS")
+    for r in rows:
+        status = _status(r, args.verify)
+        world = "-" if r["world_size"] is None else str(r["world_size"])
+        print(f"{r['step']:>9}  {world:>5}  {_human(r['bytes']):>10}  {status}")
+    if not rows:
+        print("(no checkpoints)")
+    return 0
+
+
+def _status(row: dict, mode: str) -> str:
+    if not row["complete"]:
+        return row["problem"]
+    if mode == "none":
+        return "complete"
+    return f"complete, verified ({mode})" if row["verified"] else f"CORRUPT: {row['problem']}"
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    loc = _locate(args.dir)
+    rows = offline.describe(loc.storage, args.mode)
+    if loc.step is not None:
+        rows = [r for r in rows if r["name"] == loc.step]
+        if not rows:
+            raise CheckpointError(f"{loc.storage.uri(loc.step)} is not a checkpoint directory")
+    bad = [r for r in rows if r["complete"] and r["verified"] is False]
+    for r in rows:
+        print(f"{r['name']}: {_status(r, args.mode)}")
+    usable = [r for r in rows if r["complete"] and r["verified"] is not False]
+    if usable and loc.step is None:
+        print(f"a resume would load {usable[-1]['name']}")
+    if not any(r["complete"] for r in rows):
+        print("no complete checkpoint")
+        return 1
+    return 1 if bad else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    loc = _locate(args.dir)
+    name = offline.pick(loc, "full", args.step)
+    tensors = offline.load_model_tensors(loc.storage.reader(name))
+    size = save_model_file(tensors, Path(args.to))
+    params = sum(t.numel() for t in tensors.values())
+    print(f"exported {loc.storage.uri(name)} -> {args.to}: {len(tensors)} tensors, "
+          f"{params} parameters, {_human(size)}")
+    return 0
+
+
+def _model_of(target: str):
+    if Path(target).suffix in _FILE_SUFFIXES and Path(target).is_file():
+        return load_model_file(Path(target)), target
+    loc = _locate(target)
+    name = offline.pick(loc, "full")
+    return offline.load_model_tensors(loc.storage.reader(name)), loc.storage.uri(name)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    (a, where_a), (b, where_b) = _model_of(args.a), _model_of(args.b)
+    result = {"a": where_a, "b": where_b, **offline.compare(a, b)}
+    print(json.dumps(result, indent=1))
+    return 0 if result["comparable"] else 1
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from elastic_harness.rundir import prepare
+    from elastic_harness.spec import load_job
+
+    spec = load_job(args.job, list(args.set))
+    weights = load_model_file(Path(args.file))
+    run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
+    storage = open_storage(spec.checkpoint.dir or str(run_dir / "checkpoints"))
+    existing = [n for n in storage.listing() if layout.parse_step(n) is not None]
+    if existing:
+        raise CheckpointError(f"{storage.root} already holds checkpoints ({len(existing)})",
+                              "import into a new --run-dir, or move them aside with 'run --fresh' first")
+    state = _fresh_state(spec, weights)
+    prepare(run_dir, spec)
+    info = {"task": spec.task.target, "parallelism": spec.parallelism, "job": spec.name,
+            "step": 0, "world_size": 1, "imported_from": Path(args.file).name}
+    name = layout.step_dirname(0)
+    save_single_process(storage, name, state, info)
+    print(f"imported {args.file} -> {storage.uri(name)} ({len(weights)} tensors, fresh optimizer)")
+    print(f"train from it with: elastic-harness run {args.job} --run-dir {run_dir}")
+    return 0
+
+
+def _fresh_state(spec, weights: dict) -> dict:
+    """The state a fresh job builds (same classes as the worker), with ``weights`` loaded."""
+    import torch
+
+    from elastic_harness.data.sampler import DataState
+    from elastic_harness.runtime.state import ModelState, OptimState, TrainState
+    from elastic_harness.tasks import load_task
+
+    task = load_task(spec.task.target, spec.task.args)
+    torch.manual_seed(spec.train.seed)
+    model = task.build_model()
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:  # missing/unexpected keys or shape mismatches, all listed
+        raise CheckpointError(f"the file does not fit {spec.task.target}: {str(e)[:600]}",
+                              "import it with the job (task.args) that trained it") from None
+    o = spec.optimizer  # mirrors runtime.worker.build_trainer: the key sets must match
+    if o.name == "adamw":
+        optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    else:
+        optim = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    data = DataState(spec.train.seed, len(task.dataset()))
+    return {"model": ModelState(model), "optim": OptimState(model, optim), "train": TrainState(data, 1)}

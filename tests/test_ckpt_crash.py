@@ -1,0 +1,107 @@
+"""SIGKILL in the middle of a save (sync and async): the resume uses the previous checkpoint.
+
+No test hook slows the save down: the model is made big enough (about 40 MB of state) that
+a save takes a while, and the whole process tree (CLI, agent, workers) is SIGKILLed as soon
+as the step directory exists without its manifest, i.e. while DCP is writing it. The test
+then checks the kill really landed mid-save before asserting anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MLP, REPO, cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+BIG = ["--set", "task.args.hidden=1024", "--set", "task.args.depth=4", "--set", "train.steps=15",
+       "--set", "checkpoint.every_steps=5", "--set", "checkpoint.keep=3"]
+KILL_AT = "step-0000010"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (agents and workers run in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_mid_save(run_dir: Path, *sets: str) -> Path:
+    """Start a run; SIGKILL everything once ``KILL_AT`` exists without a manifest."""
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), *BIG, *sets, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    step_dir = run_dir / "checkpoints" / KILL_AT
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        while not (step_dir.is_dir() and not (step_dir / "manifest.json").exists()):
+            assert proc.poll() is None, "the run ended before the save could be interrupted"
+            assert time.monotonic() < deadline, "the save never started"
+            time.sleep(0.001)
+        tree = descendants(proc.pid)
+        for pid in [*reversed(tree), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in tree):
+        assert time.monotonic() < deadline, "killed processes linger"
+        time.sleep(0.05)
+    return step_dir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    r = cli("run", str(MLP), *BIG, "--set", "checkpoint.async_save=false",
+            run_dir=tmp_path_factory.mktemp("big-ref"), timeout=180)
+    assert r.code == 0, r.err
+    return r.summary["model_digest"]
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, reference, async_save):
+    mode = ["--set", f"checkpoint.async_save={async_save}"]
+    step_dir = kill_mid_save(tmp_path, *mode)
+    assert step_dir.is_dir() and not (step_dir / "manifest.json").exists(), "kill did not land mid-save"
+    done = [p.name for p in (tmp_path / "checkpoints").iterdir() if (p / "manifest.json").exists()]
+    assert "step-0000005" in done and KILL_AT not in done
+    again = cli("run", str(MLP), *BIG, *mode, run_dir=tmp_path, timeout=180)
+    assert again.code == 0, again.err
+    resumes = again.kinds("resume")
+    assert resumes[-1]["step"] == 5 and resumes[-1]["checkpoint"] == "step-0000005"
+    warnings = [w["message"] for w in again.kinds("warning")]
+    assert any(f"ignoring incomplete checkpoint {KILL_AT}" in w for w in warnings), warnings
+    assert any(f"removing stale incomplete {KILL_AT}" in w for w in warnings), warnings
+    assert again.summary["model_digest"] == reference  # exactly the uninterrupted result
+    assert (step_dir / "manifest.json").exists()  # step 10 re-saved cleanly on the way

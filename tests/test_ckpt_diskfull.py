@@ -1,0 +1,60 @@
+"""A full disk: a clear error, earlier checkpoints intact, the documented failure policy.
+
+The checkpoint directory is a tiny tmpfs mounted by the test (root only; skipped, saying
+why, where mounting is not permitted). Policy under test (docs/checkpoints.md): a failed
+periodic save is a ``failure`` event and training goes on; the third failure in a row stops
+the job with CheckpointError; a failed final (blocking) save stops it at once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MLP, cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    # 64 pages: one MLP checkpoint (~36 pages) fits, a second one does not
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path, small_disk):
+    ckpts = small_disk / "ckpts"
+    sets = ["--set", f"checkpoint.dir={ckpts}", "--set", "checkpoint.every_steps=10", "--set", "train.steps=60"]
+    run_dir = tmp_path / "run"
+    r = cli("run", str(MLP), *sets, run_dir=run_dir, timeout=180)
+    assert r.code == 2, (r.code, r.err)
+    assert "3 checkpoint saves in a row failed" in r.err and "Traceback" not in r.err
+    failures = [e for e in r.kinds("failure") if not e.get("fatal")]
+    assert [f["step"] for f in failures] == [20, 30, 40]
+    assert all("No space left on device" in f["message"] for f in failures)
+    assert all(f["asynchronous"] for f in failures)  # periodic saves are async by default
+    assert [c["step"] for c in r.kinds("checkpoint")] == [10]
+    assert max(e["step"] for e in r.kinds("step")) < 60  # stopped, did not train on unsaved
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000010"]  # failed saves cleaned up
+    verify = cli("ckpt", "verify", str(ckpts))
+    assert verify.code == 0 and "step-0000010: complete, verified (full)" in verify.out
+
+    # Still full: resume works, and the final save (synchronous, required) fails at once.
+    final_only = ["--set", "checkpoint.every_steps=0", "--set", "train.steps=15"]
+    again = cli("run", str(MLP), *sets[:2], *final_only, run_dir=run_dir, timeout=180)
+    assert again.code == 2, again.err
+    assert again.kinds("resume")[-1]["step"] == 10
+    assert "the required checkpoint at step 15 could not be written" in again.err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000010"]
+    assert Path(ckpts / "step-0000010" / "manifest.json").exists()
