@@ -57,7 +57,7 @@ class Drain:
 def build_trainer(spec: JobSpec, env: WorkerEnv, device: torch.device, run_dir: Path) -> Trainer:
     task = load_task(spec.task.target, spec.task.args)
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
-    model = wrap(task.build_model(), spec.parallelism, device, task)
+    model = wrap(task.build_model(), spec.parallelism, device, task, env.world_size)
     dataset = task.dataset()
     o = spec.optimizer
     if o.name == "adamw":

@@ -113,6 +113,10 @@ class CharLM:
         ce = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="none")
         return ce.view(y.shape).mean(dim=1)
 
+    def shard_units(self, model: TinyGPT) -> list[nn.Module]:
+        """FSDP2 shards each transformer block on its own (then the root)."""
+        return list(model.blocks)
+
     @staticmethod
     def uniform_loss() -> float:
         """Loss of a model that knows nothing: ln(256)."""
