@@ -165,7 +165,7 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if fatal:
         events.emit("exit", who="host", code=2, message=fatal)
-        raise HarnessError(fatal.replace("\n  fix:", "\n  fix:"))
+        raise HarnessError(fatal)
     if summary["finished"]:
         print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
               f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")

@@ -102,9 +102,12 @@ def _record(tr: Trainer, step: int, indices: list[int]) -> None:
         os.close(fd)
 
 
-def save_due(spec: JobSpec, step: int, seconds_since_save: float) -> tuple[bool, bool]:
-    """(by steps, by time) for a save after ``step``. Time is decided on rank 0 only."""
-    c = spec.checkpoint
-    by_steps = bool(c.every_steps) and step % c.every_steps == 0
-    by_time = bool(c.every_seconds) and seconds_since_save >= c.every_seconds
-    return by_steps, by_time
+def save_due_by_steps(spec: JobSpec, step: int) -> bool:
+    every = spec.checkpoint.every_steps
+    return bool(every) and step % every == 0
+
+
+def save_due_by_time(spec: JobSpec, seconds_since_save: float) -> bool:
+    """Decided on rank 0 only and shared with the step's all-reduce (clocks differ)."""
+    every = spec.checkpoint.every_seconds
+    return bool(every) and seconds_since_save >= every

@@ -27,7 +27,7 @@ from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime.faults import WorkerFaults
-from elastic_harness.runtime.loop import Trainer, save_due, train_step
+from elastic_harness.runtime.loop import Trainer, save_due_by_steps, save_due_by_time, train_step
 from elastic_harness.runtime.parallel import wrap
 from elastic_harness.runtime.state import ModelState, OptimState, TrainState
 from elastic_harness.runtime.watchdog import ProgressWatchdog
@@ -113,7 +113,7 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
     last_save, last_saved_step, loss = time.monotonic(), train.step, float("nan")
     while train.step < spec.train.steps:
         t0 = time.perf_counter()
-        time_flag = float(env.rank == 0 and save_due(spec, 1, time.monotonic() - last_save)[1])
+        time_flag = float(env.rank == 0 and save_due_by_time(spec, time.monotonic() - last_save))
         watchdog.arm()
         loss, (drain_n, time_n) = train_step(tr, train, [float(drain.requested), time_flag])
         dt = time.perf_counter() - t0
@@ -124,7 +124,7 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
                 samples_per_s=round(spec.train.global_batch_size / dt, 2),
             )
         final = train.step == spec.train.steps
-        by_steps, _ = save_due(spec, train.step, 0.0)
+        by_steps = save_due_by_steps(spec, train.step)
         if drain_n > 0 or (final and spec.checkpoint.save_final):
             if train.step != last_saved_step:
                 watchdog.arm(extra_s=spec.timeouts.process_group)  # a blocking save may take long
