@@ -110,7 +110,7 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
     """Train to the last step. Returns False if it stopped early to drain."""
     spec, train = tr.spec, state["train"]
     watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
-    last_save, last_saved_step, loss = time.monotonic(), train.step, float("nan")
+    last_save, last_saved_step, loss = time.monotonic(), train.step, None
     while train.step < spec.train.steps:
         t0 = time.perf_counter()
         time_flag = float(env.rank == 0 and save_due_by_time(spec, time.monotonic() - last_save))
@@ -124,21 +124,24 @@ def loop(tr: Trainer, ckpt: CheckpointManager, state: dict, env: WorkerEnv, even
                 samples_per_s=round(spec.train.global_batch_size / dt, 2),
             )
         final = train.step == spec.train.steps
-        by_steps = save_due_by_steps(spec, train.step)
-        if drain_n > 0 or (final and spec.checkpoint.save_final):
-            if train.step != last_saved_step:
-                watchdog.arm(extra_s=spec.timeouts.process_group)  # a blocking save may take long
-                ckpt.save(train.step, state, blocking=True)
-            if drain_n > 0 and not final:
-                events.emit("drain", step=train.step, world_size=env.world_size)
-                watchdog.disarm()
-                return False
-        elif (by_steps or time_n > 0) and ckpt.save(train.step, state, blocking=False):
-            last_save, last_saved_step = time.monotonic(), train.step
+        drain_now = drain_n > 0 and not final
+        blocking = drain_n > 0 or (final and spec.checkpoint.save_final)
+        periodic = save_due_by_steps(spec, train.step) or time_n > 0
+        if train.step != last_saved_step and (blocking or periodic):
+            # A save may wait for the previous one or write synchronously: a longer budget.
+            watchdog.arm(extra_s=spec.timeouts.process_group)
+            if ckpt.save(train.step, state, blocking=blocking):
+                last_save, last_saved_step = time.monotonic(), train.step
+            watchdog.arm()
+        if drain_now:
+            events.emit("drain", step=train.step, world_size=env.world_size)
+            watchdog.disarm()
+            return False
         faults.after_step(train.step)
     watchdog.disarm()
     ckpt.wait()
-    events.emit("finish", step=train.step, loss=round(loss, 6), digest=model_digest(tr.model),
+    events.emit("finish", step=train.step, loss=None if loss is None else round(loss, 6),
+                digest=model_digest(tr.model),
                 samples=train.data.cursor, world_size=env.world_size)
     return True
 
