@@ -12,7 +12,7 @@ import os
 import sys
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_harness.errors import SpecError
@@ -159,7 +159,3 @@ def agent_environ(base: Mapping[str, str] | None = None) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def with_endpoint(opts: NodeOptions, endpoint: str) -> NodeOptions:
-    return replace(opts, rdzv_endpoint=endpoint)

@@ -39,7 +39,3 @@ def grad_sync(model: nn.Module, kind: str, enabled: bool) -> Iterator[None]:
         return
     model.set_requires_gradient_sync(enabled)
     yield
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)

@@ -8,7 +8,6 @@ the 256 byte values, so there is nothing to build or download.
 
 from __future__ import annotations
 
-import math
 import sysconfig
 from pathlib import Path
 
@@ -116,8 +115,3 @@ class CharLM:
     def shard_units(self, model: TinyGPT) -> list[nn.Module]:
         """FSDP2 shards each transformer block on its own (then the root)."""
         return list(model.blocks)
-
-    @staticmethod
-    def uniform_loss() -> float:
-        """Loss of a model that knows nothing: ln(256)."""
-        return math.log(256)
