@@ -52,7 +52,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
-    _preflight_task(spec)
+    spec = preflight(spec, Path(args.job))
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     if any(f.kind in ("partition", "heal") for f in spec.chaos) and not args.netns:
@@ -69,11 +69,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _preflight_task(spec) -> None:
-    """Import and build the task here, so a bad task.target fails before any agent starts."""
+def preflight(spec, job_path: Path):
+    """Fail before any agent starts: import and build the task, or find the script.
+
+    A script path is made absolute (relative to the working directory, else to the job
+    file's directory) so agents and workers find it wherever they run.
+    """
+    if spec.script.path:
+        script = resolve_script(spec.script.path, job_path)
+        return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script)))
     from elastic_harness.tasks import load_task
 
     load_task(spec.task.target, spec.task.args)
+    return spec
+
+
+def resolve_script(path: str, job_path: Path) -> Path:
+    for candidate in (Path(path), job_path.parent / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise HarnessError(f"script.path '{path}' does not exist (looked in the working directory "
+                       f"and next to {job_path})", "fix script.path in the job, or run from the "
+                       "directory it is relative to")
 
 
 def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False) -> int:
