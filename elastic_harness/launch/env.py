@@ -40,6 +40,7 @@ class WorkerEnv:
     job_path: str = ""  # the resolved job, when our agent started this worker
     run_dir: str = ""  # the run directory, when our agent started this worker
     launched: bool = True  # False: a plain `python script.py`, no launcher at all
+    agent_store: bool = False  # MASTER_PORT is the agent's shared rendezvous store
 
     @property
     def by_harness(self) -> bool:
@@ -75,4 +76,5 @@ class WorkerEnv:
             timer_file=env.get("TORCHELASTIC_TIMER_FILE", ""),
             job_path=env.get(JOB_VAR, ""),
             run_dir=env.get(RUN_DIR_VAR, ""),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
         )

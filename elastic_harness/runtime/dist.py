@@ -48,15 +48,9 @@ def init(env: WorkerEnv, device_request: str, timeout_s: int) -> Groups:
     if owned:
         # On GPU keep a CPU backend too: async checkpoint staging needs CPU collectives.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        if env.launched:
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank, world_size=env.world_size, timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
-        else:  # `python script.py`: a world of one, no network
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+        dist.init_process_group(backend=backend, store=_store(env, timeout), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
     elif dist.get_world_size() != env.world_size:
         raise HarnessError(
             f"the script's process group has {dist.get_world_size()} ranks, the launcher "
@@ -67,6 +61,28 @@ def init(env: WorkerEnv, device_request: str, timeout_s: int) -> Groups:
     backend = str(dist.get_backend())
     ckpt = dist.new_group(backend="gloo", timeout=timeout)
     return Groups(device=device, backend=backend, ckpt=ckpt, owned=owned)
+
+
+def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
+    """Where ranks meet: rank 0's own store, or the agent's shared one (plain torchrun).
+
+    torchrun shares its rendezvous store with workers by default, and that store outlives
+    worker generations: a restarted gloo group then finds the previous generation's
+    addresses under the same keys and fails with ``connectFullMesh ... Connection refused``
+    (pytorch issue 135712). On one node every rank has the same restart count, so a
+    per-attempt key prefix keeps generations apart. Several nodes under plain torchrun
+    need ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (our agent always sets it).
+    """
+    if not env.launched:  # `python script.py`: a world of one, no network
+        return dist.HashStore()
+    if env.agent_store:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                              timeout=timeout)
+        if env.local_world_size == env.world_size:
+            return dist.PrefixStore(f"elastic_harness/attempt-{env.restart_count}", store)
+        return store
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                         is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
 
 
 def destroy(groups: Groups | None = None) -> None:
