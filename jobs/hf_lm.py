@@ -22,7 +22,7 @@ import elastic_harness as eh
 from elastic_harness.tasks.charlm import ByteWindows, stdlib_text
 
 
-def build_model(kind, block):
+def build_model(block):
     config = transformers.GPT2Config(vocab_size=256, n_positions=block, n_embd=48, n_layer=3,
                                      n_head=3, tie_word_embeddings=True)
     return transformers.GPT2LMHeadModel(config)
@@ -49,7 +49,7 @@ def main():
     args = cli.parse_args()
 
     run = eh.init(Path(__file__).with_suffix(".yaml"), run_dir=args.run_dir, overrides=args.set)
-    model = build_model("gpt2", args.block).to(run.device)
+    model = build_model(args.block).to(run.device)
     if args.parallelism == "fsdp":
         for layer in model.transformer.h:
             fully_shard(layer)
@@ -74,7 +74,9 @@ def main():
         step.optimizer_step(optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step.done(grad_norm=float(getattr(grad_norm, "full_tensor", lambda: grad_norm)()))
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        step.done(grad_norm=float(grad_norm))
         if step.eval_due:
             run.evaluate(eval_set, lambda b: {"loss": per_sample_loss(model, b)})
     run.close()
