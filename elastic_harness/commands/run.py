@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+from elastic_harness import exitcodes
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.schedule import parse_fault
 from elastic_harness.cluster import LocalCluster, free_port
@@ -189,7 +190,15 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
         print(f"model digest {summary['model_digest']}")
         events.emit("exit", who="host", code=0)
         return 0
-    message = _failure_message(current_invocation(all_events), codes)
+    invocation = current_invocation(all_events)
+    permanent = [e for e in invocation if e["event"] == "exit" and e.get("who") == "agent"
+                 and e.get("code") == exitcodes.PERMANENT]
+    if permanent:  # a crash loop (or a fatal error): restarting cannot help
+        events.emit("exit", who="host", code=HarnessError.exit_code, message=permanent[-1]["message"])
+        raise HarnessError(permanent[-1]["message"],
+                           f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes "
+                           "from the last checkpoint")
+    message = _failure_message(invocation, codes)
     resume_hint = "re-run the same command to resume from the last checkpoint"
     if any(c is not None and c >= 128 for c in codes.values()):
         events.emit("exit", who="host", code=Preempted.exit_code, message=message)

@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from elastic_harness import exitcodes
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch import bridge, isolation, watchdog
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
@@ -24,7 +25,7 @@ from elastic_harness.launch.env import JOB_VAR, NODE_VAR, RUN_DIR_VAR
 from elastic_harness.launch.policy import stop_reason
 from elastic_harness.spec import JobSpec
 
-EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
 
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:

@@ -19,6 +19,10 @@ from elastic_harness.data.sampler import micro_batches, rank_share, split
 from elastic_harness.errors import HarnessError
 
 
+class EvaluateError(RuntimeError):
+    """The user's evaluation code raised (the message names what and where)."""
+
+
 def eval_batches(n: int, world_size: int, rank: int, batch_size: int) -> list[list[int]]:
     """Pure: this rank's evaluation batches (dataset indices)."""
     if n < world_size:

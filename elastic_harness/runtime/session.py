@@ -411,8 +411,15 @@ class Run:
                         restart=self.env.restart_count, generation=self.generation)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        """Plain torchrun/python: record the failure; a user's mistake is one line, exit 2."""
         self.record_failure(exc)
-        self._previous_hook(kind, exc, tb)
+        if not isinstance(exc, HarnessError):
+            self._previous_hook(kind, exc, tb)
+            return
+        prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        self.close()
+        os._exit(exc.exit_code)  # the interpreter would exit 1; a mistake to fix is 2
 
     def _agree_generation(self) -> str:
         """A fresh id for this worker generation, the same on every rank (for audits)."""
@@ -489,17 +496,18 @@ def _check_stateful(name: str, obj: Any) -> None:
 
 
 def _guarded(fn: Callable) -> Callable:
-    """Turn an exception in the user's evaluate into one clear line (it repeats on restart)."""
+    """Name the user's evaluate in whatever it raises. Not fatal at once: a peer that died
+    mid-evaluation also surfaces here, as a collective error; a bug in evaluate fails the
+    same way on the next attempt, and the agent stops on that crash loop (one line)."""
 
     def call(batch: Any) -> Any:
         try:
             return fn(batch)
         except HarnessError:
             raise
-        except Exception as e:  # noqa: BLE001 - user code: report it, do not restart into it
+        except Exception as e:
             d = failures.describe(e)
-            raise HarnessError(f"evaluate raised {d['message']} (at {d['where']})",
-                               "fix the evaluation code; re-run to resume from the last checkpoint") from e
+            raise ev.EvaluateError(f"evaluate raised {d['message']} (at {d['where']})") from e
 
     return call
 
