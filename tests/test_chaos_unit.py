@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import argparse
+import signal
+import typing
 from pathlib import Path
 
 import pytest
 
-from elastic_harness.chaos.schedule import due, fired_by_worker, hits, parse_fault
-from elastic_harness.commands.chaos import kubectl_kill_node
-from elastic_harness.errors import SpecError
+from elastic_harness.chaos.inject import ready
+from elastic_harness.chaos.schedule import due, hits
+from elastic_harness.chaos.vocabulary import (
+    FIRE_NOW_S,
+    KINDS,
+    check_netns,
+    check_targets,
+    fire_now,
+    fired_by_worker,
+    parse_fault,
+)
+from elastic_harness.commands.chaos import cmd_chaos, kubectl_kill_node
+from elastic_harness.errors import HarnessError, SpecError
+from elastic_harness.events import EventLog
 from elastic_harness.launch.agent import explain_rendezvous_error
 from elastic_harness.launch.config import NodeOptions
 from elastic_harness.launch.isolation import IsolationWatchdog, isolated_for
+from elastic_harness.runtime.faults import recipient
 from elastic_harness.spec import FaultSpec
+from tests.conftest import MLP, cli
 
 
 def test_parse_fault_forms():
@@ -23,6 +39,89 @@ def test_parse_fault_forms():
         parse_fault("explode:1@3")
     with pytest.raises(SpecError, match="not a step"):
         parse_fault("kill-worker:1@soon")
+    assert parse_fault("heal:1") == FaultSpec("heal", 1, at_seconds=FIRE_NOW_S), "no '@' means now"
+    assert parse_fault("kill-worker:1@2.5s").at_seconds == 2.5
+
+
+@pytest.mark.parametrize("text, words", [
+    ("kill-worker:one@20", "target 'one' is not a rank number"),
+    ("kill-worker:-1@5", "target '-1'"),
+    ("kill-worker:@5", "target ''"),
+    ("kill-worker:1:2@3", "target '1:2'"),
+    ("kill-node:²@3", "is not a node number"),
+    ("add-node:2@5", "add-node takes no target"),
+    ("kill-worker:1@", "'@' is not a step"),
+    ("kill-worker:1@0", "'@0' is not a step"),
+    ("kill-worker:1@-5", "'@-5'"),
+    ("kill-worker:1@1.5", "'@1.5'"),
+    ("kill-worker:1@s", "'@s'"),
+    ("kill-worker:1@nans", "'@nans'"),
+    ("kill-worker:1@20@30", "'@20@30'"),
+    ("kill-worker:1@20\n", "'@20\\n'"),
+    ("", "kind '' is not one of"),
+])
+def test_malformed_fault_strings_are_refused_in_one_line(text, words):
+    with pytest.raises(SpecError) as caught:
+        parse_fault(text)
+    message = str(caught.value)
+    assert words in message and "\n  fix: " in message
+    assert message.count("\n") == 1, "one line for the problem, one for the fix"
+
+
+def test_the_vocabulary_and_the_spec_name_the_same_kinds():
+    assert set(KINDS) == set(typing.get_args(typing.get_type_hints(FaultSpec)["kind"]))
+    for kind in KINDS.values():
+        assert (kind.how == "signal") == (kind.signal is not None) == bool(kind.reaches)
+        assert not kind.worker_fires or kind.reaches in ("rank", "agent", "agent-group"), \
+            "a worker can signal only itself or its agent"
+
+
+def test_netns_rule_and_targets_are_checked_in_one_place():
+    cut = FaultSpec("partition", 1, at_step=5)
+    check_netns([cut], netns=True)
+    with pytest.raises(HarnessError, match="need simulated hosts") as caught:
+        check_netns([FaultSpec("kill-worker", 0, at_step=1), cut], netns=False)
+    assert "--netns" in caught.value.hint
+    check_targets([FaultSpec("kill-worker", 3, at_step=1), FaultSpec("kill-node", 2, at_step=1)], ranks=4, nodes=3)
+    with pytest.raises(HarnessError, match="rank 4, but this job has ranks 0..3"):
+        check_targets([FaultSpec("kill-worker", 4, at_step=1)], ranks=4, nodes=3)
+    with pytest.raises(HarnessError, match="node 3"):
+        check_targets([FaultSpec("preempt", 3, at_step=1)], ranks=4, nodes=3)
+
+
+def test_who_a_fault_reaches():
+    assert recipient(FaultSpec("kill-worker", 1, at_step=2), pid=50, parent=40) == (50, "rank 1")
+    assert recipient(FaultSpec("kill-node", 0, at_step=2), pid=50, parent=40) == (40, "node 0's agent")
+    assert KINDS["kill-node"].signal == signal.SIGKILL and KINDS["preempt"].signal == signal.SIGTERM
+    workers = {0: (10, "0"), 1: (11, "1")}
+    assert ready(FaultSpec("hang", 1, at_seconds=1), workers, nodes={0, 1})
+    assert not ready(FaultSpec("hang", 2, at_seconds=1), workers, nodes={0, 1}), "rank 2 not started"
+    assert not ready(FaultSpec("kill-node", 2, at_seconds=1), workers, nodes={0, 1}), "node 2 not added yet"
+    assert not ready(FaultSpec("hang-node", 2, at_seconds=1), workers, nodes={0, 1, 2}), "its workers unknown"
+    assert ready(FaultSpec("add-node", at_seconds=1), {}, nodes={0})
+    requested = fire_now(FaultSpec("kill-worker", 1, at_step=40))
+    assert requested.at_seconds == FIRE_NOW_S and not fired_by_worker(requested)
+
+
+def test_run_refuses_a_malformed_fault_before_starting_anything(tmp_path):
+    r = cli("run", str(MLP), "--chaos", "kill-worker:one@20", run_dir=tmp_path / "run", timeout=60)
+    assert r.code == 2 and "target 'one' is not a rank number" in r.err and "fix:" in r.err
+    assert "Traceback" not in r.err and not (tmp_path / "run").exists()
+
+
+def chaos_args(run_dir: Path, fault: str) -> argparse.Namespace:
+    return argparse.Namespace(k8s=False, target=str(run_dir), fault=fault)
+
+
+def test_chaos_command_refuses_timed_and_link_faults_it_cannot_fire(tmp_path):
+    EventLog(tmp_path / "events.jsonl").emit("start", who="host", nodes=1, netns=False)
+    with pytest.raises(HarnessError, match="fires now, it takes no '@'"):
+        cmd_chaos(chaos_args(tmp_path, "kill-worker:1@20"))
+    with pytest.raises(HarnessError, match="need simulated hosts"):
+        cmd_chaos(chaos_args(tmp_path, "partition:1"))
+    assert not (tmp_path / "chaos").exists(), "nothing was requested"
+    assert cmd_chaos(chaos_args(tmp_path, "kill-worker:1")) == 0
+    assert len(list((tmp_path / "chaos" / "requests").glob("*.json"))) == 1
 
 
 def test_step_faults_on_processes_fire_in_the_worker_they_hit():

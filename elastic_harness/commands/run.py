@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from elastic_harness.chaos.inject import ChaosController
-from elastic_harness.chaos.schedule import parse_fault
+from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, read_events
@@ -52,12 +52,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
-    _preflight_task(spec)
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
-    if any(f.kind in ("partition", "heal") for f in spec.chaos) and not args.netns:
-        raise HarnessError("faults 'partition' and 'heal' need simulated hosts with their own network",
-                           "run with --netns (as root)")
+    check_faults(spec, nodes, args.netns)
+    _preflight_task(spec)
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
     code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
     if code == 0 and args.verify:
@@ -67,6 +65,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                                    rtol=1e-4, json=False)
         code = cmd_verify(check)
     return code
+
+
+def check_faults(spec, nodes: int, netns: bool) -> None:
+    """Refuse faults this run cannot carry out, before any agent starts."""
+    check_netns(spec.chaos, netns)
+    adds = sum(1 for f in spec.chaos if f.kind == "add-node")
+    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds)
 
 
 def _preflight_task(spec) -> None:
@@ -107,7 +112,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
             topology: NetnsTopology | None) -> int:
     tail = EventTail(run_dir / "events.jsonl")
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
-                run_dir=str(run_dir))
+                run_dir=str(run_dir), netns=topology is not None)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
                            backend=spec.rendezvous.backend, netns=topology)
