@@ -173,13 +173,38 @@ class EventLog:
 
 def read_events(path: str | Path) -> list[dict]:
     """All complete events; a torn last line (writer killed mid-write) is skipped."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
+    return EventTail(Path(path), start_at_end=False).read()
+
+
+class EventTail:
+    """Reads the events appended since the last call: the incremental reader.
+
+    Each ``read()`` reads only the bytes added since the previous one and keeps an
+    incomplete last line for the next call. A file that shrank (replaced) is read again from
+    its start. Not thread-safe: one reader per instance.
+    """
+
+    def __init__(self, path: Path, start_at_end: bool = True) -> None:
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if (start_at_end and self.path.exists()) else 0
+        self._partial = b""
+
+    def read(self) -> list[dict]:
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    self.offset, self._partial = 0, b""
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line torn by a writer killed mid-write
+        return out

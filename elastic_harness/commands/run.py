@@ -13,10 +13,10 @@ from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
-from elastic_harness.events import EventLog, read_events
+from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.netns import NetnsTopology
-from elastic_harness.progress import EventTail, Progress
+from elastic_harness.progress import Progress
 from elastic_harness.rundir import prepare
 from elastic_harness.spec import load_job
 from elastic_harness.summary import current_invocation, summarize

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from elastic_harness.progress import EventTail
+from elastic_harness.events import EventTail
 
 
 @dataclass
