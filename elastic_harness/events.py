@@ -132,7 +132,7 @@ CONTRACT: dict[str, EventKind] = {
     }),
     "isolated": EventKind("an agent", "cut off from the rendezvous; it stops with its workers", {
         "node": "node name",
-        "endpoint": "the endpoints it could not reach",
+        "endpoint": "the rendezvous endpoint (with etcd, every member was probed)",
         "seconds": "how long it had been unreachable",
         "message": "one line",
     }),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import threading
 import typing
 from pathlib import Path
 
@@ -22,13 +23,19 @@ from elastic_harness.chaos.vocabulary import (
 )
 from elastic_harness.commands.chaos import cmd_chaos, kubectl_kill_node
 from elastic_harness.errors import HarnessError, SpecError
-from elastic_harness.events import EventLog
+from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch.agent import explain_rendezvous_error
 from elastic_harness.launch.config import NodeOptions
-from elastic_harness.launch.isolation import IsolationWatchdog, isolated_for
+from elastic_harness.launch.isolation import (
+    IsolationWatchdog,
+    etcd_members,
+    exit_isolated,
+    isolated_for,
+)
 from elastic_harness.runtime.faults import recipient
 from elastic_harness.spec import FaultSpec
 from tests.conftest import MLP, cli
+from tests.servers import etcd_cluster, free_port
 
 
 def test_parse_fault_forms():
@@ -159,11 +166,62 @@ def test_rendezvous_errors_are_explained():
 def test_isolation_decision_and_watchdog():
     assert not isolated_for(last_ok=10.0, now=15.0, limit=6.0)
     assert isolated_for(last_ok=10.0, now=16.5, limit=6.0)
-    seen = []
+    assert not isolated_for(last_ok=None, now=1e9, limit=6.0), "never reached: not isolated"
+    answers = iter([False] * 30 + [True])  # the rendezvous host starts late, then is lost
+    probed, seen = [], []
     dog = IsolationWatchdog("10.0.0.1:1", limit=0.05, on_isolated=seen.append, interval=0.01,
-                            probe=lambda host, port, timeout: False).start()
-    dog._thread.join(timeout=10)
+                            probe=lambda host, port, timeout: probed.append(host) or next(answers, False))
+    dog.start()._thread.join(timeout=30)
     assert len(seen) == 1 and seen[0] > 0.05
+    assert len(probed) > 31, "the 30 failed probes before the first success started no clock"
+
+
+def test_isolation_probes_every_etcd_member():
+    """Member 1 of 3 (the configured endpoint) is lost; the others still answer."""
+    alive = {"10.0.0.1": 3, "10.0.0.2": 10**6, "10.0.0.3": 10**6}  # successes left per member
+    rounds, seen = [], []
+
+    def probe(host: str, port: int, timeout: float) -> bool:
+        if host == "10.0.0.1":
+            rounds.append(1)
+            if len(rounds) >= 40:
+                dog.stop()
+        alive[host] -= 1
+        return alive[host] >= 0
+
+    members = ["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"]
+    dog = IsolationWatchdog("10.0.0.1:2379", limit=0.05, on_isolated=seen.append, interval=0.01,
+                            probe=probe, members=lambda: members).start()
+    dog._thread.join(timeout=30)
+    assert seen == [] and dog.endpoints == members and len(rounds) >= 40
+
+
+def test_an_isolated_agent_exits_even_when_the_run_dir_hangs(tmp_path):
+    codes: list[int] = []
+    log = EventLog(tmp_path / "events.jsonl")
+    exit_isolated(log, "1", "h:1", exit=codes.append)(7.0)
+    assert codes == [1] and [e["event"] for e in read_events(log.path)] == ["isolated", "exit"]
+
+    class HungStorage:
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def emit(self, kind: str, **fields) -> None:
+            self.release.wait(60)
+
+    hung = HungStorage()
+    try:
+        exit_isolated(hung, "1", "h:1", write_budget_s=0.1, exit=codes.append)(7.0)
+        assert codes == [1, 1], "it exits after the budget, the write still hanging"
+    finally:
+        hung.release.set()
+
+
+@pytest.mark.timeout(120)
+def test_etcd_members_lists_what_the_cluster_advertises(tmp_path):
+    assert etcd_members(f"127.0.0.1:{free_port()}", timeout=0.5) == []
+    with etcd_cluster(tmp_path) as members:
+        assert sorted(etcd_members(members[0][0])) == sorted(e for e, _ in members)
 
 
 def test_k8s_kill_node_command():
