@@ -83,6 +83,13 @@ def test_the_vocabulary_and_the_spec_name_the_same_kinds():
             "a worker can signal only itself or its agent"
 
 
+def test_the_readme_fault_table_names_every_kind():
+    rows = [line for line in (Path(MLP).parents[1] / "README.md").read_text().splitlines()
+            if line.startswith("| `")]
+    named = {part.split(":")[0].strip("` ") for row in rows for part in row.split("|")[1].split("/")}
+    assert set(KINDS) <= named
+
+
 def test_netns_rule_and_targets_are_checked_in_one_place():
     cut = FaultSpec("partition", 1, at_step=5)
     check_netns([cut], netns=True)
