@@ -18,8 +18,9 @@ from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import prepare
+from elastic_harness.runstate import current_invocation
 from elastic_harness.spec import load_job
-from elastic_harness.summary import current_invocation, summarize
+from elastic_harness.summary import summarize
 
 
 def register(sub: argparse._SubParsersAction) -> None:
