@@ -127,9 +127,7 @@ class GoodputLedger:
 
     def _step(self, g: _Gen, t: float, step: int) -> None:
         if not g.active:
-            if self._active is not None and g.resume_t < self._active.last_t:
-                return  # resumed before the active generation's last step: out of order, ignored
-            self._activate(g)
+            self._activate(g)  # (writers' clocks may disagree a little: gaps are clipped at 0)
         if g is not self._active:
             return  # a step of an older generation after a newer one took over: ignored
         span = _Span(g.last_step, step, max(0.0, t - g.last_t), 0.0)

@@ -195,7 +195,7 @@ class Endpoint:
             self._stop.set()
             self._server.shutdown()
             self._server.server_close()
-            self._reader.join(timeout=self.refresh_s + 5)
+            self._reader.join(timeout=2.0)  # a read hung on storage must not hold up the exit
 
 
 class _BoundedServer(ThreadingHTTPServer):
