@@ -181,6 +181,7 @@ def test_report_and_verify_on_a_killed_worker_run(mlp_reference, tmp_path):
     g = data["goodput"]
     assert 0 < g["goodput"] < 1
     assert g["productive_s"] + sum(g["badput"].values()) == pytest.approx(g["wall_s"], abs=1e-3)
+    assert r.summary["goodput"] == g, "summary.json and report count goodput one way"
     png = run_dir / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The table is rendered from the same timeline the JSON came from (in-process: no second

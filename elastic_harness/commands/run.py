@@ -164,27 +164,32 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
 
 
 def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None) -> int:
+    """Decide the outcome, log the host's ``exit``, then write ``summary.json`` from the
+    whole log (exit included, so its goodput is the one ``report`` prints)."""
     codes = {i: n.returncode() for i, n in cluster.nodes.items()}
     all_events = read_events(run_dir / "events.jsonl")
     summary = summarize(all_events)
+    resume_hint = "re-run the same command to resume from the last checkpoint"
+    if fatal:
+        code, message, error = 2, fatal, HarnessError(fatal)
+    elif summary["finished"]:
+        code, message, error = 0, "", None
+    else:
+        message = _failure_message(current_invocation(all_events), codes)
+        preempted = any(c is not None and c >= 128 for c in codes.values())
+        code = Preempted.exit_code if preempted else 1
+        error = Preempted(message, resume_hint) if preempted else \
+            ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
+    events.emit("exit", who="host", code=code, message=message)
+    summary = summarize(read_events(run_dir / "events.jsonl"))
     summary["agent_exit_codes"] = codes
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if fatal:
-        events.emit("exit", who="host", code=2, message=fatal)
-        raise HarnessError(fatal)
-    if summary["finished"]:
-        print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
-              f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
-        print(f"model digest {summary['model_digest']}")
-        events.emit("exit", who="host", code=0)
-        return 0
-    message = _failure_message(current_invocation(all_events), codes)
-    resume_hint = "re-run the same command to resume from the last checkpoint"
-    if any(c is not None and c >= 128 for c in codes.values()):
-        events.emit("exit", who="host", code=Preempted.exit_code, message=message)
-        raise Preempted(message, resume_hint)
-    events.emit("exit", who="host", code=1, message=message)
-    raise ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
+    if error is not None:
+        raise error
+    print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
+          f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
+    print(f"model digest {summary['model_digest']}")
+    return 0
 
 
 def _failure_message(events: list[dict], codes: dict[int, int | None]) -> str:
