@@ -31,6 +31,12 @@ def ours(package: str) -> set[str]:
 @pytest.mark.parametrize("package, allowed", [
     ("spec", {"elastic_harness.errors", "elastic_harness.spec"}),
     ("data", {"elastic_harness.data"}),
+    # the one fold of the event log, and the event contract: pure, shared by host and agent
+    ("goodput", set()),
+    ("runstate", {"elastic_harness.goodput"}),
+    ("events", set()),
+    # the fault vocabulary: data and pure decisions over the spec
+    ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}

@@ -323,7 +323,7 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
     """Plain torchrun agents (one per simulated node) on our worker entry; see module doc."""
     import dataclasses
 
-    from elastic_harness.chaos.schedule import parse_fault
+    from elastic_harness.chaos.vocabulary import parse_fault
     from elastic_harness.cluster import free_port
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job

@@ -50,14 +50,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
         from elastic_harness.errors import HarnessError
 
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
+    node = args.node or os.uname().nodename
     endpoint = None
     if args.endpoint_port is not None:
-        from elastic_harness.launch.endpoint import Endpoint
+        from elastic_harness.launch.endpoint import Endpoint, stall_bound
 
-        endpoint = Endpoint(run_dir, args.endpoint_host, args.endpoint_port)
+        endpoint = Endpoint(run_dir / "events.jsonl", job=spec.name, node=node, host=args.endpoint_host,
+                            port=args.endpoint_port, stall_s=stall_bound(spec))
         print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
     try:
-        return run_agent(spec, opts, node=args.node or os.uname().nodename)
+        return run_agent(spec, opts, node=node)
     finally:
         if endpoint is not None:
             endpoint.close()
