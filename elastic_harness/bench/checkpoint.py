@@ -23,10 +23,10 @@ import os
 import re
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
+from elastic_harness.bench import check_out, scratch_dir
 from elastic_harness.errors import HarnessError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -61,7 +61,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.every < 1 or args.steps < args.every:
         raise HarnessError("--repeats and --every must be >= 1 and --steps >= --every")
     size = parse_size(args.size)
-    scratch = Path(tempfile.mkdtemp(prefix="eh-bench-", dir=args.dir))
+    check_out(args.out)
+    scratch = scratch_dir("eh-bench-", args.dir)
     try:
         raw = measure(size, args.repeats, args.every, args.steps, scratch)
     finally:

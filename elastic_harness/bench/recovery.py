@@ -37,10 +37,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from elastic_harness.bench import check_out, scratch_dir
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.report.timeline import FaultRow, build, split_invocations
@@ -86,7 +86,8 @@ def cmd_recovery(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.faults < 1:
         raise HarnessError("--repeats and --faults must be >= 1")
     parts = args.only or ["kill-node", "kill-worker", "goodput"]
-    scratch = Path(tempfile.mkdtemp(prefix="eh-recovery-", dir=args.dir))
+    check_out(args.out)
+    scratch = scratch_dir("eh-recovery-", args.dir)
     report: dict = {"bench": "recovery", "settings": _settings(args, parts, scratch)}
     try:
         if "kill-node" in parts:
