@@ -86,7 +86,9 @@ def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> d
 
     from elastic_harness.bench.ckpt_ranks import main
     from elastic_harness.cluster import free_port
+    from elastic_harness.launch.scratch import torch_environ
 
+    os.environ.update(torch_environ(scratch, os.environ))  # the ranks' torch caches: in scratch
     cfg = {"port": free_port(), "size": size, "repeats": repeats, "every": every, "steps": steps,
            "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}
     t0 = time.perf_counter()

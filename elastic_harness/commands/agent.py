@@ -12,6 +12,7 @@ from pathlib import Path
 
 from elastic_harness.launch.agent import run_agent
 from elastic_harness.launch.config import node_options
+from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.rundir import prepare
 from elastic_harness.spec import load_job
 
@@ -43,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_agent(args: argparse.Namespace) -> int:
     spec = load_job(args.job, args.set)
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec)
+    os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
     flags = {k: getattr(args, k) for k in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "nnodes",
                                            "nproc_per_node", "max_restarts", "is_host", "local_addr")}
     opts = node_options(spec, run_dir, flags, os.environ)
