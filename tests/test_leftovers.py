@@ -22,6 +22,14 @@ from tests.servers import wait_until
 SHM = Path("/dev/shm")
 
 
+@pytest.fixture(autouse=True)
+def _no_inherited_inductor_cache(monkeypatch):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR in its own process (to
+    /tmp/torchinductor_$USER): once an earlier test in this process did, the subprocesses
+    here would inherit it, and a run rightly keeps a cache dir it is given."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+
+
 def test_torch_caches_go_to_the_run_dir_unless_the_user_chose():
     env = torch_environ(Path("/runs/a"), {})
     assert env == {"TORCHINDUCTOR_CACHE_DIR": "/runs/a/cache/torchinductor"}
