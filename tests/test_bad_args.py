@@ -1,9 +1,9 @@
 """Every bad argument to every command: one ``error:`` line (with a fix where one helps),
 exit 2, no traceback, nothing created.
 
-Commands run in this process through the real entry point (``cli.main``), which is what
-``elastic-harness`` and ``python -m elastic_harness`` call; none of these inputs gets far
-enough to start a process. ``test_every_command_is_walked`` keeps the walk complete: a new
+Commands run in this process through the real entry point (``cli.main``, which is what
+``elastic-harness`` and ``python -m elastic_harness`` call; the ``cli_here`` fixture); none
+of these inputs gets far enough to start a process. ``test_every_command_is_walked`` keeps the walk complete: a new
 (sub)command without bad-argument cases here fails it.
 """
 
@@ -14,49 +14,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic_harness.cli import build_parser, main
+from elastic_harness.cli import build_parser
 from elastic_harness.errors import SpecError
 from elastic_harness.launch.config import node_options, with_port
 from elastic_harness.spec import parse_job
-from tests.conftest import MLP
+from tests.conftest import MLP, Result, cli
 from tests.test_cli_imports import leaf_commands
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _must_not_start(*args, **kwargs):
-    raise AssertionError("bad arguments got as far as starting the work")
-
-
-@pytest.fixture
-def call(capsys, tmp_path, monkeypatch):
-    """Run the CLI in ``tmp_path`` (so default run dirs land there) without PET_* hints.
-    The calls that would start training or a benchmark fail the test instead (a guard, in
-    case a bad argument is accepted; no test here expects to get that far)."""
-    import elastic_harness.launch.agent
-    from elastic_harness.bench import checkpoint, recovery
-    from elastic_harness.commands import run
-
-    monkeypatch.chdir(tmp_path)
-    for var in ("PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_NNODES", "PET_NPROC_PER_NODE"):
-        monkeypatch.delenv(var, raising=False)
-    for module, name in ((run, "launch_local"), (elastic_harness.launch.agent, "run_agent"),
-                         (checkpoint, "measure"), (recovery, "launch")):
-        monkeypatch.setattr(module, name, _must_not_start)
-
-    def run(*args: str) -> SimpleNamespace:
-        capsys.readouterr()
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code
-        out, err = capsys.readouterr()
-        return SimpleNamespace(code=code, out=out, err=err)
-
-    return run
-
-
-def assert_one_line_error(r: SimpleNamespace, *words: str) -> None:
+def assert_one_line_error(r: Result, *words: str) -> None:
     assert r.code == 2, (r.code, r.out, r.err)
     assert "Traceback" not in r.err + r.out
     errors = [line for line in r.err.splitlines() if line.startswith("error: ") or ": error: " in line]
@@ -81,10 +49,17 @@ def inputs(tmp_path: Path) -> SimpleNamespace:
 # --- one test per case named in the issue -------------------------------------------------
 
 
-def test_set_value_that_is_not_yaml(call):
+def test_set_value_that_is_not_yaml(cli_here):
     for command in ("run", "spec"):
-        r = call(command, MLP, "--set", "train.steps=[1")
+        r = cli_here(command, MLP, "--set", "train.steps=[1")
         assert_one_line_error(r, "train.steps", "'[1' is not valid YAML", "expected ',' or ']'", "fix: ")
+
+
+def test_the_real_entry_point_exits_2_without_a_traceback(tmp_path):
+    """The in-process calls here go through ``main``; this one is the process users run."""
+    r = cli("run", str(MLP), "--set", "train.steps=[1", run_dir=tmp_path / "run", timeout=60)
+    assert_one_line_error(r, "'[1' is not valid YAML")
+    assert not (tmp_path / "run").exists()
 
 
 def test_yaml_parse_error_keeps_pyyaml_reason():
@@ -119,7 +94,7 @@ def test_node_counts_from_flags_and_env_are_checked(tmp_path):
         assert e.value.path == source
 
 
-def test_import_of_a_corrupt_or_truncated_safetensors_file(call, inputs, tmp_path):
+def test_import_of_a_corrupt_or_truncated_safetensors_file(cli_here, inputs, tmp_path):
     import torch
     from safetensors.torch import save_file
 
@@ -128,38 +103,38 @@ def test_import_of_a_corrupt_or_truncated_safetensors_file(call, inputs, tmp_pat
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(good.read_bytes()[:-100])
     for bad in (inputs.garbage, truncated):
-        r = call("ckpt", "import", bad, MLP, "--run-dir", tmp_path / "run")
+        r = cli_here("ckpt", "import", bad, MLP, "--run-dir", tmp_path / "run")
         assert_one_line_error(r, f"'{bad}' is not a readable .safetensors file", "fix: ")
-        assert_one_line_error(call("ckpt", "diff", bad, good), "is not a readable .safetensors file")
+        assert_one_line_error(cli_here("ckpt", "diff", bad, good), "is not a readable .safetensors file")
     assert not (tmp_path / "run").exists()
 
 
-def test_import_of_a_missing_file_says_so(call, inputs, tmp_path):
-    r = call("ckpt", "import", tmp_path / "model.pt", MLP, "--run-dir", tmp_path / "run")
+def test_import_of_a_missing_file_says_so(cli_here, inputs, tmp_path):
+    r = cli_here("ckpt", "import", tmp_path / "model.pt", MLP, "--run-dir", tmp_path / "run")
     assert_one_line_error(r, "model.pt' does not exist", "fix: check the path")
     assert "state_dict" not in r.err
-    assert_one_line_error(call("ckpt", "import", inputs.adir, MLP), "is a directory")
+    assert_one_line_error(cli_here("ckpt", "import", inputs.adir, MLP), "is a directory")
     assert not (tmp_path / "run").exists()
 
 
-def test_import_of_a_damaged_torch_file(call, tmp_path):
+def test_import_of_a_damaged_torch_file(cli_here, tmp_path):
     import torch
 
     good = tmp_path / "good.pt"
     torch.save({"w": torch.ones(64, 64)}, good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:200])
-    r = call("ckpt", "import", truncated, MLP, "--run-dir", tmp_path / "run")
+    r = cli_here("ckpt", "import", truncated, MLP, "--run-dir", tmp_path / "run")
     assert_one_line_error(r, "is not a readable torch.save file", "truncated or corrupt")
 
 
-def test_spec_checks_the_task_or_says_it_did_not(call):
-    r = call("spec", MLP, "--set", "task.target=no_such_pkg.tasks:Task")
+def test_spec_checks_the_task_or_says_it_did_not(cli_here):
+    r = cli_here("spec", MLP, "--set", "task.target=no_such_pkg.tasks:Task")
     assert_one_line_error(r, "cannot import module 'no_such_pkg.tasks'")
-    unchecked = call("spec", MLP, "--set", "task.target=no_such_pkg.tasks:Task", "--no-task-check")
+    unchecked = cli_here("spec", MLP, "--set", "task.target=no_such_pkg.tasks:Task", "--no-task-check")
     assert unchecked.code == 0 and unchecked.out.splitlines()[-1].startswith("# task.target")
     assert "NOT checked" in unchecked.out
-    ok = call("spec", MLP)
+    ok = cli_here("spec", MLP)
     assert ok.code == 0 and "imports and accepts task.args" in ok.out.splitlines()[-1]
     assert parse_job(ok.out).name == "mlp"  # the verdict is a YAML comment: still a job file
 
@@ -210,13 +185,13 @@ def test_every_command_is_walked(inputs):
     assert leaf_commands(build_parser()) - walked == set()
 
 
-def test_every_command_answers_bad_arguments_in_one_line(call, inputs, tmp_path):
+def test_every_command_answers_bad_arguments_in_one_line(cli_here, inputs, tmp_path):
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     failures = []
     for command, cases in bad_arguments(inputs).items():
         for args in cases:
             argv = [*command.split(), *map(str, args)]
-            r = call(*argv)
+            r = cli_here(*argv)
             try:
                 assert_one_line_error(r)
             except AssertionError as e:
