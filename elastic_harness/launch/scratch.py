@@ -13,6 +13,12 @@ during a run (read in its source, then checked by ``tests/test_leftovers.py``):
 - ``torchelastic_*``: torchelastic's log dirs, only made without a log dir
   (``DefaultLogsSpecs()``, ``torchrun`` without ``--log-dir``); the harness always gives
   one (``RUN_DIR/logs``), and so does ``bench recovery`` for the torchrun it compares with.
+  The workers' error files (``error.json``, written by ``@record``) live under it too.
+
+Not used here, so not handled: torchelastic's ``file`` rendezvous store (``mkstemp``) and
+its standalone etcd server's data dir. ``torch.multiprocessing.spawn`` (``bench
+checkpoint`` only) names error files in the temp dir but creates one only for a child that
+raised, and reads it back.
 
 torchelastic honours ``TMPDIR`` (it asks ``tempfile``), which is how the tests watch it.
 """
