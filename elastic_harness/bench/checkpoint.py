@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +93,13 @@ def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> d
     cfg = {"port": free_port(), "size": size, "repeats": repeats, "every": every, "steps": steps,
            "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}
     t0 = time.perf_counter()
-    mp.spawn(main, args=(cfg,), nprocs=3, join=True)
+    # mp.spawn names a traceback file per child in the temp dir and never removes one a
+    # failing child wrote: point tempfile at the scratch dir (removed after) meanwhile.
+    saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        mp.spawn(main, args=(cfg,), nprocs=3, join=True)
+    finally:
+        tempfile.tempdir = saved
     raw = json.loads((scratch / "results.json").read_text())
     raw["wall_s"] = time.perf_counter() - t0
     return raw

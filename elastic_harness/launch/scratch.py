@@ -17,8 +17,8 @@ during a run (read in its source, then checked by ``tests/test_leftovers.py``):
 
 Not used here, so not handled: torchelastic's ``file`` rendezvous store (``mkstemp``) and
 its standalone etcd server's data dir. ``torch.multiprocessing.spawn`` (``bench
-checkpoint`` only) names error files in the temp dir but creates one only for a child that
-raised, and reads it back.
+checkpoint`` only) names an error file per child in the temp dir and leaves the one a
+failing child wrote; that bench points ``tempfile`` at its own scratch dir meanwhile.
 
 torchelastic honours ``TMPDIR`` (it asks ``tempfile``), which is how the tests watch it.
 """
