@@ -37,7 +37,7 @@ def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: st
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SpecError("", f"{source or 'job'} is not valid YAML{yaml_reason(e)}",
+        raise SpecError("", f"{source or 'job'} is not valid YAML{_yaml_reason(e)}",
                         "fix the YAML there (close brackets and quotes; indent with spaces)") from None
     if raw is None:
         raw = {}
@@ -63,11 +63,11 @@ def apply_override(raw: dict, item: str) -> None:
     try:
         node[parts[-1]] = yaml.safe_load(value)
     except yaml.YAMLError as e:
-        raise SpecError(key, f"--set value '{value}' is not valid YAML{yaml_reason(e, lines=False)}",
+        raise SpecError(key, f"--set value '{value}' is not valid YAML{_yaml_reason(e, lines=False)}",
                         "quote it, e.g. --set 'key=\"text\"', or close its brackets") from None
 
 
-def yaml_reason(e: yaml.YAMLError, lines: bool = True) -> str:
+def _yaml_reason(e: yaml.YAMLError, lines: bool = True) -> str:
     """PyYAML's own reason, with where it found it (``lines``: a file, not a one-line value)."""
     mark = getattr(e, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark and lines else ""
