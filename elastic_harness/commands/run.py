@@ -49,7 +49,7 @@ def load_with_flags(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec = load_with_flags(args)
-    nodes = args.nodes or spec.nodes.min
+    nodes = spec.nodes.min if args.nodes is None else args.nodes  # --nodes 0 is refused, not a default
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")

@@ -37,7 +37,7 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     config.event_log_handler = bridge.install(events, node)
     # Step watchdog: workers renew a file timer around each step (runtime.watchdog); a hung
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
-    timer_server = watchdog.start(opts.rdzv_id)
+    timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = None
     if spec.rendezvous.isolation_timeout:
         cutoff = isolation.IsolationWatchdog(
