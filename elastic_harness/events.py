@@ -196,7 +196,7 @@ class EventTail:
                     self.offset, self._partial = 0, b""
                 f.seek(self.offset)
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not written yet, or no such run dir
             return []
         self.offset += len(data)
         lines = (self._partial + data).split(b"\n")
