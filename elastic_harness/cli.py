@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; the parser it
 adds sets ``func(args) -> int``. A ``HarnessError`` becomes one clear line on stderr and its
-exit code; anything else is a bug and keeps its traceback.
+exit code; anything else is a bug and keeps its traceback. Command modules import torch
+(and other heavy libraries) inside the functions that need it, never at module level, so
+``--help`` and ``spec`` answer at once (``tests/test_cli_imports.py`` checks it).
 """
 
 from __future__ import annotations
@@ -33,13 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:  # not written yet; any other missing module is a real error
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

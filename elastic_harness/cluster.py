@@ -1,8 +1,11 @@
 """Simulated nodes on one machine: each node is an ``elastic-harness agent`` subprocess.
 
-Each agent runs in its own session (process group) so a node can be stopped, killed or
-frozen as a whole, by process group, without touching anything this module did not start.
-Workers also carry ``PR_SET_PDEATHSIG`` so they die with their agent.
+Each agent runs in its own session (process group), so this module signals only what it
+started, by process group. That group holds the agent, not its workers: torchelastic starts
+every worker in a session of its own. Workers die with their agent through
+``PR_SET_PDEATHSIG`` (``runtime.entry``), and agents with the ``run`` that started them
+(``_die_with_host``); a fault that must reach workers alive (freezing a node) signals their
+pids, which the chaos controller learns from ``worker`` events.
 
 Call order: ``start()`` once; ``poll()`` repeatedly; ``signal_node`` / ``add_node`` as chaos
 requires; ``stop()`` at the end (safe to call twice).
@@ -111,7 +114,8 @@ class LocalCluster:
         return [i for i, code in self.poll().items() if code is None]
 
     def signal_node(self, index: int, sig: int) -> None:
-        """Send ``sig`` to the node's whole process group (agent and its workers)."""
+        """Send ``sig`` to the node's process group: its agent (workers have their own
+        sessions; a SIGKILL reaches them through their parent-death signal)."""
         node = self.nodes[index]
         if node.returncode() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -130,7 +134,8 @@ class LocalCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         for node in self.nodes.values():
-            # Kill the group even if the agent exited: its workers may linger.
+            # Even if the agent exited: a safety net for anything left in its group (not its
+            # workers, which are not in it and die with the agent by PR_SET_PDEATHSIG).
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(node.pgid, signal.SIGKILL)
             node.proc.wait()

@@ -4,21 +4,11 @@ Several processes append to the same file (the host CLI, each agent, rank 0 of e
 worker generation). Each event is one ``write()`` of one line on a file opened with
 ``O_APPEND``, which POSIX makes atomic for local files, so lines never interleave.
 
-Every event has ``t`` (unix seconds), ``event`` (its kind) and ``pid``. Kinds and their
-fields:
-
-- ``start``: host or agent started (``who``, ``nodes``, ``nproc_per_node``, ``run_id``).
-- ``rendezvous``: a worker generation formed (``world_size``, ``restart``, ``rdzv_s``).
-- ``resume``: state restored (``step``, ``saved_world_size``, ``world_size``, ``load_s``)
-  or ``fresh: true`` when no checkpoint was found.
-- ``step``: ``step``, ``loss``, ``world_size``, ``samples`` (consumed so far), ``restart``,
-  ``step_s``, ``samples_per_s``.
-- ``checkpoint``: ``step``, ``path``, ``blocking_s``, ``total_s``, ``async``.
-- ``warning``: ``message`` (e.g. an incomplete checkpoint skipped).
-- ``failure``: ``message`` (and ``rank`` where known).
-- ``fault``: a chaos fault fired (``kind``, ``target``, ``step``).
-- ``finish``: ``step``, ``loss``, ``digest`` (sha256 of the final parameters).
-- ``exit``: host or agent exit (``who``, ``code``).
+``CONTRACT`` below is the documentation: every kind the code emits, who writes it, and
+every field it may carry (each event also has ``COMMON``). A field may be absent (older
+runs, optional values); no other field may appear: ``tests/test_event_contract.py`` scans
+every ``emit("kind", ...)`` call in the package and fails on an undocumented kind or field.
+Readers fold the log one way (``runstate``).
 """
 
 from __future__ import annotations
@@ -26,8 +16,141 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class EventKind:
+    writer: str  # which process writes it
+    meaning: str
+    fields: dict[str, str]  # name -> what it holds
+
+
+COMMON = {
+    "t": "unix seconds when it was written (the writer's clock)",
+    "event": "the kind, a key of CONTRACT",
+    "pid": "the writing process (rank 0's pid names a worker generation)",
+}
+
+_WORLD = "ranks in the current worker group"
+CONTRACT: dict[str, EventKind] = {
+    "start": EventKind("host (who=host) or an agent (who=agent)", "an invocation or an agent started", {
+        "who": "'host' or 'agent'",
+        "nodes": "host: agents started; agent: 'MIN:MAX' nodes",
+        "nproc_per_node": "workers per node",
+        "run_id": "rendezvous id of this submission",
+        "run_dir": "host: the run directory",
+        "netns": "host: nodes run in their own network namespaces (link faults possible)",
+        "node": "agent: its node name",
+        "endpoint": "agent: the rendezvous endpoint",
+        "launcher": "bench: the launcher compared against (e.g. 'torchrun')",
+    }),
+    "worker": EventKind("every rank, after its process group formed", "a worker process started", {
+        "rank": "global rank",
+        "local_rank": "rank on its node",
+        "group_rank": "its node's rank in the group",
+        "node": "node name",
+        "restart": "torchelastic's restart count of its agent",
+        "world_size": _WORLD,
+    }),
+    "rendezvous": EventKind("rank 0", "a worker generation formed", {
+        "generation": "id shared by the generation's ranks",
+        "world_size": _WORLD,
+        "restart": "torchelastic's restart count of rank 0's agent",
+        "nodes": "nodes in the group",
+        "pg_init_s": "seconds to initialise the process group",
+    }),
+    "resume": EventKind("rank 0", "state restored, or fresh: true when no checkpoint was found", {
+        "fresh": "true when starting from scratch",
+        "step": "step of the checkpoint loaded (0 when fresh)",
+        "checkpoint": "name of the checkpoint loaded",
+        "saved_world_size": "world size that saved it",
+        "world_size": _WORLD,
+        "load_s": "seconds to load it",
+        "samples": "samples consumed so far (the data cursor)",
+        "message": "one line for the terminal",
+    }),
+    "step": EventKind("rank 0, every train.log_every steps and the last", "optimizer steps done", {
+        "step": "optimizer steps completed",
+        "loss": "mean loss of the step",
+        "world_size": _WORLD,
+        "samples": "samples consumed so far",
+        "restart": "torchelastic's restart count of rank 0's agent",
+        "step_s": "seconds the step took",
+        "samples_per_s": "global batch / step_s",
+        "lr": "learning rate used",
+        "grad_norm": "gradient norm before clipping",
+        "metrics": "the task's own metrics, {name: float}",
+        "tokens_per_s": "tokens per second, for token tasks",
+    }),
+    "eval": EventKind("rank 0", "an evaluation ran", {
+        "step": "step evaluated",
+        "metrics": "{name: float}",
+        "eval_s": "seconds it took",
+    }),
+    "checkpoint": EventKind("rank 0 (async: its background thread)", "a checkpoint was committed", {
+        "step": "step saved",
+        "path": "where it lives (path or URL)",
+        "blocking_s": "seconds training was blocked",
+        "total_s": "seconds until committed",
+        "asynchronous": "written in the background",
+    }),
+    "drain": EventKind("rank 0", "stopped early after saving (SIGTERM or membership change)", {
+        "step": "last step done and saved",
+        "world_size": _WORLD,
+    }),
+    "finish": EventKind("rank 0", "the job completed its last step", {
+        "step": "final step",
+        "loss": "final loss",
+        "digest": "sha256 of the final parameters",
+        "samples": "samples consumed",
+        "world_size": _WORLD,
+    }),
+    "warning": EventKind("any", "something worth knowing that did not stop the job", {
+        "message": "one line",
+    }),
+    "failure": EventKind("rank 0 (saves) or any rank (fatal)", "something failed", {
+        "message": "one line",
+        "rank": "the rank that failed, where known",
+        "fatal": "a mistake the user must fix: the host stops and prints it",
+        "step": "step it happened at",
+        "asynchronous": "checkpoint failures: the save was in the background",
+        "consecutive": "checkpoint failures: how many in a row",
+        "signature": "stable hash of exception type, message and innermost frame",
+        "where": "file:line of the innermost frame",
+        "crash_loop": "the same failure repeated across restarts",
+    }),
+    "fault": EventKind("the worker hit (step-keyed) or the host", "an injected fault fired", {
+        "kind": "a kind of chaos.vocabulary",
+        "target": "rank or node index",
+        "step": "last step completed before it",
+        "rank": "worker-fired: the rank that fired it",
+        "node": "the node it hit",
+        "detail": "what was done, e.g. 'SIGKILL rank 1 (pid 123)'",
+    }),
+    "isolated": EventKind("an agent", "cut off from the rendezvous; it stops with its workers", {
+        "node": "node name",
+        "endpoint": "the rendezvous endpoint (with etcd, every member was probed)",
+        "seconds": "how long it had been unreachable",
+        "message": "one line",
+    }),
+    "torchelastic": EventKind("an agent (launch.bridge)", "torchelastic's own agent/rendezvous event", {
+        "node": "node name",
+        "name": "torchelastic's event name",
+        "source": "AGENT or WORKER, or the rendezvous source",
+        "state": "agent/worker state, or the rendezvous node state",
+        "message": "rendezvous message or raw error",
+        "rank": "global rank, where torchelastic gives one",
+    }),
+    "exit": EventKind("host or agent", "it exited", {
+        "who": "'host' or 'agent'",
+        "node": "agent: its node name",
+        "code": "exit code",
+        "message": "why, when not 0",
+    }),
+}
 
 
 class EventLog:
@@ -50,13 +173,38 @@ class EventLog:
 
 def read_events(path: str | Path) -> list[dict]:
     """All complete events; a torn last line (writer killed mid-write) is skipped."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
+    return EventTail(Path(path), start_at_end=False).read()
+
+
+class EventTail:
+    """Reads the events appended since the last call: the incremental reader.
+
+    Each ``read()`` reads only the bytes added since the previous one and keeps an
+    incomplete last line for the next call. A file that shrank (replaced) is read again from
+    its start. Not thread-safe: one reader per instance.
+    """
+
+    def __init__(self, path: Path, start_at_end: bool = True) -> None:
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if (start_at_end and self.path.exists()) else 0
+        self._partial = b""
+
+    def read(self) -> list[dict]:
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    self.offset, self._partial = 0, b""
+                f.seek(self.offset)
+                data = f.read()
+        except (FileNotFoundError, NotADirectoryError):  # not written yet, or no such run dir
+            return []
+        self.offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line torn by a writer killed mid-write
+        return out

@@ -1,54 +1,31 @@
-"""Follow ``events.jsonl`` while a run goes, and show it on the terminal."""
+"""Show a running job's events on the terminal (fed by ``events.EventTail``)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import TextIO
 
-
-class EventTail:
-    """Reads complete new lines since the last call."""
-
-    def __init__(self, path: Path, start_at_end: bool = True) -> None:
-        self.path = path
-        self.offset = path.stat().st_size if (start_at_end and path.exists()) else 0
-        self._partial = b""
-
-    def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        self.offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+from elastic_harness.runstate import RunState
 
 
 class Progress:
-    """A one-line bar on a terminal; plain lines (notable events, every 10%) otherwise."""
+    """A one-line bar on a terminal; plain lines (notable events, every 10%) otherwise.
+
+    Counts come from ``runstate.RunState`` fed with the same events, so the bar and the
+    final line (``summary.json``) agree. Feed it this invocation's events, in order.
+    """
 
     def __init__(self, total_steps: int, out: TextIO = sys.stderr) -> None:
         self.total = total_steps
         self.out = out
         self.tty = out.isatty()
-        self.restarts = 0
+        self.state = RunState()
         self._last_decile = -1
 
     def update(self, e: dict) -> None:
+        self.state.update(e)
         kind = e["event"]
         if kind == "resume":
-            self.restarts += 0 if e.get("fresh") and self.restarts == 0 else 1
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
             self._step(e)
@@ -62,7 +39,7 @@ class Progress:
         width = 24
         bar = "#" * int(pct * width) + "-" * (width - int(pct * width))
         text = (f"[{bar}] step {e['step']}/{self.total} loss {e['loss']:.4f} "
-                f"{e['samples_per_s']:.0f} samples/s world {e['world_size']} restarts {self.restarts}")
+                f"{e['samples_per_s']:.0f} samples/s world {e['world_size']} restarts {self.state.restarts}")
         if self.tty:
             self.out.write("\r" + text)
             self.out.flush()

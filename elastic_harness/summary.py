@@ -1,40 +1,35 @@
-"""Pure: the events of one invocation -> ``summary.json``."""
+"""Pure: a run dir's events -> ``summary.json`` (the current invocation, read by ``runstate``).
+
+Counts (steps, restarts, checkpoints) are of the current invocation; ``goodput`` is the
+whole run dir's, the same figure ``elastic-harness report`` prints.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+from elastic_harness.runstate import current_invocation, fold
 
-def current_invocation(events: Sequence[dict]) -> list[dict]:
-    """Events since the last host ``start`` (a run dir accumulates invocations)."""
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start" and e.get("who") == "host"]
-    return list(events[starts[-1]:]) if starts else list(events)
+__all__ = ["current_invocation", "summarize"]
 
 
 def summarize(events: Sequence[dict]) -> dict:
-    ev = current_invocation(events)
-    steps = [e for e in ev if e["event"] == "step"]
-    finish = next((e for e in reversed(ev) if e["event"] == "finish"), None)
-    resumes = [e for e in ev if e["event"] == "resume"]
-    world_sizes: list[int] = []
-    for e in ev:
-        if e["event"] == "rendezvous" and (not world_sizes or world_sizes[-1] != e["world_size"]):
-            world_sizes.append(e["world_size"])
-    ckpts = [e for e in ev if e["event"] == "checkpoint"]
-    first_resume = resumes[0] if resumes else {}
-    t0, t1 = (ev[0]["t"], ev[-1]["t"]) if ev else (0.0, 0.0)
+    s = fold(current_invocation(events))
     return {
-        "finished": finish is not None,
-        "steps": finish["step"] if finish else (steps[-1]["step"] if steps else 0),
-        "final_loss": finish["loss"] if finish else (steps[-1]["loss"] if steps else None),
-        "first_loss": steps[0]["loss"] if steps else None,
-        "restarts": max(0, len(resumes) - 1),
-        "world_sizes": world_sizes,
-        "samples_consumed": finish["samples"] if finish else (steps[-1]["samples"] if steps else 0),
-        "resumed_from_step": None if first_resume.get("fresh") else first_resume.get("step"),
-        "checkpoints_written": len(ckpts),
-        "last_checkpoint": ckpts[-1]["path"] if ckpts else None,
-        "failures": [e.get("message", "") for e in ev if e["event"] == "failure"],
-        "wall_s": round(t1 - t0, 3),
-        "model_digest": finish["digest"] if finish else None,
+        "finished": s.finished,
+        "steps": s.step,
+        "final_loss": s.loss,
+        "first_loss": s.first_loss,
+        "restarts": s.restarts,
+        "world_sizes": s.world_sizes,
+        "samples_consumed": s.samples,
+        "resumed_from_step": s.resumed_from_step,
+        "checkpoints_written": s.checkpoints,
+        "last_checkpoint": s.last_checkpoint,
+        "failures": s.failures,
+        "faults": s.faults,
+        "wall_s": round((s.last_t or 0.0) - (s.first_t or 0.0), 3),
+        "goodput": dataclasses.asdict(fold(events).goodput()),
+        "model_digest": s.digest,
     }

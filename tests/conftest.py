@@ -72,6 +72,41 @@ def cli(*args: str, run_dir: Path | None = None, timeout: float = 240, cwd: Path
     return Result(proc.returncode, out, err, run_dir)
 
 
+def _must_not_start(*args, **kwargs):
+    raise AssertionError("bad input got as far as starting the work")
+
+
+@pytest.fixture
+def cli_here(capsys, tmp_path, monkeypatch):
+    """Run ``elastic-harness ARGS`` in this process, in ``tmp_path``, without PET_* hints:
+    for inputs that must be refused before any work starts (no torch import per call).
+
+    The calls that would start training or a benchmark fail the test instead, so a bad
+    input that is accepted cannot start a cluster inside the test process."""
+    import elastic_harness.launch.agent
+    from elastic_harness.bench import checkpoint, recovery
+    from elastic_harness.cli import main
+    from elastic_harness.commands import run
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_NNODES", "PET_NPROC_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    for module, name in ((run, "launch_local"), (elastic_harness.launch.agent, "run_agent"),
+                         (checkpoint, "measure"), (recovery, "launch")):
+        monkeypatch.setattr(module, name, _must_not_start)
+
+    def call(*args: object) -> Result:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return Result(code, out, err, None)
+
+    return call
+
+
 def model_of(step_dir: Path):
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -1,4 +1,7 @@
-"""Bad input: one clear line naming the problem and the fix, non-zero exit, nothing lost."""
+"""Bad input: one clear line naming the problem and the fix, non-zero exit, nothing lost.
+
+Inputs refused before anything starts run in this process (``cli_here``); a checkpoint
+refused at resume needs real workers, so those cases are e2e."""
 
 from __future__ import annotations
 
@@ -38,22 +41,22 @@ def assert_clear_error(r, *words):
          ["rejected task.args", "wings"]),
     ],
 )
-def test_bad_job_files(tmp_path, yaml_text, words):
+def test_bad_job_files(cli_here, tmp_path, yaml_text, words):
     job = tmp_path / "job.yaml"
     job.write_text(yaml_text)
-    r = cli("run", str(job), run_dir=tmp_path / "run", timeout=60)
+    r = cli_here("run", job, "--run-dir", tmp_path / "run")
     assert_clear_error(r, *words)
     assert not (tmp_path / "run").exists(), "nothing is created for a job that cannot start"
 
 
-def test_missing_job_file(tmp_path):
-    assert_clear_error(cli("run", str(tmp_path / "nope.yaml"), timeout=60), "does not exist")
+def test_missing_job_file(cli_here, tmp_path):
+    assert_clear_error(cli_here("run", tmp_path / "nope.yaml"), "does not exist")
 
 
-def test_unwritable_run_dir(tmp_path):
+def test_unwritable_run_dir(cli_here, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    r = cli("run", str(MLP), run_dir=blocker / "run", timeout=60)
+    r = cli_here("run", MLP, "--run-dir", blocker / "run")
     assert_clear_error(r, "is not writable", "--run-dir")
 
 
@@ -65,6 +68,7 @@ def saved_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.e2e  # each case starts real agents and workers, refused at resume
 @pytest.mark.parametrize(
     "overrides, words",
     [

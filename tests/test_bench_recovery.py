@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elastic_harness.bench import recovery
-from elastic_harness.chaos.schedule import parse_fault
+from elastic_harness.chaos.vocabulary import parse_fault
 from tests.test_report import killed_worker_run
 
 

@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+import argparse
+import signal
+import threading
+import typing
 from pathlib import Path
 
 import pytest
 
-from elastic_harness.chaos.schedule import due, fired_by_worker, hits, parse_fault
-from elastic_harness.commands.chaos import kubectl_kill_node
-from elastic_harness.errors import SpecError
+from elastic_harness.chaos.inject import ready
+from elastic_harness.chaos.schedule import due, hits
+from elastic_harness.chaos.vocabulary import (
+    FIRE_NOW_S,
+    KINDS,
+    check_netns,
+    check_targets,
+    fire_now,
+    fired_by_worker,
+    parse_fault,
+)
+from elastic_harness.cli import main
+from elastic_harness.commands.chaos import cmd_chaos, kubectl_kill_node
+from elastic_harness.errors import HarnessError, SpecError
+from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch.agent import explain_rendezvous_error
 from elastic_harness.launch.config import NodeOptions
-from elastic_harness.launch.isolation import IsolationWatchdog, isolated_for
+from elastic_harness.launch.isolation import (
+    IsolationWatchdog,
+    etcd_members,
+    exit_isolated,
+    isolated_for,
+)
+from elastic_harness.runtime.faults import recipient
 from elastic_harness.spec import FaultSpec
+from tests.conftest import MLP
+from tests.servers import etcd_cluster, free_port
 
 
 def test_parse_fault_forms():
@@ -23,6 +47,99 @@ def test_parse_fault_forms():
         parse_fault("explode:1@3")
     with pytest.raises(SpecError, match="not a step"):
         parse_fault("kill-worker:1@soon")
+    assert parse_fault("heal:1") == FaultSpec("heal", 1, at_seconds=FIRE_NOW_S), "no '@' means now"
+    assert parse_fault("kill-worker:1@2.5s").at_seconds == 2.5
+
+
+@pytest.mark.parametrize("text, words", [
+    ("kill-worker:one@20", "target 'one' is not a rank number"),
+    ("kill-worker:-1@5", "target '-1'"),
+    ("kill-worker:@5", "target ''"),
+    ("kill-worker:1:2@3", "target '1:2'"),
+    ("kill-node:²@3", "is not a node number"),
+    ("add-node:2@5", "add-node takes no target"),
+    ("kill-worker:1@", "'@' is not a step"),
+    ("kill-worker:1@0", "'@0' is not a step"),
+    ("kill-worker:1@-5", "'@-5'"),
+    ("kill-worker:1@1.5", "'@1.5'"),
+    ("kill-worker:1@s", "'@s'"),
+    ("kill-worker:1@nans", "'@nans'"),
+    ("kill-worker:1@20@30", "'@20@30'"),
+    ("kill-worker:1@20\n", "'@20\\n'"),
+    ("", "kind '' is not one of"),
+])
+def test_malformed_fault_strings_are_refused_in_one_line(text, words):
+    with pytest.raises(SpecError) as caught:
+        parse_fault(text)
+    message = str(caught.value)
+    assert words in message and "\n  fix: " in message
+    assert message.count("\n") == 1, "one line for the problem, one for the fix"
+
+
+def test_the_vocabulary_and_the_spec_name_the_same_kinds():
+    assert set(KINDS) == set(typing.get_args(typing.get_type_hints(FaultSpec)["kind"]))
+    for kind in KINDS.values():
+        assert (kind.how == "signal") == (kind.signal is not None) == bool(kind.reaches)
+        assert not kind.worker_fires or kind.reaches in ("rank", "agent", "agent-group"), \
+            "a worker can signal only itself or its agent"
+
+
+def test_the_readme_fault_table_names_every_kind():
+    rows = [line for line in (Path(MLP).parents[1] / "README.md").read_text().splitlines()
+            if line.startswith("| `")]
+    named = {part.split(":")[0].strip("` ") for row in rows for part in row.split("|")[1].split("/")}
+    assert set(KINDS) <= named
+
+
+def test_netns_rule_and_targets_are_checked_in_one_place():
+    cut = FaultSpec("partition", 1, at_step=5)
+    check_netns([cut], netns=True)
+    with pytest.raises(HarnessError, match="need simulated hosts") as caught:
+        check_netns([FaultSpec("kill-worker", 0, at_step=1), cut], netns=False)
+    assert "--netns" in caught.value.hint
+    check_targets([FaultSpec("kill-worker", 3, at_step=1), FaultSpec("kill-node", 2, at_step=1)], ranks=4, nodes=3)
+    with pytest.raises(HarnessError, match="rank 4, but this job has ranks 0..3"):
+        check_targets([FaultSpec("kill-worker", 4, at_step=1)], ranks=4, nodes=3)
+    with pytest.raises(HarnessError, match="node 3"):
+        check_targets([FaultSpec("preempt", 3, at_step=1)], ranks=4, nodes=3)
+
+
+def test_who_a_fault_reaches():
+    assert recipient(FaultSpec("kill-worker", 1, at_step=2), pid=50, parent=40) == (50, "rank 1")
+    assert recipient(FaultSpec("kill-node", 0, at_step=2), pid=50, parent=40) == (40, "node 0's agent")
+    assert KINDS["kill-node"].signal == signal.SIGKILL and KINDS["preempt"].signal == signal.SIGTERM
+    workers = {0: (10, "0"), 1: (11, "1")}
+    assert ready(FaultSpec("hang", 1, at_seconds=1), workers, nodes={0, 1})
+    assert not ready(FaultSpec("hang", 2, at_seconds=1), workers, nodes={0, 1}), "rank 2 not started"
+    assert not ready(FaultSpec("kill-node", 2, at_seconds=1), workers, nodes={0, 1}), "node 2 not added yet"
+    assert not ready(FaultSpec("hang-node", 2, at_seconds=1), workers, nodes={0, 1, 2}), "its workers unknown"
+    assert ready(FaultSpec("add-node", at_seconds=1), {}, nodes={0})
+    requested = fire_now(FaultSpec("kill-worker", 1, at_step=40))
+    assert requested.at_seconds == FIRE_NOW_S and not fired_by_worker(requested)
+
+
+def test_run_refuses_a_malformed_fault_before_starting_anything(tmp_path, capsys):
+    # In-process through the CLI's own entry (what `python -m elastic_harness` calls).
+    code = main(["run", str(MLP), "--chaos", "kill-worker:one@20", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "target 'one' is not a rank number" in err
+    assert err.count("\n") == 2 and "\n  fix: " in err, "one line, then the fix"
+    assert not (tmp_path / "run").exists(), "nothing was started or written"
+
+
+def chaos_args(run_dir: Path, fault: str) -> argparse.Namespace:
+    return argparse.Namespace(k8s=False, target=str(run_dir), fault=fault)
+
+
+def test_chaos_command_refuses_timed_and_link_faults_it_cannot_fire(tmp_path):
+    EventLog(tmp_path / "events.jsonl").emit("start", who="host", nodes=1, netns=False)
+    with pytest.raises(HarnessError, match="fires now, it takes no '@'"):
+        cmd_chaos(chaos_args(tmp_path, "kill-worker:1@20"))
+    with pytest.raises(HarnessError, match="need simulated hosts"):
+        cmd_chaos(chaos_args(tmp_path, "partition:1"))
+    assert not (tmp_path / "chaos").exists(), "nothing was requested"
+    assert cmd_chaos(chaos_args(tmp_path, "kill-worker:1")) == 0
+    assert len(list((tmp_path / "chaos" / "requests").glob("*.json"))) == 1
 
 
 def test_step_faults_on_processes_fire_in_the_worker_they_hit():
@@ -60,11 +177,62 @@ def test_rendezvous_errors_are_explained():
 def test_isolation_decision_and_watchdog():
     assert not isolated_for(last_ok=10.0, now=15.0, limit=6.0)
     assert isolated_for(last_ok=10.0, now=16.5, limit=6.0)
-    seen = []
+    assert not isolated_for(last_ok=None, now=1e9, limit=6.0), "never reached: not isolated"
+    answers = iter([False] * 30 + [True])  # the rendezvous host starts late, then is lost
+    probed, seen = [], []
     dog = IsolationWatchdog("10.0.0.1:1", limit=0.05, on_isolated=seen.append, interval=0.01,
-                            probe=lambda host, port, timeout: False).start()
-    dog._thread.join(timeout=10)
+                            probe=lambda host, port, timeout: probed.append(host) or next(answers, False))
+    dog.start()._thread.join(timeout=30)
     assert len(seen) == 1 and seen[0] > 0.05
+    assert len(probed) > 31, "the 30 failed probes before the first success started no clock"
+
+
+def test_isolation_probes_every_etcd_member():
+    """Member 1 of 3 (the configured endpoint) is lost; the others still answer."""
+    alive = {"10.0.0.1": 3, "10.0.0.2": 10**6, "10.0.0.3": 10**6}  # successes left per member
+    rounds, seen = [], []
+
+    def probe(host: str, port: int, timeout: float) -> bool:
+        if host == "10.0.0.1":
+            rounds.append(1)
+            if len(rounds) >= 40:
+                dog.stop()
+        alive[host] -= 1
+        return alive[host] >= 0
+
+    members = ["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"]
+    dog = IsolationWatchdog("10.0.0.1:2379", limit=0.05, on_isolated=seen.append, interval=0.01,
+                            probe=probe, members=lambda: members).start()
+    dog._thread.join(timeout=30)
+    assert seen == [] and dog.endpoints == members and len(rounds) >= 40
+
+
+def test_an_isolated_agent_exits_even_when_the_run_dir_hangs(tmp_path):
+    codes: list[int] = []
+    log = EventLog(tmp_path / "events.jsonl")
+    exit_isolated(log, "1", "h:1", exit=codes.append)(7.0)
+    assert codes == [1] and [e["event"] for e in read_events(log.path)] == ["isolated", "exit"]
+
+    class HungStorage:
+        def __init__(self) -> None:
+            self.release = threading.Event()
+
+        def emit(self, kind: str, **fields) -> None:
+            self.release.wait(60)
+
+    hung = HungStorage()
+    try:
+        exit_isolated(hung, "1", "h:1", write_budget_s=0.1, exit=codes.append)(7.0)
+        assert codes == [1, 1], "it exits after the budget, the write still hanging"
+    finally:
+        hung.release.set()
+
+
+@pytest.mark.timeout(120)
+def test_etcd_members_lists_what_the_cluster_advertises(tmp_path):
+    assert etcd_members(f"127.0.0.1:{free_port()}", timeout=0.5) == []
+    with etcd_cluster(tmp_path) as members:
+        assert sorted(etcd_members(members[0][0])) == sorted(e for e, _ in members)
 
 
 def test_k8s_kill_node_command():

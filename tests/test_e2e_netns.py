@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from elastic_harness.cli import main
 from tests.audit import audit
 from tests.conftest import MLP, REPO, Result, cli, read_jsonl
 from tests.servers import etcd_server, wait_until
@@ -77,7 +78,10 @@ def test_partitioned_node_is_dropped_and_stays_out_after_the_link_heals(tmp_path
     audit(tmp_path / "run", 1024, G, STEPS)
 
 
-def test_partition_needs_netns(tmp_path):
-    r = cli("run", str(MLP), "--set", "train.steps=30", "--chaos", "partition:0@5",
-            run_dir=tmp_path, timeout=120)
-    assert r.code == 2 and "need simulated hosts" in r.err and "--netns" in r.err
+def test_partition_needs_netns(tmp_path, capsys):
+    # In-process through the CLI's entry: refused before anything starts.
+    code = main(["run", str(MLP), "--set", "train.steps=30", "--chaos", "partition:0@5",
+                 "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "need simulated hosts" in err and "--netns" in err
+    assert not (tmp_path / "run").exists()

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic_harness.bench import check_out, scratch_dir
 from elastic_harness.errors import HarnessError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -61,7 +62,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.every < 1 or args.steps < args.every:
         raise HarnessError("--repeats and --every must be >= 1 and --steps >= --every")
     size = parse_size(args.size)
-    scratch = Path(tempfile.mkdtemp(prefix="eh-bench-", dir=args.dir))
+    check_out(args.out)
+    scratch = scratch_dir("eh-bench-", args.dir)
     try:
         raw = measure(size, args.repeats, args.every, args.steps, scratch)
     finally:
@@ -85,11 +87,19 @@ def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> d
 
     from elastic_harness.bench.ckpt_ranks import main
     from elastic_harness.cluster import free_port
+    from elastic_harness.launch.scratch import torch_environ
 
+    os.environ.update(torch_environ(scratch, os.environ))  # the ranks' torch caches: in scratch
     cfg = {"port": free_port(), "size": size, "repeats": repeats, "every": every, "steps": steps,
            "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}
     t0 = time.perf_counter()
-    mp.spawn(main, args=(cfg,), nprocs=3, join=True)
+    # mp.spawn names a traceback file per child in the temp dir and never removes one a
+    # failing child wrote: point tempfile at the scratch dir (removed after) meanwhile.
+    saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        mp.spawn(main, args=(cfg,), nprocs=3, join=True)
+    finally:
+        tempfile.tempdir = saved
     raw = json.loads((scratch / "results.json").read_text())
     raw["wall_s"] = time.perf_counter() - t0
     return raw

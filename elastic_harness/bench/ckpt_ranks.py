@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,34 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
-from elastic_harness.checkpoint.manager import CheckpointManager
-from elastic_harness.checkpoint.storage import LocalStorage
-from elastic_harness.spec import CheckpointSpec
+from elastic_harness.bench.ckpt_common import sharded, timed
+from elastic_harness.bench.ckpt_train import save_phase, train_phase
 
 N_MATRICES, COLS = 8, 1024
-
-
-class Events:
-    """Collects the manager's events in memory (rank 0 emits)."""
-
-    def __init__(self) -> None:
-        self.seen: list[dict] = []
-
-    def emit(self, event: str, **fields: Any) -> dict:
-        self.seen.append({"event": event, **fields})
-        return fields
-
-
-def timed(fn, group: Any) -> float:
-    """Seconds ``fn`` took on the slowest rank of ``group``."""
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    fn()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
 
 
 def rows_for(size: int) -> int:
@@ -63,21 +39,6 @@ def full_state(rows: int) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def sharded(full: dict, mesh: DeviceMesh, rank: int, world: int, fill: bool) -> dict:
-    """The DTensor view of ``full`` over ``mesh`` (Shard(0)); zeros unless ``fill``."""
-    out: dict = {}
-    for part, tensors in full.items():
-        out[part] = {}
-        for name, t in tensors.items():
-            chunks = t.chunk(world)
-            local = chunks[rank].clone() if rank < len(chunks) else t.new_zeros(0, t.shape[1])
-            if not fill:
-                local.zero_()
-            out[part][name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                 shape=t.shape, stride=t.stride())
-    return out
-
-
 def drop_cache(path: Path) -> None:
     """Evict our own files from the page cache so loads read the disk (no global drop)."""
     for f in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
@@ -86,22 +47,6 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
-    """The same bytes DCP writes for this rank, with DCP's fsync semantics."""
-    with open(path, "wb") as f:
-        for t in tensors:
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path.parent, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-def _local(state: dict) -> list[torch.Tensor]:
-    return [d.to_local() for part in state.values() for d in part.values()]
 
 
 def main(rank: int, cfg: dict) -> None:
@@ -127,26 +72,14 @@ def run_all(rank: int, cfg: dict) -> dict:
     full = full_state(rows)
     samples: dict[str, list[float]] = {}
     if rank < 2:
-        from elastic_harness.bench.ckpt_train import save_phase
-
         save_phase(rank, full, mesh2, g2, ckpt_group, root, repeats, samples)
     dist.barrier()
     load_phase(rank, full, mesh2, mesh3, g2, root, repeats, samples)
     dist.barrier()
     if rank < 2:
-        from elastic_harness.bench.ckpt_train import train_phase
-
         train_phase(rank, cfg, g2, ckpt_group, root, samples)
     dist.barrier()
     return {"samples": samples, "state_bytes": 3 * N_MATRICES * rows * COLS * 4, "rows": rows}
-
-
-def make_manager(rank: int, root: Path, group: Any, async_save: bool, events: Events) -> CheckpointManager:
-    storage = LocalStorage(root)
-    storage.ensure()
-    policy = CheckpointSpec(keep=2, async_save=async_save, verify="size")
-    return CheckpointManager(storage, policy, rank=rank, world_size=2, group=group, events=events,
-                             info={"task": "bench", "job": "bench"})
 
 
 def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: Any, root: Path,

@@ -30,7 +30,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from elastic_harness.bench.ckpt_ranks import Events, _local, make_manager, raw_write, sharded, timed
+from elastic_harness.bench.ckpt_common import (
+    Events,
+    local_tensors,
+    make_manager,
+    raw_write,
+    sharded,
+    timed,
+)
 from elastic_harness.runtime.state import ModelState, OptimState
 
 
@@ -59,7 +66,7 @@ def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root
         async_m.save(next(step), state, blocking=False)
 
     kinds = {
-        "raw_write": lambda: raw_write(root / "raw" / f"rank{rank}.bin", _local(state)),
+        "raw_write": lambda: raw_write(root / "raw" / f"rank{rank}.bin", local_tensors(state)),
         "dcp_sync_save": lambda: sync_m.save(next(step), state, blocking=True),
         "dcp_only_sync_save": dcp_only,
         "async_blocking": async_save,

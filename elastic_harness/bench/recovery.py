@@ -17,8 +17,9 @@ with medians, ratios and whether each goal was met:
   graceful drain (the run is ended by a preempt, then resumed to check that).
 
 What torchrun is given beyond its defaults, and why: the job's ``--nnodes`` (1:2 for
-kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault, and
-``ELASTIC_HARNESS_NODE`` so our step-keyed fault injector knows which node it is on. It
+kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault,
+``ELASTIC_HARNESS_NODE`` so our step-keyed fault injector knows which node it is on, and a
+``--log-dir`` in its run dir (and torch's compile cache there) so it leaves nothing in /tmp. It
 does not get our tuning: short rendezvous timeouts, a private worker store
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), the progress watchdog. Node 0 starts first so it
 hosts the c10d store, and node 1 is the one killed (killing the store host ends the job).
@@ -37,10 +38,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+from elastic_harness.bench import check_out, scratch_dir
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.report.timeline import FaultRow, build, split_invocations
@@ -86,7 +88,8 @@ def cmd_recovery(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.faults < 1:
         raise HarnessError("--repeats and --faults must be >= 1")
     parts = args.only or ["kill-node", "kill-worker", "goodput"]
-    scratch = Path(tempfile.mkdtemp(prefix="eh-recovery-", dir=args.dir))
+    check_out(args.out)
+    scratch = scratch_dir("eh-recovery-", args.dir)
     report: dict = {"bench": "recovery", "settings": _settings(args, parts, scratch)}
     try:
         if "kill-node" in parts:
@@ -114,7 +117,7 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
         "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
         "run_dirs": str(scratch) if args.keep else None, "cpu_count": os.cpu_count(),
         "torchrun": "python -m torch.distributed.run --rdzv-backend c10d --nnodes 1:2 (kill-node) or 1:1 "
-                    "--max-restarts <job's>, default rendezvous conf and worker store",
+                    "--max-restarts <job's> --log-dir <run dir>/logs, default rendezvous conf and worker store",
     }
 
 
@@ -323,7 +326,7 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
     """Plain torchrun agents (one per simulated node) on our worker entry; see module doc."""
     import dataclasses
 
-    from elastic_harness.chaos.schedule import parse_fault
+    from elastic_harness.chaos.vocabulary import parse_fault
     from elastic_harness.cluster import free_port
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job
@@ -335,13 +338,8 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
     EventLog(run_dir / "events.jsonl").emit("start", who="host", launcher="torchrun", nodes=nodes)
     procs = []
     for i in range(nodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
-               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=bench-{os.getpid()}-{port}", f"--max-restarts={spec.max_restarts}",
-               "-m", "elastic_harness.runtime.entry", str(run_dir / "job.resolved.yaml"), str(run_dir)]
-        env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-        env["ELASTIC_HARNESS_NODE"] = str(i)
-        procs.append(_spawn(cmd, run_dir / f"torchrun-{i}.log", env))
+        cmd = torchrun_command(spec, run_dir, nproc, port, rdzv_id=f"bench-{os.getpid()}-{port}")
+        procs.append(_spawn(cmd, run_dir / f"torchrun-{i}.log", torchrun_environ(os.environ, run_dir, i)))
         if i == 0:
             _wait_for_port(port, procs[0], 60)  # node 0 hosts the store
     codes = _wait(procs, timeout, run_dir / "events.jsonl")
@@ -349,6 +347,26 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
     EventLog(run_dir / "events.jsonl").emit("exit", who="host", code=None if stuck else max(codes),
                                             message="stopped by the bench: no progress or timeout" if stuck else "")
     return None if stuck else codes[0]
+
+
+def torchrun_command(spec, run_dir: Path, nproc: int, port: int, rdzv_id: str) -> list[str]:
+    """Pure: one plain torchrun agent on our worker entry. ``--log-dir`` is the only flag
+    beyond the comparison's: without it torchelastic makes ``torchelastic_*`` in /tmp."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={rdzv_id}", f"--max-restarts={spec.max_restarts}",
+            f"--log-dir={run_dir / 'logs'}",
+            "-m", "elastic_harness.runtime.entry", str(run_dir / "job.resolved.yaml"), str(run_dir)]
+
+
+def torchrun_environ(base: Mapping[str, str], run_dir: Path, node: int) -> dict[str, str]:
+    """Pure: torch's default worker store (not our private one), the node name our fault
+    injector keys on, and torch's caches in the run dir (``launch.scratch``)."""
+    from elastic_harness.launch.scratch import torch_environ
+
+    env = {k: v for k, v in base.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["ELASTIC_HARNESS_NODE"] = str(node)
+    return {**env, **torch_environ(run_dir, env)}
 
 
 def _spawn(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:

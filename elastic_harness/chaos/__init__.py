@@ -1,1 +1,2 @@
-"""Faults as data (``FaultSpec``: kind, target, at step/time) and the code that fires them."""
+"""Faults as data: the vocabulary (``vocabulary``: per kind who fires it, what it needs, how),
+when they are due (``schedule``) and the host's side of carrying them out (``inject``)."""

@@ -15,12 +15,12 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from elastic_harness.chaos.schedule import due, parse_fault
+from elastic_harness.chaos.schedule import due
+from elastic_harness.chaos.vocabulary import KINDS, Kind, fire_now, parse_fault
 from elastic_harness.cluster import LocalCluster
-from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog
 from elastic_harness.spec import FaultSpec
 
@@ -62,18 +62,17 @@ class ChaosController:
         for when, node in [h for h in self.heals if h[0] <= now]:
             self.heals.remove((when, node))
             cluster.netns.heal(node)
-            self.events.emit("fault", kind="heal", target=node, step=self.step, detail=f"link of node {node} up")
+            self.events.emit("fault", kind="heal", target=node, step=self.step, node=str(node),
+                             detail=f"link of node {node} up")
         for i in due(self.faults, self.fired, self.step, self.clock() - self.t0):
             f = self.faults[i]
-            if f.kind in ("kill-worker", "hang") and f.target not in self.workers:
-                continue  # that rank has not started yet; try again later
-            if f.kind == "hang-node" and str(f.target) not in {n for _, n in self.workers.values()}:
-                continue
+            if not ready(f, self.workers, cluster.nodes):
+                continue  # that rank or node has not started yet; try again later
             self.fired.add(i)
-            detail = fire(f, cluster, self.workers)
+            node, detail = fire(f, cluster, self.workers)
             if f.kind == "partition" and f.duration:
                 self.heals.append((self.clock() + f.duration, f.target))
-            self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, detail=detail)
+            self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, node=node, detail=detail)
 
     def thaw(self, cluster: LocalCluster) -> None:
         """SIGCONT every process a hang froze, so shutdown is not held up by them."""
@@ -89,42 +88,55 @@ class ChaosController:
         for path in sorted(folder.glob("*.json")):
             text = json.loads(path.read_text())["fault"]
             path.unlink()
-            f = parse_fault(text)
-            # Requested faults fire now, from the host, whatever their kind.
-            self.faults.append(FaultSpec(kind=f.kind, target=f.target, at_seconds=0.001))
+            self.faults.append(fire_now(parse_fault(text)))
 
 
-def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]]) -> str:
-    if f.kind == "kill-worker":
-        _signal(workers[f.target][0], signal.SIGKILL)
-        return f"SIGKILL rank {f.target} (pid {workers[f.target][0]})"
-    if f.kind == "hang":
-        _signal(workers[f.target][0], signal.SIGSTOP)
-        return f"SIGSTOP rank {f.target} (pid {workers[f.target][0]})"
-    if f.kind == "hang-node":
-        # Freeze the whole node: its agent (keep-alives stop) and every worker it runs.
-        pids = [pid for pid, node in workers.values() if node == str(f.target)]
-        cluster.signal_node(f.target, signal.SIGSTOP)
-        for pid in pids:
-            _signal(pid, signal.SIGSTOP)
-        return f"SIGSTOP node {f.target} (agent and workers {pids})"
-    if f.kind == "kill-node":
-        cluster.signal_node(f.target, signal.SIGKILL)  # workers die with their agent (PDEATHSIG)
-        return f"SIGKILL node {f.target} (agent and workers)"
-    if f.kind == "preempt":
-        # Only the agent: it forwards SIGTERM to its workers, which drain and save.
-        _signal(cluster.nodes[f.target].proc.pid, signal.SIGTERM)
-        return f"SIGTERM node {f.target} agent"
-    if f.kind == "add-node":
-        node = cluster.add_node()
-        return f"started node {node.index}"
-    if f.kind == "partition" and cluster.netns is not None:
+def ready(f: FaultSpec, workers: dict[int, tuple[int, str]], nodes: Collection[int]) -> bool:
+    """Pure: does what ``f`` acts on exist yet? If not, the host tries again later."""
+    kind = KINDS[f.kind]
+    if kind.reaches == "rank":
+        return f.target in workers
+    if kind.target == "node" and f.target not in nodes:
+        return False  # a node that add-node has not started yet
+    # Freezing a node signals its workers one by one: wait until they have reported.
+    return kind.reaches != "node" or str(f.target) in {n for _, n in workers.values()}
+
+
+def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]]) -> tuple[str, str]:
+    """Carry out ``f`` as the vocabulary says. Returns (the node it hit, what was done)."""
+    kind = KINDS[f.kind]
+    if kind.how == "signal":
+        node = workers[f.target][1] if kind.target == "rank" else str(f.target)
+        return node, _send(kind, f.target, cluster, workers)
+    if kind.how == "start-node":
+        index = cluster.add_node().index
+        return str(index), f"started node {index}"
+    # check_netns refused link faults when the run has no namespaces (run and chaos commands).
+    assert cluster.netns is not None, f"{f.kind} reached a run without --netns"
+    if kind.how == "link-down":
         cluster.netns.cut(f.target)
-        return f"link of node {f.target} down"
-    if f.kind == "heal" and cluster.netns is not None:
-        cluster.netns.heal(f.target)
-        return f"link of node {f.target} up"
-    raise HarnessError(f"fault '{f.kind}' needs simulated hosts", "run with --netns (as root)")
+        return str(f.target), f"link of node {f.target} down"
+    cluster.netns.heal(f.target)
+    return str(f.target), f"link of node {f.target} up"
+
+
+def _send(kind: Kind, target: int, cluster: LocalCluster, workers: dict[int, tuple[int, str]]) -> str:
+    sig = kind.signal
+    if kind.reaches == "rank":
+        pid = workers[target][0]
+        _signal(pid, sig)
+        return f"{sig.name} rank {target} (pid {pid})"
+    if kind.reaches == "agent":
+        pid = cluster.nodes[target].proc.pid
+        _signal(pid, sig)
+        return f"{sig.name} node {target}'s agent (pid {pid})"
+    cluster.signal_node(target, sig)
+    if kind.reaches == "agent-group":
+        return f"{sig.name} node {target} (agent, and so its workers)"
+    pids = [pid for pid, node in workers.values() if node == str(target)]
+    for pid in pids:
+        _signal(pid, sig)
+    return f"{sig.name} node {target} (agent and workers {pids})"
 
 
 def _signal(pid: int, sig: int) -> None:

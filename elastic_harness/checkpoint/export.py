@@ -1,19 +1,17 @@
 """Single-file model weights in and out of the harness (``ckpt export``/``import``).
 
 Out: one plain ``{name: tensor}`` state dict on CPU with clean names, as ``.pt`` (loadable
-with ``torch.load(..., weights_only=True)``) or ``.safetensors`` (written here from the
-format's public description: an 8-byte little-endian header length, a JSON header with
-dtype, shape and byte offsets per tensor, then the raw little-endian bytes).
+with ``torch.load(..., weights_only=True)``) or ``.safetensors`` (through the ``safetensors``
+library, which also checks a file's header against its size when reading).
 
 In: a legacy single-file checkpoint (e.g. rank 0's ``torch.save`` of a DDP model, keys
-prefixed ``module.``), always read with ``weights_only=True`` onto CPU, and written as a
-DCP checkpoint by one process, with the same manifest as any other.
+prefixed ``module.``), always read with ``weights_only=True`` onto CPU, or a ``.safetensors``
+file, and written as a DCP checkpoint by one process, with the same manifest as any other.
+A file that is missing, truncated or not in the format its name says is a ``CheckpointError``.
 """
 
 from __future__ import annotations
 
-import json
-import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,14 +29,6 @@ _LEADING = "module."
 _ANYWHERE = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 # Where legacy files usually keep the model: {'model': sd, 'optimizer': ...} and friends.
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
-
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
 
 def clean_name(name: str) -> str:
     while name.startswith(_LEADING):
@@ -63,7 +53,9 @@ def save_model_file(tensors: dict[str, torch.Tensor], path: Path) -> int:
     plain = {k: v.detach().to("cpu").contiguous() for k, v in clean_names(tensors).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
-        _write_safetensors(plain, path)
+        from safetensors.torch import save_file
+
+        save_file(_unshared(plain), str(path), metadata={"format": "pt"})
     elif path.suffix in (".pt", ".pth"):
         torch.save(plain, path)
     else:
@@ -71,38 +63,27 @@ def save_model_file(tensors: dict[str, torch.Tensor], path: Path) -> int:
     return path.stat().st_size
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset, blobs = 0, []
-    for name in sorted(tensors):
-        t = tensors[name]
-        if t.dtype not in _ST_DTYPES:
-            raise CheckpointError(f"tensor '{name}' has dtype {t.dtype}, which .safetensors export does not support", "export to .pt")
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for data in blobs:
-            f.write(data)
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of tensors that share memory with an earlier one (tied weights): the
+    ``safetensors`` writer refuses shared memory, and each name gets its own bytes anyway."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        out[name] = t.clone() if ptr and ptr in seen else t
+        seen.add(ptr)
+    return out
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    blob = path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        raw = bytearray(blob[base + begin:base + end])
-        flat = torch.frombuffer(raw, dtype=_ST_NAMES[info["dtype"]]) if raw else torch.empty(0, dtype=_ST_NAMES[info["dtype"]])
-        out[name] = flat.reshape(info["shape"])
-    return out
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"'{path}' is not a readable .safetensors file ({e})",
+                              "it may be truncated or corrupt: export or copy it again") from None
 
 
 def load_model_file(path: Path) -> dict[str, torch.Tensor]:
@@ -111,20 +92,42 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     Accepts a bare state dict or one nested under a usual key (``model``, ``state_dict``,
     ...); returns clean names on CPU. Never unpickles arbitrary objects.
     """
+    _check_readable(path)
     if path.suffix == ".safetensors":
         return clean_names(_read_safetensors(path))
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # weights_only refuses pickled code; say so plainly
-        raise CheckpointError(
-            f"'{path}' cannot be read as plain tensors (weights_only=True): {e}".splitlines()[0][:400],
-            "export only the model's state_dict (tensors, dicts, numbers) to that file",
-        ) from None
+    except Exception as e:  # torch's messages run to paragraphs: one line, and the right fix
+        raise CheckpointError(*explain_load_failure(str(path), str(e))) from None
     sd = _find_state_dict(obj)
     if sd is None:
         raise CheckpointError(f"'{path}' holds no model state dict (no dict of tensors found)",
                               "save model.state_dict(), or a dict with it under 'model'")
     return clean_names(sd)
+
+
+def explain_load_failure(path: str, detail: str) -> tuple[str, str]:
+    """Pure: (message, fix) for a ``torch.load(weights_only=True)`` failure. Pickled code
+    (a class, a function) is refused by design; anything else is a damaged or foreign file."""
+    marker = "WeightsUnpickler error:"
+    rest = detail.split(marker, 1)[1] if marker in detail else detail
+    lines = [line.strip() for line in rest.splitlines() if line.strip()] or [""]
+    if "Unsupported global" in detail:
+        what = lines[0].split("Unsupported global:", 1)[-1].split(" was not", 1)[0].strip()
+        return (f"'{path}' holds pickled objects, which weights_only=True refuses ({what})",
+                "save only the model's state_dict (tensors, dicts, numbers) to that file")
+    reason = lines[0].split(". ")[0][:200]
+    return (f"'{path}' is not a readable torch.save file ({reason})",
+            "it may be truncated or corrupt: save or copy it again")
+
+
+def _check_readable(path: Path) -> None:
+    """A missing file or a directory is a wrong path, not a wrong format: say so."""
+    if path.is_dir():
+        raise CheckpointError(f"'{path}' is a directory, not a single-file checkpoint",
+                              "name a .pt/.pth or .safetensors file (a run's checkpoints need no import)")
+    if not path.exists():
+        raise CheckpointError(f"'{path}' does not exist", "check the path to the file")
 
 
 def _find_state_dict(obj: Any) -> dict[str, torch.Tensor] | None:

@@ -10,8 +10,9 @@ import argparse
 import os
 from pathlib import Path
 
-from elastic_harness.launch.agent import run_agent
+from elastic_harness.errors import HarnessError
 from elastic_harness.launch.config import node_options
+from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.rundir import prepare
 from elastic_harness.spec import load_job
 
@@ -41,23 +42,36 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    """Check every option before anything is created, then prepare the run dir and run."""
     spec = load_job(args.job, args.set)
-    run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec)
     flags = {k: getattr(args, k) for k in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "nnodes",
                                            "nproc_per_node", "max_restarts", "is_host", "local_addr")}
+    run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
     opts = node_options(spec, run_dir, flags, os.environ)
     if not opts.rdzv_id:
-        from elastic_harness.errors import HarnessError
-
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
+    node = args.node or os.uname().nodename
+    if args.endpoint_port is not None and not 0 <= args.endpoint_port < 65536:
+        raise HarnessError(f"--endpoint-port {args.endpoint_port} is not a port", "pick 0..65535 (0 = any free port)")
+    prepare(run_dir, spec)
+    os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
+    from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
+
     endpoint = None
     if args.endpoint_port is not None:
-        from elastic_harness.launch.endpoint import Endpoint
+        from elastic_harness.launch.endpoint import Endpoint, stall_bound
 
-        endpoint = Endpoint(run_dir, args.endpoint_host, args.endpoint_port)
+        try:
+            endpoint = Endpoint(run_dir / "events.jsonl", job=spec.name, node=node,
+                                host=args.endpoint_host, port=args.endpoint_port,
+                                stall_s=stall_bound(spec))
+        except OSError as e:  # port taken, or a host name that does not resolve here
+            raise HarnessError(f"cannot serve the endpoint on {args.endpoint_host}:{args.endpoint_port}: "
+                               f"{e.strerror or e}", "pick another --endpoint-port (0 = any free port) "
+                               "or an address of this machine for --endpoint-host") from None
         print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
     try:
-        return run_agent(spec, opts, node=args.node or os.uname().nodename)
+        return run_agent(spec, opts, node=node)
     finally:
         if endpoint is not None:
             endpoint.close()

@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 from elastic_harness.chaos.inject import request
-from elastic_harness.chaos.schedule import parse_fault
+from elastic_harness.chaos.vocabulary import check_netns, parse_fault
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import read_events
-from elastic_harness.summary import current_invocation
+from elastic_harness.runstate import current_invocation
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,13 +47,19 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if any(e["event"] == "exit" and e.get("who") == "host" for e in events):
         raise HarnessError(f"the job in {run_dir} is not running (it has exited)",
                            "start it again with elastic-harness run, then inject")
+    fault = parse_fault(args.fault, flag="chaos")
+    if "@" in args.fault:
+        raise HarnessError(f"chaos '{args.fault}': a requested fault fires now, it takes no '@'",
+                           f"drop '@{args.fault.partition('@')[2]}', or pass it to run --chaos")
+    host_start = next(e for e in events if e["event"] == "start" and e.get("who") == "host")
+    check_netns([fault], netns=bool(host_start.get("netns")))
     path = request(run_dir, args.fault)
     print(f"requested {args.fault} ({path.name}); watch events.jsonl for the 'fault' event")
     return 0
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    fault = parse_fault(args.target)
+    fault = parse_fault(args.target, flag="chaos --k8s")
     if fault.kind != "kill-node":
         raise HarnessError(f"--k8s supports kill-node, not {fault.kind}", "use kill-node[:INDEX]")
     if not args.job:

@@ -4,6 +4,8 @@ DIR may be a run directory (its ``checkpoints/``, or the ``checkpoint.dir`` its 
 job names), a checkpoint root, one ``step-NNNNNNN`` directory, or an ``s3://`` URL of
 either. Everything here runs in one process, without a process group, on CPU.
 A checkpoint directory is trusted input: DCP unpickles its ``.metadata``.
+Modules that import torch (``offline``, ``export``) are imported by the commands that use
+them, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from elastic_harness.checkpoint import integrity, layout, offline
-from elastic_harness.checkpoint.export import load_model_file, save_model_file, save_single_process
+from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from elastic_harness.checkpoint import offline
 
 _FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
@@ -53,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _locate(target: str) -> offline.Location:
     """Like ``offline.locate``, but a run dir whose job put checkpoints elsewhere follows it."""
+    from elastic_harness.checkpoint import offline
+
     resolved = Path(target) / "job.resolved.yaml"
     if "://" not in target and resolved.is_file():
         from elastic_harness.spec import load_job
@@ -64,6 +71,8 @@ def _locate(target: str) -> offline.Location:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from elastic_harness.checkpoint import offline
+
     loc = _locate(args.dir)
     rows = offline.describe(loc.storage, args.verify)
     if loc.step is not None:
@@ -99,6 +108,8 @@ def _human(n: int) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from elastic_harness.checkpoint import offline
+
     loc = _locate(args.dir)
     rows = offline.describe(loc.storage, args.mode)
     if loc.step is not None:
@@ -118,6 +129,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from elastic_harness.checkpoint import offline
+    from elastic_harness.checkpoint.export import save_model_file
+
     loc = _locate(args.dir)
     name = offline.pick(loc, "full", args.step)
     tensors = offline.load_model_tensors(loc.storage.reader(name))
@@ -129,6 +143,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _model_of(target: str):
+    from elastic_harness.checkpoint import offline
+    from elastic_harness.checkpoint.export import load_model_file
+
     if Path(target).suffix in _FILE_SUFFIXES and Path(target).is_file():
         return load_model_file(Path(target)), target
     loc = _locate(target)
@@ -137,6 +154,8 @@ def _model_of(target: str):
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from elastic_harness.checkpoint import offline
+
     (a, where_a), (b, where_b) = _model_of(args.a), _model_of(args.b)
     result = {"a": where_a, "b": where_b, **offline.compare(a, b)}
     print(json.dumps(result, indent=1))
@@ -144,6 +163,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from elastic_harness.checkpoint.export import load_model_file, save_single_process
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job
 

@@ -11,16 +11,17 @@ from pathlib import Path
 
 from elastic_harness import exitcodes
 from elastic_harness.chaos.inject import ChaosController
-from elastic_harness.chaos.schedule import parse_fault
+from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
-from elastic_harness.events import EventLog, read_events
+from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.netns import NetnsTopology
-from elastic_harness.progress import EventTail, Progress
+from elastic_harness.progress import Progress
 from elastic_harness.rundir import prepare
+from elastic_harness.runstate import current_invocation
 from elastic_harness.spec import load_job
-from elastic_harness.summary import current_invocation, summarize
+from elastic_harness.summary import summarize
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,16 +50,14 @@ def load_with_flags(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec = load_with_flags(args)
-    nodes = args.nodes or spec.nodes.min
+    nodes = spec.nodes.min if args.nodes is None else args.nodes  # --nodes 0 is refused, not a default
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
-    spec = preflight(spec, Path(args.job))
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
-    if any(f.kind in ("partition", "heal") for f in spec.chaos) and not args.netns:
-        raise HarnessError("faults 'partition' and 'heal' need simulated hosts with their own network",
-                           "run with --netns (as root)")
+    check_faults(spec, nodes, args.netns)
+    spec = preflight(spec, Path(args.job))
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
     code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
     if code == 0 and args.verify:
@@ -68,6 +67,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                                    rtol=1e-4, json=False)
         code = cmd_verify(check)
     return code
+
+
+def check_faults(spec, nodes: int, netns: bool) -> None:
+    """Refuse faults this run cannot carry out, before any agent starts."""
+    check_netns(spec.chaos, netns)
+    adds = sum(1 for f in spec.chaos if f.kind == "add-node")
+    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds)
 
 
 def preflight(spec, job_path: Path):
@@ -125,7 +131,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
             topology: NetnsTopology | None) -> int:
     tail = EventTail(run_dir / "events.jsonl")
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
-                run_dir=str(run_dir))
+                run_dir=str(run_dir), netns=topology is not None)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
                            backend=spec.rendezvous.backend, netns=topology)
@@ -176,35 +182,39 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
 
 
 def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None) -> int:
+    """Decide the outcome, log the host's ``exit``, then write ``summary.json`` from the
+    whole log (exit included, so its goodput is the one ``report`` prints)."""
     codes = {i: n.returncode() for i, n in cluster.nodes.items()}
     all_events = read_events(run_dir / "events.jsonl")
     summary = summarize(all_events)
+    resume_hint = "re-run the same command to resume from the last checkpoint"
+    permanent = [e for e in current_invocation(all_events) if e["event"] == "exit"
+                 and e.get("who") == "agent" and e.get("code") == exitcodes.PERMANENT]
+    if fatal:
+        code, message, error = exitcodes.PERMANENT, fatal, HarnessError(fatal)
+    elif summary["finished"]:
+        code, message, error = exitcodes.OK, "", None
+    elif permanent:  # a crash loop (or a fatal error): restarting cannot help
+        message = permanent[-1]["message"]
+        code, error = exitcodes.PERMANENT, HarnessError(
+            message, f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the "
+            "last checkpoint")
+    else:
+        message = _failure_message(current_invocation(all_events), codes)
+        preempted = any(c is not None and c >= 128 for c in codes.values())
+        code = Preempted.exit_code if preempted else 1
+        error = Preempted(message, resume_hint) if preempted else \
+            ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
+    events.emit("exit", who="host", code=code, message=message)
+    summary = summarize(read_events(run_dir / "events.jsonl"))
     summary["agent_exit_codes"] = codes
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if fatal:
-        events.emit("exit", who="host", code=2, message=fatal)
-        raise HarnessError(fatal)
-    if summary["finished"]:
-        print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
-              f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
-        print(f"model digest {summary['model_digest']}")
-        events.emit("exit", who="host", code=0)
-        return 0
-    invocation = current_invocation(all_events)
-    permanent = [e for e in invocation if e["event"] == "exit" and e.get("who") == "agent"
-                 and e.get("code") == exitcodes.PERMANENT]
-    if permanent:  # a crash loop (or a fatal error): restarting cannot help
-        events.emit("exit", who="host", code=HarnessError.exit_code, message=permanent[-1]["message"])
-        raise HarnessError(permanent[-1]["message"],
-                           f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes "
-                           "from the last checkpoint")
-    message = _failure_message(invocation, codes)
-    resume_hint = "re-run the same command to resume from the last checkpoint"
-    if any(c is not None and c >= 128 for c in codes.values()):
-        events.emit("exit", who="host", code=Preempted.exit_code, message=message)
-        raise Preempted(message, resume_hint)
-    events.emit("exit", who="host", code=1, message=message)
-    raise ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
+    if error is not None:
+        raise error
+    print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
+          f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
+    print(f"model digest {summary['model_digest']}")
+    return 0
 
 
 def _failure_message(events: list[dict], codes: dict[int, int | None]) -> str:

@@ -46,12 +46,8 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     config.event_log_handler = bridge.install(events, node)
     # Step watchdog: workers renew a file timer around each step (runtime.timer); a hung
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
-    timer_server = watchdog.start(opts.rdzv_id)
-    cutoff = None
-    if spec.rendezvous.isolation_timeout:
-        cutoff = isolation.IsolationWatchdog(
-            opts.rdzv_endpoint, spec.rendezvous.isolation_timeout,
-            isolation.exit_isolated(events, node, opts.rdzv_endpoint)).start()
+    timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
+    cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
     started = time.time()
     launch = Launch(config, entrypoint, args,
                     judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started))

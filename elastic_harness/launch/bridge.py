@@ -31,7 +31,9 @@ class EventBridge(logging.Handler):
             return
         if any(noise in payload.get("name", "") for noise in _NOISE):
             return
-        self.events.emit("torchelastic", node=self.node, **_fields(payload))
+        f = _fields(payload)
+        self.events.emit("torchelastic", node=self.node, name=f["name"], source=f["source"],
+                         state=f["state"], message=f["message"], rank=f["rank"])
 
 
 def _fields(p: dict) -> dict:

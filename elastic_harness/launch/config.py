@@ -1,8 +1,12 @@
 """Spec + per-node options -> torchelastic's ``LaunchConfig``.
 
 The only module that knows torchrun's knobs: rendezvous configuration keys, the agent's
-monitor interval and shutdown grace, log redirection, and how a worker is started.
-Pure apart from constructing torch's config objects (no processes, no network).
+monitor interval and shutdown grace, log redirection, and how a worker is started. It starts
+no processes and opens no connections, but not everything here is pure: ``new_rdzv_id`` is
+random, ``agent_environ`` reads this process's environment, and ``launch_config`` creates the
+log directory (torchelastic's ``DefaultLogsSpecs`` does) and, on torch without a shutdown
+timeout field, sets ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in this process's environment.
+``node_options`` and ``rdzv_configs`` are pure.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from elastic_harness.spec import JobSpec
 
 # torch's backend names: "etcd-v2" is the dynamic rendezvous on etcd's v2 API.
 _BACKENDS = {"c10d": "c10d", "etcd": "etcd-v2", "etcd-v2": "etcd-v2"}
-DEFAULT_ETCD_PORT = 2379
+# The port an endpoint without one gets, per torch backend: torchrun's c10d default and
+# etcd's client port (what torch's own rendezvous backends assume).
+DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
 
 
 @dataclass(frozen=True)
@@ -47,41 +53,78 @@ def new_rdzv_id(job_name: str) -> str:
 def node_options(
     spec: JobSpec, run_dir: Path, flags: Mapping[str, object], environ: Mapping[str, str]
 ) -> NodeOptions:
-    """Merge per-node flags (``None`` = unset) and Kubeflow's PET_* variables over the spec."""
+    """Merge per-node flags (``None`` = unset) and Kubeflow's PET_* variables over the spec.
 
-    def pick(flag: str, pet: str, default: object) -> object:
+    Every value is checked here, so a bad flag or variable is one ``SpecError`` naming it.
+    """
+
+    def pick(flag: str, pet: str, default: object) -> tuple[object, str]:
         if flags.get(flag) is not None:
-            return flags[flag]
+            return flags[flag], "--" + flag.replace("_", "-")
         if environ.get(pet):
-            return environ[pet]
-        return default
+            return environ[pet], pet
+        return default, ""
 
-    nnodes = str(pick("nnodes", "PET_NNODES", f"{spec.nodes.min}:{spec.nodes.max}"))
-    lo, _, hi = nnodes.partition(":")
-    try:
-        min_nodes, max_nodes = int(lo), int(hi or lo)
-    except ValueError:
-        raise SpecError("--nnodes", f"'{nnodes}' is not N or MIN:MAX") from None
-    backend = str(pick("rdzv_backend", "PET_RDZV_BACKEND", spec.rendezvous.backend))
+    nnodes, source = pick("nnodes", "PET_NNODES", f"{spec.nodes.min}:{spec.nodes.max}")
+    lo, _, hi = str(nnodes).partition(":")
+    min_nodes = _count(lo, source or "nodes.min", 1, "write N or MIN:MAX nodes")
+    max_nodes = _count(hi or lo, source or "nodes.max", min_nodes, "write N or MIN:MAX nodes")
+    backend, source = pick("rdzv_backend", "PET_RDZV_BACKEND", spec.rendezvous.backend)
     if backend not in _BACKENDS:
-        raise SpecError("rendezvous.backend", f"'{backend}' is not one of {list(_BACKENDS)}")
-    endpoint = str(pick("rdzv_endpoint", "PET_RDZV_ENDPOINT", spec.rendezvous.endpoint))
+        raise SpecError(source or "rendezvous.backend", f"'{backend}' is not one of {list(_BACKENDS)}")
+    endpoint, source = pick("rdzv_endpoint", "PET_RDZV_ENDPOINT", spec.rendezvous.endpoint)
     if not endpoint:
         raise SpecError(
             "rendezvous.endpoint", "no endpoint", "pass --rdzv-endpoint HOST:PORT or set it"
         )
+    nproc, nproc_source = pick("nproc_per_node", "PET_NPROC_PER_NODE", spec.nproc_per_node)
+    restarts, restarts_source = pick("max_restarts", "PET_MAX_RESTARTS", spec.max_restarts)
     return NodeOptions(
         run_dir=run_dir,
-        rdzv_endpoint=endpoint,
-        rdzv_id=str(pick("rdzv_id", "PET_RDZV_ID", spec.rendezvous.id or "")) or "",
-        rdzv_backend=_BACKENDS[backend],
+        rdzv_endpoint=with_port(str(endpoint), DEFAULT_PORTS[_BACKENDS[str(backend)]],
+                                source or "rendezvous.endpoint"),
+        rdzv_id=str(pick("rdzv_id", "PET_RDZV_ID", spec.rendezvous.id or "")[0]) or "",
+        rdzv_backend=_BACKENDS[str(backend)],
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=int(pick("nproc_per_node", "PET_NPROC_PER_NODE", spec.nproc_per_node)),
-        max_restarts=int(pick("max_restarts", "PET_MAX_RESTARTS", spec.max_restarts)),
+        nproc_per_node=_count(nproc, nproc_source or "nproc_per_node", 1),
+        max_restarts=_count(restarts, restarts_source or "max_restarts", 0),
         is_host=flags.get("is_host"),  # type: ignore[arg-type]
         local_addr=flags.get("local_addr"),  # type: ignore[arg-type]
     )
+
+
+def _count(value: object, source: str, minimum: int, hint: str = "") -> int:
+    """``value`` as an int >= ``minimum``, or a SpecError naming where it came from."""
+    try:
+        n = int(str(value))
+    except ValueError:
+        raise SpecError(source, f"'{value}' is not a whole number", hint) from None
+    if n < minimum:
+        raise SpecError(source, f"{n} is less than {minimum}", hint)
+    return n
+
+
+def with_port(endpoint: str, default_port: int, source: str = "rendezvous.endpoint") -> str:
+    """``HOST[:PORT]`` -> ``HOST:PORT``, like torchrun: a missing port is ``default_port``.
+
+    An IPv6 host is written in brackets (``[::1]:29400``). A port that is not a number in
+    1..65535 is a ``SpecError`` naming ``source`` (the flag, variable or field it came from).
+    """
+    endpoint = endpoint.strip()
+    if endpoint.startswith("[") and endpoint.endswith("]"):
+        host, port = endpoint, ""
+    else:
+        host, sep, port = endpoint.rpartition(":")
+        host, port = (host, port) if sep else (endpoint, "")
+    if not host:
+        raise SpecError(source, f"'{endpoint}' has no host", "write HOST[:PORT], e.g. node-0:29400")
+    if not port:
+        return f"{host}:{default_port}"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise SpecError(source, f"'{endpoint}': port '{port}' is not a number in 1..65535",
+                        f"write HOST:PORT, e.g. {host}:{default_port}")
+    return f"{host}:{int(port)}"
 
 
 def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:

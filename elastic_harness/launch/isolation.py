@@ -1,23 +1,37 @@
 """Agent-side isolation watchdog: an agent cut off from the rendezvous takes itself down.
 
 A partitioned agent was seen blocked for over 13 minutes in ``recvfrom`` on its store
-socket, ignoring SIGTERM. This thread probes the rendezvous endpoint (a TCP connect, which
-works for the c10d store and for etcd alike) every ``interval`` seconds; after
-``limit`` seconds without one success it records an ``isolated`` event and ends the agent
-process with ``os._exit`` (which no blocked call can stop). The workers die with it
-(``PR_SET_PDEATHSIG``), so a node that comes back after a partition writes nothing more
-into the job's checkpoints; a fresh agent can rejoin through the rendezvous.
+socket, ignoring SIGTERM. This thread probes the rendezvous (a TCP connect, which works for
+the c10d store and for etcd alike) every ``interval`` seconds. Its clock starts only once
+a probe first succeeded: an agent started before the c10d host (or etcd) is waiting to
+join, which ``rendezvous.join_timeout`` bounds, not cut off. After that, ``limit`` seconds
+without one success end the agent process with ``os._exit`` (which no blocked call can
+stop); its workers die with it (``PR_SET_PDEATHSIG``), so a node that comes back after a
+partition writes nothing more into the job's checkpoints, and a fresh agent can rejoin.
+
+etcd: torch's client (python-etcd, ``allow_reconnect``) fails over to every member the
+cluster advertises, so one success among all members counts (``etcd_members``); losing the
+member named in the endpoint does not isolate anyone.
+
+A partition may cut the shared run directory too: the ``isolated`` and ``exit`` events are
+written within ``write_budget_s`` or not at all before the process exits.
+
+Call order: ``watch(...)`` (or ``IsolationWatchdog(...).start()``) once the agent is set up;
+``stop()`` when the agent ends normally.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
 EXIT_ISOLATED = 1
+MEMBERS_REFRESH_S = 60.0  # etcd membership changes rarely: ask again this often
 
 
 def reachable(host: str, port: int, timeout: float) -> bool:
@@ -28,18 +42,51 @@ def reachable(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def isolated_for(last_ok: float, now: float, limit: float) -> bool:
-    """Pure: has the endpoint been unreachable for longer than ``limit``?"""
-    return now - last_ok > limit
+def isolated_for(last_ok: float | None, now: float, limit: float) -> bool:
+    """Pure: cut off for longer than ``limit``? Never before the first success (``None``)."""
+    return last_ok is not None and now - last_ok > limit
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port)."""
+    host, _, port = endpoint.strip().rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def etcd_members(endpoint: str, protocol: str = "http", ca_cert: str = "", cert: str = "",
+                 key: str = "", timeout: float = 2.0) -> list[str]:
+    """Client endpoints (``HOST:PORT``) every member of the etcd cluster advertises, as
+    python-etcd (torch's client) finds them; [] when etcd cannot be asked right now."""
+    import etcd
+    import urllib3
+
+    host, port = split_endpoint(endpoint)
+    try:
+        client = etcd.Client(host=host, port=port, protocol=protocol, read_timeout=timeout,
+                             cert=(cert, key) if cert and key else (cert or None),
+                             ca_cert=ca_cert or None, allow_reconnect=True)
+        urls = client.machines
+    except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError, ValueError):
+        return []
+    out = []
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.hostname and parts.port:
+            out.append(f"{parts.hostname}:{parts.port}")
+    return out
 
 
 class IsolationWatchdog:
+    """``members``: optional, more endpoints of the same rendezvous (asked after a success)."""
+
     def __init__(self, endpoint: str, limit: float, on_isolated: Callable[[float], None],
-                 interval: float = 1.0, probe: Callable[[str, int, float], bool] = reachable) -> None:
-        host, _, port = endpoint.rpartition(":")
-        self.host, self.port = host, int(port)
+                 interval: float = 1.0, probe: Callable[[str, int, float], bool] = reachable,
+                 members: Callable[[], Sequence[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoints = [e for e in endpoint.split(",") if e.strip()]
         self.limit, self.interval = limit, interval
-        self.on_isolated, self.probe = on_isolated, probe
+        self.on_isolated, self.probe, self.members, self.clock = on_isolated, probe, members, clock
+        self._members_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="isolation-watchdog", daemon=True)
 
@@ -50,22 +97,65 @@ class IsolationWatchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    def probe_all(self) -> bool:
+        """One round: is any endpoint of the rendezvous reachable?"""
+        timeout = min(2.0, self.limit / 2)
+        return any(self.probe(*split_endpoint(e), timeout) for e in self.endpoints)
+
+    def _learn_members(self) -> None:
+        now = self.clock()
+        if self.members is None or (self._members_at is not None and now - self._members_at < MEMBERS_REFRESH_S):
+            return
+        found = list(self.members())
+        if found:  # keep what was configured; add what the cluster advertises
+            self._members_at = now
+            self.endpoints = list(dict.fromkeys([*self.endpoints, *found]))
+
     def _run(self) -> None:
-        last_ok = time.monotonic()
+        last_ok = None
         while not self._stop.wait(self.interval):
-            if self.probe(self.host, self.port, min(2.0, self.limit / 2)):
-                last_ok = time.monotonic()
-            elif isolated_for(last_ok, time.monotonic(), self.limit):
-                self.on_isolated(time.monotonic() - last_ok)
+            if self.probe_all():
+                last_ok = self.clock()
+                self._learn_members()
+            elif isolated_for(last_ok, self.clock(), self.limit):
+                self.on_isolated(self.clock() - last_ok)
                 return
 
 
-def exit_isolated(events, node: str, endpoint: str) -> Callable[[float], None]:
+def exit_isolated(events, node: str, endpoint: str, write_budget_s: float = 2.0,
+                  exit: Callable[[int], object] = os._exit) -> Callable[[float], None]:
+    """What an isolated agent does: say so (within ``write_budget_s``), then ``exit``."""
+
     def act(seconds: float) -> None:
-        events.emit("isolated", node=node, endpoint=endpoint, seconds=round(seconds, 2),
-                    message=f"node {node} cut off from the rendezvous at {endpoint} for "
-                            f"{seconds:.0f}s: stopping it and its workers")
-        events.emit("exit", who="agent", node=node, code=EXIT_ISOLATED, message="isolated from the rendezvous")
-        os._exit(EXIT_ISOLATED)
+        message = (f"node {node} cut off from the rendezvous at {endpoint} for {seconds:.0f}s: "
+                   "stopping it and its workers")
+
+        def say() -> None:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            events.emit("isolated", node=node, endpoint=endpoint, seconds=round(seconds, 2), message=message)
+            events.emit("exit", who="agent", node=node, code=EXIT_ISOLATED, message="isolated from the rendezvous")
+
+        # A partition can hang the shared run dir (and a log file on it): never wait longer.
+        writer = threading.Thread(target=say, name="isolated-report", daemon=True)
+        writer.start()
+        writer.join(write_budget_s)
+        exit(EXIT_ISOLATED)
 
     return act
+
+
+def watch(spec, opts, events, node: str) -> IsolationWatchdog | None:
+    """The agent's watchdog as the job asks for it, started; None when
+    ``rendezvous.isolation_timeout`` is 0. ``opts``: the agent's ``NodeOptions``."""
+    limit = spec.rendezvous.isolation_timeout
+    if not limit:
+        return None
+    members = None
+    if opts.rdzv_backend != "c10d":  # etcd: every member the client could fail over to
+        r = spec.rendezvous
+
+        def members() -> list[str]:
+            return etcd_members(opts.rdzv_endpoint, r.etcd_protocol, r.etcd_ca_cert, r.etcd_cert, r.etcd_key)
+
+    act = exit_isolated(events, node, opts.rdzv_endpoint)
+    return IsolationWatchdog(opts.rdzv_endpoint, limit, act, members=members).start()

@@ -1,48 +1,25 @@
-"""Pure: a run's events -> per-fault recovery rows and a goodput breakdown. No I/O.
+"""Pure: a run's events -> per-fault recovery rows, step points and goodput. No I/O.
 
-Words used here:
+The words (invocation, generation, final lineage, step span) and every goodput and badput
+term are defined once, in ``elastic_harness.goodput``; goodput here is that ledger's over
+the whole run dir, so ``report``, ``summary.json`` and the agent endpoint agree.
 
-- *invocation*: the events from one host ``start`` (``who=host``) to the next; a run dir
-  that was stopped and re-run holds several. Time between invocations is not wall time.
-- *generation*: the worker processes one rendezvous started. Rank 0 narrates it
-  (``rendezvous``, ``resume``, ``step``, ``checkpoint`` events), so rank 0's pid names it.
-  A generation is *active* if it resumed and completed at least one step.
-- *final lineage*: the steps that led to the final model. Walking the active generations
-  from the newest back, each one contributes the steps after the one it resumed from, up to
-  the step its successor resumed from; the steps past that were redone, so they were lost.
-- *step span*: the wall time between a ``step`` event and the previous one of the same
-  generation (the first span starts at the generation's ``resume`` event). With
-  ``train.log_every > 1`` a span covers several steps, shared out evenly.
-
-Each invocation's wall time (its first event to its last) is cut into contiguous segments,
-so productive time plus every badput below adds up to the wall time exactly:
-
-- **productive**: step spans, less checkpoint blocking, for steps in the final lineage.
-- **lost_work**: step spans, less checkpoint blocking, for steps that were redone later.
-- **startup**: invocation start to its first active generation's ``resume`` event: agents
-  starting, the first rendezvous, spawning workers, ``import torch``, process group, model
-  build and the initial checkpoint load.
-- **rendezvous**: between two active generations, from the last step event of the old one
-  to the last rendezvous completion before the new one resumed (torchelastic's
-  ``_mark_rendezvous_complete``; without bridged events, the workers' ``rendezvous`` event).
-  It includes failure detection, failed restart attempts and the rendezvous round itself.
-- **restart**: from that rendezvous completion to the new generation's ``resume`` event:
-  spawning workers, process group, model build and the checkpoint load.
-- **checkpoint_blocking**: the ``blocking_s`` of every checkpoint, taken out of the segment
-  it interrupted (the step span after the step saved, or the shutdown after the last step).
-- **shutdown**: after the last step event of an invocation to its last event: final save,
-  digest, agents and host exiting (or, for an invocation that failed, its failed attempts).
+A fault row follows one ``fault`` event: the first sign of the agents reacting after it
+(``is_reaction``), the next rendezvous completion, the next ``resume`` and the first step
+of that generation; steps lost are the last step completed before the fault minus the step
+resumed from (0 when the job drained and saved).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-BADPUT_KINDS = ("startup", "rendezvous", "restart", "checkpoint_blocking", "lost_work", "shutdown")
+from elastic_harness.goodput import BADPUT_KINDS, RDZV_COMPLETE, Goodput
+from elastic_harness.runstate import fold, split_invocations
+
+__all__ = ["BADPUT_KINDS", "FaultRow", "Goodput", "StepPoint", "Timeline", "build", "split_invocations"]
 _GEN_EVENTS = frozenset({"rendezvous", "resume", "step", "checkpoint", "drain", "finish"})
-RDZV_COMPLETE = "_mark_rendezvous_complete"
 
 
 @dataclass
@@ -53,7 +30,6 @@ class Generation:
     resume_t: float | None = None
     resume_step: int = 0
     steps: list[tuple[float, int]] = field(default_factory=list)  # (t, step), in order
-    checkpoints: list[tuple[int, float]] = field(default_factory=list)  # (step, blocking_s)
     lineage_upto: float = float("inf")  # last step of this generation in the final lineage
 
     @property
@@ -82,14 +58,6 @@ class FaultRow:
     recovery_s: float | None  # fault to first step after it
     world_size_before: int | None
     world_size_after: int | None
-
-
-@dataclass(frozen=True)
-class Goodput:
-    wall_s: float
-    productive_s: float
-    goodput: float
-    badput: dict[str, float]  # BADPUT_KINDS -> seconds
 
 
 @dataclass(frozen=True)
@@ -123,19 +91,9 @@ def build(events: Sequence[dict]) -> Timeline:
         invocations=len(invocations),
         generations=len(gens),
         faults=fault_rows(invocations, t0),
-        goodput=goodput(invocations, gens),
+        goodput=fold(events).goodput(),
         points=step_points(invocations, gens, t0),
     )
-
-
-def split_invocations(events: Sequence[dict]) -> list[list[dict]]:
-    """Events cut at each host ``start``, each part sorted by time."""
-    parts: list[list[dict]] = []
-    for e in events:
-        if not parts or (e.get("event") == "start" and e.get("who") == "host" and parts[-1]):
-            parts.append([])
-        parts[-1].append(e)
-    return [sorted(p, key=lambda e: e["t"]) for p in parts]
 
 
 def generations(inv: Sequence[dict], invocation: int) -> list[Generation]:
@@ -157,107 +115,15 @@ def generations(inv: Sequence[dict], invocation: int) -> list[Generation]:
         elif kind == "step" and g.resume_t is not None:
             g.steps.append((e["t"], int(e["step"])))
             g.world_size = e.get("world_size", g.world_size)
-        elif kind == "checkpoint":
-            g.checkpoints.append((int(e["step"]), float(e.get("blocking_s") or 0.0)))
     return list(gens.values())
 
 
 def mark_lineage(gens: Sequence[Generation]) -> None:
-    """Set each generation's ``lineage_upto``: its successor's resume step (see module doc)."""
+    """Set each generation's ``lineage_upto``: the lowest resume step of those after it."""
     upto = float("inf")
     for g in reversed([g for g in gens if g.active]):
         g.lineage_upto = upto
-        upto = g.resume_step
-
-
-def _share(a: int, b: int, g: Generation) -> float:
-    """Fraction of steps (a, b] of generation g that are in the final lineage."""
-    if b <= a:
-        return 0.0
-    kept = min(b, g.lineage_upto) - max(a, g.resume_step)
-    return max(0.0, kept) / (b - a)
-
-
-@dataclass
-class Segment:
-    start: float
-    end: float
-    kind: str  # "step" or one of BADPUT_KINDS except lost_work/checkpoint_blocking
-    lineage: float = 0.0  # step segments: share of its steps in the final lineage
-    blocked: float = 0.0  # checkpoint blocking taken out of it
-
-    @property
-    def duration(self) -> float:
-        return max(0.0, self.end - self.start)
-
-
-def segments(inv: Sequence[dict], gens: Sequence[Generation]) -> list[Segment]:
-    """Contiguous segments covering one invocation, first event to last (see module doc)."""
-    if not inv:
-        return []
-    t_start, t_end = inv[0]["t"], inv[-1]["t"]
-    active = sorted((g for g in gens if g.active), key=lambda g: g.resume_t)
-    if not active:
-        return [Segment(t_start, t_end, "startup")]
-    out = [Segment(t_start, active[0].resume_t, "startup")]
-    for i, g in enumerate(active):
-        if i:
-            out += _gap(inv, active[i - 1].steps[-1][0], g.resume_t)
-        prev_t, prev_step = g.resume_t, g.resume_step
-        for t, step in g.steps:
-            out.append(Segment(prev_t, t, "step", lineage=_share(prev_step, step, g)))
-            prev_t, prev_step = t, step
-    out.append(Segment(active[-1].steps[-1][0], t_end, "shutdown"))
-    return out
-
-
-def _gap(inv: Sequence[dict], a: float, b: float) -> list[Segment]:
-    """Between two active generations: rendezvous up to its last completion, then restart."""
-    inside = [e for e in inv if a < e["t"] < b]
-    marks = [e["t"] for e in inside if e["event"] == "torchelastic" and e.get("name", "").endswith(RDZV_COMPLETE)]
-    if not marks:
-        marks = [e["t"] for e in inside if e["event"] == "rendezvous"]
-    done = marks[-1] if marks else a
-    return [Segment(a, done, "rendezvous"), Segment(done, b, "restart")]
-
-
-def _charge_blocking(segs: list[Segment], gens: Sequence[Generation]) -> None:
-    """Move each checkpoint's blocking time out of the segment it interrupted."""
-    starts = [s.start for s in segs]
-    for g in gens:
-        if not g.active:
-            continue
-        times = dict((step, t) for t, step in g.steps)
-        for step, blocking in g.checkpoints:
-            later = [t for t, s in g.steps if s > step]
-            # Logged step: the save follows its event; unlogged: inside the next span.
-            at = times.get(step, later[0] - 1e-9 if later else g.steps[-1][0])
-            i = max(0, bisect_right(starts, at) - 1)
-            segs[i].blocked = min(segs[i].duration, segs[i].blocked + blocking)
-
-
-def goodput(invocations: Sequence[Sequence[dict]], gens: Sequence[Generation]) -> Goodput:
-    bad = dict.fromkeys(BADPUT_KINDS, 0.0)
-    productive = wall = 0.0
-    for i, inv in enumerate(invocations):
-        mine = [g for g in gens if g.invocation == i]
-        segs = segments(inv, mine)
-        _charge_blocking(segs, mine)
-        for s in segs:
-            wall += s.duration
-            useful = s.duration - s.blocked
-            bad["checkpoint_blocking"] += s.blocked
-            if s.kind == "step":
-                productive += useful * s.lineage
-                bad["lost_work"] += useful * (1 - s.lineage)
-            else:
-                bad[s.kind] += useful
-    return Goodput(
-        wall_s=round(wall, 4),
-        productive_s=round(productive, 4),
-        goodput=round(productive / wall, 4) if wall > 0 else 0.0,
-        badput={k: round(v, 4) for k, v in bad.items()},
-    )
+        upto = min(upto, g.resume_step)
 
 
 def _first(events: Sequence[dict], after: float, pred) -> dict | None:

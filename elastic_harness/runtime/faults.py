@@ -1,22 +1,24 @@
 """Worker-side fault injection, keyed by (rank or node, step): deterministic chaos.
 
-Faults that act on training processes at a step fire here, inside the process they hit,
-right after that step completes (a host watching events would see the step late). Each
-fault fires once per run directory: the first process to claim ``RUN_DIR/chaos/fault-I``
-(``O_EXCL``) fires it, so a restart that replays the step does not fire it again. Node-level
-faults are fired by the node's local rank 0 against its own agent, so only processes of
-this job are ever signalled. Time-based faults, ``add-node`` and ``partition`` are the
-host's (``chaos.inject``).
+Which faults a worker fires, and how, is ``chaos.vocabulary``'s: step-keyed faults on
+training processes fire here, inside the process they hit, right after that step completes
+(a host watching events would see the step late). Each fault fires once per run directory:
+the first process to claim ``RUN_DIR/chaos/fault-I`` (``O_EXCL``) fires it, so a restart
+that replays the step does not fire it again. Node faults are fired by the node's local
+rank 0 against its own agent (its parent), so only processes of this job are signalled.
+
+Call order: construct once per worker process, then ``after_step(step)`` after every
+completed optimizer step (after any save of that step).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 
 from elastic_harness.chaos.schedule import hits
+from elastic_harness.chaos.vocabulary import KINDS
 from elastic_harness.spec import FaultSpec
 
 
@@ -30,9 +32,11 @@ class WorkerFaults:
     def after_step(self, step: int) -> None:
         for i, f in enumerate(self.faults):
             if hits(f, step, self.rank, self.node, self.local_rank) and self._claim(i):
+                pid, whom = recipient(f, os.getpid(), os.getppid())
+                kind = KINDS[f.kind]
                 self.events.emit("fault", kind=f.kind, target=f.target, step=step, rank=self.rank,
-                                 detail=_fire(f))
-                _execute(f)
+                                 node=self.node, detail=f"{kind.signal.name} {whom} (pid {pid})")
+                os.kill(pid, kind.signal)
 
     def _claim(self, i: int) -> bool:
         self.marker_dir.mkdir(parents=True, exist_ok=True)
@@ -43,22 +47,12 @@ class WorkerFaults:
             return False
 
 
-def _fire(f: FaultSpec) -> str:
-    return {
-        "kill-worker": f"SIGKILL rank {f.target} (pid {os.getpid()})",
-        "hang": f"SIGSTOP rank {f.target} (pid {os.getpid()})",
-        "preempt": f"SIGTERM node {f.target}'s agent (pid {os.getppid()})",
-        "kill-node": f"SIGKILL node {f.target}'s agent (pid {os.getppid()}) and so its workers",
-    }[f.kind]
+def recipient(f: FaultSpec, pid: int, parent: int) -> tuple[int, str]:
+    """Pure: the process a worker signals for ``f`` and how to name it in the event.
 
-
-def _execute(f: FaultSpec) -> None:
-    if f.kind == "kill-worker":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif f.kind == "hang":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif f.kind == "preempt":
-        os.kill(os.getppid(), signal.SIGTERM)
-    elif f.kind == "kill-node":
-        # Workers carry PR_SET_PDEATHSIG, so the agent's death takes the whole node down.
-        os.kill(os.getppid(), signal.SIGKILL)
+    A rank fault hits the worker itself; a node fault its agent (the parent). For
+    ``kill-node`` the workers follow the agent through ``PR_SET_PDEATHSIG``.
+    """
+    if KINDS[f.kind].target == "rank":
+        return pid, f"rank {f.target}"
+    return parent, f"node {f.target}'s agent"

@@ -29,7 +29,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
     except FileNotFoundError:
         raise SpecError("", f"job file '{path}' does not exist", "check the path") from None
     except OSError as e:
-        raise SpecError("", f"cannot read job file '{path}': {e.strerror}") from None
+        raise SpecError("", f"cannot read job file '{path}': {e.strerror}", "name a job YAML file") from None
     return parse_job(text, overrides, source=str(path))
 
 
@@ -37,13 +37,13 @@ def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: st
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError("", f"{source or 'job'} is not valid YAML{where}") from None
+        raise SpecError("", f"{source or 'job'} is not valid YAML{_yaml_reason(e)}",
+                        "fix the YAML there (close brackets and quotes; indent with spaces)") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise SpecError("", f"{source or 'job'} must be a mapping of keys, got {type(raw).__name__}")
+        raise SpecError("", f"{source or 'job'} must be a mapping of keys, got {type(raw).__name__}",
+                        "a job file holds keys such as 'name: my-job' (see 'elastic-harness spec')")
     for item in overrides:
         apply_override(raw, item)
     return build(JobSpec, raw, "")
@@ -60,7 +60,20 @@ def apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise SpecError(key, "cannot set a key inside a non-mapping value")
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise SpecError(key, f"--set value '{value}' is not valid YAML{_yaml_reason(e, lines=False)}",
+                        "quote it, e.g. --set 'key=\"text\"', or close its brackets") from None
+
+
+def _yaml_reason(e: yaml.YAMLError, lines: bool = True) -> str:
+    """PyYAML's own reason, with where it found it (``lines``: a file, not a one-line value)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark and lines else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
 
 
 def build(cls: type, raw: Any, path: str) -> Any:
