@@ -29,11 +29,14 @@ def describe(exc: BaseException) -> dict[str, Any]:
 def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node: str = "",
            restart: int = 0, generation: str = "") -> None:
     """Emit a ``failure`` event for ``exc`` (never raises: it runs on the way down)."""
-    where = {"rank": rank, "step": step, "node": node, "restart": restart, "generation": generation}
     try:
         if isinstance(exc, HarnessError):
-            events.emit("failure", fatal=True, message=str(exc), **where)
+            events.emit("failure", fatal=True, message=str(exc), rank=rank, step=step, node=node,
+                        restart=restart, generation=generation)
             return
-        events.emit("failure", fatal=False, **where, **describe(exc))
+        d = describe(exc)
+        events.emit("failure", fatal=False, message=d["message"], where=d["where"],
+                    signature=d["signature"], rank=rank, step=step, node=node, restart=restart,
+                    generation=generation)
     except Exception:  # noqa: BLE001 - the original exception must win
         pass

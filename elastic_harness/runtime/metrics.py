@@ -28,17 +28,12 @@ class Metrics:
              global_batch: int, restart: int, lr: float | None, extra: dict[str, float]) -> None:
         if not self.main:
             return
-        fields: dict[str, Any] = {
-            "step": step, "loss": round(loss, 6), "world_size": world_size, "samples": samples,
-            "restart": restart, "step_s": round(step_s, 5),
-            "samples_per_s": round(global_batch / step_s, 2) if step_s > 0 else None,
-        }
-        if lr is not None:
-            fields["lr"] = lr
-        if extra:
-            fields["metrics"] = {k: round(v, 6) for k, v in extra.items()}
-        self.events.emit("step", **fields)
-        scalars = {"train/loss": loss, "train/samples_per_s": fields["samples_per_s"],
+        samples_per_s = round(global_batch / step_s, 2) if step_s > 0 else None
+        self.events.emit("step", step=step, loss=round(loss, 6), world_size=world_size,
+                         samples=samples, restart=restart, step_s=round(step_s, 5),
+                         samples_per_s=samples_per_s, lr=lr,
+                         metrics={k: round(v, 6) for k, v in extra.items()} or None)
+        scalars = {"train/loss": loss, "train/samples_per_s": samples_per_s,
                    "train/world_size": world_size, **{f"train/{k}": v for k, v in extra.items()}}
         if lr is not None:
             scalars["train/lr"] = lr

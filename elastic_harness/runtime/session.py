@@ -127,10 +127,12 @@ def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
         raise UsageError("elastic_harness.init() was called twice", "call it once per process")
     env = WorkerEnv.from_environ(standalone_ok=True)
     spec, run_dir = resolve_job(env, job, run_dir, overrides)
+    t0 = time.perf_counter()
     groups = hdist.init(env, spec.device, spec.timeouts.process_group)
+    pg_init_s = time.perf_counter() - t0
     if not env.by_harness:
         _prepare_standalone(spec, run_dir, env.rank, groups.ckpt)
-    _ACTIVE = Run(spec, env, groups, run_dir)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s)
     return _ACTIVE
 
 
@@ -168,7 +170,8 @@ class Drain:
 class Run:
     """One process's part of a job. Built by ``init``; see the module docstring."""
 
-    def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path) -> None:
+    def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
+                 pg_init_s: float = 0.0) -> None:
         self.spec, self.env, self.groups, self.run_dir = spec, env, groups, Path(run_dir)
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device: torch.device = groups.device
@@ -177,7 +180,7 @@ class Run:
         self.log = log  # every rank may report a failure
         self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
         self.generation = self._agree_generation()
-        self._announce()
+        self._announce(pg_init_s)
         precision.check(spec.train.precision, self.device)
         seed_everything(spec.train.seed)  # identical initial weights on every rank and restart
         self.drain = Drain()
@@ -427,7 +430,7 @@ class Run:
         dist.broadcast_object_list(box, group=self.groups.ckpt, group_src=0)
         return box[0]
 
-    def _announce(self) -> None:
+    def _announce(self, pg_init_s: float) -> None:
         env = self.env
         self.log.emit("worker", rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank,
                       node=env.node, restart=env.restart_count, world_size=env.world_size)
@@ -436,7 +439,8 @@ class Run:
                              nproc_per_node=env.local_world_size, run_id=env.run_id,
                              run_dir=str(self.run_dir))
         self.events.emit("rendezvous", generation=self.generation, world_size=env.world_size,
-                         restart=env.restart_count, nodes=env.world_size // max(env.local_world_size, 1))
+                         restart=env.restart_count, nodes=env.world_size // max(env.local_world_size, 1),
+                         pg_init_s=round(pg_init_s, 3))
 
 
 class _LoopState:

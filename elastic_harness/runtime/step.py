@@ -22,15 +22,25 @@ checkpoint, drain, faults.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from elastic_harness.errors import UsageError
+from elastic_harness.spec import JobSpec
 
-if TYPE_CHECKING:
-    from elastic_harness.runtime.session import Run
+
+class Owner(Protocol):
+    """What a step needs of its run (``runtime.session.Run``)."""
+
+    spec: JobSpec
+    world_size: int
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scaler: Any
+
+    def _after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
@@ -43,7 +53,7 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
 
 
 class Step:
-    def __init__(self, run: Run, number: int, plan: list, batches: list, lr: float | None) -> None:
+    def __init__(self, run: Owner, number: int, plan: list, batches: list, lr: float | None) -> None:
         self.run = run
         self.number = number  # this step's number once done (1 = the first update)
         self.plan = plan
