@@ -34,8 +34,11 @@ class HFCausalLM:
                  eval_chars: int = 20_000, config: dict | None = None) -> None:
         self.model_type, self.block_size = model_type, block_size
         self.max_chars, self.eval_chars = max_chars, eval_chars
+        # Dropout off by default: masks are drawn per rank, so with dropout a run resized to
+        # another world size follows another (equally valid) trajectory, not the same one.
         self.config = {"vocab_size": 256, "n_positions": block_size, "n_embd": 32, "n_layer": 2,
-                       "n_head": 2, "tie_word_embeddings": True, **(config or {})}
+                       "n_head": 2, "tie_word_embeddings": True, "resid_pdrop": 0.0,
+                       "embd_pdrop": 0.0, "attn_pdrop": 0.0, **(config or {})}
         if model_type != "gpt2":
             self.config = {"vocab_size": 256, **(config or {})}
 
