@@ -36,6 +36,10 @@ class TaskError(HarnessError):
     """The task named by ``task.target`` cannot be imported or built."""
 
 
+class UsageError(HarnessError):
+    """The public API (``elastic_harness.init`` and friends) was called the wrong way."""
+
+
 class RunDirError(HarnessError):
     """The run directory cannot be created or written."""
 

@@ -36,8 +36,9 @@ COMMON = {
 
 _WORLD = "ranks in the current worker group"
 CONTRACT: dict[str, EventKind] = {
-    "start": EventKind("host (who=host) or an agent (who=agent)", "an invocation or an agent started", {
-        "who": "'host' or 'agent'",
+    "start": EventKind("host (who=host), an agent (who=agent), or rank 0 of a script under plain "
+                       "torchrun/python (who=script)", "an invocation or an agent started", {
+        "who": "'host', 'agent' or 'script'",
         "nodes": "host: agents started; agent: 'MIN:MAX' nodes",
         "nproc_per_node": "workers per node",
         "run_id": "rendezvous id of this submission",
@@ -80,10 +81,8 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "torchelastic's restart count of rank 0's agent",
         "step_s": "seconds the step took",
         "samples_per_s": "global batch / step_s",
-        "lr": "learning rate used",
-        "grad_norm": "gradient norm before clipping",
-        "metrics": "the task's own metrics, {name: float}",
-        "tokens_per_s": "tokens per second, for token tasks",
+        "lr": "learning rate of the first parameter group for this update (None if unknown)",
+        "metrics": "step.done()'s metrics, {name: float} (the task path: grad_norm), or None",
     }),
     "eval": EventKind("rank 0", "an evaluation ran", {
         "step": "step evaluated",
@@ -118,9 +117,11 @@ CONTRACT: dict[str, EventKind] = {
         "step": "step it happened at",
         "asynchronous": "checkpoint failures: the save was in the background",
         "consecutive": "checkpoint failures: how many in a row",
-        "signature": "stable hash of exception type, message and innermost frame",
-        "where": "file:line of the innermost frame",
-        "crash_loop": "the same failure repeated across restarts",
+        "signature": "worker exceptions: stable hash of type, message and innermost frame",
+        "where": "worker exceptions: file:line of the innermost frame",
+        "node": "worker exceptions: the node of the rank",
+        "restart": "worker exceptions: torchelastic's restart count of that node's agent",
+        "generation": "worker exceptions: id of the worker generation, when it formed",
     }),
     "fault": EventKind("the worker hit (step-keyed) or the host", "an injected fault fired", {
         "kind": "a kind of chaos.vocabulary",

@@ -76,10 +76,10 @@ def test_health_verdict_and_its_default_bound():
     assert not health_verdict(None, quiet_s=51, stall_s=50, finished=False)[0]
     assert health_verdict(None, quiet_s=51, stall_s=50, finished=True)[0], "a finished job is not stuck"
     assert health_verdict(None, quiet_s=1e6, stall_s=None, finished=False)[0]
-    spec = parse_job("train: {log_every: 5}\ntimeouts: {step: 10, process_group: 60, shutdown_grace: 20}\n"
+    spec = parse_job("task: {target: 'a.b:C'}\ntrain: {log_every: 5}\ntimeouts: {step: 10, process_group: 60, shutdown_grace: 20}\n"
                      "rendezvous: {join_timeout: 100}")
     assert stall_bound(spec) == 100 + 60 + 20 + 5 * 10
-    assert stall_bound(parse_job("timeouts: {step: 0}")) is None
+    assert stall_bound(parse_job("task: {target: 'a.b:C'}\ntimeouts: {step: 0}")) is None
 
 
 def test_endpoint_serves_this_nodes_counters_from_the_log(served):

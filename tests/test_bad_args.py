@@ -70,7 +70,7 @@ def test_yaml_parse_error_keeps_pyyaml_reason():
 
 
 def test_endpoint_without_port_gets_torchruns_default(tmp_path):
-    spec = parse_job("name: x")
+    spec = parse_job("name: x\ntask: {target: 'a.b:C'}\n")
     opts = node_options(spec, tmp_path, {"rdzv_endpoint": "localhost"}, {})
     assert opts.rdzv_endpoint == "localhost:29400"
     etcd = node_options(spec, tmp_path, {"rdzv_endpoint": "etcd-0", "rdzv_backend": "etcd"}, {})
@@ -84,7 +84,7 @@ def test_endpoint_without_port_gets_torchruns_default(tmp_path):
 
 
 def test_node_counts_from_flags_and_env_are_checked(tmp_path):
-    spec = parse_job("name: x\nrendezvous: {endpoint: 'h:1'}")
+    spec = parse_job("name: x\ntask: {target: 'a.b:C'}\nrendezvous: {endpoint: 'h:1'}")
     cases = [({"nnodes": "0"}, {}, "--nnodes"), ({"nnodes": "2:1"}, {}, "--nnodes"),
              ({}, {"PET_NPROC_PER_NODE": "two"}, "PET_NPROC_PER_NODE"),
              ({"max_restarts": -1}, {}, "--max-restarts")]

@@ -244,7 +244,8 @@ def test_etcd_tls_settings_reach_torchs_rendezvous_conf():
     from elastic_harness.launch.config import rdzv_configs
     from elastic_harness.spec import parse_job
 
-    spec = parse_job("rendezvous: {backend: etcd, endpoint: 'e:2379', etcd_protocol: https, "
+    spec = parse_job("task: {target: 'a.b:C'}\n"
+                     "rendezvous: {backend: etcd, endpoint: 'e:2379', etcd_protocol: https, "
                      "etcd_ca_cert: /tls/ca.pem, etcd_cert: /tls/c.pem, etcd_key: /tls/k.pem}")
     conf = rdzv_configs(spec, opts("etcd-v2"))
     assert conf["protocol"] == "https" and conf["ca_cert"] == "/tls/ca.pem"

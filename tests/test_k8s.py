@@ -27,7 +27,8 @@ KUBE_VERSION = "1.32.0"  # kubectl here is 1.32; kubernetes-validate ships this 
 JOBS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jobs").glob("*.yaml"))
 REGEN = "regenerate: elastic-harness k8s render {src} --flavor {flavor} --out k8s/{flavor}"
 
-SMALL = "name: demo\nnodes: {min: 2, max: 4}\nnproc_per_node: 2\n"
+SMALL = ("name: demo\ntask: {target: 'elastic_harness.tasks.mlp:MLPRegression'}\n"
+         "nodes: {min: 2, max: 4}\nnproc_per_node: 2\n")
 # variants that exercise every branch of the renderer
 VARIANTS = {
     "c10d": SMALL,
@@ -328,7 +329,7 @@ def test_gpus_and_names() -> None:
 )
 def test_render_errors(text: str, words: str) -> None:
     with pytest.raises(RenderError, match=re.escape(words)):
-        render(parse_job(text), "plain")
+        render(parse_job("task: {target: 'a.b:C'}\n" + text), "plain")
 
 
 def test_flavor_and_image_errors() -> None:

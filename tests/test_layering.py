@@ -64,9 +64,11 @@ def test_only_env_module_reads_worker_environment():
 
 
 def test_nothing_asks_torch_distributed_who_it_is():
+    # runtime/dist.py owns the process group: it may check a group the user's script made
+    # against what the launcher said; nothing else asks torch who it is.
     offenders = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
                  if "get_rank()" in p.read_text() or "get_world_size()" in p.read_text()]
-    assert offenders == []
+    assert offenders in ([], ["runtime/dist.py"])
 
 
 def module_name(path: Path) -> str:

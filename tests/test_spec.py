@@ -55,10 +55,10 @@ def test_top_level_must_be_mapping():
 
 
 def test_overrides_are_typed_and_checked():
-    spec = parse_job("name: x", ["train.steps=7", "optimizer.lr=0.5", "checkpoint.async_save=false"])
+    spec = parse_job("name: x\ntask: {target: 'a.b:C'}", ["train.steps=7", "optimizer.lr=0.5", "checkpoint.async_save=false"])
     assert spec.train.steps == 7 and spec.optimizer.lr == 0.5 and spec.checkpoint.async_save is False
     with pytest.raises(SpecError, match="train.stpes"):
-        parse_job("name: x", ["train.stpes=7"])
+        parse_job("name: x\ntask: {target: 'a.b:C'}", ["train.stpes=7"])
     with pytest.raises(SpecError, match="KEY.PATH=VALUE"):
         parse_job("name: x", ["train.steps"])
 

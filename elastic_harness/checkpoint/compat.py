@@ -2,7 +2,9 @@
 
 DCP's default load planner raises on missing keys but silently ignores *extra* keys in a
 checkpoint, so a checkpoint of a bigger model would load "fine" into a smaller one. We
-compare key sets and shapes ourselves, from ``.metadata`` alone (no shard is read).
+compare, from ``.metadata`` alone (no shard is read): the top-level entries (a job that now
+registers a scheduler or a GradScaler the checkpoint lacks, or the reverse), and the keys
+and shapes of the model's tensors and the optimizer's per-parameter state.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from elastic_harness.checkpoint.entries import STRICT_PREFIXES, top_level
 from elastic_harness.errors import CheckpointError
 
-# Keys compared exactly: the model's parameters/buffers and the optimizer's per-param state.
-_STRICT_PREFIXES = ("model.", "optim.state.")
+_FIX = "it belongs to another model or config: use a new --run-dir or --fresh"
 
 
 def flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
@@ -28,7 +30,7 @@ def flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
 
 
 def check_compatible(reader: Any, state: dict[str, Any], manifest: dict, info: dict) -> None:
-    """Raise ``CheckpointError`` if the checkpoint's keys/shapes/task differ from ``state``."""
+    """Raise ``CheckpointError`` if the checkpoint's entries/keys/shapes/task differ from ``state``."""
     where = getattr(reader, "path", "checkpoint")
     task = manifest.get("task")
     if task and info.get("task") and task != info["task"]:
@@ -38,8 +40,9 @@ def check_compatible(reader: Any, state: dict[str, Any], manifest: dict, info: d
         )
     saved = reader.read_metadata().state_dict_metadata
     want = flat_shapes(state)
-    saved_keys = {k for k in saved if k.startswith(_STRICT_PREFIXES)}
-    want_keys = {k for k in want if k.startswith(_STRICT_PREFIXES)}
+    _check_entries(where, {top_level(k) for k in saved}, set(state))
+    saved_keys = {k for k in saved if k.startswith(STRICT_PREFIXES)}
+    want_keys = {k for k in want if k.startswith(STRICT_PREFIXES)}
     missing, extra = sorted(want_keys - saved_keys), sorted(saved_keys - want_keys)
     bad_shape = [
         f"{k}: saved {tuple(saved[k].size)}, model {want[k]}"
@@ -54,7 +57,21 @@ def check_compatible(reader: Any, state: dict[str, Any], manifest: dict, info: d
             parts.append(f"{len(extra)} unexpected keys (e.g. {extra[:3]})")
         if bad_shape:
             parts.append(f"{len(bad_shape)} shape mismatches (e.g. {bad_shape[:2]})")
-        raise CheckpointError(
-            f"{where} does not match this model/optimizer: " + "; ".join(parts),
-            "it belongs to another model or config: use a new --run-dir or --fresh",
-        )
+        raise CheckpointError(f"{where} does not match this model/optimizer: " + "; ".join(parts), _FIX)
+
+
+def _check_entries(where: str, saved: set[str], wanted: set[str]) -> None:
+    """The checkpoint must hold exactly the entries this job registers (scheduler, scaler...)."""
+    lacking, surplus = sorted(wanted - saved), sorted(saved - wanted)
+    if not lacking and not surplus:
+        return
+    parts = []
+    if lacking:
+        parts.append(f"has no {', '.join(lacking)} state that this job now registers")
+    if surplus:
+        parts.append(f"holds {', '.join(surplus)} state that this job no longer registers")
+    raise CheckpointError(
+        f"{where} {' and '.join(parts)} (scheduler, precision or registered objects changed?)",
+        "keep the job's scheduler/precision/registered objects as they were, or start over "
+        "with a new --run-dir or --fresh",
+    )

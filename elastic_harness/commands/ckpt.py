@@ -187,13 +187,17 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _fresh_state(spec, weights: dict) -> dict:
-    """The state a fresh job builds (same classes as the worker), with ``weights`` loaded."""
+    """The state a fresh job builds (the worker's own builders), with ``weights`` loaded."""
     import torch
 
     from elastic_harness.data.sampler import DataState
-    from elastic_harness.runtime.state import ModelState, OptimState, TrainState
+    from elastic_harness.runtime.state import TrainState, build_state
+    from elastic_harness.runtime.worker import build_optimizer
     from elastic_harness.tasks import load_task
 
+    if not spec.task.target:
+        raise CheckpointError("ckpt import needs a job that names a task (task.target)",
+                              "for a script job, load the weights in the script before training")
     task = load_task(spec.task.target, spec.task.args)
     torch.manual_seed(spec.train.seed)
     model = task.build_model()
@@ -202,10 +206,6 @@ def _fresh_state(spec, weights: dict) -> dict:
     except RuntimeError as e:  # missing/unexpected keys or shape mismatches, all listed
         raise CheckpointError(f"the file does not fit {spec.task.target}: {str(e)[:600]}",
                               "import it with the job (task.args) that trained it") from None
-    o = spec.optimizer  # mirrors runtime.worker.build_trainer: the key sets must match
-    if o.name == "adamw":
-        optim = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    else:
-        optim = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    data = DataState(spec.train.seed, len(task.dataset()))
-    return {"model": ModelState(model), "optim": OptimState(model, optim), "train": TrainState(data, 1)}
+    optim, sched = build_optimizer(task, spec, model)
+    train = TrainState(DataState(spec.train.seed, len(task.dataset())), 1)
+    return build_state(model, optim, train, scheduler=sched)

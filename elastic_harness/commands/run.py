@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+from elastic_harness import exitcodes
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.cluster import LocalCluster, free_port
@@ -56,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     check_faults(spec, nodes, args.netns)
-    _preflight_task(spec)
+    spec = preflight(spec, Path(args.job))
     run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
     code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
     if code == 0 and args.verify:
@@ -75,11 +76,28 @@ def check_faults(spec, nodes: int, netns: bool) -> None:
     check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds)
 
 
-def _preflight_task(spec) -> None:
-    """Import and build the task here, so a bad task.target fails before any agent starts."""
+def preflight(spec, job_path: Path):
+    """Fail before any agent starts: import and build the task, or find the script.
+
+    A script path is made absolute (relative to the working directory, else to the job
+    file's directory) so agents and workers find it wherever they run.
+    """
+    if spec.script.path:
+        script = resolve_script(spec.script.path, job_path)
+        return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script)))
     from elastic_harness.tasks import load_task
 
     load_task(spec.task.target, spec.task.args)
+    return spec
+
+
+def resolve_script(path: str, job_path: Path) -> Path:
+    for candidate in (Path(path), job_path.parent / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise HarnessError(f"script.path '{path}' does not exist (looked in the working directory "
+                       f"and next to {job_path})", "fix script.path in the job, or run from the "
+                       "directory it is relative to")
 
 
 def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False) -> int:
@@ -170,10 +188,17 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     all_events = read_events(run_dir / "events.jsonl")
     summary = summarize(all_events)
     resume_hint = "re-run the same command to resume from the last checkpoint"
+    permanent = [e for e in current_invocation(all_events) if e["event"] == "exit"
+                 and e.get("who") == "agent" and e.get("code") == exitcodes.PERMANENT]
     if fatal:
-        code, message, error = 2, fatal, HarnessError(fatal)
+        code, message, error = exitcodes.PERMANENT, fatal, HarnessError(fatal)
     elif summary["finished"]:
-        code, message, error = 0, "", None
+        code, message, error = exitcodes.OK, "", None
+    elif permanent:  # a crash loop (or a fatal error): restarting cannot help
+        message = permanent[-1]["message"]
+        code, error = exitcodes.PERMANENT, HarnessError(
+            message, f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the "
+            "last checkpoint")
     else:
         message = _failure_message(current_invocation(all_events), codes)
         preempted = any(c is not None and c >= 128 for c in codes.values())

@@ -46,12 +46,20 @@ def rank_share(global_batch: int, world_size: int, rank: int) -> tuple[int, int]
 
 
 def micro_batches(global_batch: int, world_size: int, micro_batch: int) -> int:
-    """Micro-batches per rank per step: the same on every rank (collectives must match)."""
+    """Micro-batches per rank per step: the same on every rank (collectives must match).
+
+    Enough that the largest share fits ``micro_batch``, but never more than the smallest
+    share has samples: every rank then runs every micro-batch on at least one sample (an
+    empty micro-batch on one rank would skip a forward its peers' FSDP all-gathers wait on).
+    In that corner case (e.g. 3 samples over 2 ranks, micro-batch 1) a micro-batch can hold
+    one sample more than ``micro_batch``.
+    """
     largest_share = math.ceil(global_batch / world_size)
-    return math.ceil(largest_share / micro_batch)
+    smallest_share = global_batch // world_size
+    return max(1, min(math.ceil(largest_share / micro_batch), smallest_share))
 
 
-def split(items: list[int], parts: int) -> list[list[int]]:
+def split(items: list, parts: int) -> list[list]:
     """``items`` in ``parts`` contiguous chunks whose sizes differ by at most one.
 
     Smaller chunks come first; a chunk is empty only when ``len(items) < parts``.
@@ -97,3 +105,18 @@ def step_indices(
     """Dataset indices rank ``rank`` uses in the step that starts at ``cursor``."""
     lo, hi = rank_share(global_batch, world_size, rank)
     return order.indices(cursor + lo, cursor + hi)
+
+
+def step_plan(
+    order: EpochOrder, cursor: int, global_batch: int, world_size: int, rank: int, micro_batch: int
+) -> list[list[tuple[int, int]]]:
+    """This rank's micro-batches of the step that starts at ``cursor``.
+
+    Each micro-batch is a list of ``(stream position, dataset index)``; the position names
+    the sample's place in the stream, so per-item randomness can be seeded from it and be
+    the same whatever the world size or the number of loader processes.
+    """
+    lo, hi = rank_share(global_batch, world_size, rank)
+    positions = list(range(cursor + lo, cursor + hi))
+    pairs = list(zip(positions, order.indices(cursor + lo, cursor + hi), strict=True))
+    return split(pairs, micro_batches(global_batch, world_size, micro_batch))

@@ -1,10 +1,12 @@
-"""Run one elastic agent (one node) in this process: torchelastic's ``launch_agent``.
+"""Run one elastic agent (one node) in this process: torchelastic's agent (``launch.elastic``).
 
 Exit codes (documented for schedulers):
   0    every worker finished the job;
   143  the agent was preempted (SIGTERM; 128 + signal number for other signals), so
        schedulers that retry only codes >= 128 (Kubeflow's ExitCode policy) retry it;
-  1    a permanent failure (workers failed more than ``max_restarts`` times, rendezvous
+  2    a mistake the user must fix, do not retry: a fatal error in a worker (incompatible
+       checkpoint, bad input) or a crash loop (the same error at the same step twice);
+  1    any other failure (workers failed more than ``max_restarts`` times, rendezvous
        host lost, too few nodes within ``rendezvous.join_timeout``).
 """
 
@@ -12,47 +14,53 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
-from elastic_harness.events import EventLog
+from elastic_harness import exitcodes
+from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch import bridge, isolation, watchdog
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
-from elastic_harness.launch.env import NODE_VAR
+from elastic_harness.launch.env import JOB_VAR, NODE_VAR, RUN_DIR_VAR
+from elastic_harness.launch.policy import stop_reason
 from elastic_harness.spec import JobSpec
 
-EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
 
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import launch_agent
 
+    from elastic_harness.launch.elastic import Launch
+
+    run_dir = Path(opts.run_dir)
+    entrypoint, args = worker_command(run_dir)
+    # Workers inherit the agent's environment: their node, job and run dir.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see launch.config.agent_environ
-    os.environ[NODE_VAR] = node  # workers inherit the agent's environment
+    os.environ.update({NODE_VAR: node, JOB_VAR: args[-2], RUN_DIR_VAR: str(run_dir)})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    events = EventLog(Path(opts.run_dir) / "events.jsonl")
+    events = EventLog(run_dir / "events.jsonl")
     config = launch_config(spec, opts)
     config.event_log_handler = bridge.install(events, node)
-    # Step watchdog: workers renew a file timer around each step (runtime.watchdog); a hung
+    # Step watchdog: workers renew a file timer around each step (runtime.timer); a hung
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
-    cutoff = None
-    if spec.rendezvous.isolation_timeout:
-        cutoff = isolation.IsolationWatchdog(
-            opts.rdzv_endpoint, spec.rendezvous.isolation_timeout,
-            isolation.exit_isolated(events, node, opts.rdzv_endpoint)).start()
-    entrypoint, args = worker_command(Path(opts.run_dir))
+    cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
+    started = time.time()
+    launch = Launch(config, entrypoint, args,
+                    judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started))
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
                 nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
     code, message = EXIT_OK, ""
     try:
-        launch_agent(config, entrypoint, args)
+        launch.run()
     except SignalException as e:
         code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"
     except ChildFailedError as e:
-        code, message = EXIT_FAILED, _first_failure(e)
+        reason = launch.agent.stop_reason
+        code, message = (EXIT_PERMANENT, reason) if reason else (EXIT_FAILED, _first_failure(e))
     except RendezvousError as e:
         code, message = EXIT_FAILED, explain_rendezvous_error(type(e).__name__, str(e), opts,
                                                               spec.rendezvous.join_timeout)

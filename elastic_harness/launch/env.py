@@ -1,7 +1,15 @@
-"""The one reader of the environment torchelastic gives each worker.
+"""The one reader of the environment a worker is started with.
 
-The worker calls ``WorkerEnv.from_environ()`` once at its entry and passes the plain values
+A worker calls ``WorkerEnv.from_environ()`` once at its entry and passes the plain values
 down; nothing deeper reads ``os.environ`` or asks torch.distributed for its rank.
+
+Three ways a worker starts, all read here:
+
+- by our agent (``elastic-harness run`` / ``agent``): torchelastic's variables, plus
+  ``ELASTIC_HARNESS_JOB`` / ``ELASTIC_HARNESS_RUN_DIR`` naming the resolved job and run dir;
+- by plain ``torchrun`` running a user's script: torchelastic's variables only (the script
+  names its job and run dir in ``elastic_harness.init``);
+- as a plain ``python script.py``: no variables at all; a world of one process.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 NODE_VAR = "ELASTIC_HARNESS_NODE"  # set by our agent for its workers
+JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
+RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
 
 
 @dataclass(frozen=True)
@@ -27,15 +37,29 @@ class WorkerEnv:
     master_port: int
     node: str = ""  # the agent's node name (``--node``), for node-targeted faults
     timer_file: str = ""  # the agent's watchdog FIFO (torchelastic's FileTimerServer)
+    job_path: str = ""  # the resolved job, when our agent started this worker
+    run_dir: str = ""  # the run directory, when our agent started this worker
+    launched: bool = True  # False: a plain `python script.py`, no launcher at all
+    agent_store: bool = False  # MASTER_PORT is the agent's shared rendezvous store
+
+    @property
+    def by_harness(self) -> bool:
+        """Started by our agent (which names the job), not by plain torchrun or python."""
+        return bool(self.job_path)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    def from_environ(cls, environ: Mapping[str, str] | None = None,
+                     standalone_ok: bool = False) -> WorkerEnv:
         env = os.environ if environ is None else environ
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing and standalone_ok and len(missing) == 4:
+            return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0,
+                       restart_count=0, max_restarts=0, run_id="", master_addr="",
+                       master_port=0, launched=False)
         if missing:
             raise RuntimeError(
                 f"worker started without {', '.join(missing)}: it must be launched by the "
-                "elastic agent (elastic-harness run/agent), not directly"
+                "elastic agent (elastic-harness run/agent, or torchrun), not directly"
             )
         return cls(
             rank=int(env["RANK"]),
@@ -50,4 +74,7 @@ class WorkerEnv:
             master_port=int(env["MASTER_PORT"]),
             node=env.get(NODE_VAR, ""),
             timer_file=env.get("TORCHELASTIC_TIMER_FILE", ""),
+            job_path=env.get(JOB_VAR, ""),
+            run_dir=env.get(RUN_DIR_VAR, ""),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
         )

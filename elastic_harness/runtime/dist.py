@@ -1,4 +1,9 @@
-"""Process groups for one worker generation: init with explicit values, always a timeout."""
+"""Process groups for one worker generation: init with explicit values, always a timeout.
+
+``init`` creates the default group (gloo on CPU, gloo+NCCL on GPU) unless the user's script
+already did, plus a separate gloo group for checkpoint collectives: async saves run
+collectives from a background thread, which must never interleave with training's.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_harness.errors import HarnessError
 from elastic_harness.launch.env import WorkerEnv
 
 
@@ -17,37 +23,68 @@ class Groups:
     device: torch.device
     backend: str
     ckpt: Any  # a separate gloo group: async checkpoint collectives never interleave with training's
+    owned: bool  # we created the default group (and so destroy it)
 
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from elastic_harness.errors import HarnessError
-
             raise HarnessError("device: cuda requested but no GPU is visible", "set device: auto or cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise HarnessError(
+                f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)",
+                "lower nproc_per_node to the GPUs per node, or set device: cpu",
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
 def init(env: WorkerEnv, device_request: str, timeout_s: int) -> Groups:
-    """Initialise the default group (gloo on CPU; gloo+NCCL on GPU) and a gloo ckpt group."""
+    """Join (or create) the default group and create the checkpoint group."""
     device = choose_device(device_request, env.local_rank)
-    # On GPU keep a CPU backend too: async checkpoint staging needs CPU collectives.
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = dt.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-    )
+    owned = not dist.is_initialized()
+    if owned:
+        # On GPU keep a CPU backend too: async checkpoint staging needs CPU collectives.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=_store(env, timeout), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    elif dist.get_world_size() != env.world_size:
+        raise HarnessError(
+            f"the script's process group has {dist.get_world_size()} ranks, the launcher "
+            f"started {env.world_size}",
+            "initialise it from the launcher's environment (init_method='env://'), or let "
+            "elastic_harness.init() do it",
+        )
+    backend = str(dist.get_backend())
     ckpt = dist.new_group(backend="gloo", timeout=timeout)
-    return Groups(device=device, backend=backend, ckpt=ckpt)
+    return Groups(device=device, backend=backend, ckpt=ckpt, owned=owned)
 
 
-def destroy() -> None:
-    if dist.is_initialized():
+def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
+    """Where ranks meet: rank 0's own store, or the agent's shared one (plain torchrun).
+
+    torchrun shares its rendezvous store with workers by default, and that store outlives
+    worker generations: a restarted gloo group then finds the previous generation's
+    addresses under the same keys and fails with ``connectFullMesh ... Connection refused``
+    (pytorch issue 135712). On one node every rank has the same restart count, so a
+    per-attempt key prefix keeps generations apart. Several nodes under plain torchrun
+    need ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (our agent always sets it).
+    """
+    if not env.launched:  # `python script.py`: a world of one, no network
+        return dist.HashStore()
+    if env.agent_store:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                              timeout=timeout)
+        if env.local_world_size == env.world_size:
+            return dist.PrefixStore(f"elastic_harness/attempt-{env.restart_count}", store)
+        return store
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                         is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
+
+
+def destroy(groups: Groups | None = None) -> None:
+    if dist.is_initialized() and (groups is None or groups.owned):
         dist.destroy_process_group()

@@ -1,8 +1,16 @@
-"""Process entry for a worker: arm the parent-death signal before importing anything heavy.
+"""Process entry for a worker our agent starts: arm the parent-death signal, then run the
+job's task loop (``runtime.worker``) or the user's script (``script.path``).
 
 torchelastic starts each worker in its own session, so killing an agent's process group
-does not reach its workers; without this, a SIGKILLed agent leaves orphans training at the
-old world size. Importing torch takes seconds, so the signal is armed first.
+does not reach its workers; without ``PR_SET_PDEATHSIG``, a SIGKILLed agent leaves orphans
+training at the old world size. Importing torch takes seconds, so the signal is armed first.
+
+An exception that escapes is recorded as a ``failure`` event (with the signature the agent
+uses to detect a crash loop, see ``runtime.failures``) and then re-raised through
+torchelastic's ``@record``, which writes the traceback to the agent's error file.
+``SystemExit`` (a drain exits 143) and ``KeyboardInterrupt`` pass through unrecorded.
+
+Usage: ``python -m elastic_harness.runtime.entry JOB_YAML RUN_DIR``.
 """
 
 import ctypes
@@ -18,8 +26,59 @@ def die_with_parent() -> None:
         pass
 
 
+def run_script(path: str, args: list[str]) -> int:
+    """Run the user's script as ``__main__`` with its arguments, like ``python path args``."""
+    import os
+    import runpy
+
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    job_path, run_dir = argv[:2]
+
+    @record
+    def guarded() -> int:
+        try:
+            from elastic_harness.spec import load_job
+
+            script = load_job(job_path).script
+            if script.path:
+                return run_script(script.path, [str(a) for a in script.args])
+            from elastic_harness.runtime.worker import main as task_main
+
+            return task_main(job_path, run_dir)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as e:
+            _record(e, run_dir)
+            raise
+
+    return guarded()
+
+
+def _record(exc: BaseException, run_dir: str) -> None:
+    """The failure, with the step of the active run when there is one."""
+    from pathlib import Path
+
+    from elastic_harness.events import EventLog
+    from elastic_harness.launch.env import WorkerEnv
+    from elastic_harness.runtime import failures, session
+
+    run = session.active()
+    if run is not None:
+        run.record_failure(exc)
+        return
+    env = WorkerEnv.from_environ(standalone_ok=True)
+    failures.record(EventLog(Path(run_dir) / "events.jsonl"), exc, rank=env.rank, step=None,
+                    node=env.node, restart=env.restart_count)
+
+
 if __name__ == "__main__":
     die_with_parent()
-    from elastic_harness.runtime.worker import main
-
     sys.exit(main(sys.argv[1:]))

@@ -1,9 +1,6 @@
-"""Wrap a model for the current world size: DDP or FSDP2, and gradient-sync control."""
+"""Wrap a model for the current world size: DDP or FSDP2 (the task path)."""
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -29,13 +26,3 @@ def wrap(model: nn.Module, kind: str, device: torch.device, task: object, world_
     fully_shard(model, mesh=mesh)
     return model
 
-
-@contextlib.contextmanager
-def grad_sync(model: nn.Module, kind: str, enabled: bool) -> Iterator[None]:
-    """Accumulate locally (no gradient all-reduce) unless ``enabled``."""
-    if kind == "ddp":
-        with contextlib.nullcontext() if enabled else model.no_sync():
-            yield
-        return
-    model.set_requires_gradient_sync(enabled)
-    yield

@@ -1,14 +1,26 @@
-"""What a checkpoint holds, as DCP ``Stateful`` objects.
+"""What a checkpoint holds: named entries, built in one place (``build_state``).
 
-``model`` and ``optim`` go through torch's ``get_*_state_dict``/``set_*_state_dict``, which
-give world-size-independent names (no ``module.`` prefix) and DTensor shards under FSDP2,
-so DCP can reshard them to any world size. ``train`` is world-size-free by construction:
-step, the data stream cursor, the seed and dataset size it refers to, and (for reporting
-only) the world size it was saved at. Per-step randomness is derived from (seed, step,
-rank), and the LR from the step, so neither needs saving.
+Every entry is a DCP ``Stateful`` (or a plain dict DCP loads in place), keyed by the names
+in ``checkpoint.entries``; the checkpoint compatibility check, ``ckpt import`` and the worker all build the
+state through ``build_state`` so the key sets cannot drift apart.
+
+- ``model`` / ``optim`` go through torch's ``get_*_state_dict``/``set_*_state_dict``:
+  world-size-independent names (no ``module.``/``_orig_mod.`` prefixes) and DTensor shards
+  under FSDP2, so DCP can reshard them to any world size. Buffers (BatchNorm's running
+  statistics and its 0-dim int64 ``num_batches_tracked``) are part of ``model``;
+  non-persistent buffers are not (the model recomputes them).
+- ``train`` is world-size-free by construction: step, the data stream cursor, the seed and
+  dataset size it refers to, and (for reporting only) the world size it was saved at.
+- ``sched`` and ``scaler`` are the LR scheduler's and GradScaler's own ``state_dict()``
+  (plain values, pickled by DCP); ``extra.NAME`` anything else a script registers.
+
+Per-step randomness is derived from (seed, step, rank), so no RNG state is saved.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from elastic_harness.checkpoint.entries import EXTRA_PREFIX, MODEL, OPTIM, SCALER, SCHED, TRAIN
 from elastic_harness.data.sampler import STATE_VERSION, DataState
 
 
@@ -43,6 +56,19 @@ class OptimState(Stateful):
 
     def load_state_dict(self, sd: dict) -> None:
         set_optimizer_state_dict(self.model, self.optim, sd)
+
+
+class ObjectState(Stateful):
+    """Anything with ``state_dict()``/``load_state_dict()`` (schedulers, scalers, EMA, ...)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.obj.load_state_dict(sd)
 
 
 class TrainState(Stateful):
@@ -83,3 +109,23 @@ class TrainState(Stateful):
         if d.dataset_size != dataset_size:
             return f"saved with a dataset of {d.dataset_size} samples, it now has {dataset_size}"
         return None
+
+
+def build_state(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    train: TrainState,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The checkpointed state: one dict, the same keys wherever it is built."""
+    state: dict[str, Any] = {MODEL: ModelState(model), OPTIM: OptimState(model, optim), TRAIN: train}
+    if scheduler is not None:
+        state[SCHED] = ObjectState(scheduler)
+    if scaler is not None:
+        state[SCALER] = ObjectState(scaler)
+    for name, obj in (extra or {}).items():
+        state[EXTRA_PREFIX + name] = obj if isinstance(obj, (Stateful, dict)) else ObjectState(obj)
+    return state

@@ -3,12 +3,16 @@
 from elastic_harness.spec.loader import describe, dump_job, load_job, parse_job
 from elastic_harness.spec.schema import (
     CheckpointSpec,
+    DataSpec,
     DeploySpec,
+    EvalSpec,
     FaultSpec,
     JobSpec,
+    MetricsSpec,
     NodesSpec,
     OptimizerSpec,
     RendezvousSpec,
+    ScriptSpec,
     TaskSpec,
     TimeoutsSpec,
     TrainSpec,
@@ -16,12 +20,16 @@ from elastic_harness.spec.schema import (
 
 __all__ = [
     "CheckpointSpec",
+    "DataSpec",
     "DeploySpec",
+    "EvalSpec",
     "FaultSpec",
     "JobSpec",
+    "MetricsSpec",
     "NodesSpec",
     "OptimizerSpec",
     "RendezvousSpec",
+    "ScriptSpec",
     "TaskSpec",
     "TimeoutsSpec",
     "TrainSpec",

@@ -32,12 +32,15 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
 @dataclass(frozen=True)
 class TaskSpec:
     target: str = doc(
-        "elastic_harness.tasks.mlp:MLPRegression",
-        "Import path 'package.module:callable' returning a Task (model, dataset, loss).",
+        "",
+        "Import path 'package.module:callable' returning a Task (model, dataset, loss); "
+        "or leave empty and name a script.",
     )
     args: dict = doc({}, "Keyword arguments passed to the task callable.")
 
     def __post_init__(self) -> None:
+        if not self.target:
+            return
         mod, sep, attr = self.target.partition(":")
         if not sep or not mod or not attr:
             raise SpecError(
@@ -45,6 +48,23 @@ class TaskSpec:
                 f"'{self.target}' is not of the form 'package.module:callable'",
                 "write e.g. 'elastic_harness.tasks.charlm:CharLM'",
             )
+
+
+@dataclass(frozen=True)
+class ScriptSpec:
+    """Your own training script instead of a task: it calls ``elastic_harness.init()``."""
+
+    path: str = doc(
+        "", "Your training script (a .py file using elastic_harness.init()); run instead of a task."
+    )
+    args: list = doc([], "Command-line arguments passed to the script (a list of strings).")
+
+    def __post_init__(self) -> None:
+        if self.path and not self.path.endswith(".py"):
+            raise SpecError("script.path", f"'{self.path}' is not a .py file", "name a Python script")
+        bad = [a for a in self.args if not isinstance(a, (str, int, float))]
+        if bad:
+            raise SpecError("script.args", f"must be a list of strings, got {bad[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -124,6 +144,12 @@ class TrainSpec:
     record_samples: bool = doc(
         False, "Log the dataset indices each rank used per step to RUN_DIR/samples/ (audits)."
     )
+    precision: Literal["fp32", "bf16", "fp16"] = doc(
+        "fp32",
+        "Autocast precision of forward and loss: fp32, bf16 (CPU or CUDA), or fp16 (CUDA only, "
+        "with a GradScaler whose state is checkpointed).",
+    )
+    compile: bool = doc(False, "torch.compile the model after wrapping it (task path).")
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps)
@@ -156,6 +182,42 @@ class OptimizerSpec:
             raise SpecError("optimizer.betas", f"must be two numbers in [0, 1), got {self.betas}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise SpecError("optimizer.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    every_steps: int = doc(
+        0, "Evaluate every this many steps and after the last one; 0 = never (task path)."
+    )
+    batch_size: int = doc(0, "Samples per evaluation batch on each rank; 0 = train.micro_batch_size.")
+
+    def __post_init__(self) -> None:
+        _positive("eval.every_steps", self.every_steps, allow_zero=True)
+        _positive("eval.batch_size", self.batch_size, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """How items are loaded. Which items a step uses never depends on these settings."""
+
+    workers: int = doc(
+        0,
+        "Loader processes per rank that fetch the items the harness chose, ahead of compute; "
+        "0 = fetch in the training process.",
+    )
+    prefetch: int = doc(2, "Micro-batches each loader process prepares ahead (workers > 0).")
+    pin_memory: bool = doc(True, "Pin loaded batches in host memory for faster GPU copies (CUDA).")
+
+    def __post_init__(self) -> None:
+        _positive("data.workers", self.workers, allow_zero=True)
+        _positive("data.prefetch", self.prefetch)
+
+
+@dataclass(frozen=True)
+class MetricsSpec:
+    tensorboard: bool = doc(
+        True, "Write step and evaluation metrics as TensorBoard event files to RUN_DIR/tensorboard."
+    )
 
 
 @dataclass(frozen=True)
@@ -296,7 +358,8 @@ class DeploySpec:
 @dataclass(frozen=True)
 class JobSpec:
     name: str = doc("job", "Job name: names the run directory and the Kubernetes objects.")
-    task: TaskSpec = doc(TaskSpec(), "The model, data and loss to train.")
+    task: TaskSpec = doc(TaskSpec(), "The model, data and loss to train (or use script).")
+    script: ScriptSpec = doc(ScriptSpec(), "Your own training script (instead of task).")
     parallelism: Literal["ddp", "fsdp"] = doc("ddp", "ddp (replicated) or fsdp (FSDP2 sharding).")
     device: Literal["auto", "cpu", "cuda"] = doc(
         "auto", "auto = CUDA + NCCL when GPUs are present, else CPU + gloo."
@@ -307,6 +370,9 @@ class JobSpec:
     rendezvous: RendezvousSpec = doc(RendezvousSpec(), "How nodes find each other.")
     train: TrainSpec = doc(TrainSpec(), "Steps, batch sizes, seed.")
     optimizer: OptimizerSpec = doc(OptimizerSpec(), "Optimizer and learning-rate schedule.")
+    eval: EvalSpec = doc(EvalSpec(), "Periodic evaluation (task path).")
+    data: DataSpec = doc(DataSpec(), "Parallel data loading.")
+    metrics: MetricsSpec = doc(MetricsSpec(), "Where step metrics go besides events.jsonl.")
     checkpoint: CheckpointSpec = doc(CheckpointSpec(), "Checkpoint policy.")
     timeouts: TimeoutsSpec = doc(TimeoutsSpec(), "Failure-detection timeouts.")
     chaos: list = doc([], "Faults to inject (list of kind/target/at_step/at_seconds).")
@@ -325,3 +391,10 @@ class JobSpec:
                 f"({most_ranks} = nodes.max x nproc_per_node): some ranks would get no samples",
                 f"raise it to at least {most_ranks}",
             )
+        if self.task.target and self.script.path:
+            raise SpecError("script.path", "both task.target and script.path are set",
+                            "a job trains a task or runs a script: remove one")
+        if not self.task.target and not self.script.path:
+            raise SpecError("task.target", "the job names no task and no script",
+                            "set task.target (e.g. elastic_harness.tasks.mlp:MLPRegression) "
+                            "or script.path (your training script)")

@@ -1,0 +1,42 @@
+"""A worker's uncaught exception, as an event the agent can reason about.
+
+Each failure is recorded with a *signature*: a short hash of the exception type, its message
+and the innermost frame of its traceback. Two generations that fail with the same signature
+at the same step (after resuming from the same place) are a crash loop, not bad luck; the
+agent (``launch.policy``) stops restarting then, instead of spending every restart on the
+same error. A ``HarnessError`` (a mistake the user must fix) is recorded as ``fatal``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+from typing import Any
+
+from elastic_harness.errors import HarnessError
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """``{message, where, signature}`` of an exception: one line, a place, a stable hash."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"{type(exc).__name__}: {text}"[:500] if text else type(exc).__name__
+    digest = hashlib.sha256(f"{type(exc).__qualname__}|{text[:500]}|{where}".encode()).hexdigest()
+    return {"message": message, "where": where, "signature": digest[:16]}
+
+
+def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node: str = "",
+           restart: int = 0, generation: str = "") -> None:
+    """Emit a ``failure`` event for ``exc`` (never raises: it runs on the way down)."""
+    try:
+        if isinstance(exc, HarnessError):
+            events.emit("failure", fatal=True, message=str(exc), rank=rank, step=step, node=node,
+                        restart=restart, generation=generation)
+            return
+        d = describe(exc)
+        events.emit("failure", fatal=False, message=d["message"], where=d["where"],
+                    signature=d["signature"], rank=rank, step=step, node=node, restart=restart,
+                    generation=generation)
+    except Exception:  # noqa: BLE001 - the original exception must win
+        pass

@@ -1,0 +1,534 @@
+"""The public API for your own training script: ``elastic_harness.init()`` returns a ``Run``.
+
+A plain torchrun DDP/FSDP script keeps its model, optimizer, scheduler, loss and data, and
+adds about ten lines::
+
+    import elastic_harness as eh
+
+    run = eh.init("jobs/my_job.yaml")                 # process group, device, run dir, policy
+    model = DDP(Net().to(run.device), device_ids=run.device_ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run.register(model, optimizer, scheduler=scheduler)   # what the checkpoint holds
+    for step in run.steps(train_set):                 # resumes, then one item per update
+        for x, y in step.batches():
+            with run.autocast():
+                loss = F.mse_loss(model(x), y)
+            step.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        step.done()                                   # save, drain, watchdog, metrics
+    run.close()
+
+What the run does, in order (every rank calls every method, in the same order):
+
+1. ``init``: reads the launcher's environment once (``launch.env``), the job (the harness's
+   resolved job when our agent started this process, else the ``job`` argument, else
+   defaults plus ``overrides``), joins or creates the process group (explicit timeout) and a
+   separate gloo group for checkpoints, seeds the RNG with ``train.seed`` (identical initial
+   weights on every rank and restart), installs the SIGTERM drain and failure recording.
+2. ``register``: checks what it is given (an optimizer over the model's own parameters, a
+   scheduler of that optimizer whose state pickles) and builds the checkpointed state.
+3. ``resume`` (called by ``steps`` if you do not): every rank loads the newest complete,
+   verified checkpoint through DCP, resharded to this world size, or starts fresh.
+4. ``steps(dataset)``: one ``Step`` per remaining update; the data position is the global
+   stream cursor (``data.sampler``), so the same samples follow whatever the world size.
+   After the last step: the final save, the model digest, the ``finish`` event. After a
+   drain (SIGTERM, a membership change) it saves synchronously and raises
+   ``SystemExit(143)``, so nothing after the loop runs on a drained generation.
+5. ``close``: waits for the async save, closes metrics, destroys the groups it created.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_harness.checkpoint.manager import CheckpointManager
+from elastic_harness.checkpoint.storage import open_storage
+from elastic_harness.data.sampler import DataState, EpochOrder
+from elastic_harness.errors import CheckpointError, HarnessError, UsageError
+from elastic_harness.events import EventLog
+from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.runtime import dist as hdist
+from elastic_harness.runtime import evaluate as ev
+from elastic_harness.runtime import failures, precision
+from elastic_harness.runtime.buffers import BufferSync
+from elastic_harness.runtime.digest import model_digest
+from elastic_harness.runtime.faults import WorkerFaults
+from elastic_harness.runtime.loader import StepLoader, planner, to_device
+from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.state import TrainState, build_state
+from elastic_harness.runtime.step import Step
+from elastic_harness.runtime.timer import ProgressWatchdog
+from elastic_harness.spec import JobSpec, load_job, parse_job
+
+DRAIN_EXIT = 128 + signal.SIGTERM
+_ACTIVE: Run | None = None  # the one run of this process (failure records read its step)
+
+
+class NullLog:
+    def emit(self, event: str, **fields: Any) -> dict:
+        return {}
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Per-step, per-rank RNG seed: randomness needs no checkpointing and replays exactly."""
+    return ((seed * 1_000_003 + step) * 10_007 + rank) % (2**63 - 1)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def save_due_by_steps(every: int, step: int) -> bool:
+    return bool(every) and step % every == 0
+
+
+def save_due_by_time(every_s: float, seconds_since_save: float) -> bool:
+    """Decided on rank 0 only and shared with the step's all-reduce (clocks differ)."""
+    return bool(every_s) and seconds_since_save >= every_s
+
+
+def resolve_job(env: WorkerEnv, job: str | Path | None, run_dir: str | Path | None,
+                overrides: Sequence[str]) -> tuple[JobSpec, Path]:
+    """The job and run dir: our agent's (it names them) over the script's arguments."""
+    if env.by_harness:
+        return load_job(env.job_path), Path(env.run_dir)
+    if job is not None:
+        spec = load_job(job, list(overrides))
+    else:
+        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
+        spec = parse_job("", [f"script.path={script}", *overrides] if script else list(overrides))
+    return spec, Path(run_dir) if run_dir is not None else Path("runs") / spec.name
+
+
+def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
+         overrides: Sequence[str] = ()) -> Run:
+    """Start this process's part of the job (see the module docstring). Call once."""
+    global _ACTIVE
+    if _ACTIVE is not None and not _ACTIVE.closed:
+        raise UsageError("elastic_harness.init() was called twice", "call it once per process")
+    env = WorkerEnv.from_environ(standalone_ok=True)
+    spec, run_dir = resolve_job(env, job, run_dir, overrides)
+    t0 = time.perf_counter()
+    groups = hdist.init(env, spec.device, spec.timeouts.process_group)
+    pg_init_s = time.perf_counter() - t0
+    if not env.by_harness:
+        _prepare_standalone(spec, run_dir, env.rank, groups.ckpt)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s)
+    return _ACTIVE
+
+
+def _prepare_standalone(spec: JobSpec, run_dir: Path, rank: int, group: Any) -> None:
+    """Under plain torchrun or python, rank 0 prepares the run dir; all ranks learn the result."""
+    from elastic_harness.rundir import prepare
+
+    problem = None
+    if rank == 0:
+        try:
+            prepare(run_dir, spec)
+        except HarnessError as e:
+            problem = (e.message, e.hint)
+    box = [problem]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    if box[0] is not None:
+        raise HarnessError(*box[0])
+
+
+class Drain:
+    """SIGTERM/SIGINT set a flag; the step hook finishes the step, saves, and exits."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Run:
+    """One process's part of a job. Built by ``init``; see the module docstring."""
+
+    def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
+                 pg_init_s: float = 0.0) -> None:
+        self.spec, self.env, self.groups, self.run_dir = spec, env, groups, Path(run_dir)
+        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        self.device: torch.device = groups.device
+        self.closed = False
+        log = EventLog(self.run_dir / "events.jsonl")
+        self.log = log  # every rank may report a failure
+        self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
+        self.generation = self._agree_generation()
+        self._announce(pg_init_s)
+        precision.check(spec.train.precision, self.device)
+        seed_everything(spec.train.seed)  # identical initial weights on every rank and restart
+        self.drain = Drain()
+        self.metrics = Metrics(self.events, self.run_dir, tensorboard=spec.metrics.tensorboard,
+                               main=env.rank == 0)
+        self.ckpt = CheckpointManager(
+            open_storage(spec.checkpoint.dir or str(self.run_dir / "checkpoints")), spec.checkpoint,
+            rank=env.rank, world_size=env.world_size, group=groups.ckpt, events=self.events,
+            info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
+        )
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
+        self._state: dict[str, Any] | None = None
+        self._train = TrainState(DataState(spec.train.seed, 0), env.world_size)
+        self._resumed = False
+        self._buffers: BufferSync | None = None
+        self._last_loss: float | None = None
+        # Our agent's entry records escaping exceptions itself; under plain torchrun or
+        # python, the interpreter's last-chance hook does.
+        self._previous_hook = sys.excepthook
+        if not env.by_harness:
+            sys.excepthook = self._excepthook
+        atexit.register(self.close)
+
+    # ----- properties ----------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Updates done so far (after ``resume``: the step the checkpoint was saved at)."""
+        return self._train.step
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What ``DistributedDataParallel(device_ids=...)`` wants on this device."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self) -> Any:
+        """The autocast context of ``train.precision`` (a no-op for fp32)."""
+        return precision.autocast(self.spec.train.precision, self.device)
+
+    # ----- what the checkpoint holds ---------------------------------------------------
+    def register(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+                 scaler: Any = None, **extra: Any) -> None:
+        """Name the state a checkpoint holds; call once, after wrapping the model."""
+        if self._state is not None:
+            raise UsageError("run.register() was called twice", "register everything in one call")
+        check_registration(model, optimizer, scheduler, extra)
+        if scaler is not None:
+            self.scaler = scaler
+        self.model, self.optimizer = model, optimizer
+        self._buffers = BufferSync.of(model, self.world_size)
+        self._state = build_state(model, optimizer, self._train, scheduler=scheduler,
+                                  scaler=self.scaler, extra=extra)
+
+    def resume(self) -> int:
+        """Load the newest complete, verified checkpoint (every rank); the step it holds."""
+        if self._resumed:
+            return self._train.step
+        if self._state is None:
+            raise UsageError("run.resume()/run.steps() before run.register()",
+                             "call run.register(model, optimizer, ...) first")
+        self._resumed = True
+        loaded = self.ckpt.restore(self._state)
+        if loaded is None:
+            self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
+            return 0
+        train = self._train
+        self.metrics.resumed_at(loaded.step)
+        self.events.emit(
+            "resume", step=loaded.step, checkpoint=loaded.name, saved_world_size=train.saved_world_size,
+            world_size=self.world_size, load_s=round(loaded.seconds, 4), samples=train.data.cursor,
+            message=f"resumed from step {loaded.step}, saved at world size {train.saved_world_size}, "
+            f"now {self.world_size}, load took {loaded.seconds:.2f} s",
+        )
+        return loaded.step
+
+    # ----- the loop --------------------------------------------------------------------
+    def steps(self, dataset: Any, *, collate_fn: Callable | None = None) -> Iterator[Step]:
+        """One ``Step`` per remaining update of ``train.steps`` (see ``runtime.step``)."""
+        self.resume()
+        order = self._bind_data(dataset)
+        spec, train = self.spec, self._train
+        plan_of = planner(order, train.data.cursor, train.step, spec.train.global_batch_size,
+                          self.world_size, self.rank, spec.train.micro_batch_size)
+        loader = StepLoader(dataset, plan_of, train.step, spec.train.steps, seed=spec.train.seed,
+                            device=self.device, collate=collate_fn, workers=spec.data.workers,
+                            prefetch=spec.data.prefetch, pin_memory=spec.data.pin_memory)
+        watchdog = ProgressWatchdog(self.env.timer_file, spec.timeouts.step)
+        faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
+                              local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
+                              events=self.log)
+        self._loop = _LoopState(watchdog, faults, self._sample_log())
+        try:
+            while train.step < spec.train.steps:
+                watchdog.arm()
+                plan, batches = loader.next_step()
+                seed_everything(step_seed(spec.train.seed, train.step, self.rank))
+                step = Step(self, train.step + 1, plan, batches, lr=None)
+                yield step
+                if not step.finished:
+                    raise UsageError(f"the loop body of step {step.number} did not call step.done()",
+                                     "call step.done() at the end of every iteration")
+                if step.drained:
+                    raise SystemExit(DRAIN_EXIT)
+            watchdog.disarm()
+            self._finish()
+        finally:
+            watchdog.disarm()
+            loader.close()
+
+    def _bind_data(self, dataset: Any) -> EpochOrder:
+        n = len(dataset)
+        train = self._train
+        if train.data.dataset_size == 0:  # fresh: nothing was loaded
+            train.data = DataState(self.spec.train.seed, n)
+        else:
+            reason = train.check_matches(self.spec.train.seed, n)
+            if reason:
+                raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
+                                      f"job: {reason}", "use a new --run-dir or --fresh")
+        return EpochOrder(self.spec.train.seed, n)
+
+    def _after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
+        """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
+        spec, train, loop = self.spec, self._train, self._loop
+        if self._buffers is not None:
+            self._buffers.sync()
+        if loop.sample_log is not None:
+            _record_samples(loop.sample_log, self.generation, step, self.rank, self.world_size)
+        train.step += 1
+        train.data = train.data.advance(spec.train.global_batch_size)
+        now = time.monotonic()
+        time_flag = float(self.rank == 0 and save_due_by_time(spec.checkpoint.every_seconds,
+                                                              now - loop.last_save))
+        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), time_flag],
+                              dtype=torch.float64)
+        dist.all_reduce(totals)
+        loss = float(totals[0]) / spec.train.global_batch_size
+        self._last_loss = loss
+        final = train.step == spec.train.steps
+        if train.step % spec.train.log_every == 0 or final:
+            self.metrics.step(train.step, loss=loss, world_size=self.world_size,
+                              samples=train.data.cursor, step_s=now - loop.last_done,
+                              global_batch=spec.train.global_batch_size,
+                              restart=self.env.restart_count, lr=step.lr, extra=user_metrics)
+        loop.last_done = now
+        drain = totals[1] > 0
+        self._maybe_save(train.step, blocking=drain or (final and spec.checkpoint.save_final),
+                         periodic=save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0)
+        if drain and not final:
+            self.events.emit("drain", step=train.step, world_size=self.world_size)
+            step.drained = True
+            return
+        loop.faults.after_step(train.step)
+
+    def _maybe_save(self, step: int, *, blocking: bool, periodic: bool) -> None:
+        loop = self._loop
+        if step == loop.last_saved_step or not (blocking or periodic):
+            return
+        # A save may wait for the previous one or write synchronously: a longer budget.
+        loop.watchdog.arm(extra_s=self.spec.timeouts.process_group)
+        if self.ckpt.save(step, self._state, blocking=blocking):
+            loop.last_save, loop.last_saved_step = time.monotonic(), step
+        loop.watchdog.arm()
+
+    def _finish(self) -> None:
+        self.ckpt.wait()
+        digest = model_digest(self.model)
+        self.events.emit("finish", step=self._train.step,
+                         loss=None if self._last_loss is None else round(self._last_loss, 6),
+                         digest=digest, samples=self._train.data.cursor, world_size=self.world_size)
+
+    def _sample_log(self) -> Path | None:
+        if not self.spec.train.record_samples:
+            return None
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        return self.run_dir / "samples" / f"rank-{self.rank}.jsonl"
+
+    # ----- evaluation --------------------------------------------------------------------
+    def evaluate(self, dataset: Any, fn: Callable[[Any], dict[str, torch.Tensor]], *,
+                 collate_fn: Callable | None = None) -> dict[str, float]:
+        """Every rank: ``fn(batch) -> {metric: per-sample tensor}`` over a split of
+        ``dataset``, in eval mode and without gradients; the exact means over all of it,
+        logged as an ``eval`` event and to TensorBoard."""
+        from torch.utils.data import default_collate
+
+        t0 = time.perf_counter()
+        size = self.spec.eval.batch_size or self.spec.train.micro_batch_size
+        batches = ev.eval_batches(len(dataset), self.world_size, self.rank, size)
+        model = self.model
+        was_training = model.training if model is not None else False
+        if model is not None:
+            model.eval()
+        try:
+            with torch.no_grad(), self.autocast():
+                sums, count = ev.run_eval(dataset, _guarded(fn), batches, collate_fn or default_collate,
+                                          lambda b: to_device(b, self.device))
+        finally:
+            if model is not None:
+                model.train(was_training)
+        metrics = ev.reduce_metrics(sums, count)
+        self.metrics.evaluation(self._train.step, metrics, time.perf_counter() - t0)
+        return metrics
+
+    # ----- the end -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish the in-flight save, close metrics, destroy our groups; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.ckpt.close()
+            self.metrics.close()
+        finally:
+            self.drain.restore()
+            sys.excepthook = self._previous_hook
+            hdist.destroy(self.groups)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def record_failure(self, exc: BaseException) -> None:
+        failures.record(self.log, exc, rank=self.rank, step=self._train.step, node=self.env.node,
+                        restart=self.env.restart_count, generation=self.generation)
+
+    def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
+        """Plain torchrun/python: record the failure; a user's mistake is one line, exit 2."""
+        self.record_failure(exc)
+        if not isinstance(exc, HarnessError):
+            self._previous_hook(kind, exc, tb)
+            return
+        prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        self.close()
+        os._exit(exc.exit_code)  # the interpreter would exit 1; a mistake to fix is 2
+
+    def _agree_generation(self) -> str:
+        """A fresh id for this worker generation, the same on every rank (for audits)."""
+        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.groups.ckpt, group_src=0)
+        return box[0]
+
+    def _announce(self, pg_init_s: float) -> None:
+        env = self.env
+        self.log.emit("worker", rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank,
+                      node=env.node, restart=env.restart_count, world_size=env.world_size)
+        if not env.by_harness and env.restart_count == 0:
+            self.events.emit("start", who="script", nodes=env.world_size // max(env.local_world_size, 1),
+                             nproc_per_node=env.local_world_size, run_id=env.run_id,
+                             run_dir=str(self.run_dir))
+        self.events.emit("rendezvous", generation=self.generation, world_size=env.world_size,
+                         restart=env.restart_count, nodes=env.world_size // max(env.local_world_size, 1),
+                         pg_init_s=round(pg_init_s, 3))
+
+
+class _LoopState:
+    """What ``steps`` keeps between step hooks (one instance per ``steps`` call)."""
+
+    def __init__(self, watchdog: ProgressWatchdog, faults: WorkerFaults, sample_log: Path | None) -> None:
+        self.watchdog, self.faults, self.sample_log = watchdog, faults, sample_log
+        now = time.monotonic()
+        self.last_save = self.last_done = now
+        self.last_saved_step = -1
+
+
+def job_identity(spec: JobSpec) -> str:
+    """What a checkpoint records as its producer: the task target, or the script's name."""
+    return spec.task.target or f"script:{Path(spec.script.path).name}"
+
+
+def check_registration(model: Any, optimizer: Any, scheduler: Any, extra: dict) -> None:
+    """Refuse what cannot be checkpointed correctly, with the fix (pure checks)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"run.register(model=...) got {type(model).__name__}, not a torch.nn.Module",
+                         "pass the (wrapped) model")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"run.register(optimizer=...) got {type(optimizer).__name__}, not a "
+                         "torch.optim.Optimizer", "pass the optimizer that trains the model")
+    own = {id(p) for p in model.parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if stray:
+        raise UsageError(
+            f"the optimizer holds {len(stray)} tensors that are not parameters of the registered "
+            "model (built before the model was wrapped, moved or sharded?)",
+            "build the optimizer after wrapping, over the wrapped model's parameters "
+            "(e.g. optim.AdamW(ddp_model.parameters()))",
+        )
+    if scheduler is not None:
+        _check_stateful("scheduler", scheduler)
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise UsageError("the LR scheduler belongs to another optimizer than the registered one",
+                             "build the scheduler over the registered optimizer")
+    for name, obj in extra.items():
+        if not isinstance(obj, dict):
+            _check_stateful(name, obj)
+
+
+def _check_stateful(name: str, obj: Any) -> None:
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise UsageError(f"'{name}' ({type(obj).__name__}) has no state_dict()/load_state_dict()",
+                         "register objects with both methods, or plain dicts of tensors and values")
+    try:
+        pickle.dumps(obj.state_dict())
+    except Exception as e:  # noqa: BLE001 - any pickling failure means it cannot be saved
+        raise UsageError(
+            f"the state of '{name}' ({type(obj).__name__}) cannot be saved: {e}",
+            "keep only plain values in its state_dict() (e.g. use a module-level function, not a "
+            "lambda, for LambdaLR-style schedules held by an object)",
+        ) from None
+
+
+def _guarded(fn: Callable) -> Callable:
+    """Name the user's evaluate in whatever it raises. Not fatal at once: a peer that died
+    mid-evaluation also surfaces here, as a collective error; a bug in evaluate fails the
+    same way on the next attempt, and the agent stops on that crash loop (one line)."""
+
+    def call(batch: Any) -> Any:
+        try:
+            return fn(batch)
+        except HarnessError:
+            raise
+        except Exception as e:
+            d = failures.describe(e)
+            raise ev.EvaluateError(f"evaluate raised {d['message']} (at {d['where']})") from e
+
+    return call
+
+
+def _record_samples(path: Path, generation: str, step: Step, rank: int, world_size: int) -> None:
+    import json
+
+    indices = [idx for chunk in step.plan for _, idx in chunk]
+    line = {"t_ns": time.time_ns(), "generation": generation, "step": step.number, "rank": rank,
+            "world_size": world_size, "indices": indices}
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def active() -> Run | None:
+    """The run of this process, if ``init`` was called (closed or not)."""
+    return _ACTIVE

@@ -1,0 +1,149 @@
+"""One optimizer step of a user's loop: its micro-batches, the loss scaling, the step hook.
+
+A ``Step`` is what ``Run.steps()`` yields. Call order inside the loop body::
+
+    for step in run.steps(dataset):
+        for batch in step.batches():          # this rank's micro-batches, on run.device
+            with run.autocast():
+                loss = loss_fn(model(batch))  # a mean over the micro-batch, or per-sample
+            step.backward(loss)               # instead of loss.backward()
+        optimizer.step()                      # or step.optimizer_step(optimizer)
+        optimizer.zero_grad()
+        step.done()                           # the step hook: always last
+
+``batches()`` turns gradient synchronisation off for every micro-batch but the last (DDP's
+``require_backward_grad_sync``, FSDP2's ``set_requires_gradient_sync``), so ranks
+accumulate locally and all-reduce once per step. ``backward`` scales the loss so the update
+is the mean over exactly the global batch whatever the world size (see ``scale``), and goes
+through the GradScaler under fp16. ``done`` hands the step to the run: counters, metrics,
+checkpoint, drain, faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from elastic_harness.errors import UsageError
+from elastic_harness.spec import JobSpec
+
+
+class Owner(Protocol):
+    """What a step needs of its run (``runtime.session.Run``)."""
+
+    spec: JobSpec
+    world_size: int
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scaler: Any
+
+    def _after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
+
+
+def set_grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Let the next backward all-reduce gradients (or only accumulate them locally)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if hasattr(model, "require_backward_grad_sync"):  # DDP (what no_sync() toggles)
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+
+
+class Step:
+    def __init__(self, run: Owner, number: int, plan: list, batches: list, lr: float | None) -> None:
+        self.run = run
+        self.number = number  # this step's number once done (1 = the first update)
+        self.plan = plan
+        self._batches = batches
+        self.lr = lr  # the LR this update uses (read at the first scale(), before it steps)
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.samples = 0
+        self.backwards = 0
+        self.finished = False
+        self.drained = False
+
+    @property
+    def is_last(self) -> bool:
+        return self.number == self.run.spec.train.steps
+
+    @property
+    def eval_due(self) -> bool:
+        """Evaluation is due after this step (``eval.every_steps``; always after the last)."""
+        every = self.run.spec.eval.every_steps
+        return bool(every) and not self.drained and (self.number % every == 0 or self.is_last)
+
+    def batches(self) -> Iterator[Any]:
+        """This rank's micro-batches, in order; gradient sync only on the last one."""
+        model = self.run.model
+        last = len(self._batches) - 1
+        try:
+            for i, batch in enumerate(self._batches):
+                self._current = len(self.plan[i])
+                if model is not None:
+                    set_grad_sync(model, i == last)
+                yield batch
+        finally:
+            if model is not None:
+                set_grad_sync(model, True)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to differentiate: the micro-batch's share of the global-batch mean.
+
+        ``loss`` is the mean over the current micro-batch (a 0-dim tensor, what
+        ``reduction='mean'`` gives), or one value per sample (shape ``[B]``). DDP and FSDP
+        average gradients over ranks, so the micro-batch's sum is scaled by
+        ``world_size / global_batch``. Also counts the loss for the step's reported mean.
+        """
+        n = getattr(self, "_current", None)
+        if n is None:
+            raise UsageError("step.scale/backward called outside step.batches()",
+                             "compute the loss inside `for batch in step.batches():`")
+        if self.samples == 0 and self.run.optimizer is not None:
+            self.lr = self.run.optimizer.param_groups[0].get("lr")  # the LR this update uses
+        total = loss.sum() if loss.ndim else loss * n
+        self.loss_sum += total.detach().double().sum().cpu()
+        self.samples += n
+        return total * (self.run.world_size / self.run.spec.train.global_batch_size)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``scale(loss).backward()``, through the GradScaler under fp16."""
+        scaled = self.scale(loss)
+        scaler = self.run.scaler
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        self.backwards += 1
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()``, or the GradScaler's step and update under fp16."""
+        scaler = self.run.scaler
+        if scaler is None:
+            optimizer.step()
+            return
+        scaler.step(optimizer)
+        scaler.update()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before clipping under fp16: bring gradients back to their true scale."""
+        if self.run.scaler is not None:
+            self.run.scaler.unscale_(optimizer)
+
+    def done(self, **metrics: float) -> None:
+        """The step hook, after the optimizer step: every rank, every step, exactly once.
+
+        ``metrics`` (e.g. ``grad_norm=...``) are logged with the step; keep the same names
+        on every rank (rank 0's values are the ones written).
+        """
+        if self.finished:
+            raise UsageError(f"step.done() called twice for step {self.number}",
+                             "call it once, at the end of the loop body")
+        if self.backwards == 0:
+            raise UsageError(
+                f"step {self.number} ended without step.backward(loss)",
+                "use step.backward(loss) instead of loss.backward(): it scales the loss for "
+                "the fixed global batch and counts it",
+            )
+        self.finished = True
+        self.run._after_step(self, {k: float(v) for k, v in metrics.items()})
+

@@ -1,0 +1,38 @@
+"""A tiny script of one's own that makes one API mistake, named by --mistake (tests)."""
+
+import argparse
+
+import torch
+from torch import nn
+
+import elastic_harness as eh
+
+cli = argparse.ArgumentParser()
+cli.add_argument("--mistake", default="none")
+cli.add_argument("--run-dir")
+cli.add_argument("--set", action="append", default=[])
+args = cli.parse_args()
+
+run = eh.init(None, run_dir=args.run_dir, overrides=["train.steps=4", "train.global_batch_size=4",
+                                                     "train.micro_batch_size=2", *args.set])
+model = nn.Linear(3, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+if args.mistake == "stray-optimizer":
+    optimizer = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
+run.register(model, optimizer)
+data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+for step in run.steps(data):
+    for x, y in step.batches():
+        loss = nn.functional.mse_loss(model(x), y)
+        if args.mistake == "plain-backward":
+            loss.backward()
+        else:
+            step.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    if args.mistake != "no-step-hook":
+        step.done()
+    if args.mistake == "bad-evaluate":
+        run.evaluate(data, lambda batch: {"loss": 1 / 0})
+run.close()
+print("finished at step", run.step)

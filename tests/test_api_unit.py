@@ -1,0 +1,172 @@
+"""The bring-your-own-training pieces that need no process group: decisions and checks."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from elastic_harness.data.sampler import EpochOrder, micro_batches, step_plan
+from elastic_harness.errors import CheckpointError, HarnessError, UsageError
+from elastic_harness.launch.policy import stop_reason
+from elastic_harness.runtime import failures, precision
+from elastic_harness.runtime.digest import model_digest, tensor_bytes
+from elastic_harness.runtime.evaluate import eval_batches
+from elastic_harness.runtime.loader import StepLoader, planner
+from elastic_harness.runtime.session import check_registration
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ----- crash loops ---------------------------------------------------------------------
+def failure(restart, sig="abc", step=7, node="n0", t=10.0, **kw):
+    return {"event": "failure", "t": t, "node": node, "restart": restart, "signature": sig,
+            "step": step, "message": "RuntimeError: boom", "where": "train.py:3", **kw}
+
+
+def test_same_error_at_same_step_twice_is_a_crash_loop():
+    reason = stop_reason([failure(0), failure(1)], "n0", since=0.0)
+    assert reason and "crash loop" in reason and "step 7" in reason and "train.py:3" in reason
+
+
+@pytest.mark.parametrize("events", [
+    [failure(0)],                                        # one attempt: bad luck, maybe
+    [failure(0), failure(1, step=9)],                    # another step: progress was made
+    [failure(0), failure(1, sig="other")],               # another error
+    [failure(0), failure(2)],                            # not consecutive attempts
+    [failure(0, node="n1"), failure(1, node="n1")],      # another node's attempts
+    [failure(0, t=1.0), failure(1, t=2.0)],              # before this agent started
+    [{"event": "failure", "t": 10.0, "node": "n0", "restart": r, "step": 7} for r in (0, 1)],  # SIGKILL-like
+])
+def test_anything_else_is_not(events):
+    assert stop_reason(events, "n0", since=5.0) is None
+
+
+def test_a_fatal_error_stops_at_once():
+    fatal = {"event": "failure", "t": 10.0, "node": "n0", "fatal": True, "message": "incompatible"}
+    assert stop_reason([fatal], "n0", since=0.0) == "incompatible"
+
+
+def test_failure_signature_is_stable_and_distinguishes():
+    def boom(msg):
+        try:
+            raise ValueError(msg)
+        except ValueError as e:
+            return failures.describe(e)
+
+    a, b, c = boom("x at 1"), boom("x at 1"), boom("y")
+    assert a["signature"] == b["signature"] != c["signature"]
+    assert a["message"] == "ValueError: x at 1" and "test_api_unit.py" in a["where"]
+
+
+# ----- what a step uses ----------------------------------------------------------------
+def test_step_plan_covers_the_step_once_with_positions():
+    order = EpochOrder(0, 50)
+    plans = [step_plan(order, 40, 12, 3, r, 3) for r in range(3)]
+    pairs = [p for plan in plans for chunk in plan for p in chunk]
+    assert [pos for pos, _ in pairs] == list(range(40, 52))  # straddles the epoch boundary
+    assert [idx for _, idx in pairs] == order.indices(40, 52)
+    assert len({len(plan) for plan in plans}) == 1  # same micro-batch count on every rank
+
+
+def test_no_rank_gets_an_empty_micro_batch():
+    # 3 samples over 2 ranks with micro-batch 1: the smaller share has one sample, so one
+    # micro-batch each (an empty one would skip a forward its FSDP peers wait on).
+    assert micro_batches(3, 2, 1) == 1
+    assert micro_batches(30, 4, 8) == 1 and micro_batches(30, 2, 8) == 2
+
+
+def test_eval_split_is_exact_and_balanced():
+    parts = [eval_batches(10, 3, r, 3) for r in range(3)]
+    assert sorted(i for p in parts for b in p for i in b) == list(range(10))
+    assert len({len(p) for p in parts}) == 1 and all(b for p in parts for b in p)
+    with pytest.raises(HarnessError, match="fewer than the 3 ranks"):
+        eval_batches(2, 3, 0, 4)
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Items with randomness in __getitem__ (augmentation)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loaded_batches_do_not_depend_on_loader_processes_or_resume_point(workers):
+    plan_of = planner(EpochOrder(3, 40), 0, 0, 8, 2, 1, 2)
+    kw = dict(seed=3, device=torch.device("cpu"), collate=None, prefetch=2, pin_memory=False)
+    reference = StepLoader(Noisy(), plan_of, 0, 6, workers=0, **kw)
+    want = [reference.next_step() for _ in range(6)]
+    resumed = StepLoader(Noisy(), plan_of, 2, 6, workers=workers, **kw)  # a restart at step 2
+    got = [resumed.next_step() for _ in range(4)]
+    resumed.close()
+    for (plan_a, batches_a), (plan_b, batches_b) in zip(want[2:], got, strict=True):
+        assert plan_a == plan_b
+        assert all(torch.equal(a, b) for a, b in zip(batches_a, batches_b, strict=True))
+
+
+# ----- state ---------------------------------------------------------------------------
+def test_digest_covers_any_dtype_and_0dim_buffers():
+    bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(torch.bfloat16)
+    before = model_digest(bn)
+    assert model_digest(bn) == before
+    bn[1].num_batches_tracked += 1  # 0-dim int64: used to crash the digest
+    assert model_digest(bn) != before
+    assert tensor_bytes("b", torch.tensor(True)).endswith(b"\x01")
+
+
+def _model_and_optim():
+    model = nn.Linear(2, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_registration_refuses_an_optimizer_over_other_parameters():
+    model, _ = _model_and_optim()
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(UsageError, match="not parameters of the registered model"):
+        check_registration(model, other, None, {})
+
+
+def test_registration_refuses_a_scheduler_whose_state_cannot_be_saved():
+    model, optim = _model_and_optim()
+
+    class Holder:
+        def __init__(self):
+            self.fn = lambda step: 1.0  # a lambda inside the state: cannot be pickled
+
+        def state_dict(self):
+            return {"fn": self.fn}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with pytest.raises(UsageError, match="cannot be saved"):
+        check_registration(model, optim, None, {"schedule": Holder()})
+    foreign = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1), 2)
+    with pytest.raises(UsageError, match="another optimizer"):
+        check_registration(model, optim, foreign, {})
+    ok = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)  # functions are not saved: fine
+    check_registration(model, optim, ok, {})
+    pickle.dumps(ok.state_dict())
+
+
+def test_precision_refused_where_it_cannot_run():
+    with pytest.raises(HarnessError, match="fp16 needs a CUDA device"):
+        precision.check("fp16", torch.device("cpu"))
+    precision.check("bf16", torch.device("cpu"))
+    assert precision.grad_scaler("fp32", torch.device("cpu")) is None
+
+
+def test_checkpoint_entries_must_match_the_job():
+    from elastic_harness.checkpoint.compat import _check_entries
+
+    _check_entries("ckpt", {"model", "optim", "train"}, {"model", "optim", "train"})
+    with pytest.raises(CheckpointError, match="has no sched state"):
+        _check_entries("ckpt", {"model", "optim", "train"}, {"model", "optim", "train", "sched"})
+    with pytest.raises(CheckpointError, match="holds scaler state"):
+        _check_entries("ckpt", {"model", "optim", "train", "scaler"}, {"model", "optim", "train"})
