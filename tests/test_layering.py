@@ -61,3 +61,65 @@ def test_nothing_asks_torch_distributed_who_it_is():
     offenders = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
                  if "get_rank()" in p.read_text() or "get_world_size()" in p.read_text()]
     assert offenders == []
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}`` (lazy and type-only imports count)."""
+    prefix = f"elastic_harness.{package}."
+    graph = {}
+    for path in (PKG / package).glob("*.py"):
+        name = prefix + path.stem
+        graph[name] = set()
+        for m in imports_of(path):
+            if m == f"elastic_harness.{package}":  # `from elastic_harness.checkpoint import x`
+                tree = ast.parse(path.read_text())
+                graph[name] |= {prefix + a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                                and n.module == m for a in n.names}
+            elif m.startswith(prefix):
+                graph[name].add(m)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_checkpoint_modules_import_no_circle():
+    assert cycles(module_graph("checkpoint")) == []
+
+
+@pytest.mark.parametrize("module", ["where", "layout"])
+def test_checkpoint_decisions_are_pure(module):
+    """One home for "where checkpoints live" and "which one to load": nothing of ours, no torch."""
+    found = imports_of(PKG / "checkpoint" / f"{module}.py")
+    assert not {m for m in found if m.startswith(("elastic_harness", "torch"))}
+
+
+def test_host_side_locks_do_not_import_torch():
+    """``rundir`` takes locks before any agent starts: it must not pay for importing torch."""
+    for module in ("lock", "fence", "where", "layout", "storage", "streams"):
+        assert not {m for m in imports_of(PKG / "checkpoint" / f"{module}.py") if m.split(".")[0] == "torch"
+                    and not _type_only(PKG / "checkpoint" / f"{module}.py", m)}, module
+
+
+def _type_only(path: Path, module: str) -> bool:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            if any(isinstance(n, ast.ImportFrom) and n.module == module for n in ast.walk(node)):
+                return True
+    return False
