@@ -324,20 +324,28 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
     import dataclasses
 
     from elastic_harness.chaos.schedule import parse_fault
+    from elastic_harness.checkpoint.lock import Holder
     from elastic_harness.cluster import free_port
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job
 
     spec = load_job(job, [f"nproc_per_node={nproc}"])
     spec = dataclasses.replace(spec, chaos=[parse_fault(c) for c in chaos])
-    run_dir = prepare(run_dir, spec)
     port = free_port()
+    rdzv_id = f"bench-{os.getpid()}-{port}"
+    claim = prepare(run_dir, spec, holder=Holder.this_process(spec.name, rdzv_id))
+    with claim:
+        return _torchrun_nodes(spec, claim.path, nodes, nproc, port, rdzv_id, timeout)
+
+
+def _torchrun_nodes(spec, run_dir: Path, nodes: int, nproc: int, port: int, rdzv_id: str,
+                    timeout: int) -> int | None:
     EventLog(run_dir / "events.jsonl").emit("start", who="host", launcher="torchrun", nodes=nodes)
     procs = []
     for i in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=bench-{os.getpid()}-{port}", f"--max-restarts={spec.max_restarts}",
+               f"--rdzv-id={rdzv_id}", f"--max-restarts={spec.max_restarts}",
                "-m", "elastic_harness.runtime.entry", str(run_dir / "job.resolved.yaml"), str(run_dir)]
         env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
         env["ELASTIC_HARNESS_NODE"] = str(i)

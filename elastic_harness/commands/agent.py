@@ -10,6 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
+from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.launch.agent import run_agent
 from elastic_harness.launch.config import node_options
 from elastic_harness.rundir import prepare
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     spec = load_job(args.job, args.set)
-    run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec)
+    run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
     flags = {k: getattr(args, k) for k in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "nnodes",
                                            "nproc_per_node", "max_restarts", "is_host", "local_addr")}
     opts = node_options(spec, run_dir, flags, os.environ)
@@ -50,6 +51,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         from elastic_harness.errors import HarnessError
 
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
+    # The job submission (its rendezvous id) holds the run dir: this job's agents share it.
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, opts.rdzv_id)):
+        return _serve(args, spec, opts, run_dir)
+
+
+def _serve(args: argparse.Namespace, spec, opts, run_dir: Path) -> int:
     endpoint = None
     if args.endpoint_port is not None:
         from elastic_harness.launch.endpoint import Endpoint
