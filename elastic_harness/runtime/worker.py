@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
+from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.errors import CheckpointError, HarnessError
 from elastic_harness.events import EventLog
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tr = build_trainer(spec, env, groups.device, run_dir)
         tr.generation = generation
-        storage = open_storage(spec.checkpoint.dir or str(run_dir / "checkpoints"))
+        storage = open_storage(checkpoint_root(spec.checkpoint.dir, run_dir))
         info = {"task": spec.task.target, "parallelism": spec.parallelism, "job": spec.name}
         ckpt = CheckpointManager(storage, spec.checkpoint, rank=env.rank, world_size=env.world_size,
                                  group=groups.ckpt, events=events, info=info)
