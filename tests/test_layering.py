@@ -117,9 +117,6 @@ def test_host_side_locks_do_not_import_torch():
 
 
 def _type_only(path: Path, module: str) -> bool:
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
-            if any(isinstance(n, ast.ImportFrom) and n.module == module for n in ast.walk(node)):
-                return True
-    return False
+    guarded = [node for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"]
+    return any(isinstance(n, ast.ImportFrom) and n.module == module for g in guarded for n in ast.walk(g))
