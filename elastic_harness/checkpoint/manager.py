@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_harness.checkpoint import collective, fence, integrity, layout
 from elastic_harness.checkpoint.compat import check_compatible
-from elastic_harness.checkpoint.progress import Ticker, await_write
+from elastic_harness.checkpoint.progress import Progress, Ticker, await_write
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
@@ -108,7 +108,7 @@ class CheckpointManager:
         self.stall_s, self.verify_round_bytes, self._clock = stall_s, verify_round_bytes, clock
         self._ticker = Ticker(on_progress)
         self._pending: cf.Future | None = None
-        self._pending_watch: Any = None
+        self._pending_watch: tuple[Any, str] = (None, "")
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
         self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self._stager: Any = None
@@ -264,10 +264,12 @@ class CheckpointManager:
             fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                  async_stager=self._staging())
             blocked = time.perf_counter() - t0
-            self._pending_watch = write_watch(writer)
+            self._pending_watch = (write_watch(writer), name)
             self._pending = self._pool.submit(self._finish, fut, writer, step, name, t0, blocked, True)
             return True
-        fut = self._io.submit(dcp.save, state, storage_writer=writer, process_group=self.group)
+        # Written in a thread so this one can watch progress (and report it) meanwhile.
+        fut = self._io.submit(_on_device(_current_cuda_device(), dcp.save), state, storage_writer=writer,
+                              process_group=self.group)
         ok = self._finish(fut, writer, step, name, t0, None, False)
         if not ok and blocking:
             raise CheckpointError(
@@ -347,6 +349,7 @@ class CheckpointManager:
             if asynchronous:  # already in the background thread
                 self._purge(step)
             else:  # deleting files is slow on some filesystems: keep it off the training path
+                self._pending_watch = (None, "")
                 self._pending = self._pool.submit(self._purge, step)
         return True
 
@@ -410,34 +413,34 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the in-flight save (and its commit), if any; raise past the failure limit.
 
-        Without ``timeout`` it waits as long as the save makes progress (the commit thread
-        stops a stalled write); ``on_progress`` is called meanwhile.
+        Without ``timeout`` it waits as long as it takes: the commit thread itself stops a
+        stalled write. ``on_progress`` is called meanwhile, while bytes move.
         """
         pending, self._pending = self._pending, None
         if pending is not None:
             self._await(pending, timeout)
         self.raise_if_failing()
 
-    def _await(self, pending: cf.Future, timeout: float | None) -> Any:
-        watch, deadline = self._pending_watch, None if timeout is None else time.monotonic() + timeout
-        seen = -1
-        while True:
-            done, _ = cf.wait([pending], timeout=0.05)
-            if done:
-                return pending.result()
-            moved = watch.counter.bytes if watch is not None else 0
-            if moved != seen:
-                seen = moved
+    def _await(self, pending: cf.Future, idle_limit: float | None) -> Any:
+        """Wait for ``pending``; give up (TimeoutError) after ``idle_limit`` s without progress."""
+        watch, name = self._pending_watch
+        dir_bytes = (lambda: sum(self.storage.files(name).values())) if name else None
+        progress = Progress(watch, dir_bytes, time.monotonic)
+        idle_since = time.monotonic()
+        while not cf.wait([pending], timeout=0.05)[0]:
+            if progress.moved():
+                idle_since = time.monotonic()
                 self._ticker.tick()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint save still running after {timeout:.0f} s")
+            elif idle_limit is not None and time.monotonic() - idle_since > idle_limit:
+                raise TimeoutError(f"checkpoint save made no progress for {idle_limit:.0f} s")
+        return pending.result()
 
     def close(self) -> None:
         """Finish the in-flight save, free the staging buffer; safe to call twice.
 
         Never raises for the save itself: its outcome is already an event, and ``close``
-        runs on error paths where the original exception must win. Waits at most
-        ``stall_s`` beyond what the commit thread itself allows.
+        runs on error paths where the original exception must win. Gives up after
+        ``stall_s`` without progress.
         """
         if self._closed:
             return
@@ -445,7 +448,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         try:
             if pending is not None:
-                self._await(pending, 2 * self.stall_s)
+                self._await(pending, self.stall_s)
         except SAVE_ERRORS:
             pass
         finally:
@@ -453,3 +456,20 @@ class CheckpointManager:
             self._io.shutdown(wait=False)
             if self._stager is not None:
                 self._stager.close()
+
+
+def _current_cuda_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def _on_device(device: int | None, fn: Callable) -> Callable:
+    """``fn`` run with the caller's CUDA device: a new thread starts on device 0, and DCP's
+    device-to-host copies synchronise the *current* device's stream."""
+    if device is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.set_device(device)
+        return fn(*args, **kwargs)
+
+    return run
