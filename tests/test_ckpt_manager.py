@@ -166,6 +166,18 @@ def scenario_nothing_usable(rank, root, group) -> dict:
     return _restore(rank, root, group)
 
 
+def scenario_nothing_loads(rank, root, group) -> dict:
+    """verify=none and the only checkpoint fails to load: maybe the code's fault, not the
+    checkpoint's, so it stays where it is (set aside only once an older one loads)."""
+    import torch.distributed as dist
+
+    _save_steps(rank, root, group, [1], async_save=False)
+    if rank == 0:
+        _truncate(_biggest_shard(root / "step-0000001"))
+    dist.barrier()
+    return _restore(rank, root, group, verify="none")
+
+
 def scenario_async_retention(rank, root, group) -> dict:
     """Async saves with a DTensor; keep newest 2 plus every 3rd; a crashed save's leftovers go."""
     import torch.distributed as dist
@@ -380,7 +392,7 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
 
 
 SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_nothing_usable,
-             scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
+             scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
              scenario_metadata_unreadable_on_one_rank, scenario_not_shared,
              scenario_commit_needs_every_reported_file, scenario_fence,
              scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed]
@@ -439,6 +451,13 @@ def test_no_usable_checkpoint_is_an_error_not_a_silent_fresh_start(seen):
     for r in seen:
         assert "none of the 1 checkpoints" in r["scenario_nothing_usable"]["error"]
         assert "--fresh" in r["scenario_nothing_usable"]["error"]
+
+
+def test_a_checkpoint_is_set_aside_for_failing_to_load_only_if_an_older_one_loads(seen):
+    a, b = (r["scenario_nothing_loads"] for r in seen)
+    assert "none of the 1 checkpoints" in a["error"] and "none of the 1 checkpoints" in b["error"]
+    assert a["quarantined"] == [] and a["dirs"] == ["step-0000001"]
+    assert any("left in place" in w for w in a["warnings"])
 
 
 def test_async_saves_retention_and_dtensor_round_trip(seen):

@@ -43,7 +43,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +52,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_harness.checkpoint import collective, fence, integrity, layout
+from elastic_harness.checkpoint import collective, fence, integrity, layout, quarantine
 from elastic_harness.checkpoint.compat import check_compatible
-from elastic_harness.checkpoint.progress import Progress, Ticker, await_write
+from elastic_harness.checkpoint.progress import Progress, Ticker, await_write, on_callers_device
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
@@ -131,6 +130,7 @@ class CheckpointManager:
         self._generation = collective.join_generation(
             self.storage, str(self.info.get("job", "")), rank=self.rank, world_size=self.world_size, group=self.group)
         unusable: set[str] = set()
+        unloadable: list[tuple[str, str]] = []  # set aside only once an older one loads
         seen_complete = None
         while True:
             choice = layout.choose(self._shared_listing(), self._verify, exclude=unusable)
@@ -138,6 +138,7 @@ class CheckpointManager:
             self._report_skipped(choice)
             unusable |= {s.name for s in choice.failed}
             if choice.chosen is None:
+                self._report_unloadable(unloadable, set_aside=False)
                 if seen_complete:
                     raise CheckpointError(
                         f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
@@ -145,10 +146,23 @@ class CheckpointManager:
                         "restore a good copy, or re-run with --fresh to start over",
                     )
                 return None
-            loaded = self._load(choice.chosen, state)
+            loaded, why = self._load(choice.chosen, state)
             if loaded is not None:
+                self._report_unloadable(unloadable, set_aside=True)
                 return loaded
             unusable.add(choice.chosen.name)
+            unloadable.append((choice.chosen.name, why))
+
+    def _report_unloadable(self, unloadable: list[tuple[str, str]], set_aside: bool) -> None:
+        """Rank 0: checkpoints that verified but failed to load. They are set aside only when an
+        older one loaded (the fault is theirs); if none loads, the fault may be this job's code
+        or environment, and they stay where they are."""
+        for name, why in unloadable if self.rank == 0 else ():
+            if set_aside:
+                self._quarantine(name, f"loading failed: {why}", "unloadable")
+            else:
+                self.events.emit("warning", message=f"skipping {name}: loading failed: {why} (left in place: "
+                                 "no checkpoint loaded, the fault may not be the checkpoint's)")
 
     def _shared_listing(self) -> dict[str, list[str]]:
         """Rank 0 lists the root; every rank gets the same listing (or the same error)."""
@@ -179,23 +193,11 @@ class CheckpointManager:
 
     def _quarantine(self, name: str, reason: str, kind: str) -> None:
         """Rank 0: move a checkpoint that cannot be used where nothing will load or count it."""
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._clock())) + "-" + uuid.uuid4().hex[:6]
-        new_name = layout.quarantine_name(name, stamp)
-        why = self._superseded()
-        try:
-            if not why:
-                self.storage.set_aside(name, new_name)
-        except OSError as e:
-            why = f"moving it aside failed: {e.strerror or e!r}"
-        self.events.emit(
-            "quarantine", step=layout.parse_step(name), name=name, reason=reason, kind=kind,
-            moved_to=None if why else self.storage.uri(new_name),
-            message=f"skipping {name}: {reason}" + (f" (left in place: {why})" if why else
-                                                   f"; set aside as {new_name}"),
-        )
+        quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
+                             blocked=self._superseded())
 
-    def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> Loaded | None:
-        """Every rank: load ``choice`` into ``state``; ``None`` on every rank if any failed.
+    def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> tuple[Loaded | None, str]:
+        """Every rank: load ``choice`` into ``state``; ``(None, why)`` on every rank if any failed.
 
         Compatibility is agreed first (a rank that cannot read ``.metadata`` says so instead
         of leaving), then DCP loads (its own collectives share errors between ranks).
@@ -222,11 +224,8 @@ class CheckpointManager:
         finally:
             self._busy.discard(choice.step)
         if ok:
-            return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0)
-        if self.rank == 0:
-            why = f"{error!r:.300}" if error is not None else "another rank failed to read it"
-            self._quarantine(choice.name, f"loading failed: {why}", "unloadable")
-        return None
+            return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0), ""
+        return None, f"{error!r:.300}" if error is not None else "another rank failed to read it"
 
     def _compatible(self, name: str, state: dict, manifest: dict) -> tuple[CheckpointError | None, BaseException | None]:
         """(why ``name`` belongs to another model or job, why it could not be read)."""
@@ -268,8 +267,7 @@ class CheckpointManager:
             self._pending = self._pool.submit(self._finish, fut, writer, step, name, t0, blocked, True)
             return True
         # Written in a thread so this one can watch progress (and report it) meanwhile.
-        fut = self._io.submit(_on_device(_current_cuda_device(), dcp.save), state, storage_writer=writer,
-                              process_group=self.group)
+        fut = self._io.submit(on_callers_device(dcp.save), state, storage_writer=writer, process_group=self.group)
         ok = self._finish(fut, writer, step, name, t0, None, False)
         if not ok and blocking:
             raise CheckpointError(
@@ -456,20 +454,3 @@ class CheckpointManager:
             self._io.shutdown(wait=False)
             if self._stager is not None:
                 self._stager.close()
-
-
-def _current_cuda_device() -> int | None:
-    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-
-def _on_device(device: int | None, fn: Callable) -> Callable:
-    """``fn`` run with the caller's CUDA device: a new thread starts on device 0, and DCP's
-    device-to-host copies synchronise the *current* device's stream."""
-    if device is None:
-        return fn
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        torch.cuda.set_device(device)
-        return fn(*args, **kwargs)
-
-    return run

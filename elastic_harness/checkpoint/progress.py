@@ -114,3 +114,20 @@ def _stop(fut: Any, watch: WriteWatch, stall_s: float, clock: Callable[[], float
         if clock() > deadline:
             raise WriterStuck(f"a checkpoint write made no progress for {stall_s:.0f} s and could not be "
                               "stopped; its directory is left in place")
+
+
+def on_callers_device(fn: Callable) -> Callable:
+    """``fn``, to run in another thread with the calling thread's CUDA device: a new thread
+    starts on device 0, and DCP's device-to-host copies synchronise the current device's
+    stream. Unchanged when CUDA is not in use."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return fn
+    device = torch.cuda.current_device()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.set_device(device)
+        return fn(*args, **kwargs)
+
+    return run
