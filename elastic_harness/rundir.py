@@ -1,22 +1,77 @@
-"""The run directory: create it, prove it writable, record the resolved spec.
+"""The run directory: claim it, prove it writable, record the resolved spec.
 
-Nothing here deletes: ``--fresh`` moves earlier checkpoints and events aside.
+``prepare`` is what the host ``run``, each ``agent`` and ``ckpt import`` call first. It takes
+the run directory's lock, and the checkpoint directory's when that lives elsewhere (a local
+path outside the run directory, or ``s3://``), for one job submission (``Holder``: the
+rendezvous id); every process of that submission shares the locks, a different job is
+refused with one line naming the holder (see ``checkpoint.lock``). ``owner`` answers "who
+holds this run directory".
+
+Nothing here deletes: ``--fresh`` moves earlier checkpoints and events aside, under the
+lock, into ``NAME.old-STAMP`` next to them. Checkpoints in an object store cannot be moved
+cheaply: ``--fresh`` refuses when the prefix holds any, naming the fix.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from elastic_harness.errors import RunDirError
+from elastic_harness.checkpoint import layout, lock
+from elastic_harness.checkpoint.storage import LocalStorage, open_storage
+from elastic_harness.checkpoint.where import RESOLVED_SPEC, checkpoint_root, inside, is_url
+from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.spec import JobSpec, dump_job
 
-RESOLVED = "job.resolved.yaml"
+RESOLVED = RESOLVED_SPEC
+_RUN_FILES = ("events.jsonl", "summary.json", "samples")
 
 
-def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False) -> Path:
+class Claim:
+    """A prepared run directory and the locks this process holds on it; ``release()`` (or
+    leaving the ``with`` block) gives them back. ``took_over`` names stale holders replaced."""
+
+    def __init__(self, path: Path, checkpoint_root: str, leases: list[lock.Lease]) -> None:
+        self.path, self.checkpoint_root, self.leases = path, checkpoint_root, leases
+        self.took_over = [lease.took_over for lease in leases if lease.took_over]
+
+    def release(self) -> None:
+        for lease in reversed(self.leases):
+            lease.release()
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.Holder,
+            clock: Callable[[], float] = time.time) -> Claim:
+    """Create and lock ``run_dir`` (and an outside checkpoint dir), move old state aside if
+    ``fresh``, write the resolved spec. Raises ``RunDirError``/``CheckpointError``."""
     run_dir = Path(run_dir).resolve()
+    _writable(run_dir)
+    root = checkpoint_root(spec.checkpoint.dir, run_dir)
+    leases = [_lease(LocalStorage(run_dir), holder, f"run directory '{run_dir}'", RunDirError, "--run-dir")]
+    try:
+        if not inside(root, run_dir):
+            store = open_storage(root)
+            store.ensure()
+            leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
+        if fresh:
+            set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
+        write_resolved(run_dir, spec)
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    return Claim(run_dir, root, leases)
+
+
+def _writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-probe-{os.getpid()}"
@@ -27,13 +82,50 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False) -> Path:
             f"run directory '{run_dir}' is not writable: {e.strerror}",
             "pass --run-dir to a directory you can write, or fix its permissions",
         ) from None
-    if fresh:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for name in ("checkpoints", "events.jsonl", "summary.json", "samples"):
-            if (run_dir / name).exists():
-                os.replace(run_dir / name, run_dir / f"{name}.old-{stamp}")
-    write_resolved(run_dir, spec)
-    return run_dir
+
+
+def _lease(store, holder: lock.Holder, what: str, error: type, flag: str) -> lock.Lease:
+    try:
+        return lock.Lease.acquire(store, holder)
+    except lock.LockHeld as e:
+        raise error(f"{what} is in use by {e}",
+                    f"wait for that job to finish or stop it, or use another {flag}") from None
+    except OSError as e:
+        raise error(f"cannot lock {what}: {e.strerror or e!r}", "fix its permissions or storage") from None
+
+
+def owner(run_dir: Path) -> dict | None:
+    """The lock record of the job holding ``run_dir`` (None if free). See ``lock.describe``."""
+    return lock.read_record(LocalStorage(Path(run_dir)))
+
+
+def set_aside_old(run_dir: Path, root: str, stamp: str) -> None:
+    """``--fresh``: move the run's events and summary, and its checkpoints, aside (never delete)."""
+    if is_url(root):
+        store = open_storage(root)
+        held = [n for n in store.listing() if layout.parse_step(n) is not None or layout.parse_quarantined(n)]
+        if held:
+            raise CheckpointError(
+                f"--fresh cannot move the {len(held)} checkpoints in {root} aside (object storage has no rename)",
+                "point checkpoint.dir at a new prefix (--set checkpoint.dir=...), or delete them there first",
+            )
+    else:
+        _move_entries(Path(root), Path(f"{root}.old-{stamp}"), keep={lock.LOCK_FILE})
+    for name in _RUN_FILES:
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, run_dir / f"{name}.old-{stamp}")
+
+
+def _move_entries(root: Path, aside: Path, keep: set[str]) -> None:
+    """Move everything in ``root`` but ``keep`` into ``aside`` (the lock stays where it is)."""
+    if not root.is_dir():
+        return
+    entries = [e for e in os.listdir(root) if e not in keep]
+    if not entries:
+        return
+    aside.mkdir(parents=True, exist_ok=True)
+    for name in entries:
+        os.replace(root / name, aside / name)
 
 
 def write_resolved(run_dir: Path, spec: JobSpec) -> Path:

@@ -99,7 +99,9 @@ def test_diff_of_two_steps(ckpt, mlp_reference):
     assert out["max_abs"] > 0 and out["max_rel"] > 0
 
 
-def test_corrupt_checkpoints_are_reported_and_resume_falls_back(ckpt, mlp_reference, tmp_path):
+def test_corrupt_checkpoints_are_set_aside_and_saved_again(ckpt, mlp_reference, tmp_path):
+    """Issue 11 item 1: flip bytes in the newest shard, truncate the previous .metadata, run on:
+    both are set aside, the saves over their steps happen, and keep=3 good ones remain."""
     run_dir = tmp_path / "run"
     shutil.copytree(mlp_reference.run_dir, run_dir)
     ck = run_dir / "checkpoints"
@@ -113,9 +115,17 @@ def test_corrupt_checkpoints_are_reported_and_resume_falls_back(ckpt, mlp_refere
     assert v.code == 1
     assert f"step-0000060: CORRUPT: {shard.name} checksum mismatch" in v.out
     assert "step-0000050: CORRUPT: .metadata has" in v.out and "a resume would load step-0000040" in v.out
-    r = cli("run", str(MLP), "--set", "train.steps=62", run_dir=run_dir)
+    r = cli("run", str(MLP), "--set", "train.steps=70", run_dir=run_dir)
     assert r.code == 0, r.err
     assert r.kinds("resume")[-1]["step"] == 40
-    new = [w["message"] for w in r.kinds("warning") if w["t"] > mlp_reference.events[-1]["t"]]
-    assert any(m.startswith("skipping step-0000060") and "checksum mismatch" in m for m in new), new
-    assert any(m.startswith("skipping step-0000050: .metadata has") for m in new), new
+    quarantined = {q["name"]: q for q in r.kinds("quarantine")}
+    assert set(quarantined) == {"step-0000060", "step-0000050"}
+    assert "checksum mismatch" in quarantined["step-0000060"]["reason"]
+    assert quarantined["step-0000050"]["reason"].startswith(".metadata has")
+    assert [c["step"] for c in r.kinds("checkpoint")] == [50, 60, 70]  # saved over the bad steps
+    assert r.kinds("skipped") == []
+    after = ckpt("verify", str(run_dir))
+    assert after.code == 0, after.out
+    good = [line for line in after.out.splitlines() if "complete, verified (full)" in line]
+    assert [line.split(":")[0] for line in good] == ["step-0000050", "step-0000060", "step-0000070"]
+    assert after.out.count("set aside after failing") == 2  # kept for inspection, not counted

@@ -46,7 +46,7 @@ def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path
     assert all(f["asynchronous"] for f in failures)  # periodic saves are async by default
     assert [c["step"] for c in r.kinds("checkpoint")] == [10]
     assert max(e["step"] for e in r.kinds("step")) < 60  # stopped, did not train on unsaved
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000010"]  # failed saves cleaned up
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-0000010"]  # failed saves cleaned up
     verify = cli("ckpt", "verify", str(ckpts))
     assert verify.code == 0 and "step-0000010: complete, verified (full)" in verify.out
 
@@ -56,5 +56,5 @@ def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path
     assert again.code == 2, again.err
     assert again.kinds("resume")[-1]["step"] == 10
     assert "the required checkpoint at step 15 could not be written" in again.err
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000010"]
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-0000010"]
     assert Path(ckpts / "step-0000010" / "manifest.json").exists()

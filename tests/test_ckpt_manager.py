@@ -1,14 +1,19 @@
-"""CheckpointManager on two real gloo ranks: fallback, agreement, retention, async + DTensor.
+"""CheckpointManager on two real gloo ranks: fallback, quarantine, agreement, retention,
+async + DTensor, the generation fence, storage that fails or is not shared, progress.
 
 One ``torch.multiprocessing`` spawn runs every scenario (each in its own directory); the
-ranks write what they saw to JSON and the assertions run here.
+ranks write what they saw to JSON and the assertions run here. Storage faults come from
+thin wrappers around the real ``LocalStorage`` (a read that fails with EACCES, a listing
+that does not show another node's files), never from mocks of DCP or of the process group.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,16 +31,50 @@ class Events:
         return fields
 
 
-def _manager(rank: int, root: Path, group, **policy):
+def _manager(rank: int, root: Path, group, storage=None, manager_kw=None, **policy):
     from elastic_harness.checkpoint.manager import CheckpointManager
     from elastic_harness.checkpoint.storage import LocalStorage
     from elastic_harness.spec import CheckpointSpec
 
     events = Events()
-    storage = LocalStorage(root)
-    storage.ensure()
+    if storage is None:
+        storage = LocalStorage(root)
+        storage.ensure()
     return CheckpointManager(storage, CheckpointSpec(**policy), rank=rank, world_size=2, group=group,
-                             events=events, info={"task": "t"}), events
+                             events=events, info={"task": "t", "job": "j"}, **(manager_kw or {})), events
+
+
+class Wrapped:
+    """A real LocalStorage with some reads failing (like EACCES on a bad file) or some files
+    hidden from listings (like a directory that is not shared between nodes)."""
+
+    def __init__(self, root: Path, deny=lambda name, filename: False, hide=lambda filename: False) -> None:
+        from elastic_harness.checkpoint.storage import LocalStorage
+
+        self.inner = LocalStorage(root)
+        self.inner.ensure()
+        self.deny, self.hide = deny, hide
+        self.opened: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open_read(self, name, filename):
+        if self.deny(name, filename):
+            raise PermissionError(errno.EACCES, "Permission denied", filename)
+        self.opened[filename] = self.opened.get(filename, 0) + 1
+        return self.inner.open_read(name, filename)
+
+    def files(self, name):
+        return {f: n for f, n in self.inner.files(name).items() if not self.hide(f)}
+
+    def reader(self, name):
+        reader = self.inner.reader(name)
+        if self.deny(name, ".metadata"):
+            def refuse(*a, **k):
+                raise PermissionError(errno.EACCES, "Permission denied", ".metadata")
+            reader.read_metadata = refuse
+        return reader
 
 
 def _state(value: float, mesh=None) -> dict:
@@ -62,12 +101,12 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def _restore(rank, root, group, **policy) -> dict:
+def _restore(rank, root, group, storage=None, **policy) -> dict:
     import torch.distributed as dist
 
     from elastic_harness.errors import CheckpointError
 
-    mgr, events = _manager(rank, root, group, **policy)
+    mgr, events = _manager(rank, root, group, storage, **policy)
     st = _state(0.0)
     try:
         loaded = mgr.restore(st)
@@ -76,7 +115,13 @@ def _restore(rank, root, group, **policy) -> dict:
         out = {"error": str(e)}
     dist.barrier()
     mgr.close()
-    return {**out, "warnings": [e["message"] for e in events.seen if e["event"] == "warning"]}
+    return {**out, "warnings": [e["message"] for e in events.seen if e["event"] in ("warning", "quarantine")],
+            "quarantined": [(e["name"], e["kind"]) for e in events.seen if e["event"] == "quarantine"],
+            "dirs": _dirs(root)}
+
+
+def _dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
 def _save_steps(rank, root, group, steps, **policy) -> None:
@@ -121,6 +166,18 @@ def scenario_nothing_usable(rank, root, group) -> dict:
     return _restore(rank, root, group)
 
 
+def scenario_nothing_loads(rank, root, group) -> dict:
+    """verify=none and the only checkpoint fails to load: maybe the code's fault, not the
+    checkpoint's, so it stays where it is (set aside only once an older one loads)."""
+    import torch.distributed as dist
+
+    _save_steps(rank, root, group, [1], async_save=False)
+    if rank == 0:
+        _truncate(_biggest_shard(root / "step-0000001"))
+    dist.barrier()
+    return _restore(rank, root, group, verify="none")
+
+
 def scenario_async_retention(rank, root, group) -> dict:
     """Async saves with a DTensor; keep newest 2 plus every 3rd; a crashed save's leftovers go."""
     import torch.distributed as dist
@@ -141,13 +198,204 @@ def scenario_async_retention(rank, root, group) -> dict:
     step = loaded.restore(st).step
     loaded.close()
     dist.barrier()
-    return {"started": started, "again": again, "step": step, "dirs": sorted(p.name for p in root.iterdir()),
+    return {"started": started, "again": again, "step": step, "dirs": _dirs(root),
             "sharded": st["model"]["sharded"].to_local().unique().tolist(),
             "checkpoints": [(e["step"], e["asynchronous"]) for e in events.seen if e["event"] == "checkpoint"]}
 
 
+def scenario_quarantine_then_save_again(rank, root, group) -> dict:
+    """Issue 11 item 1: failed checkpoints are set aside, saves over their steps happen, a
+    save over a complete step is an event, and retention counts only good checkpoints."""
+    import torch.distributed as dist
+
+    from elastic_harness.checkpoint import integrity
+    from elastic_harness.checkpoint.storage import LocalStorage
+
+    _save_steps(rank, root, group, [1, 2, 3], keep=3, async_save=False)
+    if rank == 0:
+        _flip(_biggest_shard(root / "step-0000003"))
+        _truncate(root / "step-0000002" / ".metadata")
+    dist.barrier()
+    mgr, events = _manager(rank, root, group, keep=3, async_save=False)
+    loaded = mgr.restore(_state(0.0))
+    saved = [mgr.save(s, _state(float(s)), blocking=True) for s in (2, 3)]
+    again = mgr.save(3, _state(3.0), blocking=True)
+    saved.append(mgr.save(4, _state(4.0), blocking=True))
+    mgr.wait()
+    mgr.close()
+    dist.barrier()
+    good = [d for d in _dirs(root) if d.startswith("step-") and "." not in d
+            and integrity.verify(LocalStorage(root), d, "full").ok]
+    return {"loaded": loaded.step, "saved": saved, "again": again, "dirs": _dirs(root), "good": good,
+            "quarantined": [(e["name"], e["kind"], e["moved_to"]) for e in events.seen if e["event"] == "quarantine"],
+            "skipped": [(e["step"], e["reason"]) for e in events.seen if e["event"] == "skipped"]}
+
+
+def scenario_unreadable_shard(rank, root, group) -> dict:
+    """EACCES while verifying the newest checkpoint: fall back like corruption, on all ranks."""
+    import torch.distributed as dist
+
+    _save_steps(rank, root, group, [1, 2], async_save=False)
+    dist.barrier()
+    storage = Wrapped(root, deny=lambda name, f: name == "step-0000002" and f.endswith(".distcp"))
+    return _restore(rank, root, group, storage)
+
+
+def scenario_metadata_unreadable_on_one_rank(rank, root, group) -> dict:
+    """Rank 1 cannot read step 2's .metadata: every rank falls back together, none hangs."""
+    import torch.distributed as dist
+
+    _save_steps(rank, root, group, [1, 2], async_save=False)
+    dist.barrier()
+    deny = (lambda name, f: name == "step-0000002" and f == ".metadata") if rank == 1 else (lambda n, f: False)
+    return _restore(rank, root, group, Wrapped(root, deny=deny), verify="size")
+
+
+def scenario_not_shared(rank, root, group) -> dict:
+    """Each rank has its own directory (a checkpoint.dir not shared between nodes)."""
+    return _restore(rank, root / f"rank{rank}", group)
+
+
+def scenario_commit_needs_every_reported_file(rank, root, group) -> dict:
+    """Rank 0 cannot see rank 1's shard: the save is not committed (no manifest blesses it)."""
+    storage = Wrapped(root, hide=lambda f: f.startswith("__1_"))
+    mgr, events = _manager(rank, root, group, storage, async_save=False)
+    ok = mgr.save(1, _state(1.0), blocking=False)
+    mgr.close()
+    return {"ok": ok, "dirs": _dirs(root),
+            "failures": [e["message"] for e in events.seen if e["event"] == "failure"]}
+
+
+def scenario_fence(rank, root, group) -> dict:
+    """An old generation cannot commit once a newer one has started: not a save it begins
+    afterwards, nor one that was being written when the new generation started."""
+    from elastic_harness.checkpoint import fence
+
+    storage = Wrapped(root)
+    inner_writer = storage.inner.writer
+
+    def writer_then_new_generation(name):  # another generation starts while step 6 is written
+        if rank == 0 and name == "step-0000006":
+            fence.bump(storage.inner, "j")
+        return inner_writer(name)
+
+    storage.writer = writer_then_new_generation
+    old, old_events = _manager(rank, root, group, storage, async_save=True)
+    old.restore(_state(0.0))
+    started = old.save(6, _state(6.0), blocking=False)
+    old.wait()
+    new, _ = _manager(rank, root, group)
+    new.restore(_state(0.0))
+    refused = old.save(5, _state(5.0), blocking=True)
+    committed = new.save(7, _state(7.0), blocking=True)
+    new.wait()
+    old.close()
+    new.close()
+    return {"started": started, "refused": refused, "committed": committed, "dirs": _dirs(root),
+            "manifests": sorted(p.parent.name for p in root.glob("*/manifest.json")),
+            "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
+
+
+def scenario_split_verification_and_progress(rank, root, group) -> dict:
+    """Verification is shared by the ranks in small rounds; on_progress fires while bytes move."""
+    ticks = {"n": 0}
+    kw = {"on_progress": lambda: ticks.__setitem__("n", ticks["n"] + 1), "verify_round_bytes": 16 << 10}
+    storage = Wrapped(root)
+    counts = {}
+    for what in ("save", "restore"):  # a manager each: progress calls are throttled to 1/s
+        mgr, _ = _manager(rank, root, group, storage, manager_kw=kw, async_save=False)
+        ticks["n"] = 0
+        mgr.save(1, _state(1.0), blocking=True) if what == "save" else mgr.restore(_state(0.0))
+        counts[what] = ticks["n"]
+        mgr.close()
+    return {"ticks": counts, "opened": storage.opened}
+
+
+class _Blocking:
+    """A DCP filesystem whose first write blocks until ``release`` is set: a stuck disk."""
+
+    def __init__(self, inner, release: threading.Event, entered: threading.Event) -> None:
+        self.inner, self.release, self.entered = inner, release, entered
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def create_stream(self, path, mode):
+        import contextlib
+
+        @contextlib.contextmanager
+        def stream():
+            with self.inner.create_stream(path, mode) as s:
+                yield _BlockingStream(s, self) if "w" in mode else s
+
+        return stream()
+
+
+class _BlockingStream:
+    def __init__(self, stream, fs: _Blocking) -> None:
+        self.stream, self.fs = stream, fs
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, data):
+        if not self.fs.entered.is_set():
+            self.fs.entered.set()
+            assert self.fs.release.wait(60), "the test never released the write"
+        return self.stream.write(data)
+
+
+def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
+    """An async write stuck in the disk: the manager gives up on it (WriterStuck) but never
+    removes the directory while the write can still land there."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from elastic_harness.checkpoint.progress import WriterStuck
+    from elastic_harness.checkpoint.storage import LocalStorage
+    from elastic_harness.checkpoint.streams import watch_writer, write_watch
+
+    own = dist.new_group(backend="gloo")  # DCP's own collectives finish on it after the test
+    release, entered = threading.Event(), threading.Event()
+    storage = LocalStorage(root)
+    storage.ensure()
+    writers = []
+
+    def blocking_writer(name):
+        w = FileSystemWriter(storage.uri(name), sync_files=True, overwrite=False)
+        w.fs = _Blocking(w.fs, release, entered)
+        writers.append(watch_writer(w))
+        return writers[-1]
+
+    storage.writer = blocking_writer
+    mgr, events = _manager(rank, root, own, storage, manager_kw={"stall_s": 1.0}, async_save=True)
+    assert mgr.save(1, _state(1.0), blocking=False)
+    try:
+        mgr.wait()
+        raised = None
+    except WriterStuck as e:
+        raised = str(e)
+    present_while_stuck = (root / "step-0000001").is_dir()
+    release.set()
+    watch = write_watch(writers[0])
+    assert watch.stopped
+    deadline = threading.Event()
+    for _ in range(600):  # the released write lands, the next one raises WriteStopped
+        if watch.quiet:
+            break
+        deadline.wait(0.05)
+    dist.barrier()
+    return {"raised": raised, "present_while_stuck": present_while_stuck, "quiet": watch.quiet,
+            "present_after": (root / "step-0000001").is_dir(),
+            "manifest": (root / "step-0000001" / "manifest.json").exists(),
+            "events": [e["event"] for e in events.seen]}
+
+
 SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_nothing_usable,
-             scenario_async_retention]
+             scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
+             scenario_metadata_unreadable_on_one_rank, scenario_not_shared,
+             scenario_commit_needs_every_reported_file, scenario_fence,
+             scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed]
 
 
 def _ranks(rank: int, port: int, root: str) -> None:
@@ -177,20 +425,26 @@ def seen(tmp_path_factory) -> list[dict]:
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_corrupt_newer_checkpoints_fall_back_and_ranks_agree(seen):
+def test_corrupt_newer_checkpoints_fall_back_are_set_aside_and_ranks_agree(seen):
     a, b = (r["scenario_verify_fallback"] for r in seen)
     assert a["step"] == b["step"] == 1 and a["value"] == b["value"] == 1.0
     warnings = "\n".join(a["warnings"])
     assert "skipping step-0000004: __" in warnings and "checksum mismatch" in warnings
     assert "skipping step-0000003: .metadata has" in warnings
     assert "ignoring incomplete checkpoint step-0000002" in warnings
+    assert a["quarantined"] == [["step-0000004", "corrupt"], ["step-0000003", "corrupt"]]
+    assert b["quarantined"] == []  # rank 0 narrates
+    dirs = a["dirs"]
+    assert [d for d in dirs if ".bad-" not in d] == ["step-0000001", "step-0000002"]
+    assert sorted(d.split(".bad-")[0] for d in dirs if ".bad-" in d) == ["step-0000003", "step-0000004"]
 
 
 def test_unverified_corruption_is_caught_by_loading(seen):
     a, b = (r["scenario_load_failure_fallback"] for r in seen)
     assert a["step"] == b["step"] == 1 and a["value"] == b["value"] == 1.0
-    assert any(w.startswith("loading step-0000003 failed") for w in a["warnings"])
-    assert any(w.startswith("loading step-0000002 failed") for w in a["warnings"])
+    assert any(w.startswith("skipping step-0000003: loading failed") for w in a["warnings"])
+    assert any(w.startswith("skipping step-0000002: loading failed") for w in a["warnings"])
+    assert [k for _, k in a["quarantined"]] == ["unloadable", "unloadable"]
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_silent_fresh_start(seen):
@@ -199,9 +453,81 @@ def test_no_usable_checkpoint_is_an_error_not_a_silent_fresh_start(seen):
         assert "--fresh" in r["scenario_nothing_usable"]["error"]
 
 
+def test_a_checkpoint_is_set_aside_for_failing_to_load_only_if_an_older_one_loads(seen):
+    a, b = (r["scenario_nothing_loads"] for r in seen)
+    assert "none of the 1 checkpoints" in a["error"] and "none of the 1 checkpoints" in b["error"]
+    assert a["quarantined"] == [] and a["dirs"] == ["step-0000001"]
+    assert any("left in place" in w for w in a["warnings"])
+
+
 def test_async_saves_retention_and_dtensor_round_trip(seen):
     a, b = (r["scenario_async_retention"] for r in seen)
     assert a["started"] == [True] * 7 and a["again"] is False  # step 7 exists: nothing written
     assert a["checkpoints"] == [[s, True] for s in range(1, 8)]
     assert a["dirs"] == ["step-0000003", "step-0000006", "step-0000007"]  # leftover step-0 gone too
     assert a["step"] == b["step"] == 7 and a["sharded"] == b["sharded"] == [7.0]
+
+
+def test_saves_over_quarantined_steps_happen_and_retention_keeps_good_ones(seen):
+    a, b = (r["scenario_quarantine_then_save_again"] for r in seen)
+    assert a["loaded"] == b["loaded"] == 1
+    assert [q[:2] for q in a["quarantined"]] == [["step-0000003", "corrupt"], ["step-0000002", "corrupt"]]
+    assert all(q[2] and ".bad-" in q[2] for q in a["quarantined"])
+    assert a["saved"] == b["saved"] == [True, True, True]  # steps 2, 3 (over set-aside ones), 4
+    assert a["again"] is b["again"] is False
+    assert a["skipped"] == [[3, "a complete checkpoint step-0000003 already exists"]]
+    assert a["good"] == ["step-0000002", "step-0000003", "step-0000004"]  # keep=3 good ones
+    assert len([d for d in a["dirs"] if ".bad-" in d]) == 2  # set aside, not deleted, not counted
+
+
+def test_unreadable_shard_falls_back_like_corruption(seen):
+    a, b = (r["scenario_unreadable_shard"] for r in seen)
+    assert a["step"] == b["step"] == 1 and a["value"] == b["value"] == 1.0
+    assert a["quarantined"] == [["step-0000002", "unreadable"]]
+    assert any("unreadable" in w and "Permission denied" in w for w in a["warnings"])
+
+
+def test_a_rank_that_cannot_read_metadata_stays_in_step(seen):
+    a, b = (r["scenario_metadata_unreadable_on_one_rank"] for r in seen)
+    assert a["step"] == b["step"] == 1 and a["value"] == b["value"] == 1.0
+    assert a["quarantined"] == [["step-0000002", "unloadable"]]
+
+
+def test_ranks_that_do_not_share_the_directory_are_refused(seen):
+    for r in seen:
+        err = r["scenario_not_shared"]["error"]
+        assert "rank 1 on" in err and "cannot see the checkpoint directory" in err and "fix:" in err
+
+
+def test_commit_requires_every_file_the_ranks_reported(seen):
+    a, b = (r["scenario_commit_needs_every_reported_file"] for r in seen)
+    assert a["ok"] is b["ok"] is False
+    assert a["dirs"] == []  # the uncommitted directory was removed after every writer stopped
+    (msg,) = a["failures"]
+    assert "__1_0.distcp is missing" in msg and "shared by every node" in msg
+
+
+def test_a_superseded_generation_cannot_commit(seen):
+    a, b = (r["scenario_fence"] for r in seen)
+    assert a["started"] is b["started"] is True  # step 6 was being written ...
+    assert a["refused"] is b["refused"] is False
+    assert a["committed"] is b["committed"] is True
+    assert a["events"] == [["fenced", 6], ["fenced", 5]]  # ... and refused at commit: events, not failures
+    assert a["manifests"] == ["step-0000007"] and "step-0000005" not in a["dirs"]
+
+
+def test_verification_is_split_over_ranks_and_progress_is_reported(seen):
+    a, b = (r["scenario_split_verification_and_progress"] for r in seen)
+    for r in (a, b):
+        assert r["ticks"]["save"] >= 1 and r["ticks"]["restore"] >= 1
+        assert any(f.endswith(".distcp") for f in r["opened"])  # each rank checksummed a share
+        assert max(r["opened"].values()) > 1  # in several rounds (16 KB each)
+    assert not set(a["opened"]) & set(b["opened"])  # and not the same files
+
+
+def test_a_stuck_async_write_is_abandoned_but_its_directory_left_alone(seen):
+    for r in (x["scenario_stuck_async_write_is_not_removed"] for x in seen):
+        assert r["raised"] and "could not be stopped" in r["raised"]
+        assert r["present_while_stuck"] and r["present_after"] and not r["manifest"]
+        assert r["quiet"]  # once released, the writer stopped instead of writing on
+        assert "checkpoint" not in r["events"]

@@ -15,6 +15,7 @@ from elastic_harness.checkpoint.offline import load_model_tensors, locate
 from elastic_harness.checkpoint.remote import FsspecStorage
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import LocalStorage, open_storage
+from elastic_harness.checkpoint.streams import written_files
 from elastic_harness.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +59,7 @@ def test_checksums_taken_while_writing_match_the_files(tmp_path):
     storage = LocalStorage(tmp_path)
     writer = storage.writer("step-0000001")
     dcp.save(state(), storage_writer=writer, no_dist=True)
-    seen = integrity.written_files(writer)
+    seen = written_files(writer)
     shards = [f for f in storage.files("step-0000001") if f.endswith(".distcp")]
     assert shards and set(shards) <= set(seen)
     for f in shards:
@@ -157,3 +158,122 @@ def test_locate_accepts_run_dir_root_and_step_dir(saved, tmp_path):
         assert loc.storage.root == str(run_dir / "checkpoints") and loc.step == step
     with pytest.raises(CheckpointError):
         locate(str(tmp_path / "nope"))
+
+
+def test_commit_makes_metadata_and_directories_durable_before_the_manifest(tmp_path, monkeypatch):
+    """fsync order at commit: .metadata's contents, the step dir, the root, then the manifest
+    (written to a temp file, fsynced, renamed, and its directory fsynced)."""
+    import os
+
+    storage = LocalStorage(tmp_path / "ckpts")
+    storage.ensure()
+    writer = storage.writer("step-0000001")
+    with pytest.warns(UserWarning, match="single process"):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state(), storage_writer=writer, no_dist=True)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    integrity.write_manifest(storage, "step-0000001", INFO, written_files(writer))
+    step = str(tmp_path / "ckpts" / "step-0000001")
+    meta, manifest = f"{step}/.metadata", f"{step}/manifest.json"
+    assert synced[:3] == [meta, step, str(tmp_path / "ckpts")]
+    assert synced[3].startswith(f"{step}/.manifest.json.tmp") and synced[4] == step
+    assert (tmp_path / "ckpts" / "step-0000001" / "manifest.json").exists() and manifest not in synced[:3]
+
+
+def test_commit_is_refused_when_a_reported_file_is_missing_or_short(saved):
+    storage, manifest = saved
+    reported = {f: dict(e) for f, e in manifest["files"].items()}
+    reported["__1_0.distcp"] = {"size": 10, "crc32": "00000000"}  # a rank wrote it; we cannot see it
+    with pytest.raises(integrity.CommitRefused, match="__1_0.distcp is missing"):
+        integrity.write_manifest(storage, "step-0000007", INFO, reported)
+    assert integrity.commit_problems({"a": {"size": 3}}, {"a": 2}) == ["a has 2 bytes, its writer reported 3"]
+    assert integrity.commit_problems({"a": {"size": 3}}, {"a": 3, "b": 1}) == []
+
+
+def test_unreadable_files_are_a_verdict_not_an_exception(saved, monkeypatch):
+    import errno
+
+    storage, _ = saved
+
+    def denied(name, filename):
+        raise PermissionError(errno.EACCES, "Permission denied", filename)
+
+    monkeypatch.setattr(storage, "open_read", denied)
+    verdict = integrity.verify(storage, "step-0000007", "full")
+    assert not verdict.ok and verdict.kind == "unreadable" and "Permission denied" in verdict.reason
+    assert integrity.verify(storage, "step-0000007", "size").ok  # sizes need no reads
+
+
+def test_verification_shares_balance_bytes_and_rounds_bound_each_wait():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 10, ".metadata": 5}
+    parts = integrity.shares(sizes, 2)
+    assert parts == [["a", "d", ".metadata"], ["b", "c"]]  # 115 vs 110 bytes
+    assert integrity.rounds_needed(sizes, parts, 50) == 3
+    assert integrity.shares({"x": 1}, 3) == [["x"], [], []]
+
+
+def test_share_checks_in_rounds_agree_with_a_whole_check(saved):
+    storage, manifest = saved
+    files = sorted(manifest["files"])
+    check = integrity.ShareCheck(storage, "step-0000007", manifest, files)
+    rounds = 0
+    while check._todo:
+        assert check.advance(1000)
+        rounds += 1
+    assert check.verdict.ok and rounds > 3
+    shard = shard_of(storage, "step-0000007")
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    bad = integrity.ShareCheck(storage, "step-0000007", manifest, files)
+    while bad.advance(1000) and bad._todo:
+        pass
+    assert not bad.verdict.ok and shard.name in bad.verdict.reason and bad.verdict.kind == "corrupt"
+
+
+def test_a_stalled_write_is_stopped_before_anyone_touches_its_directory():
+    """A writer that stalls between writes is stopped (its next write raises) and the wait
+    returns only once no stream is open; progress is reported while bytes move."""
+    import concurrent.futures as cf
+    import io
+    import threading
+
+    from elastic_harness.checkpoint.progress import await_write
+    from elastic_harness.checkpoint.streams import WriteStopped, WriteWatch, _WatchedFS
+
+    class Inner:
+        def create_stream(self, path, mode):
+            import contextlib
+
+            return contextlib.nullcontext(io.BytesIO())
+
+    watch = WriteWatch()
+    fs = _WatchedFS(Inner(), watch)
+    resume = threading.Event()
+    outcome = {}
+
+    def writer():
+        with fs.create_stream("f", "wb") as s:
+            s.write(b"x" * 10)
+            resume.wait(30)  # stalls (a slow disk between two writes)
+            try:
+                s.write(b"y")
+            except WriteStopped as e:
+                outcome["stopped"] = e
+                raise
+
+    def come_back():  # the stall ends once the writer has been told to stop (a slow disk recovers)
+        while not watch.stopped:
+            resume.wait(0.01)
+        resume.set()
+
+    ticks = []
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(writer)
+        threading.Thread(target=come_back, daemon=True).start()
+        err = await_write(fut, watch, stall_s=0.5, tick=lambda: ticks.append(1))
+    assert isinstance(err, TimeoutError) and "stopped it" in str(err)
+    assert watch.quiet and "stopped" in outcome and ticks

@@ -135,13 +135,30 @@ def test_cycle_finder_sees_a_cycle_through_a_deferred_import():
 
 # Circles that another change removes (issue 12 item 5); each entry must still exist, so
 # the list cannot outlive its circle.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"elastic_harness.checkpoint.integrity", "elastic_harness.checkpoint.storage",
-               "elastic_harness.checkpoint.remote"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def test_no_import_cycles_inside_the_package():
     found = cycles(import_graph())
     assert found - KNOWN_CYCLES == set(), "import cycles (break them; see issue 12 item 5)"
     assert KNOWN_CYCLES - found == set(), "a known cycle is gone: remove it from KNOWN_CYCLES"
+
+
+@pytest.mark.parametrize("module", ["where", "layout"])
+def test_checkpoint_decisions_are_pure(module):
+    """One home for "where checkpoints live" and "which one to load": nothing of ours, no torch."""
+    found = imports_of(PKG / "checkpoint" / f"{module}.py")
+    assert not {m for m in found if m.startswith(("elastic_harness", "torch"))}
+
+
+def test_host_side_locks_do_not_import_torch():
+    """``rundir`` takes locks before any agent starts: it must not pay for importing torch."""
+    for module in ("lock", "fence", "where", "layout", "storage", "streams"):
+        assert not {m for m in imports_of(PKG / "checkpoint" / f"{module}.py") if m.split(".")[0] == "torch"
+                    and not _type_only(PKG / "checkpoint" / f"{module}.py", m)}, module
+
+
+def _type_only(path: Path, module: str) -> bool:
+    guarded = [node for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"]
+    return any(isinstance(n, ast.ImportFrom) and n.module == module for g in guarded for n in ast.walk(g))

@@ -100,3 +100,32 @@ def test_run_and_resume_with_checkpoints_in_s3(tmp_path, s3_env, monkeypatch, ca
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), f"secret leaked into {path}"
     assert SECRET not in first.out + first.err + again.out + again.err
+
+
+def test_lock_fence_and_quarantine_on_s3(s3_env, monkeypatch):
+    """The object-store variants: a lock object (last writer wins, then read back), the
+    generation record, and setting a checkpoint aside (copy, drop the manifest first, delete)."""
+    import torch
+
+    from elastic_harness.checkpoint import fence, layout, lock
+    from elastic_harness.checkpoint.export import save_single_process
+    from elastic_harness.checkpoint.storage import open_storage
+
+    for k, v in s3_env.items():
+        monkeypatch.setenv(k, v)
+    storage = open_storage(f"s3://{BUCKET}/lock-test")
+    first = lock.Lease.acquire(storage, lock.Holder.this_process("a", "a-1"), beat_s=3600)
+    with pytest.raises(lock.LockHeld, match="job 'a' .rendezvous id a-1"):
+        lock.Lease.acquire(storage, lock.Holder.this_process("b", "b-2"), beat_s=3600)
+    first.release()
+    assert lock.read_record(storage) is None
+    g = fence.bump(storage, "a")
+    assert fence.read(storage) == g and fence.bump(storage, "a").number == g.number + 1
+
+    save_single_process(storage, "step-0000001", {"model": {"w": torch.ones(4)}}, {"step": 1})
+    storage.set_aside("step-0000001", "step-0000001.bad-test")
+    listing = storage.listing()
+    assert "step-0000001" not in listing and layout.MANIFEST in listing["step-0000001.bad-test"]
+    assert layout.scan(listing) == [] and layout.parse_quarantined("step-0000001.bad-test") == 1
+    keys = client(s3_env).find(f"{BUCKET}/lock-test")
+    assert f"{BUCKET}/lock-test/{fence.GENERATION_FILE}" in keys and not any("/step-0000001/" in k for k in keys)

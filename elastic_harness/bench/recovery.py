@@ -327,18 +327,26 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
     import dataclasses
 
     from elastic_harness.chaos.vocabulary import parse_fault
+    from elastic_harness.checkpoint.lock import Holder
     from elastic_harness.cluster import free_port
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job
 
     spec = load_job(job, [f"nproc_per_node={nproc}"])
     spec = dataclasses.replace(spec, chaos=[parse_fault(c) for c in chaos])
-    run_dir = prepare(run_dir, spec)
     port = free_port()
+    rdzv_id = f"bench-{os.getpid()}-{port}"
+    claim = prepare(run_dir, spec, holder=Holder.this_process(spec.name, rdzv_id))
+    with claim:
+        return _torchrun_nodes(spec, claim.path, nodes, nproc, port, rdzv_id, timeout)
+
+
+def _torchrun_nodes(spec, run_dir: Path, nodes: int, nproc: int, port: int, rdzv_id: str,
+                    timeout: int) -> int | None:
     EventLog(run_dir / "events.jsonl").emit("start", who="host", launcher="torchrun", nodes=nodes)
     procs = []
     for i in range(nodes):
-        cmd = torchrun_command(spec, run_dir, nproc, port, rdzv_id=f"bench-{os.getpid()}-{port}")
+        cmd = torchrun_command(spec, run_dir, nproc, port, rdzv_id=rdzv_id)
         procs.append(_spawn(cmd, run_dir / f"torchrun-{i}.log", torchrun_environ(os.environ, run_dir, i)))
         if i == 0:
             _wait_for_port(port, procs[0], 60)  # node 0 hosts the store

@@ -1,9 +1,11 @@
 """The commit manifest: what a checkpoint holds, and proof that it is intact.
 
 DCP has no checksums (flipped bytes in a shard load silently). After DCP has written
-``.metadata``, rank 0 writes ``manifest.json`` listing every file with its size and
-checksum, plus what ``ckpt ls`` shows without reading shards (step, world size). The
-manifest is the commit marker: a step directory without it is not a checkpoint.
+``.metadata``, rank 0 writes ``manifest.json`` listing every file the ranks *reported*
+writing, with its size and checksum, plus what ``ckpt ls`` shows without reading shards
+(step, world size). The manifest is the commit marker: a step directory without it is not a
+checkpoint. A commit is refused when a reported file is missing on storage or has another
+size (a checkpoint directory that is not shared between nodes looks like that).
 
 The checksum is CRC32 (zlib): it catches the accidents this guards against (flipped bits,
 truncated or torn files, a shard from another save) and runs 2-3x faster than sha256 here.
@@ -11,12 +13,15 @@ It does not resist deliberate tampering, and need not: whoever can write a check
 already run code through its pickled ``.metadata`` (checkpoints are trusted input).
 Manifests that list ``sha256`` (written before) are still verified with sha256.
 
-Cost: each rank checksums its own shards while DCP writes them (``hashing``), in parallel,
-so the commit only checksums what it did not see going out (``.metadata``) and nothing
-large is read back, which matters for object stores. ``verify`` re-reads on load, several
-files at once (zlib and hashlib release the GIL). Modes trade safety for load time:
-``full`` re-checksums everything, ``size`` only compares sizes (catches truncation and
-missing files, not flipped bytes), ``none`` only requires the manifest to exist.
+Cost: each rank checksums its own shards while DCP writes them (``streams``), so the
+commit reads nothing large back, which matters for object stores. Verification modes trade
+safety for load time: ``full`` re-checksums everything, ``size`` only compares sizes
+(catches truncation and missing files, not flipped bytes), ``none`` only requires the
+manifest. ``verify`` checks in one process (``ckpt`` commands); the manager splits a full
+check over all ranks with ``shares`` and ``ShareCheck``, a bounded number of bytes per round.
+
+Unreadable files (EACCES, EIO) give a failed ``Verdict`` of kind ``unreadable``, never an
+exception: a resume falls back from them exactly as from corruption.
 """
 
 from __future__ import annotations
@@ -26,19 +31,18 @@ import hashlib
 import json
 import os
 import time
-import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from elastic_harness.checkpoint.layout import MANIFEST
+from elastic_harness.checkpoint.layout import MANIFEST, METADATA
+from elastic_harness.checkpoint.streams import CHECKSUM, Crc32
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from elastic_harness.checkpoint.storage import Storage
 
 MANIFEST_VERSION = 1
-CHECKSUM = "crc32"
 VERIFY_MODES = ("full", "size", "none")
 _CHUNK = 8 << 20
 _MAX_THREADS = 8
@@ -48,19 +52,11 @@ _MAX_THREADS = 8
 class Verdict:
     ok: bool
     reason: str = ""
+    kind: str = ""  # on failure: "corrupt", "unreadable" or "uncommitted"
 
 
-class Crc32:
-    """zlib's CRC32 with hashlib's ``update``/``hexdigest`` shape."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
+class CommitRefused(Exception):
+    """A reported file is missing or differs on storage: the checkpoint is not committed."""
 
 
 def _new(kind: str) -> Any:
@@ -69,7 +65,11 @@ def _new(kind: str) -> Any:
 
 def _covered(filename: str) -> bool:
     """Files the manifest lists: everything but itself and hidden temp files."""
-    return filename == ".metadata" or not (filename == MANIFEST or filename.startswith("."))
+    return filename == METADATA or not (filename == MANIFEST or filename.startswith("."))
+
+
+def _unreadable(filename: str, e: OSError) -> Verdict:
+    return Verdict(False, f"{filename} is unreadable ({e.strerror or e!r})", "unreadable")
 
 
 def checksum_of(storage: Storage, name: str, filename: str, kind: str = CHECKSUM) -> str:
@@ -90,104 +90,178 @@ def checksum_files(storage: Storage, name: str, todo: dict[str, str]) -> dict[st
         return dict(zip(files, pool.map(lambda f: checksum_of(storage, name, f, todo[f]), files), strict=True))
 
 
-def build_manifest(storage: Storage, name: str, info: dict, known: dict | None = None) -> dict:
-    """List every file of ``name``. ``known`` ``{file: {size, crc32}}`` was checksummed while
-    written; it is used where the size on storage agrees, the rest is read and checksummed."""
-    known = known or {}
-    sizes = {f: s for f, s in sorted(storage.files(name).items()) if _covered(f)}
-    todo = {f: CHECKSUM for f in sizes if known.get(f, {}).get("size") != sizes[f] or CHECKSUM not in known[f]}
-    digests = {**{f: known[f][CHECKSUM] for f in sizes if f not in todo}, **checksum_files(storage, name, todo)}
-    files = {f: {"size": sizes[f], CHECKSUM: digests[f]} for f in sizes}
+# ----- commit -------------------------------------------------------------------------------
+def commit_problems(reported: dict[str, dict], present: dict[str, int]) -> list[str]:
+    """Pure: why the reported files cannot be committed (empty list: they can)."""
+    problems = []
+    for f, want in sorted(reported.items()):
+        if f not in present:
+            problems.append(f"{f} is missing")
+        elif present[f] != want["size"]:
+            problems.append(f"{f} has {present[f]} bytes, its writer reported {want['size']}")
+    return problems
+
+
+def build_manifest(storage: Storage, name: str, info: dict, reported: dict | None = None) -> dict:
+    """The manifest of ``name``.
+
+    ``reported`` ``{file: {size, crc32}}``: what the ranks said they wrote (checksummed as it
+    went out); the manifest lists exactly those plus ``.metadata``, and ``CommitRefused`` is
+    raised if any is missing or has another size on storage. Without ``reported`` (one
+    process wrote it all), every file on storage is listed and checksummed.
+    """
+    present = {f: s for f, s in sorted(storage.files(name).items()) if _covered(f)}
+    if reported is None:
+        listed = dict(present)
+        known: dict = {}
+    else:
+        known = {f: r for f, r in reported.items() if _covered(f)}
+        problems = commit_problems(known, present)
+        if METADATA not in present:
+            problems.append(f"{METADATA} is missing")
+        if problems:
+            raise CommitRefused("; ".join(problems[:5]))
+        listed = {f: present[f] for f in {*known, METADATA}}
+    todo = {f: CHECKSUM for f in listed if CHECKSUM not in known.get(f, {})}
+    digests = {**{f: known[f][CHECKSUM] for f in listed if f not in todo}, **checksum_files(storage, name, todo)}
+    files = {f: {"size": listed[f], CHECKSUM: digests[f]} for f in sorted(listed)}
     return {"version": MANIFEST_VERSION, "created": time.time(), **info, "checksum": CHECKSUM, "files": files}
 
 
-def write_manifest(storage: Storage, name: str, info: dict, known: dict | None = None) -> dict:
-    manifest = build_manifest(storage, name, info, known)
+def write_manifest(storage: Storage, name: str, info: dict, reported: dict | None = None) -> dict:
+    """Commit ``name``: make ``.metadata`` and the directory entries durable, then write the
+    manifest (atomically). Raises ``CommitRefused`` (see ``build_manifest``) or ``OSError``."""
+    manifest = build_manifest(storage, name, info, reported)
+    storage.make_durable(name, [METADATA])
     storage.write_atomic(name, MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
 def read_manifest(storage: Storage, name: str) -> dict | None:
+    manifest, _ = load_manifest(storage, name)
+    return manifest
+
+
+def load_manifest(storage: Storage, name: str) -> tuple[dict | None, Verdict]:
+    """The manifest, or None with a failed verdict saying why (missing, unreadable, garbled)."""
     try:
         manifest = json.loads(storage.read_bytes(name, MANIFEST))
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
+    except FileNotFoundError:
+        return None, Verdict(False, "manifest missing or unreadable", "uncommitted")
+    except OSError as e:
+        return None, _unreadable(MANIFEST, e)
+    except ValueError:
+        return None, Verdict(False, "manifest missing or unreadable", "corrupt")
+    if not isinstance(manifest, dict):
+        return None, Verdict(False, "manifest missing or unreadable", "corrupt")
+    return manifest, Verdict(True)
 
 
-def verify(storage: Storage, name: str, mode: str = "full") -> Verdict:
-    """Check a step directory against its manifest. ``mode``: full, size or none."""
-    assert mode in VERIFY_MODES, mode
-    manifest = read_manifest(storage, name)
-    if manifest is None:
-        return Verdict(False, "manifest missing or unreadable")
-    if mode == "none":
-        return Verdict(True)
+def check_sizes(manifest: dict, actual: dict[str, int]) -> Verdict:
+    """Pure: every listed file present with its size (``actual`` is a listing)."""
     listed = manifest.get("files") or {}
-    if ".metadata" not in listed:
-        return Verdict(False, "manifest does not list .metadata")
-    actual = storage.files(name)
+    if METADATA not in listed:
+        return Verdict(False, "manifest does not list .metadata", "corrupt")
     for filename, want in sorted(listed.items()):
         if filename not in actual:
-            return Verdict(False, f"{filename} is missing")
+            return Verdict(False, f"{filename} is missing", "corrupt")
         if actual[filename] != want["size"]:
-            return Verdict(False, f"{filename} has {actual[filename]} bytes, expected {want['size']}")
-    if mode == "full":
-        kinds = {f: ("crc32" if "crc32" in w else "sha256") for f, w in listed.items()}
-        digests = checksum_files(storage, name, kinds)
-        for filename in sorted(listed):
-            if digests[filename] != listed[filename][kinds[filename]]:
-                return Verdict(False, f"{filename} checksum mismatch (corrupt)")
+            return Verdict(False, f"{filename} has {actual[filename]} bytes, expected {want['size']}", "corrupt")
     return Verdict(True)
 
 
-# ----- checksums while writing ------------------------------------------------------------
-class _SummingWriter:
-    """A write-only stream that checksums what goes through it (DCP only appends)."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream, self._sum, self.size = stream, Crc32(), 0
-
-    def write(self, data: Any) -> int:
-        n = self._stream.write(data)
-        view = memoryview(data).cast("B")
-        n = len(view) if n is None else n
-        self._sum.update(view[:n])
-        self.size += n
-        return n
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...
-        return getattr(self._stream, name)
+def _kinds(listed: dict) -> dict[str, str]:
+    return {f: ("crc32" if "crc32" in w else "sha256") for f, w in listed.items()}
 
 
-class _SummingFS:
-    """Wraps a DCP writer's filesystem: each file written gets its size and checksum recorded."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.record: dict[str, dict] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with self._inner.create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            wrapped = _SummingWriter(stream)
-            yield wrapped
-        filename = os.path.basename(os.fspath(path))
-        self.record[filename] = {"size": wrapped.size, CHECKSUM: wrapped._sum.hexdigest()}
-
-
-def hashing(writer: Any) -> Any:
-    """Make a DCP ``FileSystemWriter`` (or subclass) checksum files as it writes them."""
-    writer.fs = _SummingFS(writer.fs)
-    return writer
+def verify(storage: Storage, name: str, mode: str = "full") -> Verdict:
+    """Check a step directory against its manifest, in this process. Never raises OSError."""
+    assert mode in VERIFY_MODES, mode
+    manifest, verdict = load_manifest(storage, name)
+    if manifest is None or mode == "none":
+        return verdict
+    try:
+        verdict = check_sizes(manifest, storage.files(name))
+        if not verdict.ok or mode == "size":
+            return verdict
+        listed = manifest["files"]
+        kinds = _kinds(listed)
+        digests = checksum_files(storage, name, kinds)
+    except OSError as e:
+        return _unreadable(getattr(e, "filename", None) or name, e)
+    for filename in sorted(listed):
+        if digests[filename] != listed[filename][kinds[filename]]:
+            return Verdict(False, f"{filename} checksum mismatch (corrupt)", "corrupt")
+    return Verdict(True)
 
 
-def written_files(writer: Any) -> dict[str, dict]:
-    """``{filename: {size, crc32}}`` for the files this process wrote through ``writer``."""
-    return dict(getattr(writer.fs, "record", {}))
+# ----- verification split over ranks -----------------------------------------------------
+def shares(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """Pure: the files each rank checksums, balanced by bytes (largest first, to the lightest)."""
+    load = [0] * world_size
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        out[r].append(f)
+        load[r] += sizes[f]
+    return out
+
+
+def rounds_needed(sizes: dict[str, int], parts: list[list[str]], round_bytes: int) -> int:
+    """Pure: rounds of at most ``round_bytes`` per rank until the biggest share is done."""
+    biggest = max((sum(sizes[f] for f in part) for part in parts), default=0)
+    return max(1, -(-biggest // round_bytes))
+
+
+class ShareCheck:
+    """Checksum one rank's share of a manifest's files, ``advance(n)`` bytes at a time.
+
+    Call order: ``advance`` once per round (all ranks run the same number of rounds), then
+    read ``verdict``. Reading stops at the first mismatch or unreadable file; ``on_bytes``
+    is called with the number of bytes read after every chunk.
+    """
+
+    def __init__(self, storage: Storage, name: str, manifest: dict, files: list[str],
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        self._storage, self._name, self._on_bytes = storage, name, on_bytes
+        self._listed = manifest.get("files") or {}
+        self._kinds = _kinds({f: self._listed[f] for f in files})
+        self._todo = list(files)
+        self._sum: Any = None
+        self._offset = 0
+        self.verdict = Verdict(True)
+
+    def advance(self, budget: int) -> bool:
+        """Read up to ``budget`` bytes; False once a failure is found."""
+        while self.verdict.ok and self._todo and budget > 0:
+            filename = self._todo[0]
+            try:
+                budget -= self._read(filename, budget)
+            except OSError as e:
+                self.verdict = _unreadable(filename, e)
+        return self.verdict.ok
+
+    def _read(self, filename: str, budget: int) -> int:
+        """Go on reading ``filename`` where the last round stopped; finish it at its end."""
+        if self._sum is None:
+            self._sum, self._offset = _new(self._kinds[filename]), 0
+        used = 0
+        with self._storage.open_read(self._name, filename) as f:
+            f.seek(self._offset)
+            while used < budget:
+                chunk = f.read(min(_CHUNK, budget - used))
+                if not chunk:
+                    self._finish(filename)
+                    break
+                self._sum.update(chunk)
+                used += len(chunk)
+                self._offset += len(chunk)
+                if self._on_bytes is not None:
+                    self._on_bytes(len(chunk))
+        return used
+
+    def _finish(self, filename: str) -> None:
+        if self._sum.hexdigest() != self._listed[filename][self._kinds[filename]]:
+            self.verdict = Verdict(False, f"{filename} checksum mismatch (corrupt)", "corrupt")
+        self._todo.pop(0)
+        self._sum = None

@@ -2,30 +2,40 @@
 
 Every rank calls every public method, in the same order (they run collectives on the
 checkpoint process group passed in). Rank 0 alone decides (which checkpoint to load, whether
-a step directory may be written), writes the manifest and purges; the others follow its
-broadcast decision. The manager is given rank, world size, group and storage: it never asks
-``torch.distributed`` who it is.
+a step directory may be written), writes the manifest, sets failed checkpoints aside and
+purges; the others follow its broadcast decision. The manager is given rank, world size,
+group and storage: it never asks ``torch.distributed`` who it is.
+
+Call order: ``restore`` once per worker generation, first (it starts the generation in the
+checkpoint directory, see ``fence``, and checks that every rank sees that directory); then
+``save`` any number of times; ``wait`` before reading results; ``close`` at the end (safe
+twice).
 
 Who writes what: DCP splits the state so that each rank writes its own shards (replicated
 DDP tensors are written once, spread over ranks), each rank checksumming its files as they
-are written; rank 0 writes ``.metadata``, gathers the checksums and writes
-``manifest.json``, the commit marker; every rank learns whether the commit landed (one
-all-reduce), so all ranks count failures alike.
-The manifest's checksums replace the zip CRC32 that ``torch.save`` computes per record, so
-that one is switched off in processes that create a manager (it cost a third of the write).
+are written; rank 0 writes ``.metadata``, gathers every rank's report of what it wrote, and
+commits (``manifest.json``) only if every reported file is on storage with its size, after
+making ``.metadata`` and the directory entries durable. The manifest's checksums replace
+the zip CRC32 that ``torch.save`` computes per record, so that one is switched off in
+processes that create a manager (it cost a third of the write).
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
-copied into host-memory staging buffers (pinned when CUDA is present; allocated once and
-reused, see ``staging``), then DCP writes from that copy in a background thread and the commit follows in a
-second one. At most one save is in flight: the next ``save``, ``wait`` and ``close`` wait
-for it first. The group must be a dedicated gloo group: the background collectives would
-otherwise interleave with training's and can deadlock.
+copied into host-memory staging buffers (see ``staging``), then DCP writes from that copy in
+a background thread and the commit follows in a second one. At most one save is in flight.
+The group must be a dedicated gloo group: the background collectives would otherwise
+interleave with training's and can deadlock.
+
+Time: no fixed budgets. ``on_progress()`` is called (at most once a second, on the calling
+thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
+verification and loading. A write whose rank moves no byte for ``stall_s`` is stopped
+before its directory is touched (``progress.await_write``).
 
 Failure policy: a failed periodic save (sync or async) is a ``failure`` event, its step
 directory is removed, earlier checkpoints are untouched, and training goes on; the
 ``MAX_CONSECUTIVE_SAVE_FAILURES``-th failure in a row raises ``CheckpointError``. A failed
 *blocking* save (the final save, the save on preemption) raises at once: the job cannot
-claim its result was kept.
+claim its result was kept. A save of a step that already has a complete checkpoint is a
+``skipped`` event; a save by a superseded generation is a ``fenced`` event (neither writes).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +52,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_harness.checkpoint import integrity, layout
+from elastic_harness.checkpoint import collective, fence, integrity, layout, quarantine
 from elastic_harness.checkpoint.compat import check_compatible
-from elastic_harness.checkpoint.integrity import written_files
+from elastic_harness.checkpoint.progress import Progress, Ticker, await_write, on_callers_device
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
+from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
 from elastic_harness.errors import CheckpointError
 from elastic_harness.spec import CheckpointSpec
 
 # DCP's CheckpointException derives from BaseException: name it explicitly.
 SAVE_ERRORS = (Exception, CheckpointException)
 MAX_CONSECUTIVE_SAVE_FAILURES = 3
-ASYNC_WAIT_S = 600.0
-CLOSE_WAIT_S = 120.0
+STALL_S = 300.0
+_FIX_STORAGE = "free space or fix permissions on the checkpoint directory, then re-run to resume"
 
 
 @dataclass(frozen=True)
@@ -84,136 +96,183 @@ class CheckpointManager:
         group: Any,
         events: Any,
         info: dict,
+        on_progress: Callable[[], None] | None = None,
+        stall_s: float = STALL_S,
+        verify_round_bytes: int = collective.ROUND_BYTES,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.storage, self.policy = storage, policy
         self.rank, self.world_size, self.group = rank, world_size, group
         self.events, self.info = events, info
+        self.stall_s, self.verify_round_bytes, self._clock = stall_s, verify_round_bytes, clock
+        self._ticker = Ticker(on_progress)
         self._pending: cf.Future | None = None
+        self._pending_watch: tuple[Any, str] = (None, "")
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self._stager: Any = None
         self._busy: set[int] = set()  # steps being loaded or written: never purged
+        self._generation: fence.Generation | None = None
         self._failures = 0
         self._closed = False
         torch.serialization.set_crc32_options(False)
-
-    # ----- decisions (rank 0), shared by broadcast -----------------------------------
-    def _broadcast(self, value: Any) -> Any:
-        box = [value]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
-
-    def _pick_verified(self, skip: set[str]) -> tuple[layout.StepDir | None, int]:
-        """Rank 0: newest complete checkpoint that verifies, and how many complete ones exist.
-
-        Warns about each newer one passed over (incomplete, failed verification).
-        """
-        dirs = layout.scan(self.storage.listing(), require_manifest=True)
-        candidates = layout.load_candidates(dirs)
-        choice = None
-        for cand in candidates:
-            if cand.name in skip:
-                continue
-            verdict = integrity.verify(self.storage, cand.name, self.policy.verify)
-            if verdict.ok:
-                choice = cand
-                break
-            self.events.emit("warning", message=f"skipping {cand.name}: {verdict.reason}")
-        floor = choice.step if choice is not None else -1
-        for d in dirs:
-            if not d.complete and d.step > floor:
-                self.events.emit("warning", message=f"ignoring incomplete checkpoint {d.name} (interrupted save: .metadata or manifest missing)")
-        return choice, len(candidates)
 
     # ----- load ------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> Loaded | None:
         """Load the newest complete, verified, loadable checkpoint into ``state``.
 
-        Falls back to older ones when one fails to verify or load; ``None`` when there is
-        no complete checkpoint at all. Raises ``CheckpointError`` for a checkpoint of another
-        model or job, and when complete checkpoints exist but none is usable (starting over
-        silently would throw their work away; ``--fresh`` does that on purpose).
+        Checkpoints that fail verification or loading are set aside (``quarantine`` event)
+        and the next older one is tried; ``None`` when there is no complete checkpoint at
+        all. Raises ``CheckpointError`` (on every rank) for a checkpoint of another model or
+        job, when the ranks do not share the checkpoint directory, and when complete
+        checkpoints existed but none is usable (``--fresh`` starts over on purpose).
         """
-        failed: set[str] = set()
+        self._generation = collective.join_generation(
+            self.storage, str(self.info.get("job", "")), rank=self.rank, world_size=self.world_size, group=self.group)
+        unusable: set[str] = set()
+        unloadable: list[tuple[str, str]] = []  # set aside only once an older one loads
+        seen_complete = None
         while True:
-            choice, complete = self._pick_verified(failed) if self.rank == 0 else (None, 0)
-            choice, complete = self._broadcast((choice, complete))
-            if choice is None:
-                if complete:
+            choice = layout.choose(self._shared_listing(), self._verify, exclude=unusable)
+            seen_complete = choice.complete if seen_complete is None else seen_complete
+            self._report_skipped(choice)
+            unusable |= {s.name for s in choice.failed}
+            if choice.chosen is None:
+                self._report_unloadable(unloadable, set_aside=False)
+                if seen_complete:
                     raise CheckpointError(
-                        f"none of the {complete} checkpoints in {self.storage.root} is usable "
-                        "(see the warning events)",
+                        f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
+                        "(see the quarantine and warning events)",
                         "restore a good copy, or re-run with --fresh to start over",
                     )
                 return None
-            self._busy.add(choice.step)
-            try:
-                loaded = self._load(choice, state)
-            finally:
-                self._busy.discard(choice.step)
+            loaded, why = self._load(choice.chosen, state)
             if loaded is not None:
+                self._report_unloadable(unloadable, set_aside=True)
                 return loaded
-            failed.add(choice.name)
+            unusable.add(choice.chosen.name)
+            unloadable.append((choice.chosen.name, why))
 
-    def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> Loaded | None:
-        """Every rank: load ``choice`` into ``state``; ``None`` on every rank if any failed.
+    def _report_unloadable(self, unloadable: list[tuple[str, str]], set_aside: bool) -> None:
+        """Rank 0: checkpoints that verified but failed to load. They are set aside only when an
+        older one loaded (the fault is theirs); if none loads, the fault may be this job's code
+        or environment, and they stay where they are."""
+        for name, why in unloadable if self.rank == 0 else ():
+            if set_aside:
+                self._quarantine(name, f"loading failed: {why}", "unloadable")
+            else:
+                self.events.emit("warning", message=f"skipping {name}: loading failed: {why} (left in place: "
+                                 "no checkpoint loaded, the fault may not be the checkpoint's)")
 
+    def _shared_listing(self) -> dict[str, list[str]]:
+        """Rank 0 lists the root; every rank gets the same listing (or the same error)."""
+        listing: Any = None
+        if self.rank == 0:
+            try:
+                listing = self.storage.listing()
+            except OSError as e:
+                listing = f"cannot list {self.storage.root}: {e.strerror or e!r}"
+        listing = collective.broadcast(listing, self.group)
+        if isinstance(listing, str):
+            raise CheckpointError(listing, _FIX_STORAGE)
+        return listing
+
+    def _verify(self, name: str) -> integrity.Verdict:
+        return collective.agreed_verdict(
+            self.storage, name, self.policy.verify, rank=self.rank, world_size=self.world_size,
+            group=self.group, round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick)
+
+    def _report_skipped(self, choice: layout.Choice) -> None:
+        """Rank 0: set failed checkpoints aside; warn about newer incomplete ones."""
+        if self.rank != 0:
+            return
+        for s in choice.failed:
+            self._quarantine(s.name, s.reason, s.kind)
+        for s in choice.incomplete:
+            self.events.emit("warning", message=f"ignoring incomplete checkpoint {s.name} ({s.reason})")
+
+    def _quarantine(self, name: str, reason: str, kind: str) -> None:
+        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it."""
+        quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
+                             blocked=self._superseded())
+
+    def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> tuple[Loaded | None, str]:
+        """Every rank: load ``choice`` into ``state``; ``(None, why)`` on every rank if any failed.
+
+        Compatibility is agreed first (a rank that cannot read ``.metadata`` says so instead
+        of leaving), then DCP loads (its own collectives share errors between ranks).
         DCP reads into the tensors of ``state`` on whatever device they live (shards are
         deserialised on CPU first), so a checkpoint saved on GPUs loads on CPUs and back.
         """
-        manifest = integrity.read_manifest(self.storage, choice.name) or {}
         t0 = time.perf_counter()
-        error: BaseException | None = None
+        self._busy.add(choice.step)
         try:
-            check_compatible(self.storage.reader(choice.name), state, manifest, self.info)
-            dcp.load(state, storage_reader=self.storage.reader(choice.name), process_group=self.group)
-        except CheckpointError:
-            raise
-        except SAVE_ERRORS as e:  # unreadable metadata, a shard that fails to deserialise
-            error = e
-        if _all_ok(int(error is None), self.group):
-            return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0)
-        if self.rank == 0:
-            why = f"{error!r:.300}" if error is not None else "another rank failed to read it"
-            self.events.emit("warning", message=f"loading {choice.name} failed: {why}")
-        return None
+            manifest = integrity.read_manifest(self.storage, choice.name) or {}
+            mismatch, error = self._compatible(choice.name, state, manifest)
+            agreed = collective.all_min(0 if mismatch else 1 if error else 2, self.group)
+            if agreed == 0:
+                raise mismatch or CheckpointError(
+                    f"{self.storage.uri(choice.name)} does not match this job on another rank",
+                    "see that rank's failure event; use a new --run-dir or --fresh for another model")
+            if agreed == 2:
+                try:
+                    reader = watch_reader(self.storage.reader(choice.name), Counter(self._ticker.tick))
+                    dcp.load(state, storage_reader=reader, process_group=self.group)
+                except SAVE_ERRORS as e:  # a shard that fails to deserialise, unreadable files
+                    error = e
+            ok = collective.all_min(int(error is None and agreed == 2), self.group) == 1
+        finally:
+            self._busy.discard(choice.step)
+        if ok:
+            return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0), ""
+        return None, f"{error!r:.300}" if error is not None else "another rank failed to read it"
+
+    def _compatible(self, name: str, state: dict, manifest: dict) -> tuple[CheckpointError | None, BaseException | None]:
+        """(why ``name`` belongs to another model or job, why it could not be read)."""
+        try:
+            check_compatible(self.storage.reader(name), state, manifest, self.info)
+        except CheckpointError as e:
+            return e, None
+        except SAVE_ERRORS as e:  # unreadable or garbled .metadata
+            return None, e
+        return None, None
 
     # ----- save ------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, blocking: bool) -> bool:
         """Save ``state`` as step ``step``; async unless ``blocking`` or the policy says sync.
 
-        Returns False if nothing was committed: the step already has a complete checkpoint,
-        or a tolerated periodic save failed. Async: True once the write started.
+        Returns False if nothing was committed: the step already has a complete checkpoint
+        (``skipped`` event), this generation was superseded (``fenced`` event), or a
+        tolerated periodic save failed. Async: True once the write started.
         """
         self.wait()  # at most one save in flight
         name = layout.step_dirname(step)
-        go = self._broadcast(self._prepare_dir(name) if self.rank == 0 else None)
-        if go is not True:
-            if go:  # rank 0 could not even look at the storage: a failed save like any other
-                self._on_failure(step, name, CheckpointError(go), asynchronous=False)
+        action, detail = collective.broadcast(self._prepare_dir(name) if self.rank == 0 else None, self.group)
+        if action != "go":
+            if action == "error":  # rank 0 could not even look at the storage
+                self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
                 self.raise_if_failing()
+            elif self.rank == 0:
+                self.events.emit(action, step=step, name=name, reason=detail,
+                                 message=f"checkpoint at step {step} not written: {detail}")
             return False
         t0 = time.perf_counter()
         self._busy.add(step)
         writer = self.storage.writer(name)
         if self.policy.async_save and not blocking:
-            fut = dcp.async_save(
-                state, storage_writer=writer, process_group=self.group,
-                async_stager=self._staging(),
-            )
-            self._pending = self._pool.submit(self._finish_async, fut, writer, step, name, t0, time.perf_counter() - t0)
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                 async_stager=self._staging())
+            blocked = time.perf_counter() - t0
+            self._pending_watch = (write_watch(writer), name)
+            self._pending = self._pool.submit(self._finish, fut, writer, step, name, t0, blocked, True)
             return True
-        error: BaseException | None = None
-        try:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
-        except SAVE_ERRORS as e:
-            error = e
-        ok = self._settle(writer, step, name, error, t0, time.perf_counter() - t0, asynchronous=False)
+        # Written in a thread so this one can watch progress (and report it) meanwhile.
+        fut = self._io.submit(on_callers_device(dcp.save), state, storage_writer=writer, process_group=self.group)
+        ok = self._finish(fut, writer, step, name, t0, None, False)
         if not ok and blocking:
             raise CheckpointError(
                 f"the required checkpoint at step {step} could not be written (see the failure "
-                f"event); earlier checkpoints in {self.storage.root} are intact",
-                "free space or fix permissions on the checkpoint directory, then re-run to resume",
-            )
+                f"event); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
@@ -223,55 +282,61 @@ class CheckpointManager:
             self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
         return self._stager
 
-    def _prepare_dir(self, name: str) -> bool | str:
+    def _superseded(self) -> str:
+        """Rank 0: why this generation may no longer change the directory ("" if it may)."""
+        try:
+            return fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
+        except OSError as e:
+            return f"the generation record cannot be read: {e.strerror or e!r}"
+
+    def _prepare_dir(self, name: str) -> tuple[str, str]:
         """Rank 0: may ``name`` be written? Removes a stale incomplete dir of that name.
 
-        True: go; False: a complete checkpoint of that step exists; a string: why the
-        storage could not be prepared.
+        ("go", ""), ("skipped", why), ("fenced", why) or ("error", why).
         """
+        fenced = self._superseded()
+        if fenced:
+            return "fenced", fenced
         try:
             listing = self.storage.listing()
             if name in listing:
                 d = layout.scan({name: listing[name]}, require_manifest=True)[0]
                 if d.complete:
-                    return False
+                    return "skipped", f"a complete checkpoint {name} already exists"
                 self.events.emit("warning", message=f"removing stale incomplete {name}")
                 self.storage.remove(name)
         except OSError as e:
-            return f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
-        return True
+            return "error", f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
+        return "go", ""
 
-    def _finish_async(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float) -> bool:
-        """Background thread, every rank: wait for DCP's write, then commit."""
-        error: BaseException | None = None
-        try:
-            fut.result(timeout=ASYNC_WAIT_S)
-        except SAVE_ERRORS as e:  # includes TimeoutError
-            error = e
-        return self._settle(writer, step, name, error, t0, blocking_s, asynchronous=True)
+    def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
+                asynchronous: bool) -> bool:
+        """Every rank (async: in the commit thread): wait for DCP's write, then settle.
 
-    def _settle(
-        self, writer: Any, step: int, name: str, error: BaseException | None, t0: float,
-        blocking_s: float, asynchronous: bool,
-    ) -> bool:
-        """Every rank: rank 0 commits if its write succeeded; all ranks agree on the outcome.
-
-        DCP returns on rank 0 only after every rank's shards and ``.metadata`` are written,
-        so rank 0 may commit on its own result; the all-reduce tells the others.
+        Progress is reported on the calling thread only when it is the caller's (blocking).
         """
-        hashes: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        dist.gather_object(written_files(writer), hashes if self.rank == 0 else None, group=self.group, group_dst=0)
-        if error is None and self.rank == 0:
-            known = {f: h for part in hashes for f, h in (part or {}).items()}
-            try:
-                info = {**self.info, "step": step, "world_size": self.world_size}
-                integrity.write_manifest(self.storage, name, info, known)
-            except Exception as e:
-                error = e
-        ok = _all_ok(int(error is None), self.group)
+        tick = self._ticker.tick if not asynchronous else (lambda: None)
+        error = await_write(fut, write_watch(writer), stall_s=self.stall_s, tick=tick,
+                            dir_bytes=lambda: sum(self.storage.files(name).values()))
+        blocking_s = time.perf_counter() - t0 if blocking_s is None else blocking_s
+        return self._settle(writer, step, name, error, t0, blocking_s, asynchronous)
+
+    def _settle(self, writer: Any, step: int, name: str, error: BaseException | None, t0: float,
+                blocking_s: float, asynchronous: bool) -> bool:
+        """Every rank: rank 0 commits what every rank reported, if all wrote; all learn the outcome."""
+        reports: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        mine = (written_files(writer), None if error is None else f"{error!r:.400}")
+        dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
+        outcome = self._commit(step, name, reports) if self.rank == 0 else None
+        status, why = collective.broadcast(outcome, self.group)
         self._busy.discard(step)
-        if not ok:
-            self._on_failure(step, name, error, asynchronous)
+        if status == "fenced":
+            if self.rank == 0:
+                self.events.emit("fenced", step=step, name=name, reason=why,
+                                 message=f"checkpoint at step {step} not committed: {why}")
+            return False
+        if status != "ok":
+            self._on_failure(step, name, error or CheckpointError(why), asynchronous)
             return False
         self._failures = 0
         if self.rank == 0:
@@ -282,12 +347,37 @@ class CheckpointManager:
             if asynchronous:  # already in the background thread
                 self._purge(step)
             else:  # deleting files is slow on some filesystems: keep it off the training path
+                self._pending_watch = (None, "")
                 self._pending = self._pool.submit(self._purge, step)
         return True
+
+    def _commit(self, step: int, name: str, reports: list[Any]) -> tuple[str, str]:
+        """Rank 0: write the manifest if every rank wrote and this generation is current.
+
+        ("ok", ""), ("fenced", why) or ("failed", why).
+        """
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
+        if errors:
+            return "failed", "; ".join(errors)
+        fenced = self._superseded()
+        if fenced:
+            return "fenced", fenced
+        reported = {f: h for files, _ in reports for f, h in files.items()}
+        try:
+            info = {**self.info, "step": step, "world_size": self.world_size}
+            integrity.write_manifest(self.storage, name, info, reported)
+        except integrity.CommitRefused as e:
+            return "failed", (f"files the ranks wrote are not all on {self.storage.uri(name)} ({e}); "
+                              "is checkpoint.dir shared by every node?")
+        except Exception as e:  # storage errors: a failed save like any other
+            return "failed", f"{e!r:.400}"
+        return "ok", ""
 
     def _purge(self, committed: int) -> None:
         """Rank 0, right after ``committed``: retention, then leftovers of crashed saves."""
         try:
+            if self._superseded():
+                return  # a newer generation owns retention now
             dirs = layout.scan(self.storage.listing(), require_manifest=True)
             protect = self._busy | {committed}
             doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect)
@@ -308,28 +398,47 @@ class CheckpointManager:
             f"limit {MAX_CONSECUTIVE_SAVE_FAILURES}): {why}",
         )
         with contextlib.suppress(OSError):
-            self.storage.remove(name)  # incomplete by definition: no manifest was written
+            self.storage.remove(name)  # incomplete by definition, and every writer has stopped
 
     def raise_if_failing(self) -> None:
         if self._failures >= MAX_CONSECUTIVE_SAVE_FAILURES:
             raise CheckpointError(
                 f"{self._failures} checkpoint saves in a row failed (see events.jsonl); "
                 f"stopping so no more work goes unsaved; checkpoints in {self.storage.root} are intact",
-                "free space or fix permissions on the checkpoint directory, then re-run to resume",
+                _FIX_STORAGE,
             )
 
-    def wait(self, timeout: float = ASYNC_WAIT_S) -> None:
-        """Wait for the in-flight save (and its commit), if any; raise past the failure limit."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the in-flight save (and its commit), if any; raise past the failure limit.
+
+        Without ``timeout`` it waits as long as it takes: the commit thread itself stops a
+        stalled write. ``on_progress`` is called meanwhile, while bytes move.
+        """
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result(timeout=timeout)
+            self._await(pending, timeout)
         self.raise_if_failing()
 
+    def _await(self, pending: cf.Future, idle_limit: float | None) -> Any:
+        """Wait for ``pending``; give up (TimeoutError) after ``idle_limit`` s without progress."""
+        watch, name = self._pending_watch
+        dir_bytes = (lambda: sum(self.storage.files(name).values())) if name else None
+        progress = Progress(watch, dir_bytes, time.monotonic)
+        idle_since = time.monotonic()
+        while not cf.wait([pending], timeout=0.05)[0]:
+            if progress.moved():
+                idle_since = time.monotonic()
+                self._ticker.tick()
+            elif idle_limit is not None and time.monotonic() - idle_since > idle_limit:
+                raise TimeoutError(f"checkpoint save made no progress for {idle_limit:.0f} s")
+        return pending.result()
+
     def close(self) -> None:
-        """Finish the in-flight save (bounded), free the staging buffer; safe to call twice.
+        """Finish the in-flight save, free the staging buffer; safe to call twice.
 
         Never raises for the save itself: its outcome is already an event, and ``close``
-        runs on error paths where the original exception must win.
+        runs on error paths where the original exception must win. Gives up after
+        ``stall_s`` without progress.
         """
         if self._closed:
             return
@@ -337,16 +446,11 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         try:
             if pending is not None:
-                pending.result(timeout=CLOSE_WAIT_S)
+                self._await(pending, self.stall_s)
         except SAVE_ERRORS:
             pass
         finally:
             self._pool.shutdown(wait=False)
+            self._io.shutdown(wait=False)
             if self._stager is not None:
                 self._stager.close()
-
-
-def _all_ok(ok: int, group: Any) -> bool:
-    t = torch.tensor([ok], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())

@@ -5,7 +5,9 @@ Reading a model: only the ``model.*`` tensors are read; tensors are allocated fr
 ranks wrote them. Everything lands on CPU, whatever device the saving ranks used.
 
 Finding checkpoints: a user names a run directory, a checkpoint root, one step directory,
-or an fsspec URL of either; ``locate`` turns that into a storage and an optional step.
+or an fsspec URL of either; ``locate`` turns that into a storage and an optional step (a
+run directory whose job put its checkpoints elsewhere leads there, see ``where``).
+Choosing one: ``newest_usable``, the same ``layout.choose`` a resume uses.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import Storage, open_storage
+from elastic_harness.checkpoint.where import (
+    DEFAULT_SUBDIR,
+    RESOLVED_SPEC,
+    checkpoint_root,
+    is_url,
+    local_path,
+)
 from elastic_harness.errors import CheckpointError
 
 MODEL_PREFIX = "model."
@@ -63,30 +72,47 @@ class Location:
 
 
 def locate(target: str) -> Location:
-    """A run dir (its ``checkpoints/``), a checkpoint root, or one step dir; path or URL."""
-    if "://" in target and not target.startswith("file://"):
+    """A run dir (its checkpoint root, see ``where``), a checkpoint root, or one step dir; path or URL."""
+    if is_url(target):
         head, _, last = target.rstrip("/").rpartition("/")
         if layout.parse_step(last) is not None:
             return Location(open_storage(head), last)
         return Location(open_storage(target))
-    path = Path(target.removeprefix("file://"))
+    path = Path(local_path(target))
     if not path.is_dir():
         raise CheckpointError(f"'{target}' is not a directory", "name a run dir, a checkpoint dir or a step dir")
     if layout.parse_step(path.name) is not None:
         return Location(open_storage(str(path.parent)), path.name)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if (path / RESOLVED_SPEC).is_file():
+        return Location(open_storage(run_checkpoint_root(path)))
+    if (path / DEFAULT_SUBDIR).is_dir():
+        path = path / DEFAULT_SUBDIR
     return Location(open_storage(str(path)))
 
 
+def run_checkpoint_root(run_dir: Path) -> str:
+    """Where the run in ``run_dir`` keeps its checkpoints, per its resolved spec if it has one."""
+    resolved = run_dir / RESOLVED_SPEC
+    where = ""
+    if resolved.is_file():
+        from elastic_harness.spec import load_job
+
+        where = load_job(str(resolved)).checkpoint.dir
+    return checkpoint_root(where, run_dir)
+
+
 def describe(storage: Storage, verify_mode: str) -> list[dict]:
-    """One row per step directory, oldest first: step, world size, bytes, status."""
+    """One row per step directory, oldest first: step, world size, bytes, status.
+
+    Checkpoints set aside after failing are listed too (``quarantined: True``).
+    """
+    listing = storage.listing()
     rows = []
-    for d in layout.scan(storage.listing(), require_manifest=True):
+    for d in layout.scan(listing, require_manifest=True):
         manifest = integrity.read_manifest(storage, d.name) or {}
         row = {
             "step": d.step, "name": d.name, "world_size": manifest.get("world_size"),
-            "bytes": sum(storage.files(d.name).values()), "complete": d.complete,
+            "bytes": sum(storage.files(d.name).values()), "complete": d.complete, "quarantined": False,
         }
         if d.complete:
             verdict = integrity.verify(storage, d.name, verify_mode)
@@ -95,22 +121,35 @@ def describe(storage: Storage, verify_mode: str) -> list[dict]:
         else:
             row["verified"], row["problem"] = False, "incomplete (interrupted save: .metadata or manifest missing)"
         rows.append(row)
-    return rows
+    for name in sorted(listing):
+        step = layout.parse_quarantined(name)
+        if step is not None:
+            rows.append({"step": step, "name": name, "world_size": None, "bytes": sum(storage.files(name).values()),
+                         "complete": False, "quarantined": True, "verified": False,
+                         "problem": "set aside after failing verification or loading"})
+    return sorted(rows, key=lambda r: (r["step"], r["quarantined"]))
+
+
+def newest_usable(storage: Storage, verify_mode: str = "full", step: int | None = None) -> layout.Choice:
+    """The newest complete checkpoint that verifies (of ``step`` only, if given), in this process."""
+    listing = storage.listing()
+    if step is not None:
+        listing = {n: f for n, f in listing.items() if layout.parse_step(n) == step}
+    return layout.choose(listing, lambda name: integrity.verify(storage, name, verify_mode))
 
 
 def pick(loc: Location, verify_mode: str = "full", step: int | None = None) -> str:
     """The step directory to read: the one named, ``step``, or the newest that verifies."""
     if loc.step is not None and step is None:
-        names = [loc.step]
-    else:
-        dirs = layout.load_candidates(layout.scan(loc.storage.listing(), require_manifest=True))
-        names = [d.name for d in dirs if step is None or d.step == step]
-    reasons = []
-    for name in names:
-        verdict = integrity.verify(loc.storage, name, verify_mode)
+        verdict = integrity.verify(loc.storage, loc.step, verify_mode)
         if verdict.ok:
-            return name
-        reasons.append(f"{name}: {verdict.reason}")
+            return loc.step
+        reasons = [f"{loc.step}: {verdict.reason}"]
+    else:
+        choice = newest_usable(loc.storage, verify_mode, step)
+        if choice.chosen is not None:
+            return choice.chosen.name
+        reasons = [f"{s.name}: {s.reason}" for s in choice.failed]
     which = f"step {step}" if step is not None else "a complete checkpoint"
     raise CheckpointError(
         f"no usable checkpoint in {loc.storage.root} ({which}); " + ("; ".join(reasons) or "none found"),

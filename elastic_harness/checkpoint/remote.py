@@ -12,15 +12,24 @@ Same call order as ``storage.LocalStorage`` (see ``storage``); DCP I/O goes thro
 - ``sync_files`` is off: an object is durable once its upload completes, and DCP's
   fallback for streams without a file descriptor would ``os.sync()`` the whole host.
 - Listings are not cached between calls: another rank or process may have written since.
+- ``set_aside`` copies, then deletes the manifest (the commit marker) first, then the rest:
+  a crash part-way leaves the old prefix uncommitted, never half a checkpoint that counts.
+- ``create_root`` is a check then a write: two writers racing can both believe they created
+  the file. The lock (``lock``) reads back what it wrote to narrow that window.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import IO
+from typing import IO, TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from elastic_harness.checkpoint.layout import MANIFEST
+from elastic_harness.checkpoint.streams import watch_writer
 from elastic_harness.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 
 def _check_url(url: str) -> None:
@@ -95,22 +104,48 @@ class FsspecStorage:
     def write_atomic(self, name: str, filename: str, data: bytes) -> None:
         self.fs.pipe_file(self._p(name, filename), data)
 
+    def make_durable(self, name: str, filenames: list[str]) -> None:
+        """Nothing to do: an object is durable once its upload has completed."""
+
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._p(name), recursive=True)
         self.fs.invalidate_cache()
 
-    def rename(self, name: str, new_name: str) -> None:
-        self.fs.mv(self._p(name), self._p(new_name), recursive=True)
+    def set_aside(self, name: str, new_name: str) -> None:
+        self.fs.copy(self._p(name), self._p(new_name), recursive=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._p(name, MANIFEST))
+        self.remove(name)
 
-    def writer(self, name: str):
+    def _root_path(self, filename: str) -> str:
+        return f"{self._path}/{filename}"
+
+    def read_root(self, filename: str) -> bytes:
+        self.fs.invalidate_cache()
+        return self.fs.cat_file(self._root_path(filename))
+
+    def write_root(self, filename: str, data: bytes) -> None:
+        self.fs.pipe_file(self._root_path(filename), data)
+
+    def create_root(self, filename: str, data: bytes) -> bool:
+        self.fs.invalidate_cache()
+        if self.fs.exists(self._root_path(filename)):
+            return False
+        self.write_root(filename, data)
+        return True
+
+    def remove_root(self, filename: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._root_path(filename))
+        self.fs.invalidate_cache()
+
+    def writer(self, name: str) -> StorageWriter:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        from elastic_harness.checkpoint.integrity import hashing
+        return watch_writer(FsspecWriter(self.uri(name), sync_files=False, overwrite=False))
 
-        return hashing(FsspecWriter(self.uri(name), sync_files=False, overwrite=False))
-
-    def reader(self, name: str):
+    def reader(self, name: str) -> StorageReader:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(self.uri(name))

@@ -6,10 +6,15 @@ Call order, per save (see ``manager``):
    stale *incomplete* directory with the same name (never a complete one).
 2. every rank: ``writer(name)`` -> a DCP ``StorageWriter``; DCP writes each rank's shards,
    then rank 0 writes ``.metadata``.
-3. rank 0: ``files(name)``, ``open_read`` to checksum them, ``write_atomic(name, manifest)``.
+3. rank 0: ``files(name)`` to check every reported file is there, ``make_durable(name,
+   [".metadata"])``, then ``write_atomic(name, "manifest.json", ...)``: the commit.
 4. rank 0: ``remove(name)`` for each checkpoint the retention policy purges.
 
-Per load: rank 0 ``listing()`` and ``read_bytes`` of manifests; every rank ``reader(name)``.
+Per load: rank 0 ``listing()``, ``read_bytes`` of the manifest and ``files(name)``; every
+rank ``open_read`` of its share of the files to verify them, then ``reader(name)``. A
+checkpoint that fails is moved with ``set_aside(name, new_name)``. Small files at the root
+(``read_root``, ``write_root``, ``remove_root``) hold the lock and the generation fence.
+
 Object stores have no atomic rename; the commit marker is a single small object written
 last, which is atomic there (``remote.FsspecStorage``).
 
@@ -19,37 +24,67 @@ A checkpoint directory is trusted input: DCP unpickles ``.metadata`` (see
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
+
+from elastic_harness.checkpoint.streams import watch_writer
+from elastic_harness.checkpoint.where import is_url, local_path
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
 
 
 class Storage(Protocol):
     root: str
 
-    def uri(self, name: str) -> str: ...
+    def uri(self, name: str) -> str:
+        """Where ``name`` (a step directory under the root) lives, for messages and events."""
 
-    def ensure(self) -> None: ...
+    def ensure(self) -> None:
+        """Create the root if the backend needs it (local directories)."""
 
-    def listing(self) -> dict[str, list[str]]: ...
+    def listing(self) -> dict[str, list[str]]:
+        """``{directory name: [file names]}`` one level below the root; files at the root are left out."""
 
-    def files(self, name: str) -> dict[str, int]: ...
+    def files(self, name: str) -> dict[str, int]:
+        """``{file name: size}`` in step directory ``name``."""
 
     def open_read(self, name: str, filename: str) -> IO[bytes]: ...
 
     def read_bytes(self, name: str, filename: str) -> bytes: ...
 
-    def write_atomic(self, name: str, filename: str, data: bytes) -> None: ...
+    def write_atomic(self, name: str, filename: str, data: bytes) -> None:
+        """Write a whole small file: readers see the old state or the new one, never a part."""
 
-    def remove(self, name: str) -> None: ...
+    def make_durable(self, name: str, filenames: list[str]) -> None:
+        """Flush ``filenames`` in ``name``, ``name`` itself and the root to stable storage."""
 
-    def rename(self, name: str, new_name: str) -> None: ...
+    def remove(self, name: str) -> None:
+        """Delete step directory ``name`` (missing is fine)."""
 
-    def writer(self, name: str):
+    def set_aside(self, name: str, new_name: str) -> None:
+        """Move ``name`` to ``new_name`` under the same root; a crash part-way never leaves a
+        complete checkpoint under ``name`` that was not there before."""
+
+    def read_root(self, filename: str) -> bytes:
+        """A small file at the root; ``FileNotFoundError`` if it does not exist."""
+
+    def write_root(self, filename: str, data: bytes) -> None:
+        """Write a small file at the root, whole (last writer wins)."""
+
+    def create_root(self, filename: str, data: bytes) -> bool:
+        """Write ``filename`` only if it does not exist; False if it did. Atomic on local
+        filesystems; on object stores a check then a write (callers read back)."""
+
+    def remove_root(self, filename: str) -> None: ...
+
+    def writer(self, name: str) -> StorageWriter:
         """A fresh DCP ``StorageWriter`` for step directory ``name`` (never overwrites)."""
 
-    def reader(self, name: str):
+    def reader(self, name: str) -> StorageReader:
         """A DCP ``StorageReader`` for step directory ``name``."""
 
 
@@ -72,7 +107,8 @@ class LocalStorage:
         out = {}
         for entry in os.scandir(self._root):
             if entry.is_dir():
-                out[entry.name] = [f.name for f in os.scandir(entry.path)]
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    out[entry.name] = [f.name for f in os.scandir(entry.path)]
         return out
 
     def files(self, name: str) -> dict[str, int]:
@@ -86,38 +122,72 @@ class LocalStorage:
         return (self._root / name / filename).read_bytes()
 
     def write_atomic(self, name: str, filename: str, data: bytes) -> None:
-        final = self._root / name / filename
-        tmp = final.with_name(f".{filename}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        _write_replace(self._root / name / filename, data)
+
+    def make_durable(self, name: str, filenames: list[str]) -> None:
+        for filename in filenames:
+            _fsync(self._root / name / filename, os.O_RDONLY)
+        _fsync(self._root / name, os.O_RDONLY)
+        _fsync(self._root, os.O_RDONLY)
 
     def remove(self, name: str) -> None:
         shutil.rmtree(self._root / name, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _fsync(self._root, os.O_RDONLY)
 
-    def rename(self, name: str, new_name: str) -> None:
+    def set_aside(self, name: str, new_name: str) -> None:
         os.replace(self._root / name, self._root / new_name)
+        _fsync(self._root, os.O_RDONLY)
 
-    def writer(self, name: str):
+    def read_root(self, filename: str) -> bytes:
+        return (self._root / filename).read_bytes()
+
+    def write_root(self, filename: str, data: bytes) -> None:
+        _write_replace(self._root / filename, data)
+
+    def create_root(self, filename: str, data: bytes) -> bool:
+        """Create ``filename`` with ``data`` only if it does not exist (atomic); False if it did."""
+        final = self._root / filename
+        tmp = final.with_name(f".{filename}.tmp-{os.getpid()}")
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+
+    def remove_root(self, filename: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self._root / filename).unlink()
+
+    def writer(self, name: str) -> StorageWriter:
         from torch.distributed.checkpoint import FileSystemWriter
-
-        from elastic_harness.checkpoint.integrity import hashing
 
         # overwrite=False: a save never lands on top of an existing checkpoint (a crash
         # part-way through an in-place overwrite leaves a mix that loads without error).
-        return hashing(FileSystemWriter(self.uri(name), sync_files=True, overwrite=False))
+        return watch_writer(FileSystemWriter(self.uri(name), sync_files=True, overwrite=False))
 
-    def reader(self, name: str):
+    def reader(self, name: str) -> StorageReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         return FileSystemReader(self.uri(name))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _write_replace(final: Path, data: bytes) -> None:
+    """Temp file, fsync, rename over ``final``, fsync the directory."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync(final.parent, os.O_RDONLY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -126,8 +196,8 @@ def _fsync_dir(path: Path) -> None:
 
 def open_storage(root: str) -> Storage:
     """``s3://...`` (or any fsspec URL) -> FsspecStorage; a path -> LocalStorage."""
-    if "://" in root and not root.startswith("file://"):
+    if is_url(root):
         from elastic_harness.checkpoint.remote import FsspecStorage
 
         return FsspecStorage(root)
-    return LocalStorage(root.removeprefix("file://"))
+    return LocalStorage(local_path(root))

@@ -10,6 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
+from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch.config import node_options
 from elastic_harness.launch.scratch import torch_environ
@@ -53,8 +54,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
     node = args.node or os.uname().nodename
     if args.endpoint_port is not None and not 0 <= args.endpoint_port < 65536:
         raise HarnessError(f"--endpoint-port {args.endpoint_port} is not a port", "pick 0..65535 (0 = any free port)")
-    prepare(run_dir, spec)
-    os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
+    # The job submission (its rendezvous id) holds the run dir: this job's agents share it.
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, opts.rdzv_id)):
+        os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
+        return _serve(args, spec, opts, run_dir, node)
+
+
+def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str) -> int:
     from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
 
     endpoint = None

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import open_storage
+from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from elastic_harness.checkpoint import offline
+    pass
 
 _FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
@@ -56,24 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.set_defaults(func=cmd_diff)
 
 
-def _locate(target: str) -> offline.Location:
-    """Like ``offline.locate``, but a run dir whose job put checkpoints elsewhere follows it."""
-    from elastic_harness.checkpoint import offline
-
-    resolved = Path(target) / "job.resolved.yaml"
-    if "://" not in target and resolved.is_file():
-        from elastic_harness.spec import load_job
-
-        where = load_job(str(resolved)).checkpoint.dir
-        if where:
-            return offline.locate(where)
-    return offline.locate(target)
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
 
-    loc = _locate(args.dir)
+    loc = offline.locate(args.dir)
     rows = offline.describe(loc.storage, args.verify)
     if loc.step is not None:
         rows = [r for r in rows if r["name"] == loc.step]
@@ -110,7 +98,7 @@ def _human(n: int) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
 
-    loc = _locate(args.dir)
+    loc = offline.locate(args.dir)
     rows = offline.describe(loc.storage, args.mode)
     if loc.step is not None:
         rows = [r for r in rows if r["name"] == loc.step]
@@ -132,7 +120,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
     from elastic_harness.checkpoint.export import save_model_file
 
-    loc = _locate(args.dir)
+    loc = offline.locate(args.dir)
     name = offline.pick(loc, "full", args.step)
     tensors = offline.load_model_tensors(loc.storage.reader(name))
     size = save_model_file(tensors, Path(args.to))
@@ -148,7 +136,7 @@ def _model_of(target: str):
 
     if Path(target).suffix in _FILE_SUFFIXES and Path(target).is_file():
         return load_model_file(Path(target)), target
-    loc = _locate(target)
+    loc = offline.locate(target)
     name = offline.pick(loc, "full")
     return offline.load_model_tensors(loc.storage.reader(name)), loc.storage.uri(name)
 
@@ -164,23 +152,25 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint.export import load_model_file, save_single_process
+    from elastic_harness.checkpoint.lock import Holder
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job
 
     spec = load_job(args.job, list(args.set))
     weights = load_model_file(Path(args.file))
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
-    storage = open_storage(spec.checkpoint.dir or str(run_dir / "checkpoints"))
+    storage = open_storage(checkpoint_root(spec.checkpoint.dir, run_dir))
     existing = [n for n in storage.listing() if layout.parse_step(n) is not None]
     if existing:
         raise CheckpointError(f"{storage.root} already holds checkpoints ({len(existing)})",
                               "import into a new --run-dir, or move them aside with 'run --fresh' first")
     state = _fresh_state(spec, weights)
-    prepare(run_dir, spec)
     info = {"task": spec.task.target, "parallelism": spec.parallelism, "job": spec.name,
             "step": 0, "world_size": 1, "imported_from": Path(args.file).name}
     name = layout.step_dirname(0)
-    save_single_process(storage, name, state, info)
+    # An import is a (short) job of its own: it must not write under a running one.
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, f"import-{uuid.uuid4().hex[:12]}")):
+        save_single_process(storage, name, state, info)
     print(f"imported {args.file} -> {storage.uri(name)} ({len(weights)} tensors, fresh optimizer)")
     print(f"train from it with: elastic-harness run {args.job} --run-dir {run_dir}")
     return 0

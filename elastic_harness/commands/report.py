@@ -116,38 +116,28 @@ def render(tl: Timeline, run_dir: Path) -> list[str]:
 
 def final_checkpoint(run_dir: Path):
     """(storage, step dir name) of the newest complete checkpoint that verifies."""
-    from elastic_harness.checkpoint import integrity, layout
+    from elastic_harness.checkpoint.offline import newest_usable
     from elastic_harness.checkpoint.storage import open_storage
 
     if not run_dir.is_dir():
         raise RunDirError(f"'{run_dir}' is not a directory", "name a run directory")
     root = _checkpoint_root(run_dir)
     storage = open_storage(root)
-    listing = storage.listing() if "://" in root or Path(root).is_dir() else {}
-    candidates = layout.load_candidates(layout.scan(listing, require_manifest=True))
-    if not candidates:
+    choice = newest_usable(storage, "full")
+    if choice.chosen is not None:
+        return storage, choice.chosen.name
+    if not choice.complete:
         raise CheckpointError(f"no complete checkpoint in {root} (run dir '{run_dir}')",
                               "finish the run first, or name a run dir that has saved checkpoints")
-    reasons = []
-    for d in candidates:
-        verdict = integrity.verify(storage, d.name, "full")
-        if verdict.ok:
-            return storage, d.name
-        reasons.append(f"{d.name}: {verdict.reason}")
-    raise CheckpointError(f"no checkpoint in {root} verifies: " + "; ".join(reasons),
+    raise CheckpointError(f"no checkpoint in {root} verifies: " + "; ".join(f"{s.name}: {s.reason}" for s in choice.failed),
                           "see 'elastic-harness ckpt ls' for the run dir")
 
 
 def _checkpoint_root(run_dir: Path) -> str:
-    """RUN_DIR/checkpoints, or where the run's resolved spec put them."""
-    resolved = run_dir / "job.resolved.yaml"
-    if resolved.is_file():
-        from elastic_harness.spec import load_job
+    """Where the run keeps its checkpoints (``checkpoint.where``, via its resolved spec)."""
+    from elastic_harness.checkpoint.offline import run_checkpoint_root
 
-        where = load_job(str(resolved)).checkpoint.dir
-        if where:
-            return where
-    return str(run_dir / "checkpoints")
+    return run_checkpoint_root(run_dir)
 
 
 def within(a: dict, b: dict, atol: float, rtol: float) -> bool:

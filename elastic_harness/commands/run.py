@@ -12,6 +12,7 @@ from pathlib import Path
 from elastic_harness import exitcodes
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
+from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
@@ -58,8 +59,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     check_faults(spec, nodes, args.netns)
     spec = preflight(spec, Path(args.job))
-    run_dir = prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh)
-    code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns)
+    rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
+    holder = Holder.this_process(spec.name, rdzv_id)  # the agents join this submission's locks
+    with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder) as claim:
+        run_dir = claim.path
+        code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id)
     if code == 0 and args.verify:
         from elastic_harness.commands.report import cmd_verify
 
@@ -100,10 +104,10 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
-def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False) -> int:
+def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "") -> int:
     events = EventLog(run_dir / "events.jsonl")
     chaos = ChaosController(faults, events, run_dir)
-    rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
+    rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
         endpoint = _endpoint(spec, topology)

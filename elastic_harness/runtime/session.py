@@ -60,6 +60,7 @@ from torch import nn
 
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
+from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.errors import CheckpointError, HarnessError, UsageError
 from elastic_harness.events import EventLog
@@ -186,10 +187,14 @@ class Run:
         self.drain = Drain()
         self.metrics = Metrics(self.events, self.run_dir, tensorboard=spec.metrics.tensorboard,
                                main=env.rank == 0)
+        # One step watchdog per process: the loop re-arms it every step, and checkpoint I/O
+        # re-arms it while bytes move (a big save or load is slow, not stuck).
+        self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
         self.ckpt = CheckpointManager(
-            open_storage(spec.checkpoint.dir or str(self.run_dir / "checkpoints")), spec.checkpoint,
+            open_storage(checkpoint_root(spec.checkpoint.dir, self.run_dir)), spec.checkpoint,
             rank=env.rank, world_size=env.world_size, group=groups.ckpt, events=self.events,
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
+            on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
         )
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -272,7 +277,7 @@ class Run:
         loader = StepLoader(dataset, plan_of, train.step, spec.train.steps, seed=spec.train.seed,
                             device=self.device, collate=collate_fn, workers=spec.data.workers,
                             prefetch=spec.data.prefetch, pin_memory=spec.data.pin_memory)
-        watchdog = ProgressWatchdog(self.env.timer_file, spec.timeouts.step)
+        watchdog = self.watchdog
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
                               events=self.log)

@@ -1,0 +1,106 @@
+"""Collective steps of a resume: every rank calls each function, in the same order.
+
+Nothing here raises on one rank only: storage errors become values that the ranks
+exchange, so no rank leaves the collective sequence while the others wait in it (they
+would otherwise hang until the process group's timeout).
+
+``join_generation`` starts this worker generation in the checkpoint directory (the fence)
+and proves that every rank sees the same directory. ``agreed_verdict`` verifies one
+checkpoint with the work split over all ranks (``integrity.shares``), in rounds of at most
+``round_bytes`` per rank, so no rank waits in a collective longer than one round of
+another rank's reading, however big the checkpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_harness.checkpoint import fence, integrity
+from elastic_harness.checkpoint.storage import Storage
+from elastic_harness.errors import CheckpointError
+
+ROUND_BYTES = 256 << 20
+
+
+def broadcast(value: Any, group: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def all_gather(value: Any, group: Any, world_size: int) -> list[Any]:
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def all_min(value: int, group: Any) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def all_ok(ok: bool, group: Any) -> bool:
+    return all_min(int(ok), group) == 1
+
+
+def join_generation(storage: Storage, job: str, *, rank: int, world_size: int, group: Any) -> fence.Generation:
+    """Rank 0 bumps the generation; every rank reads it back. Raises ``CheckpointError`` on
+    every rank if rank 0 cannot write it or any rank does not see what rank 0 wrote."""
+    mine: Any = None
+    if rank == 0:
+        try:
+            storage.ensure()
+            mine = fence.bump(storage, job)
+        except OSError as e:
+            mine = f"cannot write {storage.root}/{fence.GENERATION_FILE}: {e.strerror or e!r}"
+    mine = broadcast(mine, group)
+    if isinstance(mine, str):
+        raise CheckpointError(mine, "fix the permissions of checkpoint.dir, or point it at writable storage")
+    try:
+        seen = fence.read(storage) == mine
+    except OSError:
+        seen = False
+    views = all_gather((seen, socket.gethostname()), group, world_size)
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise CheckpointError(
+            f"{', '.join(blind[:4])} cannot see the checkpoint directory {storage.root} that rank 0 "
+            "writes (not shared between nodes?)",
+            "put checkpoint.dir on storage every node mounts at the same path (NFS, Lustre, a "
+            "ReadWriteMany volume) or on s3://",
+        )
+    return mine
+
+
+def _head(storage: Storage, name: str, mode: str) -> tuple[dict | None, integrity.Verdict]:
+    """Rank 0: the manifest and the size check (one listing), as values."""
+    manifest, verdict = integrity.load_manifest(storage, name)
+    if manifest is None or mode == "none":
+        return manifest, verdict
+    try:
+        return manifest, integrity.check_sizes(manifest, storage.files(name))
+    except OSError as e:
+        return None, integrity.Verdict(False, f"{name} cannot be listed ({e.strerror or e!r})", "unreadable")
+
+
+def agreed_verdict(storage: Storage, name: str, mode: str, *, rank: int, world_size: int, group: Any,
+                   round_bytes: int = ROUND_BYTES, on_bytes: Callable[[int], None] | None = None
+                   ) -> integrity.Verdict:
+    """Verify ``name`` on all ranks together; every rank returns the same verdict."""
+    manifest, verdict = broadcast(_head(storage, name, mode) if rank == 0 else None, group)
+    if not verdict.ok or mode != "full":
+        return verdict
+    sizes = {f: w["size"] for f, w in manifest["files"].items()}
+    parts = integrity.shares(sizes, world_size)
+    check = integrity.ShareCheck(storage, name, manifest, parts[rank], on_bytes)
+    for _ in range(integrity.rounds_needed(sizes, parts, round_bytes)):
+        if not all_ok(check.advance(round_bytes), group):
+            break
+    verdicts = all_gather(check.verdict, group, world_size)
+    return next((v for v in verdicts if not v.ok), integrity.Verdict(True))
