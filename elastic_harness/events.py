@@ -123,6 +123,26 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
     }),
+    "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
+        "step": "its step",
+        "name": "its directory name",
+        "reason": "why it failed",
+        "kind": "'corrupt', 'unreadable' or 'unloadable'",
+        "moved_to": "where it was moved (URI), or None if it was left in place",
+        "message": "one line",
+    }),
+    "skipped": EventKind("rank 0", "a save did not happen: that step already has a complete checkpoint", {
+        "step": "the step",
+        "name": "its directory name",
+        "reason": "why",
+        "message": "one line",
+    }),
+    "fenced": EventKind("rank 0", "a superseded worker generation was refused a commit, purge or set-aside", {
+        "step": "the step it tried to save",
+        "name": "its directory name",
+        "reason": "which generation superseded it",
+        "message": "one line",
+    }),
     "fault": EventKind("the worker hit (step-keyed) or the host", "an injected fault fired", {
         "kind": "a kind of chaos.vocabulary",
         "target": "rank or node index",

@@ -31,7 +31,8 @@ class Progress:
             self._step(e)
         elif kind == "failure" and e.get("fatal"):
             return  # the host prints it once, as the error
-        elif kind in ("checkpoint", "warning", "failure", "fault", "drain"):
+        elif kind in ("checkpoint", "warning", "failure", "fault", "drain", "eval", "quarantine",
+                      "skipped", "fenced"):
             self._line(_describe(e))
 
     def _step(self, e: dict) -> None:
@@ -39,7 +40,8 @@ class Progress:
         width = 24
         bar = "#" * int(pct * width) + "-" * (width - int(pct * width))
         text = (f"[{bar}] step {e['step']}/{self.total} loss {e['loss']:.4f} "
-                f"{e['samples_per_s']:.0f} samples/s world {e['world_size']} restarts {self.state.restarts}")
+                f"{e.get('samples_per_s') or 0:.0f} samples/s world {e['world_size']} "
+                f"restarts {self.state.restarts}")
         if self.tty:
             self.out.write("\r" + text)
             self.out.flush()
@@ -65,4 +67,7 @@ def _describe(e: dict) -> str:
         return f"fault: {e.get('kind')} target {e.get('target')} at step {e.get('step')}"
     if kind == "drain":
         return f"drained at step {e['step']} (state saved)"
+    if kind == "eval":
+        values = " ".join(f"{k} {v:.4g}" for k, v in sorted(e.get("metrics", {}).items()))
+        return f"eval at step {e['step']}: {values}"
     return f"{kind}: {e.get('message', '')}"

@@ -252,8 +252,11 @@ class CheckpointManager:
             if action == "error":  # rank 0 could not even look at the storage
                 self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
                 self.raise_if_failing()
+            elif self.rank == 0 and action == "skipped":
+                self.events.emit("skipped", step=step, name=name, reason=detail,
+                                 message=f"checkpoint at step {step} not written: {detail}")
             elif self.rank == 0:
-                self.events.emit(action, step=step, name=name, reason=detail,
+                self.events.emit("fenced", step=step, name=name, reason=detail,
                                  message=f"checkpoint at step {step} not written: {detail}")
             return False
         t0 = time.perf_counter()
