@@ -200,3 +200,14 @@ def test_report_and_verify_on_a_killed_worker_run(mlp_reference, tmp_path):
     differs = cli("verify", str(other), str(mlp_reference.run_dir), timeout=120)
     assert differs.code == 1, differs.out + differs.err
     assert "max abs" in differs.out and "OUTSIDE" in differs.out
+
+
+def test_evaluations_are_in_the_timeline_and_the_plot(tmp_path):
+    from elastic_harness.report.plot import draw
+
+    events = killed_worker_run()
+    events.insert(-3, ev(18.15, "eval", 20, step=30, metrics={"loss": 0.5, "accuracy": 0.75}, eval_s=0.1))
+    tl = build(events)
+    assert [(round(e.t, 2), e.step, e.metrics["accuracy"]) for e in tl.evals] == [(18.15, 30, 0.75)]
+    path = draw(tl, tmp_path / "report.png")
+    assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x89PNG"

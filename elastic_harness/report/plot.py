@@ -23,6 +23,7 @@ def draw(tl: Timeline, path: Path, title: str = "") -> Path:
     FigureCanvasAgg(fig)
     loss_ax, size_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     _loss(loss_ax, tl)
+    _evals(loss_ax, tl)
     _world_size(size_ax, tl)
     for ax in (loss_ax, size_ax):
         _faults(ax, tl, label=ax is loss_ax)
@@ -45,6 +46,20 @@ def _loss(ax, tl: Timeline) -> None:
     if kept and min(p.loss for p in kept + lost) > 0:
         ax.set_yscale("log")  # early losses would otherwise flatten the rest
     ax.grid(alpha=0.3)
+
+
+def _evals(ax, tl: Timeline) -> None:
+    """Evaluation metrics: losses on the loss axis, anything else (accuracy...) on its own."""
+    names = sorted({k for e in tl.evals for k in e.metrics})
+    other = None
+    for i, name in enumerate(names):
+        pts = [(e.t, e.metrics[name]) for e in tl.evals if name in e.metrics]
+        target = ax if "loss" in name else (other := other or ax.twinx())
+        target.plot([t for t, _ in pts], [v for _, v in pts], "o-", ms=4, lw=1,
+                    color=f"C{(i + 2) % 10}", label=f"eval {name}")
+    if other is not None:
+        other.set_ylabel("eval metric")
+        other.legend(loc="center right", fontsize=8)
 
 
 def _world_size(ax, tl: Timeline) -> None:

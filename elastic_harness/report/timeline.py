@@ -71,6 +71,15 @@ class StepPoint:
 
 
 @dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation: seconds since the run started, the step evaluated, its metrics."""
+
+    t: float
+    step: int
+    metrics: dict
+
+
+@dataclass(frozen=True)
 class Timeline:
     t0: float
     invocations: int
@@ -78,6 +87,7 @@ class Timeline:
     faults: list[FaultRow]
     goodput: Goodput
     points: list[StepPoint]
+    evals: list[EvalPoint] = field(default_factory=list)
 
 
 def build(events: Sequence[dict]) -> Timeline:
@@ -93,7 +103,14 @@ def build(events: Sequence[dict]) -> Timeline:
         faults=fault_rows(invocations, t0),
         goodput=fold(events).goodput(),
         points=step_points(invocations, gens, t0),
+        evals=eval_points(events, t0),
     )
+
+
+def eval_points(events: Sequence[dict], t0: float) -> list[EvalPoint]:
+    """Every ``eval`` event: when, at which step, which metrics (a redone step shows twice)."""
+    return [EvalPoint(e["t"] - t0, int(e["step"]), dict(e.get("metrics") or {}))
+            for e in events if e.get("event") == "eval"]
 
 
 def generations(inv: Sequence[dict], invocation: int) -> list[Generation]:

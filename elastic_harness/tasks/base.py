@@ -42,6 +42,12 @@ def load_task(target: str, args: dict) -> Task:
             f"task.target '{target}': cannot import module '{module_name}' ({e})",
             "check the module path and that it is importable (installed or on PYTHONPATH)",
         ) from e
+    except Exception as e:  # noqa: BLE001 - a SyntaxError or an error raised at import time
+        raise TaskError(
+            f"task.target '{target}': importing module '{module_name}' failed: "
+            f"{type(e).__name__}: {e}",
+            f"fix the module (python -c 'import {module_name}' shows the traceback)",
+        ) from e
     factory = getattr(module, attr, None)
     if factory is None:
         raise TaskError(
