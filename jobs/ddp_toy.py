@@ -9,7 +9,7 @@ Either way a crash resumes from the newest verified checkpoint, at any number of
 processes, with the same global batch and no sample repeated or skipped.
 """
 
-import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -39,11 +39,7 @@ def toy_data(samples=2000):
 
 
 def main():
-    cli = argparse.ArgumentParser()
-    cli.add_argument("--run-dir")
-    cli.add_argument("--set", action="append", default=[])
-    args = cli.parse_args()
-    run = eh.init(Path(__file__).with_suffix(".yaml"), run_dir=args.run_dir, overrides=args.set)
+    run = eh.init(Path(__file__).with_suffix(".yaml"), argv=sys.argv[1:])
     model = ToyModel().to(run.device)
     ddp_model = DDP(model, device_ids=run.device_ids)
     loss_fn = nn.MSELoss()

@@ -10,6 +10,7 @@ Needs the hf extra: pip install -e '.[hf]'.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -41,14 +42,11 @@ def per_sample_loss(model, batch):
 
 
 def main():
+    run = eh.init(Path(__file__).with_suffix(".yaml"), argv=sys.argv[1:])  # --run-dir, --set
     cli = argparse.ArgumentParser()
-    cli.add_argument("--run-dir")
-    cli.add_argument("--set", action="append", default=[])
     cli.add_argument("--parallelism", choices=["ddp", "fsdp"], default="fsdp")
     cli.add_argument("--block", type=int, default=32)
-    args = cli.parse_args()
-
-    run = eh.init(Path(__file__).with_suffix(".yaml"), run_dir=args.run_dir, overrides=args.set)
+    args = cli.parse_args(run.argv)
     model = build_model(args.block).to(run.device)
     if args.parallelism == "fsdp":
         for layer in model.transformer.h:

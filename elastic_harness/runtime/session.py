@@ -121,36 +121,59 @@ def resolve_job(env: WorkerEnv, job: str | Path | None, run_dir: str | Path | No
 
 
 def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
-         overrides: Sequence[str] = ()) -> Run:
-    """Start this process's part of the job (see the module docstring). Call once."""
+         overrides: Sequence[str] = (), argv: Sequence[str] | None = None) -> Run:
+    """Start this process's part of the job (see the module docstring). Call once.
+
+    ``argv`` (e.g. ``sys.argv[1:]``): also read ``--job FILE``, ``--run-dir DIR`` and
+    ``--set KEY=VALUE`` (repeatable) from the script's command line; the arguments it does not
+    know are left in ``run.argv`` for the script's own parser.
+    """
     global _ACTIVE
     if _ACTIVE is not None and not _ACTIVE.closed:
         raise UsageError("elastic_harness.init() was called twice", "call it once per process")
+    rest: list[str] = []
+    if argv is not None:
+        job, run_dir, overrides, rest = _from_argv(argv, job, run_dir, overrides)
     env = WorkerEnv.from_environ(standalone_ok=True)
     spec, run_dir = resolve_job(env, job, run_dir, overrides)
     t0 = time.perf_counter()
     groups = hdist.init(env, spec.device, spec.timeouts.process_group)
     pg_init_s = time.perf_counter() - t0
-    if not env.by_harness:
-        _prepare_standalone(spec, run_dir, env.rank, groups.ckpt)
-    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s)
+    claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim)
+    _ACTIVE.argv = rest
     return _ACTIVE
 
 
-def _prepare_standalone(spec: JobSpec, run_dir: Path, rank: int, group: Any) -> None:
-    """Under plain torchrun or python, rank 0 prepares the run dir; all ranks learn the result."""
+def _from_argv(argv: Sequence[str], job: Any, run_dir: Any, overrides: Sequence[str]) -> tuple:
+    import argparse
+
+    cli = argparse.ArgumentParser(add_help=False)
+    cli.add_argument("--job", default=job)
+    cli.add_argument("--run-dir", default=run_dir)
+    cli.add_argument("--set", action="append", default=list(overrides), metavar="KEY=VALUE")
+    known, rest = cli.parse_known_args(list(argv))
+    return known.job, known.run_dir, known.set, rest
+
+
+def _prepare_standalone(spec: JobSpec, run_dir: Path, env: WorkerEnv, group: Any) -> Any:
+    """Under plain torchrun or python, rank 0 prepares and locks the run dir (for this
+    torchrun submission, its rendezvous id); all ranks learn the result."""
+    from elastic_harness.checkpoint.lock import Holder
     from elastic_harness.rundir import prepare
 
-    problem = None
-    if rank == 0:
+    problem, claim = None, None
+    if env.rank == 0:
         try:
-            prepare(run_dir, spec)
+            holder = Holder.this_process(spec.name, env.run_id or f"python-{os.getpid()}")
+            claim = prepare(run_dir, spec, holder=holder)
         except HarnessError as e:
             problem = (e.message, e.hint)
     box = [problem]
     dist.broadcast_object_list(box, group=group, group_src=0)
     if box[0] is not None:
         raise HarnessError(*box[0])
+    return claim
 
 
 class Drain:
@@ -172,8 +195,10 @@ class Run:
     """One process's part of a job. Built by ``init``; see the module docstring."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
-                 pg_init_s: float = 0.0) -> None:
+                 pg_init_s: float = 0.0, claim: Any = None) -> None:
         self.spec, self.env, self.groups, self.run_dir = spec, env, groups, Path(run_dir)
+        self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
+        self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device: torch.device = groups.device
         self.closed = False
@@ -407,6 +432,8 @@ class Run:
             self.drain.restore()
             sys.excepthook = self._previous_hook
             hdist.destroy(self.groups)
+            if self.claim is not None:
+                self.claim.release()
 
     def __enter__(self) -> Run:
         return self

@@ -1,20 +1,18 @@
 """A tiny script of one's own that makes one API mistake, named by --mistake (tests)."""
 
 import argparse
+import sys
 
 import torch
 from torch import nn
 
 import elastic_harness as eh
 
+run = eh.init(None, argv=sys.argv[1:], overrides=["train.steps=4", "train.global_batch_size=4",
+                                                  "train.micro_batch_size=2"])
 cli = argparse.ArgumentParser()
 cli.add_argument("--mistake", default="none")
-cli.add_argument("--run-dir")
-cli.add_argument("--set", action="append", default=[])
-args = cli.parse_args()
-
-run = eh.init(None, run_dir=args.run_dir, overrides=["train.steps=4", "train.global_batch_size=4",
-                                                     "train.micro_batch_size=2", *args.set])
+args = cli.parse_args(run.argv)
 model = nn.Linear(3, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 if args.mistake == "stray-optimizer":
