@@ -170,3 +170,61 @@ def test_checkpoint_entries_must_match_the_job():
         _check_entries("ckpt", {"model", "optim", "train"}, {"model", "optim", "train", "sched"})
     with pytest.raises(CheckpointError, match="holds scaler state"):
         _check_entries("ckpt", {"model", "optim", "train", "scaler"}, {"model", "optim", "train"})
+
+
+# ----- the agent -------------------------------------------------------------------------
+def test_agent_health_verdicts():
+    from elastic_harness.launch.policy import agent_health
+
+    assert agent_health("HEALTHY", 0.5, 60)[0]
+    assert agent_health("INIT", 50, 60)[0]  # a rendezvous under way, within the bound
+    assert agent_health("FAILED", 0.1, 60) == (False, "worker group failed")
+    ok, why = agent_health("HEALTHY", 61, 60)
+    assert not ok and "silent for 61s" in why
+
+
+def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
+    """Restarts and membership changes stop workers through ``_stop_workers``: a drain that
+    saves a big state gets ``timeouts.shutdown_grace``, not torchelastic's fixed 30 s."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    from elastic_harness.launch.elastic import HarnessAgent
+
+    class NoRendezvous(RendezvousHandler):
+        def get_backend(self): return "none"
+        def next_rendezvous(self): raise AssertionError("not used")
+        def is_closed(self): return False
+        def set_closed(self): pass
+        def num_nodes_waiting(self): return 0
+        def get_run_id(self): return "t"
+        def shutdown(self): return True
+
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint="true")
+    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                         shutdown_timeout=77, judge=lambda: None)
+    seen = []
+    agent._shutdown = lambda death_sig=None, timeout=30: seen.append(timeout)
+    agent._stop_workers(agent._worker_group)
+    assert seen == [77]
+    assert agent.health()[0]
+
+
+# ----- state a model carries -------------------------------------------------------------
+def test_compiled_and_bf16_models_save_and_load_under_clean_names(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from elastic_harness.runtime.state import ModelState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(torch.bfloat16)
+    compiled = torch.compile(model, backend="eager")  # keys gain _orig_mod. in state_dict()
+    state = ModelState(compiled).state_dict()
+    assert set(state) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                          "1.running_var", "1.num_batches_tracked"}
+    dcp.save({"model": ModelState(compiled)}, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(torch.bfloat16)
+    dcp.load({"model": ModelState(fresh)}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert model_digest(fresh) == model_digest(model)
+    assert fresh[0].weight.dtype == torch.bfloat16

@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str) -> in
                                "or an address of this machine for --endpoint-host") from None
         print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
     try:
-        return run_agent(spec, opts, node=node)
+        health = (lambda fn: setattr(endpoint, "agent_health", fn)) if endpoint is not None else None
+        return run_agent(spec, opts, node=node, on_health=health)
     finally:
         if endpoint is not None:
             endpoint.close()

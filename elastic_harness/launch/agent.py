@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from elastic_harness import exitcodes
@@ -28,7 +29,10 @@ from elastic_harness.spec import JobSpec
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
 
 
-def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
+def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
+              on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None) -> int:
+    """Run this node's agent to the end; its exit code. ``on_health`` receives the agent's
+    health callable (for the endpoint's ``/healthz``) once the agent exists."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -49,8 +53,12 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "") -> int:
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
     started = time.time()
+    r, t = spec.rendezvous, spec.timeouts
     launch = Launch(config, entrypoint, args,
-                    judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started))
+                    judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started),
+                    quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30)
+    if on_health is not None:
+        on_health(launch.agent.health)
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
                 nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
     code, message = EXIT_OK, ""

@@ -8,7 +8,8 @@ monitoring, restarts: all torch's) with two overrides:
   ``timeouts.shutdown_grace`` (the launch config's shutdown timeout, which torch already
   uses when the agent itself is signalled).
 - ``_monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
-  error or crash loop?) and, if it gives a reason, spend no more restarts.
+  error or crash loop?) and, if it gives a reason, spend no more restarts. It also notes
+  when it last ran, so ``health()`` can tell a live agent from a stuck one.
 
 ``Launch`` does what ``torch.distributed.launcher.api.launch_agent`` does (rendezvous
 parameters from the config, the worker spec, run, record torchelastic's own events, shut
@@ -19,6 +20,7 @@ master address and port come from the rendezvous.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,17 +32,28 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_harness.launch.policy import agent_health
+
 
 class HarnessAgent(LocalElasticAgent):
-    def __init__(self, *args: Any, judge: Callable[[], str | None], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._judge = judge
+        self._quiet_bound_s = quiet_bound_s
+        self._last_monitor = time.monotonic()
         self.stop_reason: str | None = None
+
+    def health(self) -> tuple[bool, str]:
+        """For the agent endpoint's ``/healthz`` (any thread; reads two fields, never blocks)."""
+        state = self._worker_group.state.name
+        return agent_health(state, time.monotonic() - self._last_monitor, self._quiet_bound_s)
 
     def _stop_workers(self, worker_group: Any) -> None:
         self._shutdown(timeout=self._shutdown_timeout)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
+        self._last_monitor = time.monotonic()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.stop_reason is None:
             reason = self._judge()
@@ -55,7 +68,7 @@ class Launch:
     stopped restarting, when it did."""
 
     def __init__(self, config: Any, entrypoint: Callable | str, args: list[Any],
-                 judge: Callable[[], str | None]) -> None:
+                 judge: Callable[[], str | None], quiet_bound_s: float = 300.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -71,7 +84,8 @@ class Launch:
         )
         self.agent = HarnessAgent(spec=self.spec, logs_specs=config.logs_specs,
                                   start_method=config.start_method,
-                                  shutdown_timeout=config.shutdown_timeout, judge=judge)
+                                  shutdown_timeout=config.shutdown_timeout, judge=judge,
+                                  quiet_bound_s=quiet_bound_s)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,

@@ -47,3 +47,16 @@ def stop_reason(events: Iterable[dict], node: str, since: float) -> str | None:
     where = f"at step {key[1]}" if key[1] is not None else "before training started"
     return (f"crash loop: the workers failed the same way twice {where}, after resuming from "
             f"the same checkpoint: {messages[key]}")
+
+
+def agent_health(group_state: str, monitor_quiet_s: float, bound_s: float) -> tuple[bool, str]:
+    """Pure: is this agent healthy, for ``/healthz``? ``group_state`` is torchelastic's
+    worker-group state name; ``monitor_quiet_s`` the seconds since the agent's monitor loop
+    last looked at its workers (it looks every ``timeouts.monitor_interval`` while they run,
+    and not at all while a rendezvous or a restart is under way, which ``bound_s`` covers).
+    """
+    if group_state in ("FAILED", "UNHEALTHY"):
+        return False, f"worker group {group_state.lower()}"
+    if monitor_quiet_s > bound_s:
+        return False, f"agent loop silent for {monitor_quiet_s:.0f}s (bound {bound_s:.0f}s)"
+    return True, f"worker group {group_state.lower()}"
