@@ -282,6 +282,11 @@ class Run:
             self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
             return 0
         train = self._train
+        # Before saying "resumed": a checkpoint of another data stream is refused first.
+        reason = train.check_matches(self.spec.train.seed, None)
+        if reason:
+            raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
+                                  f"job: {reason}", "use a new --run-dir or --fresh")
         self.metrics.resumed_at(loaded.step)
         self.events.emit(
             "resume", step=loaded.step, checkpoint=loaded.name, saved_world_size=train.saved_world_size,

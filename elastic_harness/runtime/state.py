@@ -99,14 +99,15 @@ class TrainState(Stateful):
         self.saved_world_size = v["world_size"]
         self.data = DataState(v["seed"], v["dataset_size"], v["cursor"], v["version"])
 
-    def check_matches(self, seed: int, dataset_size: int) -> str | None:
-        """A reason this saved position cannot continue this job's stream, or None."""
+    def check_matches(self, seed: int, dataset_size: int | None) -> str | None:
+        """A reason this saved position cannot continue this job's stream, or None
+        (``dataset_size`` None: not known yet, checked once the data is bound)."""
         d = self.data
         if d.version != STATE_VERSION:
             return f"data state version {d.version}, this harness reads {STATE_VERSION}"
         if d.seed != seed:
             return f"saved with train.seed={d.seed}, the job now says {seed}"
-        if d.dataset_size != dataset_size:
+        if dataset_size is not None and d.dataset_size != dataset_size:
             return f"saved with a dataset of {d.dataset_size} samples, it now has {dataset_size}"
         return None
 
