@@ -73,6 +73,7 @@ from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.loader import StepLoader, planner, to_device
 from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
@@ -93,7 +94,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
+    seed_torch(seed)  # torch.manual_seed's effect, without its cost every step (runtime.seeding)
     random.seed(seed)
     np.random.seed(seed % 2**32)
 
