@@ -133,22 +133,25 @@ def test_both_data_sets_hold_the_same_images(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 def test_smoke_both_sides_train_the_same_samples(tmp_path):
+    # Only the costly case (one rank each side, the harness with one loader process): two
+    # launches instead of four keep this within the suite's e2e budget; it still runs both
+    # sides end to end, the loader processes and the JPEG decoding. The cheap case differs
+    # only in the data set class and rank count (unit-tested above).
     out = tmp_path / "tp.json"
-    r = cli("bench", "throughput", "--repeats", "1", "--steps", "6", "--warmup", "2", "--hidden", "16",
-            "--items", "64", "--image-px", "40", "--global-batch", "8", "--micro-batch", "4",
-            "--dir", str(tmp_path), "--out", str(out), timeout=400)
+    r = cli("bench", "throughput", "--only", "costly", "--workers", "1", "--repeats", "1", "--steps", "6",
+            "--warmup", "2", "--hidden", "16", "--items", "64", "--image-px", "40", "--global-batch", "8",
+            "--micro-batch", "4", "--dir", str(tmp_path), "--out", str(out), timeout=280)
     assert r.code == 0, r.err[-3000:]
     report = json.loads(out.read_text())
     assert json.loads(r.out) == report
-    assert set(report["goals"]) == {"cheap_harness_over_plain>=0.97", "costly_harness_over_plain>=1.5"}
+    assert "cheap" not in report and set(report["goals"]) == {"costly_harness_over_plain>=1.5"}
     assert not report["all_goals_met"] and report["note"]  # 1 repeat: never claims a goal
-    for case, world in (("cheap", 2), ("costly", 1)):
-        c = report[case]
-        assert c["samples_trained"] == {"harness": [48], "plain": [48]} == {
-            s: [c["expected_samples"]] for s in ("harness", "plain")}
-        assert c["world_size"] == {"harness": [world], "plain": [world]}
-        assert all(np.isfinite(v) and v > 0 for s in ("harness", "plain") for v in c["samples_per_s"][s])
-        assert c["ratio"] > 0 and set(c["others_cores_median"]) == {"harness", "plain"}
+    c = report["costly"]
+    assert c["samples_trained"] == {"harness": [48], "plain": [48]} == {
+        s: [c["expected_samples"]] for s in ("harness", "plain")}
+    assert c["world_size"] == {"harness": [1], "plain": [1]} and c["harness_data_workers"] == 1
+    assert all(np.isfinite(v) and v > 0 for s in ("harness", "plain") for v in c["samples_per_s"][s])
+    assert c["ratio"] > 0 and set(c["others_cores_median"]) == {"harness", "plain"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp.json"]  # scratch removed
