@@ -65,9 +65,12 @@ def test_only_env_module_reads_worker_environment():
 
 def test_nothing_asks_torch_distributed_who_it_is():
     # runtime/dist.py owns the process group: it may check a group the user's script made
-    # against what the launcher said; nothing else asks torch who it is.
+    # against what the launcher said; nothing else asks torch who it is. bench/tput_plain.py
+    # is the plain torchrun DDP script the harness is measured against: it uses nothing of
+    # the harness and asks torch, as such scripts do.
     offenders = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
-                 if "get_rank()" in p.read_text() or "get_world_size()" in p.read_text()]
+                 if p.relative_to(PKG).as_posix() != "bench/tput_plain.py"
+                 and ("get_rank()" in p.read_text() or "get_world_size()" in p.read_text())]
     assert offenders in ([], ["runtime/dist.py"])
 
 

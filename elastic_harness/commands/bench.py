@@ -13,6 +13,7 @@ import importlib
 BENCHES = {
     "checkpoint": "elastic_harness.bench.checkpoint",
     "recovery": "elastic_harness.bench.recovery",  # time to recover from faults
+    "throughput": "elastic_harness.bench.throughput",  # samples/s vs a plain torchrun DDP script
 }
 
 

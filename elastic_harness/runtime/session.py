@@ -73,6 +73,7 @@ from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.loader import StepLoader, planner, to_device
 from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
@@ -93,7 +94,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
+    seed_torch(seed)  # torch.manual_seed's effect, without its cost every step (runtime.seeding)
     random.seed(seed)
     np.random.seed(seed % 2**32)
 
@@ -351,12 +352,8 @@ class Run:
             _record_samples(loop.sample_log, self.generation, step, self.rank, self.world_size)
         train.step += 1
         train.data = train.data.advance(spec.train.global_batch_size)
+        totals = self._collect_totals(step)
         now = time.monotonic()
-        time_flag = float(self.rank == 0 and save_due_by_time(spec.checkpoint.every_seconds,
-                                                              now - loop.last_save))
-        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), time_flag],
-                              dtype=torch.float64)
-        dist.all_reduce(totals)
         loss = float(totals[0]) / spec.train.global_batch_size
         self._last_loss = loss
         final = train.step == spec.train.steps
@@ -374,6 +371,38 @@ class Run:
             step.drained = True
             return
         loop.faults.after_step(train.step)
+
+    def _share_totals(self, step: Step) -> None:
+        """Start the step's one all-reduce, [loss sum, drain requested, time-based save due
+        (rank 0 decides: clocks differ)], without waiting for it (``Step.batches``).
+
+        Waiting for it in the step hook made every step meet its peers twice (the gradient
+        all-reduce, then this): whatever the ranks drifted apart during the optimizer step
+        was paid again as a wait (``bench throughput``). Started right after the last
+        backward, it is done by the time ``done`` needs it. Every rank starts it at the
+        same point of the same step, so collectives keep their order.
+        """
+        if step.shared is not None:
+            return
+        flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
+                                                         time.monotonic() - self._loop.last_save))
+        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag],
+                              dtype=torch.float64)
+        work = dist.all_reduce(totals, async_op=True)
+        step.shared = (totals, work, step.loss_sum.clone(), step.samples)
+
+    def _collect_totals(self, step: Step) -> torch.Tensor:
+        """The step's reduced totals; a loss counted after they were started (a backward
+        after the loop) is reduced now. Whether that happened depends on the script's
+        structure (calls, not values), so every rank makes the same extra call."""
+        self._share_totals(step)  # a loop that never finished step.batches(): start it here
+        totals, work, loss_then, samples_then = step.shared
+        work.wait()
+        if step.samples != samples_then:
+            late = step.loss_sum - loss_then
+            dist.all_reduce(late)
+            totals[0] += late
+        return totals
 
     def _maybe_save(self, step: int, *, blocking: bool, periodic: bool) -> None:
         loop = self._loop

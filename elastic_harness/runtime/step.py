@@ -40,6 +40,8 @@ class Owner(Protocol):
     optimizer: torch.optim.Optimizer | None
     scaler: Any
 
+    def _share_totals(self, step: Step) -> None: ...
+
     def _after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
 
@@ -64,6 +66,7 @@ class Step:
         self.backwards = 0
         self.finished = False
         self.drained = False
+        self.shared: Any = None  # the step's totals all-reduce, once launched (Run._share_totals)
 
     @property
     def is_last(self) -> bool:
@@ -76,7 +79,14 @@ class Step:
         return bool(every) and not self.drained and (self.number % every == 0 or self.is_last)
 
     def batches(self) -> Iterator[Any]:
-        """This rank's micro-batches, in order; gradient sync only on the last one."""
+        """This rank's micro-batches, in order; gradient sync only on the last one.
+
+        When the loop over them ends (every micro-batch's backward done, the ranks just
+        met in the last gradient all-reduce), the step's own all-reduce (loss, drain,
+        time-based save) starts without waiting: it completes while the optimizer steps,
+        and ``done`` collects it. A loop left early (``break``, an exception) does not
+        start it; ``done`` then runs it itself.
+        """
         model = self.run.model
         last = len(self._batches) - 1
         try:
@@ -88,6 +98,7 @@ class Step:
         finally:
             if model is not None:
                 set_grad_sync(model, True)
+        self.run._share_totals(self)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to differentiate: the micro-batch's share of the global-batch mean.

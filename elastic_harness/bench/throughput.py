@@ -1,0 +1,263 @@
+"""``elastic-harness bench throughput``: training samples/s, the harness vs a plain torchrun
+DDP script, side by side in one run, with cheap and with costly data items.
+
+Both sides train the same MLP with AdamW on the same images (``tput_common``,
+``tput_data``), the same global batch split into the same micro-batches, for the same
+number of steps, with no checkpoints (``checkpoint.every_steps: 0, save_final: false``;
+the plain script saves nothing):
+
+- plain: ``tput_plain`` under ``python -m torch.distributed.run --standalone``:
+  ``DistributedSampler`` + ``DataLoader(num_workers=0)``, ``no_sync`` accumulation,
+  ``loss.backward()``, ``optimizer.step()``.
+- harness: ``tput_harness`` (the same loop on the public API) under ``elastic-harness run``
+  with a script job, not under plain torchrun: our agent, step watchdog, events and
+  TensorBoard scalars every ``train.log_every`` steps are part of what users pay for, so
+  they are part of what is measured. Its loader processes: 0 with cheap items, ``--workers``
+  with costly ones (``data.workers``).
+
+Throughput is steady state: rank 0 stamps the top of every step; the first ``--warmup``
+steps (process start, allocator and DataLoader warm-up) are skipped and samples/s is
+``global_batch * steps / seconds`` over the rest. Runs alternate (repeat r: harness first
+when r is even, plain first when odd; cheap then costly) so load drift hits both sides; the
+ratio is median harness samples/s over median plain samples/s. Goals:
+
+- cheap items (pre-decoded tensors): harness / plain                               >= 0.97
+- costly items (JPEG decode + augmentation per item, ``--image-px``): harness with
+  ``--workers`` loader processes / plain loading in its training process          >= 1.5
+
+Each run also records the CPU seconds its processes used and, from ``/proc/stat``, how
+many cores other processes kept busy meanwhile (``others_cores_median``): on a shared
+machine that is the load the ratios were measured under. Parallel loading can only help
+where a core is free for it.
+
+Choices for a 2-core machine, stated in the JSON: every rank computes on ``--threads`` (1)
+torch thread. Cheap items use 2 ranks per node (both cores compute). Costly items use 1
+rank (``--nproc-costly``): with 2 ranks both cores would already compute, leaving loader
+processes no core, whereas on a real GPU node the accelerator computes and the host's spare
+cores load. The MLP (``--hidden`` 1024, 3072 -> 1024 -> 1024 -> 10, 4.2 M parameters) takes
+a few tens of ms per 32-sample micro-batch on one thread: per-step overheads show, but do
+not dominate. ``--image-px`` 96 makes an item cost about a millisecond, so loading a step's
+64 items costs about what computing them does (where parallel loading matters most).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+from pathlib import Path
+
+from elastic_harness.bench import check_out, scratch_dir
+from elastic_harness.errors import HarnessError
+
+CASES = ("cheap", "costly")
+SIDES = ("harness", "plain")
+GOALS = {"cheap": 0.97, "costly": 1.5}
+MIN_REPEATS_FOR_GOALS = 5
+LOG_EVERY = 10  # both sides: the loss (and for the harness its step event) every 10 steps
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="samples/s, harness vs a plain torchrun DDP script (JSON)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5, help="runs per side and case; medians (default 5)")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps per run (default 120)")
+    p.add_argument("--warmup", type=int, default=20, help="first steps not timed (default 20)")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per step (default 64)")
+    p.add_argument("--micro-batch", type=int, default=32, help="samples per forward (default 32)")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    p.add_argument("--items", type=int, default=2048, help="images in the data set (default 2048)")
+    p.add_argument("--image-px", type=int, default=96, help="stored JPEG side, costly items (default 96)")
+    p.add_argument("--workers", type=int, default=2, help="harness loader processes per rank, costly (default 2)")
+    p.add_argument("--nproc-cheap", type=int, default=2, help="ranks with cheap items (default 2)")
+    p.add_argument("--nproc-costly", type=int, default=1, help="ranks with costly items (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--only", action="append", choices=CASES, help="run only this case (repeatable)")
+    p.add_argument("--dir", help="scratch directory (default: system temp; removed after)")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
+    p.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_throughput)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a configuration that cannot run or measure anything, before anything starts."""
+    positive = {"--repeats": args.repeats, "--steps": args.steps, "--global-batch": args.global_batch,
+                "--micro-batch": args.micro_batch, "--hidden": args.hidden, "--threads": args.threads,
+                "--nproc-cheap": args.nproc_cheap, "--nproc-costly": args.nproc_costly}
+    for flag, value in positive.items():
+        if value < 1:
+            raise HarnessError(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0 or args.workers < 0:
+        raise HarnessError("--warmup and --workers must be >= 0")
+    if args.steps < args.warmup + 3:
+        raise HarnessError(f"--steps {args.steps} leaves fewer than 2 timed steps after --warmup {args.warmup}",
+                           "use --steps >= --warmup + 3")
+    for case in cases_of(args):
+        n = nproc_of(args, case)
+        if args.global_batch % (n * args.micro_batch):
+            raise HarnessError(f"--global-batch {args.global_batch} is not a multiple of {n} ranks x "
+                               f"--micro-batch {args.micro_batch} ({case} items)",
+                               "pick sizes that divide evenly (the plain script accumulates whole micro-batches)")
+        if args.items < args.global_batch:
+            raise HarnessError(f"--items {args.items} is smaller than --global-batch {args.global_batch}")
+    if not 32 <= args.image_px <= 1024:
+        raise HarnessError(f"--image-px must be 32..1024, got {args.image_px}")
+
+
+def cases_of(args: argparse.Namespace) -> list[str]:
+    return [c for c in CASES if not args.only or c in args.only]
+
+
+def nproc_of(args: argparse.Namespace, case: str) -> int:
+    return args.nproc_cheap if case == "cheap" else args.nproc_costly
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    check_args(args)
+    check_out(args.out)
+    scratch = scratch_dir("eh-throughput-", args.dir)
+    load_before = os.getloadavg()
+    # SIGTERM unwinds like Ctrl-C, so the side running now is stopped (its processes live
+    # in their own session and would not get the signal) and the scratch dir removed.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        results = measure(args, scratch)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    report = summarize(results, args, load=(load_before, os.getloadavg()),
+                       kept=str(scratch) if args.keep else None)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def schedule(repeats: int, cases: list[str]) -> list[tuple[int, str, str]]:
+    """Pure: (repeat, case, side) in run order; the side that goes first alternates."""
+    order = []
+    for r in range(repeats):
+        sides = SIDES if r % 2 == 0 else SIDES[::-1]
+        order += [(r, case, side) for case in cases for side in sides]
+    return order
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> list[dict]:
+    from elastic_harness.bench import tput_run
+    from elastic_harness.bench.tput_data import write_images
+
+    data_dir = scratch / "data"
+    data_dir.mkdir()
+    write_images(data_dir, args.items, args.image_px)
+    results = []
+    for r, case, side in schedule(args.repeats, cases_of(args)):
+        run_dir = scratch / f"{case}-{side}-{r}"
+        record = tput_run.launch(side, case, args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
+        record.update(repeat=r, case=case, side=side,
+                      samples_per_s=steady_rate(record["stamps"], args.warmup, args.global_batch),
+                      hook_ms=_median_ms(record["hook_s"][args.warmup:]))
+        del record["stamps"], record["hook_s"]
+        results.append(record)
+        print(f"bench throughput: {case} {side} repeat {r}: {record['samples_per_s']:.1f} samples/s",
+              file=sys.stderr, flush=True)
+    return results
+
+
+# --- pure pieces: rates, medians, goals --------------------------------------------------------
+
+
+def steady_rate(stamps: list[float], warmup: int, global_batch: int) -> float:
+    """Samples/s over the steps after ``warmup``: ``stamps[i]`` is the start of step ``i``."""
+    window = stamps[warmup:]
+    if len(window) < 2 or window[-1] <= window[0]:
+        raise ValueError(f"need 2 increasing stamps after {warmup} warm-up steps, got {len(window)}")
+    return global_batch * (len(window) - 1) / (window[-1] - window[0])
+
+
+def _median_ms(xs: list[float]) -> float | None:
+    return round(statistics.median(xs) * 1e3, 3) if xs else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def goal(value: float | None, target: float, enough: bool) -> dict:
+    met = value is not None and value >= target
+    return {"value": value, "target": f">= {target}", "met": bool(met and enough)}
+
+
+def summarize_case(results: list[dict], case: str) -> dict:
+    """Medians per side, their ratio, and the ratio of each repeat's adjacent pair."""
+    runs = {s: sorted((x for x in results if x["case"] == case and x["side"] == s), key=lambda x: x["repeat"])
+            for s in SIDES}
+    rates = {s: [x["samples_per_s"] for x in runs[s]] for s in SIDES}
+    med = {s: statistics.median(v) if v else None for s, v in rates.items()}
+    return {
+        "harness_samples_per_s": _round(med["harness"]), "plain_samples_per_s": _round(med["plain"]),
+        "ratio": ratio(med["harness"], med["plain"]),
+        "paired_ratios": [ratio(h, p) for h, p in zip(rates["harness"], rates["plain"], strict=False)],
+        "harness_hook_ms_median": _round(statistics.median([x["hook_ms"] for x in runs["harness"]
+                                                            if x["hook_ms"] is not None] or [0.0])),
+        "samples_trained": {s: [x["samples"] for x in runs[s]] for s in SIDES},
+        "world_size": {s: sorted({x["world_size"] for x in runs[s]}) for s in SIDES},
+        "wall_s_median": {s: _median_of(runs[s], "wall_s") for s in SIDES},
+        "others_cores_median": {s: _median_of(runs[s], "others_cores") for s in SIDES},
+        "samples_per_s": {s: [_round(v) for v in rates[s]] for s in SIDES},
+    }
+
+
+def _median_of(runs: list[dict], key: str) -> float | None:
+    xs = [x[key] for x in runs if x.get(key) is not None]
+    return _round(statistics.median(xs)) if xs else None
+
+
+def _round(x: float | None, digits: int = 2) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def summarize(results: list[dict], args: argparse.Namespace, load: tuple, kept: str | None) -> dict:
+    cases = cases_of(args)
+    enough = args.repeats >= MIN_REPEATS_FOR_GOALS
+    per_case = {c: summarize_case(results, c) for c in cases}
+    for c in cases:
+        per_case[c].update(nproc_per_node=nproc_of(args, c), expected_samples=args.steps * args.global_batch,
+                           harness_data_workers=args.workers if c == "costly" else 0, plain_num_workers=0)
+    goals = {f"{c}_harness_over_plain>={GOALS[c]}": goal(per_case[c]["ratio"], GOALS[c], enough) for c in cases}
+    return {
+        "bench": "throughput",
+        "config": config_of(args, load, kept),
+        **per_case,
+        "goals": goals,
+        "all_goals_met": all(g["met"] for g in goals.values()),
+        "note": "" if enough else f"goals need --repeats >= {MIN_REPEATS_FOR_GOALS}; marked not met",
+    }
+
+
+def config_of(args: argparse.Namespace, load: tuple, kept: str | None) -> dict:
+    return {
+        "steps": args.steps, "warmup_steps": args.warmup, "repeats": args.repeats,
+        "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+        "model": f"MLP 3072-{args.hidden}-{args.hidden}-10, AdamW", "items": args.items,
+        "image_px": args.image_px, "threads_per_rank": args.threads, "cpus": os.cpu_count(),
+        "nproc_per_node": {c: nproc_of(args, c) for c in cases_of(args)},
+        "why_nproc_costly": "costly items: one rank computes on one core, leaving the other to loader "
+                            "processes (on a GPU node the accelerator computes and spare cores load)",
+        "harness": "elastic-harness run, script job (tput_harness): our agent, watchdog, events/TensorBoard "
+                   f"every {LOG_EVERY} steps",
+        "plain": "python -m torch.distributed.run --standalone (tput_plain): DistributedSampler + "
+                 f"DataLoader(num_workers=0), loss printed every {LOG_EVERY} steps",
+        "checkpoints": "none on either side",
+        "load_avg_1_5_15": {"before": [round(x, 2) for x in load[0]], "after": [round(x, 2) for x in load[1]]},
+        "run_dirs": kept,
+    }

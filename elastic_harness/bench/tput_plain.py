@@ -1,0 +1,68 @@
+"""The plain side of ``bench throughput``: a faithful torchrun DDP script, nothing of ours
+in its loop. ``DistributedSampler`` + ``DataLoader(num_workers=0)`` (items are loaded in
+the training process, as in most users' first script), gradient accumulation with
+``no_sync`` over the micro-batches of a step, ``loss.backward()``, ``optimizer.step()``,
+the loss printed every ``--log-every`` steps. No checkpoints.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \
+        -m elastic_harness.bench.tput_plain --data cheap --data-dir D --out O \
+        --steps S --global-batch G --micro-batch M
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer, parse_args
+from elastic_harness.bench.tput_data import open_images
+
+
+def forever(loader: DataLoader, sampler: DistributedSampler) -> Iterator:
+    """Micro-batches across epochs (a new shuffle each epoch)."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(build_model(args.hidden))
+    optimizer = build_optimizer(model)
+    data = open_images(args.data, args.data_dir)
+    sampler = DistributedSampler(data, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
+    accumulate = args.global_batch // (world * args.micro_batch)
+    batches = forever(loader, sampler)
+    clock = StepClock(rank, world)
+    for step in range(args.steps):
+        clock.tick()
+        for i in range(accumulate):
+            x, y = next(batches)
+            sync = contextlib.nullcontext() if i == accumulate - 1 else model.no_sync()
+            with sync:
+                loss = F.cross_entropy(model(x), y) / accumulate
+                loss.backward()
+            clock.count(len(y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if rank == 0 and (step + 1) % args.log_every == 0:
+            print(f"step {step + 1} loss {loss.item() * accumulate:.4f}", flush=True)
+    clock.finish(args.out, side="plain", accumulate=accumulate)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Seed torch's generators often (every step, every loaded item) without paying for it.
+
+``torch.manual_seed`` also seeds every accelerator backend. A backend that is not
+initialized (all of them on a CPU machine: CUDA, XPU, MTIA) queues the seed for later and
+records ``traceback.format_stack()`` with it, reading every frame's source through
+``linecache`` (one ``stat`` per frame): 0.5 ms per call from a shallow stack on the
+reference machine, several ms from inside a training loop's generators. The harness seeds
+once per step and once per loaded item (``runtime.loader``), so on small steps that was
+most of its overhead against a plain DDP script (``bench throughput``).
+
+``seed_torch`` has ``torch.manual_seed``'s effect on the generators the harness can use:
+the CPU generator, and CUDA's, directly when CUDA is initialized, queued by torch (the slow
+way, kept for exactness) when CUDA could still start in this process. It does not seed
+MPS, XPU, MTIA or custom (privateuse1) devices, which the harness does not run on
+(``device: auto|cpu|cuda``). A process forked from one that used CUDA (a loader process)
+cannot use CUDA, and ``torch.manual_seed`` skips it there too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def seed_torch(seed: int) -> None:
+    """Seed the CPU generator and, where it is or may become usable, CUDA's."""
+    torch.default_generator.manual_seed(seed)
+    cuda = torch.cuda
+    if cuda.is_initialized() or (not cuda._is_in_bad_fork() and cuda.is_available()):
+        cuda.manual_seed_all(seed)

@@ -1,0 +1,157 @@
+"""``bench throughput``: its pure pieces and one tiny real run.
+
+The smoke run checks the JSON's shape and that both sides trained exactly the samples
+they were asked to; speeds and ratios are never asserted (they are the bench's output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from elastic_harness.bench import throughput as tp
+from elastic_harness.bench import tput_run
+from elastic_harness.bench.tput_data import CheapImages, CostlyImages, write_images
+from elastic_harness.errors import HarnessError
+from elastic_harness.spec import parse_job
+from tests.conftest import cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def bench_args(**kw) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    tp.register(parser.add_subparsers())
+    args = parser.parse_args(["throughput"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_steady_rate_skips_warmup_and_counts_intervals():
+    stamps = [0.0, 9.0, 10.0, 10.5, 11.0, 12.0]  # step i starts at stamps[i]
+    assert tp.steady_rate(stamps, warmup=2, global_batch=8) == pytest.approx(8 * 3 / 2.0)
+    assert tp.steady_rate(stamps, warmup=0, global_batch=1) == pytest.approx(5 / 12.0)
+    with pytest.raises(ValueError):
+        tp.steady_rate(stamps, warmup=5, global_batch=8)  # one stamp left: no interval
+
+
+def test_schedule_interleaves_and_alternates_who_goes_first():
+    order = tp.schedule(3, ["cheap", "costly"])
+    assert len(order) == 3 * 2 * 2
+    assert order[:4] == [(0, "cheap", "harness"), (0, "cheap", "plain"),
+                         (0, "costly", "harness"), (0, "costly", "plain")]
+    assert order[4:6] == [(1, "cheap", "plain"), (1, "cheap", "harness")]
+    for r in range(3):  # every repeat has each (case, side) once
+        assert sorted(o[1:] for o in order if o[0] == r) == sorted(
+            (c, s) for c in ("cheap", "costly") for s in ("harness", "plain"))
+
+
+def _result(case, side, repeat, rate, samples=640, hook_ms=1.0):
+    return {"case": case, "side": side, "repeat": repeat, "samples_per_s": rate, "samples": samples,
+            "world_size": 2, "wall_s": 10.0, "hook_ms": hook_ms if side == "harness" else None}
+
+
+def test_case_summary_is_ratio_of_medians_with_paired_ratios():
+    results = [_result("cheap", "harness", r, v) for r, v in enumerate([100.0, 90.0, 300.0])]
+    results += [_result("cheap", "plain", r, v) for r, v in enumerate([100.0, 100.0, 100.0])]
+    results += [_result("costly", "plain", 0, 5.0)]  # another case: ignored
+    s = tp.summarize_case(results, "cheap")
+    assert s["harness_samples_per_s"] == 100.0 and s["plain_samples_per_s"] == 100.0
+    assert s["ratio"] == 1.0
+    assert s["paired_ratios"] == [1.0, 0.9, 3.0]
+    assert s["samples_trained"] == {"harness": [640] * 3, "plain": [640] * 3}
+    assert s["harness_hook_ms_median"] == 1.0
+
+
+def test_goals_need_the_target_and_enough_repeats():
+    assert tp.goal(0.98, 0.97, enough=True)["met"] is True
+    assert tp.goal(0.96, 0.97, enough=True)["met"] is False
+    assert tp.goal(2.0, 1.5, enough=False)["met"] is False
+    assert tp.goal(None, 1.5, enough=True)["met"] is False
+    results = [_result(c, s, r, 100.0 if s == "plain" else (99.0 if c == "cheap" else 160.0))
+               for r in range(5) for c in tp.CASES for s in tp.SIDES]
+    report = tp.summarize(results, bench_args(repeats=5), load=((1, 1, 1), (1, 1, 1)), kept=None)
+    assert report["goals"]["cheap_harness_over_plain>=0.97"]["met"] is True
+    assert report["goals"]["costly_harness_over_plain>=1.5"]["met"] is True
+    assert report["all_goals_met"] and report["note"] == ""
+    short = tp.summarize(results, bench_args(repeats=2), load=((1, 1, 1), (1, 1, 1)), kept=None)
+    assert not short["all_goals_met"] and "repeats" in short["note"]
+
+
+def test_configurations_that_cannot_measure_are_refused():
+    tp.check_args(bench_args())
+    bad = [dict(steps=10, warmup=8), dict(global_batch=48, micro_batch=32), dict(items=10),
+           dict(image_px=8), dict(workers=-1), dict(threads=0)]
+    for kw in bad:
+        with pytest.raises(HarnessError):
+            tp.check_args(bench_args(**kw))
+    tp.check_args(bench_args(global_batch=48, micro_batch=24, only=["cheap"]))
+
+
+def test_harness_job_is_a_valid_script_job_with_checkpoints_off(tmp_path):
+    args = bench_args(workers=3)
+    for case, nproc in (("cheap", 2), ("costly", 1)):
+        raw = tput_run.harness_job(args, case, tmp_path, tmp_path / "out.json", nproc, log_every=10)
+        spec = parse_job(yaml.safe_dump(raw))
+        assert spec.script.path.endswith("tput_harness.py") and spec.nproc_per_node == nproc
+        assert spec.checkpoint.every_steps == 0 and not spec.checkpoint.save_final
+        assert spec.data.workers == (3 if case == "costly" else 0)
+        assert (spec.train.global_batch_size, spec.train.micro_batch_size) == (64, 32)
+    cmd = tput_run.plain_command(args, "cheap", tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert "elastic_harness.bench.tput_plain" in cmd and f"--log-dir={tmp_path / 'logs'}" in cmd
+
+
+def test_others_load_is_the_busy_time_that_was_not_ours():
+    assert tput_run.others_cores(busy_s=30.0, ours_s=10.0, wall_s=10.0) == 2.0
+    assert tput_run.others_cores(busy_s=9.0, ours_s=10.0, wall_s=10.0) == 0.0  # tick rounding
+    assert tput_run.others_cores(None, 10.0, 10.0) is None
+    before = tput_run.machine_busy_s()
+    assert before is None or before > 0
+
+
+def test_both_data_sets_hold_the_same_images(tmp_path):
+    write_images(tmp_path, 6, px=48)
+    cheap, costly = CheapImages(tmp_path), CostlyImages(tmp_path)
+    assert len(cheap) == len(costly) == 6
+    x, y = costly[3]
+    assert x.shape == cheap[3][0].shape == (3, 32, 32) and x.dtype == torch.float32
+    assert y == cheap[3][1]
+    torch.manual_seed(0)
+    import random
+
+    random.seed(1)
+    a = costly[2][0]
+    random.seed(1)
+    assert torch.equal(a, costly[2][0])  # augmentation draws only from `random`
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_smoke_both_sides_train_the_same_samples(tmp_path):
+    # Only the costly case (one rank each side, the harness with one loader process): two
+    # launches instead of four keep this within the suite's e2e budget; it still runs both
+    # sides end to end, the loader processes and the JPEG decoding. The cheap case differs
+    # only in the data set class and rank count (unit-tested above).
+    out = tmp_path / "tp.json"
+    r = cli("bench", "throughput", "--only", "costly", "--workers", "1", "--repeats", "1", "--steps", "6",
+            "--warmup", "2", "--hidden", "16", "--items", "64", "--image-px", "40", "--global-batch", "8",
+            "--micro-batch", "4", "--dir", str(tmp_path), "--out", str(out), timeout=280)
+    assert r.code == 0, r.err[-3000:]
+    report = json.loads(out.read_text())
+    assert json.loads(r.out) == report
+    assert "cheap" not in report and set(report["goals"]) == {"costly_harness_over_plain>=1.5"}
+    assert not report["all_goals_met"] and report["note"]  # 1 repeat: never claims a goal
+    c = report["costly"]
+    assert c["samples_trained"] == {"harness": [48], "plain": [48]} == {
+        s: [c["expected_samples"]] for s in ("harness", "plain")}
+    assert c["world_size"] == {"harness": [1], "plain": [1]} and c["harness_data_workers"] == 1
+    assert all(np.isfinite(v) and v > 0 for s in ("harness", "plain") for v in c["samples_per_s"][s])
+    assert c["ratio"] > 0 and set(c["others_cores_median"]) == {"harness", "plain"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp.json"]  # scratch removed
