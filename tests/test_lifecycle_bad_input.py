@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -84,3 +86,20 @@ def test_a_run_dir_owned_by_a_live_job_is_refused_by_name(cli_here, state, tmp_p
     r = cli_here("submit", MLP, "--run-dir", run_dir)
     assert_one_line_error(r, "belongs to job mlp-queued, which is pending", "elastic-harness stop mlp-queued")
     assert sorted(p.name for p in run_dir.iterdir()) == [], "nothing was started or written"
+
+
+def test_a_supervisor_that_died_is_reported_not_running(cli_here, state, tmp_path):
+    """A real process that exited without recording an exit (as a SIGKILLed supervisor)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(json.dumps({"t": 1.0, "event": "start", "pid": proc.pid, "who": "host",
+                                                      "run_id": "mlp-gone"}) + "\n")
+    registry.save(JobRecord(id="mlp-gone", name="mlp", scheduler="local", submitted=1.0, total_steps=60,
+                            run_dir=str(run_dir), host=os.uname().nodename, pid=proc.pid, pid_start="1"), state)
+    r = cli_here("status", "mlp-gone", "--json")
+    st = json.loads(r.out)
+    assert (r.code, st["state"]) == (0, "failed")
+    assert st["reason"] == f"supervisor pid {proc.pid} on {os.uname().nodename} is gone, without recording an exit"
+    assert_one_line_error(cli_here("stop", "mlp-gone"), "job mlp-gone is not running: it failed")

@@ -43,6 +43,8 @@ def detail(st: JobStatus) -> str:
         rows.append(("run dir", st.run_dir))
     if st.exit_code is not None:
         rows.append(("exit code", str(st.exit_code)))
+    if st.model_digest:
+        rows.append(("digest", st.model_digest))
     return "\n".join(f"{k:<11}{v}" for k, v in rows)
 
 

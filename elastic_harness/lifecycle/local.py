@@ -36,7 +36,7 @@ from elastic_harness.lifecycle.api import LogQuery, Submission
 from elastic_harness.lifecycle.logs import LogReader
 from elastic_harness.lifecycle.observe import observe
 from elastic_harness.lifecycle.registry import JobRecord
-from elastic_harness.lifecycle.state import ACTIVE, JobStatus, Liveness, invocation_of
+from elastic_harness.lifecycle.state import JobStatus, Liveness, invocation_of
 
 
 def supervisor_log(job_id: str) -> str:
@@ -118,7 +118,7 @@ class LocalScheduler:
                            extra=[(supervisor_log(record.id), "supervisor")])
         reader.dump(out)
         if query.follow:
-            reader.follow(out, active=lambda: self.status(record).state in ACTIVE)
+            reader.follow(out, active=lambda: self.liveness(record).phase == "running")
 
     def stop(self, record: JobRecord, now: bool) -> None:
         if not pid_alive({"pid": record.pid, "pid_start": record.pid_start}):

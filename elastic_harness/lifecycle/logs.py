@@ -7,8 +7,8 @@ so following costs a stat and a read per file per poll, and a line is printed on
 Order: without ``follow``, the supervisor's (or Slurm batch script's) log, then each node's
 agent, then each worker file by restart and rank, each whole. With ``follow``, after that
 every new line as it is read, from whichever file; new restarts' files are found as their
-agents announce them. Following ends when ``active()`` says the job is over (after a last
-read), or on Ctrl-C.
+agents announce them. Following ends when ``active()`` says the job's processes are gone
+(after a last read, so the supervisor's final lines are shown), or on Ctrl-C.
 """
 
 from __future__ import annotations

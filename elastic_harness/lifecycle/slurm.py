@@ -31,7 +31,7 @@ from elastic_harness.lifecycle.logs import LogReader
 from elastic_harness.lifecycle.observe import observe
 from elastic_harness.lifecycle.registry import LIFECYCLE_DIR, JobRecord
 from elastic_harness.lifecycle.slurm_script import ScriptJob, SlurmOptions, render
-from elastic_harness.lifecycle.state import ACTIVE, JobStatus, Liveness
+from elastic_harness.lifecycle.state import JobStatus, Liveness
 from elastic_harness.spec import dump_job
 
 QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD",
@@ -152,7 +152,7 @@ class SlurmScheduler:
                            extra=[(f"slurm-{record.slurm_job}.out", "batch")])
         reader.dump(out)
         if query.follow:
-            reader.follow(out, active=lambda: self.status(record).state in ACTIVE)
+            reader.follow(out, active=lambda: self.liveness(record).phase in ("queued", "running"))
 
     def stop(self, record: JobRecord, now: bool) -> None:
         job = record.slurm_job

@@ -66,6 +66,7 @@ class JobStatus:
     wall_s: float | None = None
     exit_code: int | None = None
     submitted: float = 0.0
+    model_digest: str | None = None  # of the final parameters, once finished
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,5 +148,5 @@ def status_from_events(base: JobStatus, events: Sequence[dict], live: Liveness, 
         base, state=state, reason=reason, step=s.step if mine else None, loss=s.loss,
         world_size=s.world_size or None, nodes=s.nodes or None, restarts=s.restarts if mine else None,
         recoveries=s.recoveries if mine else None, last_checkpoint_step=s.last_checkpoint_step,
-        last_checkpoint=s.last_checkpoint, wall_s=wall,
+        last_checkpoint=s.last_checkpoint, wall_s=wall, model_digest=s.digest,
         exit_code=exit[0] if exit else (live.exit_code if live.phase == "gone" else None))
