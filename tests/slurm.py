@@ -1,12 +1,20 @@
 """A real Slurm on this machine for tests: munged, slurmctld and slurmd, started and stopped
 by pid, all state in a temp dir, OS-picked ports.
 
-One node named after this host (``CPUs=2``), ``proctrack/linuxproc`` and ``task/none``
-(no cgroups needed), munge with its own key and socket. Two settings make requeues quick
-enough for a test: ``cred_expire=5`` (a requeued job waits cred_expire + 1 s before it is
+``slurm_cluster(root, nodes=N)``: nodes ``n0`` .. ``n<N-1>``, each slurmd in a network
+namespace of its own (``elastic_harness.netns``: its own address on a private bridge) and a
+UTS namespace (its own hostname), entered with ``nsenter --net`` rather than ``ip netns
+exec`` so /sys keeps the machine's cgroup mounts, which slurmd reads. Each also gets a mount
+namespace whose /etc/hosts names both nodes: jobs on either node resolve ``n0`` and ``n1``
+to their namespace addresses (the batch script rendezvouses on the first node by name),
+and torch and gloo bind to the namespace address, not to loopback. slurmctld stays in
+the root namespace, reached on the bridge's address.
+
+Also: ``proctrack/linuxproc`` and ``task/none`` (no cgroups needed), munge with its
+own key and socket, ``cred_expire=5`` (a requeued job waits cred_expire + 1 s before it is
 eligible again; the default is 120 s) and ``sched_interval=1`` (the main scheduling loop
 runs every second instead of every minute). Jobs still in the queue at the end are killed
-(``scancel``) and waited for before the daemons stop, so nothing a job started outlives it.
+and waited for before the daemons stop, so nothing a job started outlives the fixture.
 
 Missing binaries fail the fixture with the fix (``bash .ci/setup`` installs Debian's
 ``slurm-wlm`` and ``munge``); the tests that use it are never skipped.
@@ -25,23 +33,24 @@ from pathlib import Path
 
 import pytest
 
+from elastic_harness.netns import NetnsTopology
 from tests.servers import free_port, wait_until
 
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "nsenter", "unshare")
 
 
-def _conf(root: Path, host: str) -> str:
+def _conf(root: Path, controller: str, nodes: list[str]) -> str:
     return "\n".join([
-        "ClusterName=eh-test", f"SlurmctldHost={host}", f"SlurmctldPort={free_port()}",
+        "ClusterName=eh-test", f"SlurmctldHost={controller}", f"SlurmctldPort={free_port()}",
         f"SlurmdPort={free_port()}", "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={root}/munge.sock,cred_expire=5", "SlurmUser=root", "SlurmdUser=root",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",
+        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool-%n",
+        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",
+        f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd-%n.log",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
         "SwitchType=switch/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "ReturnToService=2", "MailProg=/bin/true",
-        "SchedulerParameters=sched_interval=1", f"NodeName={host} CPUs=2 State=UNKNOWN",
+        "SchedulerParameters=sched_interval=1", *nodes,
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", "",
     ])
 
@@ -61,48 +70,60 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _ours(env: dict) -> list[str]:
-    out = subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True, text=True,
-                         env=env, timeout=30)
-    return out.stdout.split()
+def _slurm(env: dict, *cmd: str) -> str:
+    return subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=30).stdout
+
+
+def _daemons(root: Path, nodes: int, topology: NetnsTopology) -> tuple[str, list[str], list[list[str]]]:
+    """(controller, NodeName lines, slurmd commands) for ``nodes`` nodes in namespaces."""
+    conf = str(root / "slurm.conf")
+    topology.setup()
+    hosts = [topology.add_host(i) for i in range(nodes)]
+    (root / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{h.addr} n{h.index}\n" for h in hosts))
+    lines = [f"NodeName=n{h.index} NodeAddr={h.addr} NodeHostname=n{h.index} CPUs={os.cpu_count()} State=UNKNOWN"
+             for h in hosts]
+    commands = [["nsenter", f"--net=/var/run/netns/{h.namespace}", "unshare", "--uts", "--mount", "sh", "-c",
+                 f"mount --bind {root}/hosts /etc/hosts && hostname n{h.index} && exec slurmd -D -f {conf}"]
+                for h in hosts]
+    return f"{socket.gethostname().split('.')[0]}({topology.gateway})", lines, commands
 
 
 @contextlib.contextmanager
-def slurm_cluster(root: Path) -> Iterator[dict[str, str]]:
+def slurm_cluster(root: Path, nodes: int = 2) -> Iterator[dict[str, str]]:
     """Yields the environment (``SLURM_CONF``) under which Slurm's commands reach it."""
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if missing:
         pytest.fail(f"{', '.join(missing)} not installed: run `bash .ci/setup` (installs slurm-wlm and munge)")
     root.mkdir(parents=True, exist_ok=True)
-    for sub in ("state", "spool"):
-        (root / sub).mkdir(exist_ok=True)
+    (root / "state").mkdir(exist_ok=True)
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    conf = root / "slurm.conf"
-    conf.write_text(_conf(root, socket.gethostname().split(".")[0]))
-    env = {**os.environ, "SLURM_CONF": str(conf)}
-    procs = [_start(["munged", "--foreground", "--force", f"--socket={root}/munge.sock", f"--key-file={key}",
-                     f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
-                     f"--seed-file={root}/munged.seed"], root / "munged.out", env)]
+    topology = NetnsTopology()
+    env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+    procs: list[subprocess.Popen] = []
     try:
+        controller, lines, slurmds = _daemons(root, nodes, topology)
+        (root / "slurm.conf").write_text(_conf(root, controller, lines))
+        procs.append(_start(["munged", "--foreground", "--force", f"--socket={root}/munge.sock", f"--key-file={key}",
+                             f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
+                             f"--seed-file={root}/munged.seed"], root / "munged.out", env))
         wait_until(lambda: (root / "munge.sock").exists() or procs[0].poll() is not None, 30, "munged's socket")
-        procs.append(_start(["slurmctld", "-D", "-c", "-f", str(conf)], root / "slurmctld.out", env))
-        procs.append(_start(["slurmd", "-D", "-f", str(conf)], root / "slurmd.out", env))
-        wait_until(lambda: _idle(env) or any(p.poll() is not None for p in procs), 60, "the Slurm node to be idle")
-        dead = [p.args[0] for p in procs if p.poll() is not None]
-        assert not dead, f"{dead} exited; see {root}/*.log"
-        yield {"SLURM_CONF": str(conf)}
+        procs.append(_start(["slurmctld", "-D", "-c", "-f", str(root / "slurm.conf")], root / "slurmctld.out", env))
+        for i, cmd in enumerate(slurmds):
+            procs.append(_start(cmd, root / f"slurmd-{i}.out", env))
+        wait_until(lambda: _slurm(env, "sinfo", "--noheader", "--format=%T").split() == ["idle"]
+                   or any(p.poll() is not None for p in procs), 60, "the Slurm nodes to be idle")
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"{dead} exited; see {root}/*.log and *.out"
+        yield {"SLURM_CONF": str(root / "slurm.conf")}
     finally:
         with contextlib.suppress(Exception):
-            for job in _ours(env):
+            for job in _slurm(env, "squeue", "--noheader", "--format=%i").split():
                 subprocess.run(["scancel", "--full", "--signal=KILL", job], env=env, timeout=30)
                 subprocess.run(["scancel", job], env=env, timeout=30)
-            wait_until(lambda: not _ours(env), 60, "the test's Slurm jobs to end")
+            wait_until(lambda: not _slurm(env, "squeue", "--noheader", "--format=%i").split(), 60,
+                       "the test's Slurm jobs to end")
         for proc in reversed(procs):
             _stop(proc)
-
-
-def _idle(env: dict) -> bool:
-    out = subprocess.run(["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, env=env, timeout=30)
-    return out.stdout.strip() == "idle"
+        topology.teardown()

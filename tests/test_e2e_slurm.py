@@ -1,11 +1,13 @@
-"""A job on a real Slurm (``tests/slurm.py``: munged, slurmctld and slurmd on this machine):
-submitted, followed, preempted the way Slurm signals a job before its time limit (SIGTERM to
-the job's steps) and requeued by its script, stopped gracefully, submitted again, and
-finished with the same model as the uninterrupted reference run.
+"""A job on a real Slurm (``tests/slurm.py``: munged, slurmctld and two slurmd on this
+machine, each node in network and UTS namespaces of its own): submitted, followed, preempted
+the way Slurm signals a job before its time limit (SIGTERM to the job's steps) and requeued
+by its script, stopped gracefully, submitted again, and finished with the same model as the
+uninterrupted reference run.
 
-The job is the MLP reference job with a synchronous checkpoint after every step (no effect
-on the parameters; slow enough steps to interrupt). One Slurm node with 2 CPUs, one agent on
-it with 2 workers; the c10d store on an OS-picked port.
+The job is the MLP reference job on two nodes with one worker each (world size 2, as the
+reference: the same model bit for bit), with a synchronous checkpoint after every step (no
+effect on the parameters; slow enough steps to interrupt). The c10d store is on the first
+node at an OS-picked port.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as env:
         yield env
 
 
@@ -37,7 +39,8 @@ def events_of(run_dir, kind: str) -> list[dict]:
 
 def test_submit_preempt_requeue_stop_resubmit_and_finish(slurm, mlp_reference, tmp_path):
     run_dir = tmp_path / "run"
-    common = ["--scheduler", "slurm", "--run-dir", str(run_dir), "--rdzv-port", str(free_port()), *SLOW]
+    two = ["--set", "nodes.min=2", "--set", "nodes.max=2", "--nproc-per-node", "1"]
+    common = ["--scheduler", "slurm", "--run-dir", str(run_dir), "--rdzv-port", str(free_port()), *two, *SLOW]
     eh = lambda *args, timeout=120: cli(*args, timeout=timeout, env=slurm)  # noqa: E731
     r = eh("submit", str(MLP), *common, "--json")
     assert r.code == 0, r.err
@@ -46,12 +49,15 @@ def test_submit_preempt_requeue_stop_resubmit_and_finish(slurm, mlp_reference, t
     try:
         wait_until(lambda: len(steps_of(run_dir, job)) >= 3, 300, "the Slurm job to train")
         st = json.loads(eh("status", job, "--json").out)
-        assert (st["state"], st["where"], st["world_size"]) == ("running", f"Slurm job {slurm_job}: RUNNING", 2)
+        assert (st["state"], st["where"], st["world_size"], st["nodes"]) == \
+            ("running", f"Slurm job {slurm_job}: RUNNING", 2, 2)
+        workers = {e["node"]: e["rank"] for e in events_of(run_dir, "worker")}
+        assert workers == {"0": 0, "1": 1}, "rank 0 on the first node, whose agent hosts the store"
 
         # What --signal=TERM@S does before the time limit: SIGTERM to the job's steps (the agents).
         subprocess.run(["scancel", "--signal=TERM", slurm_job], env={**os.environ, **slurm}, check=True, timeout=30)
         wait_until(lambda: len(events_of(run_dir, "resume")) == 2, 300, "the requeued attempt to resume")
-        (drain,), resumed = events_of(run_dir, "drain"), events_of(run_dir, "resume")[-1]
+        drain, resumed = events_of(run_dir, "drain")[-1], events_of(run_dir, "resume")[-1]
         assert resumed["step"] == drain["step"], "the drained step was saved: nothing lost to the preemption"
         shown = parse_scontrol(subprocess.run(["scontrol", "show", "job", "--oneliner", slurm_job], env={**os.environ, **slurm},
                                               capture_output=True, text=True, timeout=30).stdout)
@@ -66,7 +72,9 @@ def test_submit_preempt_requeue_stop_resubmit_and_finish(slurm, mlp_reference, t
         logs = eh("logs", job).out.splitlines()
         assert "[batch] batch: agents exited 143: requeueing (attempt 0)" in logs
         assert "[batch] batch: agents exited 143 after a stop request: not requeued" in logs
-        assert sum(line.startswith(f"[node 0 agent] === elastic-harness agent: node 0, job {job}") for line in logs) == 2
+        for node in ("0", "1"):  # an agent per node and attempt, each in its node's log
+            header = f"[node {node} agent] === elastic-harness agent: node {node}, job {job}"
+            assert sum(line.startswith(header) for line in logs) == 2, node
     finally:
         eh("stop", "--now", job, timeout=120)
 
@@ -80,3 +88,4 @@ def test_submit_preempt_requeue_stop_resubmit_and_finish(slurm, mlp_reference, t
         assert done["model_digest"] == mlp_reference.summary["model_digest"], "the same model as never stopped"
     finally:
         eh("stop", "--now", last, timeout=120)
+

@@ -79,6 +79,8 @@ def test_kubectl_json_is_read():
     sts = {"spec": {"replicas": 3}, "status": {"replicas": 3, "readyReplicas": 2}}
     assert kubectl.workload_liveness("statefulset", sts, pods).detail == "StatefulSet: 2/3 pods ready"
     assert kubectl.workload_liveness("statefulset", {"spec": {"replicas": 0}}, pods).phase == "gone"
+    looping = kubectl.Pods([], 5, [2, 2], ["node-0"])
+    assert kubectl.workload_liveness("statefulset", sts, looping).exit_code == 2, "a StatefulSet restarts a mistake forever"
 
 
 class Recorded:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_harness import exitcodes
 from elastic_harness.k8s.common import CONTAINER
 from elastic_harness.lifecycle.state import Liveness
 
@@ -128,6 +129,10 @@ def workload_liveness(kind: str, data: dict | None, p: Pods) -> Liveness:
     ready = int((data.get("status") or {}).get("readyReplicas") or 0)
     if replicas == 0:
         return Liveness("gone", detail="StatefulSet scaled to 0")
+    if not p.running and exitcodes.PERMANENT in p.exit_codes:
+        # A StatefulSet restarts its pods whatever their exit code: a permanent error loops.
+        return Liveness("gone", exit_code=exitcodes.PERMANENT,
+                        detail="the agents exit 2 (a mistake to fix) and their pods restart in a loop")
     return Liveness("running" if p.running else "queued", detail=f"StatefulSet: {ready}/{replicas} pods ready")
 
 
