@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -86,7 +87,10 @@ def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
     root = registry.state_dir()
     known = registry.load(job_id, root)
     if known is None or known.pid != os.getpid():
-        registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
+        try:
+            registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
+        except HarnessError as e:  # training does not depend on the registry: say so and go on
+            print(f"warning: {e.message}; `status` and `list` will not show this job", file=sys.stderr)
 
 
 def check_faults(spec, nodes: int, netns: bool) -> None:
