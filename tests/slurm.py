@@ -13,7 +13,9 @@ the root namespace, reached on the bridge's address.
 Also: ``proctrack/linuxproc`` and ``task/none`` (no cgroups needed), munge with its
 own key and socket, ``cred_expire=5`` (a requeued job waits cred_expire + 1 s before it is
 eligible again; the default is 120 s) and ``sched_interval=1`` (the main scheduling loop
-runs every second instead of every minute). Jobs still in the queue at the end are killed
+runs every second instead of every minute), ``KillWait=2`` (a cancelled job's leftovers get
+SIGKILL after 2 s, not 30: the tests' stops use ``scancel --signal``, which it does not
+affect). Jobs still in the queue at the end are killed
 and waited for before the daemons stop, so nothing a job started outlives the fixture.
 
 Missing binaries fail the fixture with the fix (``bash .ci/setup`` installs Debian's
@@ -50,7 +52,7 @@ def _conf(root: Path, controller: str, nodes: list[str]) -> str:
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
         "SwitchType=switch/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "ReturnToService=2", "MailProg=/bin/true",
-        "SchedulerParameters=sched_interval=1", *nodes,
+        "SchedulerParameters=sched_interval=1", "KillWait=2", *nodes,
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", "",
     ])
 
@@ -60,9 +62,13 @@ def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every daemon at once, then wait for each (a daemon's own shutdown takes
+    seconds; one after the other it added up to most of a minute); SIGKILL after 20 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -124,6 +130,6 @@ def slurm_cluster(root: Path, nodes: int = 2) -> Iterator[dict[str, str]]:
                 subprocess.run(["scancel", job], env=env, timeout=30)
             wait_until(lambda: not _slurm(env, "squeue", "--noheader", "--format=%i").split(), 60,
                        "the test's Slurm jobs to end")
-        for proc in reversed(procs):
-            _stop(proc)
+        _stop(procs[1:])  # the Slurm daemons, then munge, which they authenticate through
+        _stop(procs[:1])
         topology.teardown()
