@@ -78,14 +78,20 @@ def test_submit_preempt_requeue_stop_resubmit_and_finish(slurm, mlp_reference, t
     finally:
         eh("stop", "--now", job, timeout=120)
 
-    again = eh("submit", str(MLP), *common)
+    again = eh("submit", str(MLP), *common, "--json")
     assert again.code == 0, again.err
-    last = again.out.strip()
+    last, last_slurm = json.loads(again.out)["id"], json.loads(again.out)["slurm_job"]
     try:
         wait_until(lambda: events_of(run_dir, "finish"), 300, "the resubmitted job to finish")
         done = json.loads(eh("status", last, "--json").out)
         assert (done["state"], done["step"]) == ("succeeded", 60), done
         assert done["model_digest"] == mlp_reference.summary["model_digest"], "the same model as never stopped"
+        # The batch job ends by itself, exit 0, not requeued (and the fixture has nothing to cancel).
+        show = lambda: parse_scontrol(subprocess.run(  # noqa: E731
+            ["scontrol", "show", "job", "--oneliner", last_slurm], env={**os.environ, **slurm},
+            capture_output=True, text=True, timeout=30).stdout)
+        wait_until(lambda: show().get("JobState") not in ("RUNNING", "COMPLETING"), 120, "the batch job to end")
+        assert (show()["JobState"], show()["ExitCode"], show()["Restarts"]) == ("COMPLETED", "0:0", "0")
     finally:
         eh("stop", "--now", last, timeout=120)
 
