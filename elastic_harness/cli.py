@@ -18,12 +18,15 @@ from elastic_harness.errors import HarnessError
 # Subcommand modules, in --help order.
 COMMANDS = [
     "elastic_harness.commands.run",
+    "elastic_harness.commands.submit",
+    "elastic_harness.commands.jobs",
     "elastic_harness.commands.agent",
     "elastic_harness.commands.spec",
     "elastic_harness.commands.report",
     "elastic_harness.commands.chaos",
     "elastic_harness.commands.ckpt",
     "elastic_harness.commands.k8s",
+    "elastic_harness.commands.slurm",
     "elastic_harness.commands.bench",
 ]
 

@@ -39,11 +39,12 @@ CONTRACT: dict[str, EventKind] = {
     "start": EventKind("host (who=host), an agent (who=agent), or rank 0 of a script under plain "
                        "torchrun/python (who=script)", "an invocation or an agent started", {
         "who": "'host', 'agent' or 'script'",
-        "nodes": "host: agents started; agent: 'MIN:MAX' nodes",
+        "nodes": "host: agents started (Slurm: the 'MIN:MAX' nodes asked for); agent: 'MIN:MAX' nodes",
         "nproc_per_node": "workers per node",
         "run_id": "rendezvous id of this submission",
         "run_dir": "host: the run directory",
         "netns": "host: nodes run in their own network namespaces (link faults possible)",
+        "scheduler": "host: where it was submitted when not started by `run` ('slurm')",
         "node": "agent: its node name",
         "endpoint": "agent: the rendezvous endpoint",
         "launcher": "bench: the launcher compared against (e.g. 'torchrun')",

@@ -9,6 +9,9 @@ run through this fold, so restarts, steps and goodput are counted one way:
 - **steps_done**: optimizer steps completed, redone ones included (a counter that only goes
   up); **step** is the newest step number (it goes back when a generation resumes).
 - **faults**: ``fault`` events (with ``node`` set: those that hit that node).
+- **recoveries**: generations that resumed from a checkpoint (``resume`` events that are
+  not fresh): how often lost or interrupted work was picked up again.
+- **nodes**: nodes in the newest worker group (its ``rendezvous`` event).
 - **goodput**: ``goodput.GoodputLedger`` (the definitions live there).
 
 Call order: ``update(e)`` per event, in order; read the attributes or ``goodput(now)`` at
@@ -59,6 +62,8 @@ class RunState:
         self.first_loss: float | None = None
         self.world_size = 0
         self.world_sizes: list[int] = []  # of each worker group, repeats collapsed
+        self.nodes = 0  # in the newest worker group
+        self.recoveries = 0  # resumes from a checkpoint
         self.samples = 0
         self.generations = 0
         self.resumed_from_step: int | None = None  # of the first resume; None when it was fresh
@@ -96,11 +101,13 @@ class RunState:
 
     def _rendezvous(self, e: dict) -> None:
         self.world_size = e.get("world_size", self.world_size)
+        self.nodes = e.get("nodes", self.nodes)
         if not self.world_sizes or self.world_sizes[-1] != self.world_size:
             self.world_sizes.append(self.world_size)
 
     def _resume(self, e: dict) -> None:
         self._resumes += 1
+        self.recoveries += int(not e.get("fresh"))
         if self._resumes == 1 and not e.get("fresh"):
             self.resumed_from_step = e.get("step")
         self.step = int(e.get("step") or 0)

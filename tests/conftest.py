@@ -72,6 +72,21 @@ def cli(*args: str, run_dir: Path | None = None, timeout: float = 240, cwd: Path
     return Result(proc.returncode, out, err, run_dir)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _job_registry(tmp_path_factory):
+    """Every job the tests submit or `run` is registered here, not in the user's state dir
+    (``lifecycle.registry``); subprocesses inherit it through the environment."""
+    from elastic_harness.lifecycle.registry import STATE_VAR
+
+    before = os.environ.get(STATE_VAR)
+    os.environ[STATE_VAR] = str(tmp_path_factory.mktemp("job-registry"))
+    yield
+    if before is None:
+        os.environ.pop(STATE_VAR, None)
+    else:
+        os.environ[STATE_VAR] = before
+
+
 def _must_not_start(*args, **kwargs):
     raise AssertionError("bad input got as far as starting the work")
 
@@ -87,12 +102,14 @@ def cli_here(capsys, tmp_path, monkeypatch):
     from elastic_harness.bench import checkpoint, recovery
     from elastic_harness.cli import main
     from elastic_harness.commands import run
+    from elastic_harness.lifecycle import kube, local, slurm
 
     monkeypatch.chdir(tmp_path)
     for var in ("PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_NNODES", "PET_NPROC_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
     for module, name in ((run, "launch_local"), (elastic_harness.launch.agent, "run_agent"),
-                         (checkpoint, "measure"), (recovery, "launch")):
+                         (checkpoint, "measure"), (recovery, "launch"), (local.LocalScheduler, "submit"),
+                         (slurm.SlurmScheduler, "submit"), (kube.KubeScheduler, "submit")):
         monkeypatch.setattr(module, name, _must_not_start)
 
     def call(*args: object) -> Result:

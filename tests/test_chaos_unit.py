@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_harness import exitcodes
 from elastic_harness.chaos.inject import ready
 from elastic_harness.chaos.schedule import due, hits
 from elastic_harness.chaos.vocabulary import (
@@ -211,7 +212,7 @@ def test_an_isolated_agent_exits_even_when_the_run_dir_hangs(tmp_path):
     codes: list[int] = []
     log = EventLog(tmp_path / "events.jsonl")
     exit_isolated(log, "1", "h:1", exit=codes.append)(7.0)
-    assert codes == [1] and [e["event"] for e in read_events(log.path)] == ["isolated", "exit"]
+    assert codes == [exitcodes.INFRA] and [e["event"] for e in read_events(log.path)] == ["isolated", "exit"]
 
     class HungStorage:
         def __init__(self) -> None:
@@ -223,7 +224,7 @@ def test_an_isolated_agent_exits_even_when_the_run_dir_hangs(tmp_path):
     hung = HungStorage()
     try:
         exit_isolated(hung, "1", "h:1", write_budget_s=0.1, exit=codes.append)(7.0)
-        assert codes == [1, 1], "it exits after the budget, the write still hanging"
+        assert codes == [exitcodes.INFRA] * 2, "it exits after the budget, the write still hanging"
     finally:
         hung.release.set()
 

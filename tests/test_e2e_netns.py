@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from elastic_harness import exitcodes
 from elastic_harness.cli import main
 from tests.audit import audit
 from tests.conftest import MLP, REPO, Result, cli, read_jsonl
@@ -65,7 +66,7 @@ def test_partitioned_node_is_dropped_and_stays_out_after_the_link_heals(tmp_path
     (isolated,) = [e for e in events if e["event"] == "isolated"]
     assert isolated["node"] == "1" and isolated["t"] > cut["t"]
     exits = {e["node"]: e["code"] for e in r.kinds("exit") if e.get("who") == "agent"}
-    assert exits == {"1": 1, "0": 0}
+    assert exits == {"1": exitcodes.INFRA, "0": 0}, "cut off: the infrastructure's failure"
     # The survivors went on alone; nothing of node 1 started after the cut.
     assert [g["world_size"] for g in r.kinds("rendezvous")][-1] == 1
     # The link came back while the survivors trained: node 1 did nothing after that.

@@ -108,7 +108,16 @@ def pid_alive(record: dict) -> bool:
     except PermissionError:
         pass  # exists, owned by someone else
     want = record.get("pid_start", "")
-    return not want or process_start(pid) in ("", want)
+    return (not want or process_start(pid) in ("", want)) and not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """An exited process its parent has not reaped yet: it holds nothing any more."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ----- pure decisions ------------------------------------------------------------------------

@@ -1,19 +1,34 @@
 """``elastic-harness agent JOB.yaml``: one node's elastic agent, as a cluster runs it.
 
-Flags override ``PET_*`` environment variables (set by Kubeflow's operator), which override
-the spec. See ``elastic_harness.launch.agent`` for exit codes.
+It speaks torchrun's language (``--nnodes MIN:MAX``, ``--nproc-per-node N|gpu|cpu|auto``,
+``--rdzv-backend/--rdzv-endpoint/--rdzv-id/--rdzv-conf``, ``--max-restarts``,
+``--standalone``, ``--local-addr``). Each value comes from its flag, else its ``PET_*``
+variable (Kubeflow's operator sets them), else Slurm's variables inside an allocation
+(``launch.slurm_env``), else the job file; ``launch.config.node_options`` merges them.
+
+It prints the job's progress like ``run`` and writes ``summary.json`` when it exits. Its log
+(stdout) starts with a header naming node and job, and names its workers' log directory
+once torchelastic made it (``lifecycle.logsource``): ``elastic-harness logs`` relies on
+both. Exit codes: ``launch.agent`` and ``exitcodes``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import sys
+import threading
+import time
 from pathlib import Path
 
 from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.errors import HarnessError
+from elastic_harness.launch import slurm_env
 from elastic_harness.launch.config import node_options
 from elastic_harness.launch.scratch import torch_environ
+from elastic_harness.lifecycle import logsource
 from elastic_harness.rundir import prepare
 from elastic_harness.spec import load_job
 
@@ -22,13 +37,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("agent", help="run one node's elastic agent (what a cluster node runs)")
     p.add_argument("job")
     p.add_argument("--run-dir", help="shared run directory (default runs/<job name>)")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous store (or PET_RDZV_ENDPOINT)")
+    p.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous (or PET_RDZV_ENDPOINT; c10d port 29400)")
     p.add_argument("--rdzv-backend", help="c10d or etcd (or PET_RDZV_BACKEND)")
     p.add_argument("--rdzv-id", help="rendezvous id shared by the job's nodes (or PET_RDZV_ID)")
-    p.add_argument("--nnodes", help="MIN:MAX nodes (or PET_NNODES)")
-    p.add_argument("--nproc-per-node", type=int, help="workers on this node (or PET_NPROC_PER_NODE)")
+    p.add_argument("--rdzv-conf", metavar="K=V,...",
+                   help="rendezvous settings over the job's, e.g. join_timeout=900 (or PET_RDZV_CONF)")
+    p.add_argument("--standalone", action="store_true", default=None,
+                   help="a c10d rendezvous on this machine at a free port, with a fresh id (or PET_STANDALONE)")
+    p.add_argument("--nnodes", help="N or MIN:MAX nodes (or PET_NNODES)")
+    p.add_argument("--nproc-per-node", help="workers on this node: N, gpu, cpu or auto (or PET_NPROC_PER_NODE)")
     p.add_argument("--max-restarts", type=int, help="worker-group restarts (or PET_MAX_RESTARTS)")
-    p.add_argument("--node", default="", help="a name for this node in events and logs")
+    p.add_argument("--job-id", help="the submission this agent belongs to, which holds the run dir "
+                                    "(default: the rendezvous id)")
+    p.add_argument("--node", default="", help="a name for this node in events and logs "
+                                              "(default: SLURM_NODEID in an allocation, else the host name)")
     p.add_argument("--local-addr", help="this node's address, if the hostname does not resolve to it")
     host = p.add_mutually_exclusive_group()
     host.add_argument("--is-host", dest="is_host", action="store_const", const=True,
@@ -38,29 +60,39 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve /healthz, /progress and /metrics on this port (0 = any free port)")
     p.add_argument("--endpoint-host", default="127.0.0.1",
                    help="address the endpoint binds (default loopback; 0.0.0.0 in a pod)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="print no progress lines (the `run` that started this agent prints them)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_agent, is_host=None)
 
 
+_FLAGS = ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "standalone", "nnodes",
+          "nproc_per_node", "max_restarts", "is_host", "local_addr")
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     """Check every option before anything is created, then prepare the run dir and run."""
+    from elastic_harness.cluster import free_port
+
     spec = load_job(args.job, args.set)
-    flags = {k: getattr(args, k) for k in ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "nnodes",
-                                           "nproc_per_node", "max_restarts", "is_host", "local_addr")}
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
-    opts = node_options(spec, run_dir, flags, os.environ)
+    opts = node_options(spec, run_dir, {k: getattr(args, k) for k in _FLAGS}, os.environ, pick_port=free_port)
     if not opts.rdzv_id:
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
-    node = args.node or os.uname().nodename
+    node = args.node or slurm_env.node_name(os.environ) or os.uname().nodename
     if args.endpoint_port is not None and not 0 <= args.endpoint_port < 65536:
         raise HarnessError(f"--endpoint-port {args.endpoint_port} is not a port", "pick 0..65535 (0 = any free port)")
-    # The job submission (its rendezvous id) holds the run dir: this job's agents share it.
-    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, opts.rdzv_id)):
+    job_id = args.job_id or opts.rdzv_id
+    # The job submission holds the run dir: this job's agents (and its `run`) share it.
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id)):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
-        return _serve(args, spec, opts, run_dir, node)
+        print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
+        code = _serve(args, spec, opts, run_dir, node, job_id)
+        _write_summary(run_dir)
+        return code
 
 
-def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str) -> int:
+def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str) -> int:
     from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
 
     endpoint = None
@@ -76,9 +108,79 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str) -> in
                                f"{e.strerror or e}", "pick another --endpoint-port (0 = any free port) "
                                "or an address of this machine for --endpoint-host") from None
         print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
+    _announce_worker_logs(node, job_id)
+    progress = None if args.no_progress else _ProgressPrinter(run_dir / "events.jsonl", spec.train.steps)
     try:
         health = (lambda fn: setattr(endpoint, "agent_health", fn)) if endpoint is not None else None
         return run_agent(spec, opts, node=node, on_health=health)
     finally:
+        if progress is not None:
+            progress.close()
         if endpoint is not None:
             endpoint.close()
+
+
+def _announce_worker_logs(node: str, job_id: str) -> None:
+    """Name the workers' log directory in this agent's log when torchelastic creates it.
+
+    torchelastic picks a random directory per agent (``DefaultLogsSpecs``) and logs it at
+    INFO ("log directory set to: %s"); its loggers default to WARNING, so that one logger
+    is lowered and its record turned into ``logsource.worker_dir_line``.
+    """
+    import torch.distributed.elastic.multiprocessing.api as mp_api
+
+    class Announce(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if str(record.msg).startswith("log directory set to") and record.args:
+                print(logsource.worker_dir_line(node, job_id, str(record.args[0])), flush=True)
+
+    logger = logging.getLogger(mp_api.__name__)
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    logger.addHandler(Announce(level=logging.INFO))
+
+
+class _ProgressPrinter:
+    """``run``'s progress lines, from the events appended while this agent runs."""
+
+    def __init__(self, events_path: Path, total_steps: int, period_s: float = 0.5) -> None:
+        from elastic_harness.events import EventTail
+        from elastic_harness.progress import Progress
+
+        self._tail = EventTail(events_path, start_at_end=True)
+        self._progress = Progress(total_steps, out=sys.stderr)
+        self._stop = threading.Event()
+        self._period = period_s
+        self._thread = threading.Thread(target=self._loop, name="agent-progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._period):
+            self._show()
+
+    def _show(self) -> None:
+        for e in self._tail.read():
+            try:
+                self._progress.update(e)
+            except (KeyError, TypeError, ValueError):
+                continue  # a line outside the contract: skip it, keep following
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._show()
+        self._progress.close()
+
+
+def _write_summary(run_dir: Path) -> None:
+    """``summary.json`` from the whole log, written whole (several agents may write it; the
+    ``run`` that started them, if any, writes it again after they all exit)."""
+    from elastic_harness.events import read_events
+    from elastic_harness.summary import summarize
+
+    path = run_dir / "summary.json"
+    tmp = path.with_name(f".summary.json.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(summarize(read_events(run_dir / "events.jsonl")), indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"warning: cannot write {path}: {e.strerror or e}", file=sys.stderr)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import prepare
-from elastic_harness.runstate import current_invocation
+from elastic_harness.runstate import current_invocation, fold
 from elastic_harness.spec import load_job
 from elastic_harness.summary import summarize
 
@@ -39,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="give every node its own network namespace and address (root; enables partition)")
     p.add_argument("--chaos", action="append", default=[], metavar="FAULT",
                    help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
+    p.add_argument("--job-id", help="id of this submission, also its rendezvous id (default: "
+                                    "rendezvous.id, else a fresh one; `submit` passes its own)")
     p.set_defaults(func=cmd_run)
 
 
@@ -59,10 +63,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     check_faults(spec, nodes, args.netns)
     spec = preflight(spec, Path(args.job))
-    rdzv_id = spec.rendezvous.id or new_rdzv_id(spec.name)
+    rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     holder = Holder.this_process(spec.name, rdzv_id)  # the agents join this submission's locks
     with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder) as claim:
         run_dir = claim.path
+        register_run(spec, run_dir, Path(args.job), rdzv_id)
         code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id)
     if code == 0 and args.verify:
         from elastic_harness.commands.report import cmd_verify
@@ -71,6 +76,21 @@ def cmd_run(args: argparse.Namespace) -> int:
                                    rtol=1e-4, json=False)
         code = cmd_verify(check)
     return code
+
+
+def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
+    """Put this job in the registry, so ``status`` and ``list`` see it (``lifecycle``). A
+    detached job's ``submit`` already did (this process is its supervisor)."""
+    from elastic_harness.lifecycle import registry
+    from elastic_harness.lifecycle.local import supervisor_record
+
+    root = registry.state_dir()
+    known = registry.load(job_id, root)
+    if known is None or known.pid != os.getpid():
+        try:
+            registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
+        except HarnessError as e:  # training does not depend on the registry: say so and go on
+            print(f"warning: {e.message}; `status` and `list` will not show this job", file=sys.stderr)
 
 
 def check_faults(spec, nodes: int, netns: bool) -> None:
@@ -141,33 +161,54 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
                            backend=spec.rendezvous.backend, netns=topology)
     progress = Progress(spec.train.steps)
     fatal = None
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    stop = StopSignal()
     try:
         cluster.start()
-        fatal = _supervise(cluster, tail, progress, chaos, spec)
+        fatal = _supervise(cluster, tail, progress, chaos, spec, stop)
     finally:
-        progress.close()
         chaos.thaw(cluster)
         cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
-        signal.signal(signal.SIGTERM, previous)
-    return _finish(run_dir, events, cluster, fatal)
+        stop.restore()
+        for e in tail.read():  # what the drain wrote while the nodes stopped
+            progress.update(e)
+        progress.close()
+    return _finish(run_dir, events, cluster, fatal, stop.signum)
 
 
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM to ``run``: unwind like Ctrl-C, so the nodes are drained and stopped."""
-    raise KeyboardInterrupt
+class StopSignal:
+    """SIGTERM, SIGINT (Ctrl-C) and SIGHUP (the terminal closed) ask ``run`` to stop: the
+    supervision loop ends, ``cluster.stop`` sends SIGTERM to the agents, whose workers finish
+    their step and save, and the exit is recorded. A second signal while that drain runs
+    raises ``KeyboardInterrupt``: the impatient get a kill (agents and workers die with this
+    process, by their parent-death signal)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
-def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec) -> str | None:
+def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec,
+               stop: StopSignal) -> str | None:
     """Follow events until every agent exits; returns a fatal message if one was logged.
 
     Agents end by themselves: on success, after too few nodes for rendezvous.join_timeout,
     when isolated from the rendezvous, or when their restarts run out. Once the job has
     finished, a node that has not exited within the shutdown grace (say, a frozen one that
-    is no longer part of the job) is left to ``cluster.stop``.
+    is no longer part of the job) is left to ``cluster.stop``. A stop signal ends it at once.
     """
     finished_at = None
-    while True:
+    while stop.signum is None:
         for e in tail.read():
             progress.update(e)
             chaos.observe(e, cluster)
@@ -183,42 +224,68 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
         if finished_at and time.monotonic() - finished_at > spec.timeouts.shutdown_grace + 10:
             return None
         time.sleep(0.2)
+    return None
 
 
-def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None) -> int:
-    """Decide the outcome, log the host's ``exit``, then write ``summary.json`` from the
-    whole log (exit included, so its goodput is the one ``report`` prints)."""
+def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None,
+            stopped_by: int | None = None) -> int:
+    """Decide the outcome (``outcome``), log the host's ``exit``, then write ``summary.json``
+    from the whole log (exit included, so its goodput is the one ``report`` prints)."""
     codes = {i: n.returncode() for i, n in cluster.nodes.items()}
-    all_events = read_events(run_dir / "events.jsonl")
-    summary = summarize(all_events)
-    resume_hint = "re-run the same command to resume from the last checkpoint"
-    permanent = [e for e in current_invocation(all_events) if e["event"] == "exit"
-                 and e.get("who") == "agent" and e.get("code") == exitcodes.PERMANENT]
-    if fatal:
-        code, message, error = exitcodes.PERMANENT, fatal, HarnessError(fatal)
-    elif summary["finished"]:
-        code, message, error = exitcodes.OK, "", None
-    elif permanent:  # a crash loop (or a fatal error): restarting cannot help
-        message = permanent[-1]["message"]
-        code, error = exitcodes.PERMANENT, HarnessError(
-            message, f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the "
-            "last checkpoint")
-    else:
-        message = _failure_message(current_invocation(all_events), codes)
-        preempted = any(c is not None and c >= 128 for c in codes.values())
-        code = Preempted.exit_code if preempted else 1
-        error = Preempted(message, resume_hint) if preempted else \
-            ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
+    mine = current_invocation(read_events(run_dir / "events.jsonl"))
+    permanent = [e["message"] for e in mine if e["event"] == "exit" and e.get("who") == "agent"
+                 and e.get("code") == exitcodes.PERMANENT]
+    code, message = outcome(finished=fold(mine).finished, fatal=fatal, permanent=(permanent or [""])[-1],
+                            stopped_by=stopped_by, codes=codes, events=mine)
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / "events.jsonl"))
     summary["agent_exit_codes"] = codes
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if error is not None:
-        raise error
+    if code != exitcodes.OK:
+        raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
     print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
           f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
     print(f"model digest {summary['model_digest']}")
     return 0
+
+
+def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
+            codes: dict[int, int | None], events: list[dict]) -> tuple[int, str]:
+    """Pure: the host's exit code and message (``exitcodes``), from what happened."""
+    if fatal:
+        return exitcodes.PERMANENT, fatal
+    if finished:
+        return exitcodes.OK, ""
+    if permanent:  # a crash loop (or a fatal error): restarting cannot help
+        return exitcodes.PERMANENT, permanent
+    if stopped_by is not None:
+        return 128 + stopped_by, _stopped_message(stopped_by, events)
+    message = _failure_message(events, codes)
+    kinds = {exitcodes.kind(c) for c in codes.values()}
+    if "preempted" in kinds:
+        return exitcodes.PREEMPTED, message
+    return (exitcodes.INFRA if "infrastructure" in kinds else exitcodes.FAILED), message
+
+
+def _stopped_message(signum: int, events: list[dict]) -> str:
+    drains = [e for e in events if e["event"] == "drain"]
+    saved = f"drained and saved at step {drains[-1]['step']}" if drains else "no step was drained"
+    return f"job stopped by {signal.Signals(signum).name}; {saved}"
+
+
+def _error(code: int, message: str, run_dir: Path, from_agent: bool) -> HarnessError:
+    """The one line (and fix) the CLI prints for a job that did not finish."""
+    resume_hint = "re-run the same command to resume from the last checkpoint"
+    kind = exitcodes.kind(code)
+    if kind == "permanent":
+        hint = f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the last checkpoint"
+        return HarnessError(message, hint if from_agent else "")
+    if kind == "preempted":
+        error: HarnessError = Preempted(message, resume_hint)
+    else:
+        error = ClusterError(message, f"see {run_dir / 'logs'}; {resume_hint}")
+    error.exit_code = code
+    return error
 
 
 def _failure_message(events: list[dict], codes: dict[int, int | None]) -> str:

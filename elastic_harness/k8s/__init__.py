@@ -30,8 +30,9 @@ Contract with ``elastic-harness agent`` (``elastic_harness/commands/agent.py``)
   It answers GET /healthz on the endpoint port (startup, liveness and readiness probes) from
   start-up on, rendezvous included. On SIGTERM it drains within timeouts.shutdown_grace
   (the pod allows that plus deploy.grace_margin) and exits 143, which the operator's
-  ExitCode restart policy retries. The rendezvous id is ``rendezvous.id``, else the
-  Kubernetes job name: every pod must agree on it.
+  ExitCode restart policy retries (as it retries 200, an infrastructure failure; see
+  ``exitcodes``). The rendezvous id is ``rendezvous.id``, else the Kubernetes job name: every
+  pod must agree on it (``elastic-harness submit --scheduler k8s`` pins a fresh one).
 
 Limits: the StatefulSet restarts pods that exit 0, so delete the plain job when it is done;
 object names are baked into flags, so rename through the job's ``name``, not kustomize's

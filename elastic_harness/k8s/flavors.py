@@ -21,6 +21,8 @@ def rendezvous_id(target: Target) -> str:
     """One id shared by every node pod: the spec's, else the Kubernetes job name.
 
     Agents must agree on it, so it cannot be drawn per pod the way local runs draw one.
+    ``submit --scheduler k8s`` sets ``rendezvous.id`` to a fresh id per submission (a failed
+    job's id can stay closed for hours); manifests rendered by hand keep the job name.
     """
     return target.spec.rendezvous.id or target.names.base
 
@@ -84,7 +86,8 @@ def render_pytorchjob(target: Target) -> list[dict]:
         extra = etcd_objects(target)
     worker = {
         "replicas": spec.nodes.max,
-        # a preempted agent exits 143 (128+15): ExitCode retries >= 128, fails on 1..127
+        # ExitCode retries 128..255 and fails on 1..127: a preempted agent exits 143 (128+15)
+        # and an infrastructure failure 200 (exitcodes.INFRA), both retried; a mistake exits 2
         "restartPolicy": "ExitCode",
         "template": pod_template(target, agent_args(target, {}), ports),
     }

@@ -5,9 +5,11 @@ Exit codes (documented for schedulers):
   143  the agent was preempted (SIGTERM; 128 + signal number for other signals), so
        schedulers that retry only codes >= 128 (Kubeflow's ExitCode policy) retry it;
   2    a mistake the user must fix, do not retry: a fatal error in a worker (incompatible
-       checkpoint, bad input) or a crash loop (the same error at the same step twice);
-  1    any other failure (workers failed more than ``max_restarts`` times, rendezvous
-       host lost, too few nodes within ``rendezvous.join_timeout``).
+       checkpoint, bad input), a crash loop (the same error at the same step twice), or a
+       rendezvous id that is closed (a finished job's);
+  200  the infrastructure failed, retry (``exitcodes.INFRA``): too few nodes within
+       ``rendezvous.join_timeout``, rendezvous host lost, another rendezvous error;
+  1    workers failed more than ``max_restarts`` times (see ``exitcodes``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from elastic_harness.launch.policy import stop_reason
 from elastic_harness.spec import JobSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
+EXIT_INFRA = exitcodes.INFRA
 
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
@@ -70,8 +73,8 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
         reason = launch.agent.stop_reason
         code, message = (EXIT_PERMANENT, reason) if reason else (EXIT_FAILED, _first_failure(e))
     except RendezvousError as e:
-        code, message = EXIT_FAILED, explain_rendezvous_error(type(e).__name__, str(e), opts,
-                                                              spec.rendezvous.join_timeout)
+        code = rendezvous_exit_code(type(e).__name__)
+        message = explain_rendezvous_error(type(e).__name__, str(e), opts, spec.rendezvous.join_timeout)
     finally:
         timer_server.stop()
         if cutoff is not None:
@@ -84,6 +87,12 @@ def _first_failure(err) -> str:
     rank, failure = err.get_first_failure()
     msg = failure.message if isinstance(failure.message, str) else str(failure.message)
     return f"workers failed after all restarts (first: rank {rank}, exit {failure.exitcode}): {msg[:300]}"
+
+
+def rendezvous_exit_code(kind: str) -> int:
+    """Pure: a closed rendezvous id fails again however often it is retried (a new id
+    fixes it); every other rendezvous failure is the infrastructure's, worth a retry."""
+    return EXIT_PERMANENT if kind == "RendezvousClosedError" else EXIT_INFRA
 
 
 def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_timeout: int) -> str:

@@ -6,7 +6,7 @@ no processes and opens no connections, but not everything here is pure: ``new_rd
 random, ``agent_environ`` reads this process's environment, and ``launch_config`` creates the
 log directory (torchelastic's ``DefaultLogsSpecs`` does) and, on torch without a shutdown
 timeout field, sets ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` in this process's environment.
-``node_options`` and ``rdzv_configs`` are pure.
+``rdzv_configs`` is pure, and so is ``node_options`` but for what it is handed to call.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import dataclasses
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_harness.errors import SpecError
+from elastic_harness.launch import slurm_env
 from elastic_harness.spec import JobSpec
 
 # torch's backend names: "etcd-v2" is the dynamic rendezvous on etcd's v2 API.
@@ -31,7 +32,7 @@ DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
 
 @dataclass(frozen=True)
 class NodeOptions:
-    """What one agent needs beyond the spec. CLI flags, then PET_* env, then the spec."""
+    """What one agent needs beyond the spec (``node_options`` says where each comes from)."""
 
     run_dir: Path
     rdzv_endpoint: str
@@ -43,6 +44,7 @@ class NodeOptions:
     max_restarts: int
     is_host: bool | None = None  # c10d only: whether this agent hosts the store
     local_addr: str | None = None  # this node's address, when the hostname is ambiguous
+    rdzv_conf: dict = dataclasses.field(default_factory=dict)  # --rdzv-conf: over rdzv_configs
 
 
 def new_rdzv_id(job_name: str) -> str:
@@ -50,48 +52,132 @@ def new_rdzv_id(job_name: str) -> str:
     return f"{job_name}-{uuid.uuid4().hex[:12]}"
 
 
+# torchrun's --rdzv-conf keys that hold whole seconds or counts (others pass through).
+_CONF_COUNTS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
+_NPROC_WORDS = ("gpu", "cpu", "auto")
+
+
+def device_count(kind: str) -> int:
+    """CPUs or GPUs on this machine (``--nproc-per-node cpu|gpu|auto``); imports torch for GPUs."""
+    if kind == "cpu":
+        return os.cpu_count() or 1
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def node_options(
-    spec: JobSpec, run_dir: Path, flags: Mapping[str, object], environ: Mapping[str, str]
+    spec: JobSpec, run_dir: Path, flags: Mapping[str, object], environ: Mapping[str, str],
+    devices: Callable[[str], int] = device_count, pick_port: Callable[[], int] | None = None,
 ) -> NodeOptions:
-    """Merge per-node flags (``None`` = unset) and Kubeflow's PET_* variables over the spec.
+    """Merge per-node flags (``None`` = unset), ``PET_*`` variables (torchrun's, which
+    Kubeflow's operator sets), Slurm's variables (``slurm_env``) and the spec, in that order.
 
-    Every value is checked here, so a bad flag or variable is one ``SpecError`` naming it.
+    torchrun's language: ``nnodes`` N or MIN:MAX; ``nproc_per_node`` N, ``cpu`` (CPU
+    count), ``gpu`` (GPU count) or ``auto`` (GPUs if any, else CPUs); ``rdzv_conf``
+    ``k=v,...`` over the spec's rendezvous settings; ``standalone`` (a c10d store on this
+    machine at a free port from ``pick_port``, a fresh id). Every value is checked here, so
+    a bad flag or variable is one ``SpecError`` naming it. Pure but for ``devices`` (called
+    only for the words) and ``pick_port`` / a fresh id (only with ``standalone``).
     """
-
-    def pick(flag: str, pet: str, default: object) -> tuple[object, str]:
-        if flags.get(flag) is not None:
-            return flags[flag], "--" + flag.replace("_", "-")
-        if environ.get(pet):
-            return environ[pet], pet
-        return default, ""
-
-    nnodes, source = pick("nnodes", "PET_NNODES", f"{spec.nodes.min}:{spec.nodes.max}")
+    pick = _Picker(flags, environ)
+    nnodes, source = pick("nnodes", f"{spec.nodes.min}:{spec.nodes.max}")
     lo, _, hi = str(nnodes).partition(":")
     min_nodes = _count(lo, source or "nodes.min", 1, "write N or MIN:MAX nodes")
     max_nodes = _count(hi or lo, source or "nodes.max", min_nodes, "write N or MIN:MAX nodes")
-    backend, source = pick("rdzv_backend", "PET_RDZV_BACKEND", spec.rendezvous.backend)
+    nproc, nproc_source = pick("nproc_per_node", spec.nproc_per_node)
+    nproc = _nproc(nproc, nproc_source or "nproc_per_node", devices)
+    _enough_batch(spec, max_nodes * nproc, nproc_source or source)
+    restarts, restarts_source = pick("max_restarts", spec.max_restarts)
+    rdzv = _rendezvous(spec, pick, environ, pick_port)
+    conf_text, conf_source = pick("rdzv_conf", "")
+    return NodeOptions(
+        run_dir=run_dir, min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
+        max_restarts=_count(restarts, restarts_source or "max_restarts", 0),
+        local_addr=pick("local_addr", None)[0],  # type: ignore[arg-type]
+        rdzv_conf=parse_rdzv_conf(str(conf_text or ""), conf_source), **rdzv,
+    )
+
+
+class _Picker:
+    """A value and where it came from: the flag, else its PET_* variable, else ``default``."""
+
+    def __init__(self, flags: Mapping[str, object], environ: Mapping[str, str]) -> None:
+        self.flags, self.environ = flags, environ
+
+    def __call__(self, name: str, default: object) -> tuple[object, str]:
+        if self.flags.get(name) is not None:
+            return self.flags[name], "--" + name.replace("_", "-")
+        pet = "PET_" + name.upper()
+        if self.environ.get(pet):
+            return self.environ[pet], pet
+        return default, ""
+
+    def flag(self, name: str) -> bool:
+        """A torchrun switch (``--standalone``): set by the flag or a PET_* value not 0/false."""
+        value, _ = self(name, False)
+        return value is True or str(value).lower() not in ("", "0", "false", "no")
+
+
+def _rendezvous(spec: JobSpec, pick: _Picker, environ: Mapping[str, str],
+                pick_port: Callable[[], int] | None) -> dict:
+    """Backend, endpoint, id and store host; ``standalone`` decides all four."""
+    if pick.flag("standalone"):
+        port = pick_port() if pick_port is not None else DEFAULT_PORTS["c10d"]
+        return {"rdzv_backend": "c10d", "rdzv_endpoint": f"127.0.0.1:{port}",
+                "rdzv_id": new_rdzv_id(spec.name), "is_host": True}
+    backend, source = pick("rdzv_backend", spec.rendezvous.backend)
     if backend not in _BACKENDS:
         raise SpecError(source or "rendezvous.backend", f"'{backend}' is not one of {list(_BACKENDS)}")
-    endpoint, source = pick("rdzv_endpoint", "PET_RDZV_ENDPOINT", spec.rendezvous.endpoint)
+    backend = _BACKENDS[str(backend)]
+    slurm_host = slurm_env.endpoint_host(environ) if backend == "c10d" else ""
+    endpoint, source = pick("rdzv_endpoint", spec.rendezvous.endpoint or slurm_host)
     if not endpoint:
         raise SpecError(
             "rendezvous.endpoint", "no endpoint", "pass --rdzv-endpoint HOST:PORT or set it"
         )
-    nproc, nproc_source = pick("nproc_per_node", "PET_NPROC_PER_NODE", spec.nproc_per_node)
-    restarts, restarts_source = pick("max_restarts", "PET_MAX_RESTARTS", spec.max_restarts)
-    return NodeOptions(
-        run_dir=run_dir,
-        rdzv_endpoint=with_port(str(endpoint), DEFAULT_PORTS[_BACKENDS[str(backend)]],
-                                source or "rendezvous.endpoint"),
-        rdzv_id=str(pick("rdzv_id", "PET_RDZV_ID", spec.rendezvous.id or "")[0]) or "",
-        rdzv_backend=_BACKENDS[str(backend)],
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=_count(nproc, nproc_source or "nproc_per_node", 1),
-        max_restarts=_count(restarts, restarts_source or "max_restarts", 0),
-        is_host=flags.get("is_host"),  # type: ignore[arg-type]
-        local_addr=flags.get("local_addr"),  # type: ignore[arg-type]
-    )
+    endpoint = with_port(str(endpoint), DEFAULT_PORTS[backend], source or "rendezvous.endpoint")
+    is_host = pick.flags.get("is_host")
+    if is_host is None and backend == "c10d":
+        is_host = slurm_env.is_store_host(environ, endpoint)
+    rdzv_id = pick("rdzv_id", spec.rendezvous.id or slurm_env.rdzv_id(environ))[0]
+    return {"rdzv_backend": backend, "rdzv_endpoint": endpoint, "rdzv_id": str(rdzv_id or ""),
+            "is_host": is_host}
+
+
+def _nproc(value: object, source: str, devices: Callable[[str], int]) -> int:
+    word = str(value).strip().lower()
+    if word not in _NPROC_WORDS:
+        return _count(value, source, 1, "write a number, or gpu, cpu or auto")
+    gpus = devices("gpu") if word in ("gpu", "auto") else 0
+    if word == "gpu" and gpus == 0:
+        raise SpecError(source, "'gpu' asked for one worker per GPU, but no GPU is visible",
+                        "use a number, cpu or auto")
+    return gpus if gpus else devices("cpu")
+
+
+def _enough_batch(spec: JobSpec, most_ranks: int, source: str) -> None:
+    """The spec checks its own node range; a flag or variable can make more ranks than that."""
+    if spec.train.global_batch_size < most_ranks:
+        raise SpecError(source or "nproc_per_node",
+                        f"{most_ranks} ranks at most, but train.global_batch_size is "
+                        f"{spec.train.global_batch_size}: some ranks would get no samples",
+                        f"use fewer ranks, or --set train.global_batch_size={most_ranks}")
+
+
+def parse_rdzv_conf(text: str, source: str = "--rdzv-conf") -> dict[str, str]:
+    """torchrun's ``k=v,k=v``; the counts torch reads as integers are checked here."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(source, f"'{item}' is not KEY=VALUE", "write e.g. join_timeout=900,read_timeout=120")
+        key, value = key.strip(), value.strip()
+        if key in _CONF_COUNTS and not (value.isdigit() and int(value) > 0):
+            raise SpecError(source, f"{key}='{value}' is not a whole number of seconds or times above 0")
+        conf[key] = value
+    return conf
 
 
 def _count(value: object, source: str, minimum: int, hint: str = "") -> int:
@@ -149,7 +235,7 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
         conf["read_timeout"] = max(r.join_timeout, 60)
         if opts.is_host is not None:
             conf["is_host"] = opts.is_host
-    return conf
+    return {**conf, **opts.rdzv_conf}  # --rdzv-conf, as torchrun: the user's word is last
 
 
 def launch_config(spec: JobSpec, opts: NodeOptions):

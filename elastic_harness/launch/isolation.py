@@ -30,7 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
-EXIT_ISOLATED = 1
+from elastic_harness import exitcodes
+
+EXIT_ISOLATED = exitcodes.INFRA  # cut off from the rendezvous: the infrastructure's failure, retry
 MEMBERS_REFRESH_S = 60.0  # etcd membership changes rarely: ask again this often
 
 

@@ -1,0 +1,163 @@
+"""``status``, ``list``, ``logs`` and ``stop``: a submitted (or ``run``) job, by id.
+
+JOB is a job id (as ``submit`` printed it), a unique prefix of one, a job name (its newest
+submission), or a run directory (its newest submission; also one the registry does not
+know, e.g. started before it existed). See ``elastic_harness.lifecycle``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from elastic_harness.errors import HarnessError
+from elastic_harness.lifecycle import display, registry
+from elastic_harness.lifecycle.api import LogQuery
+from elastic_harness.lifecycle.registry import JobRecord
+from elastic_harness.lifecycle.schedulers import scheduler_for
+from elastic_harness.lifecycle.state import ACTIVE
+
+_JOB_HELP = "job id (or a unique prefix, a job name, or a run directory)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="a job's state, progress, restarts and last checkpoint")
+    p.add_argument("job", nargs="?", help=_JOB_HELP + "; default: the newest job")
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("list", help="every known job and its state")
+    p.add_argument("--json", action="store_true", help="print them as JSON")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("logs", help="a job's agent and worker logs, merged and prefixed")
+    p.add_argument("job", help=_JOB_HELP)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, help="only this global rank's worker logs")
+    which.add_argument("--node", help="only this node's agent and worker logs")
+    p.add_argument("--since", help="only what was written since: a duration (90s, 10m, 2h) or a time "
+                                   "(HH:MM[:SS] today, or YYYY-MM-DD HH:MM[:SS])")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", help="stop a job: drain and save (default), or --now kill it")
+    p.add_argument("job", help=_JOB_HELP)
+    p.add_argument("--now", action="store_true", help="kill it now, without draining (by pid or scheduler)")
+    p.add_argument("--no-wait", action="store_true", help="return once asked, without waiting for it to end")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for it to end (default 300)")
+    p.set_defaults(func=cmd_stop)
+
+
+def resolve(ref: str | None, root: Path) -> JobRecord:
+    """The record ``ref`` names (module doc)."""
+    if ref is None:
+        found = registry.records(root)
+        if not found:
+            raise HarnessError(f"no jobs in {root / 'jobs'}", "submit one (elastic-harness submit JOB.yaml)")
+        return found[-1]
+    path = Path(ref)
+    if path.is_dir():
+        return _record_of_run_dir(path.resolve(), root)
+    if path.exists():
+        raise HarnessError(f"'{ref}' is a file, not a job id or run directory", "pass a job id or a run directory")
+    return registry.find(ref, root)
+
+
+def _record_of_run_dir(run_dir: Path, root: Path) -> JobRecord:
+    mine = [r for r in registry.records(root) if r.run_dir == str(run_dir)]
+    if mine:
+        return mine[-1]
+    from elastic_harness.events import read_events
+    from elastic_harness.lifecycle.local import supervisor_of
+
+    starts = [e for e in read_events(run_dir / "events.jsonl") if e.get("event") == "start" and e.get("who") == "host"]
+    if not starts:
+        raise HarnessError(f"'{run_dir}' holds no job (no events.jsonl with a start)",
+                           "pass the run directory of a job, or a job id (elastic-harness list)")
+    return supervisor_of(run_dir, starts[-1])
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    root = registry.state_dir()
+    record = resolve(args.job, root)
+    st = scheduler_for(record.scheduler, root).status(record)
+    print(json.dumps(st.to_dict(), indent=2) if args.json else display.detail(st))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    root = registry.state_dir()
+    statuses = [scheduler_for(r.scheduler, root).status(r) for r in registry.records(root)]
+    if args.json:
+        print(json.dumps([st.to_dict() for st in statuses], indent=2))
+    elif statuses:
+        print(display.table(statuses))
+    else:
+        print(f"no jobs in {root / 'jobs'}", file=sys.stderr)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    root = registry.state_dir()
+    since = parse_since(args.since, time.time()) if args.since else None
+    record = resolve(args.job, root)
+    query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since)
+    with contextlib.suppress(KeyboardInterrupt):  # the way to end `logs -f`
+        scheduler_for(record.scheduler, root).logs(record, query, sys.stdout)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise HarnessError(f"--timeout {args.timeout} is not a positive number of seconds", "e.g. --timeout 600")
+    root = registry.state_dir()
+    record = resolve(args.job, root)
+    sched = scheduler_for(record.scheduler, root)
+    st = sched.status(record)
+    if st.state not in ACTIVE:
+        raise HarnessError(f"job {record.id} is not running: it {_ended(st)}",
+                           f"nothing to stop (elastic-harness status {record.id}); submit the job again to resume it")
+    registry.request_stop(record, root, now=args.now)
+    sched.stop(record, args.now)
+    if args.no_wait:
+        print(f"stop requested: {record.id}" + ("" if args.now else " (draining)"))
+        return 0
+    deadline = time.monotonic() + args.timeout
+    while st.state in ACTIVE:
+        if time.monotonic() > deadline:
+            raise HarnessError(f"job {record.id} is still {st.state} after {args.timeout:.0f} s",
+                               f"wait longer (status {record.id}), or kill it: elastic-harness stop --now {record.id}")
+        time.sleep(0.5)
+        st = sched.status(record)
+    print(f"{record.id} {st.state}" + (f": {st.reason}" if st.reason else ""))
+    return 0
+
+
+def _ended(st) -> str:
+    return {"succeeded": "succeeded", "failed": "failed", "stopped": "was stopped",
+            "preempted": "was preempted"}[st.state] + (f" ({st.reason})" if st.reason else "")
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_since(text: str, now: float) -> float:
+    """``--since``: a duration back from ``now`` or a wall time -> unix seconds (pure)."""
+    text = text.strip()
+    m = _DURATION.match(text)
+    if m:
+        return now - float(m[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
+    day = time.strftime("%Y-%m-%d", time.localtime(now))
+    for candidate, fmt in ((text, "%Y-%m-%d %H:%M:%S"), (text, "%Y-%m-%d %H:%M"), (text.replace("T", " "), "%Y-%m-%d %H:%M:%S"),
+                           (f"{day} {text}", "%Y-%m-%d %H:%M:%S"), (f"{day} {text}", "%Y-%m-%d %H:%M")):
+        try:
+            return time.mktime(time.strptime(candidate, fmt))
+        except ValueError:
+            continue
+    raise HarnessError(f"--since '{text}' is neither a duration nor a time",
+                       "write e.g. 90s, 10m, 2h, 14:30, or '2026-01-31 14:30'")

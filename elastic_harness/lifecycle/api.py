@@ -1,0 +1,48 @@
+"""The ``Scheduler`` interface and what passes through it (call order: package doc)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from elastic_harness.lifecycle.registry import JobRecord
+from elastic_harness.lifecycle.state import JobStatus
+
+SCHEDULERS = ("local", "slurm", "k8s")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One validated job to start: the resolved spec and where its state goes."""
+
+    spec: Any  # JobSpec, preflighted (task importable, script path absolute)
+    job_file: Path  # the job YAML as the user gave it (absolute)
+    job_id: str  # also the rendezvous id (registry doc)
+    run_dir: Path | None  # None for Kubernetes
+    overrides: list[str] = field(default_factory=list)  # --set KEY=VALUE, as given
+    nodes: int | None = None  # --nodes
+    options: dict = field(default_factory=dict)  # scheduler-specific (flags of `submit`)
+
+
+@dataclass(frozen=True)
+class LogQuery:
+    follow: bool = False
+    rank: int | None = None
+    node: str | None = None
+    since: float | None = None  # unix seconds
+
+
+class Scheduler(Protocol):
+    name: str
+
+    def check(self) -> None: ...
+
+    def submit(self, submission: Submission) -> JobRecord: ...
+
+    def status(self, record: JobRecord) -> JobStatus: ...
+
+    def logs(self, record: JobRecord, query: LogQuery, out: TextIO) -> None: ...
+
+    def stop(self, record: JobRecord, now: bool) -> None: ...
+

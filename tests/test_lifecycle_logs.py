@@ -1,0 +1,85 @@
+"""``elastic-harness logs`` on a run directory laid out as agents and torchelastic lay it out
+(two submissions appended to the same agent log, per-attempt worker files), written here.
+``test_e2e_lifecycle.py`` reads the logs of real runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_harness.lifecycle import logsource
+from elastic_harness.lifecycle.api import LogQuery
+from elastic_harness.lifecycle.logs import LogReader
+
+pytestmark = pytest.mark.timeout(60)
+T0 = time.mktime(time.strptime("2026-01-01 11:00:00", "%Y-%m-%d %H:%M:%S"))
+
+
+def write(path: Path, *lines: str, mtime: float | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.writelines(line + "\n" for line in lines)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    logs = tmp_path / "logs"
+    w0, w1 = logs / "J_abc", logs / "J_def"
+    write(logs / "agent-0.log", "a line from before agents had headers",
+          logsource.agent_header("0", "other", 1, T0 - 3600), "other job's line",
+          logsource.agent_header("0", "J", 2, T0), logsource.worker_dir_line("0", "J", str(w0)),
+          "I0101 11:00:05.000000 2 api.py:280] log directory set to: somewhere",
+          "2026-01-01 11:00:30,000 elastic_harness INFO agent 0 later", "  an untimed continuation")
+    write(logs / "agent-1.log", logsource.agent_header("1", "J", 3, T0), logsource.worker_dir_line("1", "J", str(w1)))
+    write(w0 / "attempt_0/0/stdout.log", "r0 says hi", mtime=T0 + 10)
+    write(w0 / "attempt_0/1/stderr.log", "r1 warns", mtime=T0 + 10)
+    write(w0 / "attempt_1/0/stdout.log", "r0 again", mtime=T0 + 40)
+    write(w1 / "attempt_0/0/stdout.log", "r2 says hi", mtime=T0 + 10)
+    write(logs / "supervisor-J.log", "run dir: here")
+    workers = [("0", 0, 0, 0), ("0", 0, 1, 1), ("1", 0, 0, 2), ("0", 1, 0, 0), ("0", 1, 1, 1), ("1", 1, 0, 2)]
+    write(tmp_path / "events.jsonl", *(json.dumps({"t": T0, "event": "worker", "pid": 9, "node": n, "restart": r,
+                                                  "local_rank": lr, "rank": g}) for n, r, lr, g in workers))
+    return tmp_path
+
+
+def dump(run_dir: Path, **query) -> list[str]:
+    out = io.StringIO()
+    LogReader(run_dir, "J", LogQuery(**query), extra=[("supervisor-J.log", "supervisor")]).dump(out)
+    return out.getvalue().splitlines()
+
+
+def test_a_jobs_logs_merged_and_prefixed(run_dir):
+    lines = dump(run_dir)
+    assert lines[0] == "[supervisor] run dir: here"
+    assert not any("other job" in line or "from before" in line for line in lines), "only this job's sections"
+    assert "[node 0 agent] 2026-01-01 11:00:30,000 elastic_harness INFO agent 0 later" in lines
+    assert lines[-4:] == ["[node 0 rank 0] r0 says hi", "[node 0 rank 0, restart 1] r0 again",
+                          "[node 0 rank 1 stderr] r1 warns", "[node 1 rank 2] r2 says hi"]
+
+
+def test_one_rank_one_node_and_since(run_dir):
+    assert dump(run_dir, rank=0) == ["[node 0 rank 0] r0 says hi", "[node 0 rank 0, restart 1] r0 again"]
+    node1 = dump(run_dir, node="1")
+    assert node1[-1] == "[node 1 rank 2] r2 says hi" and all(line.startswith("[node 1 ") for line in node1)
+    late = dump(run_dir, since=T0 + 20)
+    assert "[node 0 agent] 2026-01-01 11:00:30,000 elastic_harness INFO agent 0 later" in late
+    assert "[node 0 agent]   an untimed continuation" in late, "an untimed line goes with the line before"
+    assert not any("log directory set to" in line for line in late), "torch's own timed lines are filtered too"
+    assert [line for line in late if "rank" in line] == ["[node 0 rank 0, restart 1] r0 again"]
+
+
+def test_follow_prints_new_lines_and_new_restarts(run_dir):
+    reader = LogReader(run_dir, "J", LogQuery(follow=True))
+    reader.dump(io.StringIO())
+    write(run_dir / "logs/J_abc/attempt_0/0/stdout.log", "r0 more")
+    write(run_dir / "logs/J_def/attempt_1/0/stdout.log", "r2 after a restart")
+    out = io.StringIO()
+    reader.follow(out, active=lambda: False, check_s=0.0)
+    assert sorted(out.getvalue().splitlines()) == ["[node 0 rank 0] r0 more", "[node 1 rank 2, restart 1] r2 after a restart"]
