@@ -14,7 +14,12 @@ Save measurements (per repeat, interleaved, order rotating):
 
 Training (``step_*``): a DDP MLP whose model + AdamW state is about ``size``; mean step time
 over ``steps`` steps with no saves, with an async save every ``every`` steps, and with a sync
-save every ``every`` steps. The window ends after the last save has committed.
+save every ``every`` steps. A window is ``steps / every`` whole intervals of a run that saves
+every ``every`` steps: each starts with its save (of the state the previous step left) and
+gives that save its ``every`` steps to finish in, as every save of a long run has; the
+window ends once the last save has committed, so all of its cost is inside. (Saving at the
+end of each interval instead left the last save's whole write outside any overlap: one
+unoverlapped write per window, which no save of a long run pays.)
 """
 
 from __future__ import annotations
@@ -115,12 +120,12 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
         mgr = managers.get(kind)
         dist.barrier(group=g2)
         t0 = time.perf_counter()
-        for i in range(1, cfg["steps"] + 1):
+        for i in range(cfg["steps"]):
+            if mgr is not None and i % cfg["every"] == 0:
+                mgr.save(next(counter), state, blocking=kind == "step_sync_save")
             optim.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()
             optim.step()
-            if mgr is not None and i % cfg["every"] == 0:
-                mgr.save(next(counter), state, blocking=kind == "step_sync_save")
         if mgr is not None:
             mgr.wait()
         t = torch.tensor([(time.perf_counter() - t0) / cfg["steps"]], dtype=torch.float64)

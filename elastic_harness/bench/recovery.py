@@ -7,7 +7,7 @@ reads each run's ``events.jsonl`` with ``report.timeline``, and prints one JSON 
 with medians, ratios and whether each goal was met:
 
 - kill-node: SIGKILL one of 2 nodes (agent and workers; nodes.min=1), fault to the first
-  completed step after it, harness / torchrun, medians of ``--repeats`` runs     <= 0.15
+  completed step after it, harness / torchrun, medians of ``--repeats`` runs     <= 0.10
 - kill-worker: SIGKILL one rank, same measure, harness / torchrun, median over
   ``--faults`` faults injected at different steps of one long run each           <= 1.0
   and every one of them recovered (harness)
@@ -49,7 +49,7 @@ from elastic_harness.report.timeline import FaultRow, build, split_invocations
 
 MIN_REPEATS_FOR_GOALS = 5
 STALL_S = 240.0  # a launcher whose run writes no event for this long is stuck: stop it
-GOALS = {"kill_node_ratio": 0.15, "kill_worker_ratio": 1.0, "goodput": 0.85}
+GOALS = {"kill_node_ratio": 0.10, "kill_worker_ratio": 1.0, "goodput": 0.85}
 CKPT_EVERY = 10  # steps between checkpoints in the recovery runs
 GOODPUT_CKPT_EVERY = 50
 
@@ -198,6 +198,7 @@ def _one_recovery(run_dir: Path, code: int | None) -> dict:
         "exit": code, "fired": bool(rows), "recovery_s": row.recovery_s if row else None,
         "detect_s": _since(row, row.detected) if row else None,
         "rendezvous_s": _since(row, row.rendezvous) if row else None,
+        "loaded_s": _since(row, row.loaded) if row else None,
         "steps_lost": row.steps_lost if row else None,
         "finished": any(e["event"] == "finish" for e in events),
     }

@@ -21,9 +21,11 @@ processes that create a manager (it cost a third of the write).
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
 copied into host-memory staging buffers (see ``staging``), then DCP writes from that copy in
-a background thread and the commit follows in a second one. At most one save is in flight.
-The group must be a dedicated gloo group: the background collectives would otherwise
-interleave with training's and can deadlock.
+a background thread and the commit follows in a second one (``scheduling``: both yield the
+CPU to training, and are raised back while anyone waits on them). Save plans are cached
+per manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
+group: the background collectives would otherwise interleave with training's and can
+deadlock.
 
 Time: no fixed budgets. ``on_progress()`` is called (at most once a second, on the calling
 thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
@@ -43,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,10 +54,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic_harness.checkpoint import collective, fence, integrity, layout, quarantine
+from elastic_harness.checkpoint import collective, fence, integrity, layout, plans, quarantine
 from elastic_harness.checkpoint.compat import check_compatible
 from elastic_harness.checkpoint.progress import Progress, Ticker, await_write, on_callers_device
+from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
@@ -108,8 +113,8 @@ class CheckpointManager:
         self._ticker = Ticker(on_progress)
         self._pending: cf.Future | None = None
         self._pending_watch: tuple[Any, str] = (None, "")
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
-        self._io = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
+        self.threads = BackgroundThreads.here()
+        self._plan_key = f"ckpt-{uuid.uuid4().hex}"  # this manager's entries in DCP's plan cache
         self._stager: Any = None
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
@@ -262,16 +267,22 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._busy.add(step)
         writer = self.storage.writer(name)
+        write = on_callers_device(dcp.save)
         if self.policy.async_save and not blocking:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
-                                 async_stager=self._staging())
+            # What dcp.async_save does, in our write thread: a copy training cannot change.
+            staged = self._staging().stage(
+                {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
             blocked = time.perf_counter() - t0
+            fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
+                                     planner=plans.planner(self._plan_key))
             self._pending_watch = (write_watch(writer), name)
-            self._pending = self._pool.submit(self._finish, fut, writer, step, name, t0, blocked, True)
+            self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
             return True
         # Written in a thread so this one can watch progress (and report it) meanwhile.
-        fut = self._io.submit(on_callers_device(dcp.save), state, storage_writer=writer, process_group=self.group)
-        ok = self._finish(fut, writer, step, name, t0, None, False)
+        with self.threads.foreground():
+            fut = self.threads.write(write, state, storage_writer=writer, process_group=self.group,
+                                     planner=plans.planner(self._plan_key))
+            ok = self._finish(fut, writer, step, name, t0, None, False)
         if not ok and blocking:
             raise CheckpointError(
                 f"the required checkpoint at step {step} could not be written (see the failure "
@@ -351,7 +362,7 @@ class CheckpointManager:
                 self._purge(step)
             else:  # deleting files is slow on some filesystems: keep it off the training path
                 self._pending_watch = (None, "")
-                self._pending = self._pool.submit(self._purge, step)
+                self._pending = self.threads.commit(self._purge, step)
         return True
 
     def _commit(self, step: int, name: str, reports: list[Any]) -> tuple[str, str]:
@@ -419,7 +430,8 @@ class CheckpointManager:
         """
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._await(pending, timeout)
+            with self.threads.foreground():
+                self._await(pending, timeout)
         self.raise_if_failing()
 
     def _await(self, pending: cf.Future, idle_limit: float | None) -> Any:
@@ -449,11 +461,12 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         try:
             if pending is not None:
-                self._await(pending, self.stall_s)
+                with self.threads.foreground():
+                    self._await(pending, self.stall_s)
         except SAVE_ERRORS:
             pass
         finally:
-            self._pool.shutdown(wait=False)
-            self._io.shutdown(wait=False)
+            self.threads.shutdown()
+            plans.forget(self._plan_key)
             if self._stager is not None:
                 self._stager.close()

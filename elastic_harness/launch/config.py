@@ -218,6 +218,7 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
     conf: dict[str, object] = {
         "timeout": r.join_timeout,
         "join_timeout": r.join_timeout,
+        "start_last_call_timeout": r.start_last_call_timeout,  # read by launch.rendezvous
         "last_call_timeout": r.last_call_timeout,
         "close_timeout": r.close_timeout,
         "heartbeat_timeout": r.heartbeat_timeout,

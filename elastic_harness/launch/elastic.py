@@ -14,7 +14,8 @@ monitoring, restarts: all torch's) with two overrides:
 ``Launch`` does what ``torch.distributed.launcher.api.launch_agent`` does (rendezvous
 parameters from the config, the worker spec, run, record torchelastic's own events, shut
 the rendezvous down unless a signal ended the agent) with our agent class, which
-``launch_agent`` does not let a caller choose. Dynamic rendezvous only (c10d, etcd): the
+``launch_agent`` does not let a caller choose, and the rendezvous handler of
+``launch.rendezvous``. Dynamic rendezvous only (c10d, etcd): the
 master address and port come from the rendezvous.
 """
 
@@ -24,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed.elastic.rendezvous.registry as rdzv_registry
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_harness.launch import rendezvous
 from elastic_harness.launch.policy import agent_health
 
 
@@ -77,7 +78,7 @@ class Launch:
         self.config = config
         self.spec = WorkerSpec(
             role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-            args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+            args=tuple(args), rdzv_handler=rendezvous.create_handler(params),
             max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
             master_addr=None, master_port=None, local_addr=config.local_addr,
             event_log_handler=config.event_log_handler,

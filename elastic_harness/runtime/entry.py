@@ -8,7 +8,10 @@ training at the old world size. Importing torch takes seconds, so the signal is 
 An exception that escapes is recorded as a ``failure`` event (with the signature the agent
 uses to detect a crash loop, see ``runtime.failures``) and then re-raised through
 torchelastic's ``@record``, which writes the traceback to the agent's error file.
-``SystemExit`` (a drain exits 143) and ``KeyboardInterrupt`` pass through unrecorded.
+``SystemExit`` (a drain exits 143) and ``KeyboardInterrupt`` pass through unrecorded. A
+failed (or drained) worker then exits at once (``failures.exit_now``): its agent is waiting
+for that exit to restart the group, and Python's own teardown with torch loaded takes
+seconds.
 
 Usage: ``python -m elastic_harness.runtime.entry JOB_YAML RUN_DIR``.
 """
@@ -59,7 +62,19 @@ def main(argv: list[str]) -> int:
             _record(e, run_dir)
             raise
 
-    return guarded()
+    try:
+        return guarded()
+    except Exception:  # recorded (event, torchelastic's error file): let the agent restart now
+        from elastic_harness.runtime.failures import exit_now
+
+        exit_now(1)
+        raise  # not reached
+    except SystemExit as e:  # a drain (143): its save is done, its agent waits for the exit
+        if e.code not in (None, 0):
+            from elastic_harness.runtime.failures import exit_now
+
+            exit_now(e.code if isinstance(e.code, int) else 1)
+        raise
 
 
 def _record(exc: BaseException, run_dir: str) -> None:

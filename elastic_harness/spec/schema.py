@@ -91,14 +91,24 @@ class RendezvousSpec:
     )
     id: str = doc("", "Rendezvous id; empty = a fresh unique id per submission (recommended).")
     join_timeout: int = doc(120, "Seconds to wait for nodes.min nodes before failing.")
+    start_last_call_timeout: int = doc(
+        15,
+        "First rendezvous of a submission: seconds to wait for more nodes once nodes.min have "
+        "joined (agents start together, not at once); ends early when nodes.max have joined.",
+    )
     last_call_timeout: int = doc(
-        2, "Seconds to wait for more nodes once nodes.min have joined (torch default 30)."
+        2,
+        "Later rendezvous rounds: seconds to wait for the other nodes waiting to rejoin once "
+        "nodes.min have joined; none when no other node is waiting (torch default 30).",
     )
     close_timeout: int = doc(10, "Seconds for the rendezvous to close on shutdown.")
     heartbeat_timeout: int = doc(5, "Seconds within which a keep-alive must complete.")
     keep_alive_interval: int = doc(1, "Seconds between agent keep-alives (torch default 5).")
     keep_alive_max_attempt: int = doc(
-        3, "Missed keep-alives before a node is declared dead (torch default 3)."
+        2,
+        "Missed keep-alives before a node is declared dead (torch default 3): a lost node is "
+        "dropped interval x attempts after its last keep-alive; agents waiting in a rendezvous "
+        "send one about every second, so keep interval x attempts >= 2.",
     )
     etcd_protocol: Literal["http", "https"] = doc("http", "etcd: http, or https for client TLS.")
     etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")
@@ -111,6 +121,7 @@ class RendezvousSpec:
     def __post_init__(self) -> None:
         for name in (
             "join_timeout",
+            "start_last_call_timeout",
             "last_call_timeout",
             "close_timeout",
             "heartbeat_timeout",

@@ -1,0 +1,128 @@
+"""torch's dynamic rendezvous (c10d, etcd-v2) with a last call decided per round.
+
+torch's ``DynamicRendezvousHandler`` closes a round ``last_call`` seconds after ``nodes.min``
+nodes joined it (or at once when ``nodes.max`` did). One value serves two opposite needs:
+
+- at start-up, agents start together but not at once (importing torch alone takes seconds,
+  more on a loaded machine): a short last call lets the first agent form a group alone,
+  and the others then force a membership change (the start-up race seen with 1 s);
+- after a node loss, every surviving agent is already listed in the rendezvous state,
+  waiting for the next round: a long last call only delays the restart.
+
+So the last call is decided from the rendezvous state at the moment it is set
+(``last_call_s``): round 0 of a submission (each submission has its own rendezvous id)
+waits ``start_last_call`` for the rest; a later round waits ``last_call`` if other agents are
+known to be waiting for it (torch's wait and redundancy lists), and not at all when none is,
+since nobody else can join it then (a node that arrives later joins by a membership change).
+
+The deciding happens where torch reads the value: ``RoundTimeout.last_call`` is read only
+when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``), on the
+executor's freshly synced state, which is the state holder's. ``create_handler`` builds
+torch's handler exactly as torch's own c10d/etcd-v2 creators do, with that timeout.
+
+Limits: the state is read through the handler's ``_state_holder`` (torch 2.x keeps it
+there); keep-alive expiry compares the writer's and the reader's wall clocks, so clock skew
+between hosts adds to (or eats into) ``keep_alive_interval * keep_alive_max_attempt``.
+
+Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
+agent then uses the handler as torch's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+# Fallbacks when a key is missing from the rendezvous config (torch's own defaults).
+_DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
+             "heartbeat_timeout": 5.0, "keep_alive_interval": 5.0, "keep_alive_max_attempt": 3}
+
+
+def last_call_s(round_: int, others_waiting: int, *, start_s: float, later_s: float) -> float:
+    """Pure: seconds a round stays open for more agents once ``nodes.min`` have joined it.
+
+    ``round_`` 0 is the start of a submission: ``start_s``. Later rounds: ``later_s`` while
+    ``others_waiting`` agents (listed as waiting for this round, besides the one deciding)
+    may still join, else 0: no agent is known to be coming, so close now.
+    """
+    if round_ == 0:
+        return start_s
+    return later_s if others_waiting > 0 else 0.0
+
+
+class RoundTimeout(RendezvousTimeout):
+    """torch's rendezvous timeouts, with ``last_call`` decided per round by ``last_call_s``.
+
+    ``follow(state)`` gives it the callable returning the handler's current rendezvous
+    state; before that (or if it returns None) ``last_call`` is the configured value.
+    """
+
+    def __init__(self, *, join: float, start_last_call: float, last_call: float, close: float,
+                 heartbeat: float) -> None:
+        super().__init__(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call),
+                         close=timedelta(seconds=close), heartbeat=timedelta(seconds=heartbeat))
+        if start_last_call <= 0:
+            raise ValueError(f"start_last_call ({start_last_call}) must be positive")
+        self.start_last_call = timedelta(seconds=start_last_call)
+        self._state: Callable[[], Any] = lambda: None
+
+    def follow(self, state: Callable[[], Any]) -> None:
+        self._state = state
+
+    @property
+    def last_call(self) -> timedelta:
+        state = self._state()
+        if state is None:
+            return self._last_call
+        others = len(state.wait_list) + len(state.redundancy_list)
+        return timedelta(seconds=last_call_s(state.round, others,
+                                             start_s=self.start_last_call.total_seconds(),
+                                             later_s=self._last_call.total_seconds()))
+
+
+def timeout_from(params: RendezvousParameters) -> RoundTimeout:
+    """The timeouts in a rendezvous config (``launch.config.rdzv_configs``), in seconds."""
+    later = _seconds(params, "last_call_timeout")
+    return RoundTimeout(join=_seconds(params, "join_timeout"),
+                        start_last_call=float(params.get("start_last_call_timeout", later)),
+                        last_call=later, close=_seconds(params, "close_timeout"),
+                        heartbeat=_seconds(params, "heartbeat_timeout"))
+
+
+def _seconds(params: RendezvousParameters, key: str) -> float:
+    return float(params.get(key, _DEFAULTS[key]))
+
+
+def _backend(params: RendezvousParameters) -> tuple[Any, Any]:
+    """torch's state backend and store for ``params.backend`` (what its own creators build)."""
+    if params.backend == "c10d":
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    else:
+        from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+    return create_backend(params)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
+    c10d and etcd-v2 backends; any other backend exactly as torch's registry makes it."""
+    if params.backend not in ("c10d", "etcd-v2"):
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        return get_rendezvous_handler(params)
+    backend, store = _backend(params)
+    timeout = timeout_from(params)
+    handler = DynamicRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
+        keep_alive_interval=int(_seconds(params, "keep_alive_interval")),
+        keep_alive_max_attempt=int(params.get("keep_alive_max_attempt", 3)),
+    )
+    holder = handler._state_holder  # the state torch's join operation is changing
+    timeout.follow(lambda: holder.state)
+    return handler

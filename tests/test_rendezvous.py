@@ -1,0 +1,169 @@
+"""The last call per rendezvous round (``launch.rendezvous``): the decision, and real rounds.
+
+The rounds run torch's own rendezvous handlers, one per simulated agent, in threads of this
+process against a real c10d ``TCPStore`` (a node is a handler: torch names it by address,
+pid and a per-process counter). Starting them with a skew between them is what agents
+started together do (each imports torch first, which takes seconds on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from elastic_harness.launch.config import NodeOptions, rdzv_configs
+from elastic_harness.launch.rendezvous import (
+    RoundTimeout,
+    create_handler,
+    last_call_s,
+    timeout_from,
+)
+from elastic_harness.spec import parse_job
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize(("round_", "waiting", "want"), [
+    (0, 0, 15.0),  # start-up: wait for the agents still starting
+    (0, 3, 15.0),
+    (1, 1, 2.0),  # later: others are listed as waiting for this round
+    (4, 0, 0.0),  # later, nobody else waiting: close now
+])
+def test_last_call_per_round(round_, waiting, want):
+    assert last_call_s(round_, waiting, start_s=15.0, later_s=2.0) == want
+
+
+def state(round_: int, waiting: int = 0, redundant: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(round=round_, wait_list={f"w{i}" for i in range(waiting)},
+                           redundancy_list={f"r{i}" for i in range(redundant)})
+
+
+def test_round_timeout_reads_the_state_torch_is_changing():
+    t = RoundTimeout(join=60, start_last_call=15, last_call=2, close=10, heartbeat=5)
+    assert t.last_call == dt.timedelta(seconds=2), "before follow(): the configured value"
+    current = {"s": state(0)}
+    t.follow(lambda: current["s"])
+    assert t.last_call == dt.timedelta(seconds=15)
+    current["s"] = state(2, redundant=1)  # a node beyond nodes.max counts as coming too
+    assert t.last_call == dt.timedelta(seconds=2)
+    current["s"] = state(2)
+    assert t.last_call == dt.timedelta(0)
+    assert (t.join, t.close, t.heartbeat) == tuple(dt.timedelta(seconds=s) for s in (60, 10, 5))
+
+
+def test_spec_reaches_the_handler_config(tmp_path):
+    spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression",
+                          "rendezvous.start_last_call_timeout=20", "rendezvous.keep_alive_max_attempt=4"])
+    opts = NodeOptions(tmp_path, "127.0.0.1:1", "id", "c10d", 1, 2, 1, 0)
+    conf = rdzv_configs(spec, opts)
+    assert conf["start_last_call_timeout"] == 20 and conf["keep_alive_max_attempt"] == 4
+    params = SimpleNamespace(get=lambda k, d=None: conf.get(k, d))
+    t = timeout_from(params)  # type: ignore[arg-type]
+    assert (t.start_last_call.total_seconds(), t._last_call.total_seconds()) == (20.0, 2.0)
+
+
+# --- real rounds --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(monkeypatch):
+    import torch.distributed as dist
+
+    # As our agents run (launch.config.agent_environ): no store server per rank-0 agent.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield f"127.0.0.1:{server.port}"
+    del server
+
+
+def agent(endpoint: str, run_id: str, ours: bool, later_s: int = 1, start_s: int = 15,
+          keep_alive: int = 1):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    conf = dict(join_timeout=30, last_call_timeout=later_s, close_timeout=10, heartbeat_timeout=5,
+                keep_alive_interval=keep_alive, keep_alive_max_attempt=2, is_host=False, read_timeout=30)
+    if ours:
+        conf["start_last_call_timeout"] = start_s
+    params = RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf)
+    return create_handler(params) if ours else get_rendezvous_handler(params)
+
+
+def join_all(handlers, skews: list[float]) -> list[int]:
+    """Each handler joins the next round after its skew (seconds); their world sizes."""
+    sizes: list[int] = [0] * len(handlers)
+    errors: list[BaseException] = []
+    started = threading.Barrier(len(handlers))
+
+    def one(i: int) -> None:
+        try:
+            started.wait()
+            threading.Event().wait(skews[i])  # this agent is slower to start: the race's input
+            sizes[i] = handlers[i].next_rendezvous().world_size
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return sizes
+
+
+def close(handlers) -> None:
+    for h in handlers:
+        h._stop_heartbeats()
+
+
+def test_agents_starting_together_always_form_one_group(store):
+    """Eight starts of two agents, the second up to 3 s late (beyond the 1 s later-round
+    last call): every start forms one 2-node group. Starts run side by side, each its own
+    rendezvous id on the one store."""
+    skews = [0.0, 0.2, 0.6, 1.1, 1.5, 2.0, 2.5, 3.0]
+    pairs = [[agent(store, f"start-{k}", ours=True) for _ in range(2)] for k in range(len(skews))]
+    results: dict[int, list[int]] = {}
+
+    def start(k: int) -> None:
+        results[k] = join_all(pairs[k], [0.0, skews[k]])
+
+    threads = [threading.Thread(target=start, args=(k,)) for k in range(len(skews))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(80)
+    try:
+        assert {k: v for k, v in results.items() if v != [2, 2]} == {}
+        assert len(results) == len(skews)
+    finally:
+        close([h for pair in pairs for h in pair])
+
+
+def test_control_torchs_handler_with_a_short_last_call_races(store):
+    """The same start with torch's handler and the same 1 s last call: the first agent
+    forms a group alone, which is the start-up race the per-round last call removes."""
+    pair = [agent(store, "control", ours=False) for _ in range(2)]
+    first = threading.Thread(target=lambda: setattr(first, "info", pair[0].next_rendezvous()))
+    first.start()
+    first.join(30)
+    try:
+        assert first.info.world_size == 1
+    finally:
+        close(pair)
+
+
+def test_survivor_of_a_lost_node_closes_the_next_round_alone(store):
+    """After a node is lost, the survivor's round has nobody else waiting: it closes at once
+    (no last call), with the survivor alone, once the lost node's keep-alives expired."""
+    pair = [agent(store, "loss", ours=True) for _ in range(2)]
+    assert join_all(pair, [0.0, 0.0]) == [2, 2]
+    pair[1]._stop_heartbeats()  # node 1 is gone: no more keep-alives, no goodbye
+    try:
+        info = pair[0].next_rendezvous()
+        assert info.world_size == 1 and pair[0]._state_holder.state.round == 1
+    finally:
+        close(pair)
