@@ -66,7 +66,8 @@ CONTRACT: dict[str, EventKind] = {
     "resume": EventKind("rank 0", "state restored, or fresh: true when no checkpoint was found", {
         "fresh": "true when starting from scratch",
         "step": "step of the checkpoint loaded (0 when fresh)",
-        "checkpoint": "name of the checkpoint loaded",
+        "source": "'memory' (the agents' in-memory snapshots) or 'storage' (a DCP checkpoint)",
+        "checkpoint": "name of the checkpoint loaded (storage)",
         "saved_world_size": "world size that saved it",
         "world_size": _WORLD,
         "load_s": "seconds to load it",

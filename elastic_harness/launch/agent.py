@@ -22,8 +22,9 @@ from elastic_harness import exitcodes
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.launch import bridge, isolation, watchdog
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
-from elastic_harness.launch.env import JOB_VAR, NODE_VAR, RUN_DIR_VAR
+from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
 from elastic_harness.launch.policy import stop_reason
+from elastic_harness.memtier.host import HostSlots
 from elastic_harness.spec import JobSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
@@ -38,12 +39,14 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from elastic_harness.launch.elastic import Launch
+    from elastic_harness.launch.warm import Zygote
 
     run_dir = Path(opts.run_dir)
     entrypoint, args = worker_command(run_dir)
     # Workers inherit the agent's environment: their node, job and run dir.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see launch.config.agent_environ
-    os.environ.update({NODE_VAR: node, JOB_VAR: args[-2], RUN_DIR_VAR: str(run_dir)})
+    os.environ.update({NODE_VAR: node, JOB_VAR: args[-2], RUN_DIR_VAR: str(run_dir),
+                       AGENT_PID_VAR: str(os.getpid())})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     events = EventLog(run_dir / "events.jsonl")
     config = launch_config(spec, opts)
@@ -52,11 +55,20 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
+    # In-memory checkpoints: this agent owns the slots, so they outlive its workers.
+    slots = HostSlots.create(opts.nproc_per_node) if spec.checkpoint.memory_every else None
+    if slots is not None:
+        os.environ[MEMORY_VAR] = slots.describe()
+    # Warm starts: the zygote imports torch while the first rendezvous runs.
+    zygote = Zygote() if spec.warm_start else None
+    if zygote is not None:
+        zygote.start()
     started = time.time()
     r, t = spec.rendezvous, spec.timeouts
     launch = Launch(config, entrypoint, args,
                     judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started),
-                    quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30)
+                    quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
+                    zygote=zygote)
     if on_health is not None:
         on_health(launch.agent.health)
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
@@ -76,6 +88,10 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
         timer_server.stop()
         if cutoff is not None:
             cutoff.stop()
+        if zygote is not None:
+            zygote.stop()
+        if slots is not None:
+            slots.close()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
 
