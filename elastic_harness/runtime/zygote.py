@@ -20,7 +20,8 @@ and unprompted: ``{"op": "ready", "threads"}`` once the imports are done, and
 ``{"op": "exit", "pid", "code"}`` when a worker ends (``code`` as ``Popen.returncode``:
 negative for a signal).
 
-Usage (by the agent): ``python -m elastic_harness.runtime.zygote FD AGENT_PID``.
+Usage (by the agent): ``python -m elastic_harness.runtime.zygote FD AGENT_PID [--preload
+MODULE,...]`` (default: ``PRELOAD``; tests preload nothing).
 """
 
 from __future__ import annotations
@@ -59,11 +60,11 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
-def preload() -> int:
+def preload(modules: tuple[str, ...] = PRELOAD) -> int:
     """Import what workers need; the number of threads this process then runs."""
     import importlib
 
-    for name in PRELOAD:
+    for name in modules:
         importlib.import_module(name)
     try:
         return len(os.listdir("/proc/self/task"))
@@ -149,7 +150,7 @@ def become_worker(msg: dict, zygote: int) -> int:
     """In the fresh fork: the environment and streams of a worker, then run its module as
     ``python -m MODULE ARGV`` would. Returns the exit code (the caller ``_exit``s with it)."""
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGCHLD, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     os.setsid()  # its own session, as torchelastic starts workers
     die_with_parent(zygote)
@@ -210,9 +211,12 @@ def main(argv: list[str]) -> int:
 
     fd, agent = int(argv[0]), int(argv[1])
     die_with_parent(agent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the agent's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the agent's to handle, and forward
     sock = socket.socket(fileno=fd)
-    threads = preload()
+    modules = PRELOAD
+    if argv[2:3] == ["--preload"]:
+        modules = tuple(m for m in argv[3].split(",") if m)
+    threads = preload(modules)
     _send(sock, {"op": "ready", "threads": threads})
     serve(sock)
     return 0
