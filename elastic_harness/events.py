@@ -158,6 +158,13 @@ CONTRACT: dict[str, EventKind] = {
         "seconds": "how long it had been unreachable",
         "message": "one line",
     }),
+    "workers": EventKind("an agent (launch.elastic)", "a phase of its worker group, for recovery timing", {
+        "node": "node name",
+        "state": "'failed' (an exit seen; warm starts only), 'stopped' (the group is down; cold "
+                 "starts: also the first sign of a failure) or 'started'",
+        "restart": "the agent's restart count",
+        "warm": "workers are forked from the agent's zygote",
+    }),
     "torchelastic": EventKind("an agent (launch.bridge)", "torchelastic's own agent/rendezvous event", {
         "node": "node name",
         "name": "torchelastic's event name",

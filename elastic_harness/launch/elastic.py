@@ -10,11 +10,15 @@ monitoring, restarts: all torch's) with three overrides:
 - ``_monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
   error or crash loop?) and, if it gives a reason, spend no more restarts. It also notes
   when it last ran, so ``health()`` can tell a live agent from a stuck one.
-- ``_start_workers``: with a ``zygote`` (``launch.warm``), the workers are forks of it
+- ``_start_workers``: with a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
   then calls its module-level ``start_processes``, which has no parameter for the kind of
   process context; for the duration of that call it is ``warm_processes`` instead (the
   agent's main thread is the only caller), which returns a ``WarmContext``.
+
+``report(state, restart)`` hears the worker group's phases, for the recovery breakdown:
+``failed`` (a worker's exit was seen; warm starts only), ``stopped`` (the rest of the group
+is gone; with cold starts also the first sign of a failure), ``started``.
 
 ``Launch`` does what ``torch.distributed.launcher.api.launch_agent`` does (rendezvous
 parameters from the config, the worker spec, run, record torchelastic's own events, shut
@@ -40,17 +44,21 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_harness.launch.policy import agent_health
-from elastic_harness.launch.warm import WarmContext, Zygote, warm_invocation
+from elastic_harness.launch.warm import WarmContext, warm_invocation
+from elastic_harness.launch.zygote import Zygote
+
+Report = Callable[[str, int], None]
 
 
 class HarnessAgent(LocalElasticAgent):
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 zygote: Zygote | None = None, **kwargs: Any) -> None:
+                 zygote: Zygote | None = None, report: Report | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._judge = judge
         self._quiet_bound_s = quiet_bound_s
         self._last_monitor = time.monotonic()
         self._zygote = zygote
+        self._report = report or (lambda state, restart: None)
         self.stop_reason: str | None = None
 
     def health(self) -> tuple[bool, str]:
@@ -58,11 +66,17 @@ class HarnessAgent(LocalElasticAgent):
         state = self._worker_group.state.name
         return agent_health(state, time.monotonic() - self._last_monitor, self._quiet_bound_s)
 
+    def _phase(self, state: str) -> None:
+        self._report(state, self._worker_group.spec.max_restarts - self._remaining_restarts)
+
     def _start_workers(self, worker_group: Any) -> dict[int, int]:
         if self._zygote is None:
-            return super()._start_workers(worker_group)
-        with _processes_from(self._zygote):
-            return super()._start_workers(worker_group)
+            pids = super()._start_workers(worker_group)
+        else:
+            with _processes_from(self._zygote, self._phase):
+                pids = super()._start_workers(worker_group)
+        self._phase("started")
+        return pids
 
     def _stop_workers(self, worker_group: Any) -> None:
         self._shutdown(timeout=self._shutdown_timeout)
@@ -70,7 +84,10 @@ class HarnessAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
         result = super()._monitor_workers(worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.stop_reason is None:
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed and self._zygote is None:
+            self._phase("stopped")  # torch's own process context stopped the rest already
+        if failed and self.stop_reason is None:
             reason = self._judge()
             if reason:
                 self.stop_reason = reason
@@ -79,7 +96,7 @@ class HarnessAgent(LocalElasticAgent):
 
 
 @contextlib.contextmanager
-def _processes_from(zygote: Zygote) -> Iterator[None]:
+def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[None]:
     """torchelastic's ``start_processes``, answered by ``zygote`` while this block runs."""
     cold = local_agent.start_processes
 
@@ -88,7 +105,7 @@ def _processes_from(zygote: Zygote) -> Iterator[None]:
         if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
             return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
                         log_line_prefixes=log_line_prefixes, **rest)
-        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes)
+        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase)
         try:
             context.start()
         except BaseException:
@@ -109,7 +126,7 @@ class Launch:
 
     def __init__(self, config: Any, entrypoint: Callable | str, args: list[Any],
                  judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 zygote: Zygote | None = None) -> None:
+                 zygote: Zygote | None = None, report: Report | None = None) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -126,7 +143,7 @@ class Launch:
         self.agent = HarnessAgent(spec=self.spec, logs_specs=config.logs_specs,
                                   start_method=config.start_method,
                                   shutdown_timeout=config.shutdown_timeout, judge=judge,
-                                  quiet_bound_s=quiet_bound_s, zygote=zygote)
+                                  quiet_bound_s=quiet_bound_s, zygote=zygote, report=report)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,
