@@ -1,7 +1,8 @@
 """The worker's side of the in-memory tier: save a snapshot, restore the newest common one.
 
 Call order (every rank of a generation, same order): ``restore(state)`` once, before
-training and before any storage restore (it is collective, on the checkpoint group); then
+training and before any storage restore (it is collective: ``gather(value)`` returns every
+rank's value, in rank order, e.g. an all-gather on the checkpoint group); then
 ``save(step, state)`` after the steps ``slots.snapshot_due`` names (no collective; each rank
 writes its own slot). ``close()`` at the end.
 
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch.distributed as dist
 
 from elastic_harness.memtier import snapshot
 from elastic_harness.memtier.host import slot_paths
@@ -46,15 +46,19 @@ class Restored:
     seconds: float
 
 
+Gather = Callable[[Any], list[Any]]
+
+
 class MemoryTier:
-    def __init__(self, regions: list[Region], *, rank: int, world_size: int, group: Any, warn: Any) -> None:
-        self.regions, self.rank, self.world_size, self.group = regions, rank, world_size, group
-        self._warn = warn  # warn(message): every rank may report its own trouble
+    def __init__(self, regions: list[Region], *, rank: int, world_size: int, gather: Gather,
+                 warn: Callable[[str], None]) -> None:
+        self.regions, self.rank, self.world_size, self.gather = regions, rank, world_size, gather
+        self._warn = warn  # every rank may report its own trouble
         self._last: int | None = None  # the slot holding this rank's newest snapshot
 
     @classmethod
-    def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, group: Any,
-             warn: Any) -> MemoryTier:
+    def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, gather: Gather,
+             warn: Callable[[str], None]) -> MemoryTier:
         """This rank's slots from the agent's description (``host.describe``)."""
         regions: list[Region] = []
         try:
@@ -66,22 +70,18 @@ class MemoryTier:
             regions = []
             warn(f"rank {rank}: cannot open its in-memory checkpoint slots ({e.strerror or e!r}); "
                  "restarts restore from storage")
-        return cls(regions, rank=rank, world_size=world_size, group=group, warn=warn)
+        return cls(regions, rank=rank, world_size=world_size, gather=gather, warn=warn)
 
     def restore(self, state: dict[str, Any]) -> Restored | None:
         """Collective: fill ``state`` from the newest snapshot every rank holds, or None."""
         t0 = time.perf_counter()
         mine = self._usable() if self.regions else {}
-        held: list[Any] = [None] * self.world_size
-        dist.all_gather_object(held, sorted(mine), group=self.group)
-        step = newest_common(held)
+        step = newest_common(self.gather(sorted(mine)))
         if step is None:
             self._unpublish_all()
             return None
         error = self._load(state, mine[step])
-        failed: list[Any] = [None] * self.world_size
-        dist.all_gather_object(failed, error, group=self.group)
-        errors = [f"rank {r}: {e}" for r, e in enumerate(failed) if e]
+        errors = [f"rank {r}: {e}" for r, e in enumerate(self.gather(error)) if e]
         if errors:
             self._unpublish_all()
             raise RuntimeError(f"restoring step {step} from memory failed ({'; '.join(errors)}); "

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
@@ -330,7 +331,7 @@ class Run:
         watchdog = self.watchdog
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
-                              events=self.log)
+                              events=self.log, agent=self.env.agent_pid or os.getppid())
         self._loop = _LoopState(watchdog, faults, self._sample_log())
         try:
             while train.step < spec.train.steps:
@@ -522,7 +523,8 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> Me
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
     return MemoryTier.open(env.memory, env.local_rank, rank=env.rank, world_size=env.world_size,
-                           group=group, warn=lambda message: log.emit("warning", message=message))
+                           gather=lambda value: collective.all_gather(value, group, env.world_size),
+                           warn=lambda message: log.emit("warning", message=message))
 
 
 def job_identity(spec: JobSpec) -> str:
