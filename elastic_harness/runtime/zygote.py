@@ -8,8 +8,10 @@ state is replaced by a new fork, never by a copy of itself.
 
 Lifetime: the zygote arms ``PR_SET_PDEATHSIG`` against its agent first thing, and each
 worker against the zygote, so killing an agent (even with SIGKILL) takes its zygote and
-workers with it. The zygote also exits when the agent closes its socket. Nothing is written
-to the file system: the agent talks to it over an inherited socket pair.
+workers with it. The zygote also exits when the agent closes its socket. It runs in a
+session of its own and each worker in another (as torchelastic starts workers), so a signal
+to the agent's process group reaches workers only as the agent forwards it. Nothing is
+written to the file system: the agent talks to it over an inherited socket pair.
 
 Protocol (one JSON object per ``SOCK_SEQPACKET`` message), requests from the agent:
   ``{"op": "spawn", "module", "argv", "env", "cwd", "stdout", "stderr", "unbuffered"}``
