@@ -55,6 +55,7 @@ class MemoryTier:
         self.regions, self.rank, self.world_size, self.gather = regions, rank, world_size, gather
         self._warn = warn  # every rank may report its own trouble
         self._last: int | None = None  # the slot holding this rank's newest snapshot
+        self._views = [snapshot.Views() for _ in regions]
 
     @classmethod
     def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, gather: Gather,
@@ -100,7 +101,7 @@ class MemoryTier:
             skeleton = cap.pickled()
             # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
             data = region.begin(HEADER_SIZE + cap.data_len + len(skeleton) + SLACK)
-            snapshot.write(cap, skeleton, data, HEADER_SIZE)
+            snapshot.write(cap, skeleton, data, HEADER_SIZE, self._views[slot])
             region.publish(Header(True, step, self.world_size, self.rank, cap.data_len, len(skeleton),
                                   cap.digest))
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
@@ -129,7 +130,7 @@ class MemoryTier:
         region = self.regions[slot]
         try:
             header = region.header()
-            trees = snapshot.state_dicts(state)
+            trees = snapshot.targets(state)
             if snapshot.layout_digest(trees) != header.digest:
                 return f"the snapshot of step {header.step} does not fit this state's layout"
             data = region.data()
