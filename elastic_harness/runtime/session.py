@@ -276,7 +276,8 @@ class Run:
                                   scaler=self.scaler, extra=extra)
 
     def resume(self) -> int:
-        """Load the newest complete, verified checkpoint (every rank); the step it holds."""
+        """Restore the newest snapshot every rank holds in memory, else load the newest
+        complete, verified checkpoint (every rank); the step it holds."""
         if self._resumed:
             return self._train.step
         if self._state is None:
