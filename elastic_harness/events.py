@@ -67,7 +67,8 @@ CONTRACT: dict[str, EventKind] = {
     "resume": EventKind("rank 0", "state restored, or fresh: true when no checkpoint was found", {
         "fresh": "true when starting from scratch",
         "step": "step of the checkpoint loaded (0 when fresh)",
-        "checkpoint": "name of the checkpoint loaded",
+        "source": "'memory' (the agents' in-memory snapshots) or 'storage' (a DCP checkpoint)",
+        "checkpoint": "name of the checkpoint loaded (storage)",
         "saved_world_size": "world size that saved it",
         "world_size": _WORLD,
         "load_s": "seconds to load it",
@@ -157,6 +158,13 @@ CONTRACT: dict[str, EventKind] = {
         "endpoint": "the rendezvous endpoint (with etcd, every member was probed)",
         "seconds": "how long it had been unreachable",
         "message": "one line",
+    }),
+    "workers": EventKind("an agent (launch.elastic)", "a phase of its worker group, for recovery timing", {
+        "node": "node name",
+        "state": "'failed' (an exit seen; warm starts only), 'stopped' (the group is down; cold "
+                 "starts: also the first sign of a failure) or 'started'",
+        "restart": "the agent's restart count",
+        "warm": "workers are forked from the agent's zygote",
     }),
     "torchelastic": EventKind("an agent (launch.bridge)", "torchelastic's own agent/rendezvous event", {
         "node": "node name",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from elastic_harness.bench import recovery
+import pytest
+
+from elastic_harness.bench import crash_stats, recovery
 from elastic_harness.chaos.vocabulary import parse_fault
-from tests.test_report import killed_worker_run
+from tests.test_report import ev, killed_worker_run
 
 
 def test_kill_worker_schedule_spreads_faults_over_the_save_interval():
@@ -32,13 +34,13 @@ def test_restart_stats_counts_first_try_recoveries():
     for e in events:
         if e["event"] == "step":
             e["restart"] = 0 if e["pid"] == 10 else 1
-    stats = recovery.restart_stats(events, requested=1, code=0)
+    stats = crash_stats.restart_stats(events, requested=1, code=0)
     assert (stats["fired"], stats["recovered"], stats["recovered_first_try"]) == (1, 1, 1)
     assert stats["steps_lost"] == [5] and stats["finished"]
     for e in events:
         if e["event"] == "step" and e["pid"] == 20:
             e["restart"] = 2  # the first restart failed: the agent needed a second
-    assert recovery.restart_stats(events, requested=1, code=0)["recovered_first_try"] == 0
+    assert crash_stats.restart_stats(events, requested=1, code=0)["recovered_first_try"] == 0
 
 
 def test_goals_are_reported_per_part():
@@ -46,3 +48,30 @@ def test_goals_are_reported_per_part():
     met = recovery.goals_met(report, repeats=2)
     assert met["kill_node_ratio"] is True and met["goodput_goodput"] is False
     assert "indicative" in met["note"]
+
+
+def test_recovery_breakdown_phases_add_up_to_the_recovery_time():
+
+    events = [e for e in killed_worker_run() if e["event"] != "rendezvous" or e["pid"] != 20]
+    events += [ev(12.6, "workers", 5, state="failed"), ev(12.65, "workers", 5, state="stopped"),
+               ev(16.5, "rendezvous", 20, world_size=2, restart=1, pg_init_s=0.1)]
+    events.sort(key=lambda e: e["t"])
+    fault = next(e for e in events if e["event"] == "fault")
+    phases = crash_stats.breakdown(events, fault)
+    assert phases == pytest.approx({"detect": 0.05, "stop": 0.05, "rendezvous": 0.35, "spawn": 3.4,
+                                    "process_group": 0.1, "restore": 0.5, "first_step": 0.1})
+    assert sum(phases.values()) == pytest.approx(17.1 - 12.55)
+    # torchrun records no agent events: the phases before the workers' own merge into spawn
+    bare = [e for e in events if e["event"] not in ("workers", "torchelastic")]
+    plain = crash_stats.breakdown(bare, fault)
+    assert plain["detect"] is None and plain["rendezvous"] is None
+    assert plain["spawn"] == pytest.approx(16.4 - 12.55)
+    assert crash_stats.median_breakdown([phases, plain])["spawn"] == pytest.approx((3.4 + 3.85) / 2)
+
+
+def test_memory_cost_is_a_ratio_of_steady_step_times():
+
+    run = [ev(float(i), "step", 7 if i < 5 else 8, step=i, step_s=1.0 if i in (1, 5) else 0.1) for i in range(1, 9)]
+    assert crash_stats.steady_step_s(run, skip=1) == pytest.approx(0.1)  # each generation's first left out
+    assert crash_stats.cost([0.103, 0.104, None], [0.1, 0.1]) == pytest.approx(0.035)
+    assert crash_stats.cost([None], [0.1]) is None

@@ -39,8 +39,9 @@ def test_reference_run_uses_each_sample_once(mlp_reference):
 
 
 def test_killed_worker_resumes_bit_identical(mlp_reference, tmp_path):
+    """Cold: fresh interpreters and storage only (the in-memory tier has its own tests)."""
     r = cli("run", str(MLP), "--chaos", "kill-worker:1@25", "--set", "train.record_samples=true",
-            run_dir=tmp_path)
+            "--set", "warm_start=false", "--set", "checkpoint.memory_every=0", run_dir=tmp_path)
     assert r.code == 0, r.err
     (fault,) = r.kinds("fault")
     assert (fault["kind"], fault["rank"], fault["step"]) == ("kill-worker", 1, 25)

@@ -7,7 +7,8 @@ purges; the others follow its broadcast decision. The manager is given rank, wor
 group and storage: it never asks ``torch.distributed`` who it is.
 
 Call order: ``restore`` once per worker generation, first (it starts the generation in the
-checkpoint directory, see ``fence``, and checks that every rank sees that directory); then
+checkpoint directory, see ``fence``, and checks that every rank sees that directory), or
+``join`` alone when the state came from elsewhere (the in-memory tier); then
 ``save`` any number of times; ``wait`` before reading results; ``close`` at the end (safe
 twice).
 
@@ -132,8 +133,7 @@ class CheckpointManager:
         job, when the ranks do not share the checkpoint directory, and when complete
         checkpoints existed but none is usable (``--fresh`` starts over on purpose).
         """
-        self._generation = collective.join_generation(
-            self.storage, str(self.info.get("job", "")), rank=self.rank, world_size=self.world_size, group=self.group)
+        self.join()
         unusable: set[str] = set()
         unloadable: list[tuple[str, str]] = []  # set aside only once an older one loads
         seen_complete = None
@@ -157,6 +157,14 @@ class CheckpointManager:
                 return loaded
             unusable.add(choice.chosen.name)
             unloadable.append((choice.chosen.name, why))
+
+    def join(self) -> None:
+        """Start this worker generation in the checkpoint directory (the fence), once; every
+        rank. ``restore`` calls it; call it first when the state is restored from memory."""
+        if self._generation is None:
+            self._generation = collective.join_generation(
+                self.storage, str(self.info.get("job", "")), rank=self.rank, world_size=self.world_size,
+                group=self.group)
 
     def _report_unloadable(self, unloadable: list[tuple[str, str]], set_aside: bool) -> None:
         """Rank 0: checkpoints that verified but failed to load. They are set aside only when an

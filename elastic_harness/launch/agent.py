@@ -22,10 +22,11 @@ from pathlib import Path
 
 from elastic_harness import exitcodes
 from elastic_harness.events import EventLog, read_events
-from elastic_harness.launch import bridge, isolation, watchdog
+from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
-from elastic_harness.launch.env import JOB_VAR, NODE_VAR, RUN_DIR_VAR
+from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
 from elastic_harness.launch.policy import stop_reason
+from elastic_harness.memtier.host import HostSlots
 from elastic_harness.spec import JobSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
@@ -36,17 +37,42 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
               on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None) -> int:
     """Run this node's agent to the end; its exit code. ``on_health`` receives the agent's
     health callable (for the endpoint's ``/healthz``) once the agent exists."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-
-    from elastic_harness.launch.elastic import Launch
+    from elastic_harness.launch.zygote import Zygote
 
     run_dir = Path(opts.run_dir)
     entrypoint, args = worker_command(run_dir)
     # Workers inherit the agent's environment: their node, job and run dir.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see launch.config.agent_environ
-    os.environ.update({NODE_VAR: node, JOB_VAR: args[-2], RUN_DIR_VAR: str(run_dir)})
+    os.environ.update({NODE_VAR: node, JOB_VAR: args[-2], RUN_DIR_VAR: str(run_dir),
+                       AGENT_PID_VAR: str(os.getpid())})
+    # In-memory checkpoints: this agent owns the slots, so they outlive its workers.
+    slots = HostSlots.create(opts.nproc_per_node) if spec.checkpoint.memory_every else None
+    if slots is not None:
+        os.environ[MEMORY_VAR] = slots.describe()
+    # Warm starts: the zygote imports torch while this process does, and while the first
+    # rendezvous runs (nothing here has imported torch yet).
+    zygote = Zygote() if spec.warm_start else None
+    if zygote is not None:
+        zygote.start()
+    try:
+        return _run(spec, opts, node, (entrypoint, args), zygote, on_health)
+    finally:
+        if zygote is not None:
+            zygote.stop()
+        if slots is not None:
+            slots.close()
+
+
+def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
+         on_health: Callable | None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from elastic_harness.launch import watchdog
+    from elastic_harness.launch.elastic import Launch
+
+    run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     events = EventLog(run_dir / "events.jsonl")
     config = launch_config(spec, opts)
@@ -57,9 +83,10 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
     started = time.time()
     r, t = spec.rendezvous, spec.timeouts
-    launch = Launch(config, entrypoint, args,
+    launch = Launch(config, *command,
                     judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started),
-                    quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30)
+                    quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
+                    zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None))
     if on_health is not None:
         on_health(launch.agent.health)
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
@@ -81,6 +108,15 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
             cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
+
+
+def phase_reporter(events: EventLog, node: str, *, warm: bool):
+    """The agent's account of its worker group (``launch.elastic.HarnessAgent``'s report)."""
+
+    def report(state: str, restart: int) -> None:
+        events.emit("workers", node=node, state=state, restart=restart, warm=warm)
+
+    return report
 
 
 def _first_failure(err) -> str:

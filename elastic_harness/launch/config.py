@@ -272,7 +272,9 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
 
 
 def worker_command(run_dir: Path) -> tuple[str, list[str]]:
-    """Entrypoint and args the agent runs per rank: a fresh interpreter, unbuffered."""
+    """Entrypoint and args the agent runs per rank: ``python -u -m elastic_harness.runtime.entry
+    JOB RUN_DIR``. With ``warm_start`` the agent's zygote runs this same command in a fork that
+    already imported torch (``launch.warm``); otherwise torchelastic starts a fresh interpreter."""
     job = run_dir / "job.resolved.yaml"
     return sys.executable, ["-u", "-m", "elastic_harness.runtime.entry", str(job), str(run_dir)]
 

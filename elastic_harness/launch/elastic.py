@@ -1,7 +1,7 @@
 """torchelastic's agent, with the two behaviours we need changed, and a launcher for it.
 
 ``HarnessAgent`` is torchelastic's ``LocalElasticAgent`` (rendezvous, worker processes,
-monitoring, restarts: all torch's) with two overrides:
+monitoring, restarts: all torch's) with three overrides:
 
 - ``_stop_workers``: torch stops the worker group for a restart or a membership change
   with a fixed 30 s grace; a drain that saves a large state needs
@@ -10,6 +10,15 @@ monitoring, restarts: all torch's) with two overrides:
 - ``_monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
   error or crash loop?) and, if it gives a reason, spend no more restarts. It also notes
   when it last ran, so ``health()`` can tell a live agent from a stuck one.
+- ``_start_workers``: with a ``zygote`` (``launch.zygote``), the workers are forks of it
+  instead of fresh interpreters. torch builds their environment and log files as usual and
+  then calls its module-level ``start_processes``, which has no parameter for the kind of
+  process context; for the duration of that call it is ``warm_processes`` instead (the
+  agent's main thread is the only caller), which returns a ``WarmContext``.
+
+``report(state, restart)`` hears the worker group's phases, for the recovery breakdown:
+``failed`` (a worker's exit was seen; warm starts only), ``stopped`` (the rest of the group
+is gone; with cold starts also the first sign of a failure), ``started``.
 
 ``Launch`` does what ``torch.distributed.launcher.api.launch_agent`` does (rendezvous
 parameters from the config, the worker spec, run, record torchelastic's own events, shut
@@ -21,10 +30,12 @@ master address and port come from the rendezvous.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -34,15 +45,21 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_harness.launch import rendezvous
 from elastic_harness.launch.policy import agent_health
+from elastic_harness.launch.warm import WarmContext, warm_invocation
+from elastic_harness.launch.zygote import Zygote
+
+Report = Callable[[str, int], None]
 
 
 class HarnessAgent(LocalElasticAgent):
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 **kwargs: Any) -> None:
+                 zygote: Zygote | None = None, report: Report | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._judge = judge
         self._quiet_bound_s = quiet_bound_s
         self._last_monitor = time.monotonic()
+        self._zygote = zygote
+        self._report = report or (lambda state, restart: None)
         self.stop_reason: str | None = None
 
     def health(self) -> tuple[bool, str]:
@@ -50,13 +67,28 @@ class HarnessAgent(LocalElasticAgent):
         state = self._worker_group.state.name
         return agent_health(state, time.monotonic() - self._last_monitor, self._quiet_bound_s)
 
+    def _phase(self, state: str) -> None:
+        self._report(state, self._worker_group.spec.max_restarts - self._remaining_restarts)
+
+    def _start_workers(self, worker_group: Any) -> dict[int, int]:
+        if self._zygote is None:
+            pids = super()._start_workers(worker_group)
+        else:
+            with _processes_from(self._zygote, self._phase):
+                pids = super()._start_workers(worker_group)
+        self._phase("started")
+        return pids
+
     def _stop_workers(self, worker_group: Any) -> None:
         self._shutdown(timeout=self._shutdown_timeout)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
         result = super()._monitor_workers(worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.stop_reason is None:
+        failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        if failed and self._zygote is None:
+            self._phase("stopped")  # torch's own process context stopped the rest already
+        if failed and self.stop_reason is None:
             reason = self._judge()
             if reason:
                 self.stop_reason = reason
@@ -64,12 +96,38 @@ class HarnessAgent(LocalElasticAgent):
         return result
 
 
+@contextlib.contextmanager
+def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[None]:
+    """torchelastic's ``start_processes``, answered by ``zygote`` while this block runs."""
+    cold = local_agent.start_processes
+
+    def warm_processes(name: str, entrypoint: Any, args: dict[int, tuple], envs: dict[int, dict[str, str]],
+                       logs_specs: Any, log_line_prefixes: dict[int, str] | None = None, **rest: Any) -> Any:
+        if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
+            return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
+                        log_line_prefixes=log_line_prefixes, **rest)
+        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase)
+        try:
+            context.start()
+        except BaseException:
+            context.close()
+            raise
+        return context
+
+    local_agent.start_processes = warm_processes
+    try:
+        yield
+    finally:
+        local_agent.start_processes = cold
+
+
 class Launch:
     """One node's agent for ``config``; ``run()`` once. ``agent.stop_reason`` says why it
     stopped restarting, when it did."""
 
     def __init__(self, config: Any, entrypoint: Callable | str, args: list[Any],
-                 judge: Callable[[], str | None], quiet_bound_s: float = 300.0) -> None:
+                 judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
+                 zygote: Zygote | None = None, report: Report | None = None) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -86,7 +144,7 @@ class Launch:
         self.agent = HarnessAgent(spec=self.spec, logs_specs=config.logs_specs,
                                   start_method=config.start_method,
                                   shutdown_timeout=config.shutdown_timeout, judge=judge,
-                                  quiet_bound_s=quiet_bound_s)
+                                  quiet_bound_s=quiet_bound_s, zygote=zygote, report=report)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 NODE_VAR = "ELASTIC_HARNESS_NODE"  # set by our agent for its workers
 JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
 RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
+AGENT_PID_VAR = "ELASTIC_HARNESS_AGENT_PID"  # our agent's pid (a worker's parent may be its zygote)
+MEMORY_VAR = "ELASTIC_HARNESS_MEMORY"  # the agent's in-memory checkpoint slots (memtier.host)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class WorkerEnv:
     run_dir: str = ""  # the run directory, when our agent started this worker
     launched: bool = True  # False: a plain `python script.py`, no launcher at all
     agent_store: bool = False  # MASTER_PORT is the agent's shared rendezvous store
+    agent_pid: int = 0  # the elastic agent's pid when ours started this worker, else 0
+    memory: str = ""  # the agent's in-memory checkpoint slots, as ``memtier.host`` describes them
 
     @property
     def by_harness(self) -> bool:
@@ -77,4 +81,6 @@ class WorkerEnv:
             job_path=env.get(JOB_VAR, ""),
             run_dir=env.get(RUN_DIR_VAR, ""),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
+            agent_pid=int(env.get(AGENT_PID_VAR, "0") or 0),
+            memory=env.get(MEMORY_VAR, ""),
         )

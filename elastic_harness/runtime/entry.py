@@ -4,6 +4,8 @@ job's task loop (``runtime.worker``) or the user's script (``script.path``).
 torchelastic starts each worker in its own session, so killing an agent's process group
 does not reach its workers; without ``PR_SET_PDEATHSIG``, a SIGKILLed agent leaves orphans
 training at the old world size. Importing torch takes seconds, so the signal is armed first.
+With warm starts (``runtime.zygote``) this module runs in a fork of the agent's zygote: the
+parent is the zygote, which itself dies with the agent, and torch is already imported.
 
 An exception that escapes is recorded as a ``failure`` event (with the signature the agent
 uses to detect a crash loop, see ``runtime.failures``) and then re-raised through

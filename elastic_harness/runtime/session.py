@@ -29,8 +29,10 @@ What the run does, in order (every rank calls every method, in the same order):
    weights on every rank and restart), installs the SIGTERM drain and failure recording.
 2. ``register``: checks what it is given (an optimizer over the model's own parameters, a
    scheduler of that optimizer whose state pickles) and builds the checkpointed state.
-3. ``resume`` (called by ``steps`` if you do not): every rank loads the newest complete,
-   verified checkpoint through DCP, resharded to this world size, or starts fresh.
+3. ``resume`` (called by ``steps`` if you do not): every rank restores the newest snapshot
+   all ranks hold in their agents' memory (``memtier``: same world size and layout, after a
+   worker crash), else loads the newest complete, verified checkpoint through DCP, resharded
+   to this world size, or starts fresh.
 4. ``steps(dataset)``: one ``Step`` per remaining update; the data position is the global
    stream cursor (``data.sampler``), so the same samples follow whatever the world size.
    After the last step: the final save, the model digest, the ``finish`` event. After a
@@ -58,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
@@ -65,6 +68,8 @@ from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.errors import CheckpointError, HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.memtier.slots import snapshot_due
+from elastic_harness.memtier.tier import MemoryTier, Restored
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime import failures, precision
@@ -222,6 +227,7 @@ class Run:
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
         )
+        self.memory = _memory_tier(spec, env, groups.ckpt, log)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
@@ -271,13 +277,18 @@ class Run:
                                   scaler=self.scaler, extra=extra)
 
     def resume(self) -> int:
-        """Load the newest complete, verified checkpoint (every rank); the step it holds."""
+        """Restore the newest snapshot every rank holds in memory, else load the newest
+        complete, verified checkpoint (every rank); the step it holds."""
         if self._resumed:
             return self._train.step
         if self._state is None:
             raise UsageError("run.resume()/run.steps() before run.register()",
                              "call run.register(model, optimizer, ...) first")
         self._resumed = True
+        self.ckpt.join()  # every generation enters the fence, whichever tier restores it
+        restored = self.memory.restore(self._state) if self.memory is not None else None
+        if restored is not None:
+            return self._resumed_from_memory(restored)
         loaded = self.ckpt.restore(self._state)
         if loaded is None:
             self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
@@ -290,12 +301,23 @@ class Run:
                                   f"job: {reason}", "use a new --run-dir or --fresh")
         self.metrics.resumed_at(loaded.step)
         self.events.emit(
-            "resume", step=loaded.step, checkpoint=loaded.name, saved_world_size=train.saved_world_size,
+            "resume", step=loaded.step, source="storage", checkpoint=loaded.name,
+            saved_world_size=train.saved_world_size,
             world_size=self.world_size, load_s=round(loaded.seconds, 4), samples=train.data.cursor,
             message=f"resumed from step {loaded.step}, saved at world size {train.saved_world_size}, "
             f"now {self.world_size}, load took {loaded.seconds:.2f} s",
         )
         return loaded.step
+
+    def _resumed_from_memory(self, restored: Restored) -> int:
+        self.metrics.resumed_at(restored.step)
+        self.events.emit(
+            "resume", step=restored.step, source="memory", saved_world_size=self.world_size,
+            world_size=self.world_size, load_s=round(restored.seconds, 4), samples=self._train.data.cursor,
+            message=f"restored from memory at step {restored.step} (world size {self.world_size}), "
+            f"took {restored.seconds:.3f} s",
+        )
+        return restored.step
 
     # ----- the loop --------------------------------------------------------------------
     def steps(self, dataset: Any, *, collate_fn: Callable | None = None) -> Iterator[Step]:
@@ -311,7 +333,7 @@ class Run:
         watchdog = self.watchdog
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
-                              events=self.log)
+                              events=self.log, agent=self.env.agent_pid or os.getppid())
         self._loop = _LoopState(watchdog, faults, self._sample_log())
         try:
             while train.step < spec.train.steps:
@@ -364,8 +386,12 @@ class Run:
                               restart=self.env.restart_count, lr=step.lr, extra=user_metrics)
         loop.last_done = now
         drain = totals[1] > 0
-        self._maybe_save(train.step, blocking=drain or (final and spec.checkpoint.save_final),
-                         periodic=save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0)
+        blocking = drain or (final and spec.checkpoint.save_final)
+        periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
+        self._maybe_save(train.step, blocking=blocking, periodic=periodic)
+        if self.memory is not None and snapshot_due(spec.checkpoint.memory_every, train.step,
+                                                    forced=blocking or periodic):
+            self.memory.save(train.step, self._state)
         if drain and not final:
             self.events.emit("drain", step=train.step, world_size=self.world_size)
             step.drained = True
@@ -462,6 +488,8 @@ class Run:
         try:
             self.ckpt.close()
             self.metrics.close()
+            if self.memory is not None:
+                self.memory.close()
         finally:
             self.drain.restore()
             sys.excepthook = self._previous_hook
@@ -517,6 +545,16 @@ class _LoopState:
         now = time.monotonic()
         self.last_save = self.last_done = now
         self.last_saved_step = -1
+
+
+def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> MemoryTier | None:
+    """The in-memory tier when our agent runs this worker and the job wants it. The same on
+    every rank (restoring is collective): a rank whose slots cannot be opened has none."""
+    if not (env.by_harness and spec.checkpoint.memory_every > 0):
+        return None
+    return MemoryTier.open(env.memory, env.local_rank, rank=env.rank, world_size=env.world_size,
+                           gather=lambda value: collective.all_gather(value, group, env.world_size),
+                           warn=lambda message: log.emit("warning", message=message))
 
 
 def job_identity(spec: JobSpec) -> str:

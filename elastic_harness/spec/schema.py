@@ -245,9 +245,15 @@ class CheckpointSpec:
     verify: Literal["full", "size", "none"] = doc(
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."
     )
+    memory_every: int = doc(
+        1, "Also keep each rank's state in its agent's memory every this many steps: a restart "
+        "after a worker crash restores it with no storage read (lost nodes and resizes load from "
+        "storage). Two copies of each rank's state in host memory; 0 = off."
+    )
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        _positive("checkpoint.memory_every", self.memory_every, allow_zero=True)
         _positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
         _positive("checkpoint.keep_every", self.keep_every, allow_zero=True)
         if self.keep < 2:
@@ -378,6 +384,10 @@ class JobSpec:
     nodes: NodesSpec = doc(NodesSpec(), "Elastic node range.")
     nproc_per_node: int = doc(2, "Worker processes per node.")
     max_restarts: int = doc(3, "Worker-group restarts each agent allows after failures.")
+    warm_start: bool = doc(
+        True, "Fork workers from a per-agent process that already imported torch and the harness "
+        "(a restart then starts in milliseconds); false = a fresh interpreter per worker."
+    )
     rendezvous: RendezvousSpec = doc(RendezvousSpec(), "How nodes find each other.")
     train: TrainSpec = doc(TrainSpec(), "Steps, batch sizes, seed.")
     optimizer: OptimizerSpec = doc(OptimizerSpec(), "Optimizer and learning-rate schedule.")

@@ -1,0 +1,145 @@
+"""Pure: what ``bench recovery`` reports about worker crashes, from a run's events.
+
+``restart_stats`` counts faults recovered (on the first try: one restart used);
+``crash_summary`` adds steps redone per crash and the median phases of ``breakdown``.
+
+``breakdown`` splits one fault's recovery (fault to the first completed step after it) into
+consecutive phases, each between two moments the events record:
+
+- ``detect``: the fault until the agent saw a worker exit (``workers`` state ``failed``;
+  only agents with warm starts report it, torch's own process context does not say);
+- ``stop``: until the rest of the group was down (``workers`` ``stopped``);
+- ``rendezvous``: until torchelastic completed the next rendezvous round;
+- ``spawn``: until the new rank 0 began to form its process group (its ``rendezvous``
+  event's time less its ``pg_init_s``): rank assignment, starting the process, imports,
+  reading the job;
+- ``process_group``: ``pg_init_s`` (and agreeing on the generation id);
+- ``restore``: until the ``resume`` event: building the run, model and optimizer, restoring;
+- ``first_step``: until that generation's first ``step`` event.
+
+A phase whose start or end was not recorded is None, and the next recorded phase spans the
+gap (plain torchrun records neither agent nor rendezvous events, so its ``spawn`` starts at
+the fault). The phases add up to the recovery time when every moment was recorded.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from elastic_harness.goodput import RDZV_COMPLETE
+from elastic_harness.report.timeline import build
+
+PHASES = ("detect", "stop", "rendezvous", "spawn", "process_group", "restore", "first_step")
+
+
+def _first(events: Sequence[dict], after: float, pred) -> dict | None:
+    return next((e for e in events if e["t"] >= after and pred(e)), None)
+
+
+def moments(events: Sequence[dict], fault: dict) -> dict[str, float | None]:
+    """Seconds after ``fault`` of each phase's end (None when not recorded)."""
+    t0 = fault["t"]
+    failed = _first(events, t0, lambda e: e["event"] == "workers" and e.get("state") == "failed")
+    stopped = _first(events, t0, lambda e: e["event"] == "workers" and e.get("state") == "stopped")
+    rdzv = _first(events, stopped["t"] if stopped else t0,
+                  lambda e: e["event"] == "torchelastic" and e.get("name", "").endswith(RDZV_COMPLETE))
+    formed = _first(events, t0, lambda e: e["event"] == "rendezvous")  # the new rank 0's
+    resume = formed and _first(events, formed["t"], lambda e: e["event"] == "resume" and e["pid"] == formed["pid"])
+    step = resume and _first(events, resume["t"], lambda e: e["event"] == "step" and e["pid"] == resume["pid"])
+    pg_start = formed["t"] - float(formed.get("pg_init_s") or 0.0) if formed else None
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 4)
+
+    return {"detect": rel(failed and failed["t"]), "stop": rel(stopped and stopped["t"]),
+            "rendezvous": rel(rdzv and rdzv["t"]), "spawn": rel(pg_start),
+            "process_group": rel(formed and formed["t"]), "restore": rel(resume and resume["t"]),
+            "first_step": rel(step and step["t"])}
+
+
+def breakdown(events: Sequence[dict], fault: dict) -> dict[str, float | None]:
+    """Duration of each phase of recovering from ``fault`` (see the module docstring)."""
+    ends = moments(events, fault)
+    out: dict[str, float | None] = {}
+    last = 0.0
+    for phase in PHASES:
+        end = ends[phase]
+        out[phase] = None if end is None else round(end - last, 4)
+        last = end if end is not None else last
+    return out
+
+
+def median_breakdown(rows: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
+    """Per phase, the median over faults that recorded it."""
+    out = {}
+    for phase in PHASES:
+        xs = [r[phase] for r in rows if r.get(phase) is not None]
+        out[phase] = round(statistics.median(xs), 4) if xs else None
+    return out
+
+
+def steady_step_s(events: Sequence[dict], skip: int) -> float | None:
+    """Median ``step_s`` of a run's steps after the first ``skip`` (warm-up) of each generation."""
+    firsts: dict[int, int] = {}
+    xs = []
+    for e in events:
+        if e["event"] != "step" or e.get("step_s") is None:
+            continue
+        first = firsts.setdefault(e["pid"], int(e["step"]))
+        if int(e["step"]) - first >= skip:
+            xs.append(float(e["step_s"]))
+    return statistics.median(xs) if xs else None
+
+
+def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> float | None:
+    """Relative step-time cost: median over runs with, over runs without, minus one."""
+    a = [x for x in with_tier if x is not None]
+    b = [x for x in without if x is not None]
+    if not a or not b:
+        return None
+    return round(statistics.median(a) / statistics.median(b) - 1, 4)
+
+
+def restart_stats(events: list[dict], requested: int, code: int | None) -> dict:
+    """Per fault: recovered (a step followed), and on the first try (one restart used)."""
+    tl = build(events)
+    steps = [e for e in events if e["event"] == "step"]
+    first_try = 0
+    for f in tl.faults:
+        if f.first_step is None:
+            continue
+        before = [e.get("restart", 0) for e in steps if e["t"] - tl.t0 <= f.t]
+        after = next((e.get("restart", 0) for e in steps if e["t"] - tl.t0 >= f.first_step), None)
+        if before and after is not None and after - before[-1] == 1:
+            first_try += 1
+    rows = [f for f in tl.faults if f.recovery_s is not None]
+    return {
+        "exit": code, "requested": requested, "fired": len(tl.faults), "recovered": len(rows),
+        "recovered_first_try": first_try, "median_recovery_s": median_of([f.recovery_s for f in rows]),
+        "max_recovery_s": max((f.recovery_s for f in rows), default=None),
+        "finished": any(e["event"] == "finish" for e in events),
+        "steps_lost": [f.steps_lost for f in tl.faults],
+    }
+
+
+def crash_summary(events: list[dict], requested: int, code: int | None,
+                  kinds: tuple[str, ...] = ("kill-worker",)) -> dict:
+    """``restart_stats`` plus steps redone per crash and the median of each recovery phase."""
+    stats = restart_stats(events, requested, code)
+    faults = [e for e in events if e["event"] == "fault" and e.get("kind") in kinds]
+    phases = median_breakdown([breakdown(events, f) for f in faults])
+    return {**stats, "mean_steps_lost": mean_of(stats["steps_lost"]), "median_phases_s": phases,
+            "restored_from_memory": sum(1 for e in events if e["event"] == "resume" and e.get("source") == "memory")}
+
+
+def median_of(xs: list) -> float | None:
+    """Median of the values that are not None (3 decimals), or None."""
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def mean_of(xs: list) -> float | None:
+    """Mean of the values that are not None (3 decimals), or None."""
+    xs = [x for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 3) if xs else None

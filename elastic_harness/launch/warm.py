@@ -1,0 +1,124 @@
+"""Warm worker starts: torchelastic's worker group as forks of the agent's zygote.
+
+``WarmContext`` is a torchelastic ``PContext`` whose processes the zygote (``launch.zygote``,
+``runtime.zygote``) forks, so torchelastic's agent monitors, stops and restarts them as it
+does its own subprocesses: the same environment, log files, error files and exit codes. The
+agent subclass (``launch.elastic``) uses it for worker commands ``warm_invocation`` accepts.
+
+Why not torchelastic's own function entrypoints with the ``forkserver`` start method:
+they pass return values through ``multiprocessing`` queues and events, whose named
+semaphores live in ``/dev/shm`` and are removed only by Python's resource tracker, a
+process in the agent's process group; killing that group (a node kill) leaves them behind.
+Python's forkserver also binds a socket file in the temp dir. The zygote needs neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import PContext, ProcessFailure, RunProcsResult
+
+from elastic_harness.launch.zygote import STOP_WAIT_S, Zygote, ZygoteLost
+
+log = logging.getLogger(__name__)
+
+
+def warm_invocation(entrypoint: Any, args: Sequence[str]) -> tuple[str, list[str], bool] | None:
+    """Pure: ``(module, argv, unbuffered)`` when the worker command is this interpreter running
+    ``[-u] -m MODULE ARGV``, which a zygote can run warm; None for anything else."""
+    if entrypoint != sys.executable:
+        return None
+    args = list(args)
+    unbuffered = bool(args) and args[0] == "-u"
+    rest = args[1:] if unbuffered else args
+    if len(rest) < 2 or rest[0] != "-m":
+        return None
+    return rest[1], rest[2:], unbuffered
+
+
+class WarmContext(PContext):
+    """torchelastic's view of one worker group forked by the zygote (see ``PContext``)."""
+
+    def __init__(self, name: str, zygote: Zygote, args: dict[int, tuple], envs: dict[int, dict[str, str]],
+                 logs_specs: Any, log_line_prefixes: dict[int, str] | None = None,
+                 phase: Callable[[str], None] = lambda state: None) -> None:
+        super().__init__(name, sys.executable, args, envs, logs_specs, log_line_prefixes)
+        self.zygote = zygote
+        self._phase = phase  # hears "failed" and "stopped" (launch.elastic's report)
+        self._pids: dict[int, int] = {}
+        self._failures: dict[int, ProcessFailure] = {}
+
+    def _start(self) -> None:
+        for local_rank in range(self.nprocs):
+            invocation = warm_invocation(self.entrypoint, [str(a) for a in self.args[local_rank]])
+            if invocation is None:
+                raise AssertionError("callers check warm_invocation before choosing a WarmContext")
+            module, argv, unbuffered = invocation
+            env = {**os.environ, **self.envs[local_rank]}  # what torchelastic's Popen passes
+            self._pids[local_rank] = self.zygote.spawn(
+                module, argv, env, stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank],
+                unbuffered=unbuffered)
+
+    def _codes(self) -> dict[int, int]:
+        """Exit codes of the local ranks that ended (a lost zygote took its workers along)."""
+        exits = self.zygote.poll()
+        codes = {lr: exits[pid] for lr, pid in self._pids.items() if pid in exits}
+        if self.zygote.lost():
+            codes.update({lr: -signal.SIGKILL for lr in self._pids if lr not in codes})
+        return codes
+
+    def _poll(self) -> RunProcsResult | None:
+        codes = self._codes()
+        self._note_failures(codes)
+        if len(codes) < self.nprocs and not self._failures:
+            return None
+        if self._failures:
+            self._phase("failed")
+        self.close()  # a failure ends the group: stop the rest
+        if self._failures:
+            self._phase("stopped")
+        self._note_failures(self._codes())
+        result = RunProcsResult(failures=self._failures, stdouts=self.stdouts, stderrs=self.stderrs)
+        if not result.is_failed():
+            result.return_values = dict.fromkeys(range(self.nprocs))
+        return result
+
+    def _note_failures(self, codes: dict[int, int]) -> None:
+        for lr, code in codes.items():
+            if code != 0 and lr not in self._failures:
+                self._failures[lr] = ProcessFailure(local_rank=lr, pid=self._pids[lr], exitcode=code,
+                                                    error_file=self.error_files[lr])
+
+    def pids(self) -> dict[int, int]:
+        return dict(self._pids)
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        """``death_sig`` to the workers still running, SIGKILL after ``timeout`` s."""
+        if not self._wait_for_all(death_sig, timeout):
+            log.warning("workers did not stop within %s s of %s; killing them", timeout, death_sig.name)
+            if not self._wait_for_all(signal.SIGKILL, STOP_WAIT_S):
+                log.error("workers %s did not exit after SIGKILL", self._running())
+
+    def _running(self) -> list[int]:
+        exits = self.zygote.exits
+        return [pid for pid in self._pids.values() if pid not in exits]
+
+    def _wait_for_all(self, sig: signal.Signals, timeout: float) -> bool:
+        try:
+            for pid in self._running():
+                self.zygote.signal(pid, sig)
+        except ZygoteLost:
+            return True  # the workers died with it (parent-death signal)
+        deadline = time.monotonic() + timeout
+        while self._running() and not self.zygote.lost():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.zygote.poll(timeout=min(left, 0.5))
+        return True

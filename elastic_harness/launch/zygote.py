@@ -1,0 +1,138 @@
+"""The agent's handle on its worker zygote (``runtime.zygote``): start it, ask it for
+workers, signal them, learn their exit codes. No torch import here: the zygote imports it.
+
+Call order (the agent's main thread): ``start()`` once, early (the zygote's imports then
+overlap the first rendezvous); ``spawn``/``signal``/``poll`` as torchelastic starts, watches
+and stops worker groups (``launch.warm.WarmContext``); ``stop()`` once at the end. If the
+zygote died, the next ``spawn`` starts a new one (and waits for its imports).
+
+``preload`` names the modules the zygote imports (None: its default list, torch and the
+harness's worker side); tests pass an empty tuple to get a zygote that starts at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+ZYGOTE_MODULE = "elastic_harness.runtime.zygote"
+MAX_MESSAGE = 1 << 20
+STOP_WAIT_S = 5.0
+
+
+class ZygoteLost(RuntimeError):
+    """The zygote is gone (its workers died with it) or refused a request."""
+
+
+class Zygote:
+    """One agent's zygote process, and the exit codes of the workers it forked."""
+
+    def __init__(self, preload: Sequence[str] | None = None) -> None:
+        self.preload = preload
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self.exits: dict[int, int] = {}  # pid -> exit code, as reported by the zygote
+        self.threads: int | None = None  # threads the zygote ran after its imports
+
+    def start(self) -> None:
+        """Start the zygote (returns at once; it imports in the background)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # Its own session, like torchelastic's workers: signals for the agent's process
+            # group (a SIGTERM to drain) must reach the workers through the agent, not kill
+            # the zygote, whose death takes its workers along (parent-death signal).
+            cmd = [sys.executable, "-m", ZYGOTE_MODULE, str(theirs.fileno()), str(os.getpid())]
+            if self.preload is not None:
+                cmd += ["--preload", ",".join(self.preload)]
+            self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+        finally:
+            theirs.close()
+        self._sock = ours
+        self.threads = None
+
+    def spawn(self, module: str, argv: list[str], env: dict[str, str], *, stdout: str, stderr: str,
+              unbuffered: bool) -> int:
+        """Fork a worker running ``python -m module argv`` with exactly ``env``; its pid."""
+        if self._proc is None or self._proc.poll() is not None:
+            if self._proc is not None:
+                log.warning("worker zygote exited (%s); starting a new one", self._proc.returncode)
+                self.stop()
+            self.start()
+        self._send({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": os.getcwd(),
+                    "stdout": stdout, "stderr": stderr, "unbuffered": unbuffered})
+        while True:
+            msg = self._recv(timeout=None)
+            if msg["op"] == "spawned":
+                return int(msg["pid"])
+            if msg["op"] == "error":
+                raise ZygoteLost(msg["message"])
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Deliver ``sig`` to worker ``pid`` unless it already ended (no pid reuse races)."""
+        if pid not in self.exits:
+            self._send({"op": "signal", "pid": pid, "sig": int(sig)})
+
+    def poll(self, timeout: float = 0.0) -> dict[int, int]:
+        """Read what the zygote reported, waiting up to ``timeout`` s for a first message;
+        the exit codes of every worker that ended so far (pid -> code)."""
+        try:
+            msg = self._recv(timeout)
+            while msg is not None:
+                msg = self._recv(0.0)
+        except ZygoteLost:
+            pass
+        return self.exits
+
+    def lost(self) -> bool:
+        return self._sock is None or self._proc is None or self._proc.poll() is not None
+
+    def stop(self) -> None:
+        """Close the socket (the zygote exits) and reap it; safe to call twice."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def _send(self, msg: dict) -> None:
+        if self._sock is None:
+            raise ZygoteLost("the worker zygote is not running")
+        try:
+            self._sock.send(json.dumps(msg).encode())
+        except OSError as e:
+            raise ZygoteLost(f"the worker zygote is gone: {e!r}") from None
+
+    def _recv(self, timeout: float | None) -> dict | None:
+        """One message (``None`` if none came within ``timeout``); exit reports are kept."""
+        if self._sock is None:
+            raise ZygoteLost("the worker zygote is not running")
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            return None
+        data = self._sock.recv(MAX_MESSAGE)
+        if not data:
+            self._sock.close()
+            self._sock = None
+            raise ZygoteLost("the worker zygote exited")
+        msg = json.loads(data)
+        if msg["op"] == "exit":
+            self.exits[int(msg["pid"])] = int(msg["code"])
+        elif msg["op"] == "ready":
+            # More than one: numpy's OpenBLAS pool (OMP_NUM_THREADS > 1), which shuts its
+            # threads down around fork(); anything else would be worth a look.
+            self.threads = int(msg["threads"])
+            log.info("worker zygote ready: %d thread(s) after its imports", self.threads)
+        return msg

@@ -1,0 +1,228 @@
+"""The worker zygote: one process per agent that imports torch and the harness once, then
+forks a fresh worker for each request (``launch.warm`` is the agent's side).
+
+A worker started this way skips the interpreter start and ``import torch`` (seconds on a
+small machine): the fork is ready in milliseconds. The zygote itself never trains, so
+every worker is a fork of the same pristine process; a worker that corrupted its own
+state is replaced by a new fork, never by a copy of itself.
+
+Lifetime: the zygote arms ``PR_SET_PDEATHSIG`` against its agent first thing, and each
+worker against the zygote, so killing an agent (even with SIGKILL) takes its zygote and
+workers with it. The zygote also exits when the agent closes its socket. It runs in a
+session of its own and each worker in another (as torchelastic starts workers), so a signal
+to the agent's process group reaches workers only as the agent forwards it. Nothing is
+written to the file system: the agent talks to it over an inherited socket pair.
+
+Protocol (one JSON object per ``SOCK_SEQPACKET`` message), requests from the agent:
+  ``{"op": "spawn", "module", "argv", "env", "cwd", "stdout", "stderr", "unbuffered"}``
+      -> ``{"op": "spawned", "pid"}`` (or ``{"op": "error", "message"}``)
+  ``{"op": "signal", "pid", "sig"}``: sent only while ``pid`` is an unreaped child, so a
+      recycled pid is never signalled; no reply.
+and unprompted: ``{"op": "ready", "threads"}`` once the imports are done, and
+``{"op": "exit", "pid", "code"}`` when a worker ends (``code`` as ``Popen.returncode``:
+negative for a signal).
+
+Usage (by the agent): ``python -m elastic_harness.runtime.zygote FD AGENT_PID [--preload
+MODULE,...]`` (default: ``PRELOAD``; tests preload nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+
+# What every worker imports before its first step; the user's task or script modules are
+# not imported here (their import may start threads, which must not be forked).
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.nn.parallel",
+    "torch._dynamo",  # DDP and FSDP import it when they wrap a model: seconds
+    "torch.utils.tensorboard",
+    "numpy",
+    "numpy.random",
+    "yaml",
+    "elastic_harness.runtime.worker",
+    "elastic_harness.runtime.entry",
+    "elastic_harness.memtier.tier",
+)
+MAX_MESSAGE = 1 << 20
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if that already happened."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != expected_parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def preload(modules: tuple[str, ...] = PRELOAD) -> int:
+    """Import what workers need; the number of threads this process then runs."""
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def serve(sock) -> None:
+    """Answer requests until the agent closes the socket."""
+    import selectors
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd is written
+    signal.set_wakeup_fd(wake_w)
+    children: set[int] = set()
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        sel.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj == wake_r:
+                    _drain(wake_r)
+                    _reap(sock, children)
+                    continue
+                data = sock.recv(MAX_MESSAGE)
+                if not data:
+                    return  # the agent is gone or done
+                _handle(sock, json.loads(data), children, (wake_r, wake_w))
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _reap(sock, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        _send(sock, {"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int]) -> None:
+    if msg["op"] == "signal":
+        if msg["pid"] in children:  # not reaped yet, so the pid is still that worker's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(msg["pid"], msg["sig"])
+        return
+    if msg["op"] != "spawn":
+        _send(sock, {"op": "error", "message": f"unknown request {msg['op']!r}"})
+        return
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sock.close()
+            for fd in private_fds:
+                os.close(fd)
+            code = become_worker(msg, parent)
+        finally:
+            os._exit(code)
+    children.add(pid)
+    _send(sock, {"op": "spawned", "pid": pid})
+
+
+def _send(sock, msg: dict) -> None:
+    with contextlib.suppress(OSError):  # the agent is gone; the next recv says so
+        sock.send(json.dumps(msg).encode())
+
+
+def become_worker(msg: dict, zygote: int) -> int:
+    """In the fresh fork: the environment and streams of a worker, then run its module as
+    ``python -m MODULE ARGV`` would. Returns the exit code (the caller ``_exit``s with it)."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    os.setsid()  # its own session, as torchelastic starts workers
+    die_with_parent(zygote)
+    os.chdir(msg["cwd"])
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    _redirect(1, msg.get("stdout"))
+    _redirect(2, msg.get("stderr"))
+    if msg.get("unbuffered"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    return run_module(msg["module"], msg["argv"])
+
+
+def _redirect(fd: int, path: str | None) -> None:
+    if not path:
+        return
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def run_module(module: str, argv: list[str]) -> int:
+    """``python -m module argv`` in this process: exit code as the interpreter would give it,
+    after the ``atexit`` handlers (``os._exit`` follows, which would skip them)."""
+    import atexit
+    import runpy
+    import traceback
+
+    sys.argv = [module, *argv]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()  # noqa: SLF001 - the interpreter's own exit step
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    return code
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    import socket
+
+    fd, agent = int(argv[0]), int(argv[1])
+    die_with_parent(agent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the agent's to handle, and forward
+    sock = socket.socket(fileno=fd)
+    modules = PRELOAD
+    if argv[2:3] == ["--preload"]:
+        modules = tuple(m for m in argv[3].split(",") if m)
+    threads = preload(modules)
+    _send(sock, {"op": "ready", "threads": threads})
+    serve(sock)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""The in-memory tier's decisions and its snapshot format, in one process.
+
+Slots are real memory files (``memfd_create``) opened through ``/proc`` as workers open
+their agent's; the other ranks of a collective restore are played by ``gather``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from elastic_harness.data.sampler import DataState
+from elastic_harness.memtier.host import HostSlots, describe, slot_paths
+from elastic_harness.memtier.region import Region
+from elastic_harness.memtier.slots import (
+    HEADER_SIZE,
+    Header,
+    newest_common,
+    next_slot,
+    snapshot_due,
+    usable_steps,
+)
+from elastic_harness.memtier.tier import MemoryTier
+from elastic_harness.runtime.state import TrainState, build_state
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ----- pure decisions --------------------------------------------------------------------
+
+def test_the_newest_step_every_rank_holds_is_used():
+    assert newest_common([[4, 5], [4, 5]]) == 5
+    assert newest_common([[4, 5], [3, 4]]) == 4  # a rank died before snapshotting step 5
+    assert newest_common([[4, 5], []]) is None  # a rank without memory (a new node)
+    assert newest_common([[9], [8]]) is None
+    assert newest_common([]) is None
+
+
+def test_only_published_snapshots_of_this_rank_and_world_size_are_usable():
+    d = b"d" * 32
+    headers = [Header(True, 7, 2, 1, 10, 5, d), Header(True, 6, 2, 1, 10, 5, d), None]
+    assert usable_steps(headers, world_size=2, rank=1) == {7: 0, 6: 1}
+    torn = [Header(False, 8, 2, 1, 10, 5, d), Header(True, 7, 2, 1, 10, 5, d)]
+    assert usable_steps(torn, world_size=2, rank=1) == {7: 1}  # killed while writing step 8
+    assert usable_steps(headers, world_size=3, rank=1) == {}  # resized
+    assert usable_steps(headers, world_size=2, rank=0) == {}  # another rank's memory
+
+
+def test_slots_alternate_so_the_newest_snapshot_is_never_overwritten():
+    assert next_slot(None, 2) == 0
+    assert [next_slot(s, 2) for s in (0, 1)] == [1, 0]
+
+
+def test_snapshots_follow_memory_every_and_every_durable_save():
+    assert [s for s in range(1, 10) if snapshot_due(3, s, forced=False)] == [3, 6, 9]
+    assert snapshot_due(3, 4, forced=True)  # memory is never older than storage
+    assert not snapshot_due(0, 4, forced=True)  # the tier is off
+
+
+def test_header_round_trip_and_foreign_bytes():
+    h = Header(True, 12, 4, 3, 1000, 77, bytes(range(32)))
+    assert Header.unpack(h.pack() + b"\0" * 10) == h
+    assert Header.unpack(b"\0" * HEADER_SIZE) is None  # an empty slot
+    assert Header.unpack(b"short") is None
+
+
+def test_workers_find_their_slots_in_the_agents_description():
+    value = describe(41, [[3, 4], [5, 6]])
+    assert slot_paths(value, 1) == ["/proc/41/fd/5", "/proc/41/fd/6"]
+    assert slot_paths(value, 2) == [] and slot_paths("", 0) == [] and slot_paths("x:1", 0) == []
+
+
+# ----- slots in real memory files --------------------------------------------------------
+
+@pytest.fixture
+def slots():
+    host = HostSlots.create(1)
+    regions = [Region(p) for p in slot_paths(host.describe(), 0)]
+    yield regions
+    for r in regions:
+        r.close()
+    host.close()
+
+
+def _state(hidden: int = 8, steps: int = 3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    train = TrainState(DataState(0, 100), world_size=2)
+    extra = {"ema": torch.zeros(3), "note": "n"}
+    for i in range(steps):
+        _train_step(model, optim, i)
+        sched.step()
+    train.step, train.data = steps, train.data.advance(30 * steps)
+    extra["ema"] += steps
+    return build_state(model, optim, train, scheduler=sched, extra={"ema": extra}), model, optim
+
+
+def _train_step(model, optim, i):
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+    model(x).square().sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _tier(regions, rank=1, others=()):
+    """Rank ``rank`` of 2; ``others`` is what the other rank contributes to each gather."""
+    replies = list(others)
+
+    def gather(value):
+        other = replies.pop(0)
+        return [other, value] if rank == 1 else [value, other]
+
+    return MemoryTier(regions, rank=rank, world_size=2, gather=gather, warn=lambda m: None)
+
+
+def test_a_snapshot_restores_every_entry_bit_for_bit(slots):
+    state, model, optim = _state()
+    _tier(slots).save(3, state)
+    fresh, model2, optim2 = _state(steps=0)
+    restored = _tier(slots, others=[[3], None]).restore(fresh)
+    assert restored is not None and restored.step == 3
+    assert fresh["train"].step == 3 and fresh["train"].data == state["train"].data
+    assert fresh["sched"].obj.state_dict() == state["sched"].obj.state_dict()
+    assert torch.equal(fresh["extra.ema"]["ema"], state["extra.ema"]["ema"])
+    assert optim2.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
+    _train_step(model, optim, 9)
+    _train_step(model2, optim2, 9)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)  # the next step is the same step
+
+
+def test_nothing_common_means_storage_and_an_untouched_fresh_state(slots):
+    state, *_ = _state()
+    _tier(slots).save(3, state)
+    fresh, _, optim = _state(steps=0)
+    assert _tier(slots, others=[[]]).restore(fresh) is None  # the other rank has no memory
+    # The live state_dict() was never taken: it would have initialised the optimizer (a zero
+    # step) on this rank only, before a fresh start.
+    assert not optim.state
+    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {}  # stale lineage
+
+
+def test_a_rank_killed_while_writing_keeps_its_previous_snapshot(slots):
+    state, *_ = _state()
+    tier = _tier(slots)
+    tier.save(3, state)
+    slots[1].begin(HEADER_SIZE + 10)  # the next save started, then the process died
+    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {3: 0}
+    tier.save(4, state)  # the next process writes the slot not holding its newest snapshot
+    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {3: 0, 4: 1}
+    tier.save(5, state)
+    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {5: 0, 4: 1}
+
+
+def test_a_snapshot_of_another_layout_stops_the_generation_and_clears_memory(slots):
+    state, *_ = _state(hidden=8)
+    _tier(slots).save(3, state)
+    other, *_ = _state(hidden=16, steps=0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _tier(slots, others=[[3], None]).restore(other)
+    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {}  # storage next
+
+
+def test_a_peer_that_failed_to_load_stops_every_rank(slots):
+    state, *_ = _state()
+    _tier(slots).save(3, state)
+    fresh, *_ = _state(steps=0)
+    with pytest.raises(RuntimeError, match="rank 0: boom"):
+        _tier(slots, others=[[3], "boom"]).restore(fresh)

@@ -1,0 +1,103 @@
+"""The worker zygote with nothing preloaded (it starts at once): workers get exactly the
+environment, arguments and streams they are given, exit codes and signals come back as
+``Popen`` would report them, and everything dies with the agent that owns the zygote."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastic_harness.launch.warm import warm_invocation
+from elastic_harness.launch.zygote import Zygote
+from tests.conftest import REPO
+from tests.servers import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+CHILD = "tests.zygote_child"
+
+
+def test_only_interpreter_module_commands_run_warm():
+    assert warm_invocation(sys.executable, ["-u", "-m", "pkg.entry", "a", "b"]) == ("pkg.entry", ["a", "b"], True)
+    assert warm_invocation(sys.executable, ["-m", "pkg.entry"]) == ("pkg.entry", [], False)
+    assert warm_invocation(sys.executable, ["script.py", "a"]) is None
+    assert warm_invocation("/usr/bin/other-python", ["-m", "pkg"]) is None
+    assert warm_invocation(sys.executable, ["-u", "-c", "print(1)"]) is None
+
+
+@pytest.fixture
+def zygote(monkeypatch):
+    monkeypatch.chdir(REPO)  # workers run in the agent's directory: tests.* is importable
+    z = Zygote(preload=())
+    z.start()
+    yield z
+    z.stop()
+
+
+def _spawn(z: Zygote, tmp_path, action: str, name: str) -> tuple[int, str]:
+    out = tmp_path / f"{name}.out"
+    env = {"ZYGOTE_TEST": name, "PATH": os.environ.get("PATH", "")}
+    pid = z.spawn(CHILD, [action], env, stdout=str(out), stderr=str(tmp_path / f"{name}.err"),
+                  unbuffered=True)
+    return pid, str(out)
+
+
+def _exit_of(z: Zygote, pid: int) -> int:
+    wait_until(lambda: pid in z.poll(timeout=0.2), 30, f"worker {pid} to end")
+    return z.exits[pid]
+
+
+def test_workers_run_their_module_with_their_env_argv_and_streams(zygote, tmp_path):
+    ok, ok_out = _spawn(zygote, tmp_path, "0", "first")
+    bad, bad_out = _spawn(zygote, tmp_path, "3", "second")
+    assert (_exit_of(zygote, ok), _exit_of(zygote, bad)) == (0, 3)
+    lines = Path(ok_out).read_text().splitlines()
+    assert lines[0].startswith("first ['0'] parent=") and lines[-1] == "atexit ran"
+    assert Path(bad_out).read_text().startswith("second ['3']")  # not the first worker's environment
+
+
+def test_signals_reach_running_workers_only(zygote, tmp_path):
+    pid, _ = _spawn(zygote, tmp_path, "sleep", "sleeper")
+    zygote.signal(pid, signal.SIGTERM)
+    assert _exit_of(zygote, pid) == -signal.SIGTERM
+    zygote.signal(pid, signal.SIGKILL)  # already reaped: not sent (the pid may be reused)
+
+
+AGENT = textwrap.dedent("""
+    import os, sys, time
+    from elastic_harness.launch.zygote import Zygote
+    z = Zygote(preload=())
+    z.start()
+    pid = z.spawn("tests.zygote_child", ["sleep"], dict(os.environ), stdout=sys.argv[1],
+                  stderr=sys.argv[1] + ".err", unbuffered=True)
+    print(z._proc.pid, pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_zygote_and_workers_die_with_their_agent(tmp_path):
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path / "w.out")], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        zygote_pid, worker_pid = map(int, agent.stdout.readline().split())
+        assert _alive(zygote_pid) and _alive(worker_pid)
+        wait_until(lambda: os.getsid(worker_pid) == worker_pid, 30,  # as torchelastic's workers
+                   "the worker to start its own session")
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)  # the agent's group: not the zygote's session
+        agent.wait()
+    wait_until(lambda: not _alive(zygote_pid) and not _alive(worker_pid), 30,
+               "the zygote and its worker to die with the agent")
