@@ -26,19 +26,22 @@ from elastic_harness.spec import parse_job
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.mark.parametrize(("round_", "waiting", "want"), [
-    (0, 0, 15.0),  # start-up: wait for the agents still starting
-    (0, 3, 15.0),
-    (1, 1, 2.0),  # later: others are listed as waiting for this round
-    (4, 0, 0.0),  # later, nobody else waiting: close now
+@pytest.mark.parametrize(("round_", "waiting", "missing", "want"), [
+    (0, 0, 0, 15.0),  # start-up: wait for the agents still starting
+    (0, 3, 0, 15.0),
+    (1, 1, 0, 2.0),  # later: others are listed as waiting for this round
+    (1, 1, 1, 2.0),
+    (3, 0, 1, 1.0),  # later: a peer of the last round left it and has not joined yet
+    (4, 0, 0, 0.0),  # later, nobody else coming: close now
 ])
-def test_last_call_per_round(round_, waiting, want):
-    assert last_call_s(round_, waiting, start_s=15.0, later_s=2.0) == want
+def test_last_call_per_round(round_, waiting, missing, want):
+    assert last_call_s(round_, waiting, missing, start_s=15.0, later_s=2.0) == want
 
 
-def state(round_: int, waiting: int = 0, redundant: int = 0) -> SimpleNamespace:
+def state(round_: int, waiting: int = 0, redundant: int = 0, participants=()) -> SimpleNamespace:
     return SimpleNamespace(round=round_, wait_list={f"w{i}" for i in range(waiting)},
-                           redundancy_list={f"r{i}" for i in range(redundant)})
+                           redundancy_list={f"r{i}" for i in range(redundant)},
+                           participants=dict.fromkeys(participants, 0))
 
 
 def test_round_timeout_reads_the_state_torch_is_changing():
@@ -50,6 +53,11 @@ def test_round_timeout_reads_the_state_torch_is_changing():
     current["s"] = state(2, redundant=1)  # a node beyond nodes.max counts as coming too
     assert t.last_call == dt.timedelta(seconds=2)
     current["s"] = state(2)
+    assert t.last_call == dt.timedelta(0)
+    t.remember({"a": 0, "b": 1})  # this agent's last round was a and b
+    current["s"] = state(3, participants=["a"])
+    assert t.last_call == dt.timedelta(seconds=1), "b left the last round and is about to join"
+    current["s"] = state(3, participants=["a", "b"])
     assert t.last_call == dt.timedelta(0)
     assert (t.join, t.close, t.heartbeat) == tuple(dt.timedelta(seconds=s) for s in (60, 10, 5))
 
@@ -156,9 +164,21 @@ def test_control_torchs_handler_with_a_short_last_call_races(store):
         close(pair)
 
 
+def test_a_group_restarting_together_stays_one_group(store):
+    """After a worker crash every agent of the group restarts at about the same moment: the
+    next rounds still hold both (the first to join waits for its previous peer)."""
+    pair = [agent(store, "crash", ours=True) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        for skew in (0.0, 0.05, 0.3, 0.0, 0.1):
+            assert join_all(pair, [0.0, skew]) == [2, 2], skew
+    finally:
+        close(pair)
+
+
 def test_survivor_of_a_lost_node_closes_the_next_round_alone(store):
-    """After a node is lost, the survivor's round has nobody else waiting: it closes at once
-    (no last call), with the survivor alone, once the lost node's keep-alives expired."""
+    """After a node is lost, the survivor's round has nobody else waiting: it closes after
+    the peer grace, with the survivor alone, once the lost node's keep-alives expired."""
     pair = [agent(store, "loss", ours=True) for _ in range(2)]
     assert join_all(pair, [0.0, 0.0]) == [2, 2]
     pair[1]._stop_heartbeats()  # node 1 is gone: no more keep-alives, no goodbye

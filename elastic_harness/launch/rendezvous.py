@@ -12,8 +12,17 @@ nodes joined it (or at once when ``nodes.max`` did). One value serves two opposi
 So the last call is decided from the rendezvous state at the moment it is set
 (``last_call_s``): round 0 of a submission (each submission has its own rendezvous id)
 waits ``start_last_call`` for the rest; a later round waits ``last_call`` if other agents are
-known to be waiting for it (torch's wait and redundancy lists), and not at all when none is,
-since nobody else can join it then (a node that arrives later joins by a membership change).
+known to be waiting for it (torch's wait and redundancy lists); else ``PEER_GRACE_S`` if a
+peer of this agent's previous round has not joined yet; else not at all (a node that
+arrives later joins by a membership change).
+
+Why the previous round's peers: after a worker crash every agent of the group restarts at
+about the same moment. torch opens the next round only once every participant of the last
+one left it (its exit), and an agent joins right after its exit, in the same call; so two
+agents that both exit can each find the new round open and the other one not in it yet,
+and the first would close a group of one. A peer that left is one store round trip from
+joining, so a short grace suffices; a lost peer (removed once its keep-alives expired)
+costs that grace once.
 
 The deciding happens where torch reads the value: ``RoundTimeout.last_call`` is read only
 when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``), on the
@@ -45,16 +54,26 @@ _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 
              "heartbeat_timeout": 5.0, "keep_alive_interval": 5.0, "keep_alive_max_attempt": 3}
 
 
-def last_call_s(round_: int, others_waiting: int, *, start_s: float, later_s: float) -> float:
+# Seconds a later round waits for a peer of the previous round that has not joined it yet
+# (see the module docstring); torch polls the state about once a second, so about one poll.
+PEER_GRACE_S = 1.0
+
+
+def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
+                later_s: float) -> float:
     """Pure: seconds a round stays open for more agents once ``nodes.min`` have joined it.
 
     ``round_`` 0 is the start of a submission: ``start_s``. Later rounds: ``later_s`` while
     ``others_waiting`` agents (listed as waiting for this round, besides the one deciding)
-    may still join, else 0: no agent is known to be coming, so close now.
+    may still join; else ``PEER_GRACE_S`` (at most ``later_s``) while ``peers_missing``
+    agents of the deciding agent's previous round have not joined; else 0: no agent is
+    known to be coming, so close now.
     """
     if round_ == 0:
         return start_s
-    return later_s if others_waiting > 0 else 0.0
+    if others_waiting > 0:
+        return later_s
+    return min(later_s, PEER_GRACE_S) if peers_missing > 0 else 0.0
 
 
 class RoundTimeout(RendezvousTimeout):
@@ -72,9 +91,14 @@ class RoundTimeout(RendezvousTimeout):
             raise ValueError(f"start_last_call ({start_last_call}) must be positive")
         self.start_last_call = timedelta(seconds=start_last_call)
         self._state: Callable[[], Any] = lambda: None
+        self._peers: frozenset = frozenset()  # the participants of this agent's last round
 
     def follow(self, state: Callable[[], Any]) -> None:
         self._state = state
+
+    def remember(self, participants: Any) -> None:
+        """The participants of the round this agent just completed (``_Handler``)."""
+        self._peers = frozenset(participants)
 
     @property
     def last_call(self) -> timedelta:
@@ -82,7 +106,8 @@ class RoundTimeout(RendezvousTimeout):
         if state is None:
             return self._last_call
         others = len(state.wait_list) + len(state.redundancy_list)
-        return timedelta(seconds=last_call_s(state.round, others,
+        missing = len(self._peers - set(state.participants))
+        return timedelta(seconds=last_call_s(state.round, others, missing,
                                              start_s=self.start_last_call.total_seconds(),
                                              later_s=self._last_call.total_seconds()))
 
@@ -109,6 +134,17 @@ def _backend(params: RendezvousParameters) -> tuple[Any, Any]:
     return create_backend(params)
 
 
+class _Handler(DynamicRendezvousHandler):
+    """torch's handler; after each round it tells its ``RoundTimeout`` who was in it."""
+
+    def next_rendezvous(self) -> Any:
+        info = super().next_rendezvous()
+        timeout = self._settings.timeout
+        if isinstance(timeout, RoundTimeout):
+            timeout.remember(self._state_holder.state.participants)
+        return info
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
     c10d and etcd-v2 backends; any other backend exactly as torch's registry makes it."""
@@ -118,7 +154,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         return get_rendezvous_handler(params)
     backend, store = _backend(params)
     timeout = timeout_from(params)
-    handler = DynamicRendezvousHandler.from_backend(
+    handler = _Handler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=int(_seconds(params, "keep_alive_interval")),
         keep_alive_max_attempt=int(params.get("keep_alive_max_attempt", 3)),
