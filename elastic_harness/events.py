@@ -124,6 +124,7 @@ CONTRACT: dict[str, EventKind] = {
         "node": "worker exceptions: the node of the rank",
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
+        "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",

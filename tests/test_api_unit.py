@@ -34,6 +34,7 @@ def test_same_error_at_same_step_twice_is_a_crash_loop():
 @pytest.mark.parametrize("events", [
     [failure(0)],                                        # one attempt: bad luck, maybe
     [failure(0), failure(1, step=9)],                    # another step: progress was made
+    [failure(0, resumed_at=0), failure(1, step=9, resumed_at=5)],  # and another distance from its resume
     [failure(0), failure(1, sig="other")],               # another error
     [failure(0), failure(2)],                            # not consecutive attempts
     [failure(0, node="n1"), failure(1, node="n1")],      # another node's attempts
@@ -42,6 +43,13 @@ def test_same_error_at_same_step_twice_is_a_crash_loop():
 ])
 def test_anything_else_is_not(events):
     assert stop_reason(events, "n0", since=5.0) is None
+
+
+def test_the_same_error_the_same_steps_after_each_resume_is_a_crash_loop():
+    """The in-memory tier resumes each attempt where the last one failed: a bug in evaluation
+    then fails one step later each time, always in the first step after the resume."""
+    reason = stop_reason([failure(0, step=1, resumed_at=0), failure(1, step=2, resumed_at=1)], "n0", since=0.0)
+    assert reason and "crash loop" in reason and "1 step(s) after resuming" in reason
 
 
 def test_a_fatal_error_stops_at_once():

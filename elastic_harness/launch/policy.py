@@ -7,9 +7,12 @@ one line the user needs:
 - a *fatal* failure: a mistake the user must fix (``HarnessError`` in a worker: an
   incompatible checkpoint, a bad evaluate, the API used wrongly);
 - a *crash loop*: this node's last two attempts failed with the same exception (same
-  signature: type, message, innermost frame) at the same step. A restart resumes from the
-  same checkpoint and replays the same steps, so a deterministic bug fails again at the
-  same place. A SIGKILL or a lost peer leaves no signature and never counts.
+  signature: type, message, innermost frame) at the same step, or the same number of steps
+  after each attempt's resume point. A restart from storage replays the same steps, so a
+  deterministic bug fails again at the same step; a restart from the in-memory tier resumes
+  where the last attempt failed, so a bug in, say, evaluation fails one step later each
+  time, always the same distance from the resume. A SIGKILL or a lost peer leaves no
+  signature and never counts.
 
 Each agent judges its own node's attempts (``node``, and ``restart`` = torchelastic's
 restart count) among the failures recorded since it started (``since``).
@@ -27,14 +30,21 @@ def stop_reason(events: Iterable[dict], node: str, since: float) -> str | None:
     fatal = [e for e in mine if e.get("fatal")]
     if fatal:
         return str(fatal[-1].get("message", "a fatal error"))
-    attempts: dict[int, set[tuple[str, int | None]]] = {}
-    messages: dict[tuple[str, int | None], str] = {}
+    # An attempt's failures as keys (signature, how, step): how "at" = the step it failed at;
+    # "after" = steps since its resume point, since with the in-memory tier each attempt
+    # resumes where the previous one failed and the same bug then hits one step later.
+    attempts: dict[int, set[tuple[str, str, int | None]]] = {}
+    messages: dict[tuple[str, str, int | None], str] = {}
     for e in mine:
         if not e.get("signature"):
             continue
-        key = (e["signature"], e.get("step"))
-        attempts.setdefault(int(e.get("restart", 0)), set()).add(key)
-        messages[key] = f"{e.get('message', '')} (at {e.get('where', '?')})"
+        step, resumed = e.get("step"), e.get("resumed_at")
+        keys = [(e["signature"], "at", step)]
+        if step is not None and resumed is not None:
+            keys.append((e["signature"], "after", step - resumed))
+        for key in keys:
+            attempts.setdefault(int(e.get("restart", 0)), set()).add(key)
+            messages[key] = f"{e.get('message', '')} (at {e.get('where', '?')})"
     if len(attempts) < 2:
         return None
     last, before = sorted(attempts)[-1], sorted(attempts)[-2]
@@ -43,10 +53,13 @@ def stop_reason(events: Iterable[dict], node: str, since: float) -> str | None:
     repeated = attempts[last] & attempts[before]
     if not repeated:
         return None
-    key = sorted(repeated, key=lambda k: (k[1] is None, k[1] or 0, k[0]))[0]
-    where = f"at step {key[1]}" if key[1] is not None else "before training started"
-    return (f"crash loop: the workers failed the same way twice {where}, after resuming from "
-            f"the same checkpoint: {messages[key]}")
+    key = sorted(repeated, key=lambda k: (k[1] != "at", k[2] is None, k[2] or 0, k[0]))[0]
+    if key[1] == "after":
+        where = f"{key[2]} step(s) after resuming, each time"
+    else:
+        where = (f"at step {key[2]}, after resuming from the same checkpoint" if key[2] is not None
+                 else "before training started")
+    return f"crash loop: the workers failed the same way twice {where}: {messages[key]}"
 
 
 def agent_health(group_state: str, monitor_quiet_s: float, bound_s: float) -> tuple[bool, str]:

@@ -27,7 +27,7 @@ def describe(exc: BaseException) -> dict[str, Any]:
 
 
 def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node: str = "",
-           restart: int = 0, generation: str = "") -> None:
+           restart: int = 0, generation: str = "", resumed_at: int | None = None) -> None:
     """Emit a ``failure`` event for ``exc`` (never raises: it runs on the way down)."""
     try:
         if isinstance(exc, HarnessError):
@@ -37,7 +37,7 @@ def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node
         d = describe(exc)
         events.emit("failure", fatal=False, message=d["message"], where=d["where"],
                     signature=d["signature"], rank=rank, step=step, node=node, restart=restart,
-                    generation=generation)
+                    generation=generation, resumed_at=resumed_at)
     except Exception:  # noqa: BLE001 - the original exception must win
         pass
 

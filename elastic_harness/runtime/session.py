@@ -234,6 +234,7 @@ class Run:
         self._state: dict[str, Any] | None = None
         self._train = TrainState(DataState(spec.train.seed, 0), env.world_size)
         self._resumed = False
+        self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._buffers: BufferSync | None = None
         self._last_loss: float | None = None
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
@@ -288,8 +289,10 @@ class Run:
         self.ckpt.join()  # every generation enters the fence, whichever tier restores it
         restored = self.memory.restore(self._state) if self.memory is not None else None
         if restored is not None:
+            self._resumed_at = restored.step
             return self._resumed_from_memory(restored)
         loaded = self.ckpt.restore(self._state)
+        self._resumed_at = loaded.step if loaded is not None else 0
         if loaded is None:
             self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
             return 0
@@ -505,7 +508,8 @@ class Run:
 
     def record_failure(self, exc: BaseException) -> None:
         failures.record(self.log, exc, rank=self.rank, step=self._train.step, node=self.env.node,
-                        restart=self.env.restart_count, generation=self.generation)
+                        restart=self.env.restart_count, generation=self.generation,
+                        resumed_at=self._resumed_at)
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         """Plain torchrun/python: record the failure; a user's mistake is one line, exit 2."""
