@@ -68,6 +68,20 @@ def test_signals_reach_running_workers_only(zygote, tmp_path):
     zygote.signal(pid, signal.SIGKILL)  # already reaped: not sent (the pid may be reused)
 
 
+def test_the_zygote_outlives_signals_sent_to_every_process_of_the_job(zygote, tmp_path):
+    """Slurm's ``scancel --signal=TERM`` signals every process of a job step: the zygote must
+    stay for the workers' drain (it goes with its agent), and its workers still get the
+    default dispositions (the one below dies of its SIGTERM)."""
+    pid, _ = _spawn(zygote, tmp_path, "sleep", "sleeper")
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        os.kill(zygote._proc.pid, sig)
+    os.kill(pid, signal.SIGTERM)
+    assert _exit_of(zygote, pid) == -signal.SIGTERM
+    assert not zygote.lost()
+    again, _ = _spawn(zygote, tmp_path, "0", "after")
+    assert _exit_of(zygote, again) == 0
+
+
 AGENT = textwrap.dedent("""
     import os, sys, time
     from elastic_harness.launch.zygote import Zygote

@@ -122,7 +122,10 @@ class Zygote:
         ready, _, _ = select.select([self._sock], [], [], timeout)
         if not ready:
             return None
-        data = self._sock.recv(MAX_MESSAGE)
+        try:
+            data = self._sock.recv(MAX_MESSAGE)
+        except OSError:  # ECONNRESET: the zygote died with messages unread
+            data = b""
         if not data:
             self._sock.close()
             self._sock = None

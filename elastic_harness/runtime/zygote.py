@@ -54,6 +54,13 @@ PRELOAD = (
 MAX_MESSAGE = 1 << 20
 
 
+# Signals the zygote ignores (its workers get the defaults back): ^C is the agent's to handle
+# and forward, and a scheduler that signals every process of a job step (Slurm's scancel
+# --signal, proctrack/linuxproc) must not end the zygote before the workers' drain: the
+# zygote goes when its agent does (PR_SET_PDEATHSIG, or the agent closing its socket).
+SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def die_with_parent(expected_parent: int) -> None:
     """SIGKILL this process when its parent dies; exit now if that already happened."""
     with contextlib.suppress(OSError):
@@ -152,7 +159,7 @@ def become_worker(msg: dict, zygote: int) -> int:
     """In the fresh fork: the environment and streams of a worker, then run its module as
     ``python -m MODULE ARGV`` would. Returns the exit code (the caller ``_exit``s with it)."""
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGINT):
+    for sig in (signal.SIGCHLD, *SHIELDED):
         signal.signal(sig, signal.SIG_DFL)
     os.setsid()  # its own session, as torchelastic starts workers
     die_with_parent(zygote)
@@ -213,7 +220,8 @@ def main(argv: list[str]) -> int:
 
     fd, agent = int(argv[0]), int(argv[1])
     die_with_parent(agent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the agent's to handle, and forward
+    for sig in SHIELDED:
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     modules = PRELOAD
     if argv[2:3] == ["--preload"]:
