@@ -105,10 +105,11 @@ class RendezvousSpec:
     heartbeat_timeout: int = doc(5, "Seconds within which a keep-alive must complete.")
     keep_alive_interval: int = doc(1, "Seconds between agent keep-alives (torch default 5).")
     keep_alive_max_attempt: int = doc(
-        2,
+        3,
         "Missed keep-alives before a node is declared dead (torch default 3): a lost node is "
-        "dropped interval x attempts after its last keep-alive; agents waiting in a rendezvous "
-        "send one about every second, so keep interval x attempts >= 2.",
+        "dropped interval x attempts after its last keep-alive. Too short drops a live but busy "
+        "agent (2 s did on a loaded 2-core machine: a new agent then formed a second group); "
+        "keep interval x attempts >= 3.",
     )
     etcd_protocol: Literal["http", "https"] = doc("http", "etcd: http, or https for client TLS.")
     etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")
