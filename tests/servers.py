@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import signal
 import socket
@@ -19,6 +20,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
+    """Run ``fn(rank, port, root)`` in ``nprocs`` processes (torch.multiprocessing) with a
+    free loopback port for their process group; each writes ``root/rank{r}.json``, returned
+    in rank order."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(fn, args=(free_port(), str(root)), nprocs=nprocs, join=True)
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def wait_until(check, timeout: float, what: str) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import json
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.servers import spawn_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -415,14 +416,7 @@ def _ranks(rank: int, port: int, root: str) -> None:
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    root = tmp_path_factory.mktemp("manager")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks, args=(port, str(root)), nprocs=2, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_ranks(_ranks, tmp_path_factory.mktemp("manager"))
 
 
 def test_corrupt_newer_checkpoints_fall_back_are_set_aside_and_ranks_agree(seen):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import socket
 import threading
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from elastic_harness.checkpoint.scheduling import (
     can_lift,
     choose_class,
 )
+from tests.servers import spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 needs_idle = pytest.mark.skipif(not can_lift(), reason="this process cannot leave SCHED_IDLE again")
@@ -162,14 +162,7 @@ def _ranks(rank: int, port: int, root: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    root = tmp_path_factory.mktemp("sched")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks, args=(port, str(root)), nprocs=2, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawn_ranks(_ranks, tmp_path_factory.mktemp("sched"))
 
 
 @needs_idle
