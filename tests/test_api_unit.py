@@ -119,7 +119,8 @@ def test_loaded_batches_do_not_depend_on_loader_processes_or_resume_point(worker
 
 
 # ----- state ---------------------------------------------------------------------------
-def test_digest_covers_any_dtype_and_0dim_buffers():
+def test_digest_covers_any_dtype_and_0dim_buffers(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # bf16 ops: not /tmp
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(torch.bfloat16)
     before = model_digest(bn)
     assert model_digest(bn) == before
@@ -220,8 +221,10 @@ def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
 
 
 # ----- state a model carries -------------------------------------------------------------
-def test_compiled_and_bf16_models_save_and_load_under_clean_names(tmp_path):
+def test_compiled_and_bf16_models_save_and_load_under_clean_names(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # not /tmp
 
     from elastic_harness.runtime.state import ModelState
 

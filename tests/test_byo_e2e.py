@@ -31,7 +31,8 @@ def torchrun(script, *args, run_dir, timeout=300):
     """Plain torchrun (c10d on a free loopback port, 2 processes, restarts allowed)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--max-restarts", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), "--run-dir", str(run_dir), *args]
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--log-dir", f"{run_dir}-torchrun-logs",
+           str(script), "--run-dir", str(run_dir), *args]  # --log-dir: torchrun's default is in /tmp
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
