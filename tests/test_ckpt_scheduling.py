@@ -24,6 +24,7 @@ from elastic_harness.checkpoint.scheduling import (
     choose_class,
 )
 from tests.servers import spawn_ranks
+from tests.test_ckpt_manager import Events  # the manager tests' event recorder
 
 pytestmark = pytest.mark.timeout(120)
 needs_idle = pytest.mark.skipif(not can_lift(), reason="this process cannot leave SCHED_IDLE again")
@@ -76,15 +77,6 @@ def _classes(threads: BackgroundThreads, n: int) -> dict[int, int]:
 
 
 # --- through the manager, on two gloo ranks ------------------------------------------------
-
-
-class Events:
-    def __init__(self) -> None:
-        self.seen: list[dict] = []
-
-    def emit(self, event: str, **fields) -> dict:
-        self.seen.append({"event": event, **fields})
-        return fields
 
 
 def _observed_storage(root: Path, seen: dict, entered: threading.Event):
