@@ -98,6 +98,13 @@ CONTRACT: dict[str, EventKind] = {
         "total_s": "seconds until committed",
         "asynchronous": "written in the background",
     }),
+    "memory": EventKind("rank 0", "the in-memory tier's snapshot interval was set or changed "
+                        "(checkpoint.memory_every, memory_budget)", {
+        "step": "the step from which it applies",
+        "every": "snapshot every this many steps (and at every durable save)",
+        "copy_s": "median seconds a snapshot took on rank 0 (0 before the first)",
+        "step_s": "median seconds of a step outside the step hook on rank 0 (0 before measured)",
+    }),
     "drain": EventKind("rank 0", "stopped early after saving (SIGTERM or membership change)", {
         "step": "last step done and saved",
         "world_size": _WORLD,

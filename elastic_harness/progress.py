@@ -29,6 +29,9 @@ class Progress:
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
             self._step(e)
+        elif kind == "memory" and e.get("copy_s"):  # not the first, unmeasured setting
+            self._line(f"in-memory snapshots every {e['every']} step(s) from step {e['step']} "
+                       f"(a copy takes {1000 * e['copy_s']:.1f} ms, a step {1000 * e['step_s']:.1f} ms)")
         elif kind == "failure" and e.get("fatal"):
             return  # the host prints it once, as the error
         elif kind in ("checkpoint", "warning", "failure", "fault", "drain", "eval", "quarantine",

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from elastic_harness.data.sampler import DataState
+from elastic_harness.memtier.cadence import Cadence, interval, snapshot_due
 from elastic_harness.memtier.host import HostSlots, describe, slot_paths
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import (
@@ -18,7 +19,6 @@ from elastic_harness.memtier.slots import (
     Header,
     newest_common,
     next_slot,
-    snapshot_due,
     usable_steps,
 )
 from elastic_harness.memtier.tier import MemoryTier
@@ -52,10 +52,41 @@ def test_slots_alternate_so_the_newest_snapshot_is_never_overwritten():
     assert [next_slot(s, 2) for s in (0, 1)] == [1, 0]
 
 
-def test_snapshots_follow_memory_every_and_every_durable_save():
-    assert [s for s in range(1, 10) if snapshot_due(3, s, forced=False)] == [3, 6, 9]
-    assert snapshot_due(3, 4, forced=True)  # memory is never older than storage
-    assert not snapshot_due(0, 4, forced=True)  # the tier is off
+def test_snapshots_follow_the_interval_and_every_durable_save():
+    due = [s for s in range(1, 10) if snapshot_due(3, s, last=(s - 1) // 3 * 3, forced=False)]
+    assert due == [3, 6, 9]
+    assert snapshot_due(3, 4, last=3, forced=True)  # memory is never older than storage
+    assert not snapshot_due(0, 4, last=0, forced=True)  # the tier is off
+    assert snapshot_due(2, 7, last=5, forced=False)  # counted from the last one, not from 0
+
+
+def test_the_interval_keeps_the_copy_within_its_share_of_step_time():
+    assert interval(copy_s=0.010, step_s=0.040, budget=0.03, least=1) == 9  # 10 ms / 9 <= 1.2 ms
+    assert interval(copy_s=0.0005, step_s=0.040, budget=0.03, least=1) == 1  # cheap: every step
+    assert interval(copy_s=0.0005, step_s=0.040, budget=0.03, least=4) == 4  # never below memory_every
+    assert interval(copy_s=0.010, step_s=0.040, budget=0.0, least=2) == 2  # budget 0: fixed
+    assert interval(copy_s=0.010, step_s=0.0, budget=0.03, least=1) == 1  # nothing measured yet
+    assert interval(copy_s=0.0012, step_s=0.040, budget=0.03, least=1) == 1  # exactly on budget
+
+
+def test_cadence_proposes_from_medians_and_counts_from_the_start():
+    c = Cadence(every=1, budget=0.03)
+    assert c.proposal() == 1  # nothing measured: memory_every
+    for s in (2.0, 0.04, 0.04, 0.04):  # a slow first step does not swing it
+        c.step_took(s)
+    for s in (0.5, 0.01, 0.01):  # nor does the first touch of a slot
+        c.snapshot_took(s)
+    assert c.proposal() == 9
+    c.snapshot_took(0.0085)  # median 10 ms -> 8.5 ms: 8 would do, 9 stays (no flapping)
+    c.snapshot_took(0.0085)
+    assert c.proposal() == 9
+    for _ in range(8):
+        c.snapshot_took(0.001)  # the copy got much cheaper: every step
+    assert c.proposal() == 1
+    c.start(20)  # resumed at step 20
+    assert not c.due(21, 9, forced=False) and c.due(29, 9, forced=False)
+    c.taken(29)
+    assert not c.due(30, 9, forced=False) and c.due(30, 9, forced=True)
 
 
 def test_header_round_trip_and_foreign_bytes():

@@ -68,8 +68,3 @@ def next_slot(last: int | None, slots: int) -> int:
     still holds its previous snapshot."""
     return 0 if last is None else (last + 1) % slots
 
-
-def snapshot_due(every: int, step: int, forced: bool) -> bool:
-    """Snapshot after ``step``? Every ``every`` steps (0 = tier off), and whenever a durable
-    checkpoint is taken (``forced``), so memory is never older than storage."""
-    return every > 0 and (forced or step % every == 0)

@@ -3,7 +3,7 @@
 Call order (every rank of a generation, same order): ``restore(state)`` once, before
 training and before any storage restore (it is collective: ``gather(value)`` returns every
 rank's value, in rank order, e.g. an all-gather on the checkpoint group); then
-``save(step, state)`` after the steps ``slots.snapshot_due`` names (no collective; each rank
+``save(step, state)`` after the steps ``cadence`` names (no collective; each rank
 writes its own slot). ``close()`` at the end.
 
 ``restore`` uses memory only when every rank holds a published snapshot of the same step

@@ -68,7 +68,7 @@ from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.errors import CheckpointError, HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
-from elastic_harness.memtier.slots import snapshot_due
+from elastic_harness.memtier.cadence import Cadence
 from elastic_harness.memtier.tier import MemoryTier, Restored
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
@@ -228,6 +228,8 @@ class Run:
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
         )
         self.memory = _memory_tier(spec, env, groups.ckpt, log)
+        self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget)
+        self._memory_every = 0  # the interval last reported (``memory`` event)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
@@ -338,6 +340,7 @@ class Run:
                               local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
                               events=self.log, agent=self.env.agent_pid or os.getppid())
         self._loop = _LoopState(watchdog, faults, self._sample_log())
+        self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
                 watchdog.arm()
@@ -371,6 +374,7 @@ class Run:
     def _after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
         """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
         spec, train, loop = self.spec, self._train, self._loop
+        self.cadence.step_took(time.monotonic() - loop.hook_end)
         if self._buffers is not None:
             self._buffers.sync()
         if loop.sample_log is not None:
@@ -392,18 +396,34 @@ class Run:
         blocking = drain or (final and spec.checkpoint.save_final)
         periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
         self._maybe_save(train.step, blocking=blocking, periodic=periodic)
-        if self.memory is not None and snapshot_due(spec.checkpoint.memory_every, train.step,
-                                                    forced=blocking or periodic):
-            self.memory.save(train.step, self._state)
+        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic)
+        loop.hook_end = time.monotonic()
         if drain and not final:
             self.events.emit("drain", step=train.step, world_size=self.world_size)
             step.drained = True
             return
         loop.faults.after_step(train.step)
 
+    def _snapshot(self, step: int, k: int, *, forced: bool) -> None:
+        """Copy the state into the in-memory tier if it is due (``cadence``: every rank
+        decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce)."""
+        if self.memory is None:
+            return
+        if self.rank == 0 and k != self._memory_every:
+            self._memory_every = k
+            copy_s, step_s = self.cadence.medians()
+            self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5))
+        if not self.cadence.due(step, k, forced):
+            return
+        t0 = time.perf_counter()
+        self.memory.save(step, self._state)
+        self.cadence.snapshot_took(time.perf_counter() - t0)
+        self.cadence.taken(step)
+
     def _share_totals(self, step: Step) -> None:
-        """Start the step's one all-reduce, [loss sum, drain requested, time-based save due
-        (rank 0 decides: clocks differ)], without waiting for it (``Step.batches``).
+        """Start the step's one all-reduce, [loss sum, drain requested, time-based save due,
+        in-memory snapshot interval] (rank 0 decides the last two: clocks and timings differ),
+        without waiting for it (``Step.batches``).
 
         Waiting for it in the step hook made every step meet its peers twice (the gradient
         all-reduce, then this): whatever the ranks drifted apart during the optimizer step
@@ -415,7 +435,8 @@ class Run:
             return
         flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
                                                          time.monotonic() - self._loop.last_save))
-        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag],
+        k = float(self.cadence.proposal() if self.rank == 0 and self.memory is not None else 0)
+        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag, k],
                               dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)
         step.shared = (totals, work, step.loss_sum.clone(), step.samples)
@@ -547,7 +568,7 @@ class _LoopState:
     def __init__(self, watchdog: ProgressWatchdog, faults: WorkerFaults, sample_log: Path | None) -> None:
         self.watchdog, self.faults, self.sample_log = watchdog, faults, sample_log
         now = time.monotonic()
-        self.last_save = self.last_done = now
+        self.last_save = self.last_done = self.hook_end = now
         self.last_saved_step = -1
 
 

@@ -136,6 +136,10 @@ def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int]) -
         _send(sock, {"op": "error", "message": f"unknown request {msg['op']!r}"})
         return
     parent = os.getpid()
+    # Blocked across the fork: a signal sent to the new worker before it has reset the
+    # zygote's SIG_IGN (an agent stopping a group it just started) stays pending and is
+    # delivered once the default disposition is back, instead of being ignored.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -143,9 +147,10 @@ def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int]) -
             sock.close()
             for fd in private_fds:
                 os.close(fd)
-            code = become_worker(msg, parent)
+            code = become_worker(msg, parent, mask)
         finally:
             os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     children.add(pid)
     _send(sock, {"op": "spawned", "pid": pid})
 
@@ -155,12 +160,14 @@ def _send(sock, msg: dict) -> None:
         sock.send(json.dumps(msg).encode())
 
 
-def become_worker(msg: dict, zygote: int) -> int:
+def become_worker(msg: dict, zygote: int, mask: set) -> int:
     """In the fresh fork: the environment and streams of a worker, then run its module as
-    ``python -m MODULE ARGV`` would. Returns the exit code (the caller ``_exit``s with it)."""
+    ``python -m MODULE ARGV`` would. Returns the exit code (the caller ``_exit``s with it).
+    ``mask``: the signal mask to restore once the default dispositions are back."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, *SHIELDED):
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending SIGTERM lands now
     os.setsid()  # its own session, as torchelastic starts workers
     die_with_parent(zygote)
     os.chdir(msg["cwd"])

@@ -247,14 +247,23 @@ class CheckpointSpec:
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."
     )
     memory_every: int = doc(
-        1, "Also keep each rank's state in its agent's memory every this many steps: a restart "
-        "after a worker crash restores it with no storage read (lost nodes and resizes load from "
-        "storage). Two copies of each rank's state in host memory; 0 = off."
+        1, "Also keep each rank's state in its agent's memory, at most every this many steps: a "
+        "restart after a worker crash restores it with no storage read (lost nodes and resizes "
+        "load from storage). Two copies of each rank's state in host memory; 0 = off."
+    )
+    memory_budget: float = doc(
+        0.03, "Spread the in-memory snapshots out so that copying the state costs at most this "
+        "share of step time (measured while training; a crash then redoes fewer steps than the "
+        "interval chosen); 0 = exactly every memory_every steps."
     )
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
         _positive("checkpoint.memory_every", self.memory_every, allow_zero=True)
+        _positive("checkpoint.memory_budget", self.memory_budget, allow_zero=True)
+        if self.memory_budget > 1:
+            raise SpecError("checkpoint.memory_budget", f"must be a share of step time in [0, 1], got "
+                            f"{self.memory_budget}", "e.g. 0.03 for 3 %, or 0 for a fixed interval")
         _positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
         _positive("checkpoint.keep_every", self.keep_every, allow_zero=True)
         if self.keep < 2:

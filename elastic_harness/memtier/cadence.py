@@ -1,0 +1,87 @@
+"""How often the in-memory tier snapshots: every ``K`` steps, with ``K`` kept within a budget.
+
+A snapshot copies each rank's whole state (model, optimizer) into its agent's memory: about
+10 ms per 50 MB on a 2-core machine, nothing for a small model, far too much for a big one to
+pay after every step of a fast loop. So ``K`` is the smallest interval, at least
+``checkpoint.memory_every``, at which the copy costs at most ``checkpoint.memory_budget`` of
+step time (``interval``); with a budget of 0 it is exactly ``memory_every``. A crash then
+redoes at most ``K - 1`` steps, against a whole durable interval without the tier.
+
+Every rank must snapshot at the same steps (a restore needs a step that every rank holds), so
+one rank measures and proposes ``K`` (``Cadence.proposal``) and the others adopt the value
+that reaches them in the step's all-reduce. ``due`` then counts steps since the last
+snapshot (or the step the generation started from), which is the same on every rank.
+
+Times are medians over the last ``WINDOW`` samples: the first steps (compilation, first touch
+of the memory slots) and an occasional slow step do not swing ``K``.
+
+Call order, per step on the proposing rank: ``proposal()`` when the step's all-reduce is
+started; ``step_took`` with the time spent outside the step hook; ``snapshot_took`` after a
+snapshot. Every rank: ``start(step)`` once, then ``due(step, k, forced)`` and ``taken(step)``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+WINDOW = 8
+MAX_INTERVAL = 100_000
+HYSTERESIS = 1.25
+
+
+def interval(copy_s: float, step_s: float, budget: float, least: int) -> int:
+    """Pure: snapshot every this many steps so that ``copy_s / K <= budget * step_s``.
+
+    ``least`` (``memory_every``) is the floor; ``budget`` 0 means exactly ``least``; with no
+    measurement yet (``step_s`` 0) it is ``least``.
+    """
+    if budget <= 0 or step_s <= 0 or copy_s <= 0:
+        return least
+    return max(least, min(MAX_INTERVAL, math.ceil(copy_s / (budget * step_s) - 1e-9)))
+
+
+def snapshot_due(k: int, step: int, last: int, forced: bool) -> bool:
+    """Pure: snapshot after ``step``? ``k`` steps after the last one (``k`` 0 = tier off), and
+    whenever a durable checkpoint is taken (``forced``), so memory is never older than storage."""
+    return k > 0 and (forced or step - last >= k)
+
+
+class Cadence:
+    def __init__(self, every: int, budget: float) -> None:
+        self.every, self.budget = every, budget
+        self._steps: deque[float] = deque(maxlen=WINDOW)
+        self._copies: deque[float] = deque(maxlen=WINDOW)
+        self._last = 0
+        self._current: int | None = None
+
+    def step_took(self, seconds: float) -> None:
+        self._steps.append(seconds)
+
+    def snapshot_took(self, seconds: float) -> None:
+        self._copies.append(seconds)
+
+    def medians(self) -> tuple[float, float]:
+        """(snapshot seconds, step seconds) as measured so far; 0 when not yet measured."""
+        return (statistics.median(self._copies) if self._copies else 0.0,
+                statistics.median(self._steps) if self._steps else 0.0)
+
+    def proposal(self) -> int:
+        """The interval this rank's measurements call for (``every`` until it has some); it
+        moves only when the measurements call for a quarter more or less (no flapping
+        between neighbours such as 8 and 9)."""
+        want = interval(*self.medians(), self.budget, self.every)
+        if self._current is None or want > self._current * HYSTERESIS or want * HYSTERESIS < self._current:
+            self._current = want
+        return self._current
+
+    def start(self, step: int) -> None:
+        """The generation starts from ``step`` (restored or 0): the next snapshot counts from it."""
+        self._last = step
+
+    def due(self, step: int, k: int, forced: bool) -> bool:
+        return snapshot_due(k, step, self._last, forced)
+
+    def taken(self, step: int) -> None:
+        self._last = step
