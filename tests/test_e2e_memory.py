@@ -23,10 +23,13 @@ def test_worker_crashes_restore_from_memory_bit_identical(mlp_reference, tmp_pat
     assert [f["step"] for f in r.kinds("fault")] == [25, 33, 47]
     fresh, *resumed = r.kinds("resume")
     assert fresh["fresh"]
-    # Every crash: the step it happened after, from memory, no checkpoint read.
-    assert [(e["source"], e["step"]) for e in resumed] == [("memory", 25), ("memory", 33), ("memory", 47)]
+    # Every crash restores from memory, no checkpoint read, at most K - 1 steps before the
+    # crash: the ranks snapshot at the same steps while K follows the measured costs.
+    k = max(e["every"] for e in r.kinds("memory"))
+    assert [e["source"] for e in resumed] == ["memory"] * 3
+    assert all(crash - k < e["step"] <= crash for e, crash in zip(resumed, (25, 33, 47), strict=True))
     assert all("checkpoint" not in e for e in resumed)
-    assert "restored from memory at step 25" in r.out + r.err
+    assert f"restored from memory at step {resumed[0]['step']}" in r.out + r.err
     assert r.summary["restarts"] == 3
     assert r.summary["model_digest"] == mlp_reference.summary["model_digest"]
     diff = compare(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(mlp_reference.run_dir)))
@@ -43,7 +46,9 @@ def test_a_lost_node_falls_back_to_storage(mlp_reference, tmp_path):
     assert r.code == 0, r.err
     assert [f["kind"] for f in r.kinds("fault")] == ["kill-worker", "kill-node"]
     after_crash, after_loss = r.kinds("resume")[-2:]
-    assert (after_crash["source"], after_crash["step"], after_crash["world_size"]) == ("memory", 15, 2)
+    k = max(e["every"] for e in r.kinds("memory"))
+    assert (after_crash["source"], after_crash["world_size"]) == ("memory", 2)
+    assert 15 - k < after_crash["step"] <= 15
     assert after_loss["source"] == "storage" and after_loss["step"] in (20, 30)
     assert (after_loss["saved_world_size"], after_loss["world_size"]) == (2, 1)
     seen = audit(tmp_path, N, G, STEPS)

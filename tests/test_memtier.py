@@ -72,10 +72,11 @@ def test_the_interval_keeps_the_copy_within_its_share_of_step_time():
 def test_cadence_proposes_from_medians_and_counts_from_the_start():
     c = Cadence(every=1, budget=0.03)
     assert c.proposal() == 1  # nothing measured: memory_every
-    for s in (2.0, 0.04, 0.04, 0.04):  # a slow first step does not swing it
+    for s in (9.0, 2.0, 0.04, 0.04, 0.04):  # the first step is left out, one slow one outvoted
         c.step_took(s)
-    for s in (0.5, 0.01, 0.01):  # nor does the first touch of a slot
+    for s in (0.5, 0.5, 0.01, 0.01):  # the first touch of each slot is left out
         c.snapshot_took(s)
+    assert c.medians() == (0.01, 0.04)
     assert c.proposal() == 9
     c.snapshot_took(0.0085)  # median 10 ms -> 8.5 ms: 8 would do, 9 stays (no flapping)
     c.snapshot_took(0.0085)

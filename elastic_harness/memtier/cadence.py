@@ -12,8 +12,10 @@ one rank measures and proposes ``K`` (``Cadence.proposal``) and the others adopt
 that reaches them in the step's all-reduce. ``due`` then counts steps since the last
 snapshot (or the step the generation started from), which is the same on every rank.
 
-Times are medians over the last ``WINDOW`` samples: the first steps (compilation, first touch
-of the memory slots) and an occasional slow step do not swing ``K``.
+Times are medians over the last ``WINDOW`` samples, leaving out the first step of a
+generation (data loader start, compilation) and the first snapshot into each slot (the first
+touch of its pages costs 3-5x a later copy): neither swings ``K``, nor does an occasional
+slow step.
 
 Call order, per step on the proposing rank: ``proposal()`` when the step's all-reduce is
 started; ``step_took`` with the time spent outside the step hook; ``snapshot_took`` after a
@@ -29,6 +31,8 @@ from collections import deque
 WINDOW = 8
 MAX_INTERVAL = 100_000
 HYSTERESIS = 1.25
+SKIP_STEPS = 1  # the generation's first step
+SKIP_COPIES = 2  # the first snapshot into each of the two slots
 
 
 def interval(copy_s: float, step_s: float, budget: float, least: int) -> int:
@@ -55,12 +59,17 @@ class Cadence:
         self._copies: deque[float] = deque(maxlen=WINDOW)
         self._last = 0
         self._current: int | None = None
+        self._seen_steps = self._seen_copies = 0
 
     def step_took(self, seconds: float) -> None:
-        self._steps.append(seconds)
+        self._seen_steps += 1
+        if self._seen_steps > SKIP_STEPS:
+            self._steps.append(seconds)
 
     def snapshot_took(self, seconds: float) -> None:
-        self._copies.append(seconds)
+        self._seen_copies += 1
+        if self._seen_copies > SKIP_COPIES:
+            self._copies.append(seconds)
 
     def medians(self) -> tuple[float, float]:
         """(snapshot seconds, step seconds) as measured so far; 0 when not yet measured."""
