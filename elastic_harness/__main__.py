@@ -1,5 +1,3 @@
-import sys
+from elastic_harness.cli import entry
 
-from elastic_harness.cli import main
-
-sys.exit(main())
+entry()

@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="print no progress lines (the `run` that started this agent prints them)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_agent, is_host=None)
+    p.set_defaults(func=cmd_agent, is_host=None, fast_exit=True)
 
 
 _FLAGS = ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "standalone", "nnodes",
@@ -93,6 +93,21 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str) -> int:
+    from elastic_harness.launch.zygote import Zygote
+
+    # Warm starts: the zygote imports torch and the harness (seconds) while this process
+    # does and the first rendezvous runs, so it is started before anything here imports torch.
+    zygote = Zygote() if spec.warm_start else None
+    if zygote is not None:
+        zygote.start()
+    try:
+        return _serve_with(args, spec, opts, run_dir, node, job_id, zygote)
+    finally:
+        if zygote is not None:
+            zygote.stop()
+
+
+def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, zygote) -> int:
     from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
 
     endpoint = None
@@ -112,7 +127,7 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_i
     progress = None if args.no_progress else _ProgressPrinter(run_dir / "events.jsonl", spec.train.steps)
     try:
         health = (lambda fn: setattr(endpoint, "agent_health", fn)) if endpoint is not None else None
-        return run_agent(spec, opts, node=node, on_health=health)
+        return run_agent(spec, opts, node=node, on_health=health, zygote=zygote)
     finally:
         if progress is not None:
             progress.close()

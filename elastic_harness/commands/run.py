@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
     p.add_argument("--job-id", help="id of this submission, also its rendezvous id (default: "
                                     "rendezvous.id, else a fresh one; `submit` passes its own)")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, fast_exit=True)
 
 
 def load_with_flags(args: argparse.Namespace):

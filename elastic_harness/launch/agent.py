@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from elastic_harness import exitcodes
 from elastic_harness.events import EventLog, read_events
@@ -34,11 +35,13 @@ EXIT_INFRA = exitcodes.INFRA
 
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
-              on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None) -> int:
+              on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None,
+              zygote: Any = None) -> int:
     """Run this node's agent to the end; its exit code. ``on_health`` receives the agent's
-    health callable (for the endpoint's ``/healthz``) once the agent exists."""
-    from elastic_harness.launch.zygote import Zygote
-
+    health callable (for the endpoint's ``/healthz``) once the agent exists. ``zygote``: a
+    started ``launch.zygote.Zygote`` for warm starts (``spec.warm_start``), or None; the
+    caller starts it before anything imports torch, so that its imports overlap this
+    process's (``commands.agent``), and stops it."""
     run_dir = Path(opts.run_dir)
     entrypoint, args = worker_command(run_dir)
     # Workers inherit the agent's environment: their node, job and run dir.
@@ -49,16 +52,9 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     slots = HostSlots.create(opts.nproc_per_node) if spec.checkpoint.memory_every else None
     if slots is not None:
         os.environ[MEMORY_VAR] = slots.describe()
-    # Warm starts: the zygote imports torch while this process does, and while the first
-    # rendezvous runs (nothing here has imported torch yet).
-    zygote = Zygote() if spec.warm_start else None
-    if zygote is not None:
-        zygote.start()
     try:
         return _run(spec, opts, node, (entrypoint, args), zygote, on_health)
     finally:
-        if zygote is not None:
-            zygote.stop()
         if slots is not None:
             slots.close()
 

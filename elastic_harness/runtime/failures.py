@@ -43,26 +43,12 @@ def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node
 
 
 def exit_now(code: int) -> None:
-    """End a worker whose failure is already recorded, without Python's slow teardown.
-
-    A worker that lost a peer is what its agent waits for before it can restart the group,
-    and with torch loaded the interpreter's own shutdown (freeing every module and its
-    objects) took 1.3 s on a quiet 2-core machine and over 3 s on a loaded one, after the
-    failure was already recorded. Here: the traceback goes to stderr (the agent's log), the
-    ``atexit`` callbacks run (a user's loggers may flush there), standard streams are
-    flushed, and the process ends with ``os._exit``. Threads still running (a checkpoint
-    write stuck on a dead peer) are not waited for.
-    """
-    import atexit
-    import contextlib
-    import os
-    import sys
+    """End a worker whose failure is already recorded: the traceback to stderr (the agent's
+    log), then no interpreter teardown (``procexit``): its agent is waiting for it before it
+    can restart the group, and that teardown took 1.3 s on a quiet 2-core machine and over
+    3 s on a loaded one. Threads still running (a checkpoint write stuck on a dead peer)
+    are not waited for."""
+    from elastic_harness.procexit import exit_without_teardown
 
     traceback.print_exc()
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to say
-                stream.flush()
-        os._exit(code)
+    exit_without_teardown(code)

@@ -240,4 +240,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from elastic_harness.procexit import exit_without_teardown
+
+    # Every run's shutdown waits for the agent to reap its zygote: no second of teardown.
+    exit_without_teardown(main(sys.argv[1:]))
