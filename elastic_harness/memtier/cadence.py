@@ -18,8 +18,8 @@ touch of its pages costs 3-5x a later copy): neither swings ``K``, nor does an o
 slow step.
 
 Call order, per step on the proposing rank: ``proposal()`` when the step's all-reduce is
-started; ``step_took`` with the time spent outside the step hook; ``snapshot_took`` after a
-snapshot. Every rank: ``start(step)`` once, then ``due(step, k, forced)`` and ``taken(step)``.
+started; ``step_took`` with the step's whole time (hook included) less its snapshot;
+``snapshot_took`` after a snapshot. Every rank: ``start(step)`` once, then ``due(step, k, forced)`` and ``taken(step)``.
 """
 
 from __future__ import annotations

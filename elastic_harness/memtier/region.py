@@ -31,6 +31,8 @@ class Region:
     def begin(self, size: int) -> torch.Tensor:
         """Unpublish, make room for ``size`` bytes; the slot's bytes (``HEADER_SIZE`` on)."""
         os.pwrite(self.fd, b"\0", PUBLISHED_OFFSET)
+        if self._data is not None and self._size >= size:
+            return self._data  # only this rank's worker changes the slot's size
         if os.fstat(self.fd).st_size < size:
             os.ftruncate(self.fd, size)
         return self.data()

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 ALIGN = 64
+_SCALARS = (int, float, bool, str, type(None))
 
 
 class Unsupported(TypeError):
@@ -83,30 +84,34 @@ def layout_digest(trees: dict[str, Any]) -> bytes:
 
 def capture_trees(trees: dict[str, Any]) -> Capture:
     tensors: list[tuple[TensorRef, torch.Tensor]] = []
-    layout: list[str] = []
+    layout: list[tuple] = []  # plain tuples: no formatting per snapshot (``_digest``)
     cursor = 0
 
-    def walk(obj: Any, path: str) -> Any:
+    def walk(obj: Any, path: tuple) -> Any:
         nonlocal cursor
         if isinstance(obj, torch.Tensor):
             t = _local(obj)
-            ref = TensorRef(cursor, t.numel() * t.element_size(), t.dtype, tuple(t.shape))
-            cursor += -(-ref.nbytes // ALIGN) * ALIGN
+            nbytes = t.numel() * t.element_size()
+            ref = TensorRef(cursor, nbytes, t.dtype, tuple(t.shape))
+            cursor += -(-nbytes // ALIGN) * ALIGN
             tensors.append((ref, t))
-            layout.append(_describe_tensor(path, obj, t))
+            layout.append((path, _kind(obj), ref.dtype, ref.shape))
             return ref
         if isinstance(obj, dict):
-            layout.append(f"{path}:dict:{len(obj)}")
-            return {k: walk(v, f"{path}/{k!r}") for k, v in obj.items()}
+            layout.append((path, "dict", len(obj)))
+            return {k: walk(v, (path, k)) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            layout.append(f"{path}:{type(obj).__name__}:{len(obj)}")
-            items = [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            if all(type(v) in _SCALARS for v in obj):  # an optimizer's parameter ids, betas
+                layout.append((path, type(obj).__name__, len(obj), "values"))
+                return obj
+            layout.append((path, type(obj).__name__, len(obj)))
+            items = [walk(v, (path, i)) for i, v in enumerate(obj)]
             return items if isinstance(obj, list) else tuple(items)
-        layout.append(f"{path}:value")
+        layout.append((path, "value"))
         return obj
 
-    skeleton = {k: walk(v, k) for k, v in trees.items()}
-    return Capture(skeleton, tensors, cursor, _digest(layout))
+    skeleton = {k: walk(v, (k,)) for k, v in trees.items()}
+    return Capture(skeleton, tensors, cursor, _digest(tuple(layout)))
 
 
 class Views:
@@ -179,9 +184,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _describe_tensor(path: str, t: torch.Tensor, local: torch.Tensor) -> str:
-    kind = f"dtensor{tuple(t.shape)}{t.placements}" if isinstance(t, DTensor) else "tensor"
-    return f"{path}:{kind}:{local.dtype}:{tuple(local.shape)}"
+def _kind(t: torch.Tensor) -> tuple:
+    """What besides dtype and local shape must match: a DTensor's global shape and placements."""
+    return ("dtensor", tuple(t.shape), tuple(t.placements)) if isinstance(t, DTensor) else ("tensor",)
 
 
 def _typed(data: torch.Tensor, base: int, ref: TensorRef) -> torch.Tensor:
@@ -190,5 +195,15 @@ def _typed(data: torch.Tensor, base: int, ref: TensorRef) -> torch.Tensor:
     return data[start:start + ref.nbytes].view(ref.dtype).view(ref.shape)
 
 
-def _digest(layout: list[str]) -> bytes:
-    return hashlib.sha256("\n".join(layout).encode()).digest()
+_DIGESTS: dict[tuple, bytes] = {}  # a process sees one or two layouts: hashed once each
+
+
+def _digest(layout: tuple) -> bytes:
+    """sha256 of the layout's text (the same in every process); looking the tuple up costs
+    a few microseconds a snapshot, formatting and hashing it a few hundred."""
+    digest = _DIGESTS.get(layout)
+    if digest is None:
+        if len(_DIGESTS) >= 8:
+            _DIGESTS.clear()
+        digest = _DIGESTS[layout] = hashlib.sha256(repr(layout).encode()).digest()
+    return digest

@@ -374,7 +374,10 @@ class Run:
     def _after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
         """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
         spec, train, loop = self.spec, self._train, self._loop
-        self.cadence.step_took(time.monotonic() - loop.hook_end)
+        # The whole step, hook included, less the snapshot (``memtier.cadence``'s budget).
+        now = time.monotonic()
+        self.cadence.step_took(now - loop.period_start - loop.snapshot_s)
+        loop.period_start, loop.snapshot_s = now, 0.0
         if self._buffers is not None:
             self._buffers.sync()
         if loop.sample_log is not None:
@@ -397,7 +400,6 @@ class Run:
         periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
         self._maybe_save(train.step, blocking=blocking, periodic=periodic)
         self._snapshot(train.step, int(totals[3]), forced=blocking or periodic)
-        loop.hook_end = time.monotonic()
         if drain and not final:
             self.events.emit("drain", step=train.step, world_size=self.world_size)
             step.drained = True
@@ -415,9 +417,10 @@ class Run:
             self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5))
         if not self.cadence.due(step, k, forced):
             return
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         self.memory.save(step, self._state)
-        self.cadence.snapshot_took(time.perf_counter() - t0)
+        self._loop.snapshot_s = time.monotonic() - t0
+        self.cadence.snapshot_took(self._loop.snapshot_s)
         self.cadence.taken(step)
 
     def _share_totals(self, step: Step) -> None:
@@ -568,7 +571,8 @@ class _LoopState:
     def __init__(self, watchdog: ProgressWatchdog, faults: WorkerFaults, sample_log: Path | None) -> None:
         self.watchdog, self.faults, self.sample_log = watchdog, faults, sample_log
         now = time.monotonic()
-        self.last_save = self.last_done = self.hook_end = now
+        self.last_save = self.last_done = self.period_start = now
+        self.snapshot_s = 0.0  # the last hook's in-memory snapshot (not part of a step's time)
         self.last_saved_step = -1
 
 
