@@ -43,6 +43,19 @@ def test_restart_stats_counts_first_try_recoveries():
     assert crash_stats.restart_stats(events, requested=1, code=0)["recovered_first_try"] == 0
 
 
+def test_a_kill_before_the_first_step_is_counted_against_the_generation_it_hit():
+    """No step before the fault: the restart it cost is counted from the generation that
+    had formed (its ``rendezvous`` event), so a kill during start-up recovers on the first try."""
+    events = [e for e in killed_worker_run() if not (e["event"] == "step" and e["pid"] == 10)]
+    for e in events:
+        if e["event"] == "step":
+            e["restart"] = 1
+    stats = crash_stats.restart_stats(events, requested=1, code=0)
+    assert (stats["fired"], stats["recovered"], stats["recovered_first_try"]) == (1, 1, 1)
+    events.append(ev(18.5, "fault", 11, kind="preempt", target=0, step=30))
+    assert crash_stats.restart_stats(events, requested=1, code=0)["fired"] == 1  # the preempt is not a crash
+
+
 def test_goals_are_reported_per_part():
     report = {"kill_node": {"met": True}, "goodput": {"met": {"goodput": False, "lost_work": True}}}
     met = recovery.goals_met(report, repeats=2)

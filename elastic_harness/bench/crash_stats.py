@@ -101,32 +101,41 @@ def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> 
     return round(statistics.median(a) / statistics.median(b) - 1, 4)
 
 
-def restart_stats(events: list[dict], requested: int, code: int | None) -> dict:
-    """Per fault: recovered (a step followed), and on the first try (one restart used)."""
+def restart_stats(events: list[dict], requested: int, code: int | None,
+                  kinds: tuple[str, ...] = ("kill-worker",)) -> dict:
+    """Per fault of ``kinds`` (not the preempt that ends a run): recovered (a step followed),
+    and on the first try (one restart used).
+
+    The restart count a fault hit is that of the last generation formed before it (its
+    ``rendezvous`` event), not of the last step: a fault before a generation's first step
+    (while it starts, before step 1 of the run) hit that generation too.
+    """
     tl = build(events)
     steps = [e for e in events if e["event"] == "step"]
+    formed = [e for e in events if e["event"] == "rendezvous"]
+    faults = [f for f in tl.faults if f.kind in kinds]
     first_try = 0
-    for f in tl.faults:
+    for f in faults:
         if f.first_step is None:
             continue
-        before = [e.get("restart", 0) for e in steps if e["t"] - tl.t0 <= f.t]
+        hit = [e.get("restart", 0) for e in formed if e["t"] - tl.t0 <= f.t]
         after = next((e.get("restart", 0) for e in steps if e["t"] - tl.t0 >= f.first_step), None)
-        if before and after is not None and after - before[-1] == 1:
+        if after is not None and after - (hit[-1] if hit else 0) == 1:
             first_try += 1
-    rows = [f for f in tl.faults if f.recovery_s is not None]
+    rows = [f for f in faults if f.recovery_s is not None]
     return {
-        "exit": code, "requested": requested, "fired": len(tl.faults), "recovered": len(rows),
+        "exit": code, "requested": requested, "fired": len(faults), "recovered": len(rows),
         "recovered_first_try": first_try, "median_recovery_s": median_of([f.recovery_s for f in rows]),
         "max_recovery_s": max((f.recovery_s for f in rows), default=None),
         "finished": any(e["event"] == "finish" for e in events),
-        "steps_lost": [f.steps_lost for f in tl.faults],
+        "steps_lost": [f.steps_lost for f in faults],
     }
 
 
 def crash_summary(events: list[dict], requested: int, code: int | None,
                   kinds: tuple[str, ...] = ("kill-worker",)) -> dict:
     """``restart_stats`` plus steps redone per crash and the median of each recovery phase."""
-    stats = restart_stats(events, requested, code)
+    stats = restart_stats(events, requested, code, kinds)
     faults = [e for e in events if e["event"] == "fault" and e.get("kind") in kinds]
     phases = median_breakdown([breakdown(events, f) for f in faults])
     return {**stats, "mean_steps_lost": mean_of(stats["steps_lost"]), "median_phases_s": phases,
