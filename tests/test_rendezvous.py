@@ -187,3 +187,64 @@ def test_survivor_of_a_lost_node_closes_the_next_round_alone(store):
         assert info.world_size == 1 and pair[0]._state_holder.state.round == 1
     finally:
         close(pair)
+
+
+def test_event_names_match_torchs_without_inspecting_the_stack():
+    """Each rendezvous event is named after the method that recorded it: ``method_name``
+    gives what torch's ``get_method_name`` gives, called the way torch's ``_record`` does."""
+    from elastic_harness.launch.rendezvous import TORCH_METHOD_NAME as torch_own
+    from elastic_harness.launch.rendezvous import method_name
+
+    class Executor:
+        def _record(self, lookup):
+            return lookup()
+
+        def _add_to_participants(self, lookup):
+            return self._record(lookup)
+
+    names = [Executor()._add_to_participants(f) for f in (torch_own, method_name)]
+    assert names == ["_add_to_participants"] * 2
+    assert method_name(10_000) == torch_own(10_000) == "no_method_name"
+
+
+def test_rendezvous_events_match_torchs_own(monkeypatch):
+    """``record_event`` records what torch's ``construct_and_record_rdzv_event`` records
+    (the caller's file and method name, the fields, the error trace of a failure)."""
+    import json
+    import logging
+
+    from torch.distributed.elastic.events import (
+        NodeState,
+        construct_and_record_rdzv_event,
+        handlers,
+    )
+
+    from elastic_harness.launch.rendezvous import record_event
+
+    seen: list[dict] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            seen.append(json.loads(record.getMessage()))
+
+    monkeypatch.setitem(handlers._log_handlers, "dynamic_rendezvous", Capture())
+
+    class Executor:
+        def _add_to_participants(self, record, state):
+            record(run_id="r", message="m", node_state=state, hostname="h", pid=7, local_id=1, rank=0)
+
+        def _fail(self, record):
+            try:
+                raise ValueError("boom")
+            except ValueError:
+                record(run_id="r", message="f", node_state=NodeState.FAILED, name="n", hostname="h", pid=7)
+
+    for fn in (construct_and_record_rdzv_event, record_event):
+        Executor()._add_to_participants(fn, NodeState.RUNNING)
+        Executor()._fail(fn)
+    for e in seen:
+        e.pop("timestamp", None)  # recorded when each was made
+    torch_events, ours = seen[:2], seen[2:]
+    assert ours == torch_events
+    assert torch_events[0]["name"] == "test_rendezvous.py:_add_to_participants"
+    assert "ValueError: boom" in torch_events[1]["error_trace"]
