@@ -282,7 +282,10 @@ class TimeoutsSpec:
     shutdown_grace: int = doc(
         30, "Seconds workers get after SIGTERM to finish the step and save before SIGKILL."
     )
-    monitor_interval: float = doc(0.1, "Seconds between the agent's checks of its workers.")
+    monitor_interval: float = doc(
+        0.05, "Seconds between the agent's checks of its workers (half of it is the mean delay before a "
+        "crashed worker is noticed)."
+    )
     step: float = doc(
         60.0, "Seconds one training step may take before the watchdog kills the worker; 0 = off."
     )
