@@ -97,6 +97,7 @@ CONTRACT: dict[str, EventKind] = {
         "blocking_s": "seconds training was blocked",
         "total_s": "seconds until committed",
         "asynchronous": "written in the background",
+        "writer": "who wrote rank 0's shards: process (the low-priority writer process) or thread",
     }),
     "drain": EventKind("rank 0", "stopped early after saving (SIGTERM or membership change)", {
         "step": "last step done and saved",
