@@ -25,7 +25,7 @@ import torch
 from elastic_harness.checkpoint import offload
 from elastic_harness.checkpoint import writer_child as proto
 from elastic_harness.checkpoint.arena import MIN_SEGMENT, Arena, segment_size
-from elastic_harness.checkpoint.scheduling import BackgroundThreads
+from elastic_harness.checkpoint.scheduling import BackgroundThreads, can_lift
 from elastic_harness.checkpoint.streams import WriteStopped, WriteWatch
 from tests.conftest import REPO
 from tests.servers import spawn_ranks, wait_until
@@ -127,11 +127,27 @@ def test_a_killed_process_fails_the_request_and_is_replaced(writer, tmp_path):
     assert writer.write([(str(tmp_path / "g"), "g", [b"y"])], True, WriteWatch())["g"]["size"] == 1
 
 
+@pytest.mark.skipif(not can_lift(), reason="this process cannot leave SCHED_IDLE again")
+def test_the_writer_process_is_idle_until_someone_waits():
+    arena, threads = Arena(), BackgroundThreads(lowered=True)
+    proc = offload.WriterProcess(arena, threads)
+    try:
+        pid = proc.proc.pid
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        with threads.foreground():
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    finally:
+        proc.close()
+        threads.shutdown()
+        arena.close()
+
+
 _ORPHAN = """
 import os, sys, time
 from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.offload import WriterProcess
-from elastic_harness.checkpoint.scheduling import BackgroundThreads
+from elastic_harness.checkpoint.scheduling import BackgroundThreads, can_lift
 p = WriterProcess(Arena(), BackgroundThreads.here())
 assert p.wait_ready(30)
 print(p.proc.pid, flush=True)

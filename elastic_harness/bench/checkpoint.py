@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement; medians reported (default 5)")
     p.add_argument("--every", type=int, default=10, help="training: save every N steps (default 10)")
     p.add_argument("--steps", type=int, default=30, help="training: steps per timed window (default 30)")
-    p.add_argument("--windows", type=int, default=10,
-                   help="training: timed windows per kind, interleaved (default 10)")
+    p.add_argument("--windows", type=int, default=8,
+                   help="training: timed windows per kind, interleaved (default 8)")
     p.add_argument("--train-only", action="store_true", help="only the training overhead and its floors")
     p.add_argument("--dir", help="scratch directory on the disk to measure (default: system temp)")
     p.add_argument("--out", help="also write the JSON here")
@@ -131,6 +131,7 @@ _RATIOS = {  # name: (numerator, denominator, minus one)
     "resharded_load_over_same_layout": ("load_resharded_2to3", "load_same_layout_2to2", False),
     "step_overhead_async_save": ("step_async_save", "step_no_save", True),
     "step_overhead_sync_save": ("step_sync_save", "step_no_save", True),
+    "step_overhead_async_save_thread": ("step_async_save_thread", "step_no_save", True),
     "step_overhead_floor_direct": ("step_floor_direct", "step_no_save", True),
     "step_overhead_floor_buffered": ("step_floor_buffered", "step_no_save", True),
     "async_save_over_floor_direct": ("step_async_save", "step_floor_direct", True),

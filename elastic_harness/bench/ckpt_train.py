@@ -13,8 +13,9 @@ Save measurements (per repeat, interleaved, order rotating):
   barrier.
 
 Training (``step_*``): a DDP MLP whose model + AdamW state is about ``size``; mean step time
-over ``steps`` steps with no saves, with an async save every ``every`` steps, with a sync
-save every ``every`` steps, and two *floors* (``floor``): every ``every`` steps a writer
+over ``steps`` steps with no saves, with an async save every ``every`` steps (as configured:
+bytes written by the writer process; and ``step_async_save_thread``: written by the thread,
+as before the writer process), with a sync save every ``every`` steps, and two *floors* (``floor``): every ``every`` steps a writer
 process in ``SCHED_IDLE`` writes as many raw bytes as this rank's share of a save from
 shared memory and fsyncs, with ``O_DIRECT`` (``step_floor_direct``) or through the page
 cache (``step_floor_buffered``): no DCP, no staging copy, no commit. What any design that
@@ -117,6 +118,8 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     managers = {
         "step_async_save": make_manager(rank, root / "train-async", ckpt_group, True, Events()),
         "step_sync_save": make_manager(rank, root / "train-sync", ckpt_group, False, Events()),
+        "step_async_save_thread": make_manager(rank, root / "train-thread", ckpt_group, True, Events(),
+                                               writer_process=False),
     }
     counter = iter(range(1, 10**9))
     floor = Floor(rank, root / "floor", [p.detach() for p in model.parameters()], world=2)
@@ -143,6 +146,7 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
         return float(t.item())
 
     window("step_async_save")  # warm-ups: plans, staging buffer, allocator, writer processes
+    window("step_async_save_thread")
     window("step_floor_direct")
     samples.clear()
     kinds = list(runs)

@@ -118,7 +118,9 @@ class CheckpointManager:
         stall_s: float = STALL_S,
         verify_round_bytes: int = collective.ROUND_BYTES,
         clock: Callable[[], float] = time.time,
+        writer_process: bool = True,
     ) -> None:
+        """``writer_process=False`` keeps async saves' writes in the thread (benchmarks compare)."""
         self.storage, self.policy = storage, policy
         self.rank, self.world_size, self.group = rank, world_size, group
         self.events, self.info = events, info
@@ -131,7 +133,8 @@ class CheckpointManager:
         self._stager: Any = None
         self._arena: Arena | None = None
         self.writer_process: offload.WriterProcess | None = None  # public for benchmarks' CPU accounting
-        if policy.async_save and offload.available(is_url(storage.root), torch.cuda.is_available()):
+        if writer_process and policy.async_save and offload.available(is_url(storage.root),
+                                                                      torch.cuda.is_available()):
             self._arena = Arena()
             try:
                 self.writer_process = offload.WriterProcess(self._arena, self.threads)
