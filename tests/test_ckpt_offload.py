@@ -43,6 +43,17 @@ def test_only_async_cpu_saves_on_plain_local_files_go_to_a_ready_process():
     assert not offload.available(url_storage=False, cuda=True)
 
 
+def test_zip_crc_is_off_in_the_thread_that_serialises():
+    """torch keeps the setting per thread: the control shows a fresh thread computes it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic_harness.checkpoint.manager import without_zip_crc
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(torch.serialization.get_crc32_options).result() is True
+        assert pool.submit(without_zip_crc(torch.serialization.get_crc32_options)).result() is False
+
+
 def test_segments_grow_geometrically_and_fit_the_request():
     assert segment_size(10, 0) == MIN_SEGMENT
     assert segment_size(10, MIN_SEGMENT) == 2 * MIN_SEGMENT
