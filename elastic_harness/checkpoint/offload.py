@@ -32,6 +32,7 @@ next save, which itself writes in the thread.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import errno
 import io
 import mmap
@@ -158,6 +159,9 @@ class WriterProcess:
         self._spawns.put((fut, mine))
         try:
             self.proc = fut.result(timeout=30)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             mine.close()
         self.sock, self._ready = ours, False
@@ -170,7 +174,8 @@ class WriterProcess:
             return False
         if self.proc is None or self.proc.poll() is not None:
             self._drop()
-            self.start()
+            with contextlib.suppress(OSError):  # out of processes or fds: the thread writes
+                self.start()
             return False
         if not self._ready and select.select([self.sock], [], [], 0)[0]:
             try:
@@ -189,6 +194,8 @@ class WriterProcess:
                 return False
             if self.sock is not None:
                 select.select([self.sock], [], [], min(left, POLL_S))
+            else:  # it could not be started: try again shortly
+                time.sleep(min(left, POLL_S))
         return True
 
     def _drop(self) -> None:
