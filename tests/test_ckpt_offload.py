@@ -47,7 +47,7 @@ def test_zip_crc_is_off_in_the_thread_that_serialises():
     """torch keeps the setting per thread: the control shows a fresh thread computes it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from elastic_harness.checkpoint.manager import without_zip_crc
+    from elastic_harness.checkpoint.progress import without_zip_crc
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(torch.serialization.get_crc32_options).result() is True

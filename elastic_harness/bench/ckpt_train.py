@@ -208,17 +208,21 @@ class Floor:
         return Saver()
 
     def save(self, direct: bool) -> None:
-        from elastic_harness.checkpoint.streams import WriteWatch
-
         self.wait()
         if not self.proc.wait_ready(30):
             raise RuntimeError("the floor's writer process did not start")
         self.n += 1
-        path = self.root / f"rank{self.rank}-{self.n % 2}.bin"
-        path.unlink(missing_ok=True)
+        path = self.root / f"rank{self.rank}-{self.n}.bin"
         seg, off = self.arena.locate(self.buf.data_ptr(), self.buf.numel())
         files = [(str(path), path.name, [(seg, off, self.buf.numel())])]
-        self.pending = self.threads.write(self.proc.write, files, True, WriteWatch(), direct)
+        self.pending = self.threads.write(self._write, files, direct)
+
+    def _write(self, files: list, direct: bool) -> None:
+        """In the background thread: write, then drop the file before last (as retention would)."""
+        from elastic_harness.checkpoint.streams import WriteWatch
+
+        self.proc.write(files, True, WriteWatch(), direct)
+        (self.root / f"rank{self.rank}-{self.n - 1}.bin").unlink(missing_ok=True)
 
     def wait(self) -> None:
         if self.pending is not None:

@@ -70,7 +70,13 @@ from elastic_harness.checkpoint import (
 )
 from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.compat import check_compatible
-from elastic_harness.checkpoint.progress import Progress, Ticker, await_write, on_callers_device
+from elastic_harness.checkpoint.progress import (
+    Progress,
+    Ticker,
+    await_write,
+    on_callers_device,
+    without_zip_crc,
+)
 from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
@@ -101,21 +107,6 @@ def stale_incomplete(dirs: list[layout.StepDir], below: int) -> list[layout.Step
     flight, so none of these is being written.
     """
     return [d for d in dirs if not d.complete and d.step < below]
-
-
-def without_zip_crc(fn: Callable) -> Callable:
-    """``fn`` with ``torch.save``'s per-record zip CRC32 off in the thread that runs it.
-
-    torch 2.13 keeps that setting per thread (its config overrides are thread-local): set in
-    the thread that created the manager, it did not reach the write thread, which computed
-    the CRC of every byte (about 5 ms per 10 MB here). The manifest's checksums replace it.
-    """
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        torch.serialization.set_crc32_options(False)
-        return fn(*args, **kwargs)
-
-    return run
 
 
 class CheckpointManager:
