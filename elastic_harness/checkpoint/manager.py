@@ -71,6 +71,8 @@ from elastic_harness.checkpoint import (
 from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.compat import check_compatible
 from elastic_harness.checkpoint.progress import (
+    BACKGROUND_POLL_S,
+    POLL_S,
     Progress,
     Ticker,
     await_write,
@@ -378,7 +380,8 @@ class CheckpointManager:
         """
         tick = self._ticker.tick if not asynchronous else (lambda: None)
         error = await_write(fut, write_watch(writer), stall_s=self.stall_s, tick=tick,
-                            dir_bytes=lambda: sum(self.storage.files(name).values()))
+                            dir_bytes=lambda: sum(self.storage.files(name).values()),
+                            poll_s=BACKGROUND_POLL_S if asynchronous else POLL_S)
         blocking_s = time.perf_counter() - t0 if blocking_s is None else blocking_s
         return self._settle(writer, step, name, error, t0, blocking_s, asynchronous)
 

@@ -54,7 +54,8 @@ from elastic_harness.checkpoint.streams import WriteStopped, WriteWatch, write_w
 
 PROCESS, THREAD = "process", "thread"
 BIG = 4096  # writes at least this long are looked up in the arena instead of copied
-POLL_S = 0.05
+POLL_S = 0.05  # waiting for a start, with nothing else to do
+REPLY_POLL_S = 1.0  # progress and stop checks while a write runs (see progress.BACKGROUND_POLL_S)
 CLOSE_S = 5.0
 
 
@@ -259,7 +260,7 @@ class WriterProcess:
 
     def _await(self, req: int, watch: WriteWatch, seen: int) -> tuple:
         """The reply to ``req``; meanwhile bytes since ``seen`` go to ``watch``, and its stop on."""
-        while not select.select([self.sock], [], [], POLL_S)[0]:
+        while not select.select([self.sock], [], [], REPLY_POLL_S)[0]:
             now = proto.u64(self.ctl, proto.PROGRESS)
             if now != seen:
                 watch.counter.add(now - seen)
