@@ -83,6 +83,13 @@ def _descendants(root: int) -> set[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -110,7 +117,8 @@ def test_runs_leave_nothing_in_the_temp_dir_even_when_sigkilled(tmp_path):
         wait_until(lambda: any(e["event"] == "checkpoint" for e in read_jsonl(run_dir / "events.jsonl")),
                    180, "a checkpoint of the run to be killed")
         tree = _descendants(proc.pid)
-        assert len(tree) >= 4, tree  # run, agent, two workers
+        assert len(tree) >= 6, tree  # run, agent, two workers and their checkpoint writer processes
+        assert sum(b"writer_child.py" in _cmdline(p) for p in tree) >= 2, "no writer processes"
         assert [p.name for p in (run_dir / "tmp").iterdir()][0].startswith("watchdog-")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -10,6 +10,13 @@ the goals are stated in, and whether each goal was met:
 - load resharded 2 -> 3 processes / same-layout load 2 -> 2                <= 1.5
 - step-time overhead of training with an async save every N steps          <= 3 %
 
+Beside that overhead, the same run measures two floors (``ckpt_train``): a low-priority
+process writing the same number of raw bytes + fsync every N steps, with ``O_DIRECT`` and
+through the page cache, no DCP. ``ratios.async_save_over_floor_direct`` says how far above
+that floor the harness is; ``overhead_spread`` gives the quartiles of each kind's overhead
+over the windows, each window paired with the no-save window of the same round.
+``--train-only`` skips the save and load measurements.
+
 The seeds' approach (rank 0 ``torch.save`` of the full state + barrier, every rank
 ``torch.load``s it) is measured alongside as the baseline. Loads read from disk: our own
 files are evicted from the page cache first (``posix_fadvise``; nothing global).
@@ -53,19 +60,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement; medians reported (default 5)")
     p.add_argument("--every", type=int, default=10, help="training: save every N steps (default 10)")
     p.add_argument("--steps", type=int, default=30, help="training: steps per timed window (default 30)")
+    p.add_argument("--windows", type=int, default=8,
+                   help="training: timed windows per kind, interleaved (default 8)")
+    p.add_argument("--train-only", action="store_true", help="only the training overhead and its floors")
     p.add_argument("--dir", help="scratch directory on the disk to measure (default: system temp)")
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_checkpoint)
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.every < 1 or args.steps < args.every:
-        raise HarnessError("--repeats and --every must be >= 1 and --steps >= --every")
+    if args.repeats < 1 or args.windows < 1 or args.every < 1 or args.steps < args.every:
+        raise HarnessError("--repeats, --windows and --every must be >= 1 and --steps >= --every")
     size = parse_size(args.size)
     check_out(args.out)
     scratch = scratch_dir("eh-bench-", args.dir)
     try:
-        raw = measure(size, args.repeats, args.every, args.steps, scratch)
+        raw = measure(size, args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report = summarize(raw, size, args)
@@ -82,7 +92,7 @@ def threads_per_rank(cpus: int) -> int:
     return max(1, cpus // 2 - 1) if cpus >= 6 else max(1, cpus // 2)
 
 
-def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> dict:
+def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
     import torch.multiprocessing as mp
 
     from elastic_harness.bench.ckpt_ranks import main
@@ -90,9 +100,11 @@ def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> d
     from elastic_harness.launch.scratch import torch_environ
 
     os.environ.update(torch_environ(scratch, os.environ))  # the ranks' torch caches: in scratch
-    cfg = {"port": free_port(), "size": size, "repeats": repeats, "every": every, "steps": steps,
+    cfg = {"port": free_port(), "size": size, "repeats": args.repeats, "every": args.every,
+           "steps": args.steps, "windows": args.windows, "train_only": args.train_only,
            "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     # mp.spawn names a traceback file per child in the temp dir and never removes one a
     # failing child wrote: point tempfile at the scratch dir (removed after) meanwhile.
     saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
@@ -102,6 +114,7 @@ def measure(size: int, repeats: int, every: int, steps: int, scratch: Path) -> d
         tempfile.tempdir = saved
     raw = json.loads((scratch / "results.json").read_text())
     raw["wall_s"] = time.perf_counter() - t0
+    raw["load_before"], raw["load_after"] = round(load_before, 2), round(os.getloadavg()[0], 2)
     return raw
 
 
@@ -111,42 +124,85 @@ def _goal(value: float, target: float, higher_is_better: bool, enough: bool) -> 
             "met": bool(met and enough)}
 
 
+_RATIOS = {  # name: (numerator, denominator, minus one)
+    "async_blocking_over_sync_save": ("async_blocking", "dcp_sync_save", False),
+    "sync_save_over_raw_write_throughput": ("raw_write", "dcp_sync_save", False),
+    "dcp_only_over_raw_write_throughput": ("raw_write", "dcp_only_sync_save", False),
+    "resharded_load_over_same_layout": ("load_resharded_2to3", "load_same_layout_2to2", False),
+    "step_overhead_async_save": ("step_async_save", "step_no_save", True),
+    "step_overhead_sync_save": ("step_sync_save", "step_no_save", True),
+    "step_overhead_async_save_thread": ("step_async_save_thread", "step_no_save", True),
+    "step_overhead_floor_direct": ("step_floor_direct", "step_no_save", True),
+    "step_overhead_floor_buffered": ("step_floor_buffered", "step_no_save", True),
+    "async_save_over_floor_direct": ("step_async_save", "step_floor_direct", True),
+    "baseline_save_over_sync_save": ("baseline_save", "dcp_sync_save", False),
+    "baseline_save_over_async_blocking": ("baseline_save", "async_blocking", False),
+    "baseline_load_over_same_layout_load": ("baseline_load", "load_same_layout_2to2", False),
+}
+_GOALS = {  # name: (ratio, target, higher is better)
+    "async_blocking_over_sync_save<=0.15": ("async_blocking_over_sync_save", 0.15, False),
+    "sync_save_throughput_over_raw>=0.8": ("sync_save_over_raw_write_throughput", 0.8, True),
+    "resharded_load_2to3_over_same_layout<=1.5": ("resharded_load_over_same_layout", 1.5, False),
+    "step_overhead_async_every_N<=0.03": ("step_overhead_async_save", 0.03, False),
+}
+
+
+def ratios_of(med: dict[str, float]) -> dict[str, float]:
+    """Pure: every ratio whose two medians were measured."""
+    return {name: med[a] / med[b] - (1 if minus else 0) for name, (a, b, minus) in _RATIOS.items()
+            if a in med and b in med}
+
+
+def extra_cpu(med: dict[str, float], every: int) -> dict[str, float]:
+    """Pure: CPU seconds (both ranks and their writer processes, not kernel threads) each
+    save adds, from the medians of CPU per step: less sensitive to others' load than time."""
+    base = med.get("cpu_step_no_save")
+    return {k[len("cpu_step_"):]: round((v - base) * every, 4) for k, v in med.items()
+            if base is not None and k.startswith("cpu_step_") and k != "cpu_step_no_save"}
+
+
+def spread(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Pure: quartiles of each training kind's overhead, window i paired with no-save window i."""
+    base = samples.get("step_no_save", [])
+    out = {}
+    for kind, values in samples.items():
+        if kind.startswith("step_") and kind != "step_no_save" and len(values) == len(base) >= 2:
+            over = sorted(v / b - 1 for v, b in zip(values, base, strict=True))
+            q = statistics.quantiles(over, n=4, method="inclusive")
+            out[kind] = {"p25": round(q[0], 4), "median": round(q[1], 4), "p75": round(q[2], 4),
+                         "min": round(over[0], 4), "max": round(over[-1], 4)}
+    return out
+
+
 def summarize(raw: dict, size: int, args: argparse.Namespace) -> dict:
     med = {k: statistics.median(v) for k, v in raw["samples"].items()}
     state = raw["state_bytes"]
     mb = state / (1 << 20)
-    ratios = {
-        "async_blocking_over_sync_save": med["async_blocking"] / med["dcp_sync_save"],
-        "sync_save_over_raw_write_throughput": med["raw_write"] / med["dcp_sync_save"],
-        "dcp_only_over_raw_write_throughput": med["raw_write"] / med["dcp_only_sync_save"],
-        "resharded_load_over_same_layout": med["load_resharded_2to3"] / med["load_same_layout_2to2"],
-        "step_overhead_async_save": med["step_async_save"] / med["step_no_save"] - 1,
-        "step_overhead_sync_save": med["step_sync_save"] / med["step_no_save"] - 1,
-        "baseline_save_over_sync_save": med["baseline_save"] / med["dcp_sync_save"],
-        "baseline_save_over_async_blocking": med["baseline_save"] / med["async_blocking"],
-        "baseline_load_over_same_layout_load": med["baseline_load"] / med["load_same_layout_2to2"],
-    }
-    enough = args.repeats >= MIN_REPEATS_FOR_GOALS
-    goals = {
-        "async_blocking_over_sync_save<=0.15": _goal(ratios["async_blocking_over_sync_save"], 0.15, False, enough),
-        "sync_save_throughput_over_raw>=0.8": _goal(ratios["sync_save_over_raw_write_throughput"], 0.8, True, enough),
-        "resharded_load_2to3_over_same_layout<=1.5": _goal(ratios["resharded_load_over_same_layout"], 1.5, False, enough),
-        "step_overhead_async_every_N<=0.03": _goal(ratios["step_overhead_async_save"], 0.03, False, enough),
-    }
+    ratios = ratios_of(med)
+    enough = args.repeats >= MIN_REPEATS_FOR_GOALS and args.windows >= MIN_REPEATS_FOR_GOALS
+    goals = {name: _goal(ratios[r], target, higher, enough) for name, (r, target, higher) in _GOALS.items()
+             if r in ratios}
+    moved = ("raw_write", "dcp_sync_save", "dcp_only_sync_save", "baseline_save")
     return {
         "bench": "checkpoint",
         "config": {"size": args.size, "state_bytes": state, "repeats": args.repeats, "every": args.every,
-                   "steps_per_window": args.steps, "save_ranks": 2, "load_ranks": [2, 3],
+                   "steps_per_window": args.steps, "windows": args.windows, "train_only": args.train_only,
+                   "save_ranks": 2, "load_ranks": [2, 3],
                    "cpus": os.cpu_count(), "threads_per_rank": threads_per_rank(os.cpu_count() or 1),
                    "wall_s": round(raw["wall_s"], 1)},
         "median_s": {k: round(v, 5) for k, v in sorted(med.items())},
-        "throughput_MBps": {"raw_write": round(mb / med["raw_write"], 1),
-                            "dcp_sync_save": round(mb / med["dcp_sync_save"], 1),
-                            "dcp_only_sync_save": round(mb / med["dcp_only_sync_save"], 1),
-                            "baseline_save": round(mb / med["baseline_save"], 1)},
+        "throughput_MBps": {k: round(mb / med[k], 1) for k in moved if k in med},
         "ratios": {k: round(v, 4) for k, v in ratios.items()},
+        "overhead_spread": spread(raw["samples"]),
+        "extra_cpu_s_per_save": extra_cpu(med, args.every),
         "goals": goals,
         "all_goals_met": all(g["met"] for g in goals.values()),
-        "note": "" if enough else f"goals need --repeats >= {MIN_REPEATS_FOR_GOALS}; marked not met",
+        "load": _load(raw),
+        "note": "" if enough else f"goals need --repeats and --windows >= {MIN_REPEATS_FOR_GOALS}; marked not met",
         "samples_s": {k: [round(x, 5) for x in v] for k, v in sorted(raw["samples"].items())},
     }
+
+
+def _load(raw: dict) -> dict:
+    """The machine's load average before and after the run (others' work distorts ratios)."""
+    return {"before": raw.get("load_before"), "after": raw.get("load_after")}

@@ -71,11 +71,12 @@ def run_all(rank: int, cfg: dict) -> dict:
     rows = rows_for(cfg["size"])
     full = full_state(rows)
     samples: dict[str, list[float]] = {}
-    if rank < 2:
-        save_phase(rank, full, mesh2, g2, ckpt_group, root, repeats, samples)
-    dist.barrier()
-    load_phase(rank, full, mesh2, mesh3, g2, root, repeats, samples)
-    dist.barrier()
+    if not cfg["train_only"]:
+        if rank < 2:
+            save_phase(rank, full, mesh2, g2, ckpt_group, root, repeats, samples)
+        dist.barrier()
+        load_phase(rank, full, mesh2, mesh3, g2, root, repeats, samples)
+        dist.barrier()
     if rank < 2:
         train_phase(rank, cfg, g2, ckpt_group, root, samples)
     dist.barrier()

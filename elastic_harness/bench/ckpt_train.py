@@ -13,8 +13,13 @@ Save measurements (per repeat, interleaved, order rotating):
   barrier.
 
 Training (``step_*``): a DDP MLP whose model + AdamW state is about ``size``; mean step time
-over ``steps`` steps with no saves, with an async save every ``every`` steps, and with a sync
-save every ``every`` steps. A window is ``steps / every`` whole intervals of a run that saves
+over ``steps`` steps with no saves, with an async save every ``every`` steps (as configured:
+bytes written by the writer process; and ``step_async_save_thread``: written by the thread,
+as before the writer process), with a sync save every ``every`` steps, and two *floors* (``floor``): every ``every`` steps a writer
+process in ``SCHED_IDLE`` writes as many raw bytes as this rank's share of a save from
+shared memory and fsyncs, with ``O_DIRECT`` (``step_floor_direct``) or through the page
+cache (``step_floor_buffered``): no DCP, no staging copy, no commit. What any design that
+writes those bytes durably on the same cores pays. A window is ``steps / every`` whole intervals of a run that saves
 every ``every`` steps: each starts with its save (of the state the previous step left) and
 gives that save its ``every`` steps to finish in, as every save of a long run has; the
 window ends once the last save has committed, so all of its cost is inside. (Saving at the
@@ -113,29 +118,120 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     managers = {
         "step_async_save": make_manager(rank, root / "train-async", ckpt_group, True, Events()),
         "step_sync_save": make_manager(rank, root / "train-sync", ckpt_group, False, Events()),
+        "step_async_save_thread": make_manager(rank, root / "train-thread", ckpt_group, True, Events(),
+                                               writer_process=False),
     }
     counter = iter(range(1, 10**9))
+    floor = Floor(rank, root / "floor", [p.detach() for p in model.parameters()], world=2)
+    runs = {**{k: managers.get(k) for k in ("step_no_save", *managers)},
+            "step_floor_direct": floor.saver(direct=True), "step_floor_buffered": floor.saver(direct=False)}
 
     def window(kind: str) -> float:
-        mgr = managers.get(kind)
+        save = runs[kind]
         dist.barrier(group=g2)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu(save)
         for i in range(cfg["steps"]):
-            if mgr is not None and i % cfg["every"] == 0:
-                mgr.save(next(counter), state, blocking=kind == "step_sync_save")
+            if save is not None and i % cfg["every"] == 0:
+                save.save(next(counter), state, blocking=kind == "step_sync_save")
             optim.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(x), y).backward()
             optim.step()
-        if mgr is not None:
-            mgr.wait()
+        if save is not None:
+            save.wait()
         t = torch.tensor([(time.perf_counter() - t0) / cfg["steps"]], dtype=torch.float64)
+        cpu = torch.tensor([(_cpu(save) - cpu0) / cfg["steps"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g2)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=g2)
+        samples.setdefault("cpu_" + kind, []).append(float(cpu.item()))
         return float(t.item())
 
-    window("step_async_save")  # warm-up: plans, staging buffer, allocator
-    kinds = ["step_no_save", "step_async_save", "step_sync_save"]
-    for r in range(cfg["repeats"]):
-        for kind in kinds[r % 3:] + kinds[:r % 3]:
+    window("step_async_save")  # warm-ups: plans, staging buffer, allocator, writer processes
+    window("step_async_save_thread")
+    window("step_floor_direct")
+    for kind in runs:  # the warm-ups' CPU figures: not measurements
+        samples.pop("cpu_" + kind, None)
+    kinds = list(runs)
+    for r in range(cfg["windows"]):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             samples.setdefault(kind, []).append(window(kind))
     for m in managers.values():
         m.close()
+    floor.close()
+
+
+def _cpu(save: Any) -> float:
+    """CPU seconds used so far by this process and by the writer process ``save`` uses."""
+    proc = getattr(getattr(save, "writer_process", None), "proc", None)
+    return time.process_time() + (_process_cpu(proc.pid) if proc is not None else 0.0)
+
+
+def _process_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class Floor:
+    """Raw durable writes of one rank's share of the state by a ``SCHED_IDLE`` writer process."""
+
+    def __init__(self, rank: int, root: Path, tensors: list[torch.Tensor], world: int) -> None:
+        from elastic_harness.checkpoint.arena import Arena
+        from elastic_harness.checkpoint.offload import WriterProcess
+        from elastic_harness.checkpoint.scheduling import BackgroundThreads
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.rank, self.root = rank, root
+        self.arena, self.threads = Arena(), BackgroundThreads(lowered=True)
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # weights: 1/3 of the state
+        share = torch.cat([flat, flat, flat]).view(torch.uint8)
+        share = share[: share.numel() // world]
+        self.buf = self.arena.alloc(share.shape, torch.uint8)
+        self.buf.copy_(share)
+        self.proc = WriterProcess(self.arena, self.threads)
+        self.pending = None
+        self.n = 0
+
+    def saver(self, direct: bool) -> Any:
+        floor = self
+
+        class Saver:
+            writer_process = floor.proc
+
+            def save(self, step: int, state: Any, blocking: bool) -> None:
+                floor.save(direct)
+
+            def wait(self) -> None:
+                floor.wait()
+
+        return Saver()
+
+    def save(self, direct: bool) -> None:
+        self.wait()
+        if not self.proc.wait_ready(30):
+            raise RuntimeError("the floor's writer process did not start")
+        self.n += 1
+        path = self.root / f"rank{self.rank}-{self.n}.bin"
+        seg, off = self.arena.locate(self.buf.data_ptr(), self.buf.numel())
+        files = [(str(path), path.name, [(seg, off, self.buf.numel())])]
+        self.pending = self.threads.write(self._write, files, direct)
+
+    def _write(self, files: list, direct: bool) -> None:
+        """In the background thread: write, then drop the file before last (as retention would)."""
+        from elastic_harness.checkpoint.streams import WriteWatch
+
+        self.proc.write(files, True, WriteWatch(), direct)
+        (self.root / f"rank{self.rank}-{self.n - 1}.bin").unlink(missing_ok=True)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            with self.threads.foreground():
+                self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        self.wait()
+        self.proc.close()
+        self.threads.shutdown()
+        self.arena.close()

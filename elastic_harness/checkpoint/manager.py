@@ -17,14 +17,16 @@ DDP tensors are written once, spread over ranks), each rank checksumming its fil
 are written; rank 0 writes ``.metadata``, gathers every rank's report of what it wrote, and
 commits (``manifest.json``) only if every reported file is on storage with its size, after
 making ``.metadata`` and the directory entries durable. The manifest's checksums replace
-the zip CRC32 that ``torch.save`` computes per record, so that one is switched off in
-processes that create a manager (it cost a third of the write).
+the zip CRC32 that ``torch.save`` computes per record, so that one is switched off in the
+threads that serialise (it cost a third of the write; torch keeps that setting per thread).
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
-copied into host-memory staging buffers (see ``staging``), then DCP writes from that copy in
-a background thread and the commit follows in a second one (``scheduling``: both yield the
-CPU to training, and are raised back while anyone waits on them). Save plans are cached
-per manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
+copied into host-memory staging buffers (see ``staging``; shared memory, ``arena``), then DCP
+plans and serialises from that copy in a background thread, a separate writer process writes
+and syncs the bytes (``offload``; the thread writes them itself where that does not apply),
+and the commit follows in a second thread (``scheduling``: threads and process yield the CPU
+to training, and are raised back while anyone waits on them). Save plans are cached per
+manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
 group: the background collectives would otherwise interleave with training's and can
 deadlock.
 
@@ -57,13 +59,31 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic_harness.checkpoint import collective, fence, integrity, layout, plans, quarantine
+from elastic_harness.checkpoint import (
+    collective,
+    fence,
+    integrity,
+    layout,
+    offload,
+    plans,
+    quarantine,
+)
+from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.compat import check_compatible
-from elastic_harness.checkpoint.progress import Progress, Ticker, await_write, on_callers_device
+from elastic_harness.checkpoint.progress import (
+    BACKGROUND_POLL_S,
+    POLL_S,
+    Progress,
+    Ticker,
+    await_write,
+    on_callers_device,
+    without_zip_crc,
+)
 from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
+from elastic_harness.checkpoint.where import is_url
 from elastic_harness.errors import CheckpointError
 from elastic_harness.spec import CheckpointSpec
 
@@ -106,7 +126,9 @@ class CheckpointManager:
         stall_s: float = STALL_S,
         verify_round_bytes: int = collective.ROUND_BYTES,
         clock: Callable[[], float] = time.time,
+        writer_process: bool = True,
     ) -> None:
+        """``writer_process=False`` keeps async saves' writes in the thread (benchmarks compare)."""
         self.storage, self.policy = storage, policy
         self.rank, self.world_size, self.group = rank, world_size, group
         self.events, self.info = events, info
@@ -117,11 +139,20 @@ class CheckpointManager:
         self.threads = BackgroundThreads.here()
         self._plan_key = f"ckpt-{uuid.uuid4().hex}"  # this manager's entries in DCP's plan cache
         self._stager: Any = None
+        self._arena: Arena | None = None
+        self.writer_process: offload.WriterProcess | None = None  # public for benchmarks' CPU accounting
+        if writer_process and policy.async_save and offload.available(is_url(storage.root),
+                                                                      torch.cuda.is_available()):
+            self._arena = Arena()
+            try:
+                self.writer_process = offload.WriterProcess(self._arena, self.threads)
+            except OSError as e:  # out of processes or fds: the write thread does it all
+                events.emit("warning", message=f"checkpoint writer process not started ({e!r:.200}); "
+                            "async saves are written by a thread")
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
         self._failures = 0
         self._closed = False
-        torch.serialization.set_crc32_options(False)
 
     # ----- load ------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> Loaded | None:
@@ -275,12 +306,13 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._busy.add(step)
         writer = self.storage.writer(name)
-        write = on_callers_device(dcp.save)
+        write = without_zip_crc(on_callers_device(dcp.save))
         if self.policy.async_save and not blocking:
             # What dcp.async_save does, in our write thread: a copy training cannot change.
             staged = self._staging().stage(
                 {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
             blocked = time.perf_counter() - t0
+            writer = self._offloaded(writer)
             fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
                                      planner=plans.planner(self._plan_key))
             self._pending_watch = (write_watch(writer), name)
@@ -299,10 +331,19 @@ class CheckpointManager:
         return ok
 
     def _staging(self) -> Any:
-        """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""
+        """One reusable host-memory buffer set for async saves (pinned when CUDA is present,
+        in the shared arena when a writer process may write them)."""
         if self._stager is None:
-            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
+            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available(),
+                                              alloc=self._arena.alloc if self._arena else None)
         return self._stager
+
+    def _offloaded(self, writer: Any) -> Any:
+        """``writer``, routed through the writer process when this save may use it."""
+        if self.writer_process is None:
+            return writer
+        how = offload.choose(True, offload.plain_local_fs(writer), torch.cuda.is_available(), self.writer_process.ready())
+        return offload.route(writer, self.writer_process) if how == offload.PROCESS else writer
 
     def _superseded(self) -> str:
         """Rank 0: why this generation may no longer change the directory ("" if it may)."""
@@ -339,7 +380,8 @@ class CheckpointManager:
         """
         tick = self._ticker.tick if not asynchronous else (lambda: None)
         error = await_write(fut, write_watch(writer), stall_s=self.stall_s, tick=tick,
-                            dir_bytes=lambda: sum(self.storage.files(name).values()))
+                            dir_bytes=lambda: sum(self.storage.files(name).values()),
+                            poll_s=BACKGROUND_POLL_S if asynchronous else POLL_S)
         blocking_s = time.perf_counter() - t0 if blocking_s is None else blocking_s
         return self._settle(writer, step, name, error, t0, blocking_s, asynchronous)
 
@@ -365,6 +407,7 @@ class CheckpointManager:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
                 total_s=round(time.perf_counter() - t0, 4), asynchronous=asynchronous,
+                writer=offload.PROCESS if offload.routed(writer) else offload.THREAD,
             )
             if asynchronous:  # already in the background thread
                 self._purge(step)
@@ -475,6 +518,10 @@ class CheckpointManager:
             pass
         finally:
             self.threads.shutdown()
+            if self.writer_process is not None:
+                self.writer_process.close()
             plans.forget(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
+            if self._arena is not None:
+                self._arena.close()

@@ -8,6 +8,9 @@ previous save under the same key (same shape and dtype, else a new one), and reb
 DTensors around their buffers (kept too, while mesh and layout stay the same). Buffers are pinned when CUDA is present, and device-to-host
 copies are issued non-blocking and synchronised once at the end.
 
+Buffers come from ``alloc(shape, dtype)`` when one is given (the shared ``arena``, so that the
+writer process can read them), else from ``torch.empty``.
+
 Limits: tensor subclasses other than DTensor, and objects that are neither tensors,
 containers nor immutable scalars, are deep-copied (correct, not fast). At most one save
 may use the buffers at a time: the manager waits for the previous save before staging.
@@ -16,6 +19,7 @@ may use the buffers at a time: the manager waits for the previous save before st
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +34,8 @@ class ReusedBufferStager(AsyncStager):
 
     _synchronize_after_execute = False  # stage() returns only when the copy is complete
 
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, pin_memory: bool, alloc: Callable[[torch.Size, torch.dtype], torch.Tensor] | None = None) -> None:
+        self.pin_memory, self._alloc = pin_memory, alloc
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._wrapped: dict[tuple, tuple[tuple, DTensor]] = {}  # DTensors around the buffers
         self._copied_from_device = False
@@ -74,8 +78,11 @@ class ReusedBufferStager(AsyncStager):
         src = src.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                              pin_memory=self.pin_memory and src.device.type == "cuda")
+            if self._alloc is not None:
+                buf = self._alloc(src.shape, src.dtype)
+            else:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                                  pin_memory=self.pin_memory and src.device.type == "cuda")
             self._buffers[path] = buf
         non_blocking = src.device.type == "cuda" and buf.is_pinned()
         self._copied_from_device |= src.device.type == "cuda"

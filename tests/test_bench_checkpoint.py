@@ -1,0 +1,33 @@
+"""``bench checkpoint``'s pure summaries: ratios of what was measured, the paired spread of
+the training overheads, and the CPU each save adds."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_harness.bench.checkpoint import extra_cpu, ratios_of, spread
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_ratios_cover_only_what_was_measured():
+    med = {"step_no_save": 0.1, "step_async_save": 0.102, "step_floor_direct": 0.101}
+    r = ratios_of(med)
+    assert r["step_overhead_async_save"] == pytest.approx(0.02)
+    assert r["step_overhead_floor_direct"] == pytest.approx(0.01)
+    assert r["async_save_over_floor_direct"] == pytest.approx(0.102 / 0.101 - 1)
+    assert "async_blocking_over_sync_save" not in r  # --train-only measured no saves
+
+
+def test_spread_pairs_each_window_with_the_no_save_window_of_its_round():
+    samples = {"step_no_save": [0.1, 0.2, 0.1, 0.2], "step_async_save": [0.11, 0.22, 0.1, 0.2],
+               "cpu_step_no_save": [1.0] * 4, "step_sync_save": [0.3]}
+    s = spread(samples)
+    assert set(s) == {"step_async_save"}  # cpu samples and unpaired kinds left out
+    assert s["step_async_save"]["min"] == 0.0 and s["step_async_save"]["max"] == pytest.approx(0.1)
+    assert s["step_async_save"]["median"] == pytest.approx(0.05)
+
+
+def test_extra_cpu_is_per_save():
+    med = {"cpu_step_no_save": 0.15, "cpu_step_async_save": 0.16, "step_no_save": 0.1}
+    assert extra_cpu(med, every=10) == {"async_save": pytest.approx(0.1)}
