@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import signal
 import subprocess
 import sys
@@ -15,6 +17,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+KEEP_TMP_VAR = "ELASTIC_HARNESS_KEEP_TEST_TMP"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Test directories go in a fresh temp dir removed when the session ends (pytest's default
+    keeps the last three sessions' under /tmp/pytest-of-USER). ``--basetemp`` or
+    ``ELASTIC_HARNESS_KEEP_TEST_TMP=1`` keep them, to look at a failed run."""
+    if config.option.basetemp is None and not os.environ.get(KEEP_TMP_VAR):
+        config.option.basetemp = config._eh_basetemp = tempfile.mkdtemp(prefix="elastic-harness-tests-")
+        # Importing torch._dynamo creates its cache dir (/tmp/torchinductor_USER by default).
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(config._eh_basetemp, "inductor"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = getattr(config, "_eh_basetemp", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
