@@ -86,5 +86,7 @@ def test_memory_cost_is_a_ratio_of_steady_step_times():
 
     run = [ev(float(i), "step", 7 if i < 5 else 8, step=i, step_s=1.0 if i in (1, 5) else 0.1) for i in range(1, 9)]
     assert crash_stats.steady_step_s(run, skip=1) == pytest.approx(0.1)  # each generation's first left out
+    every_third = [ev(float(i), "step", 7, step=i, step_s=0.13 if i % 3 == 0 else 0.1) for i in range(1, 13)]
+    assert crash_stats.steady_step_s(every_third, skip=0) == pytest.approx(0.11)  # a median would say 0.1
     assert crash_stats.cost([0.103, 0.104, None], [0.1, 0.1]) == pytest.approx(0.035)
     assert crash_stats.cost([None], [0.1]) is None

@@ -80,7 +80,10 @@ def median_breakdown(rows: Sequence[dict[str, float | None]]) -> dict[str, float
 
 
 def steady_step_s(events: Sequence[dict], skip: int) -> float | None:
-    """Median ``step_s`` of a run's steps after the first ``skip`` (warm-up) of each generation."""
+    """Mean ``step_s`` of a run's steps after the first ``skip`` (warm-up) of each generation.
+
+    The mean, not the median: a cost paid every K steps (an in-memory snapshot with K > 2)
+    would not show in a median at all, and one paid every second step would show in full."""
     firsts: dict[int, int] = {}
     xs = []
     for e in events:
@@ -89,7 +92,7 @@ def steady_step_s(events: Sequence[dict], skip: int) -> float | None:
         first = firsts.setdefault(e["pid"], int(e["step"]))
         if int(e["step"]) - first >= skip:
             xs.append(float(e["step_s"]))
-    return statistics.median(xs) if xs else None
+    return statistics.fmean(xs) if xs else None
 
 
 def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> float | None:
