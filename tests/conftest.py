@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -89,4 +89,6 @@ def test_memory_cost_is_a_ratio_of_steady_step_times():
     every_third = [ev(float(i), "step", 7, step=i, step_s=0.13 if i % 3 == 0 else 0.1) for i in range(1, 13)]
     assert crash_stats.steady_step_s(every_third, skip=0) == pytest.approx(0.11)  # a median would say 0.1
     assert crash_stats.cost([0.103, 0.104, None], [0.1, 0.1]) == pytest.approx(0.035)
+    # Paired: a slow repeat (both runs slow) does not make the tier look expensive.
+    assert crash_stats.cost([0.104, 0.130, 0.105], [0.100, 0.125, 0.101]) == pytest.approx(0.04, abs=1e-3)
     assert crash_stats.cost([None], [0.1]) is None

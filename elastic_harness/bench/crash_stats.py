@@ -96,12 +96,13 @@ def steady_step_s(events: Sequence[dict], skip: int) -> float | None:
 
 
 def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> float | None:
-    """Relative step-time cost: median over runs with, over runs without, minus one."""
-    a = [x for x in with_tier if x is not None]
-    b = [x for x in without if x is not None]
-    if not a or not b:
+    """Relative step-time cost: the median over repeats of (with / without) - 1, each repeat
+    a pair of runs made back to back (the machine's speed drifts more between repeats than
+    the tier costs, so runs are compared only with their partner)."""
+    pairs = [a / b for a, b in zip(with_tier, without, strict=False) if a is not None and b]
+    if not pairs:
         return None
-    return round(statistics.median(a) / statistics.median(b) - 1, 4)
+    return round(statistics.median(pairs) - 1, 4)
 
 
 def restart_stats(events: list[dict], requested: int, code: int | None,

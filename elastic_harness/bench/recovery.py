@@ -210,9 +210,9 @@ def bench_memory_cost(scratch: Path, repeats: int) -> dict:
             code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=600,
                           sets=[f"checkpoint.memory_every={every}"])
             step_s = crash_stats.steady_step_s(read_events(run_dir / "events.jsonl"), COST_WARMUP)
-            runs[which].append({"exit": code, "median_step_s": None if step_s is None else round(step_s, 5)})
-    cost = crash_stats.cost([x["median_step_s"] for x in runs["with"]],
-                            [x["median_step_s"] for x in runs["without"]])
+            runs[which].append({"exit": code, "mean_step_s": None if step_s is None else round(step_s, 5)})
+    cost = crash_stats.cost([x["mean_step_s"] for x in runs["with"]],
+                            [x["mean_step_s"] for x in runs["without"]])
     return {
         "runs": runs, "cost": cost, "memory_every": 1, "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
         "goal": f"cost <= {GOALS['memory_cost']}", "met": cost is not None and cost <= GOALS["memory_cost"],
