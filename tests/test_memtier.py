@@ -85,9 +85,10 @@ def test_cadence_proposes_from_medians_and_counts_from_the_start():
         c.snapshot_took(0.001)  # the copy got much cheaper: every step
     assert c.proposal() == 1
     c.start(20)  # resumed at step 20
-    assert not c.due(21, 9, forced=False) and c.due(29, 9, forced=False)
+    assert c.agree(9) and not c.agree(9)  # a change is reported once
+    assert not c.due(21, forced=False) and c.due(29, forced=False)
     c.taken(29)
-    assert not c.due(30, 9, forced=False) and c.due(30, 9, forced=True)
+    assert not c.due(30, forced=False) and c.due(30, forced=True)
 
 
 def test_header_round_trip_and_foreign_bytes():

@@ -19,7 +19,8 @@ slow step.
 
 Call order, per step on the proposing rank: ``proposal()`` when the step's all-reduce is
 started; ``step_took`` with the step's whole time (hook included) less its snapshot;
-``snapshot_took`` after a snapshot. Every rank: ``start(step)`` once, then ``due(step, k, forced)`` and ``taken(step)``.
+``snapshot_took`` after a snapshot. Every rank: ``start(step)`` once, then per step ``agree(k)``, ``due(step, forced)`` and,
+after a snapshot, ``taken(step)``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class Cadence:
         self._steps: deque[float] = deque(maxlen=WINDOW)
         self._copies: deque[float] = deque(maxlen=WINDOW)
         self._last = 0
-        self._current: int | None = None
+        self._current: int | None = None  # this rank's proposal
+        self._agreed = 0  # the interval all ranks use (``agree``)
         self._seen_steps = self._seen_copies = 0
 
     def step_took(self, seconds: float) -> None:
@@ -89,8 +91,15 @@ class Cadence:
         """The generation starts from ``step`` (restored or 0): the next snapshot counts from it."""
         self._last = step
 
-    def due(self, step: int, k: int, forced: bool) -> bool:
-        return snapshot_due(k, step, self._last, forced)
+    def agree(self, k: int) -> bool:
+        """Every rank: adopt the interval the step's all-reduce carried; True if it changed
+        (the proposing rank reports it)."""
+        changed, self._agreed = k != self._agreed, k
+        return changed
+
+    def due(self, step: int, forced: bool) -> bool:
+        """Snapshot after ``step``, at the agreed interval?"""
+        return snapshot_due(self._agreed, step, self._last, forced)
 
     def taken(self, step: int) -> None:
         self._last = step

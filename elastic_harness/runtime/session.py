@@ -229,7 +229,6 @@ class Run:
         )
         self.memory = _memory_tier(spec, env, groups.ckpt, log)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget)
-        self._memory_every = 0  # the interval last reported (``memory`` event)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
@@ -411,11 +410,10 @@ class Run:
         decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce)."""
         if self.memory is None:
             return
-        if self.rank == 0 and k != self._memory_every:
-            self._memory_every = k
+        if self.cadence.agree(k) and self.rank == 0:
             copy_s, step_s = self.cadence.medians()
             self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5))
-        if not self.cadence.due(step, k, forced):
+        if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
         self.memory.save(step, self._state)
