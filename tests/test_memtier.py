@@ -84,6 +84,24 @@ def test_cadence_proposes_from_medians_and_counts_from_the_start():
     for _ in range(8):
         c.snapshot_took(0.001)  # the copy got much cheaper: every step
     assert c.proposal() == 1
+
+
+def test_the_interval_does_not_flip_between_neighbours():
+    c = Cadence(every=1, budget=0.03)
+    for _ in range(9):
+        c.step_took(0.045)
+    for _ in range(10):
+        c.snapshot_took(0.0027)  # need = 2.0: a snapshot every 2 steps
+    assert c.proposal() == 2
+    seen = set()
+    for copy in (0.00285, 0.0027, 0.0029, 0.00275) * 4:  # need wanders over 2.0-2.15
+        for _ in range(8):
+            c.snapshot_took(copy)
+        seen.add(c.proposal())
+    assert seen == {2}
+    for _ in range(8):
+        c.snapshot_took(0.0045)  # need 3.3: over budget, raised
+    assert c.proposal() == 4
     c.start(20)  # resumed at step 20
     assert c.agree(9) and not c.agree(9)  # a change is reported once
     assert not c.due(21, forced=False) and c.due(29, forced=False)

@@ -31,7 +31,8 @@ from collections import deque
 
 WINDOW = 8
 MAX_INTERVAL = 100_000
-HYSTERESIS = 1.25
+HYSTERESIS = 1.25  # lowered once a quarter more than needed still leaves a step to spare
+OVER = 1.1  # raised once over budget by a tenth
 SKIP_STEPS = 1  # the generation's first step
 SKIP_COPIES = 2  # the first snapshot into each of the two slots
 
@@ -79,12 +80,21 @@ class Cadence:
                 statistics.median(self._steps) if self._steps else 0.0)
 
     def proposal(self) -> int:
-        """The interval this rank's measurements call for (``every`` until it has some); it
-        moves only when the measurements call for a quarter more or less (no flapping
-        between neighbours such as 8 and 9)."""
-        want = interval(*self.medians(), self.budget, self.every)
-        if self._current is None or want > self._current * HYSTERESIS or want * HYSTERESIS < self._current:
+        """The interval this rank's measurements call for (``every`` until it has some).
+
+        With ``need`` the unrounded interval the budget asks for, the current one is kept
+        while ``need`` is at most ``OVER`` above it and not far below it (``need *
+        HYSTERESIS < current - 1`` lowers it): measurements wandering around a boundary
+        (2.0 then 2.1 steps) do not flip it between neighbours at every step."""
+        copy_s, step_s = self.medians()
+        want = interval(copy_s, step_s, self.budget, self.every)
+        current = self._current
+        if current is None or want == self.every or copy_s <= 0 or step_s <= 0 or self.budget <= 0:
             self._current = want
+        else:
+            need = copy_s / (self.budget * step_s)
+            if need > current * OVER or need * HYSTERESIS < current - 1:
+                self._current = want
         return self._current
 
     def start(self, step: int) -> None:
