@@ -6,11 +6,14 @@ their agent's; the other ranks of a collective restore are played by ``gather``.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
 
 from elastic_harness.data.sampler import DataState
+from elastic_harness.memtier import snapshot
 from elastic_harness.memtier.cadence import Cadence, interval, snapshot_due
 from elastic_harness.memtier.host import HostSlots, describe, slot_paths
 from elastic_harness.memtier.region import Region
@@ -221,3 +224,50 @@ def test_a_peer_that_failed_to_load_stops_every_rank(slots):
     fresh, *_ = _state(steps=0)
     with pytest.raises(RuntimeError, match="rank 0: boom"):
         _tier(slots, others=[[3], "boom"]).restore(fresh)
+
+
+def test_tied_weights_and_batchnorm_buffers_come_back_bit_for_bit(slots):
+    def build():
+        torch.manual_seed(0)
+        emb = nn.Embedding(6, 4)
+        head = nn.Linear(4, 6, bias=False)
+        head.weight = emb.weight  # tied: the state dict holds the same storage twice
+        model = nn.Sequential(emb, nn.BatchNorm1d(4), head)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, optim
+
+    model, optim = build()
+    for i in range(3):  # moves the BatchNorm running stats and its batch counter
+        model(torch.arange(6) % (i + 2)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    state = build_state(model, optim, TrainState(DataState(0, 100), world_size=2, step=3))
+    _tier(slots).save(3, state)
+    model2, optim2 = build()
+    fresh = build_state(model2, optim2, TrainState(DataState(0, 100), world_size=2))
+    assert _tier(slots, others=[[3], None]).restore(fresh).step == 3
+    for (k, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    assert model2[2].weight is model2[0].weight  # still tied after the restore
+
+
+def test_a_snapshot_whose_plain_keys_differ_does_not_fit(slots):
+    state, *_ = _state()
+    _tier(slots).save(3, state)
+    fresh, *_ = _state(steps=0)
+    fresh["extra.ema"]["added"] = 1  # same tensors, one more plain value: another layout
+    with pytest.raises(RuntimeError, match="keys differ"):
+        _tier(slots, others=[[3], None]).restore(fresh)
+
+
+def test_misfit_names_the_first_difference():
+    t = torch.zeros(2, 3)
+    cap = snapshot.capture_trees({"m": {"w": t, "n": 1, "l": [t, 2]}})
+    saved = pickle.loads(cap.skeleton)
+    assert saved["m"]["l"][0] == saved["m"]["w"]  # one tensor, one reference (the memo)
+    assert len(cap.tensors) == 1 and cap.data_len == 64
+    assert snapshot.misfit(saved, {"m": {"w": t, "n": 5, "l": [t, 7]}}) is None  # values may differ
+    assert "m/w" in snapshot.misfit(saved, {"m": {"w": torch.zeros(3, 2), "n": 1, "l": [t, 2]}})
+    assert "m/l" in snapshot.misfit(saved, {"m": {"w": t, "n": 1, "l": [t]}})
+    assert "m/n" in snapshot.misfit(saved, {"m": {"w": t, "n": t, "l": [t, 2]}})
+    assert "m/w" in snapshot.misfit(saved, {"m": {"w": t.double(), "n": 1, "l": [t, 2]}})

@@ -26,7 +26,7 @@ class Header:
     rank: int
     data_len: int  # tensor bytes, from HEADER_SIZE
     skeleton_len: int  # the pickled skeleton, right after the tensor bytes
-    digest: bytes  # of the state's layout (``snapshot.layout_digest``)
+    digest: bytes  # of the tensors' layout (``snapshot.Capture.digest``)
 
     def pack(self) -> bytes:
         return struct.pack(_FORMAT, MAGIC, int(self.published), self.step, self.world_size, self.rank,

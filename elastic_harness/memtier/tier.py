@@ -98,11 +98,10 @@ class MemoryTier:
         region = self.regions[slot]
         try:
             cap = snapshot.capture(state)
-            skeleton = cap.pickled()
             # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
-            data = region.begin(HEADER_SIZE + cap.data_len + len(skeleton) + SLACK)
-            snapshot.write(cap, skeleton, data, HEADER_SIZE, self._views[slot])
-            region.publish(Header(True, step, self.world_size, self.rank, cap.data_len, len(skeleton),
+            data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK)
+            snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
+            region.publish(Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
                                   cap.digest))
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
@@ -131,10 +130,11 @@ class MemoryTier:
         try:
             header = region.header()
             trees = snapshot.targets(state)
-            if snapshot.layout_digest(trees) != header.digest:
-                return f"the snapshot of step {header.step} does not fit this state's layout"
             data = region.data()
             skeleton = snapshot.read_skeleton(data, HEADER_SIZE, header.data_len, header.skeleton_len)
+            misfit = snapshot.misfit(skeleton, trees)
+            if misfit:
+                return f"the snapshot of step {header.step} does not fit this state's layout ({misfit})"
             snapshot.restore_into(state, trees, skeleton, data, HEADER_SIZE)
         except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
             return f"{e!r:.300}"
