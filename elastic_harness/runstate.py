@@ -72,6 +72,8 @@ class RunState:
         self.last_checkpoint: str | None = None
         self.last_checkpoint_step: int | None = None
         self.failures: list[str] = []
+        self.drained_at: int | None = None  # the step of the newest drain
+        self.agent_exits: list[tuple[int, str]] = []  # (code, message) of each agent's exit
         self.finished = False
         self.digest: str | None = None
         self._resumes = 0
@@ -133,6 +135,13 @@ class RunState:
     def _failure(self, e: dict) -> None:
         self.failures.append(e.get("message", ""))
 
+    def _drain(self, e: dict) -> None:
+        self.drained_at = e.get("step")
+
+    def _exit(self, e: dict) -> None:
+        if e.get("who") == "agent":
+            self.agent_exits.append((int(e.get("code") or 0), e.get("message") or ""))
+
     def _finish(self, e: dict) -> None:
         self.finished = True
         self.step, self.loss, self.digest = e["step"], e.get("loss"), e.get("digest")
@@ -142,7 +151,8 @@ class RunState:
 _HANDLERS = {
     "worker": RunState._worker, "rendezvous": RunState._rendezvous, "resume": RunState._resume,
     "step": RunState._step, "checkpoint": RunState._checkpoint, "fault": RunState._fault,
-    "failure": RunState._failure, "finish": RunState._finish,
+    "failure": RunState._failure, "finish": RunState._finish, "drain": RunState._drain,
+    "exit": RunState._exit,
 }
 
 

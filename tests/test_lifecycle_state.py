@@ -43,13 +43,15 @@ def test_exit_codes_say_whether_a_retry_can_help():
 
 
 def test_the_hosts_exit_code_follows_what_the_agents_said():
-    drain = [{"event": "drain", "step": 7}]
-    base = dict(finished=False, fatal=None, permanent="", stopped_by=None, events=[])
+    base = dict(finished=False, fatal=None, permanent="", stopped_by=None)
     assert outcome(**{**base, "finished": True}, codes={0: 0}) == (0, "")
     assert outcome(**{**base, "fatal": "bad checkpoint"}, codes={0: 2})[0] == exitcodes.PERMANENT
     assert outcome(**{**base, "permanent": "crash loop"}, codes={0: 2}) == (2, "crash loop")
-    code, message = outcome(**{**base, "stopped_by": signal.SIGINT, "events": drain}, codes={0: 143})
+    code, message = outcome(**{**base, "stopped_by": signal.SIGINT, "drained_at": 7}, codes={0: 143})
     assert (code, message) == (130, "job stopped by SIGINT; drained and saved at step 7")
+    code, message = outcome(**base, codes={0: 143}, drained_at=7, agent_exits=[(143, "agent received SIGTERM")])
+    assert message == "job stopped by agent received SIGTERM; drained and saved at step 7"
+    assert outcome(**base, codes={0: 1}, agent_exits=[(0, ""), (1, "boom")])[1] == "job failed: boom"
     assert outcome(**base, codes={0: 143, 1: exitcodes.INFRA})[0] == exitcodes.PREEMPTED
     assert outcome(**base, codes={0: exitcodes.INFRA, 1: -9})[0] == exitcodes.INFRA
     assert outcome(**base, codes={0: 1})[0] == exitcodes.FAILED

@@ -122,3 +122,15 @@ def test_a_reader_started_mid_run_counts_only_what_it_saw():
         late.update(e)
     assert (late.generations, late.restarts, late.steps_done, late.step) == (1, 0, 4, 14)
     adds_up(late)
+
+
+def test_drains_and_agent_exits_are_kept_for_the_hosts_verdict():
+    state = fold([
+        {"event": "start", "who": "host", "t": 0.0},
+        {"event": "drain", "step": 5, "t": 1.0},
+        {"event": "exit", "who": "agent", "code": 143, "message": "agent received SIGTERM", "t": 1.1},
+        {"event": "exit", "who": "agent", "code": 0, "t": 1.2},
+        {"event": "exit", "who": "host", "code": 143, "t": 1.3},  # not an agent's
+    ])
+    assert state.drained_at == 5
+    assert state.agent_exits == [(143, "agent received SIGTERM"), (0, "")]
