@@ -228,7 +228,9 @@ class EventTail:
         self.offset = self.path.stat().st_size if (start_at_end and self.path.exists()) else 0
         self._partial = b""
 
-    def read(self) -> list[dict]:
+    def read(self, containing: bytes = b"") -> list[dict]:
+        """The new complete events; with ``containing``, only lines holding those bytes are
+        parsed (a cheap pre-filter: a long run's log is mostly step events)."""
         try:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size < self.offset:
@@ -242,6 +244,8 @@ class EventTail:
         self._partial = lines.pop()
         out = []
         for line in lines:
+            if containing and containing not in line:
+                continue
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:

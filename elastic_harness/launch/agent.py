@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_harness import exitcodes
-from elastic_harness.events import EventLog, read_events
+from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
@@ -59,6 +59,20 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
             slots.close()
 
 
+def _judge(path: Path, node: str, since: float) -> Callable[[], str | None]:
+    """``policy.stop_reason`` over the failures logged since this agent started, read as the
+    log grows. (Reading the whole log at each failure cost ~0.3 s per 20,000 events, on the
+    path of every restart, and grew with the run.)"""
+    tail = EventTail(path)  # from the end: the failures of this agent's attempts come later
+    failures: list[dict] = []
+
+    def judge() -> str | None:
+        failures.extend(e for e in tail.read(containing=b'"failure"') if e.get("event") == "failure")
+        return stop_reason(failures, node, since)
+
+    return judge
+
+
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
          on_health: Callable | None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -80,7 +94,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     started = time.time()
     r, t = spec.rendezvous, spec.timeouts
     launch = Launch(config, *command,
-                    judge=lambda: stop_reason(read_events(run_dir / "events.jsonl"), node, started),
+                    judge=_judge(run_dir / "events.jsonl", node, started),
                     quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                     zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None))
     if on_health is not None:
