@@ -84,7 +84,7 @@ class LocalCluster:
             sys.executable, "-m", "elastic_harness", "agent", str(self.job_path),
             "--run-dir", str(self.run_dir), "--rdzv-endpoint", self.endpoint,
             "--rdzv-id", self.rdzv_id, "--rdzv-backend", self.backend, "--node", str(index),
-            "--no-progress",  # the host prints the job's progress once
+            "--no-progress", "--no-summary",  # the host prints the progress, writes the summary
             *self.extra_args,
         ]
         if self.backend == "c10d":

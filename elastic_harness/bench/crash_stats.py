@@ -99,10 +99,13 @@ def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> 
     """Relative step-time cost: the median over repeats of (with / without) - 1, each repeat
     a pair of runs made back to back (the machine's speed drifts more between repeats than
     the tier costs, so runs are compared only with their partner)."""
-    pairs = [a / b for a, b in zip(with_tier, without, strict=False) if a is not None and b]
-    if not pairs:
-        return None
-    return round(statistics.median(pairs) - 1, 4)
+    pairs = pair_costs(with_tier, without)
+    return round(statistics.median(pairs), 4) if pairs else None
+
+
+def pair_costs(with_tier: Sequence[float | None], without: Sequence[float | None]) -> list[float]:
+    """Each back-to-back pair's (with / without) - 1: their spread is this bench's resolution."""
+    return [round(a / b - 1, 4) for a, b in zip(with_tier, without, strict=False) if a is not None and b]
 
 
 def restart_stats(events: list[dict], requested: int, code: int | None,

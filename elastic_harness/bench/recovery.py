@@ -63,7 +63,7 @@ CKPT_EVERY = 10  # steps between checkpoints in the recovery runs
 GOODPUT_CKPT_EVERY = 50
 CRASH_CKPT_EVERY = 50  # durable interval of the worker-crash runs: memory covers the rest
 ANYTIME_EVERY_S = 4.0  # about one host-sent kill this often in the anytime part
-COST_STEPS, COST_WARMUP = 300, 20  # memory-cost runs: steps, and steps not measured
+COST_STEPS, COST_WARMUP = 1000, 20  # memory-cost runs: steps (~10 s each: noise ~1/sqrt), and steps not measured
 
 # The MLP job of jobs/mlp.yaml, inlined so an installed package can run the bench.
 JOB = """\
@@ -211,10 +211,10 @@ def bench_memory_cost(scratch: Path, repeats: int) -> dict:
                           sets=[f"checkpoint.memory_every={every}"])
             step_s = crash_stats.steady_step_s(read_events(run_dir / "events.jsonl"), COST_WARMUP)
             runs[which].append({"exit": code, "mean_step_s": None if step_s is None else round(step_s, 5)})
-    cost = crash_stats.cost([x["mean_step_s"] for x in runs["with"]],
-                            [x["mean_step_s"] for x in runs["without"]])
+    with_s, without_s = [x["mean_step_s"] for x in runs["with"]], [x["mean_step_s"] for x in runs["without"]]
+    cost = crash_stats.cost(with_s, without_s)
     return {
-        "runs": runs, "cost": cost, "memory_every": 1, "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
+        "runs": runs, "cost": cost, "pair_costs": crash_stats.pair_costs(with_s, without_s), "memory_every": 1, "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
         "goal": f"cost <= {GOALS['memory_cost']}", "met": cost is not None and cost <= GOALS["memory_cost"],
     }
 

@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address the endpoint binds (default loopback; 0.0.0.0 in a pod)")
     p.add_argument("--no-progress", action="store_true",
                    help="print no progress lines (the `run` that started this agent prints them)")
+    p.add_argument("--no-summary", action="store_true",
+                   help="write no summary.json (the `run` that started this agent writes it once "
+                        "every agent exited; reading a long run's whole log takes a while)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_agent, is_host=None, fast_exit=True)
 
@@ -88,7 +91,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)
-        _write_summary(run_dir)
+        if not args.no_summary:
+            _write_summary(run_dir)
         return code
 
 

@@ -199,6 +199,12 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+# How often the host looks at the log and its agents: the latency of a time-keyed fault and
+# of noticing that the agents exited (a stopped job's exit waits for it). Each look reads
+# only the bytes appended since the last one.
+POLL_S = 0.05
+
+
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec,
                stop: StopSignal) -> str | None:
     """Follow events until every agent exits; returns a fatal message if one was logged.
@@ -224,7 +230,7 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
             return None
         if finished_at and time.monotonic() - finished_at > spec.timeouts.shutdown_grace + 10:
             return None
-        time.sleep(0.2)
+        time.sleep(POLL_S)
     return None
 
 
