@@ -92,3 +92,8 @@ def test_memory_cost_is_a_ratio_of_steady_step_times():
     # Paired: a slow repeat (both runs slow) does not make the tier look expensive.
     assert crash_stats.cost([0.104, 0.130, 0.105], [0.100, 0.125, 0.101]) == pytest.approx(0.04, abs=1e-3)
     assert crash_stats.cost([None], [0.1]) is None
+    memory = [{"event": "memory", "copy_s": 0.0, "step_s": 0.0, "every": 1},  # the first, unmeasured
+              {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 4},
+              {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 3}]
+    assert crash_stats.copy_share(memory) == pytest.approx(0.0292, abs=1e-4)  # median of 1/40 and 1/30
+    assert crash_stats.copy_share([]) is None

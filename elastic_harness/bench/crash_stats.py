@@ -103,6 +103,15 @@ def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> 
     return round(statistics.median(pairs), 4) if pairs else None
 
 
+def copy_share(events: Sequence[dict]) -> float | None:
+    """The snapshot's own share of step time as the run measured it (rank 0's ``memory``
+    events: median copy / (interval x median step)), median over the run's settings. Only
+    the copy's wall time: what a paired comparison adds is its effect on everything else."""
+    shares = [e["copy_s"] / (e["every"] * e["step_s"]) for e in events
+              if e["event"] == "memory" and e.get("copy_s") and e.get("step_s") and e.get("every")]
+    return round(statistics.median(shares), 4) if shares else None
+
+
 def pair_costs(with_tier: Sequence[float | None], without: Sequence[float | None]) -> list[float]:
     """Each back-to-back pair's (with / without) - 1: their spread is this bench's resolution."""
     return [round(a / b - 1, 4) for a, b in zip(with_tier, without, strict=False) if a is not None and b]

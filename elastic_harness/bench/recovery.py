@@ -209,12 +209,16 @@ def bench_memory_cost(scratch: Path, repeats: int) -> dict:
             every = 1 if which == "with" else 0
             code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=600,
                           sets=[f"checkpoint.memory_every={every}"])
-            step_s = crash_stats.steady_step_s(read_events(run_dir / "events.jsonl"), COST_WARMUP)
-            runs[which].append({"exit": code, "mean_step_s": None if step_s is None else round(step_s, 5)})
+            events = read_events(run_dir / "events.jsonl")
+            step_s = crash_stats.steady_step_s(events, COST_WARMUP)
+            runs[which].append({"exit": code, "mean_step_s": None if step_s is None else round(step_s, 5),
+                                "copy_share": crash_stats.copy_share(events)})
     with_s, without_s = [x["mean_step_s"] for x in runs["with"]], [x["mean_step_s"] for x in runs["without"]]
     cost = crash_stats.cost(with_s, without_s)
     return {
-        "runs": runs, "cost": cost, "pair_costs": crash_stats.pair_costs(with_s, without_s), "memory_every": 1, "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
+        "runs": runs, "cost": cost, "pair_costs": crash_stats.pair_costs(with_s, without_s),
+        "copy_share": crash_stats.median_of([x["copy_share"] for x in runs["with"]]),
+        "memory_every": 1, "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
         "goal": f"cost <= {GOALS['memory_cost']}", "met": cost is not None and cost <= GOALS["memory_cost"],
     }
 
