@@ -12,8 +12,8 @@ one rank measures and proposes ``K`` (``Cadence.proposal``) and the others adopt
 that reaches them in the step's all-reduce. ``due`` then counts steps since the last
 snapshot (or the step the generation started from), which is the same on every rank.
 
-Times are medians over the last ``WINDOW`` samples, leaving out the first step of a
-generation (data loader start, compilation) and the first snapshot into each slot (the first
+Times are medians over the last ``STEP_WINDOW`` steps and ``WINDOW`` snapshots, leaving
+out the first step of a generation (data loader start, compilation) and the first snapshot into each slot (the first
 touch of its pages costs 3-5x a later copy): neither swings ``K``, nor does an occasional
 slow step.
 
@@ -29,7 +29,8 @@ import math
 import statistics
 from collections import deque
 
-WINDOW = 8
+WINDOW = 8  # snapshots: one every K steps, so these span 8K steps
+STEP_WINDOW = 64  # steps: a median of 8 wandered 5-15 ms on a 2-rank toy and flipped K every ~10 steps
 MAX_INTERVAL = 100_000
 HYSTERESIS = 1.25  # lowered once a quarter more than needed still leaves a step to spare
 OVER = 1.1  # raised once over budget by a tenth
@@ -57,7 +58,7 @@ def snapshot_due(k: int, step: int, last: int, forced: bool) -> bool:
 class Cadence:
     def __init__(self, every: int, budget: float) -> None:
         self.every, self.budget = every, budget
-        self._steps: deque[float] = deque(maxlen=WINDOW)
+        self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._copies: deque[float] = deque(maxlen=WINDOW)
         self._last = 0
         self._current: int | None = None  # this rank's proposal
