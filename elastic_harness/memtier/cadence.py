@@ -13,9 +13,9 @@ that reaches them in the step's all-reduce. ``due`` then counts steps since the 
 snapshot (or the step the generation started from), which is the same on every rank.
 
 Times are medians over the last ``STEP_WINDOW`` steps and ``WINDOW`` snapshots, leaving
-out the first step of a generation (data loader start, compilation) and the first snapshot into each slot (the first
-touch of its pages costs 3-5x a later copy): neither swings ``K``, nor does an occasional
-slow step.
+out the first step of a generation (data loader start, compilation) and the first snapshot
+into each slot (the first touch of its pages costs 3-5x a later copy): neither swings
+``K``, nor does an occasional slow step.
 
 Call order, per step on the proposing rank: ``proposal()`` when the step's all-reduce is
 started; ``step_took`` with the step's whole time (hook included) less its snapshot;
