@@ -253,3 +253,17 @@ def test_compiled_and_bf16_models_save_and_load_under_clean_names(tmp_path, monk
     dcp.load({"model": ModelState(fresh)}, checkpoint_id=str(tmp_path), no_dist=True)
     assert model_digest(fresh) == model_digest(model)
     assert fresh[0].weight.dtype == torch.bfloat16
+
+
+# ----- process group start ---------------------------------------------------------------
+def test_a_rank_waits_for_rank_zeros_store_to_listen_before_connecting():
+    import socket
+
+    from elastic_harness.runtime.dist import wait_for_listener
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        port = sock.getsockname()[1]
+        assert not wait_for_listener("127.0.0.1", port, timeout_s=0.05)
+        sock.listen()
+        assert wait_for_listener("127.0.0.1", port, timeout_s=5)

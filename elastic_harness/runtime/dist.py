@@ -8,6 +8,8 @@ collectives from a background thread, which must never interleave with training'
 from __future__ import annotations
 
 import datetime as dt
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +83,29 @@ def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
         if env.local_world_size == env.world_size:
             return dist.PrefixStore(f"elastic_harness/attempt-{env.restart_count}", store)
         return store
+    if env.rank != 0:
+        wait_for_listener(env.master_addr, env.master_port, timeout.total_seconds())
     return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                          is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
+
+
+def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.002) -> bool:
+    """Until something accepts connections at ``addr:port`` (rank 0's store), or ``timeout_s``.
+
+    Every rank of a new generation starts at once, and rank 0 creates the store only once it
+    got that far. A client that comes first is refused, and torch's TCPStore client then
+    backs off 250-750 ms before it retries (0.5 s of a 0.3 s restart, now and then); a bare
+    connect every ``poll_s`` costs nothing by comparison. False on timeout: TCPStore then
+    reports the failure as it would have."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.01, min(1.0, timeout_s))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
 
 def destroy(groups: Groups | None = None) -> None:
