@@ -271,3 +271,12 @@ def test_misfit_names_the_first_difference():
     assert "m/l" in snapshot.misfit(saved, {"m": {"w": t, "n": 1, "l": [t]}})
     assert "m/n" in snapshot.misfit(saved, {"m": {"w": t, "n": t, "l": [t, 2]}})
     assert "m/w" in snapshot.misfit(saved, {"m": {"w": t.double(), "n": 1, "l": [t, 2]}})
+
+
+def test_key_order_does_not_matter_to_the_layout_check():
+    """An optimizer's state lists parameters in the order they first got state, which a
+    fresh one (state created for all at once) need not share."""
+    t = torch.zeros(2)
+    saved = pickle.loads(snapshot.capture_trees({"s": {1: {"m": t}, 0: {"m": t}}}).skeleton)
+    assert snapshot.misfit(saved, {"s": {0: {"m": t}, 1: {"m": t}}}) is None
+    assert "keys differ" in snapshot.misfit(saved, {"s": {0: {"m": t}, 2: {"m": t}}})

@@ -129,7 +129,7 @@ def misfit(saved: Any, target: Any, path: str = "") -> str | None:
         have = (t.dtype, tuple(t.shape), _kind(target))
         return None if have == tuple(saved[2:]) else f"{path}: saved {tuple(saved[2:])}, the state has {have}"
     if isinstance(saved, dict):
-        if not isinstance(target, dict) or list(saved) != list(target):
+        if not isinstance(target, dict) or saved.keys() != target.keys():  # order aside: filled by key
             return f"{path or '.'}: keys differ"
         return next((m for k in saved if (m := misfit(saved[k], target[k], f"{path}/{k}"))), None)
     if isinstance(saved, (list, tuple)):
