@@ -97,3 +97,13 @@ def test_memory_cost_is_a_ratio_of_steady_step_times():
               {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 3}]
     assert crash_stats.copy_share(memory) == pytest.approx(0.0292, abs=1e-4)  # median of 1/40 and 1/30
     assert crash_stats.copy_share([]) is None
+
+
+def test_a_failed_runs_log_tails_are_kept(tmp_path):
+    from elastic_harness.bench.recovery import log_tails
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "bench-host.log").write_text("".join(f"line {i}\n" for i in range(50)))
+    (tmp_path / "logs" / "agent-0.log").write_text("Traceback\nboom\n")
+    tails = log_tails(tmp_path, lines=3)
+    assert tails == {"bench-host.log": ["line 47", "line 48", "line 49"], "agent-0.log": ["Traceback", "boom"]}

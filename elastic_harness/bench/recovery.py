@@ -165,6 +165,8 @@ def bench_kill_worker(scratch: Path, faults: int) -> dict:
         run_dir = scratch / f"kill-worker-{launcher}"
         code = launch(launcher, job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=faults * 45 + 240)
         out[launcher] = crash_stats.crash_summary(read_events(run_dir / "events.jsonl"), faults, code)
+        if code != 0:  # the scratch dir goes unless --keep: keep what says why in the JSON
+            out[launcher]["log_tails"] = log_tails(run_dir)
     ratio = _ratio(out["harness"]["median_recovery_s"], out["torchrun"]["median_recovery_s"])
     h = out["harness"]
     return {
@@ -457,6 +459,15 @@ def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interru
         _signal_group(p, signal.SIGKILL)
         p.wait()
     return [None if p in late else p.returncode for p in procs]
+
+
+def log_tails(run_dir: Path, lines: int = 30) -> dict[str, list[str]]:
+    """The last ``lines`` lines of a run's host and agent logs (a failed run's evidence)."""
+    out = {}
+    for log in [run_dir / "bench-host.log", *sorted((run_dir / "logs").glob("agent-*.log"))]:
+        with contextlib.suppress(OSError):
+            out[log.name] = log.read_text(errors="replace").splitlines()[-lines:]
+    return out
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
