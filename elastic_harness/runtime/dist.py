@@ -89,7 +89,7 @@ def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
                          is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
 
 
-def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.002) -> bool:
+def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.005) -> bool:
     """Until something accepts connections at ``addr:port`` (rank 0's store), or ``timeout_s``.
 
     Every rank of a new generation starts at once, and rank 0 creates the store only once it
@@ -100,12 +100,16 @@ def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((addr, port), timeout=max(0.01, min(1.0, timeout_s))):
-                return True
+            with socket.create_connection((addr, port), timeout=max(0.01, min(1.0, timeout_s))) as sock:
+                # A connect to a free local port can pick that port as its own source and
+                # connect to itself (TCP simultaneous open): nobody listens then.
+                if sock.getsockname() != sock.getpeername():
+                    return True
         except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def destroy(groups: Groups | None = None) -> None:
