@@ -8,7 +8,7 @@ by a ``TensorRef`` and every other value kept. The capture's digest hashes the t
 dtypes, shapes and kinds in order (it names the byte layout); ``misfit`` checks a saved
 skeleton against the state to restore into, key by key. ``write`` copies the tensors into
 a slot through typed views of it, which ``Views`` keeps while the layout and the mapping
-stay the same. A snapshot of a small model is then ~0.1 ms of Python in all: the state
+stay the same. A snapshot of a small model is then ~0.2 ms of Python in all: the state
 dicts torch builds, one C pickler pass, one fused copy.
 
 ``restore_into(state, trees, skeleton, data)`` does what ``dcp.load`` does: ``trees`` are the
@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 ALIGN = 64
-_SCALARS = (int, float, bool, str, type(None))
 
 
 class Unsupported(TypeError):
