@@ -6,7 +6,8 @@ It speaks torchrun's language (``--nnodes MIN:MAX``, ``--nproc-per-node N|gpu|cp
 variable (Kubeflow's operator sets them), else Slurm's variables inside an allocation
 (``launch.slurm_env``), else the job file; ``launch.config.node_options`` merges them.
 
-It prints the job's progress like ``run`` and writes ``summary.json`` when it exits. Its log
+It prints the job's progress like ``run`` and writes ``summary.json`` when it exits (unless
+``--no-progress`` / ``--no-summary``: the ``run`` that starts local agents does both). Its log
 (stdout) starts with a header naming node and job, and names its workers' log directory
 once torchelastic made it (``lifecycle.logsource``): ``elastic-harness logs`` relies on
 both. Exit codes: ``launch.agent`` and ``exitcodes``.
