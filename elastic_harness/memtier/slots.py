@@ -26,7 +26,7 @@ class Header:
     rank: int
     data_len: int  # tensor bytes, from HEADER_SIZE
     skeleton_len: int  # the pickled skeleton, right after the tensor bytes
-    digest: bytes  # of the tensors' layout (``snapshot.Capture.digest``)
+    digest: bytes  # of the tensors' layout (``snapshot.Capture.digest``); restores check ``misfit``
 
     def pack(self) -> bytes:
         return struct.pack(_FORMAT, MAGIC, int(self.published), self.step, self.world_size, self.rank,
@@ -45,8 +45,8 @@ class Header:
 
 def usable_steps(headers: Sequence[Header | None], *, world_size: int, rank: int) -> dict[int, int]:
     """``{step: slot}`` of the published snapshots this rank wrote at this world size. (The
-    state's layout digest is checked after the ranks agree on a step: computing it needs the
-    live state's ``state_dict()``, which initialises an empty optimizer's state.)"""
+    state's layout is checked after the ranks agree on a step, ``snapshot.misfit``: it needs
+    the live state's ``state_dict()``, which initialises an empty optimizer's state.)"""
     out = {}
     for slot, h in enumerate(headers):
         if h is not None and h.published and (h.world_size, h.rank) == (world_size, rank):
