@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_harness.launch.warm import warm_invocation
+from elastic_harness.launch.warm import process_failure, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 from tests.conftest import REPO
 from tests.servers import wait_until
@@ -50,6 +50,26 @@ def _spawn(z: Zygote, tmp_path, action: str, name: str) -> tuple[int, str]:
 def _exit_of(z: Zygote, pid: int) -> int:
     wait_until(lambda: pid in z.poll(timeout=0.2), 30, f"worker {pid} to end")
     return z.exits[pid]
+
+
+def test_a_half_written_error_file_reads_as_none(tmp_path):
+    """A worker stopped while it writes its error file (its peer died, the group is being
+    stopped) leaves it empty or cut short: the agent records the failure without its message
+    instead of failing on it (torch's ``ProcessFailure`` raises, which ended a run with restarts
+    left in the kill-worker bench)."""
+    import json
+
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({"message": {"message": "RuntimeError: boom",
+                                             "extraInfo": {"py_callstack": "", "timestamp": "7"}}}))
+    assert process_failure(1, 42, 1, str(whole)).message["message"] == "RuntimeError: boom"
+    for content in ("", '{"message": {"mess'):
+        cut = tmp_path / "cut.json"
+        cut.write_text(content)
+        failure = process_failure(1, 42, -15, str(cut))
+        assert failure.exitcode == -15 and "Signal 15" in failure.message
+    absent = process_failure(0, 43, -9, str(tmp_path / "absent.json"))
+    assert "Signal 9" in absent.message
 
 
 def test_workers_run_their_module_with_their_env_argv_and_streams(zygote, tmp_path):

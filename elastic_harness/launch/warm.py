@@ -14,6 +14,7 @@ Python's forkserver also binds a socket file in the temp dir. The zygote needs n
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,30 @@ from torch.distributed.elastic.multiprocessing.api import PContext, ProcessFailu
 from elastic_harness.launch.zygote import STOP_WAIT_S, Zygote, ZygoteLost
 
 log = logging.getLogger(__name__)
+
+# What torchelastic records as the error file of a worker that wrote none (its ``<N/A>``).
+NO_ERROR_FILE = "<N/A>"
+
+
+def process_failure(local_rank: int, pid: int, exitcode: int, error_file: str) -> ProcessFailure:
+    """torchelastic's ``ProcessFailure`` for a worker that ended, read from its error file when
+    that file is whole.
+
+    A worker stopped while it writes its error file (the group is being stopped because a
+    peer died, and this rank is recording the error the peer's death caused) leaves it empty
+    or cut short. torch's ``ProcessFailure`` raises on such a file, which would end the agent
+    (and the job) with restarts left; it is read here as no error file at all, as for a
+    worker killed by a signal.
+    """
+    if os.path.isfile(error_file):
+        try:
+            with open(error_file) as fp:
+                json.load(fp)
+        except (OSError, ValueError):
+            log.warning("local rank %s (pid %s) left an unreadable error file %s; it is ignored",
+                        local_rank, pid, error_file)
+            error_file = NO_ERROR_FILE
+    return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=error_file)
 
 
 def warm_invocation(entrypoint: Any, args: Sequence[str]) -> tuple[str, list[str], bool] | None:
@@ -92,8 +117,7 @@ class WarmContext(PContext):
     def _note_failures(self, codes: dict[int, int]) -> None:
         for lr, code in codes.items():
             if code != 0 and lr not in self._failures:
-                self._failures[lr] = ProcessFailure(local_rank=lr, pid=self._pids[lr], exitcode=code,
-                                                    error_file=self.error_files[lr])
+                self._failures[lr] = process_failure(lr, self._pids[lr], code, self.error_files[lr])
 
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
