@@ -29,13 +29,21 @@ pytestmark = pytest.mark.timeout(90)
 @pytest.mark.parametrize(("round_", "waiting", "missing", "want"), [
     (0, 0, 0, 15.0),  # start-up: wait for the agents still starting
     (0, 3, 0, 15.0),
-    (1, 1, 0, 2.0),  # later: others are listed as waiting for this round
-    (1, 1, 1, 2.0),
+    (1, 1, 0, 3.0),  # later: others are listed as waiting for this round
+    (1, 1, 1, 3.0),
     (3, 0, 1, 1.0),  # later: a peer of the last round left it and has not joined yet
     (4, 0, 0, 0.0),  # later, nobody else coming: close now
 ])
 def test_last_call_per_round(round_, waiting, missing, want):
-    assert last_call_s(round_, waiting, missing, start_s=15.0, later_s=2.0) == want
+    assert last_call_s(round_, waiting, missing, start_s=15.0, later_s=3.0) == want
+
+
+def test_others_waiting_get_two_polls_at_least():
+    """A waiting agent reads the state once a second: a last call of one second closed the
+    round on the poll it would have joined at."""
+    assert last_call_s(2, 1, start_s=15.0, later_s=1.0) == 2.0
+    assert last_call_s(2, 1, start_s=15.0, later_s=5.0) == 5.0
+    assert last_call_s(2, 0, 1, start_s=15.0, later_s=0.5) == 0.5, "the peer grace stays <= later_s"
 
 
 def state(round_: int, waiting: int = 0, redundant: int = 0, participants=()) -> SimpleNamespace:

@@ -82,6 +82,9 @@ _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 
 # (see the module docstring); torch polls the state about once a second, so about one poll.
 PEER_GRACE_S = 1.0
 
+# torch's fixed delay between a waiting node's reads of the rendezvous state (its SYNC action).
+TORCH_POLL_S = 1.0
+
 
 def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
                 later_s: float) -> float:
@@ -89,14 +92,17 @@ def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, sta
 
     ``round_`` 0 is the start of a submission: ``start_s``. Later rounds: ``later_s`` while
     ``others_waiting`` agents (listed as waiting for this round, besides the one deciding)
-    may still join; else ``PEER_GRACE_S`` (at most ``later_s``) while ``peers_missing``
+    may still join, and at least two of their polls (``TORCH_POLL_S``): a waiting agent reads
+    the state once a second, and the deciding agent checks its deadline on the same beat, so
+    a deadline one poll away is a coin toss between "joined" and "closed without it" (seen:
+    two agents restarting together split into two groups of one); else ``PEER_GRACE_S`` (at most ``later_s``) while ``peers_missing``
     agents of the deciding agent's previous round have not joined; else 0: no agent is
     known to be coming, so close now.
     """
     if round_ == 0:
         return start_s
     if others_waiting > 0:
-        return later_s
+        return max(later_s, 2 * TORCH_POLL_S)
     return min(later_s, PEER_GRACE_S) if peers_missing > 0 else 0.0
 
 
