@@ -184,6 +184,24 @@ def test_a_group_restarting_together_stays_one_group(store):
         close(pair)
 
 
+def test_only_the_first_join_gets_torchs_start_up_skew(store, monkeypatch):
+    """torch sleeps a random 0-0.3 s before joining while the state's round reads 0, which
+    it still does at the first restart; our handler keeps it for the start only."""
+    from elastic_harness.launch import rendezvous
+
+    asked: list = []
+    monkeypatch.setattr(rendezvous, "TORCH_DELAY", asked.append)
+    pair = [agent(store, "skew", ours=True) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        assert asked.count((0, 0.3)) == 2  # each agent's first join
+        asked.clear()
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]  # the restart after a worker crash
+        assert (0, 0.3) not in asked
+    finally:
+        close(pair)
+
+
 def test_survivor_of_a_lost_node_closes_the_next_round_alone(store):
     """After a node is lost, the survivor's round has nobody else waiting: it closes after
     the peer grace, with the survivor alone, once the lost node's keep-alives expired."""

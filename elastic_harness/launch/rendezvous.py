@@ -42,6 +42,8 @@ only when nobody listens. ``create_handler`` replaces both lookups in torch's
 ``dynamic_rendezvous`` module with ``method_name`` and ``record_event``, which read the same
 frames directly: the same events, in microseconds.
 
+No start-up skew at restarts: see ``delay``.
+
 Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
 agent then uses the handler as torch's own.
 """
@@ -52,6 +54,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -167,8 +170,15 @@ def _backend(params: RendezvousParameters) -> tuple[Any, Any]:
 class _Handler(DynamicRendezvousHandler):
     """torch's handler; after each round it tells its ``RoundTimeout`` who was in it."""
 
+    _formed = False  # a rendezvous of this handler completed: later joins are restarts
+
     def next_rendezvous(self) -> Any:
-        info = super().next_rendezvous()
+        _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
+        try:
+            info = super().next_rendezvous()
+        finally:
+            _JOIN.restart = False
+        self._formed = True
         timeout = self._settings.timeout
         if isinstance(timeout, RoundTimeout):
             timeout.remember(self._state_holder.state.participants)
@@ -176,6 +186,19 @@ class _Handler(DynamicRendezvousHandler):
 
 
 TORCH_METHOD_NAME = dynamic_rendezvous.get_method_name  # torch's own, kept for comparison
+TORCH_DELAY = dynamic_rendezvous._delay
+_JOIN = threading.local()  # ``restart``: the handler joining on this thread was in a group
+
+
+def delay(seconds: float | tuple[float, float]) -> None:
+    """torch's ``_delay``, less the random 0-0.3 s it sleeps before a join while the
+    rendezvous state's round is 0, when the joining handler has been in a group. That skew is meant
+    for agents starting together; but the round still reads 0 at the first restart (the next
+    round opens only when an agent joins it), so every job paid it (0.15 s on average) on
+    its first restart. The fixed one-second poll (a bare number) is left alone."""
+    if isinstance(seconds, tuple) and getattr(_JOIN, "restart", False):
+        return
+    TORCH_DELAY(seconds)
 
 
 def method_name(depth: int = 2) -> str:
@@ -209,6 +232,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     c10d and etcd-v2 backends; any other backend exactly as torch's registry makes it."""
     dynamic_rendezvous.get_method_name = method_name  # see the module docstring
     dynamic_rendezvous.construct_and_record_rdzv_event = record_event
+    dynamic_rendezvous._delay = delay
     if params.backend not in ("c10d", "etcd-v2"):
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 

@@ -99,7 +99,8 @@ class RendezvousSpec:
     last_call_timeout: int = doc(
         2,
         "Later rendezvous rounds: seconds to wait for the other nodes waiting to rejoin once "
-        "nodes.min have joined; none when no other node is waiting (torch default 30).",
+        "nodes.min have joined, 2 at least (they read the state once a second); none when no "
+        "other node is waiting (torch default 30).",
     )
     close_timeout: int = doc(10, "Seconds for the rendezvous to close on shutdown.")
     heartbeat_timeout: int = doc(5, "Seconds within which a keep-alive must complete.")
