@@ -6,6 +6,7 @@ import pytest
 
 from elastic_harness.bench import crash_stats, recovery
 from elastic_harness.chaos.vocabulary import parse_fault
+from elastic_harness.report.probe import probe_cost
 from tests.test_report import ev, killed_worker_run
 
 
@@ -82,21 +83,40 @@ def test_recovery_breakdown_phases_add_up_to_the_recovery_time():
     assert crash_stats.median_breakdown([phases, plain])["spawn"] == pytest.approx((3.4 + 3.85) / 2)
 
 
-def test_memory_cost_is_a_ratio_of_steady_step_times():
+def test_memory_cost_compares_neighbouring_blocks_of_one_run():
+    """A probed run: rank 0's step times, and the interval it set (0: off) after the step it
+    applies from. A step holds the previous step's snapshot, so it counts by the interval in
+    force for that previous step; the first step of each generation is left out."""
+    def run(pid, first, last, on_s, off_s, block):
+        out = []
+        for i in range(first, last + 1):
+            on_before = ((i - 2) // block) % 2 == 0  # the interval in force for step i - 1
+            out.append(ev(float(i), "step", pid, step=i, step_s=on_s if on_before else off_s))
+            if (i - 1) % block == 0:  # the first step of a block sets its interval
+                out.append(ev(i + 0.5, "memory", pid, step=i, every=2 if ((i - 1) // block) % 2 == 0 else 0))
+        return out
 
-    run = [ev(float(i), "step", 7 if i < 5 else 8, step=i, step_s=1.0 if i in (1, 5) else 0.1) for i in range(1, 9)]
-    assert crash_stats.steady_step_s(run, skip=1) == pytest.approx(0.1)  # each generation's first left out
-    every_third = [ev(float(i), "step", 7, step=i, step_s=0.13 if i % 3 == 0 else 0.1) for i in range(1, 13)]
-    assert crash_stats.steady_step_s(every_third, skip=0) == pytest.approx(0.11)  # a median would say 0.1
-    assert crash_stats.cost([0.103, 0.104, None], [0.1, 0.1]) == pytest.approx(0.035)
-    # Paired: a slow repeat (both runs slow) does not make the tier look expensive.
-    assert crash_stats.cost([0.104, 0.130, 0.105], [0.100, 0.125, 0.101]) == pytest.approx(0.04, abs=1e-3)
-    assert crash_stats.cost([None], [0.1]) is None
+    events = run(7, 1, 40, 0.104, 0.1, 10)
+    probe = probe_cost(events, skip=1)
+    assert probe.cost == pytest.approx(0.04) and len(probe.pairs) == 3
+    assert (probe.on_step_s, probe.off_step_s) == (pytest.approx(0.104), pytest.approx(0.1))
+    # A machine slowing down: both neighbours of each block count, so drift favours no kind.
+    drift = [dict(e, step_s=e["step_s"] * (1 + 0.001 * e["step"])) if e["event"] == "step" else e for e in events]
+    assert probe_cost(drift, skip=1).cost == pytest.approx(0.04, abs=0.012)
+    # Blocks of two generations are not compared with each other; a run never off has no cost.
+    assert len(probe_cost(run(7, 1, 20, 0.104, 0.1, 10) + run(8, 1, 20, 0.104, 0.1, 10), skip=1).pairs) == 2
+    assert probe_cost(run(7, 1, 10, 0.104, 0.1, 10), skip=1) is None
+    assert probe_cost([ev(1.0, "step", 7, step=1, step_s=0.1)]) is None
+
+
+def test_copy_share_and_quartiles():
     memory = [{"event": "memory", "copy_s": 0.0, "step_s": 0.0, "every": 1},  # the first, unmeasured
               {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 4},
               {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 3}]
     assert crash_stats.copy_share(memory) == pytest.approx(0.0292, abs=1e-4)  # median of 1/40 and 1/30
     assert crash_stats.copy_share([]) is None
+    assert crash_stats.quartiles([0.01, 0.02, 0.03, 0.04, 0.05]) == [0.015, 0.045]
+    assert crash_stats.quartiles([0.01]) is None
 
 
 def test_a_failed_runs_log_tails_are_kept(tmp_path):

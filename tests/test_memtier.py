@@ -14,7 +14,7 @@ from torch import nn
 
 from elastic_harness.data.sampler import DataState
 from elastic_harness.memtier import snapshot
-from elastic_harness.memtier.cadence import Cadence, interval, snapshot_due
+from elastic_harness.memtier.cadence import Cadence, interval, probe_on, snapshot_due
 from elastic_harness.memtier.host import HostSlots, describe, slot_paths
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import (
@@ -74,19 +74,35 @@ def test_the_interval_keeps_the_copy_within_its_share_of_step_time():
 
 def test_cadence_proposes_from_medians_and_counts_from_the_start():
     c = Cadence(every=1, budget=0.03)
-    assert c.proposal() == 1  # nothing measured: memory_every
+    assert c.proposal(1) == 1  # nothing measured: memory_every
     for s in (9.0, 2.0, 0.04, 0.04, 0.04):  # the first step is left out, one slow one outvoted
         c.step_took(s)
     for s in (0.5, 0.5, 0.01, 0.01):  # the first touch of each slot is left out
         c.snapshot_took(s)
     assert c.medians() == (0.01, 0.04)
-    assert c.proposal() == 9
+    assert c.proposal(1) == 9
     c.snapshot_took(0.0085)  # median 10 ms -> 8.5 ms: 8 would do, 9 stays (no flapping)
     c.snapshot_took(0.0085)
-    assert c.proposal() == 9
+    assert c.proposal(1) == 9
     for _ in range(8):
         c.snapshot_took(0.001)  # the copy got much cheaper: every step
-    assert c.proposal() == 1
+    assert c.proposal(1) == 1
+
+
+def test_a_probe_turns_the_tier_off_in_every_second_block():
+    """checkpoint.memory_probe: blocks of B steps on, off, on, ... from step 1; the interval
+    measured meanwhile is kept for the next on block."""
+    assert [probe_on(s, 3) for s in range(1, 10)] == [True] * 3 + [False] * 3 + [True] * 3
+    assert all(probe_on(s, 0) for s in range(1, 10))
+    c = Cadence(every=1, budget=0.03, probe=3)
+    for _ in range(9):
+        c.step_took(0.04)
+    for _ in range(6):
+        c.snapshot_took(0.0024)  # need 2
+    assert [c.proposal(s) for s in range(1, 8)] == [2, 2, 2, 0, 0, 0, 2]
+    c.start(0)
+    c.agree(0)
+    assert not c.due(5, forced=True), "off: not even with a durable save"
 
 
 def test_the_interval_does_not_flip_between_neighbours():
@@ -95,16 +111,16 @@ def test_the_interval_does_not_flip_between_neighbours():
         c.step_took(0.045)
     for _ in range(10):
         c.snapshot_took(0.0027)  # need = 2.0: a snapshot every 2 steps
-    assert c.proposal() == 2
+    assert c.proposal(1) == 2
     seen = set()
     for copy in (0.00285, 0.0027, 0.0029, 0.00275) * 4:  # need wanders over 2.0-2.15
         for _ in range(8):
             c.snapshot_took(copy)
-        seen.add(c.proposal())
+        seen.add(c.proposal(1))
     assert seen == {2}
     for _ in range(8):
         c.snapshot_took(0.0045)  # need 3.3: over budget, raised
-    assert c.proposal() == 4
+    assert c.proposal(1) == 4
     c.start(20)  # resumed at step 20
     assert c.agree(9) and not c.agree(9)  # a change is reported once
     assert not c.due(21, forced=False) and c.due(29, forced=False)

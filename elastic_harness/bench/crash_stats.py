@@ -79,30 +79,6 @@ def median_breakdown(rows: Sequence[dict[str, float | None]]) -> dict[str, float
     return out
 
 
-def steady_step_s(events: Sequence[dict], skip: int) -> float | None:
-    """Mean ``step_s`` of a run's steps after the first ``skip`` (warm-up) of each generation.
-
-    The mean, not the median: a cost paid every K steps (an in-memory snapshot with K > 2)
-    would not show in a median at all, and one paid every second step would show in full."""
-    firsts: dict[int, int] = {}
-    xs = []
-    for e in events:
-        if e["event"] != "step" or e.get("step_s") is None:
-            continue
-        first = firsts.setdefault(e["pid"], int(e["step"]))
-        if int(e["step"]) - first >= skip:
-            xs.append(float(e["step_s"]))
-    return statistics.fmean(xs) if xs else None
-
-
-def cost(with_tier: Sequence[float | None], without: Sequence[float | None]) -> float | None:
-    """Relative step-time cost: the median over repeats of (with / without) - 1, each repeat
-    a pair of runs made back to back (the machine's speed drifts more between repeats than
-    the tier costs, so runs are compared only with their partner)."""
-    pairs = pair_costs(with_tier, without)
-    return round(statistics.median(pairs), 4) if pairs else None
-
-
 def copy_share(events: Sequence[dict]) -> float | None:
     """The snapshot's own share of step time as the run measured it (rank 0's ``memory``
     events: median copy / (interval x median step)), median over the run's settings. Only
@@ -110,11 +86,6 @@ def copy_share(events: Sequence[dict]) -> float | None:
     shares = [e["copy_s"] / (e["every"] * e["step_s"]) for e in events
               if e["event"] == "memory" and e.get("copy_s") and e.get("step_s") and e.get("every")]
     return round(statistics.median(shares), 4) if shares else None
-
-
-def pair_costs(with_tier: Sequence[float | None], without: Sequence[float | None]) -> list[float]:
-    """Each back-to-back pair's (with / without) - 1: their spread is this bench's resolution."""
-    return [round(a / b - 1, 4) for a, b in zip(with_tier, without, strict=False) if a is not None and b]
 
 
 def restart_stats(events: list[dict], requested: int, code: int | None,
@@ -162,6 +133,14 @@ def median_of(xs: list) -> float | None:
     """Median of the values that are not None (3 decimals), or None."""
     xs = [x for x in xs if x is not None]
     return round(statistics.median(xs), 3) if xs else None
+
+
+def quartiles(xs: list) -> list[float] | None:
+    """[p25, p75] of the values (4 decimals): a figure's spread next to its median."""
+    if len(xs) < 2:
+        return None
+    q = statistics.quantiles(xs, n=4)
+    return [round(q[0], 4), round(q[2], 4)]
 
 
 def mean_of(xs: list) -> float | None:

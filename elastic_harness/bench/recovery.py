@@ -44,6 +44,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +54,7 @@ from pathlib import Path
 from elastic_harness.bench import check_out, crash_stats, scratch_dir
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
+from elastic_harness.report.probe import probe_cost
 from elastic_harness.report.timeline import FaultRow, build, split_invocations
 
 MIN_REPEATS_FOR_GOALS = 5
@@ -64,6 +66,7 @@ GOODPUT_CKPT_EVERY = 50
 CRASH_CKPT_EVERY = 50  # durable interval of the worker-crash runs: memory covers the rest
 ANYTIME_EVERY_S = 4.0  # about one host-sent kill this often in the anytime part
 COST_STEPS, COST_WARMUP = 1000, 20  # memory-cost runs: steps (~10 s each: noise ~1/sqrt), and steps not measured
+PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in each (every 50)
 
 # The MLP job of jobs/mlp.yaml, inlined so an installed package can run the bench.
 JOB = """\
@@ -200,27 +203,32 @@ def bench_anytime(scratch: Path, faults: int, seed: int) -> dict:
 
 
 def bench_memory_cost(scratch: Path, repeats: int) -> dict:
-    """Uninterrupted runs with the in-memory tier (every step) and without, alternating."""
+    """``repeats`` uninterrupted runs probing the in-memory tier (``checkpoint.memory_probe``):
+    blocks of ``PROBE_BLOCK`` steps with it on and off alternate inside each run, and each
+    block is compared with its neighbours (``report.probe``)."""
     job = write_job(scratch / "memory-cost.yaml", steps=COST_STEPS, max_restarts=0, hidden=256, depth=3,
                     batch=64, micro=32, every=CRASH_CKPT_EVERY)
-    runs: dict[str, list] = {"with": [], "without": []}
+    runs = []
     for r in range(repeats):
-        order = ("with", "without") if r % 2 == 0 else ("without", "with")
-        for which in order:
-            run_dir = scratch / f"memory-cost-{which}-{r}"
-            every = 1 if which == "with" else 0
-            code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=600,
-                          sets=[f"checkpoint.memory_every={every}"])
-            events = read_events(run_dir / "events.jsonl")
-            step_s = crash_stats.steady_step_s(events, COST_WARMUP)
-            runs[which].append({"exit": code, "mean_step_s": None if step_s is None else round(step_s, 5),
-                                "copy_share": crash_stats.copy_share(events)})
-    with_s, without_s = [x["mean_step_s"] for x in runs["with"]], [x["mean_step_s"] for x in runs["without"]]
-    cost = crash_stats.cost(with_s, without_s)
+        run_dir = scratch / f"memory-cost-{r}"
+        code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=600,
+                      sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}"])
+        events = read_events(run_dir / "events.jsonl")
+        probe = probe_cost(events, skip=COST_WARMUP)
+        runs.append({"exit": code, "cost": probe.cost if probe else None, "pairs": probe.pairs if probe else [],
+                     "on_step_s": probe.on_step_s if probe else None,
+                     "off_step_s": probe.off_step_s if probe else None,
+                     "copy_share": crash_stats.copy_share(events)})
+    pairs = [p for run in runs for p in run["pairs"]]
+    cost = round(statistics.median(pairs), 4) if pairs else None
     return {
-        "runs": runs, "cost": cost, "pair_costs": crash_stats.pair_costs(with_s, without_s),
-        "copy_share": crash_stats.median_of([x["copy_share"] for x in runs["with"]]),
-        "memory_every": 1, "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
+        "runs": runs, "cost": cost, "pairs": len(pairs),
+        "pairs_p25_p75": crash_stats.quartiles(pairs),
+        "copy_share": crash_stats.median_of([x["copy_share"] for x in runs]),
+        "memory_every": 1, "memory_budget": "the job's (default 0.03)", "probe_block_steps": PROBE_BLOCK,
+        "steps": COST_STEPS, "warmup_steps": COST_WARMUP,
+        "method": ("in-run probe: the tier is off in every second block of steps; cost = median over "
+                   "neighbouring on/off block pairs of all runs of mean(on) / mean(off) - 1"),
         "goal": f"cost <= {GOALS['memory_cost']}", "met": cost is not None and cost <= GOALS["memory_cost"],
     }
 

@@ -69,6 +69,7 @@ def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
         "run_dir": str(run_dir), "invocations": tl.invocations, "generations": tl.generations,
         "faults": [dataclasses.asdict(f) for f in tl.faults],
         "goodput": dataclasses.asdict(tl.goodput), "plot": str(plot_path) if plot_path else None,
+        "memory_probe": dataclasses.asdict(tl.probe) if tl.probe else None,
     }
 
 
@@ -108,6 +109,11 @@ def render(tl: Timeline, run_dir: Path) -> list[str]:
     for kind in BADPUT_KINDS:
         share = g.badput[kind] / g.wall_s if g.wall_s else 0.0
         lines.append(f"  {kind:<20} {g.badput[kind]:9.2f} s  {share:6.1%}")
+    if tl.probe:
+        p = tl.probe
+        lines.append(f"in-memory tier cost (checkpoint.memory_probe): {p.cost:+.1%} step time, median of "
+                     f"{len(p.pairs)} neighbouring on/off block pairs (mean step {p.on_step_s * 1e3:.2f} ms "
+                     f"on, {p.off_step_s * 1e3:.2f} ms off, {p.steps} steps)")
     return lines
 
 

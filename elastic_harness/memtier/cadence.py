@@ -17,7 +17,11 @@ out the first step of a generation (data loader start, compilation) and the firs
 into each slot (the first touch of its pages costs 3-5x a later copy): neither swings
 ``K``, nor does an occasional slow step.
 
-Call order, per step on the proposing rank: ``proposal()`` when the step's all-reduce is
+A probe (``checkpoint.memory_probe``, blocks of ``B`` steps) turns the tier off in every second
+block (``probe_on``), so that one run measures what the tier costs next to what it saves
+(``report.probe_cost``): the same processes, the same minutes of a noisy machine.
+
+Call order, per step on the proposing rank: ``proposal(step)`` when the step's all-reduce is
 started; ``step_took`` with the step's whole time (hook included) less its snapshot;
 ``snapshot_took`` after a snapshot. Every rank: ``start(step)`` once, then per step ``agree(k)``, ``due(step, forced)`` and,
 after a snapshot, ``taken(step)``.
@@ -49,6 +53,12 @@ def interval(copy_s: float, step_s: float, budget: float, least: int) -> int:
     return max(least, min(MAX_INTERVAL, math.ceil(copy_s / (budget * step_s) - 1e-9)))
 
 
+def probe_on(step: int, probe: int) -> bool:
+    """Pure: is the tier on for ``step`` (1-based) under a probe of ``probe``-step blocks? Blocks
+    alternate on, off, on, ... from step 1; ``probe`` 0 means always on."""
+    return probe <= 0 or ((step - 1) // probe) % 2 == 0
+
+
 def snapshot_due(k: int, step: int, last: int, forced: bool) -> bool:
     """Pure: snapshot after ``step``? ``k`` steps after the last one (``k`` 0 = tier off), and
     whenever a durable checkpoint is taken (``forced``), so memory is never older than storage."""
@@ -56,8 +66,8 @@ def snapshot_due(k: int, step: int, last: int, forced: bool) -> bool:
 
 
 class Cadence:
-    def __init__(self, every: int, budget: float) -> None:
-        self.every, self.budget = every, budget
+    def __init__(self, every: int, budget: float, probe: int = 0) -> None:
+        self.every, self.budget, self.probe = every, budget, probe
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._copies: deque[float] = deque(maxlen=WINDOW)
         self._last = 0
@@ -80,8 +90,9 @@ class Cadence:
         return (statistics.median(self._copies) if self._copies else 0.0,
                 statistics.median(self._steps) if self._steps else 0.0)
 
-    def proposal(self) -> int:
-        """The interval this rank's measurements call for (``every`` until it has some).
+    def proposal(self, step: int) -> int:
+        """The interval this rank's measurements call for at ``step`` (``every`` until it has
+        some; 0 in a probe's off block).
 
         With ``need`` the unrounded interval the budget asks for, the current one is kept
         while ``need`` is at most ``OVER`` above it and not far below it (``need *
@@ -96,7 +107,7 @@ class Cadence:
             need = copy_s / (self.budget * step_s)
             if need > current * OVER or need * HYSTERESIS < current - 1:
                 self._current = want
-        return self._current
+        return self._current if probe_on(step, self.probe) else 0
 
     def start(self, step: int) -> None:
         """The generation starts from ``step`` (restored or 0): the next snapshot counts from it."""

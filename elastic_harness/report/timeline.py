@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from elastic_harness.goodput import BADPUT_KINDS, RDZV_COMPLETE, Goodput
+from elastic_harness.report.probe import ProbeCost, probe_cost
 from elastic_harness.runstate import fold, split_invocations
 
 __all__ = ["BADPUT_KINDS", "FaultRow", "Goodput", "StepPoint", "Timeline", "build", "split_invocations"]
@@ -88,6 +89,7 @@ class Timeline:
     goodput: Goodput
     points: list[StepPoint]
     evals: list[EvalPoint] = field(default_factory=list)
+    probe: ProbeCost | None = None  # the in-memory tier's cost, when the run probed it
 
 
 def build(events: Sequence[dict]) -> Timeline:
@@ -104,6 +106,7 @@ def build(events: Sequence[dict]) -> Timeline:
         goodput=fold(events).goodput(),
         points=step_points(invocations, gens, t0),
         evals=eval_points(events, t0),
+        probe=probe_cost(events),
     )
 
 

@@ -228,7 +228,8 @@ class Run:
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
         )
         self.memory = _memory_tier(spec, env, groups.ckpt, log)
-        self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget)
+        self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
+                               spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
@@ -436,7 +437,7 @@ class Run:
             return
         flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
                                                          time.monotonic() - self._loop.last_save))
-        k = float(self.cadence.proposal() if self.rank == 0 and self.memory is not None else 0)
+        k = float(self.cadence.proposal(step.number) if self.rank == 0 and self.memory is not None else 0)
         totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag, k],
                               dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)

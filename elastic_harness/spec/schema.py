@@ -257,11 +257,18 @@ class CheckpointSpec:
         "share of step time (measured while training; a crash then redoes fewer steps than the "
         "interval chosen); 0 = exactly every memory_every steps."
     )
+    memory_probe: int = doc(
+        0, "Measure what the in-memory tier costs this job: snapshots are off during every "
+        "second block of this many steps (from step 1: on, off, on, ...), and `elastic-harness "
+        "report` compares the blocks' step times; steps in an off block are protected by "
+        "storage only. 0 = off (the default)."
+    )
 
     def __post_init__(self) -> None:
         _positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
         _positive("checkpoint.memory_every", self.memory_every, allow_zero=True)
         _positive("checkpoint.memory_budget", self.memory_budget, allow_zero=True)
+        _positive("checkpoint.memory_probe", self.memory_probe, allow_zero=True)
         if self.memory_budget > 1:
             raise SpecError("checkpoint.memory_budget", f"must be a share of step time in [0, 1], got "
                             f"{self.memory_budget}", "e.g. 0.03 for 3 %, or 0 for a fixed interval")
