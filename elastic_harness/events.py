@@ -102,7 +102,7 @@ CONTRACT: dict[str, EventKind] = {
     "memory": EventKind("rank 0", "the in-memory tier's snapshot interval was set or changed "
                         "(checkpoint.memory_every, memory_budget)", {
         "step": "the step from which it applies",
-        "every": "snapshot every this many steps (and at every durable save)",
+        "every": "snapshot every this many steps (and at every durable save); 0: off (a memory_probe block)",
         "copy_s": "median seconds a snapshot took on rank 0 (0 before the first)",
         "step_s": "median seconds of a step outside the step hook on rank 0 (0 before measured)",
     }),
