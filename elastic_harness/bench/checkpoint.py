@@ -109,13 +109,33 @@ def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
     # failing child wrote: point tempfile at the scratch dir (removed after) meanwhile.
     saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
     try:
-        mp.spawn(main, args=(cfg,), nprocs=3, join=True)
+        ranks = mp.spawn(main, args=(cfg,), nprocs=3, join=False)
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:  # a failed rank, or Ctrl-C: stop the others before the scratch goes
+            stop_ranks(ranks.processes)
+            raise
     finally:
         tempfile.tempdir = saved
     raw = json.loads((scratch / "results.json").read_text())
     raw["wall_s"] = time.perf_counter() - t0
     raw["load_before"], raw["load_after"] = round(load_before, 2), round(os.getloadavg()[0], 2)
     return raw
+
+
+def stop_ranks(processes: list, grace_s: float = 10.0) -> None:
+    """SIGTERM the bench's rank processes still running (their writer processes die with
+    them), SIGKILL those that outlive ``grace_s``, and reap them all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _goal(value: float, target: float, higher_is_better: bool, enough: bool) -> dict:

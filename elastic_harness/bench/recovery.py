@@ -17,8 +17,9 @@ with medians, ratios and whether each goal was met:
 - anytime: ``--faults`` kill-worker faults sent by the host at seeded random moments
   (mid-step, mid-snapshot, mid-save) into one harness run: steps redone per crash
   (mean), and recovered on the first try                                  <= 1, 100 %
-- memory-cost: uninterrupted runs with and without the in-memory tier, alternating,
-  ``--repeats`` of each: median steady-state step time with / without - 1          <= 3 %
+- memory-cost: ``--repeats`` uninterrupted runs probing the in-memory tier
+  (``checkpoint.memory_probe``: off in every second block of 50 steps): median over
+  neighbouring on/off block pairs of mean step time on / off - 1 (``report.probe``)  <= 3 %
 - goodput with a seeded kill-worker about every 60 s over 5 minutes (``--long``; by
   default 1 fault every 20 s over 2 minutes, which says so in the JSON)          >= 0.97
 - lost work: mean steps lost per kill <= 1 (the in-memory tier); 0 after a graceful drain
