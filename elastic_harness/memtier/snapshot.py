@@ -49,9 +49,11 @@ class TensorRef(NamedTuple):  # a tuple: pickled fast, at every snapshot
 @dataclass
 class Capture:
     skeleton: bytes  # the pickled state dicts, a ``TensorRef`` in place of each tensor
-    tensors: list[tuple[TensorRef, torch.Tensor]]
+    tensors: list[tuple[tuple, torch.Tensor]]  # (``TensorRef`` fields, tensor), as pickled
     data_len: int
     digest: bytes  # of the tensors' dtypes, shapes and kinds, in order
+    sources: list[torch.Tensor]  # the tensors with bytes to copy, in order
+    cpu: bool  # every one of them is in host memory: one fused copy
 
 
 def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +90,8 @@ def capture_trees(trees: dict[str, Any]) -> Capture:
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(trees)
-    return Capture(buf.getvalue(), pickler.tensors, pickler.cursor, _digest(tuple(pickler.layout)))
+    return Capture(buf.getvalue(), pickler.tensors, pickler.cursor, _digest(tuple(pickler.layout)),
+                   pickler.sources, pickler.cpu)
 
 
 class _Pickler(pickle.Pickler):
@@ -97,6 +100,8 @@ class _Pickler(pickle.Pickler):
         self.tensors: list[tuple[TensorRef, torch.Tensor]] = []
         self.layout: list[tuple] = []  # what must match for another state to load these bytes
         self.cursor = 0
+        self.sources: list[torch.Tensor] = []
+        self.cpu = True
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in _PLAIN:  # most tensors: a few microseconds less each than the general path
@@ -112,8 +117,12 @@ class _Pickler(pickle.Pickler):
         cursor, nbytes = self.cursor, t.nbytes
         args = (cursor, nbytes, t.dtype, tuple(t.shape), kind)
         self.cursor = cursor + -(-nbytes // ALIGN) * ALIGN
-        self.tensors.append((TensorRef(*args), t))
+        # Plain tuples here (a NamedTuple costs a microsecond more each, every snapshot).
+        self.tensors.append((args, t))
         self.layout.append(args[2:])
+        if nbytes:
+            self.sources.append(t)
+            self.cpu = self.cpu and t.is_cpu
         return TensorRef, args
 
 
@@ -151,19 +160,19 @@ class Views:
     def of(self, cap: Capture, data: torch.Tensor, base: int) -> list[torch.Tensor]:
         key = (cap.digest, id(data), base)
         if key != self._key:
-            self._views = [_typed(data, base, ref) for ref, _ in cap.tensors]
+            self._views = [_typed(data, base, ref) for ref, _ in cap.tensors if ref[1]]
             self._key = key
         return self._views
 
 
 def write(cap: Capture, data: torch.Tensor, base: int, views: Views) -> None:
     """Copy the tensors, then the pickled skeleton, into ``data`` from ``base``."""
-    pairs = [(view, t) for view, (ref, t) in zip(views.of(cap, data, base), cap.tensors, strict=True) if ref.nbytes]
-    if pairs and all(t.device.type == "cpu" for _, t in pairs):
+    targets = views.of(cap, data, base)  # one per tensor with bytes, as ``cap.sources``
+    if cap.sources and cap.cpu:
         with torch.no_grad():  # one call into C++ for every tensor (a loop of copy_ cost ~2 us each)
-            torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
+            torch._foreach_copy_(targets, cap.sources)
     else:
-        for view, t in pairs:
+        for view, t in zip(targets, cap.sources, strict=True):
             view.copy_(t.detach())
     start = base + cap.data_len
     data[start:start + len(cap.skeleton)].copy_(torch.frombuffer(bytearray(cap.skeleton), dtype=torch.uint8))
@@ -224,10 +233,12 @@ def _kind(t: torch.Tensor) -> tuple:
     return ("dtensor", tuple(t.shape), tuple(t.placements)) if isinstance(t, DTensor) else _PLAIN_KIND
 
 
-def _typed(data: torch.Tensor, base: int, ref: TensorRef) -> torch.Tensor:
-    """The slot's bytes of ``ref`` seen as its dtype and shape (offsets are aligned)."""
-    start = base + ref.offset
-    return data[start:start + ref.nbytes].view(ref.dtype).view(ref.shape)
+def _typed(data: torch.Tensor, base: int, ref: tuple) -> torch.Tensor:
+    """The slot's bytes of ``ref`` (a ``TensorRef`` or its fields) seen as its dtype and shape
+    (offsets are aligned)."""
+    offset, nbytes, dtype, shape = ref[:4]
+    start = base + offset
+    return data[start:start + nbytes].view(dtype).view(shape)
 
 
 _DIGESTS: dict[tuple, bytes] = {}  # a process sees one or two layouts: hashed once each
