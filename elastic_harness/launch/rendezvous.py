@@ -98,9 +98,9 @@ def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, sta
     may still join, and at least two of their polls (``TORCH_POLL_S``): a waiting agent reads
     the state once a second, and the deciding agent checks its deadline on the same beat, so
     a deadline one poll away is a coin toss between "joined" and "closed without it" (seen:
-    two agents restarting together split into two groups of one); else ``PEER_GRACE_S`` (at most ``later_s``) while ``peers_missing``
-    agents of the deciding agent's previous round have not joined; else 0: no agent is
-    known to be coming, so close now.
+    two agents restarting together split into two groups of one); else ``PEER_GRACE_S`` (at
+    most ``later_s``) while ``peers_missing`` agents of the deciding agent's previous round
+    have not joined; else 0: no agent is known to be coming, so close now.
     """
     if round_ == 0:
         return start_s

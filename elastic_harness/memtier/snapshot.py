@@ -97,7 +97,7 @@ def capture_trees(trees: dict[str, Any]) -> Capture:
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[tuple[TensorRef, torch.Tensor]] = []
+        self.tensors: list[tuple[tuple, torch.Tensor]] = []  # (``TensorRef`` fields, tensor)
         self.layout: list[tuple] = []  # what must match for another state to load these bytes
         self.cursor = 0
         self.sources: list[torch.Tensor] = []
