@@ -88,3 +88,27 @@ def test_foreign_checkpoint_is_refused_and_kept(saved_run, overrides, words):
     assert tree_digest(saved_run / "checkpoints") == before
     assert "Traceback" in "".join(p.read_text() for p in (saved_run / "logs").rglob("*.log")), \
         "the full traceback goes to the run's logs"
+
+
+def test_a_failing_worker_prints_its_traceback_before_it_reports(tmp_path, monkeypatch, capfd):
+    """A fatal failure event makes the host stop every agent at once: whatever the worker
+    has not written to its log by then is lost. So the traceback is in the log first."""
+    from elastic_harness.runtime import entry, failures
+
+    script = tmp_path / "boom.py"
+    script.write_text("def inner():\n    raise RuntimeError('boom in the user script')\n\ninner()\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: boom\nscript: {{path: {script}}}\n")
+    logged_when_recorded: list[str] = []
+    monkeypatch.setattr(entry, "_record", lambda exc, run_dir: logged_when_recorded.append(capfd.readouterr().err))
+
+    def no_exit(code: int, *, printed: bool = False) -> None:
+        raise SystemExit((code, printed))
+
+    monkeypatch.setattr(failures, "exit_now", no_exit)
+    with pytest.raises(SystemExit) as ended:
+        entry.main([str(job), str(tmp_path / "run")])
+    assert ended.value.code == (1, True), "exits 1 without printing the traceback twice"
+    assert len(logged_when_recorded) == 1
+    assert "Traceback" in logged_when_recorded[0] and "boom in the user script" in logged_when_recorded[0]
+    assert "in inner" in logged_when_recorded[0], "the user's own frame is in the log"

@@ -7,9 +7,11 @@ training at the old world size. Importing torch takes seconds, so the signal is 
 With warm starts (``runtime.zygote``) this module runs in a fork of the agent's zygote: the
 parent is the zygote, which itself dies with the agent, and torch is already imported.
 
-An exception that escapes is recorded as a ``failure`` event (with the signature the agent
-uses to detect a crash loop, see ``runtime.failures``) and then re-raised through
-torchelastic's ``@record``, which writes the traceback to the agent's error file.
+An exception that escapes is printed (the traceback goes to the worker's log first: the
+event below makes the host stop everything when it is fatal), recorded as a ``failure``
+event (with the signature the agent uses to detect a crash loop, see ``runtime.failures``)
+and then re-raised through torchelastic's ``@record``, which writes the traceback to the
+agent's error file.
 ``SystemExit`` (a drain exits 143) and ``KeyboardInterrupt`` pass through unrecorded. A
 failed (or drained) worker then exits at once (``failures.exit_now``): its agent is waiting
 for that exit to restart the group, and Python's own teardown with torch loaded takes
@@ -61,15 +63,22 @@ def main(argv: list[str]) -> int:
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
+            # The traceback reaches the log before the event does: a fatal event makes the
+            # host stop every agent at once, and a worker stopped before it printed (or
+            # before @record wrote the error file) would leave no trace of where it failed.
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
             _record(e, run_dir)
             raise
 
     try:
         return guarded()
-    except Exception:  # recorded (event, torchelastic's error file): let the agent restart now
+    except Exception:  # printed and recorded (event, torchelastic's error file): restart now
         from elastic_harness.runtime.failures import exit_now
 
-        exit_now(1)
+        exit_now(1, printed=True)
         raise  # not reached
     except SystemExit as e:  # a drain (143): its save is done, its agent waits for the exit
         if e.code not in (None, 0):
