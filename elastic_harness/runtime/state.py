@@ -99,7 +99,8 @@ class ObjectState(Stateful):
 
 
 class TrainState(Stateful):
-    """Step and data position; plain int64 tensors so nothing is pickled."""
+    """Step and data position: plain int64 tensors for DCP, so nothing is pickled; ints for
+    the in-memory tier, whose skeleton is pickled anyway."""
 
     FIELDS = ("version", "step", "cursor", "seed", "dataset_size", "world_size")
 
@@ -110,7 +111,15 @@ class TrainState(Stateful):
         self.saved_world_size: int | None = None
 
     def state_dict(self) -> dict:
-        values = {
+        return {k: torch.scalar_tensor(v, dtype=torch.int64) for k, v in self._values().items()}
+
+    def local_state_dict(self) -> dict:
+        """The same values as plain ints, for the in-memory tier: they go into its pickled
+        skeleton (no tensors to make, pickle and copy at every snapshot: ~40 us of ~230)."""
+        return self._values()
+
+    def _values(self) -> dict[str, int]:
+        return {
             "version": self.data.version,
             "step": self.step,
             "cursor": self.data.cursor,
@@ -118,10 +127,15 @@ class TrainState(Stateful):
             "dataset_size": self.data.dataset_size,
             "world_size": self.world_size,
         }
-        # scalar_tensor: a third of torch.tensor's cost; this runs at every in-memory snapshot.
-        return {k: torch.scalar_tensor(v, dtype=torch.int64) for k, v in values.items()}
+
+    def local_target(self) -> dict:
+        return self.local_state_dict()
+
+    def load_local_state_dict(self, sd: dict) -> None:
+        self.load_state_dict(sd)
 
     def load_state_dict(self, sd: dict) -> None:
+        """From tensors (DCP) or ints (the in-memory tier)."""
         v = {k: int(sd[k]) for k in self.FIELDS}
         self.step = v["step"]
         self.saved_world_size = v["world_size"]
