@@ -44,9 +44,9 @@ def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node
 
 def exit_now(code: int, *, printed: bool = False) -> None:
     """End a worker whose failure is already recorded: the traceback to stderr (the agent's
-    log) unless ``printed`` already, then no interpreter teardown (``procexit``): its agent is waiting for it before it
-    can restart the group, and that teardown took 1.3 s on a quiet 2-core machine and over
-    3 s on a loaded one. Threads still running (a checkpoint write stuck on a dead peer)
+    log) unless ``printed`` already, then no interpreter teardown (``procexit``): its agent
+    is waiting for it before it can restart the group, and that teardown took 1.3 s on a
+    quiet 2-core machine and over 3 s on a loaded one. Threads still running (a checkpoint write stuck on a dead peer)
     are not waited for."""
     from elastic_harness.procexit import exit_without_teardown
 

@@ -111,14 +111,11 @@ class TrainState(Stateful):
         self.saved_world_size: int | None = None
 
     def state_dict(self) -> dict:
-        return {k: torch.scalar_tensor(v, dtype=torch.int64) for k, v in self._values().items()}
+        return {k: torch.scalar_tensor(v, dtype=torch.int64) for k, v in self.local_state_dict().items()}
 
-    def local_state_dict(self) -> dict:
+    def local_state_dict(self) -> dict[str, int]:
         """The same values as plain ints, for the in-memory tier: they go into its pickled
         skeleton (no tensors to make, pickle and copy at every snapshot: ~40 us of ~230)."""
-        return self._values()
-
-    def _values(self) -> dict[str, int]:
         return {
             "version": self.data.version,
             "step": self.step,
