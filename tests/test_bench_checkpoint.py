@@ -26,6 +26,8 @@ def test_spread_pairs_each_window_with_the_no_save_window_of_its_round():
     assert set(s) == {"step_async_save"}  # cpu samples and unpaired kinds left out
     assert s["step_async_save"]["min"] == 0.0 and s["step_async_save"]["max"] == pytest.approx(0.1)
     assert s["step_async_save"]["median"] == pytest.approx(0.05)
+    assert s["step_async_save"]["mean"] == pytest.approx(0.05)
+    assert s["step_async_save"]["se"] == pytest.approx(0.0577 / 2, abs=1e-4)  # stdev of (.1,.1,0,0) / sqrt(4)
 
 
 def test_extra_cpu_is_per_save():

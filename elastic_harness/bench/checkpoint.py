@@ -59,9 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", default="64MB", help="state size: weights + 2 optimizer moments (default 64MB)")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement; medians reported (default 5)")
     p.add_argument("--every", type=int, default=10, help="training: save every N steps (default 10)")
-    p.add_argument("--steps", type=int, default=30, help="training: steps per timed window (default 30)")
-    p.add_argument("--windows", type=int, default=8,
-                   help="training: timed windows per kind, interleaved (default 8)")
+    p.add_argument("--steps", type=int, default=10,
+                   help="training: steps per timed window, a multiple of --every (default 10: one save "
+                        "interval per window, so each is paired with a no-save window seconds away)")
+    p.add_argument("--windows", type=int, default=30,
+                   help="training: timed windows per kind, interleaved (default 30)")
     p.add_argument("--train-only", action="store_true", help="only the training overhead and its floors")
     p.add_argument("--dir", help="scratch directory on the disk to measure (default: system temp)")
     p.add_argument("--out", help="also write the JSON here")
@@ -182,7 +184,9 @@ def extra_cpu(med: dict[str, float], every: int) -> dict[str, float]:
 
 
 def spread(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """Pure: quartiles of each training kind's overhead, window i paired with no-save window i."""
+    """Pure: each training kind's overhead, window i paired with no-save window i (same
+    round, seconds apart): quartiles, and the mean with its standard error (``se``): how
+    finely this run resolves a difference."""
     base = samples.get("step_no_save", [])
     out = {}
     for kind, values in samples.items():
@@ -190,7 +194,9 @@ def spread(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
             over = sorted(v / b - 1 for v, b in zip(values, base, strict=True))
             q = statistics.quantiles(over, n=4, method="inclusive")
             out[kind] = {"p25": round(q[0], 4), "median": round(q[1], 4), "p75": round(q[2], 4),
-                         "min": round(over[0], 4), "max": round(over[-1], 4)}
+                         "min": round(over[0], 4), "max": round(over[-1], 4),
+                         "mean": round(statistics.fmean(over), 4),
+                         "se": round(statistics.stdev(over) / len(over) ** 0.5, 4)}
     return out
 
 

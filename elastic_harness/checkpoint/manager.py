@@ -291,7 +291,13 @@ class CheckpointManager:
         """
         self.wait()  # at most one save in flight
         name = layout.step_dirname(step)
-        action, detail = collective.broadcast(self._prepare_dir(name) if self.rank == 0 else None, self.group)
+        t0 = time.perf_counter()
+        asynchronous = self.policy.async_save and not blocking
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()} if asynchronous else {}
+        skip = plans.written_elsewhere(self._plan_key, plain) if asynchronous else None
+        said = collective.all_gather((self._prepare_dir(name) if self.rank == 0 else None, skip is not None),
+                                     self.group, self.world_size)
+        action, detail = said[0][0]
         if action != "go":
             if action == "error":  # rank 0 could not even look at the storage
                 self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
@@ -303,14 +309,14 @@ class CheckpointManager:
                 self.events.emit("fenced", step=step, name=name, reason=detail,
                                  message=f"checkpoint at step {step} not written: {detail}")
             return False
-        t0 = time.perf_counter()
         self._busy.add(step)
         writer = self.storage.writer(name)
         write = without_zip_crc(on_callers_device(dcp.save))
-        if self.policy.async_save and not blocking:
-            # What dcp.async_save does, in our write thread: a copy training cannot change.
-            staged = self._staging().stage(
-                {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
+        if asynchronous:
+            # What dcp.async_save does, in our write thread: a copy training cannot change
+            # (of what this rank writes, when every rank's cached plan still holds).
+            agreed = all(same for _, same in said)
+            staged = self._staging().stage(plain, skip if agreed and skip else frozenset())
             blocked = time.perf_counter() - t0
             writer = self._offloaded(writer)
             fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
@@ -334,8 +340,7 @@ class CheckpointManager:
         """One reusable host-memory buffer set for async saves (pinned when CUDA is present,
         in the shared arena when a writer process may write them)."""
         if self._stager is None:
-            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available(),
-                                              alloc=self._arena.alloc if self._arena else None)
+            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available(), arena=self._arena)
         return self._stager
 
     def _offloaded(self, writer: Any) -> Any:

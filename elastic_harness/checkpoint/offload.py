@@ -10,8 +10,9 @@ The split, per save (``route``):
    and the big ones, the tensors' storage, as ranges of the staging ``arena`` (torch hands
    the stream a view of the storage itself, so nothing is copied). DCP computes the
    ``WriteResult``s (offsets, lengths) from the recorder's positions, exactly as it would.
-2. The recipes go to the writer process (``writer_child``), which copies, checksums and
-   writes the bytes (``O_DIRECT`` where possible) and fsyncs; the write thread waits for
+2. The recipes go to the writer process (``writer_child``), which checksums and writes the
+   bytes (``O_DIRECT`` where possible, from the arena itself once its buffers are placed to
+   match the file: ``arena``) and fsyncs; the write thread waits for
    its reply, feeding its byte counter into the save's ``WriteWatch`` (progress) and
    passing a ``stop()`` on (the next chunk fails). The files and their size/CRC32 record
    are what the thread path would have produced; the commit is unchanged.
@@ -49,7 +50,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from elastic_harness.checkpoint import writer_child as proto
-from elastic_harness.checkpoint.arena import Arena
+from elastic_harness.checkpoint.arena import PHASE_GRAIN, Arena
 from elastic_harness.checkpoint.streams import WriteStopped, WriteWatch, write_watch
 
 PROCESS, THREAD = "process", "thread"
@@ -83,28 +84,53 @@ def plain_local_fs(writer: Any) -> bool:
 
 
 class Recorder(io.RawIOBase):
-    """A write-only stream that records pieces: ``bytes`` or ``(segment, offset, length)``."""
+    """A write-only stream that records pieces: ``bytes`` or ``(segment, offset, length)``.
+
+    Items start at multiples of ``PHASE_GRAIN`` (zero bytes between them, which no item's
+    ``(offset, length)`` covers), so that the 64-byte alignment ``torch.save`` gives the
+    tensor bytes inside its archive holds in the file too and the arena can place buffers to
+    match (a valid DCP file; DCP's own writer packs items back to back). DCP's per-item
+    pattern is ``tell`` (offset), writes, ``flush`` (its wrapper's close), ``tell`` (length):
+    a ``tell`` that follows that end-of-item ``tell`` with no write between starts an item.
+    """
 
     def __init__(self, arena: Arena) -> None:
         self.arena, self.pieces, self.pos = arena, [], 0
+        self._phase = ""  # "" | "wrote" | "flushed" | "ended": where DCP is in an item
 
     def writable(self) -> bool:
         return True
 
+    def flush(self) -> None:
+        if self._phase == "wrote":
+            self._phase = "flushed"
+
     def tell(self) -> int:
+        if self._phase == "flushed":
+            self._phase = "ended"
+        elif self._phase == "ended" and self.pos % PHASE_GRAIN:  # the next item starts here
+            self._append(bytes(PHASE_GRAIN - self.pos % PHASE_GRAIN))
+            self._phase = ""
         return self.pos
+
+    def _append(self, view: Any) -> None:
+        if self.pieces and isinstance(self.pieces[-1], bytearray):
+            self.pieces[-1] += view
+        else:
+            self.pieces.append(bytearray(view))
+        self.pos += len(view)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        where = self.arena.locate(_address(view), n) if n >= BIG else None
+        self._phase = "wrote"
+        address = _address(view) if n >= BIG else 0
+        where = self.arena.locate(address, n) if n >= BIG else None
         if where is None:
-            if self.pieces and isinstance(self.pieces[-1], bytearray):
-                self.pieces[-1] += view
-            else:
-                self.pieces.append(bytearray(view))
-        else:
-            self.pieces.append((*where, n))
+            self._append(view)
+            return n
+        self.pieces.append((*where, n))
+        self.arena.misplaced(address, self.pos)  # where it should lie for a direct write
         self.pos += n
         return n
 
@@ -132,6 +158,7 @@ class WriterProcess:
         self.sock: socket.socket | None = None
         self._ready = self._closed = False
         self._req = 0
+        self.last_write: dict[str, int] = {}  # the last request's bytes copied / written in place
         try:
             self.start()
         except BaseException:
@@ -252,6 +279,7 @@ class WriterProcess:
         finally:
             watch._leave()
         if reply[0] == "done":
+            self.last_write = reply[3]
             return reply[2]
         _, _, kind, code, message = reply
         if kind == "stopped":

@@ -5,18 +5,23 @@ CTL_FD`` (its parent sets its scheduling class); it imports only the standard li
 milliseconds). The parent serialises each item itself (``torch.save`` into a recorder, see
 ``offload``), so what arrives here is, per file, a list of pieces: literal ``bytes`` (zip
 headers, pickles, small payloads) or ``(segment, offset, length)`` ranges of the shared
-staging memory (``arena``) holding the tensors' bytes. This process copies them into an
-aligned buffer, checksums them (CRC32), and writes with ``O_DIRECT`` where the filesystem
-allows it: no page-cache copy and no deferred writeback in a kernel thread, so nearly all
-of the write's CPU time is spent here, in ``SCHED_IDLE``. The file is cut to its exact size
-and fsynced (when asked), so it is byte-identical to what DCP's own writer would produce.
+staging memory (``arena``) holding the tensors' bytes. This process checksums them (CRC32)
+and writes with ``O_DIRECT`` where the filesystem allows it: no page-cache copy and no
+deferred writeback in a kernel thread, so nearly all of the write's CPU time is spent here,
+in ``SCHED_IDLE``. A range whose place in memory and in the file agree modulo ``ALIGN`` (the
+arena places buffers so, from the second save on) is written from the shared memory itself;
+small pieces, and the unaligned ends of ranges, go through an aligned buffer (a copy that
+costs training more than the write: measured, see ``arena``). The file is cut to its exact
+size and fsynced (when asked): exactly the bytes of its recipe (DCP's items, each starting
+at a multiple of 64: see ``offload.Recorder``).
 
 Protocol (one request at a time, on a stream socket; ``send``/``recv`` below):
 
 - child -> parent, once: ``("ready", pid)``.
 - parent -> child: ``("write", req_id, files, sync, direct, new_segments)``, with the new
   segments' memfds attached (``[(segment id, size)]`` in the same order); ``files`` is
-  ``[(path, filename, pieces)]``. Reply ``("done", req_id, {filename: {size, crc32}})`` or
+  ``[(path, filename, pieces)]``. Reply ``("done", req_id, {filename: {size, crc32}},
+  {"copied": bytes that went through the aligned buffer, "in_place": bytes that did not})`` or
   ``("error", req_id, kind, errno, message)`` (kind ``stopped`` or ``oserror``).
 - EOF on the socket: exit. The parent's death also kills this process (``PR_SET_PDEATHSIG``,
   plus a check that the parent is still the one that started it).
@@ -97,8 +102,10 @@ class Stopped(OSError):
 class AlignedFile:
     """Append-only file written through an aligned buffer; ``O_DIRECT`` when possible.
 
-    ``write`` copies into the buffer and writes whole chunks; ``close`` writes the tail
-    padded to ``ALIGN``, cuts the file to its real size and fsyncs (if ``sync``).
+    ``write`` copies into the buffer and writes whole chunks, or writes ``data`` where it
+    lies when told its address modulo ``ALIGN`` (``phase``) and that matches its place in the
+    file; ``close`` writes the tail padded to ``ALIGN``, cuts the file to its real size and
+    fsyncs (if ``sync``). Invariant with ``O_DIRECT``: the buffer starts at an aligned offset.
     """
 
     def __init__(self, path: str, direct: bool, chunk: int = CHUNK) -> None:
@@ -114,10 +121,32 @@ class AlignedFile:
         self.buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
         self.fill = self.size = 0
         self.crc = 0
+        self.in_place = 0  # bytes written from where they lay, not through ``buf``
 
-    def write(self, data: memoryview) -> int:
+    def write(self, data: memoryview, phase: int | None = None) -> int:
+        """Append ``data``; ``phase``: its address modulo ``ALIGN`` if it may be written from
+        where it lies (shared memory that stays put until the reply), else None."""
         n = len(data)
         self.crc = zlib.crc32(data, self.crc)
+        if phase is not None:
+            head = (-self.size) % ALIGN if self.direct else 0
+            middle = (n - head) // ALIGN * ALIGN if self.direct else n
+            if middle >= ALIGN and (not self.direct or phase == self.size % ALIGN):
+                self._copy(data[:head])
+                if self.fill:
+                    self._flush(self.fill)  # ends aligned: the head completed its last block
+                self._write_all(data[head:head + middle])
+                self.in_place += middle
+                self._copy(data[head + middle:])
+                self.size += n
+                return n
+        self._copy(data)
+        self.size += n
+        return n
+
+    def _copy(self, data: memoryview) -> None:
+        """Into the buffer, writing it out each time it is full."""
+        n = len(data)
         done = 0
         while done < n:
             take = min(n - done, len(self.buf) - self.fill)
@@ -126,24 +155,26 @@ class AlignedFile:
             done += take
             if self.fill == len(self.buf):
                 self._flush(self.fill)
-        self.size += n
-        return n
 
     def _flush(self, length: int) -> None:
         view = memoryview(self.buf)[:length]
         try:
-            written = 0
-            while written < length:
+            self._write_all(view)
+        finally:
+            view.release()
+        self.fill = 0
+
+    def _write_all(self, view: memoryview) -> None:
+        written = 0
+        try:
+            while written < len(view):
                 written += os.write(self.fd, view[written:])
         except OSError as e:
             if not self.direct or e.errno != 22:
                 raise
             self._buffered()  # the filesystem refused O_DIRECT writes after all
-            while written < length:
+            while written < len(view):
                 written += os.write(self.fd, view[written:])
-        finally:
-            view.release()
-        self.fill = 0
 
     def _buffered(self) -> None:
         import fcntl
@@ -170,24 +201,25 @@ class AlignedFile:
 
 
 def write_file(path: str, pieces: list, segments: dict, ctl: mmap.mmap, req_id: int, sync: bool,
-               direct: bool) -> dict:
-    """Write one file from its pieces; ``{size, crc32}`` of what was written."""
+               direct: bool) -> tuple[dict, int]:
+    """Write one file from its pieces; ``{size, crc32}`` of what was written, and how many
+    of its bytes were written in place."""
     out = AlignedFile(path, direct)
     try:
         for piece in pieces:
-            data = memoryview(piece) if isinstance(piece, (bytes, bytearray)) else \
-                memoryview(segments[piece[0]])[piece[1]:piece[1] + piece[2]]
+            shared = not isinstance(piece, (bytes, bytearray))
+            data = memoryview(segments[piece[0]])[piece[1]:piece[1] + piece[2]] if shared else memoryview(piece)
             for at in range(0, len(data), CHUNK):
                 if u64(ctl, STOP) == req_id:
                     raise Stopped(125, "checkpoint write stopped: the save was abandoned")
                 part = data[at:at + CHUNK]
-                out.write(part)
+                out.write(part, (piece[1] + at) % ALIGN if shared else None)  # mappings start page-aligned
                 set_u64(ctl, PROGRESS, u64(ctl, PROGRESS) + len(part))
         out.close(sync)
     except BaseException:
         out.abandon()
         raise
-    return {"size": out.size, "crc32": f"{out.crc:08x}"}
+    return {"size": out.size, "crc32": f"{out.crc:08x}"}, out.in_place
 
 
 def serve(sock: socket.socket, ctl: mmap.mmap) -> None:
@@ -203,9 +235,12 @@ def serve(sock: socket.socket, ctl: mmap.mmap) -> None:
             segments[seg] = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             os.close(fd)
         try:
-            record = {name: write_file(path, pieces, segments, ctl, req_id, sync, direct)
-                      for path, name, pieces in files}
-            reply = ("done", req_id, record)
+            record, in_place = {}, 0
+            for path, name, pieces in files:
+                record[name], n = write_file(path, pieces, segments, ctl, req_id, sync, direct)
+                in_place += n
+            size = sum(r["size"] for r in record.values())
+            reply = ("done", req_id, record, {"copied": size - in_place, "in_place": in_place})
         except Stopped as e:
             reply = ("error", req_id, "stopped", e.errno, str(e))
         except OSError as e:
