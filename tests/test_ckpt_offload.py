@@ -296,7 +296,7 @@ def _ranks(rank: int, port: int, root: str) -> None:
     group = dist.new_group(backend="gloo")
     base, out = Path(root), {}
     try:
-        mgr, events = _manager(rank, base / "proc", group, verify="full", keep=5)
+        mgr, events = _manager(rank, base / "proc", group, verify="full", keep=5, writer="process")
         assert mgr.writer_process.wait_ready(30)
         assert mgr.save(1, _state(1.0), blocking=False)
         mgr.wait()

@@ -110,7 +110,7 @@ def test_runs_leave_nothing_in_the_temp_dir_even_when_sigkilled(tmp_path):
     shm = set(os.listdir(SHM))
     env = {**os.environ, "TMPDIR": str(tmp)}
     cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir),
-           "--set", "train.steps=100000", "--set", "checkpoint.every_steps=5"]
+           "--set", "train.steps=100000", "--set", "checkpoint.every_steps=5", "--set", "checkpoint.writer=process"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

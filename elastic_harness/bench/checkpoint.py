@@ -153,7 +153,7 @@ _RATIOS = {  # name: (numerator, denominator, minus one)
     "resharded_load_over_same_layout": ("load_resharded_2to3", "load_same_layout_2to2", False),
     "step_overhead_async_save": ("step_async_save", "step_no_save", True),
     "step_overhead_sync_save": ("step_sync_save", "step_no_save", True),
-    "step_overhead_async_save_thread": ("step_async_save_thread", "step_no_save", True),
+    "step_overhead_async_save_process": ("step_async_save_process", "step_no_save", True),
     "step_overhead_floor_direct": ("step_floor_direct", "step_no_save", True),
     "step_overhead_floor_buffered": ("step_floor_buffered", "step_no_save", True),
     "async_save_over_floor_direct": ("step_async_save", "step_floor_direct", True),

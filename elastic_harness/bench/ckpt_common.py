@@ -75,9 +75,9 @@ def local_tensors(state: dict) -> list[torch.Tensor]:
 
 
 def make_manager(rank: int, root: Path, group: Any, async_save: bool, events: Events,
-                 writer_process: bool = True) -> CheckpointManager:
+                 writer: str = "thread") -> CheckpointManager:
     storage = LocalStorage(root)
     storage.ensure()
-    policy = CheckpointSpec(keep=2, async_save=async_save, verify="size")
+    policy = CheckpointSpec(keep=2, async_save=async_save, verify="size", writer=writer)
     return CheckpointManager(storage, policy, rank=rank, world_size=2, group=group, events=events,
-                             info={"task": "bench", "job": "bench"}, writer_process=writer_process)
+                             info={"task": "bench", "job": "bench"})

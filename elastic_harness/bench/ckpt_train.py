@@ -13,12 +13,13 @@ Save measurements (per repeat, interleaved, order rotating):
   barrier.
 
 Training (``step_*``): a DDP MLP whose model + AdamW state is about ``size``; mean step time
-over ``steps`` steps with no saves, with an async save every ``every`` steps (as configured:
-bytes written by the writer process; and ``step_async_save_thread``: written by the thread,
-as before the writer process), with a sync save every ``every`` steps, and two *floors* (``floor``): every ``every`` steps a writer
+over ``steps`` steps with no saves, with an async save every ``every`` steps (as configured
+by default: bytes written by the background thread; and ``step_async_save_process``:
+written by the writer process, ``checkpoint.writer: process``), with a sync save every
+``every`` steps, and two *floors* (``floor``): every ``every`` steps a writer
 process in ``SCHED_IDLE`` writes as many raw bytes as this rank's share of a save from
-shared memory and fsyncs, with ``O_DIRECT`` (``step_floor_direct``) or through the page
-cache (``step_floor_buffered``): no DCP, no staging copy, no commit. What any design that
+shared memory and fsyncs, with ``O_DIRECT`` straight from that memory (``step_floor_direct``)
+or through the page cache (``step_floor_buffered``): no DCP, no staging copy, no commit. What any design that
 writes those bytes durably on the same cores pays. A window is ``steps / every`` whole intervals of a run that saves
 every ``every`` steps: each starts with its save (of the state the previous step left) and
 gives that save its ``every`` steps to finish in, as every save of a long run has; the
@@ -118,8 +119,8 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     managers = {
         "step_async_save": make_manager(rank, root / "train-async", ckpt_group, True, Events()),
         "step_sync_save": make_manager(rank, root / "train-sync", ckpt_group, False, Events()),
-        "step_async_save_thread": make_manager(rank, root / "train-thread", ckpt_group, True, Events(),
-                                               writer_process=False),
+        "step_async_save_process": make_manager(rank, root / "train-process", ckpt_group, True, Events(),
+                                                writer="process"),
     }
     counter = iter(range(1, 10**9))
     floor = Floor(rank, root / "floor", [p.detach() for p in model.parameters()], world=2)
@@ -145,8 +146,9 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
         samples.setdefault("cpu_" + kind, []).append(float(cpu.item()))
         return float(t.item())
 
-    window("step_async_save")  # warm-ups: plans, staging buffer, allocator, writer processes
-    window("step_async_save_thread")
+    for _ in range(2):  # warm-ups: plans, staging buffers (and their placement), allocator, writer processes
+        window("step_async_save")
+        window("step_async_save_process")
     window("step_floor_direct")
     for kind in runs:  # the warm-ups' CPU figures: not measurements
         samples.pop("cpu_" + kind, None)

@@ -22,8 +22,8 @@ threads that serialise (it cost a third of the write; torch keeps that setting p
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
 copied into host-memory staging buffers (see ``staging``; shared memory, ``arena``), then DCP
-plans and serialises from that copy in a background thread, a separate writer process writes
-and syncs the bytes (``offload``; the thread writes them itself where that does not apply),
+plans and serialises from that copy in a background thread, which writes and syncs the bytes
+(or, with ``policy.writer == "process"``, a separate writer process does: ``offload``),
 and the commit follows in a second thread (``scheduling``: threads and process yield the CPU
 to training, and are raised back while anyone waits on them). Save plans are cached per
 manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
@@ -126,9 +126,7 @@ class CheckpointManager:
         stall_s: float = STALL_S,
         verify_round_bytes: int = collective.ROUND_BYTES,
         clock: Callable[[], float] = time.time,
-        writer_process: bool = True,
     ) -> None:
-        """``writer_process=False`` keeps async saves' writes in the thread (benchmarks compare)."""
         self.storage, self.policy = storage, policy
         self.rank, self.world_size, self.group = rank, world_size, group
         self.events, self.info = events, info
@@ -141,7 +139,7 @@ class CheckpointManager:
         self._stager: Any = None
         self._arena: Arena | None = None
         self.writer_process: offload.WriterProcess | None = None  # public for benchmarks' CPU accounting
-        if writer_process and policy.async_save and offload.available(is_url(storage.root),
+        if policy.writer == "process" and policy.async_save and offload.available(is_url(storage.root),
                                                                       torch.cuda.is_available()):
             self._arena = Arena()
             try:
