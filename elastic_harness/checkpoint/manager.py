@@ -21,7 +21,8 @@ the zip CRC32 that ``torch.save`` computes per record, so that one is switched o
 threads that serialise (it cost a third of the write; torch keeps that setting per thread).
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
-copied into host-memory staging buffers (see ``staging``; shared memory, ``arena``), then DCP
+copied into host-memory staging buffers (see ``staging``; only what this rank writes, once the
+save plans are cached; shared memory, ``arena``, for a writer process), then DCP
 plans and serialises from that copy in a background thread, which writes and syncs the bytes
 (or, with ``policy.writer == "process"``, a separate writer process does: ``offload``),
 and the commit follows in a second thread (``scheduling``: threads and process yield the CPU

@@ -14,8 +14,9 @@ The split, per save (``route``):
    bytes (``O_DIRECT`` where possible, from the arena itself once its buffers are placed to
    match the file: ``arena``) and fsyncs; the write thread waits for
    its reply, feeding its byte counter into the save's ``WriteWatch`` (progress) and
-   passing a ``stop()`` on (the next chunk fails). The files and their size/CRC32 record
-   are what the thread path would have produced; the commit is unchanged.
+   passing a ``stop()`` on (the next chunk fails). The files hold the same items as the
+   thread path's (each starting at a multiple of 64: ``Recorder``), with their size/CRC32
+   record; the commit is unchanged.
 
 Where it applies (``choose``): asynchronous saves, local storage with torch's plain
 filesystem, CPU tensors staged in the arena, a writer process that said it is ready.

@@ -69,7 +69,7 @@ def written_elsewhere(key: str, state: dict[str, Any]) -> frozenset[str] | None:
         return None
     mine = {item.index.fqn for item in final.items}
     return frozenset(item.index.fqn for item in cached.items if item.type == WriteItemType.TENSOR
-                     and item.index.fqn not in mine and type(flat[item.index.fqn]) in (torch.Tensor, torch.nn.Parameter))
+                     and item.index.fqn not in mine and type(flat.get(item.index.fqn)) in (torch.Tensor, torch.nn.Parameter))
 
 
 def forget(key: str) -> None:
