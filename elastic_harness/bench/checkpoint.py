@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement; medians reported (default 5)")
     p.add_argument("--every", type=int, default=10, help="training: save every N steps (default 10)")
     p.add_argument("--steps", type=int, default=10,
-                   help="training: steps per timed window, a multiple of --every (default 10: one save "
-                        "interval per window, so each is paired with a no-save window seconds away)")
+                   help="training: steps per timed window (default 10: one save interval per window, "
+                        "so each is paired with a no-save window seconds away)")
     p.add_argument("--windows", type=int, default=30,
                    help="training: timed windows per kind, interleaved (default 30)")
     p.add_argument("--train-only", action="store_true", help="only the training overhead and its floors")

@@ -315,7 +315,7 @@ class CheckpointManager:
             # What dcp.async_save does, in our write thread: a copy training cannot change
             # (of what this rank writes, when every rank's cached plan still holds).
             agreed = all(same for _, same in said)
-            staged = self._staging().stage(plain, skip if agreed and skip else frozenset())
+            staged = self._staging().stage(plain, skip if agreed else frozenset())  # agreed: no rank's is None
             blocked = time.perf_counter() - t0
             writer = self._offloaded(writer)
             fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
