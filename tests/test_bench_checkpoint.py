@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_harness.bench.checkpoint import extra_cpu, ratios_of, spread
+from elastic_harness.bench.checkpoint import extra_cpu, machine_per_save, ratios_of, spread
+from elastic_harness.bench.ckpt_common import parse_cpu_line
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,3 +34,17 @@ def test_spread_pairs_each_window_with_the_no_save_window_of_its_round():
 def test_extra_cpu_is_per_save():
     med = {"cpu_step_no_save": 0.15, "cpu_step_async_save": 0.16, "step_no_save": 0.1}
     assert extra_cpu(med, every=10) == {"async_save": pytest.approx(0.1)}
+
+
+def test_machine_time_per_save_is_each_kinds_mean_against_no_save_by_where_it_went():
+    samples = {"machine_steal_step_no_save": [0.0, 0.002], "machine_steal_step_async_save": [0.003, 0.003],
+               "machine_idle_step_no_save": [0.010], "machine_idle_step_async_save": [0.004],
+               "machine_user_step_floor_direct": [0.2], "step_no_save": [0.1]}
+    assert machine_per_save(samples, every=10) == {
+        "async_save": {"steal": pytest.approx(0.02), "idle": pytest.approx(-0.06)}}  # no base: floor left out
+
+
+def test_cpu_line_sums_user_kernel_and_steal_columns():
+    t = parse_cpu_line("cpu  100 10 20 300 4 5 6 7 0 0", ticks_per_s=100)
+    assert t == {"user": 1.1, "kernel": pytest.approx(0.31), "idle": 3.0, "iowait": 0.04, "steal": 0.07}
+    assert parse_cpu_line("cpu 1 2 3 4", 1)["steal"] == 0  # kernels before steal accounting

@@ -15,6 +15,9 @@ process writing the same number of raw bytes + fsync every N steps, with ``O_DIR
 through the page cache, no DCP. ``ratios.async_save_over_floor_direct`` says how far above
 that floor the harness is; ``overhead_spread`` gives the quartiles of each kind's overhead
 over the windows, each window paired with the no-save window of the same round.
+``extra_cpu_s_per_save`` is the CPU each save adds to the ranks and their writer processes;
+``machine_s_per_save`` what it adds to the whole machine's time, by kind (user, kernel,
+idle, iowait, steal: on a VM, a durable write also costs host time taken from the VM's CPUs).
 ``--train-only`` skips the save and load measurements.
 
 The seeds' approach (rank 0 ``torch.save`` of the full state + barrier, every rank
@@ -183,6 +186,23 @@ def extra_cpu(med: dict[str, float], every: int) -> dict[str, float]:
             if base is not None and k.startswith("cpu_step_") and k != "cpu_step_no_save"}
 
 
+def machine_per_save(samples: dict[str, list[float]], every: int) -> dict[str, dict[str, float]]:
+    """Pure: what each save adds to the whole machine's time, by where it went (seconds on
+    all CPUs, from the means per step of ``machine_<what>_<kind>``: means, as the kernel
+    counts in 10 ms ticks, too coarse for a median of short windows). ``idle`` below zero:
+    the save ran in time training left idle; ``steal`` above zero: the hypervisor took that
+    much more from this VM's CPUs (host-side I/O work on a VM), which no design inside the
+    machine gets back."""
+    mean = {k: statistics.fmean(v) for k, v in samples.items() if k.startswith("machine_") and v}
+    out: dict[str, dict[str, float]] = {}
+    for key, value in mean.items():
+        what, kind = key[len("machine_"):].split("_", 1)
+        base = mean.get(f"machine_{what}_step_no_save")
+        if base is not None and kind.startswith("step_") and kind != "step_no_save":
+            out.setdefault(kind[len("step_"):], {})[what] = round((value - base) * every, 4)
+    return out
+
+
 def spread(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Pure: each training kind's overhead, window i paired with no-save window i (same
     round, seconds apart): quartiles, and the mean with its standard error (``se``): how
@@ -221,6 +241,7 @@ def summarize(raw: dict, size: int, args: argparse.Namespace) -> dict:
         "ratios": {k: round(v, 4) for k, v in ratios.items()},
         "overhead_spread": spread(raw["samples"]),
         "extra_cpu_s_per_save": extra_cpu(med, args.every),
+        "machine_s_per_save": machine_per_save(raw["samples"], args.every),
         "goals": goals,
         "all_goals_met": all(g["met"] for g in goals.values()),
         "load": _load(raw),

@@ -26,6 +26,10 @@ gives that save its ``every`` steps to finish in, as every save of a long run ha
 window ends once the last save has committed, so all of its cost is inside. (Saving at the
 end of each interval instead left the last save's whole write outside any overlap: one
 unoverlapped write per window, which no save of a long run pays.)
+
+Per window, besides its time: the CPU the ranks and their writer processes used
+(``cpu_<kind>``), and where the whole machine's time went (``machine_<what>_<kind>``, from
+/proc/stat, read by rank 0: user, kernel, idle, iowait, steal), each per step.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from torch import nn
 from elastic_harness.bench.ckpt_common import (
     Events,
     local_tensors,
+    machine_times,
     make_manager,
     raw_write,
     sharded,
@@ -130,7 +135,7 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     def window(kind: str) -> float:
         save = runs[kind]
         dist.barrier(group=g2)
-        t0, cpu0 = time.perf_counter(), _cpu(save)
+        t0, cpu0, machine0 = time.perf_counter(), _cpu(save), machine_times()
         for i in range(cfg["steps"]):
             if save is not None and i % cfg["every"] == 0:
                 save.save(next(counter), state, blocking=kind == "step_sync_save")
@@ -139,6 +144,9 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
             optim.step()
         if save is not None:
             save.wait()
+        if rank == 0:  # machine-wide: one rank's reading covers both
+            for what, secs in machine_times().items():
+                samples.setdefault(f"machine_{what}_{kind}", []).append((secs - machine0[what]) / cfg["steps"])
         t = torch.tensor([(time.perf_counter() - t0) / cfg["steps"]], dtype=torch.float64)
         cpu = torch.tensor([(_cpu(save) - cpu0) / cfg["steps"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g2)
@@ -150,8 +158,8 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
         window("step_async_save")
         window("step_async_save_process")
     window("step_floor_direct")
-    for kind in runs:  # the warm-ups' CPU figures: not measurements
-        samples.pop("cpu_" + kind, None)
+    for key in [k for k in samples if k.startswith(("cpu_", "machine_"))]:  # the warm-ups': not measurements
+        del samples[key]
     kinds = list(runs)
     for r in range(cfg["windows"]):
         for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
