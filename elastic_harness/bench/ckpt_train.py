@@ -146,7 +146,9 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
             save.wait()
         if rank == 0:  # machine-wide: one rank's reading covers both
             for what, secs in machine_times().items():
-                samples.setdefault(f"machine_{what}_{kind}", []).append((secs - machine0[what]) / cfg["steps"])
+                if what in machine0:
+                    samples.setdefault(f"machine_{what}_{kind}", []).append(
+                        (secs - machine0[what]) / cfg["steps"])
         t = torch.tensor([(time.perf_counter() - t0) / cfg["steps"]], dtype=torch.float64)
         cpu = torch.tensor([(_cpu(save) - cpu0) / cfg["steps"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g2)
