@@ -73,3 +73,31 @@ def test_every_field_is_documented():
     assert len(rows) > 40
     undocumented = [key for key, _, text in rows if not text]
     assert undocumented == []
+
+
+def test_exponent_numbers_are_numbers_not_strings():
+    """PyYAML (YAML 1.1) reads `1e-3` as a string; a job, its --set values and task args
+    read it as the number a user means (YAML 1.2)."""
+    spec = parse_job("task: {target: 'a.b:C', args: {lr: 2E-4}}\n"
+                     "optimizer: {lr: 1e-3, warmup_steps: 1e2}\ntrain: {steps: 1.0e3}\n",
+                     ["optimizer.weight_decay=1e-2"])
+    assert spec.optimizer.lr == 1e-3 and spec.optimizer.weight_decay == 1e-2
+    assert spec.optimizer.warmup_steps == 100 and isinstance(spec.optimizer.warmup_steps, int)
+    assert spec.train.steps == 1000 and spec.task.args["lr"] == 2e-4
+    assert parse_job("task: {target: 'a.b:C'}\nname: '1e3'\n").name == "1e3"  # quoted stays text
+    with pytest.raises(SpecError, match="must be an integer"):
+        parse_job("task: {target: 'a.b:C'}\ntrain: {steps: 1.55e1}\n")
+
+
+def test_a_bad_spec_reports_every_problem_at_once():
+    text = "task: {target: 'a.b:C'}\nbogus: 1\ntrain: {stpes: 20, seed: x}\noptimizer: {lr: abc}\n" \
+           "nodes: {min: 0}\nchaos: [{kind: kill-worker, at_step: 0}, {kind: nope, at_step: 3}]\n"
+    with pytest.raises(SpecError) as e:
+        parse_job(text)
+    text_out = str(e.value)
+    for where in ("bogus: unknown key", "train.stpes: unknown key", "did you mean 'steps'",
+                  "train.seed: must be an integer", "optimizer.lr: must be a number", "nodes.min",
+                  "neither at_step nor at_seconds", "chaos[1].kind"):
+        assert where in text_out, (where, text_out)
+    assert text_out.startswith("job spec error: 7 problems")
+    assert e.value.path == "bogus"

@@ -1,6 +1,6 @@
 """Pure job spec: YAML -> frozen, validated ``JobSpec``. Imports only ``errors``."""
 
-from elastic_harness.spec.loader import describe, dump_job, load_job, parse_job
+from elastic_harness.spec.loader import SpecErrors, describe, dump_job, load_job, parse_job
 from elastic_harness.spec.schema import (
     CheckpointSpec,
     DataSpec,
@@ -30,6 +30,7 @@ __all__ = [
     "OptimizerSpec",
     "RendezvousSpec",
     "ScriptSpec",
+    "SpecErrors",
     "TaskSpec",
     "TimeoutsSpec",
     "TrainSpec",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,42 @@ from elastic_harness.errors import SpecError
 from elastic_harness.spec.schema import FaultSpec, JobSpec
 
 _LIST_ITEMS = {"chaos": FaultSpec}
+
+
+class SpecErrors(SpecError):
+    """Several mistakes in one job spec, each with its path and fix (``errors``), printed as
+    one line each so a user fixes them all in one go."""
+
+    def __init__(self, errors: list[SpecError]) -> None:
+        super().__init__("", f"{len(errors)} problems")
+        self.errors = errors
+        self.path = errors[0].path
+
+    def __str__(self) -> str:
+        lines = [self.message]
+        for e in self.errors:
+            where = f"{e.path}: " if e.path else ""
+            text = e.message.removeprefix("job spec error: ").removeprefix(where)
+            lines.append(f"  {where}{text}" + (f" (fix: {e.hint})" if e.hint else ""))
+        return "\n".join(lines)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading numbers as YAML 1.2 does: ``1e-3`` and ``1.0e3`` are
+    floats (YAML 1.1, PyYAML's dialect, wants a dot and a signed exponent, so ``lr: 1e-3``
+    arrived as the string '1e-3'). Everything else is ``safe_load``'s."""
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
@@ -35,7 +72,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
 
 def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: str = "") -> JobSpec:
     try:
-        raw = yaml.safe_load(text)
+        raw = _yaml(text)
     except yaml.YAMLError as e:
         raise SpecError("", f"{source or 'job'} is not valid YAML{_yaml_reason(e)}",
                         "fix the YAML there (close brackets and quotes; indent with spaces)") from None
@@ -61,7 +98,7 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise SpecError(key, "cannot set a key inside a non-mapping value")
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = _yaml(value)
     except yaml.YAMLError as e:
         raise SpecError(key, f"--set value '{value}' is not valid YAML{_yaml_reason(e, lines=False)}",
                         "quote it, e.g. --set 'key=\"text\"', or close its brackets") from None
@@ -77,19 +114,29 @@ def _yaml_reason(e: yaml.YAMLError, lines: bool = True) -> str:
 
 
 def build(cls: type, raw: Any, path: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking keys and types."""
+    """Build dataclass ``cls`` from a mapping, checking keys and types. Every unknown key
+    and bad value is reported, all in one ``SpecErrors``, not only the first; a range or
+    cross-field rule (``__post_init__``) is checked once the values it reads are sound."""
     if not isinstance(raw, dict):
         raise SpecError(path, f"must be a mapping, got {type(raw).__name__} ({raw!r})")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    problems: list[SpecError] = []
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
             hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
-            raise SpecError(_join(path, str(key)), "unknown key", hint)
+            problems.append(SpecError(_join(path, str(key)), "unknown key", hint))
     kwargs = {}
     for name, value in raw.items():
-        kwargs[name] = _convert(hints[name], value, _join(path, name), name)
+        if name not in fields:
+            continue
+        try:
+            kwargs[name] = _convert(hints[name], value, _join(path, name), name)
+        except SpecError as e:
+            problems.extend(getattr(e, "errors", [e]))
+    if problems:
+        raise problems[0] if len(problems) == 1 else SpecErrors(problems)
     return cls(**kwargs)
 
 
@@ -110,7 +157,15 @@ def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
         item_cls = _LIST_ITEMS.get(name)
         if item_cls is None:
             return list(value)
-        return [build(item_cls, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        items, problems = [], []
+        for i, v in enumerate(value):
+            try:
+                items.append(build(item_cls, v, f"{path}[{i}]"))
+            except SpecError as e:
+                problems.extend(getattr(e, "errors", [e]))
+        if problems:
+            raise problems[0] if len(problems) == 1 else SpecErrors(problems)
+        return items
     if tp is dict:
         if not isinstance(value, dict):
             raise SpecError(path, f"must be a mapping, got {type(value).__name__}")
@@ -120,6 +175,8 @@ def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
             raise SpecError(path, f"must be true or false, got {value!r}")
         return value
     if tp is int:
+        if isinstance(value, float) and value.is_integer():  # steps: 1e4
+            return int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(path, f"must be an integer, got {value!r}")
         return value
