@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from elastic_harness import exitcodes
-from elastic_harness.chaos.inject import ready
-from elastic_harness.chaos.schedule import due, hits
+from elastic_harness.chaos.inject import ChaosController, ready
+from elastic_harness.chaos.schedule import due, hits, unfired
 from elastic_harness.chaos.vocabulary import (
     FIRE_NOW_S,
     KINDS,
     check_netns,
     check_targets,
+    fault_text,
     fire_now,
     fired_by_worker,
     parse_fault,
@@ -253,3 +254,35 @@ def test_etcd_tls_settings_reach_torchs_rendezvous_conf():
     assert (conf["ssl_cert"], conf["ssl_cert_key"]) == ("/tls/c.pem", "/tls/k.pem")
     with pytest.raises(SpecError, match="etcd_protocol"):
         parse_job("rendezvous: {etcd_ca_cert: /tls/ca.pem}")
+
+
+def test_a_fault_after_the_last_step_is_refused():
+    check_targets([FaultSpec("kill-worker", 1, at_step=60)], ranks=2, nodes=1, steps=60)
+    with pytest.raises(HarnessError, match="kill-worker:1@500' is keyed to step 500, but this job trains 60") as e:
+        check_targets([FaultSpec("kill-worker", 1, at_step=500)], ranks=2, nodes=1, steps=60)
+    assert "from 1 to 60" in e.value.hint
+
+
+def test_run_refuses_a_fault_beyond_train_steps_before_starting(tmp_path, capsys):
+    code = main(["run", str(MLP), "--set", "train.steps=60", "--chaos", "kill-worker:1@500",
+                 "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "never fire" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text", ["kill-worker:1@500", "add-node@100", "kill-node:2@30s", "hang:0@2.5s"])
+def test_fault_text_reads_back(text):
+    assert fault_text(parse_fault(text)) == text
+
+
+def test_unfired_faults_and_unjoined_nodes_are_named(tmp_path):
+    faults = [parse_fault("kill-worker:1@20"), parse_fault("kill-worker:1@500"), parse_fault("add-node@10")]
+    fired = [{"event": "fault", "kind": "kill-worker", "target": 1, "step": 20},
+             {"event": "fault", "kind": "add-node", "target": 0, "step": 10}]
+    assert unfired(faults, fired) == [faults[1]], "each event accounts for one fault"
+    chaos = ChaosController(faults, EventLog(tmp_path / "events.jsonl"), tmp_path)
+    for e in [{"event": "worker", "rank": 0, "pid": 5, "node": "0"},
+              {"event": "worker", "rank": 1, "pid": 6, "node": "1"}, *fired]:
+        chaos.observe(e, cluster=None)
+    assert chaos.unfired() == [faults[1]]
+    assert chaos.unjoined([0, 1, 2]) == [2], "node 2 started but no worker of it reported"

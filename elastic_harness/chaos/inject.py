@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from elastic_harness.chaos.schedule import due
+from elastic_harness.chaos.schedule import due, unfired
 from elastic_harness.chaos.vocabulary import KINDS, Kind, fire_now, parse_fault
 from elastic_harness.cluster import LocalCluster
 from elastic_harness.events import EventLog
@@ -49,12 +49,25 @@ class ChaosController:
         self.step = 0
         self.workers: dict[int, tuple[int, str]] = {}  # rank -> (pid, node), latest generation
         self.heals: list[tuple[float, int]] = []  # (when, node) for timed partitions
+        self.done: list[dict] = []  # the fault events seen (worker- and host-fired)
 
     def observe(self, e: dict, cluster: LocalCluster) -> None:
         if e["event"] == "worker":
             self.workers[e["rank"]] = (e["pid"], str(e.get("node", "")))
         elif e["event"] == "step":
             self.step = max(self.step, e["step"])
+        elif e["event"] == "fault":
+            self.done.append(e)
+
+    def unfired(self) -> list[FaultSpec]:
+        """Faults this run was given (or asked for) that no ``fault`` event shows fired."""
+        return unfired(self.faults, self.done)
+
+    def unjoined(self, running: Collection[int]) -> list[int]:
+        """Of the ``running`` nodes, those no worker has reported from: started (say, by
+        ``add-node``) but not part of the job yet."""
+        joined = {node for _, node in self.workers.values()}
+        return [i for i in running if str(i) not in joined]
 
     def tick(self, cluster: LocalCluster) -> None:
         self._take_requests()

@@ -94,18 +94,30 @@ def check_netns(faults: Iterable[FaultSpec], netns: bool) -> None:
                            "run with --netns (as root)")
 
 
-def check_targets(faults: Sequence[FaultSpec], ranks: int, nodes: int) -> None:
+def check_targets(faults: Sequence[FaultSpec], ranks: int, nodes: int, steps: int = 0) -> None:
     """Refuse targets that can never exist: a fault on them would wait forever or crash.
 
     ``ranks`` is the largest world size (nodes.max x nproc_per_node); ``nodes`` the number of
-    node indexes the run can have (nodes started plus one per ``add-node``).
+    node indexes the run can have (nodes started plus one per ``add-node``); ``steps`` the
+    job's ``train.steps`` (0: not checked): a fault after the last step would never fire.
     """
     for f in faults:
+        if steps and f.at_step > steps:
+            raise HarnessError(f"fault '{fault_text(f)}' is keyed to step {f.at_step}, but this job "
+                               f"trains {steps} steps only, so it would never fire",
+                               f"pick a step from 1 to {steps}, or raise train.steps")
         kind = KINDS[f.kind]
         limit, what = (ranks, "rank") if kind.target == "rank" else (nodes, "node")
         if kind.target != "none" and f.target >= limit:
             raise HarnessError(f"fault '{f.kind}' targets {what} {f.target}, but this job has "
                                f"{what}s 0..{limit - 1} only", f"pick a {what} from 0 to {limit - 1}")
+
+
+def fault_text(f: FaultSpec) -> str:
+    """``f`` in the form ``--chaos`` takes (``parse_fault`` reads it back)."""
+    target = "" if KINDS[f.kind].target == "none" else f":{f.target}"
+    when = f"@{f.at_step}" if f.at_step else f"@{f.at_seconds:g}s"
+    return f"{f.kind}{target}{when}"
 
 
 # KIND[:TARGET][@STEP | @SECONDSs]; every part is checked, nothing is guessed.

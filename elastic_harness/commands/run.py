@@ -98,7 +98,8 @@ def check_faults(spec, nodes: int, netns: bool) -> None:
     """Refuse faults this run cannot carry out, before any agent starts."""
     check_netns(spec.chaos, netns)
     adds = sum(1 for f in spec.chaos if f.kind == "add-node")
-    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds)
+    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds,
+                  steps=spec.train.steps)
 
 
 def preflight(spec, job_path: Path):
@@ -166,14 +167,30 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
     try:
         cluster.start()
         fatal = _supervise(cluster, tail, progress, chaos, spec, stop)
+        unjoined = chaos.unjoined(cluster.running()) if progress.state.finished else []
     finally:
         chaos.thaw(cluster)
         cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
         stop.restore()
         for e in tail.read():  # what the drain wrote while the nodes stopped
             progress.update(e)
+            chaos.observe(e, cluster)
         progress.close()
+    _what_did_not_happen(chaos, unjoined, progress.state.step)
     return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state)
+
+
+def _what_did_not_happen(chaos: ChaosController, unjoined: list[int], step: int) -> None:
+    """Say which faults the run was given but never fired, and which started nodes never
+    joined before it finished: a run that ends quietly without them misleads."""
+    missed = chaos.unfired()
+    if missed:
+        from elastic_harness.chaos.vocabulary import fault_text
+
+        print(f"warning: {len(missed)} scheduled fault(s) did not fire: "
+              f"{', '.join(fault_text(f) for f in missed)} (the run ended after step {step})", file=sys.stderr)
+    for index in unjoined:
+        print(f"note: node {index} had not joined the job when it finished (it was stopped)", file=sys.stderr)
 
 
 class StopSignal:
@@ -227,9 +244,12 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
         if all(code is not None for code in cluster.poll().values()):
             for e in tail.read():
                 progress.update(e)
+                chaos.observe(e, cluster)
             return None
         if finished_at and time.monotonic() - finished_at > spec.timeouts.shutdown_grace + 10:
             return None
+        if finished_at and len(chaos.unjoined(cluster.running())) == len(cluster.running()):
+            return None  # only nodes that never joined are left: nothing to wait for
         time.sleep(POLL_S)
     return None
 
