@@ -106,10 +106,38 @@ def cmd_logs(args: argparse.Namespace) -> int:
     root = registry.state_dir()
     since = parse_since(args.since, time.time()) if args.since else None
     record = resolve(args.job, root)
+    if record.run_dir and (args.rank is not None or args.node is not None):
+        check_log_target(record, args.rank, args.node, root)
     query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since)
     with contextlib.suppress(KeyboardInterrupt):  # the way to end `logs -f`
         scheduler_for(record.scheduler, root).logs(record, query, sys.stdout)
     return 0
+
+
+def check_log_target(record: JobRecord, rank: int | None, node: str | None, root: Path) -> None:
+    """``logs --rank R`` / ``--node N`` of a rank or node the job never had: say which it has
+    (instead of printing nothing). A job still running may grow: only its ranks so far count
+    as known then, and an unknown one is allowed (it may join)."""
+    from elastic_harness.lifecycle.observe import submission_events
+    from elastic_harness.lifecycle.state import invocation_of
+
+    workers = [e for e in invocation_of(submission_events(Path(record.run_dir), record.id), record.id)
+               if e.get("event") == "worker"]
+    ranks = sorted({int(e["rank"]) for e in workers if e.get("rank") is not None})
+    nodes = sorted({str(e.get("node", "")) for e in workers})
+    if not workers or scheduler_for(record.scheduler, root).status(record).state in ACTIVE:
+        return
+    if rank is not None and rank not in ranks:
+        raise HarnessError(f"job {record.id} has no rank {rank}: its ranks were {_span(ranks)}",
+                           f"pass --rank {ranks[0]}..{ranks[-1]}, or leave --rank out for every log")
+    if node is not None and node not in nodes:
+        raise HarnessError(f"job {record.id} has no node '{node}': its nodes were {', '.join(nodes)}",
+                           "pass one of them to --node, or leave --node out for every log")
+
+
+def _span(values: list[int]) -> str:
+    return f"{values[0]}..{values[-1]}" if values == list(range(values[0], values[-1] + 1)) and len(values) > 1 \
+        else ", ".join(map(str, values))
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -119,9 +147,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     record = resolve(args.job, root)
     sched = scheduler_for(record.scheduler, root)
     st = sched.status(record)
-    if st.state not in ACTIVE:
-        raise HarnessError(f"job {record.id} is not running: it {_ended(st)}",
-                           f"nothing to stop (elastic-harness status {record.id}); submit the job again to resume it")
+    if st.state not in ACTIVE:  # already where stop would take it: say so, as TorchX's cancel
+        print(f"job {record.id} is not running: it {_ended(st)}; nothing to stop")
+        return 0
     registry.request_stop(record, root, now=args.now)
     sched.stop(record, args.now)
     if args.no_wait:

@@ -13,7 +13,7 @@ from pathlib import Path
 from elastic_harness.events import read_events
 from elastic_harness.lifecycle import registry
 from elastic_harness.lifecycle.registry import JobRecord
-from elastic_harness.lifecycle.state import JobStatus, Liveness, status_from_events
+from elastic_harness.lifecycle.state import JobStatus, Liveness, invocation_of, status_from_events
 
 
 def observe(record: JobRecord, live: Liveness, root: Path) -> JobStatus:
@@ -21,5 +21,19 @@ def observe(record: JobRecord, live: Liveness, root: Path) -> JobStatus:
     base = JobStatus(id=record.id, name=record.name, scheduler=record.scheduler, state="pending",
                      where=live.detail, run_dir=record.run_dir, total_steps=record.total_steps,
                      submitted=record.submitted)
-    events = read_events(Path(record.run_dir) / "events.jsonl")
+    events = submission_events(Path(record.run_dir), record.id)
     return status_from_events(base, events, live, registry.stop_request(record, root), time.time())
+
+
+def submission_events(run_dir: Path, job_id: str) -> list[dict]:
+    """The run dir's event log, or, when ``--fresh`` has since moved the log holding this
+    submission aside (``events.jsonl.old-STAMP``, ``rundir``), that one: each submission
+    keeps its own record (a job that succeeded stays succeeded)."""
+    events = read_events(run_dir / "events.jsonl")
+    if invocation_of(events, job_id):
+        return events
+    for old in sorted(run_dir.glob("events.jsonl.old-*"), reverse=True):
+        aside = read_events(old)
+        if invocation_of(aside, job_id):
+            return aside
+    return events
