@@ -59,7 +59,11 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
     try:
         if not inside(root, run_dir):
             store = open_storage(root)
-            store.ensure()
+            try:
+                store.ensure()
+            except OSError as e:
+                raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
+                                      "set checkpoint.dir to a directory you can write") from None
             leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
         if fresh:
             set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
@@ -69,6 +73,35 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             lease.release()
         raise
     return Claim(run_dir, root, leases)
+
+
+def check_paths(run_dir: Path, spec: JobSpec) -> None:
+    """Before anything heavy (torch, the task): the run directory and a local
+    ``checkpoint.dir`` must be directories this process can create or write, not files.
+    Reads only (nothing is created: a job refused later leaves no empty directory);
+    ``prepare`` proves them writable for real."""
+    run_dir = Path(run_dir).absolute()
+    _check_dir(run_dir, "run directory", RunDirError, "pass --run-dir to a directory you can write")
+    root = checkpoint_root(spec.checkpoint.dir, run_dir)
+    if not is_url(root):
+        _check_dir(Path(root), "checkpoint.dir", CheckpointError,
+                   "set checkpoint.dir to a directory you can write (or leave it empty: RUN_DIR/checkpoints)")
+
+
+def _check_dir(path: Path, what: str, error: type, fix: str) -> None:
+    """``path`` is a writable directory, or the nearest existing ancestor is one."""
+    here = path
+    while not here.exists() and here != here.parent:
+        if here.is_symlink():  # a dangling link: mkdir would fail on it
+            raise error(f"{what} '{path}' is a broken link ({here} -> {os.readlink(here)})", fix)
+        here = here.parent
+    if not here.is_dir():
+        if here == path:
+            raise error(f"{what} '{path}' is a file, not a directory", fix)
+        raise error(f"{what} '{path}' is not writable: '{here}' is a file, not a directory", fix)
+    if not os.access(here, os.W_OK | os.X_OK):
+        inside = "" if here == path else f" (nor can it be made in '{here}')"
+        raise error(f"{what} '{path}' is not writable{inside}", f"{fix}, or fix its permissions")
 
 
 def _writable(run_dir: Path) -> None:

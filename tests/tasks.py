@@ -30,3 +30,10 @@ class Poisoned(MLPRegression):
                 return inner[i]
 
         return WithPoison()
+
+
+class BrokenModel(MLPRegression):
+    """build_model raises: refused once by the host, before any worker starts."""
+
+    def build_model(self):
+        raise ValueError("hidden size must be even, got 7")

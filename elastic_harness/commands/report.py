@@ -122,11 +122,11 @@ def render(tl: Timeline, run_dir: Path) -> list[str]:
 
 def final_checkpoint(run_dir: Path):
     """(storage, step dir name) of the newest complete checkpoint that verifies."""
+    if not run_dir.is_dir():  # before torch is imported (offline): a typo answers at once
+        raise RunDirError(f"'{run_dir}' is not a directory", "name a run directory")
     from elastic_harness.checkpoint.offline import newest_usable
     from elastic_harness.checkpoint.storage import open_storage
 
-    if not run_dir.is_dir():
-        raise RunDirError(f"'{run_dir}' is not a directory", "name a run directory")
     root = _checkpoint_root(run_dir)
     storage = open_storage(root)
     choice = newest_usable(storage, "full")
@@ -154,13 +154,11 @@ def within(a: dict, b: dict, atol: float, rtol: float) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    found = [final_checkpoint(Path(where)) for where in (args.run_dir, args.ref_run_dir)]
+    # torch is imported once the paths are found: a typo answers at once
     from elastic_harness.checkpoint.offline import compare, load_model_tensors
 
-    sides = []
-    for where in (args.run_dir, args.ref_run_dir):
-        storage, name = final_checkpoint(Path(where))
-        sides.append((load_model_tensors(storage.reader(name)), storage.uri(name)))
-    (a, where_a), (b, where_b) = sides
+    (a, where_a), (b, where_b) = [(load_model_tensors(s.reader(n)), s.uri(n)) for s, n in found]
     diff = compare(a, b)
     ok = diff["comparable"] and (diff["identical"] or within(a, b, args.atol, args.rtol))
     verdict = _verdict(diff, ok, args.atol, args.rtol)

@@ -22,7 +22,7 @@ from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
-from elastic_harness.rundir import prepare
+from elastic_harness.rundir import check_paths, prepare
 from elastic_harness.runstate import RunState
 from elastic_harness.spec import load_job
 from elastic_harness.summary import summarize
@@ -63,6 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     check_faults(spec, nodes, args.netns)
+    check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
     spec = preflight(spec, Path(args.job))
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     holder = Holder.this_process(spec.name, rdzv_id)  # the agents join this submission's locks
@@ -113,8 +114,33 @@ def preflight(spec, job_path: Path):
         return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script)))
     from elastic_harness.tasks import load_task
 
-    load_task(spec.task.target, spec.task.args)
+    check_model_builds(load_task(spec.task.target, spec.task.args), spec.task.target)
     return spec
+
+
+def check_model_builds(task, target: str) -> None:
+    """Build the task's model once here, before any worker: a ``build_model`` that raises is
+    one line now, not one failure per rank and a crash loop. Built on the meta device first
+    (no memory, no initialisation cost); a model that cannot be built there is built for
+    real, and only a failure there too is the task's."""
+    import torch
+
+    from elastic_harness.errors import TaskError
+    from elastic_harness.runtime.failures import describe
+
+    try:
+        with torch.device("meta"):
+            model = task.build_model()
+    except Exception:  # noqa: BLE001 - some models cannot live on meta: try for real
+        try:
+            model = task.build_model()
+        except Exception as e:  # noqa: BLE001 - whatever the user's code raises
+            d = describe(e)
+            raise TaskError(f"task.target '{target}': build_model() raised {d['message']} (at {d['where']})",
+                            "fix build_model() at the line named; nothing was started") from None
+    if not isinstance(model, torch.nn.Module):
+        raise TaskError(f"task.target '{target}': build_model() returned {type(model).__name__}, "
+                        "not a torch.nn.Module", "return the model (an nn.Module) from build_model()")
 
 
 def resolve_script(path: str, job_path: Path) -> Path:

@@ -50,6 +50,7 @@ import random
 import signal
 import sys
 import time
+import typing
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -70,6 +71,7 @@ from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
 from elastic_harness.memtier.tier import MemoryTier, Restored
+from elastic_harness.rundir import check_paths
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime import failures, precision
@@ -141,14 +143,34 @@ def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
     if argv is not None:
         job, run_dir, overrides, rest = _from_argv(argv, job, run_dir, overrides)
     env = WorkerEnv.from_environ(standalone_ok=True)
-    spec, run_dir = resolve_job(env, job, run_dir, overrides)
+    try:
+        spec, run_dir = resolve_job(env, job, run_dir, overrides)
+        if not env.by_harness:
+            check_paths(Path(run_dir), spec)
+    except HarnessError as e:
+        _refuse(e, env)
     t0 = time.perf_counter()
     groups = hdist.init(env, spec.device, spec.timeouts.process_group)
     pg_init_s = time.perf_counter() - t0
-    claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
+    try:
+        claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
+    except HarnessError as e:
+        hdist.destroy(groups)
+        _refuse(e, env)
     _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim)
     _ACTIVE.argv = rest
     return _ACTIVE
+
+
+def _refuse(e: HarnessError, env: WorkerEnv) -> typing.NoReturn:
+    """A mistake ``init`` found (the job, its overrides, the run dir). Under plain python or
+    torchrun: one line, as ``elastic-harness run`` prints it, and exit 2 (not a traceback).
+    Under our agent the host checked all this before starting it: let the entry record it."""
+    if env.by_harness:
+        raise e
+    if env.rank == 0:  # every rank read the same job: one says it
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(e.exit_code)
 
 
 def _from_argv(argv: Sequence[str], job: Any, run_dir: Any, overrides: Sequence[str]) -> tuple:
