@@ -147,6 +147,8 @@ def test_a_crash_loop_stops_after_two_attempts_with_one_line(tmp_path):
     ("no-step-hook", "did not call step.done()"),
     ("stray-optimizer", "not parameters of the registered model"),
     ("bad-evaluate", "crash loop"),
+    ("unwrapped", "not wrapped for data parallelism"),
+    ("unregistered-scheduler", "an LR scheduler (LinearLR) steps the registered optimizer but was not registered"),
 ])
 def test_api_mistakes_in_a_script_are_one_line(tmp_path, mistake, words):
     job = tmp_path / "job.yaml"

@@ -65,3 +65,65 @@ def test_script_init_with_a_bad_override_is_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == ["error: job spec error: train.stpes: unknown key",
                                              "  fix: did you mean 'steps'?"]
     assert not (tmp_path / "run").exists()
+
+
+# ----- mistakes that trained to the end silently (issue 23, items 1 and 2) -------------------
+def _model_and_optimizer():
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_an_unregistered_scheduler_over_the_registered_optimizer_is_found():
+    import torch
+
+    from elastic_harness.errors import UsageError
+    from elastic_harness.runtime.registration import check_schedulers, unregistered_schedulers
+
+    model, opt = _model_and_optimizer()
+    assert unregistered_schedulers(opt, []) == [], "none built: nothing searched, nothing found"
+    warm = torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=10)
+    with pytest.raises(UsageError, match=r"LR scheduler \(LinearLR\) steps the registered optimizer") as e:
+        check_schedulers(opt, [None])
+    assert "scheduler=scheduler" in e.value.hint
+    check_schedulers(opt, [warm])
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 100)
+    seq = torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[10])
+    assert unregistered_schedulers(opt, [seq]) == [], "SequentialLR saves its parts"
+    assert unregistered_schedulers(opt, [warm]) == [cos, seq]
+    assert unregistered_schedulers(opt, [None, {"extra": 1}, seq]) == []
+    _, other = _model_and_optimizer()
+    torch.optim.lr_scheduler.StepLR(other, 5)  # another optimizer's: not ours to judge
+    check_schedulers(opt, [seq])
+
+
+def test_a_dropped_scheduler_is_not_counted():
+    import torch
+
+    from elastic_harness.runtime.registration import unregistered_schedulers
+
+    model, opt = _model_and_optimizer()
+
+    def build_and_drop():
+        torch.optim.lr_scheduler.LinearLR(opt, 0.1, total_iters=10)
+
+    build_and_drop()
+    assert unregistered_schedulers(opt, []) == []
+
+
+def test_replicas_that_differ_are_named():
+    import torch
+
+    from elastic_harness.runtime.registration import distributed, parameters_digest, replicas_differ
+
+    a, _ = _model_and_optimizer()
+    b, _ = _model_and_optimizer()
+    b.load_state_dict(a.state_dict())
+    assert not distributed(a) and not distributed(torch.compile(a))
+    same = parameters_digest(a)
+    assert replicas_differ(a, lambda d: [d, same, same]) == []
+    with torch.no_grad():
+        b[0].bias[0] += 1e-6
+    assert replicas_differ(a, lambda d: [d, parameters_digest(b), d]) == [1]

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import random
 import signal
 import sys
@@ -80,6 +79,13 @@ from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.loader import StepLoader, planner, to_device
 from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.registration import (
+    check_registration,
+    check_schedulers,
+    distributed,
+    replicas_differ,
+    unwrapped_error,
+)
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
@@ -256,6 +262,8 @@ class Run:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
         self._state: dict[str, Any] | None = None
+        self._registered: list[Any] = []  # the scheduler and extra objects register() named
+        self._compare_replicas = False  # an unwrapped model on several ranks, not compared yet
         self._train = TrainState(DataState(spec.train.seed, 0), env.world_size)
         self._resumed = False
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
@@ -294,6 +302,11 @@ class Run:
         if self._state is not None:
             raise UsageError("run.register() was called twice", "register everything in one call")
         check_registration(model, optimizer, scheduler, extra)
+        # Several data-parallel ranks (the world size today) and a bare model: compared
+        # across ranks before the first save (``registration``).
+        self._compare_replicas = self.world_size > 1 and not distributed(model)
+        self._registered = [scheduler, *extra.values()]
+        check_schedulers(optimizer, self._registered)
         if scaler is not None:
             self.scaler = scaler
         self.model, self.optimizer = model, optimizer
@@ -309,6 +322,7 @@ class Run:
         if self._state is None:
             raise UsageError("run.resume()/run.steps() before run.register()",
                              "call run.register(model, optimizer, ...) first")
+        check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
         self.ckpt.join()  # every generation enters the fence, whichever tier restores it
         restored = self.memory.restore(self._state) if self.memory is not None else None
@@ -482,13 +496,25 @@ class Run:
         loop = self._loop
         if step == loop.last_saved_step or not (blocking or periodic):
             return
+        if self._compare_replicas:
+            self._check_replicas(step)
         # A save may wait for the previous one or write synchronously: a longer budget.
         loop.watchdog.arm(extra_s=self.spec.timeouts.process_group)
         if self.ckpt.save(step, self._state, blocking=blocking):
             loop.last_save, loop.last_saved_step = time.monotonic(), step
         loop.watchdog.arm()
 
+    def _check_replicas(self, step: int) -> None:
+        """Before the first save of an unwrapped model (``registration``): every rank."""
+        self._compare_replicas = False
+        differ = replicas_differ(self.model, lambda d: collective.all_gather(d, self.groups.ckpt,
+                                                                              self.world_size))
+        if differ:
+            raise unwrapped_error(self.model, step, differ)
+
     def _finish(self) -> None:
+        if self._compare_replicas:  # no save compared them: the final digest must not hide it
+            self._check_replicas(self._train.step)
         self.ckpt.wait()
         digest = model_digest(self.model)
         self.events.emit("finish", step=self._train.step,
@@ -610,47 +636,6 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> Me
 def job_identity(spec: JobSpec) -> str:
     """What a checkpoint records as its producer: the task target, or the script's name."""
     return spec.task.target or f"script:{Path(spec.script.path).name}"
-
-
-def check_registration(model: Any, optimizer: Any, scheduler: Any, extra: dict) -> None:
-    """Refuse what cannot be checkpointed correctly, with the fix (pure checks)."""
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"run.register(model=...) got {type(model).__name__}, not a torch.nn.Module",
-                         "pass the (wrapped) model")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(f"run.register(optimizer=...) got {type(optimizer).__name__}, not a "
-                         "torch.optim.Optimizer", "pass the optimizer that trains the model")
-    own = {id(p) for p in model.parameters()}
-    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
-    if stray:
-        raise UsageError(
-            f"the optimizer holds {len(stray)} tensors that are not parameters of the registered "
-            "model (built before the model was wrapped, moved or sharded?)",
-            "build the optimizer after wrapping, over the wrapped model's parameters "
-            "(e.g. optim.AdamW(ddp_model.parameters()))",
-        )
-    if scheduler is not None:
-        _check_stateful("scheduler", scheduler)
-        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise UsageError("the LR scheduler belongs to another optimizer than the registered one",
-                             "build the scheduler over the registered optimizer")
-    for name, obj in extra.items():
-        if not isinstance(obj, dict):
-            _check_stateful(name, obj)
-
-
-def _check_stateful(name: str, obj: Any) -> None:
-    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-        raise UsageError(f"'{name}' ({type(obj).__name__}) has no state_dict()/load_state_dict()",
-                         "register objects with both methods, or plain dicts of tensors and values")
-    try:
-        pickle.dumps(obj.state_dict())
-    except Exception as e:  # noqa: BLE001 - any pickling failure means it cannot be saved
-        raise UsageError(
-            f"the state of '{name}' ({type(obj).__name__}) cannot be saved: {e}",
-            "keep only plain values in its state_dict() (e.g. use a module-level function, not a "
-            "lambda, for LambdaLR-style schedules held by an object)",
-        ) from None
 
 
 def _guarded(fn: Callable) -> Callable:

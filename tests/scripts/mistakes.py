@@ -14,7 +14,11 @@ cli = argparse.ArgumentParser()
 cli.add_argument("--mistake", default="none")
 args = cli.parse_args(run.argv)
 model = nn.Linear(3, 1)
+if args.mistake != "unwrapped":  # on 2 ranks: each trains its own copy
+    model = nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+if args.mistake == "unregistered-scheduler":
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, total_iters=2)
 if args.mistake == "stray-optimizer":
     optimizer = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
 run.register(model, optimizer)

@@ -1,0 +1,144 @@
+"""What ``Run.register`` refuses, with the fix: state that could not be checkpointed, or a
+job that would train on to the end, exit 0, and be wrong.
+
+- ``check_registration``: the model is a module, the optimizer holds its parameters, a
+  scheduler belongs to that optimizer, every extra object's state pickles (pure).
+- ``distributed`` / ``replicas_differ``: with more than one data-parallel rank, a model
+  that is neither replicated (DDP, ``replicate``) nor sharded (FSDP, FSDP2's
+  ``fully_shard``, DTensor parameters) trains one copy per rank; they drift apart and the
+  checkpoint mixes them (each rank writes its own tensors under the same names). Such a
+  model is compared across ranks (a digest of its parameters) before the first save, and
+  the job stops if the copies differ. Certain (a script that averages gradients itself,
+  or trains with lr 0, passes) and cheap (once, and only for an unwrapped model).
+- ``unregistered_schedulers``: LR schedulers built over the registered optimizer that were
+  not registered. Their position is not saved, so after a restart the warm-up starts over
+  and the model differs from an uninterrupted run. Cheap: torch wraps an optimizer's
+  ``step`` when a scheduler is built over it; only then are the optimizer's referrers
+  searched (``gc``, once). ``ReduceLROnPlateau`` does not wrap ``step``: not detected.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_harness.errors import UsageError
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """sha256 over this rank's parameters (names, shapes, bytes); no collective."""
+    from elastic_harness.runtime.digest import tensor_bytes
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(tensor_bytes(name, p))
+    return h.hexdigest()
+
+
+def replicas_differ(model: nn.Module, gather: Callable[[str], list[str]]) -> list[int]:
+    """Every rank: the ranks whose parameters differ from rank 0's (``gather``: an
+    all-gather over the job's ranks, so every rank decides alike)."""
+    digests = gather(parameters_digest(model))
+    return [rank for rank, d in enumerate(digests) if d != digests[0]]
+
+
+def unwrapped_error(model: nn.Module, step: int, ranks: list[int]) -> UsageError:
+    return UsageError(
+        f"the ranks' models differ at step {step} (ranks {', '.join(map(str, ranks))} vs rank 0): the "
+        f"registered model ({type(model).__name__}) is not wrapped for data parallelism, so each rank "
+        "trains its own copy; no checkpoint of them was written",
+        "wrap it before registering: DDP(model, device_ids=run.device_ids), or fully_shard(model)",
+    )
+
+
+def distributed(model: nn.Module) -> bool:
+    """Is ``model`` (or the module ``torch.compile`` wraps) replicated or sharded?"""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
+        return True
+    if "replicate" in (_get_registry(inner) or {}):
+        return True
+    return any(isinstance(p, DTensor) for p in inner.parameters())
+
+
+def unregistered_schedulers(optimizer: torch.optim.Optimizer, registered: list[Any]) -> list[Any]:
+    """LR schedulers over ``optimizer`` that are neither in ``registered`` nor held by one
+    that is (``SequentialLR``/``ChainedScheduler`` save their parts)."""
+    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return []  # no scheduler was ever built over it (module doc)
+    from torch.optim.lr_scheduler import LRScheduler
+
+    known = {id(s) for s in registered}
+    for s in registered:
+        known.update(id(part) for part in getattr(s, "_schedulers", ()) or ())
+    def search() -> list[Any]:
+        return [r for r in gc.get_referrers(optimizer) if isinstance(r, LRScheduler)
+                and getattr(r, "optimizer", None) is optimizer and id(r) not in known]
+
+    # A scheduler the script dropped may wait for the cycle collector: ask it first.
+    return search() and (gc.collect() or True) and search()
+
+
+def check_schedulers(optimizer: torch.optim.Optimizer, registered: list[Any]) -> None:
+    missing = unregistered_schedulers(optimizer, registered)
+    if missing:
+        names = ", ".join(type(s).__name__ for s in missing)
+        raise UsageError(
+            f"an LR scheduler ({names}) steps the registered optimizer but was not registered: "
+            "its position would not be saved, and after a restart its schedule would start over",
+            "pass it to run.register(model, optimizer, scheduler=scheduler), before run.steps()",
+        )
+
+
+def check_registration(model: Any, optimizer: Any, scheduler: Any, extra: dict) -> None:
+    """Refuse what cannot be checkpointed correctly, with the fix (pure checks)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"run.register(model=...) got {type(model).__name__}, not a torch.nn.Module",
+                         "pass the (wrapped) model")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"run.register(optimizer=...) got {type(optimizer).__name__}, not a "
+                         "torch.optim.Optimizer", "pass the optimizer that trains the model")
+    own = {id(p) for p in model.parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if stray:
+        raise UsageError(
+            f"the optimizer holds {len(stray)} tensors that are not parameters of the registered "
+            "model (built before the model was wrapped, moved or sharded?)",
+            "build the optimizer after wrapping, over the wrapped model's parameters "
+            "(e.g. optim.AdamW(ddp_model.parameters()))",
+        )
+    if scheduler is not None:
+        _check_stateful("scheduler", scheduler)
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise UsageError("the LR scheduler belongs to another optimizer than the registered one",
+                             "build the scheduler over the registered optimizer")
+    for name, obj in extra.items():
+        if not isinstance(obj, dict):
+            _check_stateful(name, obj)
+
+
+def _check_stateful(name: str, obj: Any) -> None:
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise UsageError(f"'{name}' ({type(obj).__name__}) has no state_dict()/load_state_dict()",
+                         "register objects with both methods, or plain dicts of tensors and values")
+    try:
+        pickle.dumps(obj.state_dict())
+    except Exception as e:  # noqa: BLE001 - any pickling failure means it cannot be saved
+        raise UsageError(
+            f"the state of '{name}' ({type(obj).__name__}) cannot be saved: {e}",
+            "keep only plain values in its state_dict() (e.g. use a module-level function, not a "
+            "lambda, for LambdaLR-style schedules held by an object)",
+        ) from None
+
+
