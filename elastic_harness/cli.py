@@ -43,14 +43,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _dispatch(build_parser().parse_args(argv))
+    return _dispatch(parse(build_parser(), sys.argv[1:] if argv is None else list(argv)))
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, but ``run [FLAGS] train.py [SCRIPT ARGS]`` keeps everything
+    after the script for the script (``args.script_args``), as torchrun does."""
+    argv, rest = split_script_args(parser, argv)
+    args = parser.parse_args(argv)
+    args.script_args = rest
+    return args
+
+
+def split_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(``run``'s own arguments up to a ``.py`` script, the script's), or (argv, [])."""
+    if argv[:1] != ["run"]:
+        return argv, []
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    valued = {o for a in sub.choices["run"]._actions if a.nargs != 0 for o in a.option_strings}
+    i = 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            break
+        if token.startswith("-"):
+            i += 2 if token in valued else 1
+            continue
+        return (argv[: i + 1], argv[i + 1:]) if token.endswith(".py") else (argv, [])
+    return argv, []
 
 
 def entry() -> None:
     """The ``elastic-harness`` program: ``main``, then exit. Commands that end with torch
     loaded and their work recorded (``run``, ``agent``: ``fast_exit`` in their defaults)
     skip the interpreter's teardown (``procexit``): a second off every run's end."""
-    args = build_parser().parse_args()
+    args = parse(build_parser(), sys.argv[1:])
     code = _dispatch(args)
     if getattr(args, "fast_exit", False):
         from elastic_harness.procexit import exit_without_teardown

@@ -127,3 +127,49 @@ def test_replicas_that_differ_are_named():
     with torch.no_grad():
         b[0].bias[0] += 1e-6
     assert replicas_differ(a, lambda d: [d, parameters_digest(b), d]) == [1]
+
+
+# ----- torchrun's habits (issue 23) ----------------------------------------------------------
+def test_run_splits_a_scripts_own_arguments_as_torchrun_does():
+    from elastic_harness.cli import build_parser, parse
+
+    parser = build_parser()
+    a = parse(parser, ["run", "--nproc-per-node", "cpu", "--nnodes", "1:3", "--set", "train.steps=5",
+                       "train.py", "--lr", "3", "--set", "mine"])
+    assert (a.job, a.nproc_per_node, a.nnodes, a.set) == ("train.py", "cpu", "1:3", ["train.steps=5"])
+    assert a.script_args == ["--lr", "3", "--set", "mine"], "after the script: the script's"
+    b = parse(parser, ["run", "job.yaml", "--set", "train.steps=5", "--nodes", "2"])
+    assert (b.job, b.set, b.nodes, b.script_args) == ("job.yaml", ["train.steps=5"], 2, [])
+    c = parse(parser, ["run", "--run-dir", "x.py", "job.yaml"])
+    assert (c.job, c.run_dir) == ("job.yaml", "x.py"), "an option's value is not the script"
+
+
+def test_run_of_a_script_without_yaml_uses_the_defaults_and_flags(tmp_path):
+    import os
+
+    from elastic_harness.cli import build_parser, parse
+    from elastic_harness.commands.run import load_with_flags
+
+    script = tmp_path / "my train.py"
+    script.write_text("print('hi')\n")
+    args = parse(build_parser(), ["run", "--nnodes", "2:4", "--nproc-per-node", "cpu",
+                                  "--set", "train.steps=7", str(script), "--epochs", "3"])
+    spec = load_with_flags(args)
+    assert spec.name == "my-train" and spec.script.path == str(script.resolve())
+    assert spec.script.args == ["--epochs", "3"] and spec.train.steps == 7
+    assert (spec.nodes.min, spec.nodes.max, spec.nproc_per_node) == (2, 4, os.cpu_count() or 1)
+
+
+def test_run_flags_in_torchruns_words_are_checked(cli_here, tmp_path, monkeypatch):
+    from elastic_harness.launch import config
+
+    monkeypatch.setattr(config, "device_count", lambda kind: 0 if kind == "gpu" else 3)
+    r = cli_here("run", MLP, "--nproc-per-node", "gpu", "--run-dir", tmp_path / "run")
+    assert_one_line_error(r, "no GPU is visible", "use a number, cpu or auto")
+    r = cli_here("run", MLP, "--nproc-per-node", "two", "--run-dir", tmp_path / "run")
+    assert_one_line_error(r, "--nproc-per-node", "write a number, or gpu, cpu or auto")
+    r = cli_here("run", MLP, "--nnodes", "3:2", "--run-dir", tmp_path / "run")
+    assert_one_line_error(r, "min (3) is greater than max (2)")
+    r = cli_here("run", tmp_path / "missing.py")
+    assert_one_line_error(r, "script", "missing.py' does not exist")
+    assert not (tmp_path / "run").exists()

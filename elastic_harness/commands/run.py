@@ -24,17 +24,24 @@ from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import check_paths, prepare
 from elastic_harness.runstate import RunState
-from elastic_harness.spec import load_job
+from elastic_harness.spec import load_job, parse_job
 from elastic_harness.summary import summarize
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="train a job on this machine (CPU/gloo, or GPUs when present)")
-    p.add_argument("job", help="job YAML file")
+    p = sub.add_parser("run", help="train a job on this machine (CPU/gloo, or GPUs when present)",
+                       description="Train a job on this machine: `run JOB.yaml [flags]`, or, like torchrun, "
+                                   "`run [flags] train.py [script args]` for a script with no YAML (the "
+                                   "spec's defaults plus --set; everything after the script is its own).")
+    p.add_argument("job", help="job YAML file, or a training script (.py) run with the spec's defaults")
     p.add_argument("--run-dir", help="run directory (default runs/<job name>); re-using it resumes")
     p.add_argument("--fresh", action="store_true", help="start over: move earlier checkpoints aside")
     p.add_argument("--nodes", type=int, help="simulated nodes (agents) to start (default nodes.min)")
-    p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
+    p.add_argument("--nnodes", metavar="N|MIN:MAX", help="the elastic node range, as torchrun takes it "
+                                                        "(sets nodes.min and nodes.max)")
+    p.add_argument("--nproc-per-node", metavar="N|gpu|cpu|auto",
+                   help="workers per node: a number, gpu (one per GPU), cpu (one per CPU) or auto "
+                        "(GPUs if any, else CPUs), as torchrun takes it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     p.add_argument("--verify", metavar="REF_RUN_DIR",
                    help="after the run, compare the final model with this run's (see `verify`)")
@@ -48,10 +55,39 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_with_flags(args: argparse.Namespace):
+    """The job: its YAML, or for a script (``run train.py [args]``) the spec's defaults; then
+    ``--set``, ``--nnodes`` and ``--nproc-per-node`` over it."""
     overrides = list(args.set)
+    if args.nnodes is not None:
+        lo, _, hi = str(args.nnodes).partition(":")
+        overrides += [f"nodes.min={lo}", f"nodes.max={hi or lo}"]
     if args.nproc_per_node is not None:
-        overrides.append(f"nproc_per_node={args.nproc_per_node}")
-    return load_job(args.job, overrides)
+        overrides.append(f"nproc_per_node={nproc_count(args.nproc_per_node, '--nproc-per-node')}")
+    if not str(args.job).endswith(".py"):
+        if getattr(args, "script_args", None):
+            raise HarnessError(f"unrecognized arguments: {' '.join(args.script_args)}",
+                               "see elastic-harness run --help")
+        return load_job(args.job, overrides)
+    script = Path(args.job)
+    if not script.is_file():
+        raise HarnessError(f"script '{args.job}' does not exist", "check the path")
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in script.stem) or "job"
+    spec = parse_job("", [f"name={name}", f"script.path={script.resolve()}", *overrides], source=str(script))
+    args_of_script = [*spec.script.args, *(getattr(args, "script_args", None) or [])]
+    return dataclasses.replace(spec, script=dataclasses.replace(spec.script, args=args_of_script))
+
+
+def nproc_count(value: str, flag: str) -> int:
+    """``N``, ``gpu``, ``cpu`` or ``auto``, as the agent and torchrun read it (``launch.config``)."""
+    from elastic_harness.launch.config import _nproc
+
+    return _nproc(value, flag, _devices)
+
+
+def _devices(kind: str) -> int:
+    from elastic_harness.launch.config import device_count
+
+    return device_count(kind)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
