@@ -173,3 +173,36 @@ def test_run_flags_in_torchruns_words_are_checked(cli_here, tmp_path, monkeypatc
     r = cli_here("run", tmp_path / "missing.py")
     assert_one_line_error(r, "script", "missing.py' does not exist")
     assert not (tmp_path / "run").exists()
+
+
+# ----- k8s render of a script job (issue 23, item 5) ------------------------------------------
+@pytest.mark.parametrize("flavor", ["plain", "pytorchjob"])
+def test_k8s_render_ships_a_scripts_text_in_the_configmap(flavor, capsys, monkeypatch):
+    import yaml
+
+    from elastic_harness.cli import main
+    from elastic_harness.spec import parse_job
+
+    monkeypatch.chdir(REPO)
+    assert main(["k8s", "render", "jobs/ddp_toy.yaml", "--flavor", flavor]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["data"]["ddp_toy.py"] == (JOBS / "ddp_toy.py").read_text()
+    shipped = parse_job(cm["data"]["job.yaml"])
+    assert shipped.script.path == "/etc/elastic-harness/ddp_toy.py", "where the pods mount the ConfigMap"
+    mounts = [m for d in docs for c in _containers(d) for m in c.get("volumeMounts", []) if m["name"] == "job"]
+    assert mounts and {m["mountPath"] for m in mounts} == {"/etc/elastic-harness"}
+
+
+def _containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {})
+    templates = [spec.get("template")] + [r.get("template") for r in spec.get("pytorchReplicaSpecs", {}).values()]
+    return [c for t in templates if t for c in t["spec"]["containers"]]
+
+
+def test_k8s_render_of_a_script_it_cannot_find_says_where_to_run(cli_here, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: mine\nscript: {path: elsewhere/train.py}\n")
+    r = cli_here("k8s", "render", job, "--flavor", "plain")
+    assert_one_line_error(r, "script.path 'elsewhere/train.py' does not exist",
+                          "the pods get the script from the job's ConfigMap", "fix: run this from the directory")

@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_render(args: argparse.Namespace) -> int:
     spec = load_job(args.job, args.overrides)
-    manifests = render(spec, args.flavor, args.image, args.namespace)
+    manifests = render(spec, args.flavor, args.image, args.namespace, script_for_pods(spec, Path(args.job)))
     if args.out is None:
         print(to_yaml(manifests), end="")
         return 0
@@ -50,6 +50,25 @@ def run_render(args: argparse.Namespace) -> int:
     files = manifest_files(manifests, args.flavor, source)
     write_tree(Path(args.out), files)
     return 0
+
+
+def script_for_pods(spec, job_path: Path) -> str | None:
+    """A script job's script, to ship in the ConfigMap (the pods' image does not hold it);
+    found as ``run`` finds it (the working directory, then next to the job file)."""
+    if not spec.script.path:
+        return None
+    from elastic_harness.commands.run import resolve_script
+    from elastic_harness.errors import HarnessError
+
+    try:
+        path = resolve_script(spec.script.path, job_path)
+        return path.read_text()
+    except HarnessError as e:
+        raise RenderError(f"{e.message}: the pods get the script from the job's ConfigMap",
+                          "run this from the directory script.path is relative to") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RenderError(f"cannot read script.path '{spec.script.path}': {e}",
+                          "name a readable Python file") from None
 
 
 def write_tree(out: Path, files: dict[str, str]) -> None:

@@ -81,7 +81,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     root = registry.state_dir()
     overrides = overrides_of(args)
     spec = load_job(args.job, overrides)
-    options = _options(args)
+    options = _options(args, spec)
     sched = scheduler_for(args.scheduler, root)
     sched.check()
     registry.ensure_writable(root)
@@ -111,13 +111,15 @@ def _make(run_dir: Path) -> None:
                           "pass --run-dir to a directory you can write") from None
 
 
-def _options(args: argparse.Namespace) -> dict:
+def _options(args: argparse.Namespace, spec) -> dict:
     if args.scheduler == "slurm":
         return slurm_options(args)
     if args.scheduler == "k8s":
+        from elastic_harness.commands.k8s import script_for_pods
         from elastic_harness.k8s import DEFAULT_IMAGE
 
-        return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or ""}
+        return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or "",
+                "script_text": script_for_pods(spec, Path(args.job))}
     return {}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import yaml
@@ -9,6 +10,7 @@ import yaml
 from elastic_harness import __version__
 from elastic_harness.k8s.common import (
     FLAVORS,
+    JOB_DIR,
     RenderError,
     Target,
     labels,
@@ -26,9 +28,13 @@ _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def render(
-    spec: JobSpec, flavor: str, image: str = DEFAULT_IMAGE, namespace: str | None = None
+    spec: JobSpec, flavor: str, image: str = DEFAULT_IMAGE, namespace: str | None = None,
+    script_text: str | None = None,
 ) -> list[dict]:
-    """Every object the job needs, in apply order (config and storage before pods)."""
+    """Every object the job needs, in apply order (config and storage before pods).
+
+    ``script_text``: the text of ``script.path`` (a script job; read by the caller): shipped
+    in the ConfigMap beside job.yaml, whose ``script.path`` then names it there."""
     if flavor not in FLAVORS:
         raise RenderError(f"unknown flavor '{flavor}'", f"choose one of {', '.join(FLAVORS)}")
     if not image or any(c.isspace() for c in image):
@@ -37,12 +43,30 @@ def render(
         raise RenderError(f"namespace '{namespace}' is not a valid namespace name", "e.g. ml-jobs")
     target = Target(spec, names_for(spec), image, namespace or None)
     pods = render_pytorchjob(target) if flavor == "pytorchjob" else render_plain(target)
-    return [*_shared(target), *pods]
+    return [*_shared(target, script_text), *pods]
 
 
-def _shared(target: Target) -> list[dict]:
+# A ConfigMap holds at most 1 MiB; leave room for job.yaml and the object's own fields.
+SCRIPT_LIMIT = 900 * 1024
+
+
+def job_config(spec: JobSpec, script_text: str | None) -> dict[str, str]:
+    """The ConfigMap's files: job.yaml, and a script job's script next to it (mounted at
+    ``JOB_DIR``), job.yaml's ``script.path`` naming it there."""
+    if not spec.script.path or script_text is None:
+        return {"job.yaml": dump_job(spec)}
+    name = spec.script.path.replace("\\", "/").rsplit("/", 1)[-1]
+    if len(script_text.encode()) > SCRIPT_LIMIT:
+        raise RenderError(f"script '{spec.script.path}' is too large to ship in the job's ConfigMap "
+                          f"(over {SCRIPT_LIMIT // 1024} KiB)",
+                          "put it in the image and set script.path to its absolute path there")
+    shipped = dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=f"{JOB_DIR}/{name}"))
+    return {"job.yaml": dump_job(shipped), name: script_text}
+
+
+def _shared(target: Target, script_text: str | None = None) -> list[dict]:
     """The job file, its storage, who may reach its pods, and how many may be evicted."""
-    config = {"job.yaml": dump_job(target.spec)}
+    config = job_config(target.spec, script_text)
     out = [obj("v1", "ConfigMap", metadata(target, target.names.config), data=config)]
     if not uses_s3(target):
         out.append(_volume_claim(target))
