@@ -206,3 +206,77 @@ def test_k8s_render_of_a_script_it_cannot_find_says_where_to_run(cli_here, tmp_p
     r = cli_here("k8s", "render", job, "--flavor", "plain")
     assert_one_line_error(r, "script.path 'elsewhere/train.py' does not exist",
                           "the pods get the script from the job's ConfigMap", "fix: run this from the directory")
+
+
+# ----- ckpt import of a migrating user's rank-0 file (issue 23) ------------------------------
+def _legacy_file(path, optimizer="adamw", epoch=3):
+    import torch
+
+    from elastic_harness.spec import load_job
+    from elastic_harness.tasks import load_task
+
+    spec = load_job(MLP)
+    task = load_task(spec.task.target, spec.task.args)
+    torch.manual_seed(5)
+    model = task.build_model()
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    x = torch.stack([task.dataset()[i][0] for i in range(4)])
+    for _ in range(3):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": {f"module.{k}": v for k, v in model.state_dict().items()},
+                "optimizer": opt.state_dict(), "epoch": epoch}, path)
+    return model, opt
+
+
+def _saved(step_dir, tmp_path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(step_dir), str(tmp_path / "flat.pt"))
+    return torch.load(tmp_path / "flat.pt", weights_only=False)
+
+
+def test_ckpt_import_keeps_the_optimizer_state_and_the_named_epoch(cli_here, tmp_path):
+    import torch
+
+    model, opt = _legacy_file(tmp_path / "legacy.pt")
+    r = cli_here("ckpt", "import", tmp_path / "legacy.pt", MLP, "--run-dir", tmp_path / "run", "--epoch", "1")
+    assert r.code == 0, r.err
+    assert "optimizer state of 6 parameters, step 34" in r.out  # 1024 samples / 30 per step
+    (step_dir,) = (tmp_path / "run" / "checkpoints").glob("step-*")
+    assert step_dir.name == "step-0000034"
+    sd = _saved(step_dir, tmp_path)
+    assert int(sd["train"]["step"]) == 34 and int(sd["train"]["cursor"]) == 1024, "epoch 1 starts at sample 1024"
+    for i, (name, _) in enumerate(model.named_parameters()):
+        theirs = opt.state_dict()["state"][i]
+        assert torch.equal(sd["optim"]["state"][name]["exp_avg"], theirs["exp_avg"]), name
+        assert torch.equal(sd["optim"]["state"][name]["exp_avg_sq"], theirs["exp_avg_sq"]), name
+    assert sd["optim"]["param_groups"][0]["lr"] == 0.01, "the job's settings, not the file's"
+
+
+def test_ckpt_import_without_a_position_says_what_the_file_holds(cli_here, tmp_path):
+    _legacy_file(tmp_path / "legacy.pt")
+    r = cli_here("ckpt", "import", tmp_path / "legacy.pt", MLP, "--run-dir", tmp_path / "run")
+    assert r.code == 0 and "step 0)" in r.out
+    assert "note: the file says epoch 3; this import starts at step 0" in r.out
+    r = cli_here("ckpt", "import", tmp_path / "legacy.pt", MLP, "--run-dir", tmp_path / "run2", "--epoch", "3")
+    assert_one_line_error(r, "the imported position (step 102) leaves nothing to train: train.steps is 60")
+
+
+def test_ckpt_import_refuses_an_optimizer_state_that_does_not_fit(cli_here, tmp_path):
+    import torch
+
+    _legacy_file(tmp_path / "sgd.pt", optimizer="sgd")
+    r = cli_here("ckpt", "import", tmp_path / "sgd.pt", MLP, "--run-dir", tmp_path / "run")
+    assert_one_line_error(r, "the file's optimizer is another kind than the job's", "optimizer.name")
+    _legacy_file(tmp_path / "legacy.pt")
+    f = torch.load(tmp_path / "legacy.pt", weights_only=True)
+    state = f["optimizer"]["state"]
+    state[0], state[1] = state[1], state[0]  # saved over the parameters in another order
+    torch.save(f, tmp_path / "shuffled.pt")
+    r = cli_here("ckpt", "import", tmp_path / "shuffled.pt", MLP, "--run-dir", tmp_path / "run")
+    assert_one_line_error(r, "the file's optimizer state for parameter 0", "'0.weight' (shape (64, 16))")
+    assert not (tmp_path / "run" / "checkpoints").exists()

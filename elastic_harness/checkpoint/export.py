@@ -13,6 +13,7 @@ A file that is missing, truncated or not in the format its name says is a ``Chec
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ _LEADING = "module."
 _ANYWHERE = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 # Where legacy files usually keep the model: {'model': sd, 'optimizer': ...} and friends.
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")
+_POSITION_KEYS = ("epoch", "step", "iteration", "global_step")
 
 def clean_name(name: str) -> str:
     while name.startswith(_LEADING):
@@ -92,9 +95,24 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     Accepts a bare state dict or one nested under a usual key (``model``, ``state_dict``,
     ...); returns clean names on CPU. Never unpickles arbitrary objects.
     """
+    return load_legacy_file(path).model
+
+
+@dataclass
+class Legacy:
+    """What a legacy single-file checkpoint holds besides the model (``load_legacy_file``)."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict | None = None  # torch's Optimizer.state_dict(), when the file has one
+    position: dict[str, int] = field(default_factory=dict)  # e.g. {'epoch': 3}, as the file says
+
+
+def load_legacy_file(path: Path) -> Legacy:
+    """``load_model_file``, plus the optimizer's state dict (under ``optimizer``, ``optim``,
+    ...) and the integers ``epoch``/``step``/``iteration`` a training script saved beside them."""
     _check_readable(path)
     if path.suffix == ".safetensors":
-        return clean_names(_read_safetensors(path))
+        return Legacy(clean_names(_read_safetensors(path)))
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's messages run to paragraphs: one line, and the right fix
@@ -103,7 +121,64 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
     if sd is None:
         raise CheckpointError(f"'{path}' holds no model state dict (no dict of tensors found)",
                               "save model.state_dict(), or a dict with it under 'model'")
-    return clean_names(sd)
+    if not isinstance(obj, dict):
+        return Legacy(clean_names(sd))
+    optim = next((obj[k] for k in _OPTIMIZER_KEYS if isinstance(obj.get(k), dict)), None)
+    position = {k: int(obj[k]) for k in _POSITION_KEYS if isinstance(obj.get(k), int) and not isinstance(obj[k], bool)}
+    return Legacy(clean_names(sd), optim, position)
+
+
+def is_optimizer_state(sd: Any) -> bool:
+    """Does ``sd`` look like torch's ``Optimizer.state_dict()`` (groups listing params)?"""
+    groups = sd.get("param_groups") if isinstance(sd, dict) else None
+    return (isinstance(groups, list) and bool(groups) and isinstance(sd.get("state"), dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups))
+
+
+# Hyperparameters that tell optimizers apart (AdamW's betas, SGD's momentum, ...).
+_KIND_KEYS = {"betas", "momentum", "dampening", "nesterov", "amsgrad", "lr_decay", "rho", "alpha", "lambd"}
+
+
+def map_optimizer_state(sd: dict, groups: list[list[torch.Tensor]], names: dict[int, str],
+                        template: dict) -> dict:
+    """torch's optimizer state dict ``sd`` (per-parameter state keyed by index, in the order
+    the optimizer that saved it held its parameters) mapped onto an optimizer whose groups
+    hold ``groups`` (the model's parameters, in order) and whose own ``state_dict()`` is
+    ``template``: the same group sizes and each state tensor the shape of its parameter,
+    else a ``CheckpointError`` naming the first mismatch. Returns what ``load_state_dict``
+    of that optimizer takes, with the job's settings (``template``'s lr, betas, ...).
+    ``names``: id(param) -> its name, for messages."""
+    theirs = [len(g["params"]) for g in sd["param_groups"]]
+    ours = [len(g) for g in groups]
+    if theirs != ours:
+        raise CheckpointError(f"the file's optimizer holds parameter groups of sizes {theirs}, the job's "
+                              f"optimizer {ours}", "build the job's optimizer with the same parameter groups, "
+                              "or import the weights only (drop 'optimizer' from the file)")
+    differ = {k for g in sd["param_groups"] for k in g} ^ {k for g in template["param_groups"] for k in g}
+    if differ & _KIND_KEYS:
+        raise CheckpointError(f"the file's optimizer is another kind than the job's (settings "
+                              f"{sorted(differ & _KIND_KEYS)} are in one only)",
+                              "set the job's optimizer (optimizer.name) to the one that saved the file")
+    state, new_groups, index = {}, [], 0
+    # Per-parameter state from the file; the settings (lr, betas, ...) stay the job's.
+    for group, params, settings in zip(sd["param_groups"], groups, template["param_groups"], strict=True):
+        mine = []
+        for old, param in zip(group["params"], params, strict=True):
+            entry = sd["state"].get(old, sd["state"].get(str(old)))
+            for key, value in (entry or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise CheckpointError(
+                        f"the file's optimizer state for parameter {old} ({key}, shape {tuple(value.shape)}) "
+                        f"does not fit the model's parameter {index} '{names.get(id(param), '?')}' "
+                        f"(shape {tuple(param.shape)})",
+                        "save the optimizer built over model.parameters() in the model's order, "
+                        "or import the weights only")
+            if entry:
+                state[index] = entry
+            mine.append(index)
+            index += 1
+        new_groups.append({**settings, "params": mine})
+    return {"state": state, "param_groups": new_groups}
 
 
 def explain_load_failure(path: str, detail: str) -> tuple[str, str]:

@@ -46,11 +46,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--to", required=True, metavar="FILE", help="model.pt or model.safetensors")
     a.add_argument("--step", type=int, help="which step (default: the newest that verifies)")
     a.set_defaults(func=cmd_export)
-    a = acts.add_parser("import", help="start a run from a legacy single-file checkpoint (weights only)")
+    a = acts.add_parser("import", help="start a run from a legacy single-file checkpoint (weights, "
+                                       "optimizer state, a position you name)")
     a.add_argument("file", help="a torch.save file (read with weights_only=True) or .safetensors")
     a.add_argument("job", help="the job YAML that will train from it")
     a.add_argument("--run-dir", help="run directory (default runs/<job name>)")
     a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    where = a.add_mutually_exclusive_group()
+    where.add_argument("--step", type=int, help="continue after this many optimizer steps (default 0)")
+    where.add_argument("--epoch", type=int, help="continue at the start of this epoch (this many full "
+                                                 "passes over the dataset done)")
     a.set_defaults(func=cmd_import)
     a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
     a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
@@ -151,33 +156,58 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from elastic_harness.checkpoint.export import load_model_file, save_single_process
+    from elastic_harness.checkpoint.export import load_legacy_file, save_single_process
     from elastic_harness.checkpoint.lock import Holder
     from elastic_harness.rundir import prepare
     from elastic_harness.spec import load_job
 
     spec = load_job(args.job, list(args.set))
-    weights = load_model_file(Path(args.file))
+    legacy = load_legacy_file(Path(args.file))
+    weights = legacy.model
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
     storage = open_storage(checkpoint_root(spec.checkpoint.dir, run_dir))
     existing = [n for n in storage.listing() if layout.parse_step(n) is not None]
     if existing:
         raise CheckpointError(f"{storage.root} already holds checkpoints ({len(existing)})",
                               "import into a new --run-dir, or move them aside with 'run --fresh' first")
-    state = _fresh_state(spec, weights)
+    state, step, optimizer = _fresh_state(spec, weights, legacy, args.step, args.epoch)
     info = {"task": spec.task.target, "parallelism": spec.parallelism, "job": spec.name,
-            "step": 0, "world_size": 1, "imported_from": Path(args.file).name}
-    name = layout.step_dirname(0)
+            "step": step, "world_size": 1, "imported_from": Path(args.file).name}
+    name = layout.step_dirname(step)
     # An import is a (short) job of its own: it must not write under a running one.
     with prepare(run_dir, spec, holder=Holder.this_process(spec.name, f"import-{uuid.uuid4().hex[:12]}")):
         save_single_process(storage, name, state, info)
-    print(f"imported {args.file} -> {storage.uri(name)} ({len(weights)} tensors, fresh optimizer)")
+    print(f"imported {args.file} -> {storage.uri(name)} ({len(weights)} tensors, {optimizer}, step {step})")
+    if legacy.position and args.step is None and args.epoch is None:
+        said = ", ".join(f"{k} {v}" for k, v in legacy.position.items())
+        print(f"note: the file says {said}; this import starts at step 0: name where to continue with "
+              "--epoch E (E full passes done) or --step N")
     print(f"train from it with: elastic-harness run {args.job} --run-dir {run_dir}")
     return 0
 
 
-def _fresh_state(spec, weights: dict) -> dict:
-    """The state a fresh job builds (the worker's own builders), with ``weights`` loaded."""
+def import_position(step: int | None, epoch: int | None, dataset_size: int, global_batch: int,
+                    total_steps: int) -> tuple[int, int]:
+    """Pure: (step, sample cursor) of an import: after ``step`` updates, or at the start of
+    ``epoch`` (its first sample is the cursor; the step is the updates that took)."""
+    if step is not None and step < 0 or epoch is not None and epoch < 0:
+        raise CheckpointError("--step and --epoch count from 0", "e.g. --epoch 3")
+    if epoch is not None:
+        cursor = epoch * dataset_size
+        step = cursor // global_batch
+    else:
+        step = step or 0
+        cursor = step * global_batch
+    if step and step >= total_steps:
+        raise CheckpointError(f"the imported position (step {step}) leaves nothing to train: train.steps is "
+                              f"{total_steps}", f"raise train.steps above {step} (--set train.steps=...)")
+    return step, cursor
+
+
+def _fresh_state(spec, weights: dict, legacy, step: int | None, epoch: int | None) -> tuple[dict, int, str]:
+    """The state a fresh job builds (the worker's own builders), with ``weights`` loaded, the
+    file's optimizer state mapped onto the job's optimizer, at the position named. Returns
+    (state, step, what became of the optimizer)."""
     import torch
 
     from elastic_harness.data.sampler import DataState
@@ -197,5 +227,24 @@ def _fresh_state(spec, weights: dict) -> dict:
         raise CheckpointError(f"the file does not fit {spec.task.target}: {str(e)[:600]}",
                               "import it with the job (task.args) that trained it") from None
     optim, sched = build_optimizer(task, spec, model)
-    train = TrainState(DataState(spec.train.seed, len(task.dataset())), 1)
-    return build_state(model, optim, train, scheduler=sched)
+    optimizer = _load_optimizer(optim, model, legacy.optimizer)
+    n = len(task.dataset())
+    step, cursor = import_position(step, epoch, n, spec.train.global_batch_size, spec.train.steps)
+    if sched is not None and step:  # a task's scheduler continues where the step is
+        sched.load_state_dict({**sched.state_dict(), "last_epoch": step, "_step_count": step + 1})
+    train = TrainState(DataState(spec.train.seed, n, cursor), 1, step=step)
+    return build_state(model, optim, train, scheduler=sched), step, optimizer
+
+
+def _load_optimizer(optim, model, saved) -> str:
+    """Load the file's optimizer state (``export.map_optimizer_state``) if it has one."""
+    from elastic_harness.checkpoint.export import is_optimizer_state, map_optimizer_state
+
+    if saved is None:
+        return "fresh optimizer (the file holds none)"
+    if not is_optimizer_state(saved):
+        return "fresh optimizer (the file's 'optimizer' is not a torch optimizer state dict)"
+    names = {id(p): n for n, p in model.named_parameters()}
+    mapped = map_optimizer_state(saved, [g["params"] for g in optim.param_groups], names, optim.state_dict())
+    optim.load_state_dict(mapped)
+    return f"optimizer state of {len(mapped['state'])} parameters"
