@@ -280,3 +280,26 @@ def test_ckpt_import_refuses_an_optimizer_state_that_does_not_fit(cli_here, tmp_
     r = cli_here("ckpt", "import", tmp_path / "shuffled.pt", MLP, "--run-dir", tmp_path / "run")
     assert_one_line_error(r, "the file's optimizer state for parameter 0", "'0.weight' (shape (64, 16))")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_script_api_page_names_what_exists():
+    """docs/script-api.md's table names attributes a script can read: each must exist."""
+    import re
+
+    from elastic_harness.runtime.session import Run
+    from elastic_harness.runtime.step import Step
+
+    text = (REPO / "docs" / "script-api.md").read_text()
+    named = set(re.findall(r"`(run|step)\.(\w+)", text))
+    assert {("run", "spec"), ("step", "number"), ("run", "steps")} <= named
+    for owner, attr in named:
+        cls = Run if owner == "run" else Step
+        assert hasattr(cls, attr) or attr in _instance_attrs(cls), f"{owner}.{attr}"
+    assert "map-style" in text and "stdout.log" in text and "train.steps" in text
+
+
+def _instance_attrs(cls) -> set[str]:
+    import inspect
+    import re
+
+    return set(re.findall(r"self\.(\w+)", inspect.getsource(cls.__init__)))
