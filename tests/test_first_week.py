@@ -303,3 +303,19 @@ def _instance_attrs(cls) -> set[str]:
     import re
 
     return set(re.findall(r"self\.(\w+)", inspect.getsource(cls.__init__)))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_run_names_faults_that_did_not_fire_and_a_node_that_never_joined(tmp_path):
+    """add-node one step before the end: the new agent (seconds to start) cannot join before
+    the job finishes. `run` says so, and the fault that never came, and exits 0 without
+    waiting out the shutdown grace for that node."""
+    from tests.conftest import cli
+
+    r = cli("run", str(MLP), "--set", "train.steps=12", "--set", "nodes.max=2", "--set", "checkpoint.every_steps=0",
+            "--chaos", "add-node@11", "--chaos", "kill-node:0@900s", run_dir=tmp_path / "run")
+    assert r.code == 0, r.err[-3000:]
+    assert "warning: 1 scheduled fault(s) did not fire: kill-node:0@900s (the run ended after step 12)" in r.err
+    assert "note: node 1 had not joined the job when it finished (it was stopped)" in r.err
+    assert [e["kind"] for e in r.kinds("fault")] == ["add-node"]
