@@ -60,8 +60,11 @@ class ChaosController:
             self.done.append(e)
 
     def unfired(self) -> list[FaultSpec]:
-        """Faults this run was given (or asked for) that no ``fault`` event shows fired."""
-        return unfired(self.faults, self.done)
+        """Faults this run was given (or asked for) that no ``fault`` event shows fired, less
+        those a worker fired in an earlier run of this directory (``runtime.faults``' marker
+        ``chaos/fault-I``: a step-keyed fault fires once per run directory)."""
+        return [self.faults[i] for i in unfired(self.faults, self.done)
+                if not (self.run_dir / "chaos" / f"fault-{i}").exists()]
 
     def unjoined(self, running: Collection[int]) -> list[int]:
         """Of the ``running`` nodes, those no worker has reported from: started (say, by

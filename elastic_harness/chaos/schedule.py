@@ -39,16 +39,16 @@ def due(faults: Sequence[FaultSpec], fired: set[int], step: int, elapsed_s: floa
     return out
 
 
-def unfired(faults: Sequence[FaultSpec], fired: Sequence[dict]) -> list[FaultSpec]:
-    """The faults of ``faults`` that no ``fault`` event in ``fired`` (this run's, in order)
-    carried out, matched by kind and target, each event used once: what a run that ended
-    says it did not do (a fault after the run's last step or time, a node never reached)."""
+def unfired(faults: Sequence[FaultSpec], fired: Sequence[dict]) -> list[int]:
+    """Indexes of the faults of ``faults`` that no ``fault`` event in ``fired`` (this run's,
+    in order) carried out, matched by kind and target, each event used once: what a run that
+    ended says it did not do (a fault after the run's last step or time, a node never reached)."""
     left = [(e.get("kind"), e.get("target")) for e in fired]
     missing = []
-    for f in faults:
+    for i, f in enumerate(faults):
         key = (f.kind, f.target)
         if key in left:
             left.remove(key)
         else:
-            missing.append(f)
+            missing.append(i)
     return missing
