@@ -319,3 +319,11 @@ def test_a_run_names_faults_that_did_not_fire_and_a_node_that_never_joined(tmp_p
     assert "warning: 1 scheduled fault(s) did not fire: kill-node:0@900s (the run ended after step 12)" in r.err
     assert "note: node 1 had not joined the job when it finished (it was stopped)" in r.err
     assert [e["kind"] for e in r.kinds("fault")] == ["add-node"]
+
+
+def test_submit_checks_the_paths_too(cli_here, tmp_path):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    r = cli_here("submit", MLP, "--run-dir", tmp_path / "run", "--set", f"checkpoint.dir={afile}")
+    assert_one_line_error(r, f"checkpoint.dir '{afile}' is a file, not a directory")
+    assert not (tmp_path / "run").exists()

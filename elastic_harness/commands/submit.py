@@ -88,8 +88,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     run_dir, nodes = None, None
     if args.scheduler != "k8s":
         from elastic_harness.commands.run import preflight
+        from elastic_harness.rundir import check_paths
 
         nodes = _local_nodes(args, spec)
+        check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
         spec = preflight(spec, Path(args.job))
         run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
         if run_dir.exists() and not run_dir.is_dir():
