@@ -59,7 +59,6 @@ def unwrapped_error(model: nn.Module, step: int, ranks: list[int]) -> UsageError
 
 def distributed(model: nn.Module) -> bool:
     """Is ``model`` (or the module ``torch.compile`` wraps) replicated or sharded?"""
-    from torch.distributed._composable.contract import _get_registry
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
@@ -67,8 +66,13 @@ def distributed(model: nn.Module) -> bool:
     inner = getattr(model, "_orig_mod", model)
     if isinstance(inner, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
         return True
-    if "replicate" in (_get_registry(inner) or {}):
-        return True
+    try:  # composable DDP (``replicate``) records itself in a private registry
+        from torch.distributed._composable.contract import _get_registry
+
+        if "replicate" in (_get_registry(inner) or {}):
+            return True
+    except ImportError:  # not there: such a model is compared like a bare one (still certain)
+        pass
     return any(isinstance(p, DTensor) for p in inner.parameters())
 
 
