@@ -327,3 +327,11 @@ def test_submit_checks_the_paths_too(cli_here, tmp_path):
     r = cli_here("submit", MLP, "--run-dir", tmp_path / "run", "--set", f"checkpoint.dir={afile}")
     assert_one_line_error(r, f"checkpoint.dir '{afile}' is a file, not a directory")
     assert not (tmp_path / "run").exists()
+
+
+def test_spec_of_a_script_job_checks_the_script_not_an_empty_task(cli_here, monkeypatch):
+    monkeypatch.chdir(REPO)
+    ok = cli_here("spec", "jobs/ddp_toy.yaml")
+    assert ok.code == 0 and ok.out.splitlines()[-1] == "# valid; script.path 'ddp_toy.py' exists", ok.err
+    r = cli_here("spec", MLP, "--set", "task.target=tests.tasks:BrokenModel")
+    assert_one_line_error(r, "build_model() raised ValueError")

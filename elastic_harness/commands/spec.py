@@ -1,8 +1,9 @@
 """``elastic-harness spec``: the job YAML reference, or a job validated and resolved.
 
-With a job, ``task.target`` is imported and called with ``task.args`` too (what ``run``
-does before starting any agent), so a task that cannot be built is reported here; that
-imports the task's module (and torch with it). ``--no-task-check`` skips it, and the
+With a job, ``task.target`` is imported, called with ``task.args`` and its model built
+(what ``run`` does before starting any agent), or a script job's script is found, so a
+task that cannot be built is reported here; that imports the task's module (and torch
+with it). ``--no-task-check`` skips it, and the
 output then says the task was not checked. The reference alone imports no torch.
 """
 
@@ -27,13 +28,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_spec(args: argparse.Namespace) -> int:
     if args.job:
         spec = load_job(args.job, args.set)
+        what = f"script.path '{spec.script.path}'" if spec.script.path else f"task.target '{spec.task.target}'"
         if args.no_task_check:
-            verdict = f"# task.target '{spec.task.target}' was NOT checked (--no-task-check)"
-        else:
-            from elastic_harness.tasks import load_task
+            verdict = f"# {what} was NOT checked (--no-task-check)"
+        else:  # what `run` checks before starting any agent (one home: its preflight)
+            from pathlib import Path
 
-            load_task(spec.task.target, spec.task.args)
-            verdict = f"# valid; task.target '{spec.task.target}' imports and accepts task.args"
+            from elastic_harness.commands.run import preflight
+
+            preflight(spec, Path(args.job))
+            verdict = (f"# valid; {what} exists" if spec.script.path else
+                       f"# valid; {what} imports and accepts task.args, and its model builds")
         # The verdict is a YAML comment, so the output stays a loadable job file.
         print(dump_job(spec) + verdict)
         return 0
