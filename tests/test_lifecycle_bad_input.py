@@ -69,12 +69,16 @@ def test_fresh_keeps_an_earlier_submissions_record(cli_here, state, tmp_path):
 
     run_dir = tmp_path / "run"
     finished_job(state, run_dir)
+    with open(run_dir / "events.jsonl", "a") as f:
+        for rank in (0, 1):
+            f.write(json.dumps({"t": 1.5, "event": "worker", "pid": 9, "rank": rank, "node": "0"}) + "\n")
     set_aside_old(run_dir, str(run_dir / "checkpoints"), "20260101-000000")
     (run_dir / "events.jsonl").write_text(json.dumps({"t": 5.0, "event": "start", "pid": 2, "who": "host",
                                                       "run_id": "mlp-next"}) + "\n")
     r = cli_here("status", "mlp-done", "--json")
     st = json.loads(r.out)
     assert (st["state"], st["step"], st["model_digest"]) == ("succeeded", 60, "d")
+    assert_one_line_error(cli_here("logs", "mlp-done", "--rank", "7"), "its ranks were 0..1")
 
 
 def test_a_scheduler_whose_commands_are_missing(cli_here, state, tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from elastic_harness.errors import HarnessError
 from elastic_harness.events import read_events
 from elastic_harness.lifecycle.api import LogQuery, Submission
 from elastic_harness.lifecycle.logs import LogReader
-from elastic_harness.lifecycle.observe import observe
+from elastic_harness.lifecycle.observe import observe, submission_log
 from elastic_harness.lifecycle.registry import JobRecord
 from elastic_harness.lifecycle.state import JobStatus, Liveness, invocation_of
 
@@ -115,7 +115,8 @@ class LocalScheduler:
 
     def logs(self, record: JobRecord, query: LogQuery, out: TextIO) -> None:
         reader = LogReader(Path(record.run_dir), record.id, query,
-                           extra=[(supervisor_log(record.id), "supervisor")])
+                           extra=[(supervisor_log(record.id), "supervisor")],
+                           events=submission_log(Path(record.run_dir), record.id))
         reader.dump(out)
         if query.follow:
             reader.follow(out, active=lambda: self.liveness(record).phase == "running")

@@ -64,9 +64,11 @@ class LogReader:
     """A job's log streams under ``run_dir/logs``; ``extra``: (file name, label) pairs of
     job-wide logs (the supervisor's, the Slurm batch script's)."""
 
-    def __init__(self, run_dir: Path, job_id: str, query: LogQuery, extra: Iterable[tuple[str, str]] = ()) -> None:
+    def __init__(self, run_dir: Path, job_id: str, query: LogQuery, extra: Iterable[tuple[str, str]] = (),
+                 events: Path | None = None) -> None:
         self.logs, self.job_id, self.query = Path(run_dir) / "logs", job_id, query
-        self.events = EventTail(Path(run_dir) / "events.jsonl", start_at_end=False)
+        # ``events``: the event log holding this job (``observe.submission_log``: --fresh moves logs)
+        self.events = EventTail(events or Path(run_dir) / "events.jsonl", start_at_end=False)
         self.ranks: dict[tuple[str, int, int], int] = {}
         self.streams: dict[Path, _Stream] = {}
         self.pending_workers: set[Path] = set()  # files whose rank is not known yet

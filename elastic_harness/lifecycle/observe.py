@@ -26,14 +26,18 @@ def observe(record: JobRecord, live: Liveness, root: Path) -> JobStatus:
 
 
 def submission_events(run_dir: Path, job_id: str) -> list[dict]:
+    """The events of the log holding submission ``job_id`` (``submission_log``)."""
+    return read_events(submission_log(run_dir, job_id))
+
+
+def submission_log(run_dir: Path, job_id: str) -> Path:
     """The run dir's event log, or, when ``--fresh`` has since moved the log holding this
     submission aside (``events.jsonl.old-STAMP``, ``rundir``), that one: each submission
-    keeps its own record (a job that succeeded stays succeeded)."""
-    events = read_events(run_dir / "events.jsonl")
-    if invocation_of(events, job_id):
-        return events
+    keeps its own record (a job that succeeded stays succeeded, its logs keep their ranks)."""
+    current = run_dir / "events.jsonl"
+    if invocation_of(read_events(current), job_id):
+        return current
     for old in sorted(run_dir.glob("events.jsonl.old-*"), reverse=True):
-        aside = read_events(old)
-        if invocation_of(aside, job_id):
-            return aside
-    return events
+        if invocation_of(read_events(old), job_id):
+            return old
+    return current
