@@ -289,3 +289,5 @@ def test_unfired_faults_and_unjoined_nodes_are_named(tmp_path):
     (tmp_path / "chaos" / "fault-1").touch()  # a worker fired it in an earlier run of this dir
     assert chaos.unfired() == []
     assert chaos.unjoined([0, 1, 2]) == [2], "node 2 started but no worker of it reported"
+    chaos.observe({"event": "worker", "rank": 1, "pid": 7, "node": "0"}, cluster=None)  # node 1 left
+    assert chaos.unjoined([0, 1, 2]) == [2], "node 1 was part of the job once"

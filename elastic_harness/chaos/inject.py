@@ -50,10 +50,12 @@ class ChaosController:
         self.workers: dict[int, tuple[int, str]] = {}  # rank -> (pid, node), latest generation
         self.heals: list[tuple[float, int]] = []  # (when, node) for timed partitions
         self.done: list[dict] = []  # the fault events seen (worker- and host-fired)
+        self.joined: set[str] = set()  # every node a worker reported from, in any generation
 
     def observe(self, e: dict, cluster: LocalCluster) -> None:
         if e["event"] == "worker":
             self.workers[e["rank"]] = (e["pid"], str(e.get("node", "")))
+            self.joined.add(str(e.get("node", "")))
         elif e["event"] == "step":
             self.step = max(self.step, e["step"])
         elif e["event"] == "fault":
@@ -67,10 +69,9 @@ class ChaosController:
                 if not (self.run_dir / "chaos" / f"fault-{i}").exists()]
 
     def unjoined(self, running: Collection[int]) -> list[int]:
-        """Of the ``running`` nodes, those no worker has reported from: started (say, by
-        ``add-node``) but not part of the job yet."""
-        joined = {node for _, node in self.workers.values()}
-        return [i for i in running if str(i) not in joined]
+        """Of the ``running`` nodes, those no worker has ever reported from: started (say,
+        by ``add-node``) but never part of the job."""
+        return [i for i in running if str(i) not in self.joined]
 
     def tick(self, cluster: LocalCluster) -> None:
         self._take_requests()
