@@ -1,0 +1,207 @@
+"""Issue 22, security: the job's key, sealed rendezvous state, sockets bound to one address.
+
+The rendezvous tests run torch's own handlers (ours: ``launch.rendezvous.create_handler``)
+in threads of this process against a real c10d ``TCPStore``; the forger is a plain store
+client writing to the rendezvous key, as anyone who reaches the port could.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import pickle
+import stat
+import threading
+
+import pytest
+
+from elastic_harness import jobkey
+from elastic_harness.listen import is_loopback, listener
+
+pytestmark = pytest.mark.timeout(90)
+KEY = b"s" * 32
+
+
+class Plant:
+    """A pickle that creates ``path`` when unpickled: proof of code execution if it exists."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# --- the key -------------------------------------------------------------------------------
+
+
+def test_key_is_created_once_0600_and_reused(tmp_path):
+    path = tmp_path / jobkey.KEY_FILE
+    first = jobkey.ensure(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert jobkey.ensure(path) == first == jobkey.read(path) and len(first) == 32
+    assert not [p for p in tmp_path.iterdir() if p.name != jobkey.KEY_FILE], "no temp file left"
+
+
+def test_concurrent_creators_agree_on_one_key(tmp_path):
+    path = tmp_path / jobkey.KEY_FILE
+    keys: list[bytes] = []
+    threads = [threading.Thread(target=lambda: keys.append(jobkey.ensure(path))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(keys) == 8 and len(set(keys)) == 1
+
+
+def test_key_path_prefers_the_provided_file(tmp_path):
+    assert jobkey.key_path(tmp_path, {}) == tmp_path / "job.key"
+    assert str(jobkey.key_path(tmp_path, {jobkey.KEY_FILE_VAR: "/etc/eh/job.key"})) == "/etc/eh/job.key"
+
+
+def test_missing_key_is_one_line_naming_the_fix(tmp_path):
+    with pytest.raises(jobkey.KeyError_) as e:
+        jobkey.read(tmp_path / "nope")
+    assert "ELASTIC_HARNESS_KEY_FILE" in e.value.hint
+
+
+def test_seal_binds_key_and_context():
+    blob = jobkey.seal(KEY, b"state", b"rdzv:a")
+    assert jobkey.unseal(KEY, blob, b"rdzv:a") == b"state"
+    assert jobkey.unseal(KEY, blob, b"rdzv:b") is None  # another rendezvous id
+    assert jobkey.unseal(b"x" * 32, blob, b"rdzv:a") is None  # another job's key
+    assert jobkey.unseal(KEY, blob[:-1] + b"X", b"rdzv:a") is None
+    assert jobkey.unseal(KEY, b"short", b"rdzv:a") is None
+
+
+# --- sockets -------------------------------------------------------------------------------
+
+
+def test_listener_binds_the_given_address_only():
+    sock = listener("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1", True), ("127.0.1.1", True), ("::1", True), ("[::1]", True), ("0.0.0.0", False),
+    ("::", False), ("192.0.2.2", False), ("::ffff:127.0.0.1", True), ("*", False)])
+def test_is_loopback(address, loopback):
+    assert is_loopback(address) is loopback
+
+
+def test_rendezvous_config_names_the_key_file(tmp_path):
+    from elastic_harness.launch.config import node_options, rdzv_configs
+    from elastic_harness.spec import parse_job
+
+    spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression",
+                          "rendezvous.endpoint=127.0.0.1:1"])
+    opts = node_options(spec, tmp_path, {}, {})
+    assert rdzv_configs(spec, opts)["key_file"] == str(tmp_path / "job.key")
+    opts = node_options(spec, tmp_path, {}, {jobkey.KEY_FILE_VAR: "/secret/job.key"})
+    assert rdzv_configs(spec, opts)["key_file"] == "/secret/job.key"
+    standalone = node_options(spec, tmp_path, {"standalone": True}, {}, pick_port=lambda: 5)
+    assert standalone.local_addr == "127.0.0.1"
+
+
+# --- sealed rendezvous state ---------------------------------------------------------------
+
+
+@pytest.fixture
+def store(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+    del server
+
+
+def handler(endpoint: str, run_id: str, key: bytes = KEY):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_harness.launch.rendezvous import create_handler
+
+    conf = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=5, close_timeout=10,
+                heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, is_host=False,
+                read_timeout=30)
+    return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf), key=key)
+
+
+def join(handlers) -> list[int]:
+    sizes, errors = [0] * len(handlers), []
+
+    def one(i: int) -> None:
+        try:
+            sizes[i] = handlers[i].next_rendezvous().world_size
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return sizes
+
+
+def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path, caplog):
+    """A pickle written to the rendezvous key by a store client: never unpickled (its file
+    is not created), one line logged, and the agents form their next round as before."""
+    import torch.distributed as dist
+
+    endpoint = f"127.0.0.1:{store.port}"
+    pair = [handler(endpoint, "forged") for _ in range(2)]
+    try:
+        assert join(pair) == [2, 2]
+        planted = tmp_path / "pwned"
+        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        forger.set("torch.rendezvous.forged", base64.b64encode(pickle.dumps(Plant(planted))))
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+            for h in pair:
+                h._state_holder.sync()  # what every poll and heartbeat does
+                h._state_holder.sync()  # the same forged value again: not logged twice
+            assert join(pair) == [2, 2], "a restart after the forgery forms the group again"
+        assert not planted.exists(), "the forged pickle ran"
+        refusals = [r for r in caplog.records if "not signed with this job's key" in r.getMessage()]
+        assert 1 <= len(refusals) <= 2  # one line per agent that read it (each logs it once)
+        forger.set("torch.rendezvous.forged", b"!!not base64!!")  # garbage ended the job before
+        for h in pair:
+            h._state_holder.sync()
+        assert join(pair) == [2, 2]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+def test_another_jobs_key_cannot_join(store):
+    """State sealed with another key reads as forged: its agent is not let in."""
+    from elastic_harness.launch import sealed
+
+    seal = sealed.StateSeal(KEY, "r")
+    stranger = sealed.StateSeal(b"o" * 32, "r")
+    fresh = seal.open(base64.b64encode(stranger.close(pickle.dumps({"evil": 1}))))
+    assert type(pickle.loads(fresh)).__name__ == "_RendezvousState" and seal.refused == 1
+    good = seal.open(base64.b64encode(seal.close(b"ours")))
+    assert good == b"ours"
+    assert seal.open(b"garbage") == b"ours", "after a refusal: the last authentic state"
+
+
+def test_rendezvous_store_host_binds_only_the_endpoint_host(monkeypatch):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_harness.launch import sealed
+    from tests.sockets import listening_sockets
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    sock = listener("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "bind", 1, 1, is_host=True, read_timeout=10)
+    backend, store = sealed.create_c10d_backend(params, sealed.StateSeal(KEY, "bind"))
+    mine = [a for a, p, _ in listening_sockets({os.getpid()}) if p == port]
+    assert mine and all(is_loopback(a) for a in mine), mine
