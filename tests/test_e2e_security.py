@@ -113,4 +113,4 @@ def test_forged_rendezvous_write_runs_nothing_and_the_job_finishes(live):
     assert not os.path.exists(live["planted"]), "the forged pickle ran"
     assert live["code"] == 0, live["out"][-2000:]
     assert live["summary"]["finished"] and live["summary"]["restarts"] == 0
-    assert 1 <= sum(live["refusals"]) and max(live["refusals"]) == 1, live["refusals"]
+    assert sum(live["refusals"]) >= 1 and max(live["refusals"]) == 1, live["refusals"]
