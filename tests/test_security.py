@@ -205,3 +205,122 @@ def test_rendezvous_store_host_binds_only_the_endpoint_host(monkeypatch):
     backend, store = sealed.create_c10d_backend(params, sealed.StateSeal(KEY, "bind"))
     mine = [a for a, p, _ in listening_sockets({os.getpid()}) if p == port]
     assert mine and all(is_loopback(a) for a in mine), mine
+
+
+# --- signed checkpoints --------------------------------------------------------------------
+
+
+def _forge_metadata(step_dir, planted: str) -> None:
+    """What someone with write access to the checkpoint directory does: plant a pickle as
+    ``.metadata`` and recompute every unkeyed checksum and size in the manifest."""
+    import hashlib
+    import json
+    import zlib
+
+    evil = pickle.dumps(Plant(planted))
+    (step_dir / ".metadata").write_bytes(evil)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    entry = manifest["files"][".metadata"]
+    entry.update(size=len(evil), crc32=f"{zlib.crc32(evil):08x}", sha256=hashlib.sha256(evil).hexdigest())
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _one_rank(rank: int, port: int, root: str) -> None:
+    """Save steps 1 and 2 signed; forge step 2's .metadata; resume. Then a legacy unsigned
+    checkpoint: refused with the fix named, loadable once trusted."""
+    import datetime as dt
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from elastic_harness.checkpoint import integrity
+    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.storage import LocalStorage
+    from elastic_harness.errors import CheckpointError
+    from elastic_harness.spec import CheckpointSpec
+    from tests.test_ckpt_manager import Events
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=dt.timedelta(seconds=60))
+    out: dict = {}
+
+    def manager(where: Path, key):
+        storage = LocalStorage(where)
+        storage.ensure()
+        events = Events()
+        return CheckpointManager(storage, CheckpointSpec(async_save=False, verify="size"), rank=0, world_size=1,
+                                 group=dist.group.WORLD, events=events, info={"task": "t", "job": "j"},
+                                 key=key), events
+
+    def state(v: float) -> dict:
+        return {"model": {"w": torch.full((8,), v)}, "train": {"step": torch.tensor(int(v))}}
+
+    try:
+        signed = Path(root) / "signed"
+        mgr, _ = manager(signed, KEY)
+        for step in (1, 2):
+            mgr.save(step, state(float(step)), blocking=True)
+        mgr.close()
+        _forge_metadata(signed / "step-0000002", str(Path(root) / "pwned"))
+        mgr, events = manager(signed, KEY)
+        target = state(0.0)
+        loaded = mgr.restore(target)
+        out["loaded"], out["value"] = loaded.step, float(target["model"]["w"][0])
+        out["quarantined"] = [(e["name"], e["kind"]) for e in events.seen if e["event"] == "quarantine"]
+        mgr.close()
+
+        legacy = Path(root) / "legacy"
+        mgr, _ = manager(legacy, None)  # as written before checkpoints were signed
+        mgr.save(3, state(3.0), blocking=True)
+        mgr.close()
+        mgr, _ = manager(legacy, KEY)
+        try:
+            mgr.restore(state(0.0))
+            out["legacy"] = "loaded"
+        except CheckpointError as e:
+            out["legacy"] = str(e)
+        out["legacy_left_in_place"] = (legacy / "step-0000003").is_dir()
+        out["trusted"] = integrity.trust(LocalStorage(legacy), "step-0000003", KEY).ok
+        target = state(0.0)
+        out["after_trust"] = mgr.restore(target).step
+        mgr.close()
+    finally:
+        dist.destroy_process_group()
+        (Path(root) / "rank0.json").write_text(json.dumps(out))
+
+
+def test_forged_metadata_with_recomputed_checksums_is_refused_before_unpickling(tmp_path):
+    from tests.servers import spawn_ranks
+
+    (out,) = spawn_ranks(_one_rank, tmp_path, nprocs=1)
+    assert not (tmp_path / "pwned").exists(), "the planted .metadata was unpickled"
+    assert out["loaded"] == 1 and out["value"] == 1.0, "resumed from the older, authentic checkpoint"
+    assert out["quarantined"] == [["step-0000002", "forged"]]
+    assert "unsigned" in out["legacy"] and "ckpt trust" in out["legacy"], out["legacy"]
+    assert out["legacy_left_in_place"] and out["trusted"] and out["after_trust"] == 3
+
+
+def test_manifest_signature_covers_every_file(tmp_path):
+    from elastic_harness.checkpoint import integrity
+
+    manifest = {"step": 3, "files": {".metadata": {"size": 1, "crc32": "00", "sha256": "ab"},
+                                     "__0_0.distcp": {"size": 9, "crc32": "11"}}}
+    signed = integrity.sign(manifest, KEY)
+    assert integrity.check_signature(signed, KEY).ok
+    assert integrity.check_signature(signed, b"o" * 32).kind == "forged"
+    assert integrity.check_signature(manifest, KEY).kind == "unsigned"
+    for change in (("__0_0.distcp", "crc32", "12"), ("__0_0.distcp", "size", 10), (".metadata", "sha256", "ac")):
+        tampered = json_copy(signed)
+        tampered["files"][change[0]][change[1]] = change[2]
+        assert integrity.check_signature(tampered, KEY).kind == "forged", change
+    tampered = json_copy(signed)
+    tampered["step"] = 4
+    assert not integrity.check_signature(tampered, KEY).ok
+
+
+def json_copy(value):
+    import json
+
+    return json.loads(json.dumps(value))
