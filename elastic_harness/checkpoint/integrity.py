@@ -217,11 +217,17 @@ def authenticate(storage: Storage, name: str, manifest: dict, key: bytes | None)
     if not verdict.ok:
         return verdict
     try:
-        digest = checksum_of(storage, name, METADATA, "sha256")
+        data = storage.read_bytes(name, METADATA)
+    except FileNotFoundError:
+        return Verdict(False, f"{METADATA} is missing", "corrupt")
     except OSError as e:
         return _unreadable(METADATA, e)
-    if digest != manifest["files"][METADATA]["sha256"]:
-        return Verdict(False, ".metadata differs from its signed sha256 (tampered with)", "forged")
+    want = manifest["files"][METADATA]
+    if len(data) != want.get("size"):
+        return Verdict(False, f"{METADATA} has {len(data)} bytes, expected {want.get('size')}", "corrupt")
+    if hashlib.sha256(data).hexdigest() != want["sha256"]:
+        # the signature holds, so the manifest is ours: the file changed after the commit
+        return Verdict(False, f"{METADATA} differs from its signed sha256 (corrupt or tampered with)", "corrupt")
     return Verdict(True)
 
 
