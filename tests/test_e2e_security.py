@@ -84,7 +84,8 @@ def live(tmp_path_factory):
         logs = [run_dir / "logs" / f"agent-{i}.log" for i in (0, 1)]
         # The first agent to read it refuses it and overwrites it at its next write, so the
         # other may never see it: at least one line, at most one per agent.
-        _wait(lambda: any(REFUSED in p.read_text() for p in logs), 60, "an agent to refuse the forgery")
+        _wait(lambda: any(REFUSED in p.read_text() for p in logs) or os.path.exists(planted)
+              or proc.poll() is not None, 60, "an agent to read the forgery")
         out, _ = proc.communicate(timeout=240)
         seen["code"], seen["out"] = proc.returncode, out
         seen["refusals"] = [p.read_text().count(REFUSED) for p in logs]

@@ -324,3 +324,39 @@ def json_copy(value):
     import json
 
     return json.loads(json.dumps(value))
+
+
+def test_run_dir_is_private_and_holds_the_key(tmp_path):
+    from elastic_harness.checkpoint.lock import Holder
+    from elastic_harness.rundir import prepare
+    from elastic_harness.spec import parse_job
+
+    spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression",
+                          f"checkpoint.dir={tmp_path / 'elsewhere' / 'ckpts'}"])
+    run_dir = tmp_path / "runs" / "job"
+    with prepare(run_dir, spec, holder=Holder.this_process("job", "id-1")):
+        pass
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(run_dir) == mode(run_dir.parent) == 0o700
+    assert mode(tmp_path / "elsewhere" / "ckpts") == 0o700
+    assert mode(run_dir / jobkey.KEY_FILE) == 0o600
+    key = jobkey.read(run_dir / jobkey.KEY_FILE)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o750)
+    os.chmod(shared, 0o750)  # a group run dir made beforehand keeps its mode
+    with prepare(shared, spec, holder=Holder.this_process("job", "id-2")):
+        pass
+    assert mode(shared) == 0o750
+    with prepare(run_dir, spec, holder=Holder.this_process("job", "id-3")):
+        assert jobkey.read(run_dir / jobkey.KEY_FILE) == key, "a later submission keeps the key"
+
+
+def test_a_provided_key_file_must_exist(tmp_path):
+    from elastic_harness.checkpoint.lock import Holder
+    from elastic_harness.rundir import prepare
+    from elastic_harness.spec import parse_job
+
+    spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])
+    with pytest.raises(jobkey.KeyError_, match="cannot read the job's key"):
+        prepare(tmp_path / "run", spec, holder=Holder.this_process("job", "id"), key_file=tmp_path / "nope")
+    assert not (tmp_path / "run" / jobkey.KEY_FILE).exists(), "no key of its own beside a provided one"
