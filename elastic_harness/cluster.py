@@ -95,6 +95,7 @@ class LocalCluster:
             # One machine: every socket of the job (stores, gloo) on loopback (issue 22).
             cmd += ["--local-addr", "127.0.0.1"]
             env["GLOO_SOCKET_IFNAME"] = "lo"
+            env["NCCL_SOCKET_IFNAME"] = "lo"  # NCCL's bootstrap sockets (GPU jobs)
         else:
             # Its own address: gloo and the agent bind there, not to the shared hostname.
             host = self.netns.hosts.get(index) or self.netns.add_host(index)
