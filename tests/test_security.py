@@ -360,3 +360,42 @@ def test_a_provided_key_file_must_exist(tmp_path):
     with pytest.raises(jobkey.KeyError_, match="cannot read the job's key"):
         prepare(tmp_path / "run", spec, holder=Holder.this_process("job", "id"), key_file=tmp_path / "nope")
     assert not (tmp_path / "run" / jobkey.KEY_FILE).exists(), "no key of its own beside a provided one"
+
+
+def test_ckpt_commands_check_signatures_and_trust_signs(cli_here, tmp_path):
+    """An unsigned (legacy) checkpoint: verify says so, export refuses it with the fix named,
+    ``ckpt trust`` signs it, then both accept it; a copy away from its key needs --key/--trust."""
+    import shutil
+
+    import torch
+
+    from elastic_harness.checkpoint.export import save_single_process
+    from elastic_harness.checkpoint.storage import LocalStorage
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    storage = LocalStorage(ckpts)
+    storage.ensure()
+    jobkey.ensure(run_dir / jobkey.KEY_FILE)
+    save_single_process(storage, "step-0000005", {"model": {"w": torch.ones(3)}}, {"step": 5})  # unsigned
+    r = cli_here("ckpt", "verify", run_dir)
+    assert r.code == 1 and "step-0000005: UNSIGNED" in r.out and "ckpt trust" in r.out
+    r = cli_here("ckpt", "export", run_dir, "--to", tmp_path / "m.pt")
+    assert r.code == 2 and "unsigned checkpoint" in r.err and "ckpt trust" in r.err
+    assert not (tmp_path / "m.pt").exists()
+    r = cli_here("ckpt", "trust", run_dir)
+    assert r.code == 0 and "step-0000005: signed with" in r.out
+    assert cli_here("ckpt", "verify", run_dir).code == 0
+    assert cli_here("ckpt", "export", run_dir, "--to", tmp_path / "m.pt").code == 0
+    elsewhere = tmp_path / "copy"
+    shutil.copytree(ckpts, elsewhere)
+    r = cli_here("ckpt", "export", elsewhere, "--to", tmp_path / "n.pt")
+    assert r.code == 2 and "no job.key" in r.err and "--trust" in r.err
+    r = cli_here("ckpt", "export", elsewhere, "--to", tmp_path / "n.pt", "--key", run_dir / jobkey.KEY_FILE)
+    assert r.code == 0
+    other = tmp_path / "other.key"
+    jobkey.ensure(other)
+    r = cli_here("ckpt", "verify", elsewhere, "--key", other)
+    assert r.code == 1 and "FORGED" in r.out
+    r = cli_here("ckpt", "export", elsewhere, "--to", tmp_path / "o.pt", "--trust")
+    assert r.code == 0 and "you vouch" in r.err
