@@ -86,6 +86,21 @@ def test_listener_binds_the_given_address_only():
         sock.close()
 
 
+@pytest.mark.parametrize(("host", "resolved", "want"), [
+    ("127.0.0.1", ["127.0.0.1"], ("127.0.0.1", False)),
+    ("10.1.2.3", ["10.1.2.3"], ("10.1.2.3", False)),
+    ("[::1]", ["::1"], ("::1", False)),
+    ("localhost", ["127.0.0.1"], ("127.0.0.1", False)),
+    ("node-0", ["10.1.2.3"], ("10.1.2.3", False)),  # the job's address for this node
+    ("node-0", ["127.0.1.1", "10.1.2.3"], ("10.1.2.3", False)),
+    ("node-0", ["127.0.1.1"], ("0.0.0.0", True)),  # ambiguous: others may resolve it elsewhere
+])
+def test_bind_address(host, resolved, want):
+    from elastic_harness.listen import bind_address
+
+    assert bind_address(host, resolved) == want
+
+
 @pytest.mark.parametrize(("address", "loopback"), [
     ("127.0.0.1", True), ("127.0.1.1", True), ("::1", True), ("[::1]", True), ("0.0.0.0", False),
     ("::", False), ("192.0.2.2", False), ("::ffff:127.0.0.1", True), ("*", False)])
