@@ -414,3 +414,23 @@ def test_ckpt_commands_check_signatures_and_trust_signs(cli_here, tmp_path):
     assert r.code == 1 and "FORGED" in r.out
     r = cli_here("ckpt", "export", elsewhere, "--to", tmp_path / "o.pt", "--trust")
     assert r.code == 0 and "you vouch" in r.err
+
+
+def test_a_legacy_run_is_never_read_silently(cli_here, tmp_path):
+    """A run dir from before signing (no job.key, unsigned checkpoints): `verify` refuses it
+    naming the fix; `ckpt trust --key` creates the key and signs; then it is read."""
+    import torch
+
+    from elastic_harness.checkpoint.export import save_single_process
+    from elastic_harness.checkpoint.storage import LocalStorage
+
+    run_dir = tmp_path / "old-run"
+    storage = LocalStorage(run_dir / "checkpoints")
+    storage.ensure()
+    save_single_process(storage, "step-0000003", {"model": {"w": torch.ones(2)}}, {"step": 3})
+    r = cli_here("verify", run_dir, run_dir)
+    assert r.code == 2 and "no job.key" in r.err and "ckpt trust" in r.err
+    r = cli_here("ckpt", "trust", run_dir, "--key", run_dir / "job.key")
+    assert r.code == 0 and stat.S_IMODE(os.stat(run_dir / "job.key").st_mode) == 0o600
+    r = cli_here("verify", run_dir, run_dir)
+    assert r.code == 0, r.err

@@ -58,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = acts.add_parser("trust", help="sign checkpoints you vouch for with the run's key (an older "
                                       "run's unsigned ones, another job's)")
     a.add_argument("dir", help="a run dir, a checkpoint dir or one step dir")
-    a.add_argument("--key", metavar="FILE", help="the key of the run that will load them "
-                                                 "(default: the job.key beside the checkpoints)")
+    a.add_argument("--key", metavar="FILE", help="the key of the run that will load them, created if "
+                                                 "absent (default: the job.key beside the checkpoints)")
     a.set_defaults(func=cmd_trust)
     a = acts.add_parser("import", help="start a run from a legacy single-file checkpoint (weights only)")
     a.add_argument("file", help="a torch.save file (read with weights_only=True) or .safetensors")
@@ -228,10 +228,10 @@ def cmd_trust(args: argparse.Namespace) -> int:
     if path is None:
         raise CheckpointError(f"no job.key beside {loc.storage.root}",
                               "pass --key RUN_DIR/job.key: the key of the run that will load them")
-    key = jobkey.read(path)
     names = [loc.step] if loc.step else [d.name for d in layout.scan(loc.storage.listing()) if d.complete]
     if not names:
         raise CheckpointError(f"no complete checkpoint in {loc.storage.root}", "check the path")
+    key = jobkey.ensure(path) if args.key else jobkey.read(path)  # --key: created if absent (a legacy run)
     bad = 0
     for name in names:
         verdict = integrity.trust(loc.storage, name, key)
