@@ -135,15 +135,16 @@ def store(monkeypatch):
     del server
 
 
-def handler(endpoint: str, run_id: str, key: bytes = KEY):
+def handler(endpoint: str, run_id: str, key: bytes = KEY, backend: str = "c10d"):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from elastic_harness.launch.rendezvous import create_handler
 
     conf = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=5, close_timeout=10,
-                heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, is_host=False,
-                read_timeout=30)
-    return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf), key=key)
+                heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, read_timeout=30)
+    if backend == "c10d":
+        conf["is_host"] = False
+    return create_handler(RendezvousParameters(backend, endpoint, run_id, 1, 2, **conf), key=key)
 
 
 def join(handlers) -> list[int]:
@@ -191,6 +192,34 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
     finally:
         for h in pair:
             h._stop_heartbeats()
+
+
+def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, caplog, monkeypatch):
+    """The same through a real etcd (v2 API), the forger a plain etcd client."""
+    import etcd
+
+    from tests.servers import etcd_server
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    (tmp_path / "etcd").mkdir()
+    with etcd_server(tmp_path / "etcd" / "data") as endpoint:
+        pair = [handler(endpoint, "forged-etcd", backend="etcd-v2") for _ in range(2)]
+        try:
+            assert join(pair) == [2, 2]
+            planted = tmp_path / "pwned"
+            host, port = endpoint.rsplit(":", 1)
+            forger = etcd.Client(host=host, port=int(port))
+            forger.write("/torch/elastic/rendezvous/forged-etcd",
+                         base64.b64encode(pickle.dumps(Plant(planted))).decode())
+            with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+                for h in pair:
+                    h._state_holder.sync()
+                assert join(pair) == [2, 2]
+            assert not planted.exists(), "the forged pickle ran"
+            assert any("not signed with this job's key" in r.getMessage() for r in caplog.records)
+        finally:
+            for h in pair:
+                h._stop_heartbeats()
 
 
 def test_another_jobs_key_cannot_join(store):
