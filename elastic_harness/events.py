@@ -138,7 +138,7 @@ CONTRACT: dict[str, EventKind] = {
         "step": "its step",
         "name": "its directory name",
         "reason": "why it failed",
-        "kind": "'corrupt', 'unreadable' or 'unloadable'",
+        "kind": "'corrupt', 'unreadable', 'unloadable', 'forged' (signature wrong) or 'unsigned' (none; left in place)",
         "moved_to": "where it was moved (URI), or None if it was left in place",
         "message": "one line",
     }),

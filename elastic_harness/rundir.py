@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from elastic_harness import jobkey
 from elastic_harness.checkpoint import layout, lock
 from elastic_harness.checkpoint.storage import LocalStorage, open_storage
 from elastic_harness.checkpoint.where import RESOLVED_SPEC, checkpoint_root, inside, is_url
@@ -49,17 +50,26 @@ class Claim:
 
 
 def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.Holder,
-            clock: Callable[[], float] = time.time) -> Claim:
+            clock: Callable[[], float] = time.time, key_file: Path | None = None) -> Claim:
     """Create and lock ``run_dir`` (and an outside checkpoint dir), move old state aside if
-    ``fresh``, write the resolved spec. Raises ``RunDirError``/``CheckpointError``."""
+    ``fresh``, write the resolved spec, make sure the job's key exists (``jobkey``: created
+    in the run dir unless ``key_file`` names one provided from outside, which must exist).
+    Raises ``RunDirError``/``CheckpointError``/``jobkey.KeyError_``."""
     run_dir = Path(run_dir).resolve()
     _writable(run_dir)
+    own_key = run_dir / jobkey.KEY_FILE
+    if key_file is None or Path(key_file) == own_key:
+        jobkey.ensure(own_key)
+    else:
+        jobkey.read(Path(key_file))
     root = checkpoint_root(spec.checkpoint.dir, run_dir)
     leases = [_lease(LocalStorage(run_dir), holder, f"run directory '{run_dir}'", RunDirError, "--run-dir")]
     try:
         if not inside(root, run_dir):
             store = open_storage(root)
             try:
+                if not is_url(root):
+                    private_dir(Path(root))
                 store.ensure()
             except OSError as e:
                 raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
@@ -73,6 +83,26 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             lease.release()
         raise
     return Claim(run_dir, root, leases)
+
+
+# Run directories are the job's owner's alone (0700): checkpoints, logs, the key (issue 22).
+DIR_MODE = 0o700
+
+
+def private_dir(path: Path, mode: int = DIR_MODE) -> None:
+    """Create ``path`` (and missing parents) with ``mode``; an existing directory is left as
+    the user set it. A group-readable run dir: create it 0750 beforehand (docs/security.md)."""
+    missing = []
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)  # mkdir's mode is masked by the umask; the chmod is not
 
 
 def check_paths(run_dir: Path, spec: JobSpec) -> None:
@@ -106,7 +136,7 @@ def _check_dir(path: Path, what: str, error: type, fix: str) -> None:
 
 def _writable(run_dir: Path) -> None:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(run_dir)
         probe = run_dir / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()

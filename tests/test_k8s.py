@@ -203,7 +203,9 @@ def test_no_secret_values(flavor: str, monkeypatch: pytest.MonkeyPatch) -> None:
         ref = env[name]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": spec.deploy.s3_secret, "key": name}
     risky = re.compile("SECRET|TOKEN|PASSWORD|KEY", re.I)
-    assert all("value" not in e for n, e in env.items() if risky.search(n))
+    # a *_FILE variable names where a mounted Secret is (the job's key), never its content
+    assert all("value" not in e for n, e in env.items() if risky.search(n) and not n.endswith("_FILE"))
+    assert env["ELASTIC_HARNESS_KEY_FILE"]["value"].startswith("/etc/elastic-harness/key/")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -437,3 +439,43 @@ def test_k8s_package_stays_host_side() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- issue 22: etcd TLS + client certificates, the job's key, a per-job label ---------------
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_etcd_speaks_tls_and_admits_client_certificates_only(flavor: str) -> None:
+    config = pytest.importorskip("elastic_harness.launch.config")
+    spec = parse_job(VARIANTS["etcd"])
+    manifests = render(spec, flavor)
+    etcd = _one(manifests, "StatefulSet", "demo-etcd")["spec"]["template"]["spec"]
+    args = etcd["containers"][0]["args"]
+    assert "--client-cert-auth=true" in args and "--peer-client-cert-auth=true" in args
+    assert not [a for a in args if "http://" in a and "metrics" not in a]
+    assert etcd["volumes"] == [{"name": "tls", "secret": {"secretName": "demo-etcd-tls", "defaultMode": 0o440}}]
+    c = _node_container(manifests)
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["etcd-tls"] == "/etc/elastic-harness/etcd-tls" and mounts["key"] == "/etc/elastic-harness/key"
+    if flavor == "plain":
+        environ, flags = {}, {"rdzv_conf": _flags(c)["--rdzv-conf"]}
+    else:
+        job = _one(manifests, "PyTorchJob")
+        conf = job["spec"]["elasticPolicy"]["rdzvConf"]
+        environ, flags = {"PET_RDZV_CONF": ",".join(f"{i['key']}={i['value']}" for i in conf)}, {}
+    opts = config.node_options(spec, Path("/r"), {"rdzv_endpoint": "demo-etcd-client:2379",
+                                                  "rdzv_backend": "etcd", "rdzv_id": "x", **flags}, environ)
+    conf = config.rdzv_configs(spec, opts)
+    assert conf["protocol"] == "https"
+    assert conf["ssl_cert"].endswith("tls.crt") and conf["ssl_cert_key"].endswith("tls.key")
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_the_network_policy_picks_this_submission_only(flavor: str) -> None:
+    spec = parse_job(SMALL + "rendezvous: {id: demo-1a2b3c}\n")
+    manifests = render(spec, flavor)
+    mine = _one(manifests, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"]
+    assert mine["elastic-harness.io/job-id"] == "demo-1a2b3c"
+    other = render(parse_job(SMALL + "rendezvous: {id: demo-9z8y7x}\n"), flavor)
+    for tpl in _templates(other):  # another submission of the same job is not admitted
+        assert not mine.items() <= tpl["metadata"]["labels"].items()

@@ -88,7 +88,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise HarnessError(f"--endpoint-port {args.endpoint_port} is not a port", "pick 0..65535 (0 = any free port)")
     job_id = args.job_id or opts.rdzv_id
     # The job submission holds the run dir: this job's agents (and its `run`) share it.
-    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id)):
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id), key_file=opts.key_file):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)

@@ -129,7 +129,12 @@ def final_checkpoint(run_dir: Path):
 
     root = _checkpoint_root(run_dir)
     storage = open_storage(root)
-    choice = newest_usable(storage, "full")
+    key = _run_key(run_dir)
+    choice = newest_usable(storage, "full", key=key)  # reads manifests and checksums, no pickle
+    if choice.chosen is not None and key is None:
+        raise CheckpointError(f"cannot check who wrote the checkpoints of '{run_dir}': it has no job.key "
+                              "(a run from before checkpoints were signed)",
+                              f"if you trust them: elastic-harness ckpt trust {run_dir} --key {run_dir}/job.key")
     if choice.chosen is not None:
         return storage, choice.chosen.name
     if not choice.complete:
@@ -137,6 +142,15 @@ def final_checkpoint(run_dir: Path):
                               "finish the run first, or name a run dir that has saved checkpoints")
     raise CheckpointError(f"no checkpoint in {root} verifies: " + "; ".join(f"{s.name}: {s.reason}" for s in choice.failed),
                           "see 'elastic-harness ckpt ls' for the run dir")
+
+
+def _run_key(run_dir: Path) -> bytes | None:
+    """The run's key (its checkpoints are read only if signed with it, docs/security.md),
+    or None for a run from before checkpoints were signed."""
+    from elastic_harness import jobkey
+
+    path = run_dir / jobkey.KEY_FILE
+    return jobkey.read(path) if path.is_file() else None
 
 
 def _checkpoint_root(run_dir: Path) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_harness import jobkey
 from elastic_harness.errors import SpecError
 from elastic_harness.launch import slurm_env
 from elastic_harness.spec import JobSpec
@@ -45,6 +46,7 @@ class NodeOptions:
     is_host: bool | None = None  # c10d only: whether this agent hosts the store
     local_addr: str | None = None  # this node's address, when the hostname is ambiguous
     rdzv_conf: dict = dataclasses.field(default_factory=dict)  # --rdzv-conf: over rdzv_configs
+    key_file: Path | None = None  # the job's key (``jobkey``); None: ``run_dir/job.key``
 
 
 def new_rdzv_id(job_name: str) -> str:
@@ -95,8 +97,10 @@ def node_options(
     return NodeOptions(
         run_dir=run_dir, min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
         max_restarts=_count(restarts, restarts_source or "max_restarts", 0),
-        local_addr=pick("local_addr", None)[0],  # type: ignore[arg-type]
-        rdzv_conf=parse_rdzv_conf(str(conf_text or ""), conf_source), **rdzv,
+        # --standalone is this machine alone: its stores and gloo stay on loopback.
+        local_addr=pick("local_addr", "127.0.0.1" if pick.flag("standalone") else None)[0],  # type: ignore[arg-type]
+        rdzv_conf=parse_rdzv_conf(str(conf_text or ""), conf_source),
+        key_file=jobkey.key_path(run_dir, environ), **rdzv,
     )
 
 
@@ -236,7 +240,10 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
         conf["read_timeout"] = max(r.join_timeout, 60)
         if opts.is_host is not None:
             conf["is_host"] = opts.is_host
-    return {**conf, **opts.rdzv_conf}  # --rdzv-conf, as torchrun: the user's word is last
+    conf = {**conf, **opts.rdzv_conf}  # --rdzv-conf, as torchrun: the user's word is last
+    # The file holding the key that seals the rendezvous state (a path, never key material).
+    conf["key_file"] = str(opts.key_file or Path(opts.run_dir) / jobkey.KEY_FILE)
+    return conf
 
 
 def launch_config(spec: JobSpec, opts: NodeOptions):

@@ -18,6 +18,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastic_harness.jobkey import KEY_FILE_VAR  # the job's key, when not the run dir's
+
 NODE_VAR = "ELASTIC_HARNESS_NODE"  # set by our agent for its workers
 JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
 RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
@@ -45,6 +47,7 @@ class WorkerEnv:
     agent_store: bool = False  # MASTER_PORT is the agent's shared rendezvous store
     agent_pid: int = 0  # the elastic agent's pid when ours started this worker, else 0
     memory: str = ""  # the agent's in-memory checkpoint slots, as ``memtier.host`` describes them
+    key_file: str = ""  # the job's key when provided from outside (``jobkey``), else the run dir's
 
     @property
     def by_harness(self) -> bool:
@@ -83,4 +86,5 @@ class WorkerEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
             agent_pid=int(env.get(AGENT_PID_VAR, "0") or 0),
             memory=env.get(MEMORY_VAR, ""),
+            key_file=env.get(KEY_FILE_VAR, ""),
         )

@@ -67,6 +67,7 @@ class KubeScheduler:
         job = KubeJob(names_for(spec).base, o.get("namespace") or "default", o.get("flavor", "pytorchjob"),
                       self.context())
         self._make_room(job)
+        self._ensure_key(job, names_for(spec).key_secret)
         result = self.run(kubectl.apply(job), stdin=to_yaml(manifests))
         if result.returncode != 0:
             raise HarnessError(f"kubectl apply failed: {shell.first_line(result)}",
@@ -74,6 +75,19 @@ class KubeScheduler:
         return JobRecord(id=sub.job_id, name=spec.name, scheduler="k8s", submitted=time.time(),
                          total_steps=spec.train.steps, job_file=str(sub.job_file),
                          k8s={**dataclasses.asdict(job), "endpoint_port": spec.deploy.endpoint_port})
+
+    def _ensure_key(self, job: KubeJob, name: str) -> None:
+        """The job's key Secret, created once (docs/security.md): later submissions reuse it,
+        so the checkpoints it signed stay loadable."""
+        import secrets
+
+        if self.run(kubectl.get_secret(job, name)).stdout.strip():
+            return
+        result = self.run(kubectl.create_key_secret(job, name), stdin=secrets.token_hex(32))
+        if result.returncode != 0:
+            raise HarnessError(f"cannot create the job's key Secret {name}: {shell.first_line(result)}",
+                               f"create it yourself: kubectl create secret generic {name} "
+                               "--from-literal=job.key=$(openssl rand -hex 32)")
 
     def _make_room(self, job: KubeJob) -> None:
         """Refuse while the workload runs; delete a finished PyTorchJob (module doc)."""

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_harness import jobkey
 from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
@@ -254,6 +255,7 @@ class Run:
             rank=env.rank, world_size=env.world_size, group=groups.ckpt, events=self.events,
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
+            key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
         )
         self.memory = _memory_tier(spec, env, groups.ckpt, log)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
