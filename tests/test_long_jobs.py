@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,74 @@ def test_an_unreachable_etcd_at_start_is_one_line_and_exit_200(tmp_path):
     assert r.code == exitcodes.INFRA, (r.code, r.err)
     assert "127.0.0.1:1" in r.err and "--enable-v2" in r.err and "Traceback" not in r.err
     assert not r.kinds("step")
+
+
+# ----- 3. a pinned rendezvous id does not defeat the run-dir lock ------------------------------
+def _holder(rdzv: str, submission: str, pid: int = 4242):
+    from elastic_harness.checkpoint import lock
+
+    h = lock.Holder.this_process("mlp", rdzv, submission=submission)
+    return lock.Holder(**{**h.__dict__, "pid": pid, "token": f"tok-{pid}"})
+
+
+def test_a_second_submission_with_the_same_pinned_id_is_refused():
+    from elastic_harness.checkpoint.lock import decide
+
+    first = _holder("pinned", "sub-a", pid=1).record(100.0)
+    alive = lambda record: True  # noqa: E731
+    assert decide(first, _holder("pinned", "sub-b"), 101.0, alive).action == "refuse"
+    assert decide(first, _holder("pinned", "sub-a"), 101.0, alive).action == "join"  # its own agents
+    assert decide(first, _holder("pinned", ""), 101.0, alive).action == "join"  # a scheduler's agent, a worker
+    assert decide({**first, "submission": ""}, _holder("pinned", "sub-b"), 101.0, alive).action == "join"
+    gone = decide(first, _holder("pinned", "sub-b"), 101.0, lambda record: False)
+    assert gone.action == "takeover" and "no longer running" in gone.reason
+
+
+def test_a_fenced_generation_that_finishes_does_not_report_success():
+    from elastic_harness.commands.run import outcome
+    from elastic_harness.runstate import RunState
+
+    state = RunState()
+    for e in [{"event": "step", "pid": 7, "step": 59, "t": 1.0},
+              {"event": "fenced", "pid": 7, "step": 60, "t": 2.0},
+              {"event": "finish", "pid": 7, "step": 60, "t": 3.0}]:
+        state.update(e)
+    assert not state.finished and "superseded" in state.superseded and "1 of its saves" in state.superseded
+    code, message = outcome(finished=state.finished, fatal=None, permanent="", stopped_by=None, codes={0: 0},
+                            superseded=state.superseded)
+    assert code == exitcodes.FAILED and message == state.superseded
+    # A newer generation (another pid) that finishes is the job's success.
+    state.update({"event": "finish", "pid": 8, "step": 60, "t": 4.0})
+    assert state.finished
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_same_command_twice_with_a_pinned_id_trains_once(tmp_path):
+    from tests.conftest import REPO, read_jsonl
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--job-id", "pinned",
+               "--set", "train.steps=100000", "--set", "checkpoint.every_steps=0",
+               "--set", "checkpoint.save_final=false", "--run-dir", str(run_dir)]
+    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "step" for e in read_jsonl(run_dir / "events.jsonl")):
+            assert first.poll() is None, "the first job ended early"
+            assert time.monotonic() < deadline, "the first job never trained"
+            time.sleep(0.2)
+        second = cli("run", str(MLP), "--job-id", "pinned", run_dir=run_dir, timeout=120)
+        assert second.code == 2 and "Traceback" not in second.err, second.err
+        assert "is in use by job 'mlp' (rendezvous id pinned" in second.err
+        starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start" and e.get("who") == "host"]
+        assert len(starts) == 1, "the second submission must not have started"
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGTERM)
+        try:
+            first.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,11 +66,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_faults(spec, nodes, args.netns)
     spec = preflight(spec, Path(args.job))
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
-    holder = Holder.this_process(spec.name, rdzv_id)  # the agents join this submission's locks
+    # The agents join this submission's locks: by its token, so that another submission that
+    # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
+    holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
     with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder) as claim:
         run_dir = claim.path
         register_run(spec, run_dir, Path(args.job), rdzv_id)
-        code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id)
+        code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
+                            submission=holder.submission)
     if code == 0 and args.verify:
         from elastic_harness.commands.report import cmd_verify
 
@@ -125,14 +129,15 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
-def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "") -> int:
+def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
+                 submission: str = "") -> int:
     events = EventLog(run_dir / "events.jsonl")
     chaos = ChaosController(faults, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
         endpoint = _endpoint(spec, topology)
-        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology)
+        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission)
     finally:
         if topology is not None:
             topology.teardown()
@@ -153,13 +158,14 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None) -> int:
+            topology: NetnsTopology | None, submission: str = "") -> int:
     tail = EventTail(run_dir / "events.jsonl")
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend, netns=topology)
+                           backend=spec.rendezvous.backend, netns=topology,
+                           extra_args=("--submission", submission) if submission else ())
     progress = Progress(spec.train.steps)
     fatal = None
     stop = StopSignal()
@@ -246,7 +252,7 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
     code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits)
+                            agent_exits=state.agent_exits, superseded=state.superseded)
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / "events.jsonl"))
     summary["agent_exit_codes"] = codes
@@ -261,13 +267,15 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
 
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
             codes: dict[int, int | None], drained_at: int | None = None,
-            agent_exits: Sequence[tuple[int, str]] = ()) -> tuple[int, str]:
+            agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "") -> tuple[int, str]:
     """Pure: the host's exit code and message (``exitcodes``), from what happened
-    (``drained_at`` and ``agent_exits`` as ``runstate.RunState`` keeps them)."""
+    (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them)."""
     if fatal:
         return exitcodes.PERMANENT, fatal
     if finished:
         return exitcodes.OK, ""
+    if superseded:  # a fenced generation's finish is not the job's
+        return exitcodes.FAILED, superseded
     if permanent:  # a crash loop (or a fatal error): restarting cannot help
         return exitcodes.PERMANENT, permanent
     saved = "no step was drained" if drained_at is None else f"drained and saved at step {drained_at}"
