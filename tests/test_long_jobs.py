@@ -277,3 +277,38 @@ def test_the_same_command_twice_with_a_pinned_id_trains_once(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+
+
+# ----- 4. every rank is waited for after the last step, within a bound ------------------------
+def test_what_is_still_running_after_the_bound_is_reported():
+    from elastic_harness.commands.run import cut_short, group_members, outcome
+    from elastic_harness.launch.policy import finish_bound_s
+
+    where = {0: "1", 1: "0", 2: "0", 3: "2", -1: "3"}  # rank 3 (node 2) belonged to an older, larger group
+    assert group_members(where) == {"1": {0}, "0": {1, 2}}
+    line = cut_short([0], group_members(where), finish_bound_s(120, 30))
+    assert "node 0 (ranks 1, 2)" in line and "150s" in line and "cut short" in line
+    assert cut_short([], {}, 150) == ""
+    code, message = outcome(finished=True, fatal=None, permanent="", stopped_by=None, codes={0: 143},
+                            cut_short=line)
+    assert (code, message) == (exitcodes.FAILED, line)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_rank_working_after_close_is_waited_for_then_reported(tmp_path):
+    """Rank 1 works 16 s after run.close(), then hangs. The bound here is 20 + 3 = 23 s; the
+    host used to stop every node shutdown_grace + 10 = 13 s after the last step and report
+    success."""
+    from tests.conftest import REPO
+
+    marker = tmp_path / "exported"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: lingers\nscript: {{path: {REPO / 'tests/scripts/lingers.py'}, "
+                   f"args: [--linger, '16', --marker, '{marker}']}}\nnproc_per_node: 2\n"
+                   "train: {steps: 4, global_batch_size: 4, micro_batch_size: 2}\n"
+                   "timeouts: {process_group: 20, shutdown_grace: 3}\n")
+    r = cli("run", str(job), run_dir=tmp_path / "run", timeout=240)
+    assert marker.exists(), "rank 1's work after close was cut short before the bound"
+    assert r.code == exitcodes.FAILED, (r.code, r.err)
+    assert "node 0 (ranks 0, 1) still ran 23s later" in r.err and "cut short" in r.err

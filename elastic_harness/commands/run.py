@@ -21,6 +21,7 @@ from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
+from elastic_harness.launch.policy import finish_bound_s
 from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import prepare
@@ -167,11 +168,11 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
                            backend=spec.rendezvous.backend, netns=topology,
                            extra_args=("--submission", submission) if submission else ())
     progress = Progress(spec.train.steps)
-    fatal = None
+    fatal, lingering = None, ""
     stop = StopSignal()
     try:
         cluster.start()
-        fatal = _supervise(cluster, tail, progress, chaos, spec, stop)
+        fatal, lingering = _supervise(cluster, tail, progress, chaos, spec, stop)
     finally:
         chaos.thaw(cluster)
         cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
@@ -179,7 +180,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
         for e in tail.read():  # what the drain wrote while the nodes stopped
             progress.update(e)
         progress.close()
-    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state)
+    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state, lingering)
 
 
 class StopSignal:
@@ -212,36 +213,71 @@ POLL_S = 0.05
 
 
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec,
-               stop: StopSignal) -> str | None:
-    """Follow events until every agent exits; returns a fatal message if one was logged.
+               stop: StopSignal) -> tuple[str | None, str]:
+    """Follow events until every agent exits; returns a fatal message if one was logged, and
+    what was cut short: after the last step, every node of the last worker group gets
+    ``policy.finish_bound_s`` to exit (a rank may go on working after ``run.close()``); those
+    still running then are named here. Nodes outside that group (say, a frozen one the job
+    went on without) are left to ``cluster.stop`` once the group's nodes are done.
 
     Agents end by themselves: on success, after too few nodes for rendezvous.join_timeout,
-    when isolated from the rendezvous, or when their restarts run out. Once the job has
-    finished, a node that has not exited within the shutdown grace (say, a frozen one that
-    is no longer part of the job) is left to ``cluster.stop``. A stop signal ends it at once.
+    when isolated from the rendezvous, or when their restarts run out. A stop signal ends it
+    at once.
     """
     finished_at = None
+    bound = finish_bound_s(spec.timeouts.process_group, spec.timeouts.shutdown_grace)
+    where: dict[int, str] = {}  # rank -> node of its newest worker; key -1: the newest world size
     while stop.signum is None:
         for e in tail.read():
             progress.update(e)
             chaos.observe(e, cluster)
             if e["event"] == "failure" and e.get("fatal"):
-                return e["message"]
+                return e["message"], ""
             if e["event"] == "finish":
                 finished_at = time.monotonic()
+            if e["event"] == "worker":
+                where[int(e.get("rank", -1))], where[-1] = str(e.get("node", "")), str(e.get("world_size", 0))
         chaos.tick(cluster)
         if all(code is not None for code in cluster.poll().values()):
             for e in tail.read():
                 progress.update(e)
-            return None
-        if finished_at and time.monotonic() - finished_at > spec.timeouts.shutdown_grace + 10:
-            return None
+            return None, ""
+        if finished_at:
+            members = group_members(where)
+            running = [i for i in cluster.running() if not members or str(i) in members]
+            if not running:
+                return None, ""
+            if time.monotonic() - finished_at > bound:
+                return None, cut_short(running, members, bound)
         time.sleep(POLL_S)
-    return None
+    return None, ""
+
+
+def group_members(where: dict[int, str]) -> dict[str, set[int]]:
+    """Pure: node -> ranks of the newest worker group, from each rank's newest ``worker``
+    event (``where[rank]`` its node, ``where[-1]`` the newest world size): every rank of a
+    group announces itself, so ranks below the newest world size were all in it."""
+    members: dict[str, set[int]] = {}
+    for rank in range(int(where.get(-1, 0) or 0)):
+        if rank in where:
+            members.setdefault(where[rank], set()).add(rank)
+    return members
+
+
+def cut_short(running: Sequence[int], ranks: dict[str, set[int]], bound_s: float) -> str:
+    """Pure: one line naming the nodes (and their ranks) still running ``bound_s`` after the
+    last step ("" when none)."""
+    if not running:
+        return ""
+    named = ", ".join(f"node {i}" + (f" (ranks {', '.join(map(str, sorted(ranks[str(i)])))})"
+                                     if ranks.get(str(i)) else "") for i in running)
+    return (f"the last step finished, but {named} still ran {bound_s:.0f}s later (timeouts.process_group + "
+            "timeouts.shutdown_grace) and were stopped: what they did after the last step (run.close() "
+            "and after) was cut short")
 
 
 def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None,
-            stopped_by: int | None, state: RunState) -> int:
+            stopped_by: int | None, state: RunState, lingering: str = "") -> int:
     """Decide the outcome (``outcome``) from ``state`` (this invocation's events, folded as
     they were read), log the host's ``exit``, then write ``summary.json`` from the whole log
     (exit included, so its goodput is the one ``report`` prints).
@@ -252,7 +288,7 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
     code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits, superseded=state.superseded)
+                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering)
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / "events.jsonl"))
     summary["agent_exit_codes"] = codes
@@ -267,11 +303,15 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
 
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
             codes: dict[int, int | None], drained_at: int | None = None,
-            agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "") -> tuple[int, str]:
+            agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "",
+            cut_short: str = "") -> tuple[int, str]:
     """Pure: the host's exit code and message (``exitcodes``), from what happened
-    (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them)."""
+    (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them;
+    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step)."""
     if fatal:
         return exitcodes.PERMANENT, fatal
+    if finished and cut_short:
+        return exitcodes.FAILED, cut_short
     if finished:
         return exitcodes.OK, ""
     if superseded:  # a fenced generation's finish is not the job's

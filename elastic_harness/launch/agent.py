@@ -26,7 +26,7 @@ from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
-from elastic_harness.launch.policy import exhausted_message, stop_reason
+from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import HostSlots
 from elastic_harness.spec import JobSpec
 
@@ -156,7 +156,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     return Launch(config, *command, judge=witness.judge, progress=witness.progress,
                   restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
-                  zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None))
+                  zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
+                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace))
 
 
 def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],

@@ -197,7 +197,7 @@ class Launch:
                  judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
-                 tick: Callable[[], None] | None = None) -> None:
+                 tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -215,7 +215,8 @@ class Launch:
                                   start_method=config.start_method,
                                   shutdown_timeout=config.shutdown_timeout, judge=judge,
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
-                                  progress=progress, restart_window=restart_window, tick=tick)
+                                  progress=progress, restart_window=restart_window, tick=tick,
+                                  exit_barrier_timeout=exit_barrier_s)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,

@@ -128,3 +128,13 @@ FAILED_STOP_GRACE_S = 3.0
 def failed_stop_grace(shutdown_grace: float) -> float:
     """Pure: seconds the survivors of a failed group get after SIGTERM, before SIGKILL."""
     return min(float(shutdown_grace), FAILED_STOP_GRACE_S)
+
+
+# ----- after the last step ------------------------------------------------------------------------
+def finish_bound_s(process_group: float, shutdown_grace: float) -> float:
+    """Pure: how long every rank may take to exit once the job's last step is done: a last
+    collective with a slow peer (``timeouts.process_group``) and a last save
+    (``timeouts.shutdown_grace``). The host waits this long for every agent (``commands.run``)
+    and each agent this long for the others (torch's exit barrier) before stopping them; what
+    is still running then is reported as cut short."""
+    return float(process_group) + float(shutdown_grace)
