@@ -312,3 +312,20 @@ def test_a_rank_working_after_close_is_waited_for_then_reported(tmp_path):
     assert marker.exists(), "rank 1's work after close was cut short before the bound"
     assert r.code == exitcodes.FAILED, (r.code, r.err)
     assert "node 0 (ranks 0, 1) still ran 23s later" in r.err and "cut short" in r.err
+
+
+# ----- 7. bench recovery keeps every recovery's breakdown ---------------------------------------
+def test_bench_keeps_each_recoverys_phases():
+    from elastic_harness.bench import crash_stats
+    from tests.test_report import ev, killed_worker_run
+
+    events = [e for e in killed_worker_run() if e["event"] != "rendezvous" or e["pid"] != 20]
+    events += [ev(12.6, "workers", 5, state="failed"), ev(12.65, "workers", 5, state="stopped"),
+               ev(16.5, "rendezvous", 20, world_size=2, restart=1, pg_init_s=0.1)]
+    events.sort(key=lambda e: e["t"])
+    summary = crash_stats.crash_summary(events, requested=1, code=0)
+    (one,) = summary["recoveries"]
+    assert one["step"] == 25 and one["target"] == 1
+    assert one["recovery_s"] == pytest.approx(17.1 - 12.55)
+    assert one["phases_s"] == pytest.approx({"detect": 0.05, "stop": 0.05, "rendezvous": 0.35, "spawn": 3.4,
+                                             "process_group": 0.1, "restore": 0.5, "first_step": 0.1})
