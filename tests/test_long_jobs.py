@@ -329,3 +329,18 @@ def test_bench_keeps_each_recoverys_phases():
     assert one["recovery_s"] == pytest.approx(17.1 - 12.55)
     assert one["phases_s"] == pytest.approx({"detect": 0.05, "stop": 0.05, "rendezvous": 0.35, "spawn": 3.4,
                                              "process_group": 0.1, "restore": 0.5, "first_step": 0.1})
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_is_recorded_as_a_hang_and_booked_as_hang_detection(tmp_path):
+    """SIGSTOP rank 1 at step 20; the step watchdog (4 s here) kills it and the group
+    restarts. It used to leave no failure at all, and report booked the time as rendezvous."""
+    r = cli("run", str(MLP), "--set", "timeouts.step=4", "--chaos", "hang:1@20", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    hangs = [e for e in r.kinds("failure") if e.get("cause") == "hang"]
+    assert 1 in {e["rank"] for e in hangs}, hangs
+    hang = next(e for e in hangs if e["rank"] == 1)
+    assert hang["step"] >= 20 and hang["seconds"] > 0 and "rank 1 hung" in hang["message"]
+    assert any("rank 1 hung" in m for m in r.summary["failures"])
+    assert r.summary["goodput"]["badput"]["hang_detection"] > 0
