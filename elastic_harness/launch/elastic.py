@@ -117,7 +117,10 @@ class HarnessAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
         self._tick()
+        before = self._remaining_restarts
         result = super()._monitor_workers(worker_group)
+        # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
+        disabled_by_torch = before > 0 and self._remaining_restarts == 0
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
@@ -126,7 +129,7 @@ class HarnessAgent(LocalElasticAgent):
             if reason:
                 self.stop_reason = reason
                 self._remaining_restarts = 0
-            else:
+            elif not disabled_by_torch:
                 self._settle_budget(result)
         return result
 
