@@ -135,6 +135,7 @@ CONTRACT: dict[str, EventKind] = {
         "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
         "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception)",
         "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
+        "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",

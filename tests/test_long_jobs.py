@@ -125,7 +125,7 @@ def test_the_watchdog_reports_the_worker_it_killed(tmp_path):
     server = watchdog.start("t", tmp_path)
     heard: list[tuple[int, float]] = []
     done = threading.Event()
-    server.on_reap = lambda pid, silent: (heard.append((pid, silent)), done.set())
+    server.on_reap = lambda pid, silent, state: (heard.append((pid, silent, state)), done.set())
     code = ("import os, time; from torch.distributed.elastic.timer import FileTimerClient; "
             f"FileTimerClient({str(os.environ[watchdog.TIMER_FILE_VAR])!r}).acquire('s', time.time() + 1.0); "
             "os.kill(os.getpid(), 19)")  # SIGSTOP: frozen, as in the issue
@@ -138,16 +138,18 @@ def test_the_watchdog_reports_the_worker_it_killed(tmp_path):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-    (pid, silent), = heard
+    (pid, silent, state), = heard
     assert pid == worker.pid and silent > 0.5  # since the server read the arming (1 s budget)
+    assert state == "T"  # it was SIGSTOPped, not waiting on someone
 
 
 def test_a_hang_is_recorded_as_a_failure_and_booked_as_hang_detection(tmp_path):
     log = EventLog(tmp_path / "events.jsonl")
-    hang_reporter(log, "n0", rank_of={4242: 1}.get, last_step=lambda: 17, timeout_s=60)(4242, 61.4)
+    hang_reporter(log, "n0", rank_of={4242: 1}.get, last_step=lambda: 17, timeout_s=60)(4242, 61.4, "T")
     (e,) = read_events(tmp_path / "events.jsonl")
     assert (e["event"], e["cause"], e["rank"], e["step"], e["node"], e["seconds"]) == ("failure", "hang", 1, 17, "n0", 61.4)
-    assert e["message"] == hang_message("rank 1", 17, 61.4, 60) and "timeouts.step=60s" in e["message"]
+    assert e["message"] == hang_message("rank 1", 17, 61.4, 60, "T") and "timeouts.step=60s" in e["message"]
+    assert "stopped by a signal" in e["message"] and "stopped" not in hang_message("rank 0", 17, 61.4, 60, "S")
     assert is_reaction(e)
     # A generation stepping to t=10, the watchdog's kill at 70, rendezvous at 71, resume at 72.
     ledger = GoodputLedger()
@@ -341,6 +343,7 @@ def test_a_frozen_rank_is_recorded_as_a_hang_and_booked_as_hang_detection(tmp_pa
     hangs = [e for e in r.kinds("failure") if e.get("cause") == "hang"]
     assert 1 in {e["rank"] for e in hangs}, hangs
     hang = next(e for e in hangs if e["rank"] == 1)
-    assert hang["step"] >= 20 and hang["seconds"] > 0 and "rank 1 hung" in hang["message"]
+    assert hang["step"] >= 20 and hang["seconds"] > 0 and hang["state"] == "T"
+    assert "rank 1 hung (it was stopped by a signal)" in hang["message"]
     assert any("rank 1 hung" in m for m in r.summary["failures"])
     assert r.summary["goodput"]["badput"]["hang_detection"] > 0

@@ -166,21 +166,26 @@ def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | No
     naming the rank, the job's last completed step and how long the worker was silent.
     Called on the watchdog's thread."""
 
-    def report(pid: int, silent_s: float) -> None:
+    def report(pid: int, silent_s: float, state: str = "") -> None:
         rank = rank_of(pid)
         step = last_step()
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
-                    seconds=round(silent_s, 3),
-                    message=hang_message(who, step, silent_s, timeout_s))
+                    seconds=round(silent_s, 3), state=state,
+                    message=hang_message(who, step, silent_s, timeout_s, state))
 
     return report
 
 
-def hang_message(who: str, step: int, silent_s: float, timeout_s: float) -> str:
-    """Pure: one line for a worker the step watchdog killed."""
-    return (f"{who} hung: no progress for {silent_s:.0f}s after step {step} (timeouts.step={timeout_s:g}s); "
-            "the watchdog killed it and the group restarts")
+_STATES = {"T": " (it was stopped by a signal)", "t": " (it was stopped by a tracer)",
+           "D": " (in uninterruptible sleep: I/O or a driver)"}
+
+
+def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: str = "") -> str:
+    """Pure: one line for a worker the step watchdog killed; ``state`` its /proc state
+    before the kill, which tells the frozen rank from the peers waiting on it."""
+    return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
+            f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
 
 
 def phase_reporter(events: EventLog, node: str, *, warm: bool):

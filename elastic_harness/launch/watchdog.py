@@ -40,7 +40,7 @@ class WorkerOnlyTimerServer(FileTimerServer):
         super().__init__(file_path=str(fifo), run_id=run_id, max_interval=0.1, daemon=True)
         self._fifo, self._private_dir = fifo, private_dir
         self._armed: dict[int, float] = {}  # worker pid -> when it last armed its timer
-        self.on_reap: Callable[[int, float], None] | None = None  # (pid, seconds silent)
+        self.on_reap: Callable[[int, float, str], None] | None = None  # (pid, seconds silent, state)
 
     def register_timers(self, timer_requests: list) -> None:
         now = time.time()
@@ -52,11 +52,12 @@ class WorkerOnlyTimerServer(FileTimerServer):
     def _reap_worker(self, worker_pid: int, signal: int) -> bool:
         if worker_pid == os.getpid():
             return True  # the worker was reaped; the agent lives on to restart the group
+        state = process_state(worker_pid)  # before the kill: was it stopped, or waiting?
         reaped = super()._reap_worker(worker_pid, signal)
         armed = self._armed.pop(worker_pid, None)
         if reaped and self.on_reap is not None:
             with contextlib.suppress(Exception):  # a report must not stop the watchdog
-                self.on_reap(worker_pid, time.time() - armed if armed is not None else 0.0)
+                self.on_reap(worker_pid, time.time() - armed if armed is not None else 0.0, state)
         return reaped
 
     def stop(self) -> None:
@@ -66,6 +67,16 @@ class WorkerOnlyTimerServer(FileTimerServer):
         else:  # RUN_DIR/tmp, unless another agent's FIFO is still in it
             with contextlib.suppress(OSError):
                 os.rmdir(self._fifo.parent)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc ('T' stopped, 'D' uninterruptible, 'S' sleeping,
+    'R' running; '' unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer:
