@@ -74,6 +74,7 @@ def test_goodput_arithmetic_adds_up_to_wall_time():
         "checkpoint_blocking": 0.3,  # 0.05 + 0.05 + 0.2
         "lost_work": 0.45,  # steps 21..25 of A (0.5 s) less the step-20 save's blocking
         "shutdown": 0.8,  # last step (18.0) -> host exit (19.0), less the final save's blocking
+        "hang_detection": 0.0,  # no watchdog kill
     }
     assert g.badput == pytest.approx(expected)
     assert g.productive_s == pytest.approx(1.95 + 1.0)  # A's steps 1..20 less one save, B's 21..30

@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, help="worker-group restarts (or PET_MAX_RESTARTS)")
     p.add_argument("--job-id", help="the submission this agent belongs to, which holds the run dir "
                                     "(default: the rendezvous id)")
+    p.add_argument("--submission", default="",
+                   help="token of the submission this agent belongs to (`run` passes its own): the run "
+                        "dir's lock then refuses another submission that pinned the same rendezvous id")
     p.add_argument("--node", default="", help="a name for this node in events and logs "
                                               "(default: SLURM_NODEID in an allocation, else the host name)")
     p.add_argument("--local-addr", help="this node's address, if the hostname does not resolve to it")
@@ -88,7 +91,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise HarnessError(f"--endpoint-port {args.endpoint_port} is not a port", "pick 0..65535 (0 = any free port)")
     job_id = args.job_id or opts.rdzv_id
     # The job submission holds the run dir: this job's agents (and its `run`) share it.
-    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id), key_file=opts.key_file):
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id, submission=args.submission),
+                 key_file=opts.key_file):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)
