@@ -80,6 +80,7 @@ from elastic_harness.checkpoint.progress import (
     on_callers_device,
     without_zip_crc,
 )
+from elastic_harness.checkpoint.safe_load import WeightsOnlyLoadPlanner
 from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
@@ -268,7 +269,8 @@ class CheckpointManager:
             if agreed == 2:
                 try:
                     reader = watch_reader(self.storage.reader(choice.name), Counter(self._ticker.tick))
-                    dcp.load(state, storage_reader=reader, process_group=self.group)
+                    dcp.load(state, storage_reader=reader, process_group=self.group,
+                             planner=WeightsOnlyLoadPlanner())
                 except SAVE_ERRORS as e:  # a shard that fails to deserialise, unreadable files
                     error = e
             ok = collective.all_min(int(error is None and agreed == 2), self.group) == 1
