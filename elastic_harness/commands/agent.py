@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from elastic_harness.checkpoint.lock import Holder
+from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch import slurm_env
 from elastic_harness.launch.config import node_options
@@ -79,6 +80,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from elastic_harness.cluster import free_port
 
     spec = load_job(args.job, args.set)
+    require_spec_extras(spec)
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
     opts = node_options(spec, run_dir, {k: getattr(args, k) for k in _FLAGS}, os.environ, pick_port=free_port)
     if not opts.rdzv_id:

@@ -247,7 +247,9 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
     if not opts.rdzv_id:
         raise AssertionError("callers must give every submission its own rendezvous id")
     logs = DefaultLogsSpecs(log_dir=str(opts.run_dir / "logs"), redirects=Std.ALL)
-    kwargs = dict(
+    # torch is pinned to 2.13.0 (elastic_harness.deps), whose LaunchConfig has every field
+    # used here, shutdown_timeout included (launch/elastic.py reads it back).
+    return LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
         nproc_per_node=opts.nproc_per_node,
@@ -263,12 +265,6 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
         local_addr=opts.local_addr,
         shutdown_timeout=spec.timeouts.shutdown_grace,
     )
-    # Older torch (e.g. 2.11 on GPU images) lacks shutdown_timeout; it then reads the
-    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT variable, which agent_environ-style callers may set.
-    known = {f.name for f in dataclasses.fields(LaunchConfig)}
-    if "shutdown_timeout" not in known:
-        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(spec.timeouts.shutdown_grace))
-    return LaunchConfig(**{k: v for k, v in kwargs.items() if k in known})
 
 
 def worker_command(run_dir: Path) -> tuple[str, list[str]]:

@@ -76,6 +76,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from elastic_harness.deps import require_torch
+
 # Fallbacks when a key is missing from the rendezvous config (torch's own defaults).
 _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
              "heartbeat_timeout": 5.0, "keep_alive_interval": 5.0, "keep_alive_max_attempt": 3}
@@ -230,6 +232,7 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
     c10d and etcd-v2 backends; any other backend exactly as torch's registry makes it."""
+    require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
     dynamic_rendezvous.get_method_name = method_name  # see the module docstring
     dynamic_rendezvous.construct_and_record_rdzv_event = record_event
     dynamic_rendezvous._delay = delay
