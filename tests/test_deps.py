@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as pip vendors it
+    from pip._vendor import tomli as tomllib
 
 from elastic_harness import deps
 from elastic_harness.spec import parse_job

@@ -128,6 +128,24 @@ def test_the_interval_does_not_flip_between_neighbours():
     assert not c.due(30, forced=False) and c.due(30, forced=True)
 
 
+def test_the_interval_does_not_flip_at_the_floor():
+    """``need`` wandering around 1.0 with ``every`` 1 (the quickstart's "every 1/2 step(s)"
+    line, ~10 times a run): once raised to 2 it stays while 2 is not far too many."""
+    c = Cadence(every=1, budget=0.03)
+    for _ in range(9):
+        c.step_took(0.040)
+    changes, last = 0, None
+    for copy in (0.00135, 0.0011, 0.00140, 0.00105, 0.0013, 0.0010) * 5:  # need 0.83-1.17
+        for _ in range(8):
+            c.snapshot_took(copy)
+        k = c.proposal(1)
+        changes, last = changes + (k != last), k
+    assert changes <= 2, "set once, raised at most once"
+    for _ in range(8):
+        c.snapshot_took(0.0006)  # need 0.5: 2 is far more than needed, lowered
+    assert c.proposal(1) == 1
+
+
 def test_header_round_trip_and_foreign_bytes():
     h = Header(True, 12, 4, 3, 1000, 77, bytes(range(32)))
     assert Header.unpack(h.pack() + b"\0" * 10) == h

@@ -97,11 +97,13 @@ class Cadence:
         With ``need`` the unrounded interval the budget asks for, the current one is kept
         while ``need`` is at most ``OVER`` above it and not far below it (``need *
         HYSTERESIS < current - 1`` lowers it): measurements wandering around a boundary
-        (2.0 then 2.1 steps) do not flip it between neighbours at every step."""
+        (2.0 then 2.1 steps) do not flip it between neighbours at every step. That holds at
+        the floor too: a ``need`` wandering around 1.0 with ``every`` 1 used to drop to 1 at
+        once each time it dipped (``want == every``) and rise again, ~10 flips a run."""
         copy_s, step_s = self.medians()
         want = interval(copy_s, step_s, self.budget, self.every)
         current = self._current
-        if current is None or want == self.every or copy_s <= 0 or step_s <= 0 or self.budget <= 0:
+        if current is None or copy_s <= 0 or step_s <= 0 or self.budget <= 0:
             self._current = want
         else:
             need = copy_s / (self.budget * step_s)

@@ -48,7 +48,10 @@ PRELOAD = (
     "numpy.random",
     "yaml",
     "elastic_harness.runtime.worker",
-    "elastic_harness.runtime.entry",
+    # not elastic_harness.runtime.entry: each fork runs it as __main__ (``run_module``), and
+    # runpy warns in every worker's stderr (RuntimeWarning: found in sys.modules ... prior to
+    # execution) when it was imported already, then executes it a second time. It imports
+    # nothing heavy of its own.
     "elastic_harness.memtier.tier",
 )
 MAX_MESSAGE = 1 << 20
