@@ -10,6 +10,8 @@ from elastic_harness.runstate import RunState
 # A durable save is worth its own line only when it held training up this long; the rest
 # are folded into the progress line ("saved 100") and the closing tally.
 SLOW_SAVE_S = 1.0
+# A new in-memory snapshot interval is printed once it held this many steps.
+SETTLE_STEPS = 20
 
 
 class Progress:
@@ -30,6 +32,7 @@ class Progress:
         self.state = RunState()
         self._last_decile = -1
         self._every_shown: int | None = None  # the snapshot interval last printed
+        self._every_pending: dict | None = None  # a new one, printed once it settled
         self._saves: list[dict] = []
 
     def update(self, e: dict) -> None:
@@ -38,6 +41,7 @@ class Progress:
         if kind == "resume":
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
+            self._settle(e["step"])
             self._step(e)
         elif kind == "memory":
             self._memory(e)
@@ -53,12 +57,18 @@ class Progress:
 
     def _memory(self, e: dict) -> None:
         """The snapshot interval once measured, then only when it settles on another value
-        (0, a memory probe's off block, is not a setting)."""
+        for ``SETTLE_STEPS`` (0, a memory probe's off block, is not a setting)."""
         every = e.get("every") or 0
-        if not e.get("copy_s") or every <= 0 or every == self._every_shown:
-            return  # the first, unmeasured setting; a probe block; no change
-        self._every_shown = every
-        self._line(f"in-memory snapshots every {every} step(s) from step {e['step']} "
+        if not e.get("copy_s") or every <= 0:
+            return  # the first, unmeasured setting; a probe block
+        self._every_pending = None if every == self._every_shown else e
+
+    def _settle(self, step: int) -> None:
+        e = self._every_pending
+        if e is None or step - e["step"] < SETTLE_STEPS:
+            return
+        self._every_shown, self._every_pending = e["every"], None
+        self._line(f"in-memory snapshots every {e['every']} step(s) from step {e['step']} "
                    f"(a copy takes {1000 * e['copy_s']:.1f} ms, a step {1000 * e['step_s']:.1f} ms)")
 
     def _step(self, e: dict) -> None:
