@@ -11,7 +11,7 @@ from elastic_harness.runstate import RunState
 # are folded into the progress line ("saved 100") and the closing tally.
 SLOW_SAVE_S = 1.0
 # A new in-memory snapshot interval is printed once it held this many steps.
-SETTLE_STEPS = 20
+SETTLE_STEPS = 50
 
 
 class Progress:
