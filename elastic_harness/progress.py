@@ -61,7 +61,10 @@ class Progress:
         every = e.get("every") or 0
         if not e.get("copy_s") or every <= 0:
             return  # the first, unmeasured setting; a probe block
-        self._every_pending = None if every == self._every_shown else e
+        if every == self._every_shown:
+            self._every_pending = None  # back to what is shown: nothing to say
+        elif self._every_pending is None or self._every_pending["every"] != every:
+            self._every_pending = e  # a new value: shown once it held (``_settle``)
 
     def _settle(self, step: int) -> None:
         e = self._every_pending
