@@ -104,8 +104,10 @@ def _tally(saves: list[dict]) -> str:
     """``checkpoints: 8 saved (async), last step 400, training blocked 0.01-0.03 s each``."""
     blocked = [e.get("blocking_s") or 0.0 for e in saves]
     modes = sorted({"async" if e.get("asynchronous") else "sync" for e in saves})
+    held = f"{min(blocked):.2f}" if f"{min(blocked):.2f}" == f"{max(blocked):.2f}" else \
+        f"{min(blocked):.2f}-{max(blocked):.2f}"
     return (f"checkpoints: {len(saves)} saved ({'/'.join(modes)}), last step {saves[-1]['step']}, "
-            f"training blocked {min(blocked):.2f}-{max(blocked):.2f} s each")
+            f"training blocked {held} s each")
 
 
 def _describe(e: dict) -> str:

@@ -156,3 +156,15 @@ def test_a_warm_worker_runs_the_entry_module_without_runpys_warning(tmp_path):
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "does not exist" in r.stderr, r.stderr  # the entry ran (and refused the missing job)
     assert "RuntimeWarning" not in r.stderr, r.stderr
+
+
+def test_the_zygote_preloads_without_the_optional_extras():
+    """The core install has no tensorboard: the zygote's preload skips what an extra provides
+    (it used to import torch.utils.tensorboard unconditionally and die)."""
+    code = ("import sys; sys.modules['tensorboard'] = None\n"
+            "from elastic_harness.runtime import zygote\n"
+            "print(zygote.preload())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.strip()) >= 1
