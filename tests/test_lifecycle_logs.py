@@ -104,3 +104,14 @@ def test_torch_info_and_cpp_traces_are_hidden_unless_all(run_dir):
     everything = dump(run_dir, all=True)
     assert all(f"[node 0 rank 1 stderr] {line}" in everything for line in trace)
     assert any("log directory set to" in line for line in everything)
+
+
+def test_quiet_filter_fed_line_by_line_folds_a_trace_once():
+    """kubectl's lines arrive one by one, prefixed with their pod: one fold per trace."""
+    quiet = logsource.Quiet()
+    pod = "[pod/j-worker-0/pytorch] "
+    lines = [pod + "RuntimeError: boom", pod + "frame #0: a", pod + "frame #1: b",
+             pod + "I0101 11:00:07.000000 9 x.py:1] info", pod + "next"]
+    shown = [kept for line in lines for kept in quiet.feed([line], end=False)] + quiet.feed([])
+    assert shown == [pod + "RuntimeError: boom",
+                     "  [C++ stack trace, 2 lines: elastic-harness logs --all shows it]", pod + "next"]
