@@ -103,6 +103,7 @@ def test_harness_job_is_a_valid_script_job_with_checkpoints_off(tmp_path):
         spec = parse_job(yaml.safe_dump(raw))
         assert spec.script.path.endswith("tput_harness.py") and spec.nproc_per_node == nproc
         assert spec.checkpoint.every_steps == 0 and not spec.checkpoint.save_final
+        assert spec.checkpoint.memory_every == 0  # no in-memory snapshots either
         assert spec.data.workers == (3 if case == "costly" else 0)
         assert (spec.train.global_batch_size, spec.train.micro_batch_size) == (64, 32)
     cmd = tput_run.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path / "o.json", 2, tmp_path, 10)

@@ -168,3 +168,13 @@ def test_the_zygote_preloads_without_the_optional_extras():
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.strip()) >= 1
+
+
+def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():
+    """The zygote and its workers start with fixed glibc thresholds (the dynamic ones left
+    forked workers faulting ~1500 pages a step); any MALLOC_* of the user's wins."""
+    from elastic_harness.launch.config import worker_malloc_environ
+
+    env = worker_malloc_environ({"PATH": "/bin"})
+    assert env == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
+    assert worker_malloc_environ({"MALLOC_ARENA_MAX": "2"}) == {}

@@ -28,7 +28,7 @@ from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch import slurm_env
-from elastic_harness.launch.config import node_options
+from elastic_harness.launch.config import node_options, worker_malloc_environ
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
 from elastic_harness.rundir import prepare
@@ -92,6 +92,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     # The job submission holds the run dir: this job's agents (and its `run`) share it.
     with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id)):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
+        os.environ.update(worker_malloc_environ(os.environ))  # before the zygote starts (launch.config)
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)
         if not args.no_summary:
