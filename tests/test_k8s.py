@@ -22,7 +22,7 @@ from elastic_harness.spec import load_job, parse_job
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 QUICKSTART = "jobs/quickstart.yaml"  # k8s/plain and k8s/pytorchjob are rendered from it
-CRD = REPO.parent / "shared" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
+CRD = REPO / "k8s" / "crds" / "kubeflow.org_pytorchjobs.yaml"  # vendored: see its README
 KUBE_VERSION = "1.32.0"  # kubectl here is 1.32; kubernetes-validate ships this schema set
 JOBS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jobs").glob("*.yaml"))
 REGEN = "regenerate: elastic-harness k8s render {src} --flavor {flavor} --out k8s/{flavor}"
@@ -96,8 +96,6 @@ def _strict(schema: object) -> object:
 
 @pytest.fixture(scope="module")
 def crd_validator() -> jsonschema.protocols.Validator:
-    if not CRD.exists():
-        pytest.skip(f"PyTorchJob CRD not found at {CRD} (shared reference data is absent)")
     crd = yaml.safe_load(CRD.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return jsonschema.Draft202012Validator(_strict(version["schema"]["openAPIV3Schema"]))
@@ -262,7 +260,9 @@ def test_pytorchjob_elastic_policy_from_spec() -> None:
     job = _one(render(spec, "pytorchjob"), "PyTorchJob")
     policy = job["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"]) == (2, 4)
-    assert (policy["maxRestarts"], policy["nProcPerNode"], policy["rdzvBackend"]) == (7, 2, "c10d")
+    assert (policy["maxRestarts"], policy["rdzvBackend"]) == (7, "c10d")
+    # the deprecated elasticPolicy.nProcPerNode is gone (the operator's webhook forbids both)
+    assert job["spec"]["nprocPerNode"] == "2" and "nProcPerNode" not in policy
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4 and worker["restartPolicy"] == "ExitCode"
     c = worker["template"]["spec"]["containers"][0]
@@ -402,7 +402,8 @@ def test_agent_accepts_rendered_command(flavor: str) -> None:
 
 def _operator_env(job: dict) -> dict[str, str]:
     """The PET_* variables training-operator v1 derives from ``elasticPolicy`` (its
-    ElasticEnvVarGenerator): endpoint defaults to ``<job>-worker-0`` when rdzvHost is unset."""
+    ElasticEnvVarGenerator): endpoint defaults to ``<job>-worker-0`` when rdzvHost is unset;
+    PET_NPROC_PER_NODE only from the deprecated elasticPolicy.nProcPerNode, which we do not set."""
     policy = job["spec"]["elasticPolicy"]
     host = policy.get("rdzvHost", f"{job['metadata']['name']}-worker-0")
     return {
@@ -410,7 +411,6 @@ def _operator_env(job: dict) -> dict[str, str]:
         "PET_RDZV_BACKEND": policy["rdzvBackend"],
         "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
         "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
-        "PET_NPROC_PER_NODE": str(policy["nProcPerNode"]),
         "PET_RDZV_ID": policy["rdzvId"],
     }
 
@@ -479,3 +479,17 @@ def test_the_network_policy_picks_this_submission_only(flavor: str) -> None:
     other = render(parse_job(SMALL + "rendezvous: {id: demo-9z8y7x}\n"), flavor)
     for tpl in _templates(other):  # another submission of the same job is not admitted
         assert not mine.items() <= tpl["metadata"]["labels"].items()
+
+
+def test_deploy_notes_build_the_tag_the_manifests_pull() -> None:
+    """k8s/DEPLOY.md and the Dockerfile build the image tag the rendered manifests pull."""
+    from elastic_harness import __version__
+    from elastic_harness.k8s.render import DEFAULT_IMAGE
+
+    assert f"elastic-harness:{__version__}" == DEFAULT_IMAGE
+    for doc in (K8S / "DEPLOY.md", K8S / "Dockerfile"):
+        tags = set(re.findall(r"\b(?:elastic-harness|eh):(\d+\.\d+\.\d+)", doc.read_text()))
+        assert tags == {__version__}, (doc.name, tags)
+    pulled = {tag for flavor in FLAVORS for f in (K8S / flavor).glob("*.yaml")
+              for tag in re.findall(r"image: (elastic-harness:\S+)", f.read_text())}
+    assert pulled == {DEFAULT_IMAGE}

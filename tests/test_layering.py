@@ -35,6 +35,8 @@ def ours(package: str) -> set[str]:
     ("goodput", set()),
     ("runstate", {"elastic_harness.goodput"}),
     ("events", set()),
+    # what this install has (torch version, extras): one home, imports only the errors
+    ("deps", {"elastic_harness.errors"}),
     # the fault vocabulary: data and pure decisions over the spec
     ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
     # the job's key and listening sockets: used on every side, so they depend on nothing

@@ -214,3 +214,16 @@ def test_evaluations_are_in_the_timeline_and_the_plot(tmp_path):
     assert [(round(e.t, 2), e.step, e.metrics["accuracy"]) for e in tl.evals] == [(18.15, 30, 0.75)]
     path = draw(tl, tmp_path / "report.png")
     assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_keeps_fault_labels_off_the_data_and_draws_a_smoothed_loss(tmp_path):
+    from elastic_harness.report.plot import figure, label_rows, smooth
+
+    assert smooth([1.0, 2.0, 3.0, 4.0, 5.0], 3) == [1.5, 2.0, 3.0, 4.0, 4.5]
+    assert label_rows([0.0, 1.0, 50.0, 51.0, 52.0], span=100) == [0, 1, 0, 1, 2]
+    fig = figure(build(killed_worker_run()))
+    label_ax, loss_ax, _ = fig.axes[:3]
+    assert not loss_ax.texts, "no label is drawn over the loss"
+    assert [t.get_text().split(":")[0] for t in label_ax.texts] == ["kill-worker"]
+    styles = [(line.get_linestyle(), line.get_marker()) for line in loss_ax.get_lines()]
+    assert ("-", "None") in styles and ("None", ".") in styles  # a line over the points

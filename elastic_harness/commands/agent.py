@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from elastic_harness.checkpoint.lock import Holder
+from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch import slurm_env
-from elastic_harness.launch.config import node_options
+from elastic_harness.launch.config import node_options, worker_malloc_environ
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
 from elastic_harness.rundir import prepare
@@ -82,6 +83,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from elastic_harness.cluster import free_port
 
     spec = load_job(args.job, args.set)
+    require_spec_extras(spec)
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
     opts = node_options(spec, run_dir, {k: getattr(args, k) for k in _FLAGS}, os.environ, pick_port=free_port)
     if not opts.rdzv_id:
@@ -94,6 +96,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id, submission=args.submission),
                  key_file=opts.key_file):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
+        os.environ.update(worker_malloc_environ(os.environ))  # before the zygote starts (launch.config)
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)
         if not args.no_summary:

@@ -43,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--node", help="only this node's agent and worker logs")
     p.add_argument("--since", help="only what was written since: a duration (90s, 10m, 2h) or a time "
                                    "(HH:MM[:SS] today, or YYYY-MM-DD HH:MM[:SS])")
+    p.add_argument("--all", action="store_true", help="also torch's INFO lines and C++ stack traces "
+                                                      "(hidden by default; the files keep them)")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("stop", help="stop a job: drain and save (default), or --now kill it")
@@ -108,7 +110,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     record = resolve(args.job, root)
     if record.run_dir and (args.rank is not None or args.node is not None):
         check_log_target(record, args.rank, args.node, root)
-    query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since)
+    query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since, all=args.all)
     with contextlib.suppress(KeyboardInterrupt):  # the way to end `logs -f`
         scheduler_for(record.scheduler, root).logs(record, query, sys.stdout)
     return 0

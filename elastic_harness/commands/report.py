@@ -13,6 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from elastic_harness.deps import MissingExtra, require_extra
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.events import read_events
 from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
@@ -49,6 +50,11 @@ def load_timeline(run_dir: Path) -> Timeline:
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    if not args.no_plot:
+        try:
+            require_extra("report")
+        except MissingExtra as e:
+            raise MissingExtra(f"{e.message}, or pass --no-plot") from None
     tl = load_timeline(run_dir)
     plot_path = None
     if not args.no_plot:

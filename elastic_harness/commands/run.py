@@ -18,6 +18,7 @@ from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.cluster import LocalCluster, free_port
+from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
@@ -103,6 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
     spec = preflight(spec, Path(args.job))
+    require_spec_extras(spec)
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.

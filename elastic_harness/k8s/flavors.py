@@ -71,9 +71,6 @@ def render_pytorchjob(target: Target) -> list[dict]:
         "rdzvBackend": backend,
         "rdzvId": rendezvous_id(target),
         "maxRestarts": spec.max_restarts,
-        # deprecated in favour of spec.nprocPerNode, but only this one becomes
-        # PET_NPROC_PER_NODE in the operator's elastic env generator
-        "nProcPerNode": spec.nproc_per_node,
     }
     ports: list[dict] = []
     extra: list[dict] = []
@@ -94,6 +91,11 @@ def render_pytorchjob(target: Target) -> list[dict]:
         "restartPolicy": "ExitCode",
         "template": pod_template(target, agent_args(target, {}), ports, etcd_client=backend != "c10d"),
     }
-    body = {"elasticPolicy": policy, "pytorchReplicaSpecs": {"Worker": worker}}
+    # spec.nprocPerNode, not elasticPolicy.nProcPerNode (deprecated since operator v1.7; the
+    # webhook forbids both). The operator's elastic env generator turns only the deprecated
+    # one into PET_NPROC_PER_NODE; without it the agent reads nproc_per_node from the job in
+    # the ConfigMap, the same number.
+    body = {"nprocPerNode": str(spec.nproc_per_node), "elasticPolicy": policy,
+            "pytorchReplicaSpecs": {"Worker": worker}}
     job = obj("kubeflow.org/v1", "PyTorchJob", metadata(target, target.names.base), spec=body)
     return [*extra, job]

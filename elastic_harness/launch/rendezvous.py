@@ -84,6 +84,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
+from elastic_harness.deps import require_torch
 
 # Fallbacks when a key is missing from the rendezvous config (torch's own defaults).
 _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
@@ -244,6 +245,7 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
     c10d and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
     file that the config's ``key_file`` names: ``launch.config.rdzv_configs``); any other
     backend exactly as torch's registry makes it."""
+    require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
     dynamic_rendezvous.get_method_name = method_name  # see the module docstring
     dynamic_rendezvous.construct_and_record_rdzv_event = record_event
     dynamic_rendezvous._delay = delay

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from elastic_harness.errors import HarnessError
-from elastic_harness.lifecycle import kubectl, registry, shell
+from elastic_harness.lifecycle import kubectl, logsource, registry, shell
 from elastic_harness.lifecycle.api import LogQuery, Submission
 from elastic_harness.lifecycle.kubectl import KubeJob
 from elastic_harness.lifecycle.registry import JobRecord
@@ -136,11 +136,15 @@ class KubeScheduler:
                                "use --node N (that node's pod), or read RUN_DIR/logs in a pod")
         since = int(max(1, time.time() - query.since)) if query.since else None
         cmd = kubectl.logs(_job(record), query.follow, query.node, since)
+        quiet = None if query.all else logsource.Quiet()  # what is shown (logsource)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
             assert proc.stdout is not None
             try:
                 for line in proc.stdout:
-                    out.write(line)
+                    for kept in quiet.feed([line.rstrip("\n")], end=False) if quiet else [line.rstrip("\n")]:
+                        out.write(kept + "\n")
+                for kept in quiet.feed([]) if quiet else []:
+                    out.write(kept + "\n")
             finally:
                 proc.terminate()
 

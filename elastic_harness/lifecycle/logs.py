@@ -34,6 +34,7 @@ class _Stream:
         self.in_section = not agent_of
         self.since, self.keep = since, True
         self.seen: list[str] = []  # agent streams: the job's lines (for worker_dirs)
+        self.quiet = logsource.Quiet()  # what is shown, unless the query asks for all
 
     def read(self) -> list[str]:
         try:
@@ -120,7 +121,7 @@ class LogReader:
         for stream in sorted(self.streams.values(), key=_order):
             lines = stream.read()
             if self._shown(stream):
-                _write(out, stream.label, lines)
+                _write(out, stream.label, lines if self.query.all else stream.quiet.feed(lines))
 
     def dump(self, out: TextIO) -> None:
         """Everything so far, file by file (module doc). Twice: the agents read in the first

@@ -229,7 +229,8 @@ class DataSpec:
 @dataclass(frozen=True)
 class MetricsSpec:
     tensorboard: bool = doc(
-        True, "Write step and evaluation metrics as TensorBoard event files to RUN_DIR/tensorboard."
+        False, "Write step and evaluation metrics as TensorBoard event files to RUN_DIR/tensorboard "
+        "(needs the tensorboard extra: pip install 'elastic-harness[tensorboard]')."
     )
 
 
