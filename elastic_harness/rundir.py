@@ -19,15 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_harness import jobkey
+from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import layout, lock
 from elastic_harness.checkpoint.storage import LocalStorage, open_storage
-from elastic_harness.checkpoint.where import RESOLVED_SPEC, checkpoint_root, inside, is_url
+from elastic_harness.checkpoint.where import checkpoint_root, inside, is_url
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.spec import JobSpec, dump_job
-
-RESOLVED = RESOLVED_SPEC
-_RUN_FILES = ("events.jsonl", "summary.json", "samples")
 
 
 class Claim:
@@ -174,7 +171,7 @@ def set_aside_old(run_dir: Path, root: str, stamp: str) -> None:
             )
     else:
         _move_entries(Path(root), Path(f"{root}.old-{stamp}"), keep={lock.LOCK_FILE})
-    for name in _RUN_FILES:
+    for name in runfiles.SET_ASIDE_ON_FRESH:
         if (run_dir / name).exists():
             os.replace(run_dir / name, run_dir / f"{name}.old-{stamp}")
 
@@ -193,8 +190,8 @@ def _move_entries(root: Path, aside: Path, keep: set[str]) -> None:
 
 def write_resolved(run_dir: Path, spec: JobSpec) -> Path:
     """Atomically (several agents may write the same content)."""
-    final = run_dir / RESOLVED
-    tmp = run_dir / f".{RESOLVED}.{os.getpid()}"
+    final = run_dir / runfiles.RESOLVED_SPEC
+    tmp = run_dir / f".{runfiles.RESOLVED_SPEC}.{os.getpid()}"
     tmp.write_text(dump_job(spec))
     os.replace(tmp, final)
     return final

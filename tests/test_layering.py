@@ -11,14 +11,24 @@ PKG = Path(__file__).resolve().parents[1] / "elastic_harness"
 
 
 def imports_of(path: Path) -> set[str]:
+    """The modules ``path`` imports; ``from elastic_harness import runfiles`` counts as
+    ``elastic_harness.runfiles`` (a module of ours), not as the package."""
     tree = ast.parse(path.read_text())
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+            subs = {f"{node.module}.{a.name}" for a in node.names if _is_ours(f"{node.module}.{a.name}")}
+            out |= subs or {node.module}
     return out
+
+
+def _is_ours(module: str) -> bool:
+    if not module.startswith("elastic_harness."):
+        return False
+    rel = Path(*module.split(".")[1:])
+    return (PKG / rel).with_suffix(".py").is_file() or (PKG / rel / "__init__.py").is_file()
 
 
 def ours(package: str) -> set[str]:
@@ -38,8 +48,10 @@ def ours(package: str) -> set[str]:
     # the fault vocabulary: data and pure decisions over the spec
     ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
     # the job's key and listening sockets: used on every side, so they depend on nothing
-    ("jobkey", {"elastic_harness.errors"}),
+    ("jobkey", {"elastic_harness.errors", "elastic_harness.runfiles"}),
     ("listen", set()),
+    # the run directory's names: below everything, so every layer may spell them through it
+    ("runfiles", set()),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}
@@ -152,9 +164,18 @@ def test_no_import_cycles_inside_the_package():
 
 @pytest.mark.parametrize("module", ["where", "layout"])
 def test_checkpoint_decisions_are_pure(module):
-    """One home for "where checkpoints live" and "which one to load": nothing of ours, no torch."""
-    found = imports_of(PKG / "checkpoint" / f"{module}.py")
+    """One home for "where checkpoints live" and "which one to load": nothing of ours (but the
+    run directory's names, which import nothing), no torch."""
+    found = imports_of(PKG / "checkpoint" / f"{module}.py") - {"elastic_harness.runfiles"}
     assert not {m for m in found if m.startswith(("elastic_harness", "torch"))}
+
+
+def test_only_runfiles_spells_the_run_directory_names():
+    """One module names what a run directory holds (``runfiles``); the rest use its names."""
+    names = ('"events.jsonl"', '"job.resolved.yaml"', '"summary.json"', '"job.key"', '".elastic-harness.lock"')
+    spellers = sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
+                      if any(n in p.read_text() for n in names))
+    assert spellers == ["runfiles.py"]
 
 
 def test_host_side_locks_do_not_import_torch():

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch import slurm_env
@@ -124,7 +125,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
         from elastic_harness.launch.endpoint import Endpoint, stall_bound
 
         try:
-            endpoint = Endpoint(run_dir / "events.jsonl", job=spec.name, node=node,
+            endpoint = Endpoint(run_dir / runfiles.EVENTS, job=spec.name, node=node,
                                 host=args.endpoint_host, port=args.endpoint_port,
                                 stall_s=stall_bound(spec))
         except OSError as e:  # port taken, or a host name that does not resolve here
@@ -133,7 +134,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
                                "or an address of this machine for --endpoint-host") from None
         print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
     _announce_worker_logs(node, job_id)
-    progress = None if args.no_progress else _ProgressPrinter(run_dir / "events.jsonl", spec.train.steps)
+    progress = None if args.no_progress else _ProgressPrinter(run_dir / runfiles.EVENTS, spec.train.steps)
     try:
         health = (lambda fn: setattr(endpoint, "agent_health", fn)) if endpoint is not None else None
         return run_agent(spec, opts, node=node, on_health=health, zygote=zygote)
@@ -201,10 +202,10 @@ def _write_summary(run_dir: Path) -> None:
     from elastic_harness.events import read_events
     from elastic_harness.summary import summarize
 
-    path = run_dir / "summary.json"
-    tmp = path.with_name(f".summary.json.{os.getpid()}")
+    path = run_dir / runfiles.SUMMARY
+    tmp = path.with_name(f".{runfiles.SUMMARY}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(summarize(read_events(run_dir / "events.jsonl")), indent=2))
+        tmp.write_text(json.dumps(summarize(read_events(run_dir / runfiles.EVENTS)), indent=2))
         os.replace(tmp, path)
     except OSError as e:
         print(f"warning: cannot write {path}: {e.strerror or e}", file=sys.stderr)

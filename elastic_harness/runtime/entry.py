@@ -24,6 +24,8 @@ import ctypes
 import signal
 import sys
 
+from elastic_harness import runfiles
+
 
 def die_with_parent() -> None:
     try:
@@ -101,7 +103,7 @@ def _record(exc: BaseException, run_dir: str) -> None:
         run.record_failure(exc)
         return
     env = WorkerEnv.from_environ(standalone_ok=True)
-    failures.record(EventLog(Path(run_dir) / "events.jsonl"), exc, rank=env.rank, step=None,
+    failures.record(EventLog(Path(run_dir) / runfiles.EVENTS), exc, rank=env.rank, step=None,
                     node=env.node, restart=env.restart_count)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from elastic_harness import runfiles
+
 
 class Metrics:
     def __init__(self, events: Any, run_dir: Path, *, tensorboard: bool, main: bool) -> None:
@@ -58,7 +60,7 @@ class Metrics:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / runfiles.TENSORBOARD),
                                          purge_step=self._purge_step, flush_secs=10)
         return self._writer
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_harness import jobkey
+from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
@@ -237,7 +237,7 @@ class Run:
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device: torch.device = groups.device
         self.closed = False
-        log = EventLog(self.run_dir / "events.jsonl")
+        log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
         self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
         self.generation = self._agree_generation()
