@@ -47,10 +47,13 @@ class Claim:
 
 
 def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.Holder,
-            clock: Callable[[], float] = time.time, key_file: Path | None = None) -> Claim:
+            clock: Callable[[], float] = time.time, key_file: Path | None = None,
+            record_spec: bool = True) -> Claim:
     """Create and lock ``run_dir`` (and an outside checkpoint dir), move old state aside if
-    ``fresh``, write the resolved spec, make sure the job's key exists (``jobkey``: created
-    in the run dir unless ``key_file`` names one provided from outside, which must exist).
+    ``fresh``, write the resolved spec (unless ``record_spec`` is False: a process handed
+    the run directory's own resolved spec by its owner, see ``handed_resolved``), make sure
+    the job's key exists (``jobkey``: created in the run dir unless ``key_file`` names one
+    provided from outside, which must exist).
     Raises ``RunDirError``/``CheckpointError``/``jobkey.KeyError_``."""
     run_dir = Path(run_dir).resolve()
     _writable(run_dir)
@@ -74,7 +77,8 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
         if fresh:
             set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
-        write_resolved(run_dir, spec)
+        if record_spec:
+            write_resolved(run_dir, spec)
     except BaseException:
         for lease in leases:
             lease.release()
@@ -188,8 +192,15 @@ def _move_entries(root: Path, aside: Path, keep: set[str]) -> None:
         os.replace(root / name, aside / name)
 
 
+def handed_resolved(job_path: str | Path, run_dir: Path) -> bool:
+    """Is ``job_path`` the run directory's own resolved spec? Then the run directory's owner
+    (``run``) wrote it, and an agent given it must not write it again."""
+    return Path(job_path).resolve() == (Path(run_dir) / runfiles.RESOLVED_SPEC).resolve()
+
+
 def write_resolved(run_dir: Path, spec: JobSpec) -> Path:
-    """Atomically (several agents may write the same content)."""
+    """Atomically: the peer agents of a cluster submission (each given the job's own YAML,
+    no host above them) may each write the same content; readers never see half a file."""
     final = run_dir / runfiles.RESOLVED_SPEC
     tmp = run_dir / f".{runfiles.RESOLVED_SPEC}.{os.getpid()}"
     tmp.write_text(dump_job(spec))

@@ -52,6 +52,9 @@ def ours(package: str) -> set[str]:
     ("listen", set()),
     # the run directory's names: below everything, so every layer may spell them through it
     ("runfiles", set()),
+    # which job a worker runs: parsed once by the entry, handed to init; torch-free
+    ("runtime/jobsource", {"elastic_harness.errors", "elastic_harness.spec", "elastic_harness.launch.env",
+                           "elastic_harness.runfiles"}),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}
@@ -189,3 +192,8 @@ def _type_only(path: Path, module: str) -> bool:
     guarded = [node for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"]
     return any(isinstance(n, ast.ImportFrom) and n.module == module for g in guarded for n in ast.walk(g))
+
+
+def test_the_job_source_does_not_import_torch():
+    """The entry parses the job before the task or the script imports torch."""
+    assert not {m for m in imports_of(PKG / "runtime" / "jobsource.py") if m.split(".")[0] == "torch"}

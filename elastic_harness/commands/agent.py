@@ -31,7 +31,7 @@ from elastic_harness.launch import slurm_env
 from elastic_harness.launch.config import node_options
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
-from elastic_harness.rundir import prepare
+from elastic_harness.rundir import handed_resolved, prepare
 from elastic_harness.spec import load_job
 
 
@@ -82,8 +82,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
     """Check every option before anything is created, then prepare the run dir and run."""
     from elastic_harness.cluster import free_port
 
-    spec = load_job(args.job, args.set)
+    spec = load_job(args.job, args.set)  # the one parse of the job in this process
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
+    # Given the run dir's resolved spec (by `run`, its owner): the workers read that file,
+    # so this agent neither rewrites it nor runs another job over it.
+    owner_wrote = handed_resolved(args.job, run_dir)
+    if owner_wrote and args.set:
+        raise HarnessError(f"--set cannot change {args.job}: it is the job this run directory's "
+                           "owner resolved, and the workers read it as written",
+                           "pass the job's own YAML with --set, or set the values where the job is submitted")
     opts = node_options(spec, run_dir, {k: getattr(args, k) for k in _FLAGS}, os.environ, pick_port=free_port)
     if not opts.rdzv_id:
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
@@ -93,7 +100,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     job_id = args.job_id or opts.rdzv_id
     # The job submission holds the run dir: this job's agents (and its `run`) share it.
     with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id, submission=args.submission),
-                 key_file=opts.key_file):
+                 key_file=opts.key_file, record_spec=not owner_wrote):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)

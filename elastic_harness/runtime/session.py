@@ -78,6 +78,7 @@ from elastic_harness.runtime import failures, precision
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
+from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import StepLoader, planner, to_device
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import (
@@ -91,7 +92,7 @@ from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
-from elastic_harness.spec import JobSpec, load_job, parse_job
+from elastic_harness.spec import JobSpec
 
 DRAIN_EXIT = 128 + signal.SIGTERM
 _ACTIVE: Run | None = None  # the one run of this process (failure records read its step)
@@ -122,20 +123,7 @@ def save_due_by_time(every_s: float, seconds_since_save: float) -> bool:
     return bool(every_s) and seconds_since_save >= every_s
 
 
-def resolve_job(env: WorkerEnv, job: str | Path | None, run_dir: str | Path | None,
-                overrides: Sequence[str]) -> tuple[JobSpec, Path]:
-    """The job and run dir: our agent's (it names them) over the script's arguments."""
-    if env.by_harness:
-        return load_job(env.job_path), Path(env.run_dir)
-    if job is not None:
-        spec = load_job(job, list(overrides))
-    else:
-        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
-        spec = parse_job("", [f"script.path={script}", *overrides] if script else list(overrides))
-    return spec, Path(run_dir) if run_dir is not None else Path("runs") / spec.name
-
-
-def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
+def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None = None,
          overrides: Sequence[str] = (), argv: Sequence[str] | None = None) -> Run:
     """Start this process's part of the job (see the module docstring). Call once.
 

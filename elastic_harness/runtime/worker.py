@@ -100,9 +100,10 @@ def train(run: Run, task: Any, model: nn.Module, optim: torch.optim.Optimizer, s
             run.evaluate(evaluation, evaluator(task, model), collate_fn=collate)
 
 
-def main(job_path: str, run_dir: str) -> int:
-    """Every rank: build the task's model and optimizer, register them, train, close."""
-    run = init(job_path, run_dir=run_dir)
+def main(spec: JobSpec, run_dir: str) -> int:
+    """Every rank: build the task's model and optimizer, register them, train, close.
+    ``spec``: the job, parsed once by the entry."""
+    run = init(spec, run_dir=run_dir)
     try:
         spec = run.spec
         task = load_task(spec.task.target, spec.task.args)
