@@ -55,6 +55,8 @@ def ours(package: str) -> set[str]:
     # which job a worker runs: parsed once by the entry, handed to init; torch-free
     ("runtime/jobsource", {"elastic_harness.errors", "elastic_harness.spec", "elastic_harness.launch.env",
                            "elastic_harness.runfiles"}),
+    # the parallel layout: pure numbers, validated when built
+    ("runtime/topology", {"elastic_harness.errors"}),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}
@@ -194,6 +196,8 @@ def _type_only(path: Path, module: str) -> bool:
     return any(isinstance(n, ast.ImportFrom) and n.module == module for g in guarded for n in ast.walk(g))
 
 
-def test_the_job_source_does_not_import_torch():
-    """The entry parses the job before the task or the script imports torch."""
-    assert not {m for m in imports_of(PKG / "runtime" / "jobsource.py") if m.split(".")[0] == "torch"}
+@pytest.mark.parametrize("module", ["jobsource", "topology"])
+def test_job_source_and_layout_do_not_import_torch(module):
+    """The entry parses the job before the task or the script imports torch; the layout is
+    numbers, decided without asking torch.distributed anything."""
+    assert not {m for m in imports_of(PKG / "runtime" / f"{module}.py") if m.split(".")[0] == "torch"}

@@ -92,6 +92,7 @@ from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
+from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec
 
 DRAIN_EXIT = 128 + signal.SIGTERM
@@ -140,6 +141,7 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
     env = WorkerEnv.from_environ(standalone_ok=True)
     try:
         spec, run_dir = resolve_job(env, job, run_dir, overrides)
+        topology = Topology.from_env(env, spec.parallelism)  # the layout, built once, passed down
         if not env.by_harness:
             check_paths(Path(run_dir), spec)
     except HarnessError as e:
@@ -152,7 +154,7 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
     except HarnessError as e:
         hdist.destroy(groups)
         _refuse(e, env)
-    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology)
     _ACTIVE.argv = rest
     return _ACTIVE
 
@@ -218,8 +220,10 @@ class Run:
     """One process's part of a job. Built by ``init``; see the module docstring."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
-                 pg_init_s: float = 0.0, claim: Any = None) -> None:
+                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None) -> None:
         self.spec, self.env, self.groups, self.run_dir = spec, env, groups, Path(run_dir)
+        # The parallel layout (runtime.topology): mesh degrees, groups, data-parallel rank/degree.
+        self.topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
