@@ -128,6 +128,8 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
          overrides: Sequence[str] = (), argv: Sequence[str] | None = None) -> Run:
     """Start this process's part of the job (see the module docstring). Call once.
 
+    ``job``: a YAML path or a ``JobSpec`` (``runtime.jobsource`` says which wins where).
+
     ``argv`` (e.g. ``sys.argv[1:]``): also read ``--job FILE``, ``--run-dir DIR`` and
     ``--set KEY=VALUE`` (repeatable) from the script's command line; the arguments it does not
     know are left in ``run.argv`` for the script's own parser.
