@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +105,24 @@ def test_an_agent_refuses_set_over_the_owners_resolved_spec(cli_here, tmp_path):
     assert r.code == 2, (r.code, r.out, r.err)
     assert "--set cannot change" in r.err and "Traceback" not in r.err
     assert resolved.read_text() == dump_job(spec)
+
+
+def test_a_plain_python_init_runs_the_jobspec_it_is_given(tmp_path):
+    """``python script.py``: ``init(spec)`` honours its argument, and builds the layout once."""
+    script = tmp_path / "given.py"
+    script.write_text(
+        "import json, sys\n"
+        "import elastic_harness as eh\n"
+        "from elastic_harness.spec import load_job\n"
+        f"spec = load_job({str(MLP)!r}, ['name=given', 'train.steps=3'])\n"
+        f"run = eh.init(spec, run_dir={str(tmp_path / 'run')!r})\n"
+        "t = run.topology\n"
+        "print(json.dumps([run.spec is spec, t.kind, t.dp_degree, t.dp_rank(), str(run.run_dir)]))\n"
+        "run.close()\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ELASTIC_HARNESS_JOB")}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, "ddp", 1, 0, str(tmp_path / "run")]
+    assert (tmp_path / "run" / runfiles.RESOLVED_SPEC).read_text() == dump_job(load_job(MLP, ["name=given", "train.steps=3"]))
