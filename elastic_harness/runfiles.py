@@ -18,6 +18,7 @@ says what each thing in the directory is called::
       tensorboard/        TENSORBOARD    TensorBoard files (``metrics.tensorboard``)
       chaos/              CHAOS          markers of faults that fired (``chaos.inject``)
       cache/ tmp/         CACHE, TMP     torch's caches and the watchdog FIFOs (``launch.scratch``)
+      lifecycle/          LIFECYCLE      a submission's stop request, Slurm script, frozen job
 """
 
 RESOLVED_SPEC = "job.resolved.yaml"
@@ -33,6 +34,7 @@ CHAOS = "chaos"
 CACHE = "cache"
 TMP = "tmp"
 REPORT_PLOT = "report.png"
+LIFECYCLE = "lifecycle"  # submissions: stop requests, the Slurm script and its frozen job
 
 # What ``--fresh`` moves aside (``NAME.old-STAMP``) besides the checkpoints: a run's own record.
 SET_ASIDE_ON_FRESH = (EVENTS, SUMMARY, SAMPLES)
