@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.launch.config import agent_environ
 from elastic_harness.netns import NetnsTopology
 
@@ -101,9 +102,9 @@ class LocalCluster:
             host = self.netns.hosts.get(index) or self.netns.add_host(index)
             cmd = self.netns.wrap(index, [*cmd, "--local-addr", host.addr])
             env["GLOO_SOCKET_IFNAME"] = host.ifname
-        log_dir = self.run_dir / "logs"
+        log_dir = self.run_dir / runfiles.LOGS
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"agent-{index}.log"
+        log_path = log_dir / runfiles.agent_log(index)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

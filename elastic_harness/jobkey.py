@@ -35,9 +35,10 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.errors import HarnessError
 
-KEY_FILE = "job.key"
+KEY_FILE = runfiles.KEY
 KEY_FILE_VAR = "ELASTIC_HARNESS_KEY_FILE"
 TAG_BYTES = 32  # HMAC-SHA256
 _KEY_BYTES = 32

@@ -19,15 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_harness import jobkey
+from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import layout, lock
 from elastic_harness.checkpoint.storage import LocalStorage, open_storage
-from elastic_harness.checkpoint.where import RESOLVED_SPEC, checkpoint_root, inside, is_url
+from elastic_harness.checkpoint.where import checkpoint_root, inside, is_url
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.spec import JobSpec, dump_job
-
-RESOLVED = RESOLVED_SPEC
-_RUN_FILES = ("events.jsonl", "summary.json", "samples")
 
 
 class Claim:
@@ -50,10 +47,13 @@ class Claim:
 
 
 def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.Holder,
-            clock: Callable[[], float] = time.time, key_file: Path | None = None) -> Claim:
+            clock: Callable[[], float] = time.time, key_file: Path | None = None,
+            record_spec: bool = True) -> Claim:
     """Create and lock ``run_dir`` (and an outside checkpoint dir), move old state aside if
-    ``fresh``, write the resolved spec, make sure the job's key exists (``jobkey``: created
-    in the run dir unless ``key_file`` names one provided from outside, which must exist).
+    ``fresh``, write the resolved spec (unless ``record_spec`` is False: a process handed
+    the run directory's own resolved spec by its owner, see ``handed_resolved``), make sure
+    the job's key exists (``jobkey``: created in the run dir unless ``key_file`` names one
+    provided from outside, which must exist).
     Raises ``RunDirError``/``CheckpointError``/``jobkey.KeyError_``."""
     run_dir = Path(run_dir).resolve()
     _writable(run_dir)
@@ -77,7 +77,8 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
         if fresh:
             set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
-        write_resolved(run_dir, spec)
+        if record_spec:
+            write_resolved(run_dir, spec)
     except BaseException:
         for lease in leases:
             lease.release()
@@ -174,7 +175,7 @@ def set_aside_old(run_dir: Path, root: str, stamp: str) -> None:
             )
     else:
         _move_entries(Path(root), Path(f"{root}.old-{stamp}"), keep={lock.LOCK_FILE})
-    for name in _RUN_FILES:
+    for name in runfiles.SET_ASIDE_ON_FRESH:
         if (run_dir / name).exists():
             os.replace(run_dir / name, run_dir / f"{name}.old-{stamp}")
 
@@ -191,10 +192,17 @@ def _move_entries(root: Path, aside: Path, keep: set[str]) -> None:
         os.replace(root / name, aside / name)
 
 
+def handed_resolved(job_path: str | Path, run_dir: Path) -> bool:
+    """Is ``job_path`` the run directory's own resolved spec? Then the run directory's owner
+    (``run``) wrote it, and an agent given it must not write it again."""
+    return Path(job_path).resolve() == (Path(run_dir) / runfiles.RESOLVED_SPEC).resolve()
+
+
 def write_resolved(run_dir: Path, spec: JobSpec) -> Path:
-    """Atomically (several agents may write the same content)."""
-    final = run_dir / RESOLVED
-    tmp = run_dir / f".{RESOLVED}.{os.getpid()}"
+    """Atomically: the peer agents of a cluster submission (each given the job's own YAML,
+    no host above them) may each write the same content; readers never see half a file."""
+    final = run_dir / runfiles.RESOLVED_SPEC
+    tmp = run_dir / f".{runfiles.RESOLVED_SPEC}.{os.getpid()}"
     tmp.write_text(dump_job(spec))
     os.replace(tmp, final)
     return final

@@ -39,7 +39,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-LOCK_FILE = ".elastic-harness.lock"
+from elastic_harness import runfiles
+
+LOCK_FILE = runfiles.LOCK
 BEAT_S = 10.0
 STALE_S = 60.0
 

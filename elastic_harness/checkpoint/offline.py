@@ -21,11 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from elastic_harness import runfiles
 from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import Storage, open_storage
 from elastic_harness.checkpoint.where import (
     DEFAULT_SUBDIR,
-    RESOLVED_SPEC,
     checkpoint_root,
     is_url,
     local_path,
@@ -93,7 +93,7 @@ def locate(target: str) -> Location:
     path = path.resolve()
     if layout.parse_step(path.name) is not None:
         return Location(open_storage(str(path.parent)), path.name, _key_near(path.parent.parent))
-    if (path / RESOLVED_SPEC).is_file():
+    if (path / runfiles.RESOLVED_SPEC).is_file():
         return Location(open_storage(run_checkpoint_root(path)), None, _key_near(path))
     if (path / DEFAULT_SUBDIR).is_dir():
         return Location(open_storage(str(path / DEFAULT_SUBDIR)), None, _key_near(path))
@@ -102,7 +102,7 @@ def locate(target: str) -> Location:
 
 def run_checkpoint_root(run_dir: Path) -> str:
     """Where the run in ``run_dir`` keeps its checkpoints, per its resolved spec if it has one."""
-    resolved = run_dir / RESOLVED_SPEC
+    resolved = run_dir / runfiles.RESOLVED_SPEC
     where = ""
     if resolved.is_file():
         from elastic_harness.spec import load_job

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.errors import HarnessError
 from elastic_harness.lifecycle import display, registry
 from elastic_harness.lifecycle.api import LogQuery
@@ -77,7 +78,7 @@ def _record_of_run_dir(run_dir: Path, root: Path) -> JobRecord:
     from elastic_harness.events import read_events
     from elastic_harness.lifecycle.local import supervisor_of
 
-    starts = [e for e in read_events(run_dir / "events.jsonl") if e.get("event") == "start" and e.get("who") == "host"]
+    starts = [e for e in read_events(run_dir / runfiles.EVENTS) if e.get("event") == "start" and e.get("who") == "host"]
     if not starts:
         raise HarnessError(f"'{run_dir}' holds no job (no events.jsonl with a start)",
                            "pass the run directory of a job, or a job id (elastic-harness list)")

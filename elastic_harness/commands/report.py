@@ -13,6 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.deps import MissingExtra, require_extra
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.events import read_events
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_timeline(run_dir: Path) -> Timeline:
-    path = run_dir / "events.jsonl"
+    path = run_dir / runfiles.EVENTS
     if not path.is_file():
         raise RunDirError(f"no events.jsonl in '{run_dir}'", "name a run directory that 'elastic-harness run' wrote")
     events = read_events(path)
@@ -60,7 +61,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not args.no_plot:
         from elastic_harness.report.plot import draw
 
-        plot_path = draw(tl, run_dir / "report.png", title=f"{run_dir.name}: " + _headline(tl))
+        plot_path = draw(tl, run_dir / runfiles.REPORT_PLOT, title=f"{run_dir.name}: " + _headline(tl))
     if args.json:
         print(json.dumps(as_json(tl, run_dir, plot_path), indent=1))
     else:

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes
+from elastic_harness import exitcodes, runfiles
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.checkpoint.lock import Holder
@@ -197,7 +197,7 @@ def resolve_script(path: str, job_path: Path) -> Path:
 
 def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
                  submission: str = "") -> int:
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(run_dir / runfiles.EVENTS)
     chaos = ChaosController(faults, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
@@ -225,11 +225,11 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
             topology: NetnsTopology | None, submission: str = "") -> int:
-    tail = EventTail(run_dir / "events.jsonl")
+    tail = EventTail(run_dir / runfiles.EVENTS)
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
-    cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
+    cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
                            backend=spec.rendezvous.backend, netns=topology,
                            extra_args=("--submission", submission) if submission else ())
     progress = Progress(spec.train.steps)
@@ -372,9 +372,9 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
                             agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering)
     events.emit("exit", who="host", code=code, message=message)
-    summary = summarize(read_events(run_dir / "events.jsonl"))
+    summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
     print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_harness import exitcodes
+from elastic_harness import exitcodes, runfiles
 from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
@@ -106,7 +106,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
 
     run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(run_dir / runfiles.EVENTS)
     events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
                 nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
     # Step watchdog: workers renew a file timer around each step (runtime.timer); a hung
@@ -117,7 +117,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     try:
         # Inside the try: the rendezvous handler is built here, and a backend that cannot
         # be reached at start-up raises then (a RendezvousConnectionError).
-        witness = Witness(run_dir / "events.jsonl", node, time.time())
+        witness = Witness(run_dir / runfiles.EVENTS, node, time.time())
         launch = _launch(spec, opts, node, command, zygote, events, witness)
         timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
                                              spec.timeouts.step)

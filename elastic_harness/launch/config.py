@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_harness import jobkey
+from elastic_harness import jobkey, runfiles
 from elastic_harness.errors import SpecError
 from elastic_harness.launch import slurm_env
 from elastic_harness.spec import JobSpec
@@ -253,7 +253,7 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
 
     if not opts.rdzv_id:
         raise AssertionError("callers must give every submission its own rendezvous id")
-    logs = DefaultLogsSpecs(log_dir=str(opts.run_dir / "logs"), redirects=Std.ALL)
+    logs = DefaultLogsSpecs(log_dir=str(opts.run_dir / runfiles.LOGS), redirects=Std.ALL)
     # torch is pinned to 2.13.0 (elastic_harness.deps), whose LaunchConfig has every field
     # used here, shutdown_timeout included (launch/elastic.py reads it back).
     return LaunchConfig(
@@ -278,7 +278,7 @@ def worker_command(run_dir: Path) -> tuple[str, list[str]]:
     """Entrypoint and args the agent runs per rank: ``python -u -m elastic_harness.runtime.entry
     JOB RUN_DIR``. With ``warm_start`` the agent's zygote runs this same command in a fork that
     already imported torch (``launch.warm``); otherwise torchelastic starts a fresh interpreter."""
-    job = run_dir / "job.resolved.yaml"
+    job = run_dir / runfiles.RESOLVED_SPEC
     return sys.executable, ["-u", "-m", "elastic_harness.runtime.entry", str(job), str(run_dir)]
 
 

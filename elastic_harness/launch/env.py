@@ -48,6 +48,7 @@ class WorkerEnv:
     agent_pid: int = 0  # the elastic agent's pid when ours started this worker, else 0
     memory: str = ""  # the agent's in-memory checkpoint slots, as ``memtier.host`` describes them
     key_file: str = ""  # the job's key when provided from outside (``jobkey``), else the run dir's
+    group_world_size: int = 0  # nodes in the current rendezvous (torchelastic's); 0 = not said
 
     @property
     def by_harness(self) -> bool:
@@ -62,7 +63,7 @@ class WorkerEnv:
         if missing and standalone_ok and len(missing) == 4:
             return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0,
                        restart_count=0, max_restarts=0, run_id="", master_addr="",
-                       master_port=0, launched=False)
+                       master_port=0, launched=False, group_world_size=1)
         if missing:
             raise RuntimeError(
                 f"worker started without {', '.join(missing)}: it must be launched by the "
@@ -87,4 +88,5 @@ class WorkerEnv:
             agent_pid=int(env.get(AGENT_PID_VAR, "0") or 0),
             memory=env.get(MEMORY_VAR, ""),
             key_file=env.get(KEY_FILE_VAR, ""),
+            group_world_size=int(env.get("GROUP_WORLD_SIZE", "0") or 0),
         )

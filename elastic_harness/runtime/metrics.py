@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from elastic_harness import runfiles
 from elastic_harness.deps import require_extra
 
 
@@ -62,7 +63,7 @@ class Metrics:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / runfiles.TENSORBOARD),
                                          purge_step=self._purge_step, flush_secs=10)
         return self._writer
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_harness import jobkey
+from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
@@ -78,6 +78,7 @@ from elastic_harness.runtime import failures, precision
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
+from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import StepLoader, planner, to_device
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import (
@@ -91,7 +92,8 @@ from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
-from elastic_harness.spec import JobSpec, load_job, parse_job
+from elastic_harness.runtime.topology import Topology
+from elastic_harness.spec import JobSpec
 
 DRAIN_EXIT = 128 + signal.SIGTERM
 _ACTIVE: Run | None = None  # the one run of this process (failure records read its step)
@@ -122,22 +124,11 @@ def save_due_by_time(every_s: float, seconds_since_save: float) -> bool:
     return bool(every_s) and seconds_since_save >= every_s
 
 
-def resolve_job(env: WorkerEnv, job: str | Path | None, run_dir: str | Path | None,
-                overrides: Sequence[str]) -> tuple[JobSpec, Path]:
-    """The job and run dir: our agent's (it names them) over the script's arguments."""
-    if env.by_harness:
-        return load_job(env.job_path), Path(env.run_dir)
-    if job is not None:
-        spec = load_job(job, list(overrides))
-    else:
-        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
-        spec = parse_job("", [f"script.path={script}", *overrides] if script else list(overrides))
-    return spec, Path(run_dir) if run_dir is not None else Path("runs") / spec.name
-
-
-def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
+def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None = None,
          overrides: Sequence[str] = (), argv: Sequence[str] | None = None) -> Run:
     """Start this process's part of the job (see the module docstring). Call once.
+
+    ``job``: a YAML path or a ``JobSpec`` (``runtime.jobsource`` says which wins where).
 
     ``argv`` (e.g. ``sys.argv[1:]``): also read ``--job FILE``, ``--run-dir DIR`` and
     ``--set KEY=VALUE`` (repeatable) from the script's command line; the arguments it does not
@@ -152,6 +143,7 @@ def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
     env = WorkerEnv.from_environ(standalone_ok=True)
     try:
         spec, run_dir = resolve_job(env, job, run_dir, overrides)
+        topology = Topology.from_env(env, spec.parallelism)  # the layout, built once, passed down
         if not env.by_harness:
             check_paths(Path(run_dir), spec)
     except HarnessError as e:
@@ -164,7 +156,7 @@ def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
     except HarnessError as e:
         hdist.destroy(groups)
         _refuse(e, env)
-    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology)
     _ACTIVE.argv = rest
     return _ACTIVE
 
@@ -230,14 +222,16 @@ class Run:
     """One process's part of a job. Built by ``init``; see the module docstring."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
-                 pg_init_s: float = 0.0, claim: Any = None) -> None:
+                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None) -> None:
         self.spec, self.env, self.groups, self.run_dir = spec, env, groups, Path(run_dir)
+        # The parallel layout (runtime.topology): mesh degrees, groups, data-parallel rank/degree.
+        self.topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device: torch.device = groups.device
         self.closed = False
-        log = EventLog(self.run_dir / "events.jsonl")
+        log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
         self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
         self.generation = self._agree_generation()
