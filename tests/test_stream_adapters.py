@@ -3,8 +3,6 @@ position's checks, and the stream loader in and out of loader processes (fast ti
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -168,7 +166,7 @@ def test_stream_loader_with_processes_matches_without(world):
         ref = batches(0, rank)
         assert batches(2, rank) == ref
         assert batches(0, rank, first=3) == ref[3:], "a restart at step 3 continues identically"
-        for plan, got, meta in ref:
+        for _plan, got, meta in ref:
             rows = [row for b in got for row in b]
             assert [(s, o) for s, o, _ in rows] == [tuple(i) for i, _ in meta]  # identity = data
 
@@ -218,3 +216,17 @@ def test_content_audit_catches_data_that_does_not_follow_its_index(tmp_path, dat
             content_audit(tmp_path, 20, g, steps)
     else:
         assert content_audit(tmp_path, 20, g, steps)["epochs"] == 2
+
+
+def test_a_shard_that_cannot_be_counted_is_retried_then_named(tmp_path):
+    from elastic_harness.data.read import DataError
+    from elastic_harness.runtime.stream_index import shard_units
+
+    (tmp_path / "a.jsonl").write_text('{"ids": [1]}\n')
+    (tmp_path / "b.jsonl").mkdir()  # exists, cannot be opened
+    stream = jsonl_stream([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], retries=2)
+    with pytest.raises(DataError, match=r"shard 1 \('.*b.jsonl'\) cannot be read after 2 tries"):
+        shard_units(stream, rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache")
+    ok = jsonl_stream([tmp_path / "a.jsonl"])
+    assert shard_units(ok, rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache") == [1]
+    assert list((tmp_path / "cache").glob("units-*.json")), "counted once, then cached"
