@@ -80,15 +80,15 @@ class StreamOrder:
         self.n = layout.samples_per_epoch
         if self.n <= 0:
             raise ValueError("the stream holds no complete sample")
-        self._orders: dict[int, tuple[np.ndarray, list[int]]] = {}
-        self._counts: dict[int, np.ndarray] = {}
+        self._orders: dict[int, tuple[list[int], list[int]]] = {}
+        self._counts: dict[int, tuple[list[int], list[int]]] = {}
         self._list_starts = [0, *np.cumsum(layout.units).tolist()]
 
     # ----- epoch concatenation -----------------------------------------------------------
-    def shard_order(self, epoch: int) -> np.ndarray:
+    def shard_order(self, epoch: int) -> list[int]:
         return self._epoch(epoch)[0]
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, list[int]]:
+    def _epoch(self, epoch: int) -> tuple[list[int], list[int]]:
         got = self._orders.get(epoch)
         if got is None:
             s = len(self.layout.units)
@@ -98,7 +98,7 @@ class StreamOrder:
                 order = np.arange(s)
             units = np.asarray(self.layout.units, dtype=np.int64)[order]
             starts = [0, *np.cumsum(units).tolist()]  # unit offset of each shard in the epoch
-            got = (order, starts)
+            got = (order.tolist(), starts)
             self._orders = {epoch: got, **{e: v for e, v in self._orders.items() if e >= epoch - 1}}
         return got
 
@@ -107,23 +107,27 @@ class StreamOrder:
         offset within that shard), skipping empty shards."""
         order, starts = self._epoch(epoch)
         i = bisect.bisect_right(starts, unit) - 1
-        return i, int(order[i]), unit - starts[i]
+        return i, order[i], unit - starts[i]
 
     # ----- lanes ---------------------------------------------------------------------------
-    def lane_counts(self, epoch: int) -> np.ndarray:
+    def lane_counts(self, epoch: int) -> list[int]:
         """Samples each lane serves in ``epoch``: positions ``p`` of the epoch with ``p % L == l``."""
+        return self._lanes(epoch)[0]
+
+    def _lanes(self, epoch: int) -> tuple[list[int], list[int]]:
         got = self._counts.get(epoch)
         if got is None:
             lanes, n = self.layout.lanes, self.n
             first = epoch * n + (np.arange(lanes) - epoch * n) % lanes
             end = (epoch + 1) * n
-            got = np.where(first < end, (end - 1 - first) // lanes + 1, 0)
+            counts = np.where(first < end, (end - 1 - first) // lanes + 1, 0)
+            got = (counts.tolist(), [0, *np.cumsum(counts).tolist()])
             self._counts = {epoch: got, **{e: v for e, v in self._counts.items() if e >= epoch - 1}}
         return got
 
     def chunk_start(self, epoch: int, lane: int) -> int:
         """First epoch sample of the lane's contiguous chunk."""
-        return int(self.lane_counts(epoch)[:lane].sum())
+        return self._lanes(epoch)[1][lane]
 
     def where(self, position: int) -> Where:
         epoch, lanes = position // self.n, self.layout.lanes

@@ -243,11 +243,19 @@ def _pinned(batch: Any) -> Any:
 
 def stream_planner(order: StreamOrder, start_cursor: int, start_step: int, global_batch: int,
                    world_size: int, rank: int, micro_batch: int) -> Callable[[int], Plan]:
-    """``planner`` for a stream (``data.order.stream_step_plan``)."""
+    """``planner`` for a stream (``data.order.stream_step_plan``), remembering the last few
+    steps' plans (the loader and the training process ask for the same step in turn)."""
+    recent: dict[int, Plan] = {}
 
     def plan_of(step: int) -> Plan:
-        cursor = start_cursor + (step - start_step) * global_batch
-        return stream_step_plan(order, cursor, global_batch, world_size, rank, micro_batch)
+        plan = recent.get(step)
+        if plan is None:
+            cursor = start_cursor + (step - start_step) * global_batch
+            plan = stream_step_plan(order, cursor, global_batch, world_size, rank, micro_batch)
+            if len(recent) >= 8:
+                recent.pop(min(recent))
+            recent[step] = plan
+        return plan
 
     return plan_of
 
