@@ -31,6 +31,8 @@ def ours(package: str) -> set[str]:
 @pytest.mark.parametrize("package, allowed", [
     ("spec", {"elastic_harness.errors", "elastic_harness.spec"}),
     ("data", {"elastic_harness.data", "elastic_harness.errors"}),
+    # a stream's order: pure (numpy), nothing but the sampler's helpers
+    ("data/order", {"elastic_harness.data.sampler"}),
     # the one fold of the event log, and the event contract: pure, shared by host and agent
     ("goodput", set()),
     ("runstate", {"elastic_harness.goodput"}),

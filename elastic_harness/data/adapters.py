@@ -84,6 +84,8 @@ def _hf_files(ds: Any, n: int, i: int) -> tuple[str, ...]:
     """The files behind shard ``i`` (its identity), where the dataset says; else none."""
     try:
         part = ds._ex_iterable.shard_data_sources(num_shards=n, index=i)
+        while not hasattr(part, "kwargs") and hasattr(part, "ex_iterable"):  # .map(), .filter()...
+            part = part.ex_iterable
         return tuple(str(f) for f in part.kwargs.get("base_files", ()))
     except Exception:  # noqa: BLE001 - a private API: the index alone still names the shard
         return ()

@@ -34,7 +34,8 @@ What the run does, in order (every rank calls every method, in the same order):
    worker crash), else loads the newest complete, verified checkpoint through DCP, resharded
    to this world size, or starts fresh.
 4. ``steps(dataset)``: one ``Step`` per remaining update; the data position is the global
-   stream cursor (``data.sampler``), so the same samples follow whatever the world size.
+   stream cursor (``data.sampler``; for a sharded stream ``data.order``, docs/streaming.md),
+   so the same samples follow whatever the world size.
    After the last step: the final save, the model digest, the ``finish`` event. After a
    drain (SIGTERM, a membership change) it saves synchronously and raises
    ``SystemExit(143)``, so nothing after the loop runs on a drained generation.
