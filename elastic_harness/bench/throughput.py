@@ -149,7 +149,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 def _stream_rows(args: argparse.Namespace, scratch: Path) -> dict:
     from elastic_harness.bench import tput_stream
 
-    return tput_stream.measure(args, scratch)
+    return tput_stream.measure(args, scratch, steady_rate)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -3,7 +3,7 @@
 1. **Throughput.** The MLP of ``tput_common`` trained on images stored as webdataset-layout
    tar shards (``NNNNNN.npy`` + ``NNNNNN.cls`` members, 3 x 32 x 32 uint8), both sides
    decoding each sample in the training process:
-   - plain: this file under ``torchrun --standalone``: an ``IterableDataset`` that reads the
+   - plain: ``tput_stream_plain`` under ``torchrun --standalone``: an ``IterableDataset`` that reads the
      shards ``i % world == rank`` in order, ``DataLoader(batch_size=micro, num_workers=0)``,
      ``no_sync`` accumulation (what a user writes by hand; it cannot resume mid-epoch);
    - harness: this file as a script job: ``run.steps(tar_stream(shards, transform=decode))``
@@ -69,49 +69,6 @@ def decode(sample: dict):
 
 
 # ----- the two training scripts (this file, run as __main__) ----------------------------------------
-def plain_main(args: argparse.Namespace) -> None:
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, IterableDataset
-
-    from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer
-    from elastic_harness.data.adapters import _Tar
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    shards = json.loads(Path(args.shards).read_text())
-
-    class RankShards(IterableDataset):
-        def __iter__(self):
-            while True:  # epochs, the rank's shards in order
-                for path in shards[rank::world]:
-                    for sample in _Tar()(path):
-                        yield decode(sample)
-
-    model = DDP(build_model(args.hidden))
-    optimizer = build_optimizer(model)
-    batches = iter(DataLoader(RankShards(), batch_size=args.micro_batch, num_workers=0))
-    accumulate = args.global_batch // (world * args.micro_batch)
-    clock = StepClock(rank, world)
-    for _ in range(args.steps):
-        clock.tick()
-        for i in range(accumulate):
-            x, y = next(batches)
-            with contextlib.nullcontext() if i == accumulate - 1 else model.no_sync():
-                (F.cross_entropy(model(x), y) / accumulate).backward()
-            clock.count(len(y))
-        optimizer.step()
-        optimizer.zero_grad()
-    clock.finish(args.out, side="plain", accumulate=accumulate)
-    dist.destroy_process_group()
-
-
 def harness_main(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
@@ -191,7 +148,8 @@ def _plain(args: argparse.Namespace, run_dir: Path, shards: Path, nproc: int) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "stamps.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--log-dir={run_dir / 'logs'}", str(HERE), *_common(args, shards, out, "plain", 0)]
+           f"--log-dir={run_dir / 'logs'}", str(HERE.with_name("tput_stream_plain.py")),
+           *_common(args, shards, out, "plain", 0)]
     code = tput_run.run_bounded(cmd, run_dir / "output.log", tput_run.side_environ(dict(__import__("os").environ), run_dir),
                                 timeout=tput_run.limit_s(args))
     _check(code, out, run_dir)
@@ -207,10 +165,9 @@ def _check(code: int | None, out: Path, run_dir: Path) -> None:
                            "re-run with --keep --dir DIR to read its log")
 
 
-def measure(args: argparse.Namespace, scratch: Path) -> dict:
-    """Both streaming rows; the JSON the bench reports under ``stream``."""
-    from elastic_harness.bench.throughput import steady_rate
-
+def measure(args: argparse.Namespace, scratch: Path, steady_rate) -> dict:
+    """Both streaming rows; the JSON the bench reports under ``stream`` (``steady_rate``:
+    ``throughput.steady_rate``, passed in: that module imports this one)."""
     nproc = args.nproc_cheap
     per = max(args.global_batch, 2 * args.items // args.stream_shards)
     shards = scratch / "stream-shards.json"
@@ -262,5 +219,4 @@ def restart(args: argparse.Namespace, scratch: Path) -> dict:
 
 
 if __name__ == "__main__":
-    ns = script_parser().parse_args()
-    (plain_main if ns.side == "plain" else harness_main)(ns)
+    harness_main(script_parser().parse_args())
