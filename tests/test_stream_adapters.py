@@ -230,3 +230,13 @@ def test_a_shard_that_cannot_be_counted_is_retried_then_named(tmp_path):
     ok = jsonl_stream([tmp_path / "a.jsonl"])
     assert shard_units(ok, rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache") == [1]
     assert list((tmp_path / "cache").glob("units-*.json")), "counted once, then cached"
+
+
+def test_bench_stream_shards_read_back_as_written(tmp_path):
+    from elastic_harness.bench.tput_stream import decode, write_shards
+
+    paths = write_shards(tmp_path, 2, 5)
+    stream = tar_stream(paths)
+    assert [stream.units(i) for i in range(2)] == [5, 5]
+    x, y = decode(next(stream.samples(1, 4)))
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= y < 10
