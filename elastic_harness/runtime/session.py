@@ -381,7 +381,9 @@ class Run:
         if isinstance(source, Stream):
             order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g,
                                          rank=self.rank, world_size=self.world_size,
-                                         group=self.groups.ckpt, cache_dir=self.run_dir / "data")
+                                         group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+                                         on_progress=lambda: self.watchdog.arm(
+                                             extra_s=spec.timeouts.process_group))
             self._check_data(order.n, *digests)
             plan_of = stream_planner(order, train.data.cursor, train.step, g, self.world_size,
                                      self.rank, mb)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,17 @@ def digest63(text: str) -> int:
 
 
 def bind_stream(stream: Stream, *, seed: int, global_batch: int, rank: int, world_size: int,
-                group: Any, cache_dir: Path | None) -> tuple[StreamOrder, tuple[int, int]]:
-    """The stream's order and its ``(shard list, order settings)`` digests for ``TrainState``."""
+                group: Any, cache_dir: Path | None,
+                on_progress: Callable[[], None] | None = None) -> tuple[StreamOrder, tuple[int, int]]:
+    """The stream's order and its ``(shard list, order settings)`` digests for ``TrainState``.
+    ``on_progress`` is called after each shard counted (the step watchdog's re-arm)."""
     lanes = stream.lanes or min(global_batch, MAX_LANES_DEFAULT)
     problem = check_sizes(lanes, global_batch, world_size)
     if problem:
         raise UsageError(problem, "set Stream(lanes=...) between the largest world size and the global "
                          "batch size, on a new run (the lane count fixes the order)")
-    units = shard_units(stream, rank=rank, world_size=world_size, group=group, cache_dir=cache_dir)
+    units = shard_units(stream, rank=rank, world_size=world_size, group=group, cache_dir=cache_dir,
+                        on_progress=on_progress)
     unit = stream.pack.seq_len if stream.pack is not None else 1
     layout = Layout(tuple(units), unit, lanes, stream.window, stream.shuffle_shards)
     if layout.samples_per_epoch < global_batch:
@@ -52,7 +56,7 @@ def bind_stream(stream: Stream, *, seed: int, global_batch: int, rank: int, worl
 
 
 def shard_units(stream: Stream, *, rank: int, world_size: int, group: Any,
-                cache_dir: Path | None) -> list[int]:
+                cache_dir: Path | None, on_progress: Callable[[], None] | None = None) -> list[int]:
     known = stream.known_units()
     if known is not None:
         return list(known)
@@ -70,6 +74,8 @@ def shard_units(stream: Stream, *, rank: int, world_size: int, group: Any,
     mine = torch.zeros(n, dtype=torch.int64)
     for i in range(rank, n, world_size):
         mine[i] = count_with_retry(stream, i)
+        if on_progress is not None:
+            on_progress()
     if world_size > 1:
         dist.all_reduce(mine, group=group)
     units = mine.tolist()
