@@ -74,6 +74,7 @@ def test_map_style_and_sharded_iterables_are_taken():
 # ----- file formats: the same documents whatever the layout ----------------------------------
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
+    pytest.importorskip("pyarrow")
     root = tmp_path_factory.mktemp("corpora")
     return {fmt: build_corpus(str(root / fmt), 4, 24, fmt) for fmt in ("jsonl", "tar", "parquet")}
 
