@@ -129,14 +129,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     stream = getattr(args, "stream", "off")
     try:
-        results = measure(args, scratch) if stream != "only" else []
+        results = measure(args, scratch) if stream in ("off", "also") else []
         streamed = _stream_rows(args, scratch) if stream != "off" else None
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     report = summarize(results, args, load=(load_before, os.getloadavg()),
-                       kept=str(scratch) if args.keep else None) if stream != "only" else {"bench": "throughput"}
+                       kept=str(scratch) if args.keep else None) if stream in ("off", "also") else {"bench": "throughput"}
     if streamed is not None:
         report["stream"] = streamed
     text = json.dumps(report, indent=1)

@@ -11,8 +11,10 @@
    Goal: harness / plain >= 0.97 (median of ``--repeats``; runs alternate sides).
 2. **Restart to the first step**, the same job resumed from a checkpoint whose stream
    position is at a shard boundary and from one deep inside a shard (the last step of a
-   ``--shard-mb`` shard: the reader has to pass nearly all of it, since tar has no index):
+   ``--shard-mb`` shard: the reader has to pass nearly all of it):
    wall time from ``elastic-harness run`` to rank 0's first step. Goal: mid / boundary <= 1.2.
+   The tar reader walks the member headers and seeks over their data to get there
+   (``data.adapters._Tar.skip``).
    Also reported: the time the lane reader alone needed to reach that position
    (``open_s``), measured in the bench process.
 """
@@ -35,8 +37,9 @@ RECORD = 3 * 32 * 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stream", choices=("off", "also", "only"), default="off",
-                   help="streaming rows: tar shards, harness vs plain, restart mid-shard (default off)")
+    p.add_argument("--stream", choices=("off", "also", "only", "restart"), default="off",
+                   help="streaming rows: tar shards, harness vs plain, restart mid-shard (default off; "
+                   "'restart': only the restart rows)")
     p.add_argument("--stream-shards", type=int, default=8, help="tar shards, throughput (default 8)")
     p.add_argument("--shard-mb", type=int, default=64, help="shard size for the restart rows (default 64)")
 
@@ -168,6 +171,8 @@ def _check(code: int | None, out: Path, run_dir: Path) -> None:
 def measure(args: argparse.Namespace, scratch: Path, steady_rate) -> dict:
     """Both streaming rows; the JSON the bench reports under ``stream`` (``steady_rate``:
     ``throughput.steady_rate``, passed in: that module imports this one)."""
+    if args.stream == "restart":
+        return {"restart": restart(args, scratch)}
     nproc = args.nproc_cheap
     per = max(args.global_batch, 2 * args.items // args.stream_shards)
     shards = scratch / "stream-shards.json"

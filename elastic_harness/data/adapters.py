@@ -15,6 +15,7 @@ the file footer and seeked by row group). Libraries are imported only when used.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -111,27 +112,82 @@ def jsonl_stream(paths: Sequence[str], **kw: Any) -> Stream:
     return Stream([str(p) for p in paths], _Jsonl(), **kw)
 
 
+def _key(name: str) -> tuple[str, str]:
+    """webdataset's grouping: (key, extension) of a member name."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext
+
+
+class _Unindexable(Exception):
+    """A tar that the header walk does not handle (pax/GNU long names, compression)."""
+
+
+def _members(raw: Any) -> Iterator[tuple[int, str]]:
+    """(offset, name) of each regular member of an uncompressed ustar archive, from its
+    512-byte headers alone: member data is seeked over, not read."""
+    pos = raw.tell()
+    while True:
+        head = raw.read(512)
+        if len(head) < 512 or not head.strip(b"\0"):
+            return
+        if head[257:262] != b"ustar" or head[124] & 0x80 or head[156:157] in (b"x", b"g", b"L", b"K"):
+            raise _Unindexable
+        size = int(head[124:136].strip(b"\0 ") or b"0", 8)
+        name = head[0:100].split(b"\0", 1)[0]
+        prefix = head[345:500].split(b"\0", 1)[0]
+        if head[156:157] in (b"0", b"\0", b"7"):
+            yield pos, (prefix + b"/" + name if prefix else name).decode()
+        pos += 512 + (size + 511) // 512 * 512
+        raw.seek(pos)
+
+
 class _Tar:
     """Samples of a webdataset-layout tar: consecutive members sharing a key (the name up to
-    the first dot of its last path part) form ``{"__key__": key, ext: bytes, ...}``."""
+    the first dot of its last path part) form ``{"__key__": key, ext: bytes, ...}``.
+    ``count`` and ``skip`` walk the headers and seek over member data (plain ustar files,
+    as tar and webdataset write them); other archives are read through."""
 
     def __call__(self, path: str) -> Iterator[dict]:
         return self._samples(path, read=True)
 
     def count(self, path: str) -> int:
-        return sum(1 for _ in self._samples(path, read=False))
+        try:
+            with _open_binary(path) as raw:
+                keys, last = 0, None
+                for _, name in _members(raw):
+                    key = _key(name)[0]
+                    keys, last = keys + (key != last), key
+                return keys
+        except _Unindexable:
+            return sum(1 for _ in self._samples(path, read=False))
 
-    def _samples(self, path: str, read: bool) -> Iterator[dict]:
+    def skip(self, path: str, n: int) -> Iterator[dict]:
+        """Samples from ``n`` on: the headers before it are walked, their data seeked over."""
+        try:
+            raw = _open_binary(path)
+            keys, last = -1, None
+            for offset, name in _members(raw):
+                key = _key(name)[0]
+                keys, last = keys + (key != last), key
+                if keys == n:
+                    raw.seek(offset)
+                    return self._samples(path, read=True, raw=raw)
+            raw.close()
+            return iter(())
+        except _Unindexable:
+            raw.close()
+            return itertools.islice(self._samples(path, read=True), n, None)
+
+    def _samples(self, path: str, read: bool, raw: Any = None) -> Iterator[dict]:
         import tarfile
 
-        with _open_binary(path) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+        with raw or _open_binary(path) as f, tarfile.open(fileobj=f, mode="r|*") as tar:
             sample: dict[str, Any] = {}
             for member in tar:
                 if not member.isfile():
                     continue
-                folder, _, base = member.name.rpartition("/")
-                stem, _, ext = base.partition(".")
-                key = f"{folder}/{stem}" if folder else stem
+                key, ext = _key(member.name)
                 if sample and sample["__key__"] != key:
                     yield sample
                     sample = {}
@@ -145,7 +201,7 @@ class _Tar:
 def tar_stream(paths: Sequence[str], **kw: Any) -> Stream:
     """Tar shards in the webdataset layout (``000.cls``, ``000.json``... grouped by key)."""
     reader = _Tar()
-    return Stream([str(p) for p in paths], reader, count=reader.count, **kw)
+    return Stream([str(p) for p in paths], reader, skip=reader.skip, count=reader.count, **kw)
 
 
 class _Parquet:
