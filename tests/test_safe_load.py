@@ -74,3 +74,23 @@ def test_dcp_round_trip_through_the_planner(tmp_path):
     assert target["meta"] == {"step": 7, "tag": "x"}
     assert target["optim"]["param_groups"][0]["lr"] == 1e-3
     assert torch.equal(target["model"]["weight"], model.state_dict()["weight"])
+
+
+def test_only_the_optional_keys_may_be_missing(tmp_path):
+    """A checkpoint from before a field was added loads (the field keeps its default); a
+    checkpoint that lacks any other key is refused as DCP refuses it."""
+    from elastic_harness.runtime.state import TrainState
+
+    old = {"train": {"step": torch.tensor(5), "cursor": torch.tensor(40)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save(old, checkpoint_id=str(tmp_path), no_dist=True)
+        fields = {"step": torch.tensor(0), "cursor": torch.tensor(0), "stream": torch.tensor(0),
+                  "layout": torch.tensor(0)}
+        target = {"train": dict(fields)}
+        dcp.load(target, checkpoint_id=str(tmp_path), no_dist=True,
+                 planner=WeightsOnlyLoadPlanner(TrainState.OPTIONAL_KEYS))
+        assert int(target["train"]["step"]) == 5 and int(target["train"]["stream"]) == 0
+        with pytest.raises(BaseException, match="Missing key"):
+            dcp.load({"train": dict(fields)}, checkpoint_id=str(tmp_path), no_dist=True,
+                     planner=WeightsOnlyLoadPlanner(frozenset({"train.stream"})))

@@ -117,6 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", help="scratch directory (default: system temp; removed after)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
     p.add_argument("--out", help="also write the JSON here")
+    from elastic_harness.bench import tput_stream  # its rows and flags (--stream ...)
+
+    tput_stream.add_arguments(p)
     p.set_defaults(func=cmd_throughput)
 
 
@@ -165,19 +168,29 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so the side running now is stopped (its processes live
     # in their own session and would not get the signal) and the scratch dir removed.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    stream = getattr(args, "stream", "off")
     try:
-        results = measure(args, scratch)
+        results = measure(args, scratch) if stream in ("off", "also") else []
+        streamed = _stream_rows(args, scratch) if stream != "off" else None
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     report = summarize(results, args, load=(load_before, os.getloadavg()),
-                       kept=str(scratch) if args.keep else None)
+                       kept=str(scratch) if args.keep else None) if stream in ("off", "also") else {"bench": "throughput"}
+    if streamed is not None:
+        report["stream"] = streamed
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def _stream_rows(args: argparse.Namespace, scratch: Path) -> dict:
+    from elastic_harness.bench import tput_stream
+
+    return tput_stream.measure(args, scratch, steady_rate)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -129,7 +129,11 @@ class CheckpointManager:
         verify_round_bytes: int = collective.ROUND_BYTES,
         clock: Callable[[], float] = time.time,
         key: bytes | None = None,
+        optional_keys: frozenset[str] = frozenset(),
     ) -> None:
+        # ``optional_keys``: flattened state keys a checkpoint may lack (fields added later,
+        # whose current value is what an older checkpoint meant: ``safe_load``).
+        self.optional_keys = optional_keys
         # ``key``: the job's (``jobkey``); commits are signed with it and a checkpoint not
         # signed with it is refused before it is read. None: unsigned, trusted (tests, benches).
         self.key = key
@@ -270,7 +274,7 @@ class CheckpointManager:
                 try:
                     reader = watch_reader(self.storage.reader(choice.name), Counter(self._ticker.tick))
                     dcp.load(state, storage_reader=reader, process_group=self.group,
-                             planner=WeightsOnlyLoadPlanner())
+                             planner=WeightsOnlyLoadPlanner(self.optional_keys))
                 except SAVE_ERRORS as e:  # a shard that fails to deserialise, unreadable files
                     error = e
             ok = collective.all_min(int(error is None and agreed == 2), self.group) == 1

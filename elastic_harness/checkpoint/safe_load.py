@@ -11,7 +11,12 @@ a checkpoint holds tensors and plain Python values only (dicts, lists, tuples, n
 strings, ``torch`` dtypes and sizes, and whatever the user allowed with
 ``torch.serialization.add_safe_globals``).
 
-Call order: ``WeightsOnlyLoadPlanner()`` per ``dcp.load`` (it holds that load's state dict).
+It also lets a checkpoint lack the ``optional`` keys it is given (fields added to the saved
+state later, whose value in the state being loaded into is what an older checkpoint meant):
+those keep their value; any other missing key is refused as DCP refuses it.
+
+Call order: ``WeightsOnlyLoadPlanner(optional)`` per ``dcp.load`` (it holds that load's state
+dict).
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ def load_item(fqn: str, value: io.BytesIO) -> object:
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    def __init__(self, optional: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.optional = optional
+
+    def create_local_plan(self):  # noqa: ANN201 - torch's LoadPlan
+        absent = set(self.state_dict) - set(self.metadata.state_dict_metadata)
+        if absent and absent <= self.optional:
+            self.allow_partial_load = True  # only these may be absent: checked just above
+        return super().create_local_plan()
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         loaded = load_item(fqn, value)
