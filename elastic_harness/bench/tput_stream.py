@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from elastic_harness import runfiles
+
 HERE = Path(__file__).resolve()
 RECORD = 3 * 32 * 32
 
@@ -143,7 +145,7 @@ def _harness(args: argparse.Namespace, run_dir: Path, shards: Path, nproc: int, 
     record = json.loads(out.read_text())
     first = record.get("first_step_unix")
     record["launch_to_first_step_s"] = round(first - t0, 3) if first else None
-    resumed = [e["t"] for e in _events(run_dir / "run" / "events.jsonl") if e.get("event") == "resume"]
+    resumed = [e["t"] for e in _events(run_dir / "run" / runfiles.EVENTS) if e.get("event") == "resume"]
     record["resume_to_first_step_s"] = round(first - resumed[-1], 3) if first and resumed else None
     return record
 
