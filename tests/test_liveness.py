@@ -117,6 +117,8 @@ def test_identity_tells_a_live_process_from_an_exited_one():
     assert liveness.gone(exited_identity()) is True
     assert liveness.gone("other-boot/1/2/3") is None, "another host: this one cannot tell"
     assert liveness.gone(None) is None
+    boot, ns, _pid, _start = liveness.identity().split("/")
+    assert liveness.gone(f"{boot}/{ns}/0/1") is None and liveness.gone(f"{boot}/{ns}/x/1") is None
 
 
 def agent(endpoint: str, run_id: str):

@@ -91,9 +91,11 @@ def gone(recorded: str | None, here: str | None = None) -> bool | None:
     if not recorded:
         return None
     parts = recorded.split("/")
-    if len(parts) != 4 or "/".join(parts[:2]) != (here or _host()):
+    if len(parts) != 4 or "/".join(parts[:2]) != (here or _host()) or not parts[2].isdigit():
         return None
     pid, start = int(parts[2]), parts[3]
+    if pid <= 0:
+        return None
     now = _start_ticks(pid)
     return now is None or now != start
 

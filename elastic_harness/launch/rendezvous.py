@@ -56,7 +56,9 @@ the peers of its last round that are certainly gone (``launch.liveness``: same h
 the agent's process is gone, or another host and silent two keep-alive intervals), as
 torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
 Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
-state, which is sealed like the rest). Never on silence alone: see ``liveness``.
+state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks two
+private methods of torch 2.x's dynamic rendezvous, the state holder's ``_sanitize`` (run
+after every sync, where torch's own expiry happens) and the executor's ``_keep_alive``.
 
 Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
 agent then uses the handler as torch's own.
