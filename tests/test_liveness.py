@@ -194,3 +194,17 @@ def test_a_frozen_but_live_agent_is_not_dropped_and_rejoins(store):  # noqa: F81
         assert result["info"].world_size == 2
     finally:
         close(pair)
+
+
+def test_a_workers_failure_event_says_when_it_lost_a_peer(tmp_path):
+    from elastic_harness.events import EventLog, read_events
+    from elastic_harness.runtime import failures
+
+    log = EventLog(tmp_path / "events.jsonl")
+    for exc in (RuntimeError(GLOO_RESET), ValueError("loss is nan")):
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001 - recorded as a worker records it
+            failures.record(log, e, rank=0, step=3)
+    lost = [e["peer_lost"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure"]
+    assert lost == [True, False]
