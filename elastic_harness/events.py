@@ -136,6 +136,7 @@ CONTRACT: dict[str, EventKind] = {
         "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception)",
         "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
         "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
+        "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died)",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",

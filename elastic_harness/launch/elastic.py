@@ -14,7 +14,9 @@ monitoring, restarts: all torch's) with three overrides:
   highest completed step at each failure, from ``progress()``), and torch's counter is
   refilled accordingly (``policy.budget_refill``, which keeps torch's restart count, the
   attempt number, as it is) or emptied with ``exhausted`` saying why. It also notes when it
-  last ran, so ``health()`` can tell a live agent from a stuck one.
+  last ran, so ``health()`` can tell a live agent from a stuck one. When a worker failed
+  because a peer's connection closed, it tells the rendezvous handler (``peer_lost``:
+  ``launch.liveness``), before torch restarts the group.
 - ``_start_workers``: the process context it makes stops a failed group's survivors within
   ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
@@ -49,7 +51,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_harness.launch import rendezvous
+from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.policy import (
     agent_health,
     budget_refill,
@@ -124,6 +126,10 @@ class HarnessAgent(LocalElasticAgent):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
+        if failed and lost_a_peer(result):
+            tell = getattr(worker_group.spec.rdzv_handler, "peer_lost", None)  # ``rendezvous._Handler``
+            if tell is not None:
+                tell()
         if failed and self.stop_reason is None:
             reason = self._judge()
             if reason:
@@ -157,6 +163,17 @@ def bound_failure_close(pcontext: Any, grace_s: float) -> None:
         close(death_sig, grace_s if timeout is None else timeout)
 
     pcontext.close = bounded
+
+
+def lost_a_peer(result: RunResult) -> bool:
+    """Pure: did a worker of the failed group fail because a peer's connection closed or
+    was reset (``liveness.peer_lost``, on the message torchelastic read from its error file)?"""
+    return any(liveness.peer_lost(_message(f)) for f in result.failures.values())
+
+
+def _message(failure: Any) -> str:
+    message = failure.message
+    return message.get("message", str(message)) if isinstance(message, dict) else str(message)
 
 
 def first_failure(result: RunResult) -> str:

@@ -50,6 +50,16 @@ The backends here are torch's with the state sealed under the job's key
 (``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
 one logged line, and the job carries on with the last authentic state.
 
+A dead node sooner (issue 26): an agent whose workers failed because a peer's connection
+closed tells its handler (``peer_lost``); at each sync of the state the handler then drops
+the peers of its last round that are certainly gone (``launch.liveness``: same host and
+the agent's process is gone, or another host and silent two keep-alive intervals), as
+torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
+Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
+state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks two
+private methods of torch 2.x's dynamic rendezvous, the state holder's ``_sanitize`` (run
+after every sync, where torch's own expiry happens) and the executor's ``_keep_alive``.
+
 Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
 agent then uses the handler as torch's own.
 """
@@ -63,7 +73,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +95,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.deps import require_torch
+from elastic_harness.launch import liveness
+
+log = logging.getLogger(__name__)
 
 # Fallbacks when a key is missing from the rendezvous config (torch's own defaults).
 _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
@@ -143,6 +156,10 @@ class RoundTimeout(RendezvousTimeout):
         """The participants of the round this agent just completed (``_Handler``)."""
         self._peers = frozenset(participants)
 
+    def forget(self, nodes: Any) -> None:
+        """``nodes`` are certainly gone (``liveness``): not peers to wait for."""
+        self._peers = self._peers - frozenset(nodes)
+
     @property
     def last_call(self) -> timedelta:
         state = self._state()
@@ -181,9 +198,19 @@ def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
 
 
 class _Handler(DynamicRendezvousHandler):
-    """torch's handler; after each round it tells its ``RoundTimeout`` who was in it."""
+    """torch's handler; after each round it tells its ``RoundTimeout`` who was in it, and
+    it drops peers of that round that are certainly gone once told ``peer_lost``."""
 
     _formed = False  # a rendezvous of this handler completed: later joins are restarts
+    _round: int | None = None  # the round it completed last
+    _peers: frozenset = frozenset()  # who was in that round
+    _evidence = False  # since then, its workers failed because a peer's connection was lost
+    _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
+
+    def peer_lost(self) -> None:
+        """The agent's workers failed because a peer's connection closed (``liveness``);
+        the agent's main thread calls it before it restarts the group."""
+        self._evidence = True
 
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
@@ -192,10 +219,72 @@ class _Handler(DynamicRendezvousHandler):
         finally:
             _JOIN.restart = False
         self._formed = True
+        state = self._state_holder.state
+        self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
         timeout = self._settings.timeout
         if isinstance(timeout, RoundTimeout):
-            timeout.remember(self._state_holder.state.participants)
+            timeout.remember(state.participants)
         return info
+
+    def drop_dead(self, state: Any) -> frozenset:
+        """Remove from ``state`` (this agent's copy, just synced) the peers ``liveness``
+        finds certainly gone, as torch's expiry removes a node; returns them."""
+        lives = _lives(state)
+        for node in [n for n in lives if n not in state.last_heartbeats]:
+            del lives[node]  # left or expired: its entry goes with its keep-alive
+        settings = self._settings
+        dead = liveness.dead_peers(
+            participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
+            round_=state.round, my_round=self._round, peers=self._peers, me=self._this_node,
+            evidence=self._evidence, gone=lambda node: liveness.gone(lives.get(node)),
+            now=datetime.now(timezone.utc),
+            suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
+                                                   settings.keep_alive_max_attempt))
+        for node in dead:
+            how = "its agent's process is gone" if liveness.gone(lives.get(node)) else "silent"
+            message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
+                       f"without waiting for its keep-alives to expire: {how}, and this node's workers "
+                       "lost their connection to a peer")
+            log.warning(message)
+            dynamic_rendezvous.construct_and_record_rdzv_event(
+                name="_Handler.drop_dead", run_id=settings.run_id, message=message,
+                node_state=NodeState.RUNNING)
+            for table in (state.last_heartbeats, state.participants, lives):
+                table.pop(node, None)
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+        if dead:
+            dynamic_rendezvous._remove_participant_epilogue(state, settings)
+            if isinstance(settings.timeout, RoundTimeout):
+                settings.timeout.forget(dead)
+        return dead
+
+    def install_liveness(self) -> None:
+        """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
+        agent's identity with each of its keep-alives."""
+        self._identity = liveness.identity()
+        holder, executor = self._state_holder, self._op_executor
+        expire, keep_alive = holder._sanitize, executor._keep_alive
+
+        def sanitize() -> None:
+            expire()
+            self.drop_dead(holder.state)
+
+        def keep_alive_with_identity() -> None:
+            keep_alive()
+            _lives(executor._state)[self._this_node] = self._identity
+
+        holder._sanitize = sanitize
+        executor._keep_alive = keep_alive_with_identity
+
+
+def _lives(state: Any) -> dict:
+    """The state's ``lives`` table (node -> ``liveness.identity()``), made if missing: it
+    rides in torch's pickled state object, which our sealed backends carry whole."""
+    lives = getattr(state, "lives", None)
+    if lives is None:
+        lives = state.lives = {}
+    return lives
 
 
 TORCH_METHOD_NAME = dynamic_rendezvous.get_method_name  # torch's own, kept for comparison
@@ -266,4 +355,5 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
     )
     holder = handler._state_holder  # the state torch's join operation is changing
     timeout.follow(lambda: holder.state)
+    handler.install_liveness()
     return handler

@@ -4,7 +4,8 @@ Each failure is recorded with a *signature*: a short hash of the exception type,
 and the innermost frame of its traceback. Two generations that fail with the same signature
 at the same step (after resuming from the same place) are a crash loop, not bad luck; the
 agent (``launch.policy``) stops restarting then, instead of spending every restart on the
-same error. A ``HarnessError`` (a mistake the user must fix) is recorded as ``fatal``.
+same error. A ``HarnessError`` (a mistake the user must fix) is recorded as ``fatal``. A
+failure caused by a peer's connection closing (a peer's process died) says ``peer_lost``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import traceback
 from typing import Any
 
 from elastic_harness.errors import HarnessError
+from elastic_harness.launch.liveness import peer_lost as _peer_lost
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
@@ -24,6 +26,13 @@ def describe(exc: BaseException) -> dict[str, Any]:
     message = f"{type(exc).__name__}: {text}"[:500] if text else type(exc).__name__
     digest = hashlib.sha256(f"{type(exc).__qualname__}|{text[:500]}|{where}".encode()).hexdigest()
     return {"message": message, "where": where, "signature": digest[:16]}
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Did this rank fail because a peer's connection closed or was reset (its process is
+    gone), rather than by an error of its own? The agent reads the same words in the
+    error file to drop a dead node sooner (``launch.liveness``)."""
+    return _peer_lost(str(exc))
 
 
 def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node: str = "",
@@ -37,7 +46,7 @@ def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node
         d = describe(exc)
         events.emit("failure", fatal=False, message=d["message"], where=d["where"],
                     signature=d["signature"], rank=rank, step=step, node=node, restart=restart,
-                    generation=generation, resumed_at=resumed_at)
+                    generation=generation, resumed_at=resumed_at, peer_lost=peer_lost(exc))
     except Exception:  # noqa: BLE001 - the original exception must win
         pass
 
