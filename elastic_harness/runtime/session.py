@@ -381,7 +381,7 @@ class Run:
         spec, train = self.spec, self._train
         watchdog = self.watchdog
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
-                              local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
+                              local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
                               events=self.log, agent=self.env.agent_pid or os.getppid())
         self._loop = _LoopState(watchdog, faults, self._sample_log())
         self._loop.loader = loader
@@ -557,8 +557,8 @@ class Run:
     def _sample_log(self) -> Path | None:
         if not self.spec.train.record_samples:
             return None
-        (self.run_dir / "samples").mkdir(exist_ok=True)
-        return self.run_dir / "samples" / f"rank-{self.rank}.jsonl"
+        (self.run_dir / runfiles.SAMPLES).mkdir(exist_ok=True)
+        return self.run_dir / runfiles.SAMPLES / f"rank-{self.rank}.jsonl"
 
     # ----- evaluation --------------------------------------------------------------------
     def evaluate(self, dataset: Any, fn: Callable[[Any], dict[str, torch.Tensor]], *,

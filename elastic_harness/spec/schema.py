@@ -110,7 +110,9 @@ class RendezvousSpec:
         "Missed keep-alives before a node is declared dead (torch default 3): a lost node is "
         "dropped interval x attempts after its last keep-alive. Too short drops a live but busy "
         "agent (2 s did on a loaded 2-core machine: a new agent then formed a second group); "
-        "keep interval x attempts >= 3.",
+        "keep interval x attempts >= 3. A node whose peers saw its connection close and whose "
+        "agent process is gone (or silent for 2 intervals, on another host) is dropped at once "
+        "(launch.liveness).",
     )
     etcd_protocol: Literal["http", "https"] = doc("http", "etcd: http, or https for client TLS.")
     etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")
