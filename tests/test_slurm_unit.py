@@ -157,3 +157,9 @@ def test_torchruns_language():
     for bad in ("join_timeout", "join_timeout=soon", "=3", "read_timeout=0"):
         with pytest.raises(SpecError):
             parse_rdzv_conf(bad)
+
+
+def test_the_slurm_job_is_the_agents_submission():
+    """Two Slurm jobs that pin one rendezvous id hold the run dir's lock as two submissions
+    (the second is refused, not joined: issue 22, long jobs item 3)."""
+    assert '--submission "slurm-$SLURM_JOB_ID"' in script()

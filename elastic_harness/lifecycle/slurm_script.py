@@ -124,7 +124,10 @@ def _rendezvous(spec, o: SlurmOptions) -> list[str]:
 
 def _srun(spec, job: ScriptJob) -> list[str]:
     sets = " ".join(f"--set {shlex.quote(str(o))}" for o in job.overrides)
-    agent = ['"$PY" -m elastic_harness agent "$JOB_FILE" --run-dir "$RUN_DIR" --job-id "$JOB_ID"',
+    # --submission: the Slurm job is the submission, so another one that pinned the same
+    # rendezvous id is refused by the run dir's lock, not joined (a requeue is the same job).
+    agent = ['"$PY" -m elastic_harness agent "$JOB_FILE" --run-dir "$RUN_DIR" --job-id "$JOB_ID"'
+             ' --submission "slurm-$SLURM_JOB_ID"',
              f'--rdzv-backend {spec.rendezvous.backend} --rdzv-endpoint "$ENDPOINT" --rdzv-id "$JOB_ID-$ATTEMPT"',
              f"--nnodes {spec.nodes.min}:{spec.nodes.max} --nproc-per-node {spec.nproc_per_node} "
              f"--max-restarts {spec.max_restarts}", *([sets] if sets else [])]
