@@ -15,10 +15,10 @@ from torch import nn
 from elastic_harness.data.sampler import DataState
 from elastic_harness.memtier import snapshot
 from elastic_harness.memtier.cadence import Cadence, interval, probe_on, snapshot_due
-from elastic_harness.memtier.host import HostSlots, describe, slot_paths
-from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.choose import MEMORY, Offer, choose, offers_of
+from elastic_harness.memtier.host import HostSlots, describe, slot_paths
 from elastic_harness.memtier.peer import Wire, encode_offers
+from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.state import TrainState, build_state
