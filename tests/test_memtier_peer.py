@@ -178,12 +178,12 @@ def test_a_joining_rank_receives_the_state_bit_for_bit_and_keeps_it(nodes):
     saver.save(3, state)
     assert _published(nodes[0]) == [(3, 1, 0, True)]
     # Scale-up to 2: rank 0 (the old node) holds step 3, rank 1 (the new node) has nothing.
-    holder = Recorder(0, [encode_offers([]), [0], [0]])
+    holder = Recorder(0, [encode_offers([]), [0], [0], [0]])  # offers; layout, transfer, load agreed
     fresh0, model0, optim0 = _state(steps=0)
     got0 = MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(fresh0, replicated=True)
     assert (got0.source, got0.step, got0.senders, got0.receivers) == (PEER, 3, (0,), 1)
     assert len(holder.sent) == 3  # [ok, data bytes, json bytes], the skeleton's JSON, the tensor bytes
-    joiner = Recorder(1, [encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)]), [0], [0]],
+    joiner = Recorder(1, [encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)]), [0], [0], [0]],
                       inbox=holder.sent)
     fresh1, model1, optim1 = _state(steps=0)
     got1 = MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(fresh1, replicated=True)
@@ -204,12 +204,30 @@ def test_a_sender_that_cannot_encode_makes_every_rank_use_storage(nodes):
     saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
     saver.replicated = True
     saver.save(3, state)
-    holder = Recorder(0, [encode_offers([]), [1]])  # the receiver reports it got nothing
+    holder = Recorder(0, [encode_offers([]), [0], [1]])  # the receiver reports it got nothing
     fresh, _, optim = _state(steps=0, extra={"odd": {"s": set()}})
     assert MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(
         fresh, replicated=True) is None
     assert [int(t[0]) for t in holder.sent] == [0]  # it said "cannot" and sent nothing else
     assert fresh["train"].step == 0 and _published(nodes[0]) == []  # untouched; storage next
+
+
+def test_a_receiver_of_another_layout_makes_every_rank_use_storage_before_any_transfer(nodes):
+    state, *_ = _state()
+    saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
+    saver.replicated = True
+    saver.save(3, state)
+    offers = encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)])
+    wider = build_state(nn.Linear(4, 9), torch.optim.SGD(nn.Linear(4, 9).parameters(), lr=0.1),
+                        TrainState(DataState(0, 100), world_size=2))
+    joiner = Recorder(1, [offers, [0]])  # rank 0's layout matches (it holds the snapshot)
+    assert MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(
+        wider, replicated=True) is None
+    holder = Recorder(0, [encode_offers([]), [1]])  # rank 1 said: another layout
+    fresh, _, optim = _state(steps=0)
+    assert MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(
+        fresh, replicated=True) is None
+    assert holder.sent == [] and not optim.state and _published(nodes[0]) == []
 
 
 def test_fsdp_snapshots_at_another_world_size_fall_back_and_are_cleared(nodes):

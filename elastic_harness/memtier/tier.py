@@ -103,7 +103,16 @@ class MemoryTier:
             return None
         slot = self._slot_for(plan, headers)
         senders = plan.senders(self.world_size)
-        got, problem = self._exchange(plan, slot, senders)
+        expect = self._expected(plan, state) if self.rank in senders else None
+        if senders:  # the layout is agreed before a byte moves
+            mismatch = [r for r, (bad,) in enumerate(self.wire.gather([int(isinstance(expect, str))])) if bad]
+            if mismatch:
+                self._warn(f"rank {self.rank}: not receiving step {plan.step} from a peer: rank(s) {mismatch} "
+                           f"have another layout{f' ({expect})' if isinstance(expect, str) else ''}; "
+                           "restoring from storage")
+                self._unpublish_all()
+                return None
+        got, problem = self._exchange(plan, slot, senders, expect)
         failed = [r for r, (bad,) in enumerate(self.wire.gather([int(problem is not None)])) if bad]
         if failed:  # nothing was loaded yet: every rank falls back to storage
             if problem:
@@ -133,7 +142,18 @@ class MemoryTier:
                 return slot
         raise AssertionError("a holder without its snapshot")  # the plan came from these headers
 
-    def _exchange(self, plan: Plan, slot: int | None, senders: dict[int, int]) -> tuple[tuple, str | None]:
+    def _expected(self, plan: Plan, state: dict[str, Any]) -> int | str:
+        """A receiver: the tensor bytes its live state takes, if its layout digest is the
+        plan's; else why not. (Every rank loads once the plan is agreed, so taking the live
+        state dicts here creates an empty optimizer's state only where it is restored.)"""
+        try:
+            mine = snapshot.capture_trees(snapshot.targets(state))
+        except Exception as e:  # noqa: BLE001 - agreed on by every rank
+            return f"{e!r:.200}"
+        return mine.data_len if mine.digest == plan.digest else "its state's layout digest differs"
+
+    def _exchange(self, plan: Plan, slot: int | None, senders: dict[int, int],
+                  expect: int | str | None) -> tuple[tuple, str | None]:
         """Send the snapshot to this rank's receivers, or receive it from its sender: the
         snapshot to load, as (data, base, skeleton, data_len, local skeleton bytes), and the
         problem that stops this rank from restoring it (then nothing was loaded anywhere)."""
@@ -148,7 +168,7 @@ class MemoryTier:
             if receivers:
                 self._send(receivers, data, skeleton, header)
             return (data, HEADER_SIZE, skeleton, 0, b""), problem
-        return self._receive(plan, senders[self.rank])
+        return self._receive(plan, senders[self.rank], expect)
 
     def _send(self, receivers: list[int], data: Any, skeleton: Any, header: Header | None) -> None:
         try:
@@ -165,14 +185,15 @@ class MemoryTier:
                 if header.data_len:
                     self.wire.send(data[HEADER_SIZE:HEADER_SIZE + header.data_len], r)
 
-    def _receive(self, plan: Plan, src: int) -> tuple[tuple, str | None]:
+    def _receive(self, plan: Plan, src: int, expect: Any) -> tuple[tuple, str | None]:
         meta = torch.zeros(3, dtype=torch.int64)
         self.wire.recv(meta, src)
         ok, data_len, json_len = (int(v) for v in meta)
         if not ok:
             return (), f"rank {src} could not send step {plan.step}"
-        if not (0 < json_len <= peer.MAX_SKELETON and data_len >= 0):
-            raise RuntimeError(f"rank {src} announced a snapshot of {data_len}+{json_len} bytes")
+        if not (0 < json_len <= peer.MAX_SKELETON and data_len == expect):  # not a sender of this job's
+            raise RuntimeError(f"rank {src} announced a snapshot of {data_len}+{json_len} bytes, "
+                               f"this rank's state takes {expect}")
         raw = torch.empty(json_len, dtype=torch.uint8)
         self.wire.recv(raw, src)
         problem = None
