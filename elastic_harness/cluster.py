@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.launch.config import agent_environ
 from elastic_harness.netns import NetnsTopology
 
@@ -91,14 +92,19 @@ class LocalCluster:
             # One agent hosts the c10d store; it is explicit so no two agents race for it.
             cmd.append("--is-host" if index == 0 else "--no-host")
         env = agent_environ()
-        if self.netns is not None:
+        if self.netns is None:
+            # One machine: every socket of the job (stores, gloo) on loopback (issue 22).
+            cmd += ["--local-addr", "127.0.0.1"]
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+            env["NCCL_SOCKET_IFNAME"] = "lo"  # NCCL's bootstrap sockets (GPU jobs)
+        else:
             # Its own address: gloo and the agent bind there, not to the shared hostname.
             host = self.netns.hosts.get(index) or self.netns.add_host(index)
             cmd = self.netns.wrap(index, [*cmd, "--local-addr", host.addr])
             env["GLOO_SOCKET_IFNAME"] = host.ifname
-        log_dir = self.run_dir / "logs"
+        log_dir = self.run_dir / runfiles.LOGS
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"agent-{index}.log"
+        log_path = log_dir / runfiles.agent_log(index)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

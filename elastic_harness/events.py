@@ -124,7 +124,7 @@ CONTRACT: dict[str, EventKind] = {
     "warning": EventKind("any", "something worth knowing that did not stop the job", {
         "message": "one line",
     }),
-    "failure": EventKind("rank 0 (saves) or any rank (fatal)", "something failed", {
+    "failure": EventKind("rank 0 (saves), any rank (fatal), or an agent (hang)", "something failed", {
         "message": "one line",
         "rank": "the rank that failed, where known",
         "fatal": "a mistake the user must fix: the host stops and prints it",
@@ -137,12 +137,15 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
         "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
+        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception)",
+        "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
+        "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",
         "name": "its directory name",
         "reason": "why it failed",
-        "kind": "'corrupt', 'unreadable' or 'unloadable'",
+        "kind": "'corrupt', 'unreadable', 'unloadable', 'forged' (signature wrong) or 'unsigned' (none; left in place)",
         "moved_to": "where it was moved (URI), or None if it was left in place",
         "message": "one line",
     }),

@@ -26,6 +26,10 @@ so productive time plus every badput below adds up to the wall time exactly:
   to the last rendezvous completion before the new one resumed (torchelastic's
   ``_mark_rendezvous_complete``; without bridged events, the workers' ``rendezvous`` event).
   It includes failure detection, failed restart attempts and the rendezvous round itself.
+- **hang_detection**: when the step watchdog killed a hung worker (a ``failure`` event with
+  ``cause: hang``) between two active generations, the time from the old one's last step
+  event to that kill: the watchdog's ``timeouts.step`` running out. The rendezvous term
+  then starts at the kill.
 - **restart**: from that rendezvous completion to the new generation's ``resume`` event:
   spawning workers, process group, model build and the checkpoint load.
 - **checkpoint_blocking**: the ``blocking_s`` of every checkpoint, taken out of the segment
@@ -45,7 +49,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-BADPUT_KINDS = ("startup", "rendezvous", "restart", "checkpoint_blocking", "lost_work", "shutdown")
+BADPUT_KINDS = ("startup", "rendezvous", "restart", "checkpoint_blocking", "lost_work", "shutdown",
+                "hang_detection")
 RDZV_COMPLETE = "_mark_rendezvous_complete"
 
 
@@ -100,6 +105,7 @@ class GoodputLedger:
         self._gens: dict[int, _Gen] = {}
         self._active: _Gen | None = None
         self._marks: list[tuple[float, bool]] = []  # (t, torchelastic's) since the last step
+        self._hangs: list[float] = []  # watchdog kills (hang failures) since the last step
 
     def update(self, e: dict) -> None:
         kind, t = e.get("event"), float(e.get("t", 0.0))
@@ -113,6 +119,8 @@ class GoodputLedger:
             self._marks.append((t, False))
         elif kind == "torchelastic" and str(e.get("name", "")).endswith(RDZV_COMPLETE):
             self._marks.append((t, True))
+        elif kind == "failure" and e.get("cause") == "hang":
+            self._hangs.append(t)
         elif kind == "resume":
             g = self._gens.setdefault(e.get("pid", 0), _Gen())
             g.resume_t, g.resume_step = t, int(e.get("step") or 0)
@@ -140,6 +148,7 @@ class GoodputLedger:
         g.spans.append(span)
         g.last_t, g.last_step = t, step
         self._marks.clear()
+        self._hangs.clear()
 
     def _activate(self, g: _Gen) -> None:
         prev = self._active
@@ -152,19 +161,26 @@ class GoodputLedger:
         self._active = g
 
     def _gap(self, prev: _Gen, resumed: float) -> None:
-        """Between two active generations: rendezvous up to its last completion, then restart."""
+        """Between two active generations: hang detection up to a watchdog kill, rendezvous up
+        to its last completion, then restart."""
+        kills = [t for t in self._hangs if prev.last_t < t < resumed]
+        hung = min(kills[0], resumed) - prev.last_t if kills else 0.0
         inside = [(t, te) for t, te in self._marks if prev.last_t < t < resumed]
         marks = [t for t, te in inside if te] or [t for t, _ in inside]
-        done = marks[-1] if marks else prev.last_t
-        rdzv, restart = done - prev.last_t, max(0.0, resumed - done)
+        done = max(marks[-1] if marks else prev.last_t, prev.last_t + hung)
+        rdzv, restart = done - prev.last_t - hung, max(0.0, resumed - done)
         # The owed blocking interrupts the segment that starts at the last step (bisect order).
-        if rdzv > 0:
+        if hung > 0:
+            blocked = min(hung, prev.pending)
+            hung -= blocked
+        elif rdzv > 0:
             blocked = min(rdzv, prev.pending)
             rdzv -= blocked
         else:
             blocked = min(restart, prev.pending)
             restart -= blocked
         prev.pending = 0.0
+        self._bad["hang_detection"] += hung
         self._bad["rendezvous"] += rdzv
         self._bad["restart"] += restart
         self._bad["checkpoint_blocking"] += blocked

@@ -7,12 +7,22 @@ from typing import TextIO
 
 from elastic_harness.runstate import RunState
 
+# A durable save is worth its own line only when it held training up this long; the rest
+# are folded into the progress line ("saved 100") and the closing tally.
+SLOW_SAVE_S = 1.0
+# A new in-memory snapshot interval is printed once it held this many steps.
+SETTLE_STEPS = 50
+
 
 class Progress:
     """A one-line bar on a terminal; plain lines (notable events, every 10%) otherwise.
 
-    Counts come from ``runstate.RunState`` fed with the same events, so the bar and the
-    final line (``summary.json``) agree. Feed it this invocation's events, in order.
+    Quiet by design: the bar (or, off a terminal, a line every 10%) carries the last durable
+    checkpoint's step; only unusual events get their own line (faults, failures, warnings,
+    drains, evaluations, a save that blocked training over ``SLOW_SAVE_S``, a new in-memory
+    snapshot interval), and ``close`` tallies the saves. Counts come from
+    ``runstate.RunState`` fed with the same events, so the bar and the final line
+    (``summary.json``) agree. Feed it this invocation's events, in order.
     """
 
     def __init__(self, total_steps: int, out: TextIO = sys.stderr) -> None:
@@ -21,6 +31,9 @@ class Progress:
         self.tty = out.isatty()
         self.state = RunState()
         self._last_decile = -1
+        self._every_shown: int | None = None  # the snapshot interval last printed
+        self._every_pending: dict | None = None  # a new one, printed once it settled
+        self._saves: list[dict] = []
 
     def update(self, e: dict) -> None:
         self.state.update(e)
@@ -28,25 +41,49 @@ class Progress:
         if kind == "resume":
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
+            self._settle(e["step"])
             self._step(e)
-        elif kind == "memory" and e.get("copy_s"):  # not the first, unmeasured setting
-            self._line(f"in-memory snapshots every {e['every']} step(s) from step {e['step']} "
-                       f"(a copy takes {1000 * e['copy_s']:.1f} ms, a step {1000 * e['step_s']:.1f} ms)")
+        elif kind == "memory":
+            self._memory(e)
+        elif kind == "checkpoint":
+            self._saves.append(e)
+            if (e.get("blocking_s") or 0) > SLOW_SAVE_S:
+                self._line(_describe(e))
         elif kind == "failure" and e.get("fatal"):
             return  # the host prints it once, as the error
-        elif kind in ("checkpoint", "warning", "failure", "fault", "drain", "eval", "quarantine",
+        elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
             self._line(_describe(e))
+
+    def _memory(self, e: dict) -> None:
+        """The snapshot interval once measured, then only when it settles on another value
+        for ``SETTLE_STEPS`` (0, a memory probe's off block, is not a setting)."""
+        every = e.get("every") or 0
+        if not e.get("copy_s") or every <= 0:
+            return  # the first, unmeasured setting; a probe block
+        if every == self._every_shown:
+            self._every_pending = None  # back to what is shown: nothing to say
+        elif self._every_pending is None or self._every_pending["every"] != every:
+            self._every_pending = e  # a new value: shown once it held (``_settle``)
+
+    def _settle(self, step: int) -> None:
+        e = self._every_pending
+        if e is None or step - e["step"] < SETTLE_STEPS:
+            return
+        self._every_shown, self._every_pending = e["every"], None
+        self._line(f"in-memory snapshots every {e['every']} step(s) from step {e['step']} "
+                   f"(a copy takes {1000 * e['copy_s']:.1f} ms, a step {1000 * e['step_s']:.1f} ms)")
 
     def _step(self, e: dict) -> None:
         pct = e["step"] / self.total
         width = 24
         bar = "#" * int(pct * width) + "-" * (width - int(pct * width))
+        saved = self.state.last_checkpoint_step
         text = (f"[{bar}] step {e['step']}/{self.total} loss {e['loss']:.4f} "
                 f"{e.get('samples_per_s') or 0:.0f} samples/s world {e['world_size']} "
-                f"restarts {self.state.restarts}")
+                f"restarts {self.state.restarts}" + (f" saved {saved}" if saved is not None else ""))
         if self.tty:
-            self.out.write("\r" + text)
+            self.out.write("\r\033[K" + text)
             self.out.flush()
         elif int(pct * 10) != self._last_decile:
             self._last_decile = int(pct * 10)
@@ -59,13 +96,26 @@ class Progress:
     def close(self) -> None:
         if self.tty:
             self.out.write("\n")
+        if self._saves:
+            self._line(_tally(self._saves))
+
+
+def _tally(saves: list[dict]) -> str:
+    """``checkpoints: 8 saved (async), last step 400, training blocked 0.01-0.03 s each``."""
+    blocked = [e.get("blocking_s") or 0.0 for e in saves]
+    modes = sorted({"async" if e.get("asynchronous") else "sync" for e in saves})
+    held = f"{min(blocked):.2f}" if f"{min(blocked):.2f}" == f"{max(blocked):.2f}" else \
+        f"{min(blocked):.2f}-{max(blocked):.2f}"
+    return (f"checkpoints: {len(saves)} saved ({'/'.join(modes)}), last step {saves[-1]['step']}, "
+            f"training blocked {held} s each")
 
 
 def _describe(e: dict) -> str:
     kind = e["event"]
     if kind == "checkpoint":
         mode = "async" if e.get("asynchronous") else "sync"
-        return f"checkpoint step {e['step']} ({mode}, blocked {e['blocking_s']:.2f} s, total {e['total_s']:.2f} s)"
+        return (f"checkpoint step {e['step']} held training up {e['blocking_s']:.2f} s "
+                f"({mode}, total {e['total_s']:.2f} s)")
     if kind == "fault":
         return f"fault: {e.get('kind')} target {e.get('target')} at step {e.get('step')}"
     if kind == "drain":

@@ -19,14 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import layout, lock
 from elastic_harness.checkpoint.storage import LocalStorage, open_storage
-from elastic_harness.checkpoint.where import RESOLVED_SPEC, checkpoint_root, inside, is_url
+from elastic_harness.checkpoint.where import checkpoint_root, inside, is_url
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.spec import JobSpec, dump_job
-
-RESOLVED = RESOLVED_SPEC
-_RUN_FILES = ("events.jsonl", "summary.json", "samples")
 
 
 class Claim:
@@ -49,17 +47,29 @@ class Claim:
 
 
 def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.Holder,
-            clock: Callable[[], float] = time.time) -> Claim:
+            clock: Callable[[], float] = time.time, key_file: Path | None = None,
+            record_spec: bool = True) -> Claim:
     """Create and lock ``run_dir`` (and an outside checkpoint dir), move old state aside if
-    ``fresh``, write the resolved spec. Raises ``RunDirError``/``CheckpointError``."""
+    ``fresh``, write the resolved spec (unless ``record_spec`` is False: a process handed
+    the run directory's own resolved spec by its owner, see ``handed_resolved``), make sure
+    the job's key exists (``jobkey``: created in the run dir unless ``key_file`` names one
+    provided from outside, which must exist).
+    Raises ``RunDirError``/``CheckpointError``/``jobkey.KeyError_``."""
     run_dir = Path(run_dir).resolve()
     _writable(run_dir)
+    own_key = run_dir / jobkey.KEY_FILE
+    if key_file is None or Path(key_file) == own_key:
+        jobkey.ensure(own_key)
+    else:
+        jobkey.read(Path(key_file))
     root = checkpoint_root(spec.checkpoint.dir, run_dir)
     leases = [_lease(LocalStorage(run_dir), holder, f"run directory '{run_dir}'", RunDirError, "--run-dir")]
     try:
         if not inside(root, run_dir):
             store = open_storage(root)
             try:
+                if not is_url(root):
+                    private_dir(Path(root))
                 store.ensure()
             except OSError as e:
                 raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
@@ -67,12 +77,33 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
         if fresh:
             set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
-        write_resolved(run_dir, spec)
+        if record_spec:
+            write_resolved(run_dir, spec)
     except BaseException:
         for lease in leases:
             lease.release()
         raise
     return Claim(run_dir, root, leases)
+
+
+# Run directories are the job's owner's alone (0700): checkpoints, logs, the key (issue 22).
+DIR_MODE = 0o700
+
+
+def private_dir(path: Path, mode: int = DIR_MODE) -> None:
+    """Create ``path`` (and missing parents) with ``mode``; an existing directory is left as
+    the user set it. A group-readable run dir: create it 0750 beforehand (docs/security.md)."""
+    missing = []
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)  # mkdir's mode is masked by the umask; the chmod is not
 
 
 def check_paths(run_dir: Path, spec: JobSpec) -> None:
@@ -106,7 +137,7 @@ def _check_dir(path: Path, what: str, error: type, fix: str) -> None:
 
 def _writable(run_dir: Path) -> None:
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(run_dir)
         probe = run_dir / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
@@ -144,7 +175,7 @@ def set_aside_old(run_dir: Path, root: str, stamp: str) -> None:
             )
     else:
         _move_entries(Path(root), Path(f"{root}.old-{stamp}"), keep={lock.LOCK_FILE})
-    for name in _RUN_FILES:
+    for name in runfiles.SET_ASIDE_ON_FRESH:
         if (run_dir / name).exists():
             os.replace(run_dir / name, run_dir / f"{name}.old-{stamp}")
 
@@ -161,10 +192,17 @@ def _move_entries(root: Path, aside: Path, keep: set[str]) -> None:
         os.replace(root / name, aside / name)
 
 
+def handed_resolved(job_path: str | Path, run_dir: Path) -> bool:
+    """Is ``job_path`` the run directory's own resolved spec? Then the run directory's owner
+    (``run``) wrote it, and an agent given it must not write it again."""
+    return Path(job_path).resolve() == (Path(run_dir) / runfiles.RESOLVED_SPEC).resolve()
+
+
 def write_resolved(run_dir: Path, spec: JobSpec) -> Path:
-    """Atomically (several agents may write the same content)."""
-    final = run_dir / RESOLVED
-    tmp = run_dir / f".{RESOLVED}.{os.getpid()}"
+    """Atomically: the peer agents of a cluster submission (each given the job's own YAML,
+    no host above them) may each write the same content; readers never see half a file."""
+    final = run_dir / runfiles.RESOLVED_SPEC
+    tmp = run_dir / f".{runfiles.RESOLVED_SPEC}.{os.getpid()}"
     tmp.write_text(dump_job(spec))
     os.replace(tmp, final)
     return final

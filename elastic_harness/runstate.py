@@ -75,6 +75,8 @@ class RunState:
         self.drained_at: int | None = None  # the step of the newest drain
         self.agent_exits: list[tuple[int, str]] = []  # (code, message) of each agent's exit
         self.finished = False
+        self.superseded: str = ""  # a fenced generation finished: why its result is not saved
+        self._fenced: dict[int, int] = {}  # rank 0 pid of a fenced generation -> saves refused
         self.digest: str | None = None
         self._resumes = 0
         self._gen_step: dict[int, int] = {}  # rank 0 pid -> its last step (for steps_done)
@@ -142,7 +144,17 @@ class RunState:
         if e.get("who") == "agent":
             self.agent_exits.append((int(e.get("code") or 0), e.get("message") or ""))
 
+    def _fenced_save(self, e: dict) -> None:
+        pid = e.get("pid", 0)
+        self._fenced[pid] = self._fenced.get(pid, 0) + 1
+
     def _finish(self, e: dict) -> None:
+        refused = self._fenced.get(e.get("pid", 0), 0)
+        if refused:  # a superseded generation: its saves, the final one included, were refused
+            self.superseded = (f"the workers reached step {e['step']}, but their generation had been superseded "
+                               f"by a newer one on the same checkpoint directory and {refused} of its saves "
+                               "were refused (the fence): its result is not saved")
+            return
         self.finished = True
         self.step, self.loss, self.digest = e["step"], e.get("loss"), e.get("digest")
         self.samples = e.get("samples", self.samples)
@@ -152,7 +164,7 @@ _HANDLERS = {
     "worker": RunState._worker, "rendezvous": RunState._rendezvous, "resume": RunState._resume,
     "step": RunState._step, "checkpoint": RunState._checkpoint, "fault": RunState._fault,
     "failure": RunState._failure, "finish": RunState._finish, "drain": RunState._drain,
-    "exit": RunState._exit,
+    "exit": RunState._exit, "fenced": RunState._fenced_save,
 }
 
 

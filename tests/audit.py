@@ -8,6 +8,7 @@ generation resumed from a checkpoint at or before that step.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,3 +49,50 @@ def audit(run_dir: Path, dataset_size: int, global_batch: int, steps: int) -> di
     rest = stream[full * dataset_size:]
     assert len(set(rest)) == len(rest), "a sample repeats within the partial last epoch"
     return {"world_sizes": worlds, "epochs": full}
+
+
+def all_records(run_dir: Path) -> list[dict]:
+    return [rec for path in sorted((run_dir / "samples").glob("rank-*.jsonl")) for rec in read_jsonl(path)]
+
+
+def content_audit(run_dir: Path, epoch_size: int, global_batch: int, steps: int,
+                  reference: Path | None = None, packed: bool = False) -> dict:
+    """``audit`` by content: every step took positions ``[(step-1)*G, step*G)``; a position
+    held the same sample (identity and content hash) in every generation and at every world
+    size that read it (and in ``reference``, an uninterrupted run); an identity always held
+    the same content; no identity repeats within an epoch, and each full epoch has
+    ``epoch_size`` samples. Catches a source that returns other data than its position says.
+    ``packed``: a packed sequence is named by its first token, and what follows that token
+    depends on the epoch's shard order, so identities are compared within an epoch."""
+    by_position: dict[int, tuple] = {}
+    by_id: dict[str, str] = {}
+    for rec in all_records(run_dir):
+        assert "hashes" in rec, "train.record_samples wrote no content hashes"
+        for p, i, h in zip(rec["positions"], rec["ids"], rec["hashes"], strict=True):
+            key = json.dumps(i)
+            assert by_position.setdefault(p, (key, h)) == (key, h), \
+                f"position {p} held different samples in different attempts"
+            named = (p // epoch_size, key) if packed else key
+            assert by_id.setdefault(named, h) == h, f"sample {key} held different data in different reads"
+    steps_seen = lineage(run_dir)
+    assert sorted(steps_seen) == list(range(1, steps + 1)), "some steps have no record"
+    worlds, epochs = {}, defaultdict(list)
+    for step in range(1, steps + 1):
+        recs = steps_seen[step]
+        world = recs[0]["world_size"]
+        assert [r["rank"] for r in recs] == list(range(world)), f"step {step}: ranks missing"
+        positions = sorted(p for r in recs for p in r["positions"])
+        assert positions == list(range((step - 1) * global_batch, step * global_batch)), \
+            f"step {step}: not the step's {global_batch} positions"
+        worlds[step] = world
+        for p in positions:
+            epochs[p // epoch_size].append(by_position[p][0])
+    for e, ids in epochs.items():
+        assert len(set(ids)) == len(ids), f"epoch {e}: a sample repeats"
+        if e < len(epochs) - 1:
+            assert len(ids) == epoch_size, f"epoch {e}: {len(ids)} samples, not {epoch_size}"
+    if reference is not None:
+        ref = content_audit(reference, epoch_size, global_batch, steps, packed=packed)["samples"]
+        assert {p: by_position[p] for p in ref} == ref, "the samples differ from the reference run"
+    return {"world_sizes": worlds, "epochs": len(epochs),
+            "samples": {p: by_position[p] for p in range(steps * global_batch)}}

@@ -54,11 +54,11 @@ def test_the_same_error_the_same_steps_after_each_resume_is_a_crash_loop():
 
 def test_the_agent_judges_the_failures_logged_since_it_started(tmp_path):
     from elastic_harness.events import EventLog
-    from elastic_harness.launch.agent import _judge
+    from elastic_harness.launch.agent import Witness
 
     log = EventLog(tmp_path / "events.jsonl")
     log.emit("failure", node="n0", restart=0, signature="abc", step=7, message="old run")  # before the agent
-    judge = _judge(tmp_path / "events.jsonl", "n0", since=0.0)
+    judge = Witness(tmp_path / "events.jsonl", "n0", since=0.0).judge
     log.emit("step", step=7, message="a failure")  # not a failure event, though the bytes say so
     log.emit("failure", node="n0", restart=0, signature="abc", step=7, message="RuntimeError: boom")
     assert judge() is None  # one attempt

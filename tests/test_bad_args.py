@@ -169,6 +169,7 @@ def bad_arguments(i: SimpleNamespace) -> dict[str, list[list]]:
         "ckpt import": [[], [i.missing, i.job], [i.garbage, i.job, *run_dir], [i.adir, i.job],
                         [i.afile, i.job, *run_dir], [i.garbage, i.missing]],
         "ckpt diff": [[i.adir], [i.missing, i.adir], [i.garbage, i.garbage], [i.afile, i.adir]],
+        "ckpt trust": [[], [i.missing], [i.afile], [i.adir], [i.adir, "--key", i.missing]],
         "k8s": [[]],
         "k8s render": [[], [i.job], [i.missing, "--flavor", "plain"], [i.job, "--flavor", "nope"],
                        [i.job, "--flavor", "plain", "--out", i.afile]],

@@ -7,6 +7,7 @@ they were asked to; speeds and ratios are never asserted (they are the bench's o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -78,6 +79,7 @@ def test_goals_need_the_target_and_enough_repeats():
                for r in range(5) for c in tp.CASES for s in tp.SIDES]
     report = tp.summarize(results, bench_args(repeats=5), load=((1, 1, 1), (1, 1, 1)), kept=None)
     assert report["goals"]["cheap_harness_over_plain>=0.97"]["met"] is True
+    assert report["goals"]["defaults_harness_over_plain>=0.97"]["met"] is True
     assert report["goals"]["costly_harness_over_plain>=1.5"]["met"] is True
     assert report["all_goals_met"] and report["note"] == ""
     short = tp.summarize(results, bench_args(repeats=2), load=((1, 1, 1), (1, 1, 1)), kept=None)
@@ -97,15 +99,50 @@ def test_configurations_that_cannot_measure_are_refused():
 def test_harness_job_is_a_valid_script_job_with_checkpoints_off(tmp_path):
     args = bench_args(workers=3)
     for case, nproc in (("cheap", 2), ("costly", 1)):
-        raw = tput_run.harness_job(args, case, tmp_path, tmp_path / "out.json", nproc, log_every=10)
+        raw = tput_run.harness_job(args, tp.ROWS[case], tmp_path, tmp_path / "out.json", nproc, log_every=10)
         spec = parse_job(yaml.safe_dump(raw))
         assert spec.script.path.endswith("tput_harness.py") and spec.nproc_per_node == nproc
         assert spec.checkpoint.every_steps == 0 and not spec.checkpoint.save_final
+        assert spec.checkpoint.memory_every == 0  # no in-memory snapshots either
         assert spec.data.workers == (3 if case == "costly" else 0)
         assert (spec.train.global_batch_size, spec.train.micro_batch_size) == (64, 32)
-    cmd = tput_run.plain_command(args, "cheap", tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
+    cmd = tput_run.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert "elastic_harness.bench.tput_plain" in cmd and f"--log-dir={tmp_path / 'logs'}" in cmd
+    assert "--save-every" not in cmd
+
+
+def test_defaults_row_is_the_harness_defaults_against_torch_save_at_the_same_interval(tmp_path):
+    """What users pay: the harness with its checkpoint defaults (memory tier on, async saves,
+    the final save) and a save every --save-every steps; the plain script torch.saves on
+    rank 0 at the same interval."""
+    from elastic_harness.spec.schema import CheckpointSpec
+
+    args = bench_args(save_every=25)
+    row = tp.ROWS["defaults"]
+    spec = parse_job(yaml.safe_dump(tput_run.harness_job(args, row, tmp_path, tmp_path / "o.json", 2, 10)))
+    assert spec.checkpoint == dataclasses.replace(CheckpointSpec(), every_steps=25)
+    assert spec.checkpoint.memory_every >= 1 and spec.checkpoint.save_final  # the defaults
+    cmd = tput_run.plain_command(args, row, tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
+    assert cmd[cmd.index("--save-every") + 1] == "25" and cmd[cmd.index("--save-dir") + 1] == str(tmp_path)
+    assert cmd[cmd.index("--data") + 1] == "cheap"
+    with pytest.raises(HarnessError, match="multiple of --save-every"):
+        tp.check_args(bench_args(steps=100, warmup=20, save_every=50, only=["defaults"]))
+    tp.check_args(bench_args(steps=120, warmup=20, save_every=50, only=["defaults"]))
+
+
+def test_paired_ratios_come_with_their_spread_and_cpu_per_step():
+    assert tp.spread([1.0, 0.9, 3.0, None]) == {"median": 1.0, "p25": 0.95, "p75": 2.0, "min": 0.9,
+                                                  "max": 3.0, "n": 3}
+    assert tp.spread([])["n"] == 0
+    assert tp.cpu_per_step_ms([0.0, 5.0, 5.1, 5.3], warmup=1) == pytest.approx(150.0)
+    results = [dict(_result("cheap", s, r, v), cpu_ms_per_step=c, phases_ms={"compute": c / 2})
+               for r, (h, p, ch, cp) in enumerate([(90.0, 100.0, 110.0, 100.0), (100.0, 100.0, 100.0, 100.0)])
+               for s, v, c in (("harness", h, ch), ("plain", p, cp))]
+    s = tp.summarize_case(results, "cheap")
+    assert s["paired"]["median"] == 0.95 and s["paired"]["n"] == 2
+    assert s["cpu_paired"]["min"] == round(100 / 110, 4) and s["cpu_ms_per_step_median"]["harness"] == 105.0
+    assert s["phases_ms"]["harness"] == {"compute": 52.5}
 
 
 def test_others_load_is_the_busy_time_that_was_not_ours():

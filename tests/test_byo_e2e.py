@@ -68,7 +68,8 @@ def test_seed_script_killed_under_plain_torchrun_ends_bit_identical(tmp_path):
 
 def test_batchnorm_cnn_with_own_optimizer_scheduler_and_eval_recovers_bit_identical(tmp_path):
     job = JOBS / "cnn.yaml"
-    small = ["--set", "train.steps=30", "--set", "eval.every_steps=15", "--set", "checkpoint.every_steps=10"]
+    small = ["--set", "train.steps=30", "--set", "eval.every_steps=15", "--set", "checkpoint.every_steps=10",
+             "--set", "metrics.tensorboard=true"]
     ref = cli("run", str(job), *small, run_dir=tmp_path / "ref")
     assert ref.code == 0, ref.err
     killed = cli("run", str(job), *small, "--chaos", "kill-worker:0@15", run_dir=tmp_path / "killed")

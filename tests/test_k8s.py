@@ -22,7 +22,7 @@ from elastic_harness.spec import load_job, parse_job
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 QUICKSTART = "jobs/quickstart.yaml"  # k8s/plain and k8s/pytorchjob are rendered from it
-CRD = REPO.parent / "shared" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
+CRD = REPO / "k8s" / "crds" / "kubeflow.org_pytorchjobs.yaml"  # vendored: see its README
 KUBE_VERSION = "1.32.0"  # kubectl here is 1.32; kubernetes-validate ships this schema set
 JOBS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jobs").glob("*.yaml"))
 REGEN = "regenerate: elastic-harness k8s render {src} --flavor {flavor} --out k8s/{flavor}"
@@ -96,8 +96,6 @@ def _strict(schema: object) -> object:
 
 @pytest.fixture(scope="module")
 def crd_validator() -> jsonschema.protocols.Validator:
-    if not CRD.exists():
-        pytest.skip(f"PyTorchJob CRD not found at {CRD} (shared reference data is absent)")
     crd = yaml.safe_load(CRD.read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return jsonschema.Draft202012Validator(_strict(version["schema"]["openAPIV3Schema"]))
@@ -203,7 +201,9 @@ def test_no_secret_values(flavor: str, monkeypatch: pytest.MonkeyPatch) -> None:
         ref = env[name]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": spec.deploy.s3_secret, "key": name}
     risky = re.compile("SECRET|TOKEN|PASSWORD|KEY", re.I)
-    assert all("value" not in e for n, e in env.items() if risky.search(n))
+    # a *_FILE variable names where a mounted Secret is (the job's key), never its content
+    assert all("value" not in e for n, e in env.items() if risky.search(n) and not n.endswith("_FILE"))
+    assert env["ELASTIC_HARNESS_KEY_FILE"]["value"].startswith("/etc/elastic-harness/key/")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -260,7 +260,9 @@ def test_pytorchjob_elastic_policy_from_spec() -> None:
     job = _one(render(spec, "pytorchjob"), "PyTorchJob")
     policy = job["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"]) == (2, 4)
-    assert (policy["maxRestarts"], policy["nProcPerNode"], policy["rdzvBackend"]) == (7, 2, "c10d")
+    assert (policy["maxRestarts"], policy["rdzvBackend"]) == (7, "c10d")
+    # the deprecated elasticPolicy.nProcPerNode is gone (the operator's webhook forbids both)
+    assert job["spec"]["nprocPerNode"] == "2" and "nProcPerNode" not in policy
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4 and worker["restartPolicy"] == "ExitCode"
     c = worker["template"]["spec"]["containers"][0]
@@ -400,7 +402,8 @@ def test_agent_accepts_rendered_command(flavor: str) -> None:
 
 def _operator_env(job: dict) -> dict[str, str]:
     """The PET_* variables training-operator v1 derives from ``elasticPolicy`` (its
-    ElasticEnvVarGenerator): endpoint defaults to ``<job>-worker-0`` when rdzvHost is unset."""
+    ElasticEnvVarGenerator): endpoint defaults to ``<job>-worker-0`` when rdzvHost is unset;
+    PET_NPROC_PER_NODE only from the deprecated elasticPolicy.nProcPerNode, which we do not set."""
     policy = job["spec"]["elasticPolicy"]
     host = policy.get("rdzvHost", f"{job['metadata']['name']}-worker-0")
     return {
@@ -408,7 +411,6 @@ def _operator_env(job: dict) -> dict[str, str]:
         "PET_RDZV_BACKEND": policy["rdzvBackend"],
         "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
         "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
-        "PET_NPROC_PER_NODE": str(policy["nProcPerNode"]),
         "PET_RDZV_ID": policy["rdzvId"],
     }
 
@@ -437,3 +439,57 @@ def test_k8s_package_stays_host_side() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- issue 22: etcd TLS + client certificates, the job's key, a per-job label ---------------
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_etcd_speaks_tls_and_admits_client_certificates_only(flavor: str) -> None:
+    config = pytest.importorskip("elastic_harness.launch.config")
+    spec = parse_job(VARIANTS["etcd"])
+    manifests = render(spec, flavor)
+    etcd = _one(manifests, "StatefulSet", "demo-etcd")["spec"]["template"]["spec"]
+    args = etcd["containers"][0]["args"]
+    assert "--client-cert-auth=true" in args and "--peer-client-cert-auth=true" in args
+    assert not [a for a in args if "http://" in a and "metrics" not in a]
+    assert etcd["volumes"] == [{"name": "tls", "secret": {"secretName": "demo-etcd-tls", "defaultMode": 0o440}}]
+    c = _node_container(manifests)
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["etcd-tls"] == "/etc/elastic-harness/etcd-tls" and mounts["key"] == "/etc/elastic-harness/key"
+    if flavor == "plain":
+        environ, flags = {}, {"rdzv_conf": _flags(c)["--rdzv-conf"]}
+    else:
+        job = _one(manifests, "PyTorchJob")
+        conf = job["spec"]["elasticPolicy"]["rdzvConf"]
+        environ, flags = {"PET_RDZV_CONF": ",".join(f"{i['key']}={i['value']}" for i in conf)}, {}
+    opts = config.node_options(spec, Path("/r"), {"rdzv_endpoint": "demo-etcd-client:2379",
+                                                  "rdzv_backend": "etcd", "rdzv_id": "x", **flags}, environ)
+    conf = config.rdzv_configs(spec, opts)
+    assert conf["protocol"] == "https"
+    assert conf["ssl_cert"].endswith("tls.crt") and conf["ssl_cert_key"].endswith("tls.key")
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_the_network_policy_picks_this_submission_only(flavor: str) -> None:
+    spec = parse_job(SMALL + "rendezvous: {id: demo-1a2b3c}\n")
+    manifests = render(spec, flavor)
+    mine = _one(manifests, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"]
+    assert mine["elastic-harness.io/job-id"] == "demo-1a2b3c"
+    other = render(parse_job(SMALL + "rendezvous: {id: demo-9z8y7x}\n"), flavor)
+    for tpl in _templates(other):  # another submission of the same job is not admitted
+        assert not mine.items() <= tpl["metadata"]["labels"].items()
+
+
+def test_deploy_notes_build_the_tag_the_manifests_pull() -> None:
+    """k8s/DEPLOY.md and the Dockerfile build the image tag the rendered manifests pull."""
+    from elastic_harness import __version__
+    from elastic_harness.k8s.render import DEFAULT_IMAGE
+
+    assert f"elastic-harness:{__version__}" == DEFAULT_IMAGE
+    for doc in (K8S / "DEPLOY.md", K8S / "Dockerfile"):
+        tags = set(re.findall(r"\b(?:elastic-harness|eh):(\d+\.\d+\.\d+)", doc.read_text()))
+        assert tags == {__version__}, (doc.name, tags)
+    pulled = {tag for flavor in FLAVORS for f in (K8S / flavor).glob("*.yaml")
+              for tag in re.findall(r"image: (elastic-harness:\S+)", f.read_text())}
+    assert pulled == {DEFAULT_IMAGE}

@@ -3,7 +3,8 @@
 Two "pods" of the plain flavor (a worker StatefulSet) start from the rendered command, args
 and env, with the job file from the rendered ConfigMap, against a real local etcd. The only
 substitutions are what a cluster provides: the etcd Service name (no DNS here), the mounted
-paths, and a free endpoint port (both pods share one network namespace here).
+paths (the job's key Secret included), etcd's TLS (a plain local etcd), and a free endpoint
+port (both pods share one network namespace here).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def worker_container(manifests: list[dict]) -> tuple[dict, str]:
 
 def localize(container: dict, job_file: str, run_dir: str, etcd: str) -> list[str]:
     args = list(container["args"])
+    # the local etcd speaks plain http (the rendered https + client certificate settings
+    # need the cluster's Secrets): an empty --rdzv-conf keeps the job's own settings
     replace = {"--rdzv-endpoint": etcd, "--run-dir": run_dir, "--endpoint-port": "0",
-               "--endpoint-host": "127.0.0.1"}
+               "--endpoint-host": "127.0.0.1", "--rdzv-conf": ""}
     for flag, value in replace.items():
         args[args.index(flag) + 1] = value
     assert args[0] == "/etc/elastic-harness/job.yaml"
@@ -56,6 +59,9 @@ def test_rendered_pods_form_a_group_and_train(tmp_path):
     job_file = tmp_path / "job.yaml"
     job_file.write_text(job_yaml)
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
+    assert env["ELASTIC_HARNESS_KEY_FILE"] == "/etc/elastic-harness/key/job.key"  # the mounted Secret
+    (tmp_path / "job.key").write_text("ab" * 32)
+    env["ELASTIC_HARNESS_KEY_FILE"] = str(tmp_path / "job.key")
     run_dir = tmp_path / "runs" / "podtest"
     with etcd_server(tmp_path / "etcd-data") as etcd:
         cmd = localize(container, str(job_file), str(run_dir), etcd)

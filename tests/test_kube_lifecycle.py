@@ -114,7 +114,9 @@ def test_submit_applies_with_a_fresh_rendezvous_id_and_replaces_a_finished_job(t
     record = KubeScheduler(tmp_path, run).submit(submission("demo-0123456789ab"))
     commands = [" ".join(c[1:3] if "config" in c else c[5:8]) for c, _ in run.calls]
     assert commands == ["config current-context", "get pytorchjob demo", "get pods -l",
-                        "delete pytorchjob demo", "apply -f -"]
+                        "delete pytorchjob demo", "get secret demo-key", "create secret generic", "apply -f -"]
+    key_stdin = run.calls[-2][1]
+    assert len(bytes.fromhex(key_stdin)) == 32 and key_stdin not in " ".join(run.calls[-2][0])
     manifests = list(yaml.safe_load_all(run.calls[-1][1]))
     job = next(m for m in manifests if m and m["kind"] == "PyTorchJob")
     assert job["spec"]["elasticPolicy"]["rdzvId"] == "demo-0123456789ab", "not the job name: a failed id stays closed"
@@ -152,3 +154,11 @@ def test_status_reads_the_job_its_pods_and_the_agent_progress(tmp_path):
     assert (stopped.state, stopped.reason) == ("stopped", "stopped on request")
     with pytest.raises(HarnessError, match="--rank needs the run directory"):
         KubeScheduler(tmp_path, gone).logs(record, LogQuery(rank=1), None)
+
+
+def test_submit_keeps_the_jobs_key_secret(tmp_path):
+    """A resubmission reuses the key: the checkpoints it signed must stay loadable."""
+    run = Recorded({"current-context": "prod\n", "get secret": "secret/demo-key\n", "get pods": {"items": []}})
+    KubeScheduler(tmp_path, run).submit(submission("demo-2"))
+    assert not any("create" in c for c, _ in run.calls)
+    assert any("apply" in c for c, _ in run.calls)

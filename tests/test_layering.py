@@ -11,14 +11,24 @@ PKG = Path(__file__).resolve().parents[1] / "elastic_harness"
 
 
 def imports_of(path: Path) -> set[str]:
+    """The modules ``path`` imports; ``from elastic_harness import runfiles`` counts as
+    ``elastic_harness.runfiles`` (a module of ours), not as the package."""
     tree = ast.parse(path.read_text())
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+            subs = {f"{node.module}.{a.name}" for a in node.names if _is_ours(f"{node.module}.{a.name}")}
+            out |= subs or {node.module}
     return out
+
+
+def _is_ours(module: str) -> bool:
+    if not module.startswith("elastic_harness."):
+        return False
+    rel = Path(*module.split(".")[1:])
+    return (PKG / rel).with_suffix(".py").is_file() or (PKG / rel / "__init__.py").is_file()
 
 
 def ours(package: str) -> set[str]:
@@ -30,15 +40,29 @@ def ours(package: str) -> set[str]:
 
 @pytest.mark.parametrize("package, allowed", [
     ("spec", {"elastic_harness.errors", "elastic_harness.spec"}),
-    ("data", {"elastic_harness.data"}),
+    ("data", {"elastic_harness.data", "elastic_harness.errors"}),
+    # a stream's order: pure (numpy), nothing but the sampler's helpers
+    ("data/order", {"elastic_harness.data.sampler"}),
     # the one fold of the event log, and the event contract: pure, shared by host and agent
     ("goodput", set()),
     ("runstate", {"elastic_harness.goodput"}),
     ("events", set()),
+    # what this install has (torch version, extras): one home, imports only the errors
+    ("deps", {"elastic_harness.errors"}),
     # the fault vocabulary: data and pure decisions over the spec
     ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
     # where a generation restores from (memory, a peer, storage): a pure function of the offers
     ("memtier/choose", set()),
+    # the job's key and listening sockets: used on every side, so they depend on nothing
+    ("jobkey", {"elastic_harness.errors", "elastic_harness.runfiles"}),
+    ("listen", set()),
+    # the run directory's names: below everything, so every layer may spell them through it
+    ("runfiles", set()),
+    # which job a worker runs: parsed once by the entry, handed to init; torch-free
+    ("runtime/jobsource", {"elastic_harness.errors", "elastic_harness.spec", "elastic_harness.launch.env",
+                           "elastic_harness.runfiles"}),
+    # the parallel layout: pure numbers, validated when built
+    ("runtime/topology", {"elastic_harness.errors"}),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}
@@ -75,8 +99,9 @@ def test_nothing_asks_torch_distributed_who_it_is():
     # against what the launcher said; nothing else asks torch who it is. bench/tput_plain.py
     # is the plain torchrun DDP script the harness is measured against: it uses nothing of
     # the harness and asks torch, as such scripts do.
+    plain = ("bench/tput_plain.py", "bench/tput_stream_plain.py")  # the streaming one too
     offenders = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
-                 if p.relative_to(PKG).as_posix() != "bench/tput_plain.py"
+                 if p.relative_to(PKG).as_posix() not in plain
                  and ("get_rank()" in p.read_text() or "get_world_size()" in p.read_text())]
     assert offenders in ([], ["runtime/dist.py"])
 
@@ -156,9 +181,18 @@ def test_no_import_cycles_inside_the_package():
 
 @pytest.mark.parametrize("module", ["where", "layout"])
 def test_checkpoint_decisions_are_pure(module):
-    """One home for "where checkpoints live" and "which one to load": nothing of ours, no torch."""
-    found = imports_of(PKG / "checkpoint" / f"{module}.py")
+    """One home for "where checkpoints live" and "which one to load": nothing of ours (but the
+    run directory's names, which import nothing), no torch."""
+    found = imports_of(PKG / "checkpoint" / f"{module}.py") - {"elastic_harness.runfiles"}
     assert not {m for m in found if m.startswith(("elastic_harness", "torch"))}
+
+
+def test_only_runfiles_spells_the_run_directory_names():
+    """One module names what a run directory holds (``runfiles``); the rest use its names."""
+    names = ('"events.jsonl"', '"job.resolved.yaml"', '"summary.json"', '"job.key"', '".elastic-harness.lock"')
+    spellers = sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
+                      if any(n in p.read_text() for n in names))
+    assert spellers == ["runfiles.py"]
 
 
 def test_host_side_locks_do_not_import_torch():
@@ -172,3 +206,10 @@ def _type_only(path: Path, module: str) -> bool:
     guarded = [node for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"]
     return any(isinstance(n, ast.ImportFrom) and n.module == module for g in guarded for n in ast.walk(g))
+
+
+@pytest.mark.parametrize("module", ["jobsource", "topology"])
+def test_job_source_and_layout_do_not_import_torch(module):
+    """The entry parses the job before the task or the script imports torch; the layout is
+    numbers, decided without asking torch.distributed anything."""
+    assert not {m for m in imports_of(PKG / "runtime" / f"{module}.py") if m.split(".")[0] == "torch"}

@@ -83,3 +83,35 @@ def test_follow_prints_new_lines_and_new_restarts(run_dir):
     out = io.StringIO()
     reader.follow(out, active=lambda: False, check_s=0.0)
     assert sorted(out.getvalue().splitlines()) == ["[node 0 rank 0] r0 more", "[node 1 rank 2, restart 1] r2 after a restart"]
+
+
+def test_torch_info_and_cpp_traces_are_hidden_unless_all(run_dir):
+    """What is shown leaves out torch's INFO lines and folds C++ stack traces into one line;
+    ``--all`` (``LogQuery(all=True)``) shows every line, and the files keep them all."""
+    w0 = run_dir / "logs" / "J_abc"
+    trace = ["RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+             "Exception raised from recvAsync at gloo/pair.cc:534 (most recent call first):",
+             "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x96 (0x7f in libc10.so)",
+             "frame #1: <unknown function> + 0x5b3 (0x7f in libtorch_cpu.so)",
+             "[rank1]:I0101 11:00:07.000000 9 torch/distributed/x.py:1] a rank's torch INFO line",
+             "[rank1]:[W0101 11:00:08.000000 9 ProcessGroupGloo.cpp:1] a torch warning stays"]
+    write(w0 / "attempt_0/1/stderr.log", *trace)
+    shown = dump(run_dir)
+    assert not any("log directory set to" in line or "torch INFO line" in line for line in shown)
+    assert "[node 0 rank 1 stderr] " + trace[0] in shown and not any("frame #" in line for line in shown)
+    assert "[node 0 rank 1 stderr]   [C++ stack trace, 3 lines: elastic-harness logs --all shows it]" in shown
+    assert any("a torch warning stays" in line for line in shown)
+    everything = dump(run_dir, all=True)
+    assert all(f"[node 0 rank 1 stderr] {line}" in everything for line in trace)
+    assert any("log directory set to" in line for line in everything)
+
+
+def test_quiet_filter_fed_line_by_line_folds_a_trace_once():
+    """kubectl's lines arrive one by one, prefixed with their pod: one fold per trace."""
+    quiet = logsource.Quiet()
+    pod = "[pod/j-worker-0/pytorch] "
+    lines = [pod + "RuntimeError: boom", pod + "frame #0: a", pod + "frame #1: b",
+             pod + "I0101 11:00:07.000000 9 x.py:1] info", pod + "next"]
+    shown = [kept for line in lines for kept in quiet.feed([line], end=False)] + quiet.feed([])
+    assert shown == [pod + "RuntimeError: boom",
+                     "  [C++ stack trace, 2 lines: elastic-harness logs --all shows it]", pod + "next"]

@@ -1,4 +1,5 @@
-"""The README's custom task runs exactly as written, including a crash and recovery."""
+"""The README and the docs it links to: the custom task (docs/tasks.md) runs exactly as
+written, including a crash and recovery; commands, links and the script diff are real."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from tests.conftest import REPO, cli
 pytestmark = pytest.mark.timeout(240)
 
 
+DOCS = ["README.md", "docs/tasks.md", "docs/your-script.md", "docs/operations.md", "docs/faults.md",
+        "docs/how-it-works.md", "docs/benchmarks.md"]
+
+
 def readme_files() -> dict[str, str]:
-    """Code blocks preceded by ``<!-- file: NAME -->`` in README.md."""
-    text = (REPO / "README.md").read_text()
+    """Code blocks preceded by ``<!-- file: NAME -->`` in docs/tasks.md (the README links it)."""
+    text = (REPO / "docs" / "tasks.md").read_text()
     pattern = re.compile(r"<!-- file: (\S+) -->\s*```\w*\n(.*?)```", re.S)
     return {name: body for name, body in pattern.findall(text)}
 
@@ -34,10 +39,10 @@ def test_readme_custom_task_trains_and_recovers(tmp_path):
 
 
 def test_readme_commands_exist():
-    """Every `elastic-harness SUBCOMMAND` the README mentions is a real subcommand."""
+    """Every `elastic-harness SUBCOMMAND` the README and its docs mention is a real subcommand."""
     from elastic_harness.cli import build_parser
 
-    text = (REPO / "README.md").read_text()
+    text = "\n".join((REPO / name).read_text() for name in DOCS)
     mentioned = set(re.findall(r"elastic-harness ([a-z0-9]+)", text))
     choices = set(build_parser()._subparsers._group_actions[0].choices)
     assert mentioned <= choices, mentioned - choices
@@ -56,3 +61,23 @@ def test_readme_script_diff_matches_the_shipped_scripts():
         for line in wanted:
             assert line in lines[position:], f"README diff line not in its script: {sign}{line}"
             position = lines.index(line, position) + 1
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of the README and its docs names a file of the repo."""
+    for name in DOCS:
+        page = REPO / name
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{name} links to missing {target}"
+
+
+def test_readme_is_a_newcomers_page():
+    """Short, and its benchmark table has one figure per cell (the details are in docs/)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text) < 12_000, len(text)
+    table = text[text.index("| goal | measured | met |"):].split("\n\n")[0].splitlines()[2:]
+    for row in table:
+        goal_text, measured, met = [c.strip() for c in row.strip("|").split("|")]
+        assert len(measured.split()) == 1 and met in ("yes", "no"), row

@@ -24,6 +24,7 @@ from elastic_harness.launch.rendezvous import (
 from elastic_harness.spec import parse_job
 
 pytestmark = pytest.mark.timeout(90)
+TEST_KEY = b"k" * 32  # the job's key (``jobkey``): ours seal the rendezvous state with it
 
 
 @pytest.mark.parametrize(("round_", "waiting", "missing", "want"), [
@@ -105,7 +106,7 @@ def agent(endpoint: str, run_id: str, ours: bool, later_s: int = 1, start_s: int
     if ours:
         conf["start_last_call_timeout"] = start_s
     params = RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf)
-    return create_handler(params) if ours else get_rendezvous_handler(params)
+    return create_handler(params, key=TEST_KEY) if ours else get_rendezvous_handler(params)
 
 
 def join_all(handlers, skews: list[float]) -> list[int]:

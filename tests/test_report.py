@@ -75,6 +75,7 @@ def test_goodput_arithmetic_adds_up_to_wall_time():
         "checkpoint_blocking": 0.3,  # 0.05 + 0.05 + 0.2
         "lost_work": 0.45,  # steps 21..25 of A (0.5 s) less the step-20 save's blocking
         "shutdown": 0.8,  # last step (18.0) -> host exit (19.0), less the final save's blocking
+        "hang_detection": 0.0,  # no watchdog kill
     }
     assert g.badput == pytest.approx(expected)
     assert g.productive_s == pytest.approx(1.95 + 1.0)  # A's steps 1..20 less one save, B's 21..30
@@ -214,3 +215,16 @@ def test_evaluations_are_in_the_timeline_and_the_plot(tmp_path):
     assert [(round(e.t, 2), e.step, e.metrics["accuracy"]) for e in tl.evals] == [(18.15, 30, 0.75)]
     path = draw(tl, tmp_path / "report.png")
     assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_keeps_fault_labels_off_the_data_and_draws_a_smoothed_loss(tmp_path):
+    from elastic_harness.report.plot import figure, label_rows, smooth
+
+    assert smooth([1.0, 2.0, 3.0, 4.0, 5.0], 3) == [1.5, 2.0, 3.0, 4.0, 4.5]
+    assert label_rows([0.0, 1.0, 50.0, 51.0, 52.0], span=100) == [0, 1, 0, 1, 2]
+    fig = figure(build(killed_worker_run()))
+    label_ax, loss_ax, _ = fig.axes[:3]
+    assert not loss_ax.texts, "no label is drawn over the loss"
+    assert [t.get_text().split(":")[0] for t in label_ax.texts] == ["kill-worker"]
+    styles = [(line.get_linestyle(), line.get_marker()) for line in loss_ax.get_lines()]
+    assert ("-", "None") in styles and ("None", ".") in styles  # a line over the points

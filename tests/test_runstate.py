@@ -134,3 +134,35 @@ def test_drains_and_agent_exits_are_kept_for_the_hosts_verdict():
     ])
     assert state.drained_at == 5
     assert state.agent_exits == [(143, "agent received SIGTERM"), (0, "")]
+
+
+def test_progress_folds_saves_into_the_line_and_prints_only_the_unusual():
+    """A save every 10 steps is no line of its own: the bar says the last saved step, a slow
+    save (training held up over a second) gets a line, and the end tallies the saves."""
+    out = io.StringIO()
+    bar = Progress(total_steps=100, out=out)
+    bar.update({"event": "resume", "fresh": True, "step": 0, "t": 0.0})
+    bar.update({"event": "memory", "step": 1, "every": 1, "t": 0.1})  # unmeasured: not shown
+    for step in range(1, 101):
+        bar.update({"event": "step", "step": step, "loss": 1.0, "world_size": 2, "t": step / 10})
+        if step % 10 == 0:
+            bar.update({"event": "checkpoint", "step": step, "asynchronous": True, "t": step / 10,
+                        "blocking_s": 1.7 if step == 50 else 0.01, "total_s": 0.3})
+        if step in (20, 40):  # a memory probe's off block, then the same interval again
+            bar.update({"event": "memory", "step": step, "every": 0, "copy_s": 0.002,
+                        "step_s": 0.04, "t": step / 10})
+        if step in (5, 30, 60, 75):
+            bar.update({"event": "memory", "step": step, "every": 2, "copy_s": 0.002,
+                        "step_s": 0.04, "t": step / 10})
+        if step == 70:  # a change that reverts within a few steps is not shown
+            bar.update({"event": "memory", "step": step, "every": 3, "copy_s": 0.003,
+                        "step_s": 0.04, "t": step / 10})
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert not any(line.startswith("checkpoint step") and "step 50 " not in line for line in lines)
+    assert any(line.startswith("checkpoint step 50 held training up 1.70 s") for line in lines)
+    assert [line for line in lines if "in-memory" in line] == [
+        "in-memory snapshots every 2 step(s) from step 5 (a copy takes 2.0 ms, a step 40.0 ms)"]
+    bars = [line for line in lines if line.startswith("[")]
+    assert len(bars) <= 11 and bars[-1].endswith("saved 90")  # step 100 is saved after its step line
+    assert lines[-1] == "checkpoints: 10 saved (async), last step 100, training blocked 0.01-1.70 s each"

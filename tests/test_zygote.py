@@ -135,3 +135,46 @@ def test_zygote_and_workers_die_with_their_agent(tmp_path):
         agent.wait()
     wait_until(lambda: not _alive(zygote_pid) and not _alive(worker_pid), 30,
                "the zygote and its worker to die with the agent")
+
+
+def test_a_warm_worker_runs_the_entry_module_without_runpys_warning(tmp_path):
+    """The zygote imports its preload list, then each fork runs the worker command's module as
+    ``__main__``: nothing on that list may be that module, or every worker's stderr starts
+    with runpy's RuntimeWarning (and the module runs twice)."""
+    from elastic_harness.launch.config import worker_command
+
+    _, args = worker_command(tmp_path)
+    module = args[args.index("-m") + 1]
+    code = textwrap.dedent(f"""
+        import importlib, sys
+        from elastic_harness.runtime import zygote
+        for name in zygote.PRELOAD:
+            importlib.import_module(name)
+        sys.exit(zygote.run_module({module!r}, [{str(tmp_path / "none.yaml")!r}, {str(tmp_path)!r}]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "does not exist" in r.stderr, r.stderr  # the entry ran (and refused the missing job)
+    assert "RuntimeWarning" not in r.stderr, r.stderr
+
+
+def test_the_zygote_preloads_without_the_optional_extras():
+    """The core install has no tensorboard: the zygote's preload skips what an extra provides
+    (it used to import torch.utils.tensorboard unconditionally and die)."""
+    code = ("import sys; sys.modules['tensorboard'] = None\n"
+            "from elastic_harness.runtime import zygote\n"
+            "print(zygote.preload())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.strip()) >= 1
+
+
+def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():
+    """The zygote and its workers start with fixed glibc thresholds (the dynamic ones left
+    forked workers faulting ~1500 pages a step); any MALLOC_* of the user's wins."""
+    from elastic_harness.launch.config import worker_malloc_environ
+
+    env = worker_malloc_environ({"PATH": "/bin"})
+    assert env == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
+    assert worker_malloc_environ({"MALLOC_ARENA_MAX": "2"}) == {}

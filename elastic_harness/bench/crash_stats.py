@@ -1,7 +1,8 @@
 """Pure: what ``bench recovery`` reports about worker crashes, from a run's events.
 
 ``restart_stats`` counts faults recovered (on the first try: one restart used);
-``crash_summary`` adds steps redone per crash and the median phases of ``breakdown``.
+``crash_summary`` adds steps redone per crash, the median phases of ``breakdown`` and every
+fault's own breakdown (``recoveries``), so that a slow one can be read after the fact.
 
 ``breakdown`` splits one fault's recovery (fault to the first completed step after it) into
 consecutive phases, each between two moments the events record:
@@ -124,9 +125,17 @@ def crash_summary(events: list[dict], requested: int, code: int | None,
     """``restart_stats`` plus steps redone per crash and the median of each recovery phase."""
     stats = restart_stats(events, requested, code, kinds)
     faults = [e for e in events if e["event"] == "fault" and e.get("kind") in kinds]
-    phases = median_breakdown([breakdown(events, f) for f in faults])
-    return {**stats, "mean_steps_lost": mean_of(stats["steps_lost"]), "median_phases_s": phases,
+    rows = [breakdown(events, f) for f in faults]
+    return {**stats, "mean_steps_lost": mean_of(stats["steps_lost"]), "median_phases_s": median_breakdown(rows),
+            "recoveries": [recovery(events, f, row) for f, row in zip(faults, rows, strict=True)],
             "restored_from_memory": sum(1 for e in events if e["event"] == "resume" and e.get("source") == "memory")}
+
+
+def recovery(events: Sequence[dict], fault: dict, phases: dict[str, float | None]) -> dict:
+    """One fault's record: when and where it hit, its recovery time and ``phases``."""
+    t0 = events[0]["t"] if events else fault["t"]
+    return {"t": round(fault["t"] - t0, 3), "step": fault.get("step"), "target": fault.get("target"),
+            "recovery_s": moments(events, fault)["first_step"], "phases_s": phases}
 
 
 def median_of(xs: list) -> float | None:

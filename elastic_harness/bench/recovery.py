@@ -52,6 +52,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.bench import check_out, crash_stats, scratch_dir
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
@@ -168,7 +169,7 @@ def bench_kill_worker(scratch: Path, faults: int) -> dict:
     for launcher in ("harness", "torchrun"):
         run_dir = scratch / f"kill-worker-{launcher}"
         code = launch(launcher, job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=faults * 45 + 240)
-        out[launcher] = crash_stats.crash_summary(read_events(run_dir / "events.jsonl"), faults, code)
+        out[launcher] = crash_stats.crash_summary(read_events(run_dir / runfiles.EVENTS), faults, code)
         if code != 0:  # the scratch dir goes unless --keep: keep what says why in the JSON
             out[launcher]["log_tails"] = log_tails(run_dir)
     ratio = _ratio(out["harness"]["median_recovery_s"], out["torchrun"]["median_recovery_s"])
@@ -193,7 +194,7 @@ def bench_anytime(scratch: Path, faults: int, seed: int) -> dict:
     run_dir = scratch / "anytime"
     schedule = goodput_schedule(duration, ANYTIME_EVERY_S, seed, ranks=2)
     code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=int(duration) + 300)
-    stats = crash_stats.crash_summary(read_events(run_dir / "events.jsonl"), faults, code, kinds=("kill-worker",))
+    stats = crash_stats.crash_summary(read_events(run_dir / runfiles.EVENTS), faults, code, kinds=("kill-worker",))
     return {
         **stats, "schedule": schedule, "checkpoint_every_steps": CRASH_CKPT_EVERY,
         "goal": f"mean steps redone <= {GOALS['steps_redone']}, all recovered on the first try",
@@ -214,7 +215,7 @@ def bench_memory_cost(scratch: Path, repeats: int) -> dict:
         run_dir = scratch / f"memory-cost-{r}"
         code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=600,
                       sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}"])
-        events = read_events(run_dir / "events.jsonl")
+        events = read_events(run_dir / runfiles.EVENTS)
         probe = probe_cost(events, skip=COST_WARMUP)
         runs.append({"exit": code, "cost": probe.cost if probe else None, "pairs": probe.pairs if probe else [],
                      "on_step_s": probe.on_step_s if probe else None,
@@ -242,12 +243,12 @@ def bench_goodput(scratch: Path, long: bool, seed: int) -> dict:
     run_dir = scratch / "goodput"
     schedule = goodput_schedule(duration, interval, seed, ranks=2)
     first = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=int(duration) + 300)
-    drains = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "drain"]
+    drains = [e for e in read_events(run_dir / runfiles.EVENTS) if e["event"] == "drain"]
     second = None
     if drains:  # resume a few steps past the drain: proves the drain lost nothing
         second = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=[], timeout=240,
                         sets=[f"train.steps={drains[-1]['step'] + 5}"])
-    events = read_events(run_dir / "events.jsonl")
+    events = read_events(run_dir / runfiles.EVENTS)
     return goodput_result(events, schedule, (first, second), GOODPUT_CKPT_EVERY)
 
 
@@ -272,7 +273,7 @@ def goodput_schedule(duration: float, interval: float, seed: int, ranks: int) ->
 
 
 def _one_recovery(run_dir: Path, code: int | None) -> dict:
-    events = read_events(run_dir / "events.jsonl")
+    events = read_events(run_dir / runfiles.EVENTS)
     rows = build(events).faults
     row = rows[0] if rows else None
     return {
@@ -372,7 +373,7 @@ def run_harness(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[st
     cmd += [a for s in sets for a in ("--set", s)] + [a for c in chaos for a in ("--chaos", c)]
     run_dir.mkdir(parents=True, exist_ok=True)
     proc = _spawn(cmd, run_dir / "bench-host.log", dict(os.environ))
-    return _wait([proc], timeout, run_dir / "events.jsonl", interrupt_first=True)[0]
+    return _wait([proc], timeout, run_dir / runfiles.EVENTS, interrupt_first=True)[0]
 
 
 def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[str], timeout: int) -> int | None:
@@ -396,16 +397,16 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
 
 def _torchrun_nodes(spec, run_dir: Path, nodes: int, nproc: int, port: int, rdzv_id: str,
                     timeout: int) -> int | None:
-    EventLog(run_dir / "events.jsonl").emit("start", who="host", launcher="torchrun", nodes=nodes)
+    EventLog(run_dir / runfiles.EVENTS).emit("start", who="host", launcher="torchrun", nodes=nodes)
     procs = []
     for i in range(nodes):
         cmd = torchrun_command(spec, run_dir, nproc, port, rdzv_id=rdzv_id)
         procs.append(_spawn(cmd, run_dir / f"torchrun-{i}.log", torchrun_environ(os.environ, run_dir, i)))
         if i == 0:
             _wait_for_port(port, procs[0], 60)  # node 0 hosts the store
-    codes = _wait(procs, timeout, run_dir / "events.jsonl")
+    codes = _wait(procs, timeout, run_dir / runfiles.EVENTS)
     stuck = None in codes
-    EventLog(run_dir / "events.jsonl").emit("exit", who="host", code=None if stuck else max(codes),
+    EventLog(run_dir / runfiles.EVENTS).emit("exit", who="host", code=None if stuck else max(codes),
                                             message="stopped by the bench: no progress or timeout" if stuck else "")
     return None if stuck else codes[0]
 
@@ -417,7 +418,7 @@ def torchrun_command(spec, run_dir: Path, nproc: int, port: int, rdzv_id: str) -
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id={rdzv_id}", f"--max-restarts={spec.max_restarts}",
             f"--log-dir={run_dir / 'logs'}",
-            "-m", "elastic_harness.runtime.entry", str(run_dir / "job.resolved.yaml"), str(run_dir)]
+            "-m", "elastic_harness.runtime.entry", str(run_dir / runfiles.RESOLVED_SPEC), str(run_dir)]
 
 
 def torchrun_environ(base: Mapping[str, str], run_dir: Path, node: int) -> dict[str, str]:
@@ -473,7 +474,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interru
 def log_tails(run_dir: Path, lines: int = 30) -> dict[str, list[str]]:
     """The last ``lines`` lines of a run's host and agent logs (a failed run's evidence)."""
     out = {}
-    for log in [run_dir / "bench-host.log", *sorted((run_dir / "logs").glob("agent-*.log"))]:
+    for log in [run_dir / "bench-host.log", *sorted((run_dir / runfiles.LOGS).glob("agent-*.log"))]:
         with contextlib.suppress(OSError):
             out[log.name] = log.read_text(errors="replace").splitlines()[-lines:]
     return out

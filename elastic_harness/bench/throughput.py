@@ -1,10 +1,16 @@
 """``elastic-harness bench throughput``: training samples/s, the harness vs a plain torchrun
-DDP script, side by side in one run, with cheap and with costly data items.
+DDP script, side by side in one run, one row per comparison (``ROWS``):
+
+- ``cheap``: pre-decoded items, checkpoints off on both sides (the harness's own cost);
+- ``costly``: JPEG decode + augmentation per item, the harness with loader processes;
+- ``defaults``: what a user meets: the harness with its defaults (the in-memory tier, a
+  durable async DCP save every ``--save-every`` steps) against a plain script that
+  ``torch.save``s model and optimizer on rank 0 at the same interval.
 
 Both sides train the same MLP with AdamW on the same images (``tput_common``,
 ``tput_data``), the same global batch split into the same micro-batches, for the same
-number of steps, with no checkpoints (``checkpoint.every_steps: 0, save_final: false``;
-the plain script saves nothing):
+number of steps; in the ``cheap`` and ``costly`` rows with no checkpoints
+(``checkpoint.every_steps: 0, save_final: false``; the plain script saves nothing):
 
 - plain: ``tput_plain`` under ``python -m torch.distributed.run --standalone``:
   ``DistributedSampler`` + ``DataLoader(num_workers=0)``, ``no_sync`` accumulation,
@@ -19,11 +25,22 @@ Throughput is steady state: rank 0 stamps the top of every step; the first ``--w
 steps (process start, allocator and DataLoader warm-up) are skipped and samples/s is
 ``global_batch * steps / seconds`` over the rest. Runs alternate (repeat r: harness first
 when r is even, plain first when odd; cheap then costly) so load drift hits both sides; the
-ratio is median harness samples/s over median plain samples/s. Goals:
+ratio is median harness samples/s over median plain samples/s. Each repeat's two runs
+follow each other, so ``paired`` (harness / plain of the same repeat) is what a noisy
+machine distorts least: its median and spread (quartiles, extremes) are in the JSON, and
+so is the same paired ratio in CPU time per step of rank 0's process
+(``cpu_paired``: plain CPU per step / harness CPU per step), which other processes'
+load moves far less than wall time. Goals are judged on the paired median. Rank 0's loop
+is timed by phase (``phases_ms``:
+compute, optimizer, hook, outside the loop body). Goals:
 
 - cheap items (pre-decoded tensors): harness / plain                               >= 0.97
 - costly items (JPEG decode + augmentation per item, ``--image-px``): harness with
   ``--workers`` loader processes / plain loading in its training process          >= 1.5
+- defaults (saves on both sides, cheap items): harness / plain                     >= 0.97
+
+To add a row (another data source, another setting), add a ``Row`` to ``ROWS`` and, if
+its sides need more, a branch in ``tput_run.harness_job`` / ``tput_run.plain_command``.
 
 Each run also records the CPU seconds its processes used and, from ``/proc/stat``, how
 many cores other processes kept busy meanwhile (``others_cores_median``): on a shared
@@ -49,14 +66,32 @@ import shutil
 import signal
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_harness.bench import check_out, scratch_dir
 from elastic_harness.errors import HarnessError
 
-CASES = ("cheap", "costly")
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison of the bench: which data both sides read, how many ranks, the goal."""
+
+    name: str
+    data: str  # tput_data.KINDS: what both scripts load
+    goal: float  # harness / plain samples/s, at least
+    costly: bool = False  # --nproc-costly ranks and the harness with --workers loader processes
+    saves: bool = False  # harness defaults (memory tier, saves) vs plain torch.save on rank 0
+
+
+ROWS = {
+    "cheap": Row("cheap", "cheap", 0.97),
+    "costly": Row("costly", "costly", 1.5, costly=True),
+    "defaults": Row("defaults", "cheap", 0.97, saves=True),
+}
+CASES = tuple(ROWS)
 SIDES = ("harness", "plain")
-GOALS = {"cheap": 0.97, "costly": 1.5}
+GOALS = {name: row.goal for name, row in ROWS.items()}
 MIN_REPEATS_FOR_GOALS = 5
 LOG_EVERY = 10  # both sides: the loss (and for the harness its step event) every 10 steps
 
@@ -76,10 +111,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-cheap", type=int, default=2, help="ranks with cheap items (default 2)")
     p.add_argument("--nproc-costly", type=int, default=1, help="ranks with costly items (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="defaults row: a save every N steps on both sides (default 50)")
     p.add_argument("--only", action="append", choices=CASES, help="run only this case (repeatable)")
     p.add_argument("--dir", help="scratch directory (default: system temp; removed after)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
     p.add_argument("--out", help="also write the JSON here")
+    from elastic_harness.bench import tput_stream  # its rows and flags (--stream ...)
+
+    tput_stream.add_arguments(p)
     p.set_defaults(func=cmd_throughput)
 
 
@@ -96,6 +136,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.steps < args.warmup + 3:
         raise HarnessError(f"--steps {args.steps} leaves fewer than 2 timed steps after --warmup {args.warmup}",
                            "use --steps >= --warmup + 3")
+    if "defaults" in cases_of(args) and (args.save_every < 1 or (args.steps - args.warmup) % args.save_every):
+        raise HarnessError(f"the defaults row times steps {args.warmup + 1}..{args.steps}, not a whole "
+                           f"number of --save-every {args.save_every} intervals",
+                           "make --steps minus --warmup a multiple of --save-every")
     for case in cases_of(args):
         n = nproc_of(args, case)
         if args.global_batch % (n * args.micro_batch):
@@ -113,7 +157,7 @@ def cases_of(args: argparse.Namespace) -> list[str]:
 
 
 def nproc_of(args: argparse.Namespace, case: str) -> int:
-    return args.nproc_cheap if case == "cheap" else args.nproc_costly
+    return args.nproc_costly if ROWS[case].costly else args.nproc_cheap
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
@@ -124,19 +168,29 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so the side running now is stopped (its processes live
     # in their own session and would not get the signal) and the scratch dir removed.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    stream = getattr(args, "stream", "off")
     try:
-        results = measure(args, scratch)
+        results = measure(args, scratch) if stream in ("off", "also") else []
+        streamed = _stream_rows(args, scratch) if stream != "off" else None
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     report = summarize(results, args, load=(load_before, os.getloadavg()),
-                       kept=str(scratch) if args.keep else None)
+                       kept=str(scratch) if args.keep else None) if stream in ("off", "also") else {"bench": "throughput"}
+    if streamed is not None:
+        report["stream"] = streamed
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def _stream_rows(args: argparse.Namespace, scratch: Path) -> dict:
+    from elastic_harness.bench import tput_stream
+
+    return tput_stream.measure(args, scratch, steady_rate)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -162,11 +216,14 @@ def measure(args: argparse.Namespace, scratch: Path) -> list[dict]:
     results = []
     for r, case, side in schedule(args.repeats, cases_of(args)):
         run_dir = scratch / f"{case}-{side}-{r}"
-        record = tput_run.launch(side, case, args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
+        record = tput_run.launch(side, ROWS[case], args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
         record.update(repeat=r, case=case, side=side,
                       samples_per_s=steady_rate(record["stamps"], args.warmup, args.global_batch),
+                      cpu_ms_per_step=cpu_per_step_ms(record["cpu"], args.warmup),
+                      phases_ms={k: _median_ms(v[args.warmup:]) for k, v in record["phases"].items()},
                       hook_ms=_median_ms(record["hook_s"][args.warmup:]))
-        del record["stamps"], record["hook_s"]
+        for key in ("stamps", "cpu", "hook_s", "phases"):
+            del record[key]
         results.append(record)
         print(f"bench throughput: {case} {side} repeat {r}: {record['samples_per_s']:.1f} samples/s",
               file=sys.stderr, flush=True)
@@ -182,6 +239,22 @@ def steady_rate(stamps: list[float], warmup: int, global_batch: int) -> float:
     if len(window) < 2 or window[-1] <= window[0]:
         raise ValueError(f"need 2 increasing stamps after {warmup} warm-up steps, got {len(window)}")
     return global_batch * (len(window) - 1) / (window[-1] - window[0])
+
+
+def cpu_per_step_ms(cpu: list[float], warmup: int) -> float | None:
+    """Rank 0's process CPU milliseconds per step after ``warmup`` (``cpu[i]``: at step i's start)."""
+    window = cpu[warmup:]
+    return round(1e3 * (window[-1] - window[0]) / (len(window) - 1), 3) if len(window) > 1 else None
+
+
+def spread(values: list[float | None]) -> dict:
+    """Pure: median, quartiles, extremes and count of the values that exist."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {"median": None, "p25": None, "p75": None, "min": None, "max": None, "n": 0}
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"median": round(statistics.median(xs), 4), "p25": round(q[0], 4), "p75": round(q[2], 4),
+            "min": round(xs[0], 4), "max": round(xs[-1], 4), "n": len(xs)}
 
 
 def _median_ms(xs: list[float]) -> float | None:
@@ -203,10 +276,19 @@ def summarize_case(results: list[dict], case: str) -> dict:
             for s in SIDES}
     rates = {s: [x["samples_per_s"] for x in runs[s]] for s in SIDES}
     med = {s: statistics.median(v) if v else None for s, v in rates.items()}
+    pairs = [ratio(h, p) for h, p in zip(rates["harness"], rates["plain"], strict=False)]
+    cpu = {s: [x.get("cpu_ms_per_step") for x in runs[s]] for s in SIDES}
+    cpu_pairs = [ratio(p, h) for h, p in zip(cpu["harness"], cpu["plain"], strict=False)]
+    phases = {s: {k: _round(statistics.median(v)) for k, v in _by_phase(runs[s]).items()} for s in SIDES}
     return {
         "harness_samples_per_s": _round(med["harness"]), "plain_samples_per_s": _round(med["plain"]),
         "ratio": ratio(med["harness"], med["plain"]),
-        "paired_ratios": [ratio(h, p) for h, p in zip(rates["harness"], rates["plain"], strict=False)],
+        "paired_ratios": pairs,
+        "paired": spread(pairs),
+        "cpu_ms_per_step_median": {s: _round(statistics.median([c for c in cpu[s] if c is not None] or [0.0]))
+                                   for s in SIDES},
+        "cpu_paired": spread(cpu_pairs),
+        "phases_ms": phases,
         "harness_hook_ms_median": _round(statistics.median([x["hook_ms"] for x in runs["harness"]
                                                             if x["hook_ms"] is not None] or [0.0])),
         "samples_trained": {s: [x["samples"] for x in runs[s]] for s in SIDES},
@@ -215,6 +297,15 @@ def summarize_case(results: list[dict], case: str) -> dict:
         "others_cores_median": {s: _median_of(runs[s], "others_cores") for s in SIDES},
         "samples_per_s": {s: [_round(v) for v in rates[s]] for s in SIDES},
     }
+
+
+def _by_phase(runs: list[dict]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for run in runs:
+        for phase, ms in (run.get("phases_ms") or {}).items():
+            if ms is not None:
+                out.setdefault(phase, []).append(ms)
+    return out
 
 
 def _median_of(runs: list[dict], key: str) -> float | None:
@@ -232,8 +323,9 @@ def summarize(results: list[dict], args: argparse.Namespace, load: tuple, kept: 
     per_case = {c: summarize_case(results, c) for c in cases}
     for c in cases:
         per_case[c].update(nproc_per_node=nproc_of(args, c), expected_samples=args.steps * args.global_batch,
-                           harness_data_workers=args.workers if c == "costly" else 0, plain_num_workers=0)
-    goals = {f"{c}_harness_over_plain>={GOALS[c]}": goal(per_case[c]["ratio"], GOALS[c], enough) for c in cases}
+                           harness_data_workers=args.workers if ROWS[c].costly else 0, plain_num_workers=0,
+                           saves_every=args.save_every if ROWS[c].saves else 0)
+    goals = {f"{c}_harness_over_plain>={GOALS[c]}": goal(per_case[c]["paired"]["median"], GOALS[c], enough) for c in cases}
     return {
         "bench": "throughput",
         "config": config_of(args, load, kept),
@@ -257,7 +349,9 @@ def config_of(args: argparse.Namespace, load: tuple, kept: str | None) -> dict:
                    f"every {LOG_EVERY} steps",
         "plain": "python -m torch.distributed.run --standalone (tput_plain): DistributedSampler + "
                  f"DataLoader(num_workers=0), loss printed every {LOG_EVERY} steps",
-        "checkpoints": "none on either side",
+        "checkpoints": "cheap, costly: none on either side; defaults: the harness's defaults (in-memory "
+                       f"tier, async DCP save every {args.save_every} steps) vs torch.save of model and "
+                       f"optimizer on rank 0 every {args.save_every} steps",
         "load_avg_1_5_15": {"before": [round(x, 2) for x in load[0]], "after": [round(x, 2) for x in load[1]]},
         "run_dirs": kept,
     }

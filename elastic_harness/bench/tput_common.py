@@ -8,7 +8,11 @@ so per-step overheads are visible but do not dominate.
 
 The clock: rank 0 stamps ``time.perf_counter()`` at the top of every loop iteration, so
 consecutive stamps span one whole step (loading, compute, the update, whatever ends the
-step). Every rank counts the samples it trained; ``StepClock.finish`` sums them over the
+step), and the process's CPU time (``time.process_time()``, every thread of the rank: the
+gloo threads too) beside it: CPU per step is what a busy shared machine distorts least.
+``mark(phase)`` stamps the end of a phase of the loop body (``compute``: the micro-batches'
+loading, forward and backward; ``optimizer``; ``hook``); the time from the body's last mark
+to the next step's top is ``outside`` (the harness's ``run.steps`` generator: its loading). Every rank counts the samples it trained; ``StepClock.finish`` sums them over the
 default group (the smoke test checks both sides trained the same) and rank 0 writes the
 JSON the bench host reads. Call order: ``tick`` at the top of each step, ``count`` per
 micro-batch, ``finish`` once after the loop, while the process group still exists.
@@ -42,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--job", help="harness script under plain torchrun: its job YAML")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="plain script: torch.save model+optimizer on rank 0 every N steps (0: never)")
+    p.add_argument("--save-dir", help="plain script: where --save-every writes ckpt.pt")
     return p.parse_args(argv)
 
 
@@ -62,12 +69,27 @@ class StepClock:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.stamps: list[float] = []
+        self.cpu: list[float] = []  # process CPU seconds at each stamp
         self.hook_s: list[float] = []  # the harness's step hook (step.done), when timed
+        self.phases: dict[str, list[float]] = {}  # phase -> seconds per step (rank 0)
+        self._last = 0.0
         self.samples = 0
 
     def tick(self) -> None:
         if self.rank == 0:
-            self.stamps.append(time.perf_counter())
+            now = time.perf_counter()
+            if self.stamps:
+                self.phases.setdefault("outside", []).append(now - self._last)
+            self.stamps.append(now)
+            self.cpu.append(time.process_time())
+            self._last = now
+
+    def mark(self, phase: str) -> None:
+        """The loop body's ``phase`` ended now (rank 0 records it)."""
+        if self.rank == 0:
+            now = time.perf_counter()
+            self.phases.setdefault(phase, []).append(now - self._last)
+            self._last = now
 
     def count(self, n: int) -> None:
         self.samples += n
@@ -80,6 +102,7 @@ class StepClock:
         total = torch.tensor([self.samples], dtype=torch.int64)
         dist.all_reduce(total)
         if self.rank == 0:
-            record = {"stamps": self.stamps, "hook_s": self.hook_s, "samples": int(total),
+            record = {"stamps": self.stamps, "cpu": self.cpu, "hook_s": self.hook_s,
+                      "phases": self.phases, "samples": int(total),
                       "world_size": self.world_size, **info}
             Path(out).write_text(json.dumps(record))

@@ -39,11 +39,14 @@ def main() -> None:
         for x, y in step.batches():
             step.backward(F.cross_entropy(model(x), y))
             clock.count(len(y))
+        clock.mark("compute")
         optimizer.step()
         optimizer.zero_grad()
+        clock.mark("optimizer")
         t0 = time.perf_counter()
         step.done()
         clock.hook(time.perf_counter() - t0)
+        clock.mark("hook")
     clock.finish(args.out, side="harness", accumulate=len(step.plan))
     run.close()
 

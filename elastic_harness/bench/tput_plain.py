@@ -2,7 +2,9 @@
 in its loop. ``DistributedSampler`` + ``DataLoader(num_workers=0)`` (items are loaded in
 the training process, as in most users' first script), gradient accumulation with
 ``no_sync`` over the micro-batches of a step, ``loss.backward()``, ``optimizer.step()``,
-the loss printed every ``--log-every`` steps. No checkpoints.
+the loss printed every ``--log-every`` steps. No checkpoints, unless ``--save-every N``:
+then rank 0 ``torch.save``s the model and optimizer state every N steps, synchronously,
+over one file (``--save-dir/ckpt.pt``), as plain scripts commonly do.
 
     python -m torch.distributed.run --standalone --nproc-per-node N \
         -m elastic_harness.bench.tput_plain --data cheap --data-dir D --out O \
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,10 +59,17 @@ def main() -> None:
                 loss = F.cross_entropy(model(x), y) / accumulate
                 loss.backward()
             clock.count(len(y))
+        clock.mark("compute")
         optimizer.step()
         optimizer.zero_grad()
+        clock.mark("optimizer")
         if rank == 0 and (step + 1) % args.log_every == 0:
             print(f"step {step + 1} loss {loss.item() * accumulate:.4f}", flush=True)
+        if rank == 0 and args.save_every and (step + 1) % args.save_every == 0:
+            # what a plain script does (nanoGPT's ckpt.pt): rank 0, synchronous, overwritten
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1}, Path(args.save_dir) / "ckpt.pt")
+        clock.mark("hook")
     clock.finish(args.out, side="plain", accumulate=accumulate)
     dist.destroy_process_group()
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -31,26 +32,32 @@ from elastic_harness.errors import HarnessError
 HERE = Path(__file__).resolve().parent
 
 
-def script_args(args: argparse.Namespace, case: str, data_dir: Path, out: Path) -> list[str]:
-    """What both scripts take (``tput_common.parse_args``)."""
-    return ["--data", case, "--data-dir", str(data_dir), "--hidden", str(args.hidden),
+def script_args(args: argparse.Namespace, row: Any, data_dir: Path, out: Path) -> list[str]:
+    """What both scripts take (``tput_common.parse_args``); ``row``: a ``throughput.Row``."""
+    return ["--data", row.data, "--data-dir", str(data_dir), "--hidden", str(args.hidden),
             "--threads", str(args.threads), "--out", str(out)]
 
 
-def harness_job(args: argparse.Namespace, case: str, data_dir: Path, out: Path, nproc: int,
+def harness_job(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, nproc: int,
                 log_every: int) -> dict:
     """Pure: the script job for ``elastic-harness run``; defaults wherever the comparison
-    allows (watchdog, TensorBoard, events), checkpoints off like the plain side."""
+    allows (watchdog, events). Checkpoints (and the in-memory tier) off like the plain side, except in a row with
+    saves: then every checkpoint default (in-memory tier, async saves, the final save) with
+    a durable save every ``--save-every`` steps."""
+    # Off means off: without durable saves the in-memory tier still snapshotted (every ~7
+    # steps within its 3% budget), a cost the cheap row charged to the harness itself.
+    checkpoint = ({"every_steps": args.save_every} if row.saves
+                  else {"every_steps": 0, "save_final": False, "memory_every": 0})
     return {
-        "name": f"bench-throughput-{case}",
-        "script": {"path": str(HERE / "tput_harness.py"), "args": script_args(args, case, data_dir, out)},
+        "name": f"bench-throughput-{row.name}",
+        "script": {"path": str(HERE / "tput_harness.py"), "args": script_args(args, row, data_dir, out)},
         "device": "cpu",  # the plain side is CPU/gloo
         "nproc_per_node": nproc,
         "max_restarts": 0,
         "train": {"steps": args.steps, "global_batch_size": args.global_batch,
                   "micro_batch_size": args.micro_batch, "log_every": log_every, "seed": 0},
-        "data": {"workers": args.workers if case == "costly" else 0},
-        "checkpoint": {"every_steps": 0, "save_final": False},
+        "data": {"workers": args.workers if row.costly else 0},
+        "checkpoint": checkpoint,
     }
 
 
@@ -58,15 +65,17 @@ def harness_command(job: Path, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "elastic_harness", "run", str(job), "--run-dir", str(run_dir)]
 
 
-def plain_command(args: argparse.Namespace, case: str, data_dir: Path, out: Path, nproc: int,
+def plain_command(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, nproc: int,
                   run_dir: Path, log_every: int) -> list[str]:
     """Pure: torchrun's standalone mode (a rendezvous on a port the OS picks) on the plain
-    script; ``--log-dir`` only so torchelastic makes nothing in /tmp."""
+    script; ``--log-dir`` only so torchelastic makes nothing in /tmp. In a row with saves,
+    rank 0 ``torch.save``s into the run dir every ``--save-every`` steps."""
+    saves = ["--save-every", str(args.save_every), "--save-dir", str(run_dir)] if row.saves else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             f"--log-dir={run_dir / 'logs'}", "-m", "elastic_harness.bench.tput_plain",
-            *script_args(args, case, data_dir, out), "--steps", str(args.steps),
+            *script_args(args, row, data_dir, out), "--steps", str(args.steps),
             "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
-            "--log-every", str(log_every)]
+            "--log-every", str(log_every), *saves]
 
 
 def side_environ(base: dict[str, str], run_dir: Path) -> dict[str, str]:
@@ -76,17 +85,17 @@ def side_environ(base: dict[str, str], run_dir: Path) -> dict[str, str]:
     return {**base, **torch_environ(run_dir, base)}
 
 
-def launch(side: str, case: str, args: argparse.Namespace, data_dir: Path, run_dir: Path,
+def launch(side: str, row: Any, args: argparse.Namespace, data_dir: Path, run_dir: Path,
            nproc: int, log_every: int) -> dict:
     """Run one side to the end; its rank 0's record with ``wall_s`` added."""
     run_dir.mkdir(parents=True)
     out = run_dir / "stamps.json"
     if side == "harness":
         job = run_dir.parent / f"{run_dir.name}.yaml"  # beside the run dir: `run` prepares that dir
-        job.write_text(yaml.safe_dump(harness_job(args, case, data_dir, out, nproc, log_every)))
+        job.write_text(yaml.safe_dump(harness_job(args, row, data_dir, out, nproc, log_every)))
         cmd = harness_command(job, run_dir / "run")
     else:
-        cmd = plain_command(args, case, data_dir, out, nproc, run_dir, log_every)
+        cmd = plain_command(args, row, data_dir, out, nproc, run_dir, log_every)
     log = run_dir / "output.log"
     busy0, ours0, t0 = machine_busy_s(), children_cpu_s(), time.perf_counter()
     code = run_bounded(cmd, log, side_environ(dict(os.environ), run_dir), timeout=limit_s(args))
@@ -94,7 +103,7 @@ def launch(side: str, case: str, args: argparse.Namespace, data_dir: Path, run_d
     ours = children_cpu_s() - ours0
     if code != 0 or not out.is_file():
         why = "ran past its time limit" if code is None else f"exited {code}"
-        raise HarnessError(f"the {side} run ({case} items) {why}; it said: {last_line(log)}",
+        raise HarnessError(f"the {side} run ({row.name} row) {why}; it said: {last_line(log)}",
                            "re-run with --keep --dir DIR to read its log")
     busy = None if busy0 is None else machine_busy_s() - busy0
     return {**json.loads(out.read_text()), "wall_s": round(wall, 2), "cpu_s": round(ours, 2),

@@ -18,13 +18,14 @@ import uuid
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.chaos.schedule import due, unfired
 from elastic_harness.chaos.vocabulary import KINDS, Kind, fire_now, parse_fault
 from elastic_harness.cluster import LocalCluster
 from elastic_harness.events import EventLog
 from elastic_harness.spec import FaultSpec
 
-REQUESTS = Path("chaos") / "requests"
+REQUESTS = Path(runfiles.CHAOS) / "requests"
 
 
 def request(run_dir: Path, fault_text: str) -> Path:
@@ -66,7 +67,7 @@ class ChaosController:
         those a worker fired in an earlier run of this directory (``runtime.faults``' marker
         ``chaos/fault-I``: a step-keyed fault fires once per run directory)."""
         return [self.faults[i] for i in unfired(self.faults, self.done)
-                if not (self.run_dir / "chaos" / f"fault-{i}").exists()]
+                if not (self.run_dir / runfiles.CHAOS / f"fault-{i}").exists()]
 
     def unjoined(self, running: Collection[int]) -> list[int]:
         """Of the ``running`` nodes, those no worker has ever reported from: started (say,

@@ -78,10 +78,14 @@ def join_generation(storage: Storage, job: str, *, rank: int, world_size: int, g
     return mine
 
 
-def _head(storage: Storage, name: str, mode: str) -> tuple[dict | None, integrity.Verdict]:
-    """Rank 0: the manifest and the size check (one listing), as values."""
+def _head(storage: Storage, name: str, mode: str, key: bytes | None) -> tuple[dict | None, integrity.Verdict]:
+    """Rank 0: the manifest, its signature (``integrity.authenticate``, in every mode) and
+    the size check (one listing), as values."""
     manifest, verdict = integrity.load_manifest(storage, name)
-    if manifest is None or mode == "none":
+    if manifest is None:
+        return manifest, verdict
+    verdict = integrity.authenticate(storage, name, manifest, key)
+    if not verdict.ok or mode == "none":
         return manifest, verdict
     try:
         return manifest, integrity.check_sizes(manifest, storage.files(name))
@@ -90,10 +94,11 @@ def _head(storage: Storage, name: str, mode: str) -> tuple[dict | None, integrit
 
 
 def agreed_verdict(storage: Storage, name: str, mode: str, *, rank: int, world_size: int, group: Any,
-                   round_bytes: int = ROUND_BYTES, on_bytes: Callable[[int], None] | None = None
-                   ) -> integrity.Verdict:
-    """Verify ``name`` on all ranks together; every rank returns the same verdict."""
-    manifest, verdict = broadcast(_head(storage, name, mode) if rank == 0 else None, group)
+                   round_bytes: int = ROUND_BYTES, on_bytes: Callable[[int], None] | None = None,
+                   key: bytes | None = None) -> integrity.Verdict:
+    """Verify ``name`` on all ranks together (its signature with the job's ``key`` first);
+    every rank returns the same verdict."""
+    manifest, verdict = broadcast(_head(storage, name, mode, key) if rank == 0 else None, group)
     if not verdict.ok or mode != "full":
         return verdict
     sizes = {f: w["size"] for f, w in manifest["files"].items()}

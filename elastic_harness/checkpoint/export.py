@@ -215,11 +215,12 @@ def _find_state_dict(obj: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def save_single_process(storage: Storage, name: str, state: dict[str, Any], info: dict) -> dict:
+def save_single_process(storage: Storage, name: str, state: dict[str, Any], info: dict,
+                        key: bytes | None = None) -> dict:
     """Write ``state`` as step directory ``name`` from this one process, then commit it."""
     if name in storage.listing():
         raise CheckpointError(f"{storage.uri(name)} already exists", "import into a new run dir")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.save(state, storage_writer=storage.writer(name), no_dist=True)
-    return integrity.write_manifest(storage, name, info)
+    return integrity.write_manifest(storage, name, info, key=key)  # signed with the job's key

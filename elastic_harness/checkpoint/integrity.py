@@ -9,9 +9,21 @@ size (a checkpoint directory that is not shared between nodes looks like that).
 
 The checksum is CRC32 (zlib): it catches the accidents this guards against (flipped bits,
 truncated or torn files, a shard from another save) and runs 2-3x faster than sha256 here.
-It does not resist deliberate tampering, and need not: whoever can write a checkpoint can
-already run code through its pickled ``.metadata`` (checkpoints are trusted input).
 Manifests that list ``sha256`` (written before) are still verified with sha256.
+
+Authenticity (issue 22): write access to a checkpoint directory must not be code
+execution, yet DCP unpickles ``.metadata``. So the manifest carries ``sha256`` of
+``.metadata`` besides its CRC32, and a ``signature``: HMAC-SHA256 with the job's key
+(``jobkey``) over the whole manifest (every file's size and checksum, step, job) in a
+canonical JSON form. ``authenticate`` checks the signature and then ``.metadata``'s sha256,
+in every verify mode, before anything in the step directory is deserialized. A manifest
+without a signature (``unsigned``: written before signing, or by another tool) or with a
+wrong one (``forged``: tampered with, or another job's key) fails. Callers that pass no key
+vouch for the checkpoint themselves (``ckpt ... --trust``, tests); ``sign`` re-signs a
+checkpoint the user trusts (``ckpt trust``).
+Limit: shards are covered by their CRC32, which the signature authenticates but which is
+not collision-resistant: someone who can write shards and forge a CRC32 can still change
+tensor values and DCP's pickled non-tensor items (``docs/security.md``).
 
 Cost: each rank checksums its own shards while DCP writes them (``streams``), so the
 commit reads nothing large back, which matters for object stores. Verification modes trade
@@ -34,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from elastic_harness import jobkey
 from elastic_harness.checkpoint.layout import MANIFEST, METADATA
 from elastic_harness.checkpoint.streams import CHECKSUM, Crc32
 
@@ -125,13 +138,18 @@ def build_manifest(storage: Storage, name: str, info: dict, reported: dict | Non
     todo = {f: CHECKSUM for f in listed if CHECKSUM not in known.get(f, {})}
     digests = {**{f: known[f][CHECKSUM] for f in listed if f not in todo}, **checksum_files(storage, name, todo)}
     files = {f: {"size": listed[f], CHECKSUM: digests[f]} for f in sorted(listed)}
+    files[METADATA]["sha256"] = checksum_of(storage, name, METADATA, "sha256")  # small; unpickled first
     return {"version": MANIFEST_VERSION, "created": time.time(), **info, "checksum": CHECKSUM, "files": files}
 
 
-def write_manifest(storage: Storage, name: str, info: dict, reported: dict | None = None) -> dict:
+def write_manifest(storage: Storage, name: str, info: dict, reported: dict | None = None,
+                   key: bytes | None = None) -> dict:
     """Commit ``name``: make ``.metadata`` and the directory entries durable, then write the
-    manifest (atomically). Raises ``CommitRefused`` (see ``build_manifest``) or ``OSError``."""
+    manifest (atomically), signed with ``key`` (unsigned without: tests, benchmarks).
+    Raises ``CommitRefused`` (see ``build_manifest``) or ``OSError``."""
     manifest = build_manifest(storage, name, info, reported)
+    if key is not None:
+        manifest = sign(manifest, key)
     storage.make_durable(name, [METADATA])
     storage.write_atomic(name, MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
@@ -157,6 +175,78 @@ def load_manifest(storage: Storage, name: str) -> tuple[dict | None, Verdict]:
     return manifest, Verdict(True)
 
 
+# ----- authenticity --------------------------------------------------------------------------
+SIGNATURE = "signature"
+_CONTEXT = b"checkpoint-manifest"
+UNSIGNED = ("unsigned checkpoint (written before checkpoints were signed, or by another tool); "
+            "if you trust it, sign it with 'elastic-harness ckpt trust DIR'")
+
+
+def _signed_bytes(manifest: dict) -> bytes:
+    """Pure: the canonical form the signature covers (everything but the signature)."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def sign(manifest: dict, key: bytes) -> dict:
+    """Pure: ``manifest`` with its signature under ``key``."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    return {**body, SIGNATURE: jobkey.sign_hex(key, _signed_bytes(body), _CONTEXT)}
+
+
+def check_signature(manifest: dict, key: bytes) -> Verdict:
+    """Pure: the manifest is signed with ``key`` and lists a sha256 for ``.metadata``."""
+    signature = manifest.get(SIGNATURE)
+    if not signature:
+        return Verdict(False, UNSIGNED, "unsigned")
+    if not isinstance(signature, str) or not jobkey.check_hex(key, _signed_bytes(manifest), signature, _CONTEXT):
+        return Verdict(False, "manifest signature does not match this job's key (tampered with, or "
+                              "another job's checkpoint: 'elastic-harness ckpt trust' signs one you trust)",
+                       "forged")
+    if not isinstance((manifest.get("files") or {}).get(METADATA, {}).get("sha256"), str):
+        return Verdict(False, "signed manifest lists no sha256 of .metadata", "forged")
+    return Verdict(True)
+
+
+def authenticate(storage: Storage, name: str, manifest: dict, key: bytes | None) -> Verdict:
+    """Before anything in ``name`` is deserialized: the signature, then ``.metadata`` against
+    its signed sha256 (it is small). ``key`` None: the caller vouches for the checkpoint."""
+    if key is None:
+        return Verdict(True)
+    verdict = check_signature(manifest, key)
+    if not verdict.ok:
+        return verdict
+    try:
+        data = storage.read_bytes(name, METADATA)
+    except FileNotFoundError:
+        return Verdict(False, f"{METADATA} is missing", "corrupt")
+    except OSError as e:
+        return _unreadable(METADATA, e)
+    want = manifest["files"][METADATA]
+    if len(data) != want.get("size"):
+        return Verdict(False, f"{METADATA} has {len(data)} bytes, expected {want.get('size')}", "corrupt")
+    if hashlib.sha256(data).hexdigest() != want["sha256"]:
+        # the signature holds, so the manifest is ours: the file changed after the commit
+        return Verdict(False, f"{METADATA} differs from its signed sha256 (corrupt or tampered with)", "corrupt")
+    return Verdict(True)
+
+
+def trust(storage: Storage, name: str, key: bytes) -> Verdict:
+    """Sign ``name`` with ``key`` because the user vouches for it (``ckpt trust``): only a
+    checkpoint that passes a full check against its own manifest; ``.metadata``'s sha256
+    is added if missing. Nothing is deserialized."""
+    verdict = verify(storage, name, "full")
+    if not verdict.ok:
+        return verdict
+    manifest = read_manifest(storage, name) or {}
+    try:
+        manifest["files"][METADATA]["sha256"] = checksum_of(storage, name, METADATA, "sha256")
+        storage.write_atomic(name, MANIFEST, json.dumps(sign(manifest, key), indent=1).encode())
+    except OSError as e:
+        return _unreadable(name, e)
+    return Verdict(True)
+
+
 def check_sizes(manifest: dict, actual: dict[str, int]) -> Verdict:
     """Pure: every listed file present with its size (``actual`` is a listing)."""
     listed = manifest.get("files") or {}
@@ -174,11 +264,16 @@ def _kinds(listed: dict) -> dict[str, str]:
     return {f: ("crc32" if "crc32" in w else "sha256") for f, w in listed.items()}
 
 
-def verify(storage: Storage, name: str, mode: str = "full") -> Verdict:
-    """Check a step directory against its manifest, in this process. Never raises OSError."""
+def verify(storage: Storage, name: str, mode: str = "full", key: bytes | None = None) -> Verdict:
+    """Check a step directory against its manifest, in this process: its signature with
+    ``key`` (``authenticate``; None: the caller vouches for it), then ``mode``. Never
+    raises OSError."""
     assert mode in VERIFY_MODES, mode
     manifest, verdict = load_manifest(storage, name)
-    if manifest is None or mode == "none":
+    if manifest is None:
+        return verdict
+    verdict = authenticate(storage, name, manifest, key)
+    if not verdict.ok or mode == "none":
         return verdict
     try:
         verdict = check_sizes(manifest, storage.files(name))

@@ -2,7 +2,12 @@
 
 The holder is a *job submission*, identified by its rendezvous id: every agent of one job
 (and the ``run`` that started them) shares the lock; a different job is refused with a line
-naming the holder. The lock is a small JSON file at the directory's root
+naming the holder. A rendezvous id can be pinned (``rendezvous.id``, ``--job-id``), so two
+submissions may carry the same one: a launcher that knows its submission (``run`` makes a
+fresh ``submission`` token and hands it to the agents it starts) joins only a lock of that
+submission, and a live holder of another is refused whatever the id. A process that knows
+no submission (an agent a scheduler started, a worker) joins by rendezvous id, as before.
+The lock is a small JSON file at the directory's root
 (``.elastic-harness.lock``) holding job name, rendezvous id, host, pid, start time and a
 heartbeat time.
 
@@ -34,7 +39,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-LOCK_FILE = ".elastic-harness.lock"
+from elastic_harness import runfiles
+
+LOCK_FILE = runfiles.LOCK
 BEAT_S = 10.0
 STALE_S = 60.0
 
@@ -62,11 +69,14 @@ class Holder:
     pid_start: str  # the pid's start time in clock ticks since boot: tells pid reuse apart
     started: float
     token: str  # unique per holding process
+    submission: str = ""  # unique per submission, shared by its launcher and agents ("" unknown)
 
     @classmethod
-    def this_process(cls, job: str, rdzv_id: str, clock: Callable[[], float] = time.time) -> Holder:
+    def this_process(cls, job: str, rdzv_id: str, clock: Callable[[], float] = time.time, *,
+                     submission: str = "") -> Holder:
         pid = os.getpid()
-        return cls(job, rdzv_id, socket.gethostname(), pid, process_start(pid), clock(), uuid.uuid4().hex)
+        return cls(job, rdzv_id, socket.gethostname(), pid, process_start(pid), clock(), uuid.uuid4().hex,
+                   submission)
 
     def record(self, beat: float) -> dict:
         return {**asdict(self), "beat": beat}
@@ -143,7 +153,9 @@ def decide(record: dict | None, me: Holder, now: float, alive: Callable[[dict], 
     if not isinstance(record, dict) or "rdzv_id" not in record:
         return Decision("takeover", "the lock file is unreadable")
     gone = staleness(record, now, me.host, alive, stale_s)
-    if record["rdzv_id"] == me.rdzv_id:
+    theirs = str(record.get("submission") or "")
+    other_submission = bool(theirs and me.submission and theirs != me.submission)
+    if record["rdzv_id"] == me.rdzv_id and not other_submission:
         return Decision("takeover", gone) if gone and record.get("token") != me.token else Decision("join")
     return Decision("takeover", gone) if gone else Decision("refuse")
 

@@ -80,6 +80,7 @@ from elastic_harness.checkpoint.progress import (
     on_callers_device,
     without_zip_crc,
 )
+from elastic_harness.checkpoint.safe_load import WeightsOnlyLoadPlanner
 from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
@@ -127,7 +128,15 @@ class CheckpointManager:
         stall_s: float = STALL_S,
         verify_round_bytes: int = collective.ROUND_BYTES,
         clock: Callable[[], float] = time.time,
+        key: bytes | None = None,
+        optional_keys: frozenset[str] = frozenset(),
     ) -> None:
+        # ``optional_keys``: flattened state keys a checkpoint may lack (fields added later,
+        # whose current value is what an older checkpoint meant: ``safe_load``).
+        self.optional_keys = optional_keys
+        # ``key``: the job's (``jobkey``); commits are signed with it and a checkpoint not
+        # signed with it is refused before it is read. None: unsigned, trusted (tests, benches).
+        self.key = key
         self.storage, self.policy = storage, policy
         self.rank, self.world_size, self.group = rank, world_size, group
         self.events, self.info = events, info
@@ -167,18 +176,22 @@ class CheckpointManager:
         unusable: set[str] = set()
         unloadable: list[tuple[str, str]] = []  # set aside only once an older one loads
         seen_complete = None
+        unsigned = False
         while True:
             choice = layout.choose(self._shared_listing(), self._verify, exclude=unusable)
             seen_complete = choice.complete if seen_complete is None else seen_complete
             self._report_skipped(choice)
             unusable |= {s.name for s in choice.failed}
+            unsigned = unsigned or any(s.kind == "unsigned" for s in choice.failed)
             if choice.chosen is None:
                 self._report_unloadable(unloadable, set_aside=False)
                 if seen_complete:
                     raise CheckpointError(
                         f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
                         "(see the quarantine and warning events)",
-                        "restore a good copy, or re-run with --fresh to start over",
+                        "unsigned ones (written before checkpoints were signed) load once you vouch for them: "
+                        "'elastic-harness ckpt trust RUN_DIR'; or re-run with --fresh to start over"
+                        if unsigned else "restore a good copy, or re-run with --fresh to start over",
                     )
                 return None
             loaded, why = self._load(choice.chosen, state)
@@ -223,7 +236,7 @@ class CheckpointManager:
     def _verify(self, name: str) -> integrity.Verdict:
         return collective.agreed_verdict(
             self.storage, name, self.policy.verify, rank=self.rank, world_size=self.world_size,
-            group=self.group, round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick)
+            group=self.group, round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick, key=self.key)
 
     def _report_skipped(self, choice: layout.Choice) -> None:
         """Rank 0: set failed checkpoints aside; warn about newer incomplete ones."""
@@ -260,7 +273,8 @@ class CheckpointManager:
             if agreed == 2:
                 try:
                     reader = watch_reader(self.storage.reader(choice.name), Counter(self._ticker.tick))
-                    dcp.load(state, storage_reader=reader, process_group=self.group)
+                    dcp.load(state, storage_reader=reader, process_group=self.group,
+                             planner=WeightsOnlyLoadPlanner(self.optional_keys))
                 except SAVE_ERRORS as e:  # a shard that fails to deserialise, unreadable files
                     error = e
             ok = collective.all_min(int(error is None and agreed == 2), self.group) == 1
@@ -434,7 +448,7 @@ class CheckpointManager:
         reported = {f: h for files, _ in reports for f, h in files.items()}
         try:
             info = {**self.info, "step": step, "world_size": self.world_size}
-            integrity.write_manifest(self.storage, name, info, reported)
+            integrity.write_manifest(self.storage, name, info, reported, key=self.key)
         except integrity.CommitRefused as e:
             return "failed", (f"files the ranks wrote are not all on {self.storage.uri(name)} ({e}); "
                               "is checkpoint.dir shared by every node?")

@@ -21,11 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from elastic_harness import runfiles
 from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import Storage, open_storage
 from elastic_harness.checkpoint.where import (
     DEFAULT_SUBDIR,
-    RESOLVED_SPEC,
     checkpoint_root,
     is_url,
     local_path,
@@ -69,6 +69,15 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
 class Location:
     storage: Storage
     step: str | None = None  # one step directory the user named, else the whole root
+    key_file: Path | None = None  # the run's key (``jobkey``) found beside it, if any
+
+
+def _key_near(*dirs: Path) -> Path | None:
+    """The run dir's key in the first of ``dirs`` that holds one (checkpoints live in the
+    run dir by default: the key is then one or two levels up)."""
+    from elastic_harness.jobkey import KEY_FILE
+
+    return next((d / KEY_FILE for d in dirs if (d / KEY_FILE).is_file()), None)
 
 
 def locate(target: str) -> Location:
@@ -81,18 +90,19 @@ def locate(target: str) -> Location:
     path = Path(local_path(target))
     if not path.is_dir():
         raise CheckpointError(f"'{target}' is not a directory", "name a run dir, a checkpoint dir or a step dir")
+    path = path.resolve()
     if layout.parse_step(path.name) is not None:
-        return Location(open_storage(str(path.parent)), path.name)
-    if (path / RESOLVED_SPEC).is_file():
-        return Location(open_storage(run_checkpoint_root(path)))
+        return Location(open_storage(str(path.parent)), path.name, _key_near(path.parent.parent))
+    if (path / runfiles.RESOLVED_SPEC).is_file():
+        return Location(open_storage(run_checkpoint_root(path)), None, _key_near(path))
     if (path / DEFAULT_SUBDIR).is_dir():
-        path = path / DEFAULT_SUBDIR
-    return Location(open_storage(str(path)))
+        return Location(open_storage(str(path / DEFAULT_SUBDIR)), None, _key_near(path))
+    return Location(open_storage(str(path)), None, _key_near(path.parent))
 
 
 def run_checkpoint_root(run_dir: Path) -> str:
     """Where the run in ``run_dir`` keeps its checkpoints, per its resolved spec if it has one."""
-    resolved = run_dir / RESOLVED_SPEC
+    resolved = run_dir / runfiles.RESOLVED_SPEC
     where = ""
     if resolved.is_file():
         from elastic_harness.spec import load_job
@@ -101,8 +111,9 @@ def run_checkpoint_root(run_dir: Path) -> str:
     return checkpoint_root(where, run_dir)
 
 
-def describe(storage: Storage, verify_mode: str) -> list[dict]:
-    """One row per step directory, oldest first: step, world size, bytes, status.
+def describe(storage: Storage, verify_mode: str, key: bytes | None = None) -> list[dict]:
+    """One row per step directory, oldest first: step, world size, bytes, status; signatures
+    checked with ``key`` (None: not checked).
 
     Checkpoints set aside after failing are listed too (``quarantined: True``).
     """
@@ -115,9 +126,9 @@ def describe(storage: Storage, verify_mode: str) -> list[dict]:
             "bytes": sum(storage.files(d.name).values()), "complete": d.complete, "quarantined": False,
         }
         if d.complete:
-            verdict = integrity.verify(storage, d.name, verify_mode)
-            row["verified"] = verdict.ok if verify_mode != "none" else None
-            row["problem"] = verdict.reason
+            verdict = integrity.verify(storage, d.name, verify_mode, key)
+            row["verified"] = verdict.ok if verify_mode != "none" or not verdict.ok else None
+            row["problem"], row["kind"] = verdict.reason, verdict.kind
         else:
             row["verified"], row["problem"] = False, "incomplete (interrupted save: .metadata or manifest missing)"
         rows.append(row)
@@ -130,23 +141,26 @@ def describe(storage: Storage, verify_mode: str) -> list[dict]:
     return sorted(rows, key=lambda r: (r["step"], r["quarantined"]))
 
 
-def newest_usable(storage: Storage, verify_mode: str = "full", step: int | None = None) -> layout.Choice:
-    """The newest complete checkpoint that verifies (of ``step`` only, if given), in this process."""
+def newest_usable(storage: Storage, verify_mode: str = "full", step: int | None = None,
+                  key: bytes | None = None) -> layout.Choice:
+    """The newest complete checkpoint that verifies (of ``step`` only, if given), in this
+    process; signed with ``key`` unless it is None (the caller vouches)."""
     listing = storage.listing()
     if step is not None:
         listing = {n: f for n, f in listing.items() if layout.parse_step(n) == step}
-    return layout.choose(listing, lambda name: integrity.verify(storage, name, verify_mode))
+    return layout.choose(listing, lambda name: integrity.verify(storage, name, verify_mode, key))
 
 
-def pick(loc: Location, verify_mode: str = "full", step: int | None = None) -> str:
-    """The step directory to read: the one named, ``step``, or the newest that verifies."""
+def pick(loc: Location, verify_mode: str = "full", step: int | None = None, key: bytes | None = None) -> str:
+    """The step directory to read: the one named, ``step``, or the newest that verifies
+    (and is signed with ``key``, unless None)."""
     if loc.step is not None and step is None:
-        verdict = integrity.verify(loc.storage, loc.step, verify_mode)
+        verdict = integrity.verify(loc.storage, loc.step, verify_mode, key)
         if verdict.ok:
             return loc.step
         reasons = [f"{loc.step}: {verdict.reason}"]
     else:
-        choice = newest_usable(loc.storage, verify_mode, step)
+        choice = newest_usable(loc.storage, verify_mode, step, key)
         if choice.chosen is not None:
             return choice.chosen.name
         reasons = [f"{s.name}: {s.reason}" for s in choice.failed]

@@ -53,6 +53,7 @@ from typing import Any
 from elastic_harness.checkpoint import writer_child as proto
 from elastic_harness.checkpoint.arena import PHASE_GRAIN, Arena
 from elastic_harness.checkpoint.streams import WriteStopped, WriteWatch, write_watch
+from elastic_harness.deps import require_torch
 
 PROCESS, THREAD = "process", "thread"
 BIG = 4096  # writes at least this long are looked up in the arena instead of copied
@@ -307,6 +308,7 @@ def route(writer: Any, proc: WriterProcess) -> Any:
     DCP's per-file loop runs as usual against recorders; the bytes go to ``proc``; the
     ``.metadata`` that rank 0 writes in ``finish`` still goes through the watched filesystem.
     """
+    require_torch("FileSystemWriter._write_data")
     from torch.distributed.checkpoint.filesystem import _write_files_from_queue
     from torch.futures import Future
 

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import create_default_local_sa
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
+from elastic_harness.deps import require_torch
 from elastic_harness.errors import CheckpointError
 
 _CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
@@ -49,6 +50,7 @@ class _Planner(DefaultSavePlanner):
 
 
 def planner(key: str) -> DefaultSavePlanner:
+    require_torch("DefaultSavePlanner._cached_plans_key")
     p = _Planner(enable_plan_caching=True)
     p._cached_plans_key = key
     return p

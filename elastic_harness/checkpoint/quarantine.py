@@ -4,8 +4,13 @@ The new name (``layout.quarantine_name``: ``step-NNNNNNN.bad-STAMP``) is never s
 step directory, so it is not loaded, not counted for retention, and a new save of that
 step can go ahead. Nothing is deleted: ``ckpt ls`` lists these; the user removes them.
 One ``quarantine`` event says what happened: ``step``, ``name``, ``reason``, ``kind``
-(``corrupt``, ``unreadable``, ``unloadable``), ``moved_to`` (None when it was left in
-place, because moving failed or this generation may no longer change the directory).
+(``corrupt``, ``unreadable``, ``unloadable``, ``forged``, ``unsigned``), ``moved_to`` (None
+when it was left in place, because moving failed or this generation may no longer change
+the directory).
+
+A checkpoint without a signature (``unsigned``: one written before checkpoints were signed,
+issue 22) is never loaded but stays where it is, so that ``ckpt trust`` can sign it if the
+user vouches for it; one with a wrong signature (``forged``) is set aside like a corrupt one.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def set_aside(storage: Storage, name: str, reason: str, kind: str, *, events: An
               blocked: str = "") -> str | None:
     """Move ``name`` aside unless ``blocked`` says why not; emit the event; the new name or None."""
     new_name = layout.quarantine_name(name, stamp(now))
-    why = blocked
+    why = blocked or ("unsigned: sign it with 'elastic-harness ckpt trust' if you trust it" if kind == "unsigned" else "")
     if not why:
         try:
             storage.set_aside(name, new_name)

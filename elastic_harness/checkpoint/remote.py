@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from elastic_harness.checkpoint.layout import MANIFEST
 from elastic_harness.checkpoint.streams import watch_writer
+from elastic_harness.deps import require_extra
 from elastic_harness.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class FsspecStorage:
         from fsspec.core import url_to_fs
 
         self.root = root.rstrip("/")
+        if self.root.startswith("s3://"):
+            require_extra("s3")
         try:
             self.fs, self._path = url_to_fs(self.root)
         except (ImportError, ValueError) as e:

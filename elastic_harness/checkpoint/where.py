@@ -15,8 +15,9 @@ from __future__ import annotations
 import posixpath
 from pathlib import PurePath
 
-DEFAULT_SUBDIR = "checkpoints"
-RESOLVED_SPEC = "job.resolved.yaml"  # the spec a run actually used, in its run directory
+from elastic_harness import runfiles
+
+DEFAULT_SUBDIR = runfiles.CHECKPOINTS
 
 
 def is_url(target: str) -> bool:

@@ -24,13 +24,15 @@ import threading
 import time
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.checkpoint.lock import Holder
+from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch import slurm_env
-from elastic_harness.launch.config import node_options
+from elastic_harness.launch.config import node_options, worker_malloc_environ
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
-from elastic_harness.rundir import prepare
+from elastic_harness.rundir import handed_resolved, prepare
 from elastic_harness.spec import load_job
 
 
@@ -50,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, help="worker-group restarts (or PET_MAX_RESTARTS)")
     p.add_argument("--job-id", help="the submission this agent belongs to, which holds the run dir "
                                     "(default: the rendezvous id)")
+    p.add_argument("--submission", default="",
+                   help="token of the submission this agent belongs to (`run` passes its own): the run "
+                        "dir's lock then refuses another submission that pinned the same rendezvous id")
     p.add_argument("--node", default="", help="a name for this node in events and logs "
                                               "(default: SLURM_NODEID in an allocation, else the host name)")
     p.add_argument("--local-addr", help="this node's address, if the hostname does not resolve to it")
@@ -78,8 +83,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
     """Check every option before anything is created, then prepare the run dir and run."""
     from elastic_harness.cluster import free_port
 
-    spec = load_job(args.job, args.set)
+    spec = load_job(args.job, args.set)  # the one parse of the job in this process
+    require_spec_extras(spec)
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
+    # Given the run dir's resolved spec (by `run`, its owner): the workers read that file,
+    # so this agent neither rewrites it nor runs another job over it.
+    owner_wrote = handed_resolved(args.job, run_dir)
+    if owner_wrote and args.set:
+        raise HarnessError(f"--set cannot change {args.job}: it is the job this run directory's "
+                           "owner resolved, and the workers read it as written",
+                           "pass the job's own YAML with --set, or set the values where the job is submitted")
     opts = node_options(spec, run_dir, {k: getattr(args, k) for k in _FLAGS}, os.environ, pick_port=free_port)
     if not opts.rdzv_id:
         raise HarnessError("no rendezvous id", "pass --rdzv-id (all of the job's nodes must share it) or set PET_RDZV_ID")
@@ -88,8 +101,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise HarnessError(f"--endpoint-port {args.endpoint_port} is not a port", "pick 0..65535 (0 = any free port)")
     job_id = args.job_id or opts.rdzv_id
     # The job submission holds the run dir: this job's agents (and its `run`) share it.
-    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id)):
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id, submission=args.submission),
+                 key_file=opts.key_file, record_spec=not owner_wrote):
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
+        os.environ.update(worker_malloc_environ(os.environ))  # before the zygote starts (launch.config)
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
         code = _serve(args, spec, opts, run_dir, node, job_id)
         if not args.no_summary:
@@ -120,7 +135,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
         from elastic_harness.launch.endpoint import Endpoint, stall_bound
 
         try:
-            endpoint = Endpoint(run_dir / "events.jsonl", job=spec.name, node=node,
+            endpoint = Endpoint(run_dir / runfiles.EVENTS, job=spec.name, node=node,
                                 host=args.endpoint_host, port=args.endpoint_port,
                                 stall_s=stall_bound(spec))
         except OSError as e:  # port taken, or a host name that does not resolve here
@@ -129,7 +144,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
                                "or an address of this machine for --endpoint-host") from None
         print(f"endpoint: http://{args.endpoint_host}:{endpoint.port}/progress", flush=True)
     _announce_worker_logs(node, job_id)
-    progress = None if args.no_progress else _ProgressPrinter(run_dir / "events.jsonl", spec.train.steps)
+    progress = None if args.no_progress else _ProgressPrinter(run_dir / runfiles.EVENTS, spec.train.steps)
     try:
         health = (lambda fn: setattr(endpoint, "agent_health", fn)) if endpoint is not None else None
         return run_agent(spec, opts, node=node, on_health=health, zygote=zygote)
@@ -197,10 +212,10 @@ def _write_summary(run_dir: Path) -> None:
     from elastic_harness.events import read_events
     from elastic_harness.summary import summarize
 
-    path = run_dir / "summary.json"
-    tmp = path.with_name(f".summary.json.{os.getpid()}")
+    path = run_dir / runfiles.SUMMARY
+    tmp = path.with_name(f".{runfiles.SUMMARY}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(summarize(read_events(run_dir / "events.jsonl")), indent=2))
+        tmp.write_text(json.dumps(summarize(read_events(run_dir / runfiles.EVENTS)), indent=2))
         os.replace(tmp, path)
     except OSError as e:
         print(f"warning: cannot write {path}: {e.strerror or e}", file=sys.stderr)

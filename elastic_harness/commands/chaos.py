@@ -10,6 +10,7 @@ import argparse
 import subprocess
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.chaos.inject import request
 from elastic_harness.chaos.vocabulary import check_netns, parse_fault
 from elastic_harness.errors import HarnessError
@@ -40,7 +41,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     run_dir = Path(args.target)
     if args.fault is None:
         raise HarnessError("no fault given", "e.g. elastic-harness chaos RUN_DIR kill-worker:1")
-    events = current_invocation(read_events(run_dir / "events.jsonl"))
+    events = current_invocation(read_events(run_dir / runfiles.EVENTS))
     if not any(e["event"] == "start" and e.get("who") == "host" for e in events):
         raise HarnessError(f"{run_dir} has no job started by `elastic-harness run`",
                            "pass the run directory of a job running on this machine")

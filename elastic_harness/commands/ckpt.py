@@ -3,7 +3,11 @@
 DIR may be a run directory (its ``checkpoints/``, or the ``checkpoint.dir`` its resolved
 job names), a checkpoint root, one ``step-NNNNNNN`` directory, or an ``s3://`` URL of
 either. Everything here runs in one process, without a process group, on CPU.
-A checkpoint directory is trusted input: DCP unpickles its ``.metadata``.
+DCP unpickles a checkpoint's ``.metadata``: nothing here reads one whose manifest is not
+signed with the run's key (``job.key`` beside the checkpoints, or ``--key FILE``) unless the
+user says ``--trust``; ``ckpt trust`` signs checkpoints the user vouches for (an older
+run's, written before checkpoints were signed, or another job's), ``ckpt import`` signs
+what it imports. ``ls`` and ``verify`` read no pickle and only report signatures.
 Modules that import torch (``offline``, ``export``) are imported by the commands that use
 them, so ``--help`` stays fast.
 """
@@ -12,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from elastic_harness import jobkey
 from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
@@ -36,16 +42,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--verify", choices=integrity.VERIFY_MODES, default="size",
                    help="how hard to check each one (default size; full re-hashes every file)")
     a.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    _key_flags(a)
     a.set_defaults(func=cmd_ls)
     a = acts.add_parser("verify", help="check checkpoints against their manifests (exit 1 if any is bad)")
     a.add_argument("dir")
     a.add_argument("--mode", choices=integrity.VERIFY_MODES, default="full")
+    _key_flags(a)
     a.set_defaults(func=cmd_verify)
     a = acts.add_parser("export", help="write the model as one plain state dict (.pt or .safetensors)")
     a.add_argument("dir")
     a.add_argument("--to", required=True, metavar="FILE", help="model.pt or model.safetensors")
     a.add_argument("--step", type=int, help="which step (default: the newest that verifies)")
+    _key_flags(a)
     a.set_defaults(func=cmd_export)
+    a = acts.add_parser("trust", help="sign checkpoints you vouch for with the run's key (an older "
+                                      "run's unsigned ones, another job's)")
+    a.add_argument("dir", help="a run dir, a checkpoint dir or one step dir")
+    a.add_argument("--key", metavar="FILE", help="the key of the run that will load them, created if "
+                                                 "absent (default: the job.key beside the checkpoints)")
+    a.set_defaults(func=cmd_trust)
     a = acts.add_parser("import", help="start a run from a legacy single-file checkpoint (weights, "
                                        "optimizer state, a position you name)")
     a.add_argument("file", help="a torch.save file (read with weights_only=True) or .safetensors")
@@ -60,14 +75,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
     a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
     a.add_argument("b")
+    _key_flags(a)
     a.set_defaults(func=cmd_diff)
+
+
+def _key_flags(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--key", metavar="FILE", help="the run's key, to check signatures (default: the "
+                                                 "job.key beside the checkpoints)")
+    a.add_argument("--trust", action="store_true", help="do not check signatures: you vouch for these "
+                                                        "files (reading a checkpoint unpickles it)")
+
+
+def _key(args: argparse.Namespace, loc, required: bool) -> bytes | None:
+    """The key to check ``loc``'s signatures with; None when the user vouches (``--trust``)
+    or, where ``required`` is False, when no key is found (said on stderr)."""
+    if args.trust:
+        print("--trust: signatures not checked; you vouch for these files", file=sys.stderr)
+        return None
+    path = Path(args.key) if args.key else loc.key_file
+    if path is None:
+        if required:
+            raise CheckpointError(f"cannot check who wrote the checkpoints in {loc.storage.root}: no job.key "
+                                  "beside them", "pass --key RUN_DIR/job.key, or --trust if you trust these "
+                                  "files (reading a checkpoint unpickles it)")
+        print("note: signatures not checked (no job.key beside the checkpoints; pass --key FILE)", file=sys.stderr)
+        return None
+    return jobkey.read(path)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
 
     loc = offline.locate(args.dir)
-    rows = offline.describe(loc.storage, args.verify)
+    rows = offline.describe(loc.storage, args.verify, _key(args, loc, required=False))
     if loc.step is not None:
         rows = [r for r in rows if r["name"] == loc.step]
     if args.json:
@@ -87,9 +127,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _status(row: dict, mode: str) -> str:
     if not row["complete"]:
         return row["problem"]
-    if mode == "none":
-        return "complete"
-    return f"complete, verified ({mode})" if row["verified"] else f"CORRUPT: {row['problem']}"
+    if row["verified"] is False:
+        label = {"unsigned": "UNSIGNED", "forged": "FORGED"}.get(row.get("kind", ""), "CORRUPT")
+        return f"{label}: {row['problem']}"
+    return "complete" if mode == "none" else f"complete, verified ({mode})"
 
 
 def _human(n: int) -> str:
@@ -104,7 +145,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
 
     loc = offline.locate(args.dir)
-    rows = offline.describe(loc.storage, args.mode)
+    rows = offline.describe(loc.storage, args.mode, _key(args, loc, required=False))
     if loc.step is not None:
         rows = [r for r in rows if r["name"] == loc.step]
         if not rows:
@@ -126,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint.export import save_model_file
 
     loc = offline.locate(args.dir)
-    name = offline.pick(loc, "full", args.step)
+    name = offline.pick(loc, "full", args.step, _key(args, loc, required=True))
     tensors = offline.load_model_tensors(loc.storage.reader(name))
     size = save_model_file(tensors, Path(args.to))
     params = sum(t.numel() for t in tensors.values())
@@ -135,21 +176,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_of(target: str):
+def _model_of(target: str, args: argparse.Namespace):
     from elastic_harness.checkpoint import offline
     from elastic_harness.checkpoint.export import load_model_file
 
     if Path(target).suffix in _FILE_SUFFIXES and Path(target).is_file():
         return load_model_file(Path(target)), target
     loc = offline.locate(target)
-    name = offline.pick(loc, "full")
+    name = offline.pick(loc, "full", key=_key(args, loc, required=True))
     return offline.load_model_tensors(loc.storage.reader(name)), loc.storage.uri(name)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
 
-    (a, where_a), (b, where_b) = _model_of(args.a), _model_of(args.b)
+    (a, where_a), (b, where_b) = _model_of(args.a, args), _model_of(args.b, args)
     result = {"a": where_a, "b": where_b, **offline.compare(a, b)}
     print(json.dumps(result, indent=1))
     return 0 if result["comparable"] else 1
@@ -175,15 +216,39 @@ def cmd_import(args: argparse.Namespace) -> int:
             "step": step, "world_size": 1, "imported_from": Path(args.file).name}
     name = layout.step_dirname(step)
     # An import is a (short) job of its own: it must not write under a running one.
-    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, f"import-{uuid.uuid4().hex[:12]}")):
-        save_single_process(storage, name, state, info)
-    print(f"imported {args.file} -> {storage.uri(name)} ({len(weights)} tensors, {optimizer}, step {step})")
+    with prepare(run_dir, spec, holder=Holder.this_process(spec.name, f"import-{uuid.uuid4().hex[:12]}")) as claim:
+        key = jobkey.read(claim.path / jobkey.KEY_FILE)
+        save_single_process(storage, name, state, info, key=key)
+    print(f"imported {args.file} -> {storage.uri(name)} ({len(weights)} tensors, {optimizer}, step {step}); "
+          f"signed with {run_dir / jobkey.KEY_FILE}: you vouch for the file's contents")
     if legacy.position and args.step is None and args.epoch is None:
         said = ", ".join(f"{k} {v}" for k, v in legacy.position.items())
         print(f"note: the file says {said}; this import starts at step 0: name where to continue with "
               "--epoch E (E full passes done) or --step N")
     print(f"train from it with: elastic-harness run {args.job} --run-dir {run_dir}")
     return 0
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    """Sign each complete checkpoint at DIR that passes a full check against its manifest."""
+    from elastic_harness.checkpoint import offline
+
+    loc = offline.locate(args.dir)
+    path = Path(args.key) if args.key else loc.key_file
+    if path is None:
+        raise CheckpointError(f"no job.key beside {loc.storage.root}",
+                              "pass --key RUN_DIR/job.key: the key of the run that will load them")
+    names = [loc.step] if loc.step else [d.name for d in layout.scan(loc.storage.listing()) if d.complete]
+    if not names:
+        raise CheckpointError(f"no complete checkpoint in {loc.storage.root}", "check the path")
+    key = jobkey.ensure(path) if args.key else jobkey.read(path)  # --key: created if absent (a legacy run)
+    bad = 0
+    for name in names:
+        verdict = integrity.trust(loc.storage, name, key)
+        bad += not verdict.ok
+        print(f"{name}: " + (f"signed with {path} (you vouch for its contents)" if verdict.ok
+                             else f"NOT signed: {verdict.reason}"))
+    return 1 if bad else 0
 
 
 def import_position(step: int | None, epoch: int | None, dataset_size: int, global_batch: int,

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.errors import HarnessError
 from elastic_harness.lifecycle import display, registry
 from elastic_harness.lifecycle.api import LogQuery
@@ -43,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--node", help="only this node's agent and worker logs")
     p.add_argument("--since", help="only what was written since: a duration (90s, 10m, 2h) or a time "
                                    "(HH:MM[:SS] today, or YYYY-MM-DD HH:MM[:SS])")
+    p.add_argument("--all", action="store_true", help="also torch's INFO lines and C++ stack traces "
+                                                      "(hidden by default; the files keep them)")
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("stop", help="stop a job: drain and save (default), or --now kill it")
@@ -75,7 +78,7 @@ def _record_of_run_dir(run_dir: Path, root: Path) -> JobRecord:
     from elastic_harness.events import read_events
     from elastic_harness.lifecycle.local import supervisor_of
 
-    starts = [e for e in read_events(run_dir / "events.jsonl") if e.get("event") == "start" and e.get("who") == "host"]
+    starts = [e for e in read_events(run_dir / runfiles.EVENTS) if e.get("event") == "start" and e.get("who") == "host"]
     if not starts:
         raise HarnessError(f"'{run_dir}' holds no job (no events.jsonl with a start)",
                            "pass the run directory of a job, or a job id (elastic-harness list)")
@@ -108,7 +111,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     record = resolve(args.job, root)
     if record.run_dir and (args.rank is not None or args.node is not None):
         check_log_target(record, args.rank, args.node, root)
-    query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since)
+    query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since, all=args.all)
     with contextlib.suppress(KeyboardInterrupt):  # the way to end `logs -f`
         scheduler_for(record.scheduler, root).logs(record, query, sys.stdout)
     return 0

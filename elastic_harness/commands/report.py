@@ -13,6 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from elastic_harness import runfiles
+from elastic_harness.deps import MissingExtra, require_extra
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.events import read_events
 from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
@@ -38,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_timeline(run_dir: Path) -> Timeline:
-    path = run_dir / "events.jsonl"
+    path = run_dir / runfiles.EVENTS
     if not path.is_file():
         raise RunDirError(f"no events.jsonl in '{run_dir}'", "name a run directory that 'elastic-harness run' wrote")
     events = read_events(path)
@@ -49,12 +51,17 @@ def load_timeline(run_dir: Path) -> Timeline:
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
+    if not args.no_plot:
+        try:
+            require_extra("report")
+        except MissingExtra as e:
+            raise MissingExtra(f"{e.message}, or pass --no-plot") from None
     tl = load_timeline(run_dir)
     plot_path = None
     if not args.no_plot:
         from elastic_harness.report.plot import draw
 
-        plot_path = draw(tl, run_dir / "report.png", title=f"{run_dir.name}: " + _headline(tl))
+        plot_path = draw(tl, run_dir / runfiles.REPORT_PLOT, title=f"{run_dir.name}: " + _headline(tl))
     if args.json:
         print(json.dumps(as_json(tl, run_dir, plot_path), indent=1))
     else:
@@ -131,7 +138,12 @@ def final_checkpoint(run_dir: Path):
 
     root = _checkpoint_root(run_dir)
     storage = open_storage(root)
-    choice = newest_usable(storage, "full")
+    key = _run_key(run_dir)
+    choice = newest_usable(storage, "full", key=key)  # reads manifests and checksums, no pickle
+    if choice.chosen is not None and key is None:
+        raise CheckpointError(f"cannot check who wrote the checkpoints of '{run_dir}': it has no job.key "
+                              "(a run from before checkpoints were signed)",
+                              f"if you trust them: elastic-harness ckpt trust {run_dir} --key {run_dir}/job.key")
     if choice.chosen is not None:
         return storage, choice.chosen.name
     if not choice.complete:
@@ -139,6 +151,15 @@ def final_checkpoint(run_dir: Path):
                               "finish the run first, or name a run dir that has saved checkpoints")
     raise CheckpointError(f"no checkpoint in {root} verifies: " + "; ".join(f"{s.name}: {s.reason}" for s in choice.failed),
                           "see 'elastic-harness ckpt ls' for the run dir")
+
+
+def _run_key(run_dir: Path) -> bytes | None:
+    """The run's key (its checkpoints are read only if signed with it, docs/security.md),
+    or None for a run from before checkpoints were signed."""
+    from elastic_harness import jobkey
+
+    path = run_dir / jobkey.KEY_FILE
+    return jobkey.read(path) if path.is_file() else None
 
 
 def _checkpoint_root(run_dir: Path) -> str:

@@ -9,17 +9,20 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes
+from elastic_harness import exitcodes, runfiles
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.cluster import LocalCluster, free_port
+from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
+from elastic_harness.launch.policy import finish_bound_s
 from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import check_paths, prepare
@@ -101,12 +104,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
     spec = preflight(spec, Path(args.job))
+    require_spec_extras(spec)
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
-    holder = Holder.this_process(spec.name, rdzv_id)  # the agents join this submission's locks
+    # The agents join this submission's locks: by its token, so that another submission that
+    # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
+    holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
     with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder) as claim:
         run_dir = claim.path
         register_run(spec, run_dir, Path(args.job), rdzv_id)
-        code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id)
+        code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
+                            submission=holder.submission)
     if code == 0 and args.verify:
         from elastic_harness.commands.report import cmd_verify
 
@@ -188,14 +195,15 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
-def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "") -> int:
-    events = EventLog(run_dir / "events.jsonl")
+def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
+                 submission: str = "") -> int:
+    events = EventLog(run_dir / runfiles.EVENTS)
     chaos = ChaosController(faults, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
         endpoint = _endpoint(spec, topology)
-        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology)
+        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission)
     finally:
         if topology is not None:
             topology.teardown()
@@ -216,19 +224,20 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None) -> int:
-    tail = EventTail(run_dir / "events.jsonl")
+            topology: NetnsTopology | None, submission: str = "") -> int:
+    tail = EventTail(run_dir / runfiles.EVENTS)
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
-    cluster = LocalCluster(run_dir / "job.resolved.yaml", run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend, netns=topology)
+    cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
+                           backend=spec.rendezvous.backend, netns=topology,
+                           extra_args=("--submission", submission) if submission else ())
     progress = Progress(spec.train.steps)
-    fatal = None
+    fatal, lingering = None, ""
     stop = StopSignal()
     try:
         cluster.start()
-        fatal = _supervise(cluster, tail, progress, chaos, spec, stop)
+        fatal, lingering = _supervise(cluster, tail, progress, chaos, spec, stop)
         unjoined = chaos.unjoined(cluster.running()) if progress.state.finished else []
     finally:
         chaos.thaw(cluster)
@@ -239,7 +248,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
             chaos.observe(e, cluster)
         progress.close()
     _what_did_not_happen(chaos, unjoined, progress.state.step)
-    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state)
+    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state, lingering)
 
 
 def _what_did_not_happen(chaos: ChaosController, unjoined: list[int], step: int) -> None:
@@ -285,39 +294,72 @@ POLL_S = 0.05
 
 
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec,
-               stop: StopSignal) -> str | None:
-    """Follow events until every agent exits; returns a fatal message if one was logged.
+               stop: StopSignal) -> tuple[str | None, str]:
+    """Follow events until every agent exits; returns a fatal message if one was logged, and
+    what was cut short: after the last step, every node of the last worker group gets
+    ``policy.finish_bound_s`` to exit (a rank may go on working after ``run.close()``); those
+    still running then are named here. Nodes outside that group (say, a frozen one the job
+    went on without) are left to ``cluster.stop`` once the group's nodes are done.
 
     Agents end by themselves: on success, after too few nodes for rendezvous.join_timeout,
-    when isolated from the rendezvous, or when their restarts run out. Once the job has
-    finished, a node that has not exited within the shutdown grace (say, a frozen one that
-    is no longer part of the job) is left to ``cluster.stop``. A stop signal ends it at once.
+    when isolated from the rendezvous, or when their restarts run out. A stop signal ends it
+    at once.
     """
     finished_at = None
+    bound = finish_bound_s(spec.timeouts.process_group, spec.timeouts.shutdown_grace)
+    where: dict[int, str] = {}  # rank -> node of its newest worker; key -1: the newest world size
     while stop.signum is None:
         for e in tail.read():
             progress.update(e)
             chaos.observe(e, cluster)
             if e["event"] == "failure" and e.get("fatal"):
-                return e["message"]
+                return e["message"], ""
             if e["event"] == "finish":
                 finished_at = time.monotonic()
+            if e["event"] == "worker":
+                where[int(e.get("rank", -1))], where[-1] = str(e.get("node", "")), str(e.get("world_size", 0))
         chaos.tick(cluster)
         if all(code is not None for code in cluster.poll().values()):
             for e in tail.read():
                 progress.update(e)
                 chaos.observe(e, cluster)
-            return None
-        if finished_at and time.monotonic() - finished_at > spec.timeouts.shutdown_grace + 10:
-            return None
-        if finished_at and len(chaos.unjoined(cluster.running())) == len(cluster.running()):
-            return None  # only nodes that never joined are left: nothing to wait for
+            return None, ""
+        if finished_at:
+            members = group_members(where)
+            running = [i for i in cluster.running() if not members or str(i) in members]
+            if not running or len(chaos.unjoined(cluster.running())) == len(cluster.running()):
+                return None, ""  # nothing left of the last group, or only nodes that never joined
+            if time.monotonic() - finished_at > bound:
+                return None, cut_short(running, members, bound)
         time.sleep(POLL_S)
-    return None
+    return None, ""
+
+
+def group_members(where: dict[int, str]) -> dict[str, set[int]]:
+    """Pure: node -> ranks of the newest worker group, from each rank's newest ``worker``
+    event (``where[rank]`` its node, ``where[-1]`` the newest world size): every rank of a
+    group announces itself, so ranks below the newest world size were all in it."""
+    members: dict[str, set[int]] = {}
+    for rank in range(int(where.get(-1, 0) or 0)):
+        if rank in where:
+            members.setdefault(where[rank], set()).add(rank)
+    return members
+
+
+def cut_short(running: Sequence[int], ranks: dict[str, set[int]], bound_s: float) -> str:
+    """Pure: one line naming the nodes (and their ranks) still running ``bound_s`` after the
+    last step ("" when none)."""
+    if not running:
+        return ""
+    named = ", ".join(f"node {i}" + (f" (ranks {', '.join(map(str, sorted(ranks[str(i)])))})"
+                                     if ranks.get(str(i)) else "") for i in running)
+    return (f"the last step finished, but {named} still ran {bound_s:.0f}s later (timeouts.process_group + "
+            "timeouts.shutdown_grace) and were stopped: what they did after the last step (run.close() "
+            "and after) was cut short")
 
 
 def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None,
-            stopped_by: int | None, state: RunState) -> int:
+            stopped_by: int | None, state: RunState, lingering: str = "") -> int:
     """Decide the outcome (``outcome``) from ``state`` (this invocation's events, folded as
     they were read), log the host's ``exit``, then write ``summary.json`` from the whole log
     (exit included, so its goodput is the one ``report`` prints).
@@ -328,11 +370,11 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
     code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits)
+                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering)
     events.emit("exit", who="host", code=code, message=message)
-    summary = summarize(read_events(run_dir / "events.jsonl"))
+    summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
     print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
@@ -343,13 +385,19 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
 
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
             codes: dict[int, int | None], drained_at: int | None = None,
-            agent_exits: Sequence[tuple[int, str]] = ()) -> tuple[int, str]:
+            agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "",
+            cut_short: str = "") -> tuple[int, str]:
     """Pure: the host's exit code and message (``exitcodes``), from what happened
-    (``drained_at`` and ``agent_exits`` as ``runstate.RunState`` keeps them)."""
+    (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them;
+    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step)."""
     if fatal:
         return exitcodes.PERMANENT, fatal
+    if finished and cut_short:
+        return exitcodes.FAILED, cut_short
     if finished:
         return exitcodes.OK, ""
+    if superseded:  # a fenced generation's finish is not the job's
+        return exitcodes.FAILED, superseded
     if permanent:  # a crash loop (or a fatal error): restarting cannot help
         return exitcodes.PERMANENT, permanent
     saved = "no step was drained" if drained_at is None else f"drained and saved at step {drained_at}"

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.checkpoint import lock
 from elastic_harness.errors import HarnessError, RunDirError
 from elastic_harness.launch.config import new_rdzv_id
@@ -107,7 +108,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _make(run_dir: Path) -> None:
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / runfiles.LOGS).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"cannot create run directory '{run_dir}': {e.strerror or e}",
                           "pass --run-dir to a directory you can write") from None

@@ -36,7 +36,14 @@ Contract with ``elastic-harness agent`` (``elastic_harness/commands/agent.py``)
 
 Limits: the StatefulSet restarts pods that exit 0, so delete the plain job when it is done;
 object names are baked into flags, so rename through the job's ``name``, not kustomize's
-``namePrefix``; etcd runs without TLS, guarded by the NetworkPolicy only.
+``namePrefix``.
+
+Secrets (issue 22, docs/security.md): nothing secret is rendered. The pods need
+``<job>-key`` (key ``job.key``: the job's HMAC key, mounted at /etc/elastic-harness/key and
+named by ``ELASTIC_HARNESS_KEY_FILE``); with an etcd, ``<job>-etcd-tls`` (server and peer
+certificate, ``tls.crt``/``tls.key``/``ca.crt``) and ``<job>-etcd-client-tls`` (the agents'
+client certificate, passed as rendezvous settings: https, ``--client-cert-auth``). The
+NetworkPolicy admits only pods labelled with this job's id (``elastic-harness.io/job-id``).
 """
 
 from elastic_harness.k8s.common import FLAVORS, RenderError

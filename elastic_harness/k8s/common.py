@@ -22,6 +22,13 @@ ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 ETCD_MEMBERS = 3  # survives the loss of one member; one etcd is a single point of failure
 OPERATOR_PORT_NAME = "pytorchjob-port"  # the operator reads the rendezvous port from this name
+ETCD_METRICS_PORT = 2381  # etcd's plain-http /health for probes (client port needs a client cert)
+# Secrets the user (or cert-manager) provides; mounted read-only, never rendered (docs/security.md)
+KEY_DIR = f"{JOB_DIR}/key"  # the job's HMAC key (``jobkey``): Secret <job>-key, key job.key
+KEY_FILE = f"{KEY_DIR}/job.key"
+ETCD_TLS_DIR = "/etc/etcd/tls"  # etcd's server/peer certificate: Secret <job>-etcd-tls
+ETCD_CLIENT_TLS_DIR = f"{JOB_DIR}/etcd-tls"  # the agents' client certificate: <job>-etcd-client-tls
+JOB_LABEL = "elastic-harness.io/job-id"  # on this job's pods only: what the NetworkPolicy admits
 
 # Object names get suffixes ("-worker", "-etcd-client") and StatefulSet pods add "-N" and a
 # revision hash label of their own; 40 characters leaves room under the 63-character limit.
@@ -59,6 +66,18 @@ class Names:
     def etcd_client(self) -> str:
         return f"{self.base}-etcd-client"
 
+    @property
+    def key_secret(self) -> str:
+        return f"{self.base}-key"
+
+    @property
+    def etcd_tls_secret(self) -> str:
+        return f"{self.base}-etcd-tls"
+
+    @property
+    def etcd_client_tls_secret(self) -> str:
+        return f"{self.base}-etcd-client-tls"
+
 
 @dataclass(frozen=True)
 class Target:
@@ -91,6 +110,18 @@ def labels(target: Target, component: str | None = None) -> dict:
     if component:
         out["app.kubernetes.io/component"] = component
     return out
+
+
+def job_id(target: Target) -> str:
+    """The id every pod of this job shares and no other workload's pod carries: the
+    rendezvous id (``submit`` pins a fresh one per submission), else the job name."""
+    return target.spec.rendezvous.id or target.names.base
+
+
+def pod_labels(target: Target, component: str) -> dict:
+    """A pod template's labels: the selector's plus ``JOB_LABEL`` (kept out of selectors,
+    which cannot change, so a resubmission may carry a new id)."""
+    return {**labels(target, component), JOB_LABEL: job_id(target)}
 
 
 def metadata(target: Target, name: str, component: str | None = None) -> dict:

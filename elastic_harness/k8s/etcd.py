@@ -5,18 +5,30 @@ torch's etcd backends speak etcd's v2 API (python-etcd), so the members run with
 volume: a member that restarts with an empty data dir cannot rejoin its cluster. The
 volumes are deleted with the StatefulSet, so a re-applied job starts with a fresh etcd
 (etcd remembers finished rendezvous ids for about two hours).
+
+TLS and authentication (issue 22): clients and peers speak https, and etcd admits only
+clients with a certificate signed by the job's CA (``--client-cert-auth``). The server and
+peer certificate come from the Secret ``<job>-etcd-tls`` (``tls.crt``, ``tls.key``,
+``ca.crt``: cert-manager's layout; SANs ``*.<job>-etcd``, ``<job>-etcd-client``), the
+agents' client certificate from ``<job>-etcd-client-tls``; neither is rendered (the user or
+cert-manager provides them, docs/security.md). Probes read ``/health`` over plain http on
+the separate metrics port, which serves no keys.
 """
 
 from __future__ import annotations
 
 from elastic_harness.k8s.common import (
     ETCD_CLIENT_PORT,
+    ETCD_CLIENT_TLS_DIR,
     ETCD_MEMBERS,
+    ETCD_METRICS_PORT,
     ETCD_PEER_PORT,
+    ETCD_TLS_DIR,
     Target,
     labels,
     metadata,
     obj,
+    pod_labels,
 )
 from elastic_harness.k8s.pod import container_security, pod_security
 
@@ -26,6 +38,12 @@ _VOLUME_SIZE = "1Gi"  # rendezvous state is a few keys
 
 def client_endpoint(target: Target) -> str:
     return f"{target.names.etcd_client}:{ETCD_CLIENT_PORT}"
+
+
+def client_tls_conf(target: Target) -> dict[str, str]:
+    """The rendezvous settings (torch's etcd-v2 keys) for https with the client certificate."""
+    return {"protocol": "https", "ca_cert": f"{ETCD_CLIENT_TLS_DIR}/ca.crt",
+            "ssl_cert": f"{ETCD_CLIENT_TLS_DIR}/tls.crt", "ssl_cert_key": f"{ETCD_CLIENT_TLS_DIR}/tls.key"}
 
 
 def etcd_objects(target: Target) -> list[dict]:
@@ -56,20 +74,27 @@ def etcd_objects(target: Target) -> list[dict]:
 def _args(target: Target) -> list[str]:
     svc = target.names.etcd
     members = ",".join(
-        f"{svc}-{i}=http://{svc}-{i}.{svc}:{ETCD_PEER_PORT}" for i in range(ETCD_MEMBERS)
+        f"{svc}-{i}=https://{svc}-{i}.{svc}:{ETCD_PEER_PORT}" for i in range(ETCD_MEMBERS)
     )
+    tls = ETCD_TLS_DIR
     # $(POD_NAME) is expanded by the kubelet from the container's env, not by a shell
     return [
         "--name=$(POD_NAME)",
         f"--data-dir={_DATA}/data",
-        f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
-        f"--advertise-client-urls=http://$(POD_NAME).{svc}:{ETCD_CLIENT_PORT}",
-        f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
-        f"--initial-advertise-peer-urls=http://$(POD_NAME).{svc}:{ETCD_PEER_PORT}",
+        f"--listen-client-urls=https://0.0.0.0:{ETCD_CLIENT_PORT}",
+        f"--advertise-client-urls=https://$(POD_NAME).{svc}:{ETCD_CLIENT_PORT}",
+        f"--listen-peer-urls=https://0.0.0.0:{ETCD_PEER_PORT}",
+        f"--initial-advertise-peer-urls=https://$(POD_NAME).{svc}:{ETCD_PEER_PORT}",
+        f"--listen-metrics-urls=http://0.0.0.0:{ETCD_METRICS_PORT}",
         f"--initial-cluster={members}",
         "--initial-cluster-state=new",
         f"--initial-cluster-token={svc}",
         "--enable-v2=true",
+        # clients and peers: https, and only with a certificate signed by the job's CA
+        f"--cert-file={tls}/tls.crt", f"--key-file={tls}/tls.key", f"--trusted-ca-file={tls}/ca.crt",
+        "--client-cert-auth=true",
+        f"--peer-cert-file={tls}/tls.crt", f"--peer-key-file={tls}/tls.key",
+        f"--peer-trusted-ca-file={tls}/ca.crt", "--peer-client-cert-auth=true",
     ]
 
 
@@ -84,12 +109,13 @@ def _container(target: Target) -> dict:
         "ports": [
             {"name": "client", "containerPort": ETCD_CLIENT_PORT},
             {"name": "peer", "containerPort": ETCD_PEER_PORT},
+            {"name": "metrics", "containerPort": ETCD_METRICS_PORT},
         ],
         "resources": {
             "requests": {"cpu": "100m", "memory": "256Mi"},
             "limits": {"memory": "512Mi"},
         },
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "client"}, "periodSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "metrics"}, "periodSeconds": 5},
         "livenessProbe": {
             "tcpSocket": {"port": "client"},
             "initialDelaySeconds": 10,
@@ -97,7 +123,8 @@ def _container(target: Target) -> dict:
             "failureThreshold": 6,
         },
         "securityContext": container_security(),
-        "volumeMounts": [{"name": "data", "mountPath": _DATA}],
+        "volumeMounts": [{"name": "data", "mountPath": _DATA},
+                         {"name": "tls", "mountPath": ETCD_TLS_DIR, "readOnly": True}],
     }
 
 
@@ -117,12 +144,14 @@ def _statefulset(target: Target) -> dict:
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector},
         "template": {
-            "metadata": {"labels": selector},
+            "metadata": {"labels": pod_labels(target, "etcd")},
             "spec": {
                 "automountServiceAccountToken": False,
                 "enableServiceLinks": False,
                 "securityContext": pod_security(target),
                 "containers": [_container(target)],
+                "volumes": [{"name": "tls", "secret": {"secretName": target.names.etcd_tls_secret,
+                                                        "defaultMode": 0o440}}],
             },
         },
         "volumeClaimTemplates": [claim],

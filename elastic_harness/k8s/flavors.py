@@ -8,8 +8,8 @@ rendered alongside, passed to the agent as flags.
 
 from __future__ import annotations
 
-from elastic_harness.k8s.common import OPERATOR_PORT_NAME, Target, labels, metadata, obj
-from elastic_harness.k8s.etcd import client_endpoint, etcd_objects
+from elastic_harness.k8s.common import OPERATOR_PORT_NAME, Target, job_id, labels, metadata, obj
+from elastic_harness.k8s.etcd import client_endpoint, client_tls_conf, etcd_objects
 from elastic_harness.k8s.pod import agent_args, pod_template
 
 # spec.rendezvous.backend -> the operator's RDZVBackend values (a plain string in the CRD;
@@ -24,7 +24,7 @@ def rendezvous_id(target: Target) -> str:
     ``submit --scheduler k8s`` sets ``rendezvous.id`` to a fresh id per submission (a failed
     job's id can stay closed for hours); manifests rendered by hand keep the job name.
     """
-    return target.spec.rendezvous.id or target.names.base
+    return job_id(target)
 
 
 def render_plain(target: Target) -> list[dict]:
@@ -36,6 +36,7 @@ def render_plain(target: Target) -> list[dict]:
         "nnodes": f"{spec.nodes.min}:{spec.nodes.max}",
         "nproc-per-node": spec.nproc_per_node,
         "max-restarts": spec.max_restarts,
+        "rdzv-conf": ",".join(f"{k}={v}" for k, v in client_tls_conf(target).items()),  # https + client cert
     }
     selector = labels(target, "worker")
     service = {
@@ -51,7 +52,7 @@ def render_plain(target: Target) -> list[dict]:
         # every node joins at once; the rendezvous, not the pod order, forms the group
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector},
-        "template": pod_template(target, agent_args(target, flags), []),
+        "template": pod_template(target, agent_args(target, flags), [], etcd_client=True),
     }
     meta = metadata(target, target.names.worker, "worker")
     return [
@@ -70,9 +71,6 @@ def render_pytorchjob(target: Target) -> list[dict]:
         "rdzvBackend": backend,
         "rdzvId": rendezvous_id(target),
         "maxRestarts": spec.max_restarts,
-        # deprecated in favour of spec.nprocPerNode, but only this one becomes
-        # PET_NPROC_PER_NODE in the operator's elastic env generator
-        "nProcPerNode": spec.nproc_per_node,
     }
     ports: list[dict] = []
     extra: list[dict] = []
@@ -83,14 +81,21 @@ def render_pytorchjob(target: Target) -> list[dict]:
     else:
         host, port = client_endpoint(target).rsplit(":", 1)
         policy.update(rdzvHost=host, rdzvPort=int(port))
+        # becomes PET_RDZV_CONF: https and the agents' client certificate
+        policy["rdzvConf"] = [{"key": k, "value": v} for k, v in client_tls_conf(target).items()]
         extra = etcd_objects(target)
     worker = {
         "replicas": spec.nodes.max,
         # ExitCode retries 128..255 and fails on 1..127: a preempted agent exits 143 (128+15)
         # and an infrastructure failure 200 (exitcodes.INFRA), both retried; a mistake exits 2
         "restartPolicy": "ExitCode",
-        "template": pod_template(target, agent_args(target, {}), ports),
+        "template": pod_template(target, agent_args(target, {}), ports, etcd_client=backend != "c10d"),
     }
-    body = {"elasticPolicy": policy, "pytorchReplicaSpecs": {"Worker": worker}}
+    # spec.nprocPerNode, not elasticPolicy.nProcPerNode (deprecated since operator v1.7; the
+    # webhook forbids both). The operator's elastic env generator turns only the deprecated
+    # one into PET_NPROC_PER_NODE; without it the agent reads nproc_per_node from the job in
+    # the ConfigMap, the same number.
+    body = {"nprocPerNode": str(spec.nproc_per_node), "elasticPolicy": policy,
+            "pytorchReplicaSpecs": {"Worker": worker}}
     job = obj("kubeflow.org/v1", "PyTorchJob", metadata(target, target.names.base), spec=body)
     return [*extra, job]

@@ -9,11 +9,14 @@ from __future__ import annotations
 from elastic_harness.k8s.common import (
     CONTAINER,
     DATA_DIR,
+    ETCD_CLIENT_TLS_DIR,
     JOB_DIR,
     JOB_FILE,
+    KEY_DIR,
+    KEY_FILE,
     RenderError,
     Target,
-    labels,
+    pod_labels,
 )
 
 S3_PREFIX = "s3://"
@@ -64,7 +67,9 @@ def agent_args(target: Target, flags: dict[str, object]) -> list[str]:
 
 
 def _env(target: Target) -> list[dict]:
-    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "HOME", "value": "/tmp"}]
+    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": "HOME", "value": "/tmp"},
+           # the job's key (jobkey): a path to the mounted Secret, never the key itself
+           {"name": "ELASTIC_HARNESS_KEY_FILE", "value": KEY_FILE}]
     if uses_s3(target):
         secret = target.spec.deploy.s3_secret
         for key in _S3_REQUIRED + _S3_OPTIONAL:
@@ -120,7 +125,10 @@ def pod_security(target: Target) -> dict:
     }
 
 
-def container(target: Target, args: list[str], ports: list[dict]) -> dict:
+def container(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False) -> dict:
+    secrets = [{"name": "key", "mountPath": KEY_DIR, "readOnly": True}]
+    if etcd_client:
+        secrets.append({"name": "etcd-tls", "mountPath": ETCD_CLIENT_TLS_DIR, "readOnly": True})
     return {
         "name": CONTAINER,
         "image": target.image,
@@ -140,11 +148,12 @@ def container(target: Target, args: list[str], ports: list[dict]) -> dict:
             {"name": "data", "mountPath": DATA_DIR},
             {"name": "shm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
+            *secrets,
         ],
     }
 
 
-def _volumes(target: Target) -> list[dict]:
+def _volumes(target: Target, etcd_client: bool) -> list[dict]:
     names = target.names
     # with s3:// checkpoints the run files stay in the pod and go with it
     data = (
@@ -158,23 +167,28 @@ def _volumes(target: Target) -> list[dict]:
         {"name": "data", **data},
         {"name": "shm", "emptyDir": shm},
         {"name": "tmp", "emptyDir": {}},
+        # Secrets the user or cert-manager provides (docs/security.md); 0440: the pod's group
+        {"name": "key", "secret": {"secretName": names.key_secret, "defaultMode": 0o440}},
+        *([{"name": "etcd-tls", "secret": {"secretName": names.etcd_client_tls_secret, "defaultMode": 0o440}}]
+          if etcd_client else []),
     ]
 
 
-def pod_template(target: Target, args: list[str], ports: list[dict]) -> dict:
-    """The node pod template; the grace period outlasts the agent's drain-and-save."""
+def pod_template(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False) -> dict:
+    """The node pod template; the grace period outlasts the agent's drain-and-save.
+    ``etcd_client``: mount the agents' etcd client certificate (etcd backends)."""
     check_storage(target)
     check_devices(target)
     spec = target.spec
     grace = spec.timeouts.shutdown_grace + spec.deploy.grace_margin
     return {
-        "metadata": {"labels": labels(target, "worker")},
+        "metadata": {"labels": pod_labels(target, "worker")},
         "spec": {
             "automountServiceAccountToken": False,  # the agent never calls the API server
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": grace,
             "securityContext": pod_security(target),
-            "containers": [container(target, args, ports)],
-            "volumes": _volumes(target),
+            "containers": [container(target, args, ports, etcd_client)],
+            "volumes": _volumes(target, etcd_client),
         },
     }

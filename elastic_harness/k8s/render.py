@@ -11,8 +11,10 @@ from elastic_harness import __version__
 from elastic_harness.k8s.common import (
     FLAVORS,
     JOB_DIR,
+    JOB_LABEL,
     RenderError,
     Target,
+    job_id,
     labels,
     metadata,
     names_for,
@@ -86,11 +88,13 @@ def _volume_claim(target: Target) -> dict:
 
 
 def _network_policy(target: Target) -> dict:
-    """The c10d store, gloo/NCCL and etcd have no authentication: only this job's pods get in.
+    """The c10d store and gloo/NCCL have no authentication: only this job's pods get in,
+    picked by ``JOB_LABEL`` (this submission's id, on its pods only), not by the labels
+    every job of this name carries.
 
     Collective ports are ephemeral, so the policy admits every port between the job's pods.
     """
-    mine = {"matchLabels": labels(target)}
+    mine = {"matchLabels": {**labels(target), JOB_LABEL: job_id(target)}}
     policy = {
         "podSelector": mine,
         "policyTypes": ["Ingress"],

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elastic_harness import exitcodes
+from elastic_harness import exitcodes, runfiles
 from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
-from elastic_harness.launch.policy import stop_reason
+from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import HostSlots
 from elastic_harness.spec import JobSpec
 
@@ -59,18 +59,41 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
             slots.close()
 
 
-def _judge(path: Path, node: str, since: float) -> Callable[[], str | None]:
-    """``policy.stop_reason`` over the failures logged since this agent started, read as the
-    log grows. (Reading the whole log at each failure cost ~0.3 s per 20,000 events, on the
-    path of every restart, and grew with the run.)"""
-    tail = EventTail(path)  # from the end: the failures of this agent's attempts come later
-    failures: list[dict] = []
+class Witness:
+    """What the agent learns from the run's log as it grows: the failures logged since it
+    started (for ``policy.stop_reason``) and the job's highest completed step (for the
+    restart budget). Reading the whole log at each failure cost ~0.3 s per 20,000 events, on
+    the path of every restart, and grew with the run; so it reads only what was appended,
+    and the agent's monitor loop calls ``poll`` every ``POLL_S`` to keep each read small."""
 
-    def judge() -> str | None:
-        failures.extend(e for e in tail.read(containing=b'"failure"') if e.get("event") == "failure")
-        return stop_reason(failures, node, since)
+    POLL_S = 1.0
 
-    return judge
+    def __init__(self, path: Path, node: str, since: float) -> None:
+        self._tail = EventTail(path)  # from the end: this agent's attempts come later
+        self._node, self._since = node, since
+        self.failures: list[dict] = []
+        self.high_step = 0
+        self._last_poll = 0.0
+
+    def poll(self, force: bool = True) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_poll < self.POLL_S:
+            return
+        self._last_poll = now
+        for e in self._tail.read():
+            kind = e.get("event")
+            if kind == "failure":
+                self.failures.append(e)
+            elif kind in ("step", "finish") and isinstance(e.get("step"), int):
+                self.high_step = max(self.high_step, e["step"])
+
+    def judge(self) -> str | None:
+        self.poll()
+        return stop_reason(self.failures, self._node, self._since)
+
+    def progress(self) -> int:
+        self.poll()
+        return self.high_step
 
 
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
@@ -80,44 +103,89 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from elastic_harness.launch import watchdog
-    from elastic_harness.launch.elastic import Launch
 
     run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    events = EventLog(run_dir / "events.jsonl")
-    config = launch_config(spec, opts)
-    config.event_log_handler = bridge.install(events, node)
+    events = EventLog(run_dir / runfiles.EVENTS)
+    events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
+                nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
     # Step watchdog: workers renew a file timer around each step (runtime.timer); a hung
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
-    started = time.time()
-    r, t = spec.rendezvous, spec.timeouts
-    launch = Launch(config, *command,
-                    judge=_judge(run_dir / "events.jsonl", node, started),
-                    quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
-                    zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None))
-    if on_health is not None:
-        on_health(launch.agent.health)
-    events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
-                nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
-    code, message = EXIT_OK, ""
+    code, message, launch = EXIT_OK, "", None
     try:
+        # Inside the try: the rendezvous handler is built here, and a backend that cannot
+        # be reached at start-up raises then (a RendezvousConnectionError).
+        witness = Witness(run_dir / runfiles.EVENTS, node, time.time())
+        launch = _launch(spec, opts, node, command, zygote, events, witness)
+        timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
+                                             spec.timeouts.step)
+        if on_health is not None:
+            on_health(launch.agent.health)
         launch.run()
     except SignalException as e:
         code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"
     except ChildFailedError as e:
-        reason = launch.agent.stop_reason
-        code, message = (EXIT_PERMANENT, reason) if reason else (EXIT_FAILED, _first_failure(e))
+        reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
+        if reason:
+            code, message = EXIT_PERMANENT, reason
+        else:
+            code, message = EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
     except RendezvousError as e:
         code = rendezvous_exit_code(type(e).__name__)
-        message = explain_rendezvous_error(type(e).__name__, str(e), opts, spec.rendezvous.join_timeout)
+        detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
+        message = explain_rendezvous_error(type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
+                                           at_start=launch is None or not launch.agent.formed)
     finally:
         timer_server.stop()
         if cutoff is not None:
             cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
+
+
+def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, events: EventLog,
+            witness: Witness):
+    """This node's ``launch.elastic.Launch``: torchelastic's agent with our rendezvous handler."""
+    from elastic_harness.launch.elastic import Launch
+
+    config = launch_config(spec, opts)
+    config.event_log_handler = bridge.install(events, node)
+    r, t = spec.rendezvous, spec.timeouts
+    return Launch(config, *command, judge=witness.judge, progress=witness.progress,
+                  restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
+                  quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
+                  zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
+                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace))
+
+
+def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
+                  last_step: Callable[[], int], timeout_s: float) -> Callable[[int, float], None]:
+    """The watchdog's report of a worker it killed (``launch.watchdog``): a ``hang`` failure
+    naming the rank, the job's last completed step and how long the worker was silent.
+    Called on the watchdog's thread."""
+
+    def report(pid: int, silent_s: float, state: str = "") -> None:
+        rank = rank_of(pid)
+        step = last_step()
+        who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
+        events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
+                    seconds=round(silent_s, 3), state=state,
+                    message=hang_message(who, step, silent_s, timeout_s, state))
+
+    return report
+
+
+_STATES = {"T": " (it was stopped by a signal)", "t": " (it was stopped by a tracer)",
+           "D": " (in uninterruptible sleep: I/O or a driver)"}
+
+
+def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: str = "") -> str:
+    """Pure: one line for a worker the step watchdog killed; ``state`` its /proc state
+    before the kill, which tells the frozen rank from the peers waiting on it."""
+    return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
+            f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
 
 
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
@@ -129,10 +197,11 @@ def phase_reporter(events: EventLog, node: str, *, warm: bool):
     return report
 
 
-def _first_failure(err) -> str:
+def _first_failure(err, max_restarts: int, window: int) -> str:
     rank, failure = err.get_first_failure()
     msg = failure.message if isinstance(failure.message, str) else str(failure.message)
-    return f"workers failed after all restarts (first: rank {rank}, exit {failure.exitcode}): {msg[:300]}"
+    return exhausted_message(max_restarts + 1, max_restarts, window,
+                             f"rank {rank} exit {failure.exitcode}: {msg[:300]}")
 
 
 def rendezvous_exit_code(kind: str) -> int:
@@ -141,8 +210,12 @@ def rendezvous_exit_code(kind: str) -> int:
     return EXIT_PERMANENT if kind == "RendezvousClosedError" else EXIT_INFRA
 
 
-def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_timeout: int) -> str:
-    """Pure: one line saying what a rendezvous failure means for this job."""
+def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_timeout: int,
+                             at_start: bool = False) -> str:
+    """Pure: one line saying what a rendezvous failure means for this job (``at_start``:
+    before this agent's first rendezvous completed)."""
+    if kind == "RendezvousConnectionError" and at_start:
+        return unreachable_backend(opts, detail)
     if kind == "RendezvousTimeoutError":
         return (f"too few nodes: fewer than nodes.min={opts.min_nodes} joined within "
                 f"rendezvous.join_timeout={join_timeout}s; checkpoints are intact, start enough "
@@ -154,3 +227,19 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
     if kind == "RendezvousClosedError":
         return f"rendezvous '{opts.rdzv_id}' is closed (that job already finished); use a new id"
     return f"rendezvous failed: {kind}: {detail[:300]}"
+
+
+def unreachable_backend(opts: NodeOptions, detail: str) -> str:
+    """Pure: the line for a rendezvous backend that cannot be used at start-up."""
+    detail = " ".join(detail.split())[:200]
+    v2 = "--enable-v2 (torch's etcd rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
+    if opts.rdzv_backend == "c10d":
+        fix = ("start the agent that hosts the c10d store (--is-host) first, at that address, or fix "
+               "rendezvous.endpoint (--rdzv-endpoint)")
+    elif "404" in detail:  # an etcd that answers, without the v2 API
+        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}; "
+                "nothing was trained, re-run once it is up")
+    else:
+        fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
+    return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "
+            f"{fix}; nothing was trained, re-run once it is up")

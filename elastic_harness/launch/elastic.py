@@ -8,9 +8,15 @@ monitoring, restarts: all torch's) with three overrides:
   ``timeouts.shutdown_grace`` (the launch config's shutdown timeout, which torch already
   uses when the agent itself is signalled).
 - ``_monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
-  error or crash loop?) and, if it gives a reason, spend no more restarts. It also notes
-  when it last ran, so ``health()`` can tell a live agent from a stuck one.
-- ``_start_workers``: with a ``zygote`` (``launch.zygote``), the workers are forks of it
+  error or crash loop?) and, if it gives a reason, spend no more restarts. Otherwise it
+  settles the restart budget: torch's ``max_restarts`` counts every failure of the agent's
+  life; here only failures without progress count (``policy.restarts_left`` over the job's
+  highest completed step at each failure, from ``progress()``), and torch's counter is
+  refilled accordingly (``policy.budget_refill``, which keeps torch's restart count, the
+  attempt number, as it is) or emptied with ``exhausted`` saying why. It also notes when it
+  last ran, so ``health()`` can tell a live agent from a stuck one.
+- ``_start_workers``: the process context it makes stops a failed group's survivors within
+  ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
   then calls its module-level ``start_processes``, which has no parameter for the kind of
   process context; for the duration of that call it is ``warm_processes`` instead (the
@@ -44,7 +50,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_harness.launch import rendezvous
-from elastic_harness.launch.policy import agent_health
+from elastic_harness.launch.policy import (
+    agent_health,
+    budget_refill,
+    exhausted_message,
+    failed_stop_grace,
+    restarts_left,
+)
 from elastic_harness.launch.warm import WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 
@@ -53,9 +65,18 @@ Report = Callable[[str, int], None]
 
 class HarnessAgent(LocalElasticAgent):
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 zygote: Zygote | None = None, report: Report | None = None, **kwargs: Any) -> None:
+                 zygote: Zygote | None = None, report: Report | None = None,
+                 progress: Callable[[], int] | None = None, restart_window: int = 0,
+                 tick: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._judge = judge
+        self._progress = progress or (lambda: 0)
+        self._tick = tick or (lambda: None)  # each monitor pass: keeps the log reader current
+        self._window = restart_window
+        self._budget = self._worker_group.spec.max_restarts  # the user's, before any refill
+        self._failure_steps: list[int] = []
+        self.exhausted: str | None = None  # why the restart budget ran out, when it did
+        self.formed = False  # a rendezvous completed and workers were started
         self._quiet_bound_s = quiet_bound_s
         self._last_monitor = time.monotonic()
         self._zygote = zygote
@@ -76,15 +97,30 @@ class HarnessAgent(LocalElasticAgent):
         else:
             with _processes_from(self._zygote, self._phase):
                 pids = super()._start_workers(worker_group)
+        self.formed = True
+        if self._pcontext is not None:
+            bound_failure_close(self._pcontext, failed_stop_grace(self._shutdown_timeout))
         self._phase("started")
         return pids
+
+    def rank_of(self, pid: int) -> int | None:
+        """The global rank of this agent's worker ``pid`` (None if it is not one of them)."""
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        for worker in self._worker_group.workers:
+            if pids.get(worker.local_rank) == pid:
+                return worker.global_rank
+        return None
 
     def _stop_workers(self, worker_group: Any) -> None:
         self._shutdown(timeout=self._shutdown_timeout)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
+        self._tick()
+        before = self._remaining_restarts
         result = super()._monitor_workers(worker_group)
+        # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
+        disabled_by_torch = before > 0 and self._remaining_restarts == 0
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
@@ -93,7 +129,42 @@ class HarnessAgent(LocalElasticAgent):
             if reason:
                 self.stop_reason = reason
                 self._remaining_restarts = 0
+            elif not disabled_by_torch:
+                self._settle_budget(result)
         return result
+
+    def _settle_budget(self, result: RunResult) -> None:
+        """One failure seen: refill torch's counter for the restarts left, or empty it."""
+        self._failure_steps.append(self._progress())
+        left = restarts_left(self._failure_steps, self._budget, self._window)
+        spec = self._worker_group.spec
+        if left < 0:
+            counted = self._budget - left
+            self.exhausted = exhausted_message(counted, self._budget, self._window, first_failure(result))
+            self._remaining_restarts = 0
+            return
+        spec.max_restarts, self._remaining_restarts = budget_refill(spec.max_restarts, self._remaining_restarts, left)
+
+
+def bound_failure_close(pcontext: Any, grace_s: float) -> None:
+    """Make ``pcontext.close()`` without a timeout (what torch's and ``WarmContext``'s
+    ``_poll`` call when a worker failed, to stop the rest) wait ``grace_s``, not torch's fixed
+    30 s (``policy.failed_stop_grace``). Calls with a timeout (the agent's ``_shutdown``:
+    drains, stop requests) keep theirs."""
+    close = pcontext.close
+
+    def bounded(death_sig: Any = None, timeout: float | None = None) -> None:
+        close(death_sig, grace_s if timeout is None else timeout)
+
+    pcontext.close = bounded
+
+
+def first_failure(result: RunResult) -> str:
+    """'rank R exit C' of a failed group's first failure, for one-line messages."""
+    if not result.failures:
+        return "the worker group failed"
+    rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+    return f"rank {rank} exit {failure.exitcode}"
 
 
 @contextlib.contextmanager
@@ -127,7 +198,9 @@ class Launch:
 
     def __init__(self, config: Any, entrypoint: Callable | str, args: list[Any],
                  judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 zygote: Zygote | None = None, report: Report | None = None) -> None:
+                 zygote: Zygote | None = None, report: Report | None = None,
+                 progress: Callable[[], int] | None = None, restart_window: int = 0,
+                 tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -144,7 +217,9 @@ class Launch:
         self.agent = HarnessAgent(spec=self.spec, logs_specs=config.logs_specs,
                                   start_method=config.start_method,
                                   shutdown_timeout=config.shutdown_timeout, judge=judge,
-                                  quiet_bound_s=quiet_bound_s, zygote=zygote, report=report)
+                                  quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
+                                  progress=progress, restart_window=restart_window, tick=tick,
+                                  exit_barrier_timeout=exit_barrier_s)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,

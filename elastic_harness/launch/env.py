@@ -18,6 +18,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastic_harness.jobkey import KEY_FILE_VAR  # the job's key, when not the run dir's
+
 NODE_VAR = "ELASTIC_HARNESS_NODE"  # set by our agent for its workers
 JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
 RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
@@ -45,6 +47,8 @@ class WorkerEnv:
     agent_store: bool = False  # MASTER_PORT is the agent's shared rendezvous store
     agent_pid: int = 0  # the elastic agent's pid when ours started this worker, else 0
     memory: str = ""  # the agent's in-memory checkpoint slots, as ``memtier.host`` describes them
+    key_file: str = ""  # the job's key when provided from outside (``jobkey``), else the run dir's
+    group_world_size: int = 0  # nodes in the current rendezvous (torchelastic's); 0 = not said
 
     @property
     def by_harness(self) -> bool:
@@ -59,7 +63,7 @@ class WorkerEnv:
         if missing and standalone_ok and len(missing) == 4:
             return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, group_rank=0,
                        restart_count=0, max_restarts=0, run_id="", master_addr="",
-                       master_port=0, launched=False)
+                       master_port=0, launched=False, group_world_size=1)
         if missing:
             raise RuntimeError(
                 f"worker started without {', '.join(missing)}: it must be launched by the "
@@ -83,4 +87,6 @@ class WorkerEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
             agent_pid=int(env.get(AGENT_PID_VAR, "0") or 0),
             memory=env.get(MEMORY_VAR, ""),
+            key_file=env.get(KEY_FILE_VAR, ""),
+            group_world_size=int(env.get("GROUP_WORLD_SIZE", "0") or 0),
         )

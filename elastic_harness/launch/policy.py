@@ -73,3 +73,68 @@ def agent_health(group_state: str, monitor_quiet_s: float, bound_s: float) -> tu
     if monitor_quiet_s > bound_s:
         return False, f"agent loop silent for {monitor_quiet_s:.0f}s (bound {bound_s:.0f}s)"
     return True, f"worker group {group_state.lower()}"
+
+
+# ----- the restart budget ----------------------------------------------------------------------
+# torchelastic's ``max_restarts`` is a lifetime budget: a job that recovers from every crash
+# still dies at the (max_restarts + 1)-th one, however far apart they are. The harness spends
+# it on failures *without progress* instead: each failure is stamped with the job's highest
+# completed step when it was seen, and it stops counting once the job has completed
+# ``restart_window`` more steps. Failures at the same high-water mark (failed restarts, a
+# replay from storage that fails again before passing it) all count.
+
+
+def restarts_left(failure_steps: list[int], max_restarts: int, window: int) -> int:
+    """Pure: restarts this agent may still make after its newest failure (negative: none,
+    the budget is spent). ``failure_steps``: the job's highest completed step at each of
+    this agent's failures, oldest first, the newest included; ``window``: steps of progress
+    after which a failure no longer counts (0: never, torchrun's lifetime budget)."""
+    if not failure_steps:
+        return max_restarts
+    newest = max(failure_steps)
+    counted = [s for s in failure_steps if window == 0 or s > newest - window]
+    return max_restarts - len(counted)
+
+
+def budget_refill(max_restarts: int, remaining: int, left: int) -> tuple[int, int]:
+    """Pure: torchelastic's ``(spec.max_restarts, _remaining_restarts)`` that let it make
+    this restart and ``left`` more, keeping its restart count (``max - remaining``, which
+    numbers the attempts: events, store prefixes) as it is. torch takes one off
+    ``_remaining_restarts`` as it restarts."""
+    count = max_restarts - remaining
+    return count + left + 1, left + 1
+
+
+def exhausted_message(failures: int, max_restarts: int, window: int, last: str) -> str:
+    """Pure: one line for a spent restart budget: the limit and how to raise it."""
+    span = f"within {window} steps of progress" if window else "in this job's lifetime"
+    times = f"{failures} time" + ("s" if failures != 1 else "")
+    return (f"restarts used up: the workers failed {times} {span} (max_restarts={max_restarts}, "
+            f"restart_window={window}); last: {last}; raise max_restarts (--set max_restarts=N, "
+            "or --max-restarts N for an agent) or restart_window, then re-run to resume")
+
+
+# ----- stopping a failed group -------------------------------------------------------------------
+# When a worker of a group fails, torch's process contexts stop the rest with ``close()``, whose
+# default grace is a fixed 30 s (``PContext.close(timeout=30)``) before SIGKILL. A survivor that
+# does not exit on SIGTERM at once (blocked in a collective whose peer died without resetting the
+# connection: gloo waits for ``timeouts.process_group``) held every such recovery for 30 s. A
+# failed group has nothing to drain: it cannot save (a rank is gone) and each rank's in-memory
+# snapshot already lives in its agent. A membership change or a stop request, which do save,
+# keep ``timeouts.shutdown_grace``.
+FAILED_STOP_GRACE_S = 3.0
+
+
+def failed_stop_grace(shutdown_grace: float) -> float:
+    """Pure: seconds the survivors of a failed group get after SIGTERM, before SIGKILL."""
+    return min(float(shutdown_grace), FAILED_STOP_GRACE_S)
+
+
+# ----- after the last step ------------------------------------------------------------------------
+def finish_bound_s(process_group: float, shutdown_grace: float) -> float:
+    """Pure: how long every rank may take to exit once the job's last step is done: a last
+    collective with a slow peer (``timeouts.process_group``) and a last save
+    (``timeouts.shutdown_grace``). The host waits this long for every agent (``commands.run``)
+    and each agent this long for the others (torch's exit barrier) before stopping them; what
+    is still running then is reported as cut short."""
+    return float(process_group) + float(shutdown_grace)

@@ -44,6 +44,12 @@ frames directly: the same events, in microseconds.
 
 No start-up skew at restarts: see ``delay``.
 
+Authenticated state (issue 22): torch pickles the rendezvous state into the c10d store or
+etcd, and unpickles whatever it reads back; both are writable by anyone who reaches them.
+The backends here are torch's with the state sealed under the job's key
+(``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
+one logged line, and the job carries on with the last authentic state.
+
 Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
 agent then uses the handler as torch's own.
 """
@@ -58,6 +64,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.events import (
@@ -75,6 +82,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
+
+from elastic_harness import jobkey
+from elastic_harness.deps import require_torch
 
 # Fallbacks when a key is missing from the rendezvous config (torch's own defaults).
 _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
@@ -158,13 +168,16 @@ def _seconds(params: RendezvousParameters, key: str) -> float:
     return float(params.get(key, _DEFAULTS[key]))
 
 
-def _backend(params: RendezvousParameters) -> tuple[Any, Any]:
-    """torch's state backend and store for ``params.backend`` (what its own creators build)."""
+def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
+    """torch's state backend and store for ``params.backend`` (what its own creators build),
+    with the state sealed under ``key`` and a c10d store bound to one address
+    (``launch.sealed``)."""
+    from elastic_harness.launch import sealed
+
+    seal = sealed.StateSeal(key, params.run_id)
     if params.backend == "c10d":
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-    else:
-        from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
-    return create_backend(params)
+        return sealed.create_c10d_backend(params, seal)
+    return sealed.create_etcd_backend(params, seal)
 
 
 class _Handler(DynamicRendezvousHandler):
@@ -227,9 +240,12 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
     record_rdzv_event(event)
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d and etcd-v2 backends; any other backend exactly as torch's registry makes it."""
+    c10d and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
+    file that the config's ``key_file`` names: ``launch.config.rdzv_configs``); any other
+    backend exactly as torch's registry makes it."""
+    require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
     dynamic_rendezvous.get_method_name = method_name  # see the module docstring
     dynamic_rendezvous.construct_and_record_rdzv_event = record_event
     dynamic_rendezvous._delay = delay
@@ -237,7 +253,11 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         return get_rendezvous_handler(params)
-    backend, store = _backend(params)
+    if key is None:
+        if not params.get("key_file"):
+            raise ValueError("the rendezvous needs the job's key (key_file in its config)")
+        key = jobkey.read(Path(params.get("key_file")))
+    backend, store = _backend(params, key)
     timeout = timeout_from(params)
     handler = _Handler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,

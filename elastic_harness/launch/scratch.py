@@ -29,6 +29,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from elastic_harness import runfiles
+
 INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 _FIFO = re.compile(r"watchdog-(?P<host>.+)-(?P<pid>\d+)\.fifo")
 
@@ -37,12 +39,12 @@ def torch_environ(run_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
     """Pure: variables to add to an agent's environment (its workers inherit them)."""
     if environ.get(INDUCTOR_CACHE_VAR):
         return {}
-    return {INDUCTOR_CACHE_VAR: str(Path(run_dir) / "cache" / "torchinductor")}
+    return {INDUCTOR_CACHE_VAR: str(Path(run_dir) / runfiles.CACHE / "torchinductor")}
 
 
 def watchdog_fifo(run_dir: Path, host: str, pid: int) -> Path:
     """The step watchdog FIFO of agent ``pid`` on ``host``: one per agent, in the run dir."""
-    return Path(run_dir) / "tmp" / f"watchdog-{_safe(host)}-{pid}.fifo"
+    return Path(run_dir) / runfiles.TMP / f"watchdog-{_safe(host)}-{pid}.fifo"
 
 
 def stale_fifos(names: Iterable[str], host: str, alive: Callable[[int], bool]) -> list[str]:

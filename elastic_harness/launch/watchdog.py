@@ -9,6 +9,10 @@ with one change: it never signals the agent. Workers find the FIFO through
 The FIFO lives in the run dir (``launch.scratch.watchdog_fifo``), so an agent killed
 outright leaves nothing in the system temp dir. Where the run dir cannot hold a FIFO (some
 FUSE mounts), it goes to a private temp dir that ``stop()`` removes.
+A worker it kills leaves no exception behind, so the server says what it did: ``on_reap``
+(set by the agent once it knows its workers) hears the pid and how long since that worker
+last armed its timer, and the agent records a ``hang`` failure (``launch.agent``).
+
 Call order: ``start()`` once, before the workers start; ``stop()`` once, after they ended.
 """
 
@@ -20,6 +24,8 @@ import shutil
 import socket
 import stat
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.timer import FileTimerServer
@@ -33,11 +39,26 @@ class WorkerOnlyTimerServer(FileTimerServer):
     def __init__(self, fifo: Path, run_id: str, private_dir: str | None = None) -> None:
         super().__init__(file_path=str(fifo), run_id=run_id, max_interval=0.1, daemon=True)
         self._fifo, self._private_dir = fifo, private_dir
+        self._armed: dict[int, float] = {}  # worker pid -> when it last armed its timer
+        self.on_reap: Callable[[int, float, str], None] | None = None  # (pid, seconds silent, state)
+
+    def register_timers(self, timer_requests: list) -> None:
+        now = time.time()
+        for request in timer_requests:
+            if request.expiration_time >= 0:
+                self._armed[request.worker_pid] = now
+        super().register_timers(timer_requests)
 
     def _reap_worker(self, worker_pid: int, signal: int) -> bool:
         if worker_pid == os.getpid():
             return True  # the worker was reaped; the agent lives on to restart the group
-        return super()._reap_worker(worker_pid, signal)
+        state = process_state(worker_pid)  # before the kill: was it stopped, or waiting?
+        reaped = super()._reap_worker(worker_pid, signal)
+        armed = self._armed.pop(worker_pid, None)
+        if reaped and self.on_reap is not None:
+            with contextlib.suppress(Exception):  # a report must not stop the watchdog
+                self.on_reap(worker_pid, time.time() - armed if armed is not None else 0.0, state)
+        return reaped
 
     def stop(self) -> None:
         super().stop()  # removes the FIFO
@@ -46,6 +67,16 @@ class WorkerOnlyTimerServer(FileTimerServer):
         else:  # RUN_DIR/tmp, unless another agent's FIFO is still in it
             with contextlib.suppress(OSError):
                 os.rmdir(self._fifo.parent)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc ('T' stopped, 'D' uninterruptible, 'S' sleeping,
+    'R' running; '' unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer:

@@ -31,6 +31,7 @@ class LogQuery:
     rank: int | None = None
     node: str | None = None
     since: float | None = None  # unix seconds
+    all: bool = False  # show torch's INFO lines and C++ stack traces too (hidden by default)
 
 
 class Scheduler(Protocol):

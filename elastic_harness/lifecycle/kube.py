@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TextIO
 
 from elastic_harness.errors import HarnessError
-from elastic_harness.lifecycle import kubectl, registry, shell
+from elastic_harness.lifecycle import kubectl, logsource, registry, shell
 from elastic_harness.lifecycle.api import LogQuery, Submission
 from elastic_harness.lifecycle.kubectl import KubeJob
 from elastic_harness.lifecycle.registry import JobRecord
@@ -67,6 +67,7 @@ class KubeScheduler:
         job = KubeJob(names_for(spec).base, o.get("namespace") or "default", o.get("flavor", "pytorchjob"),
                       self.context())
         self._make_room(job)
+        self._ensure_key(job, names_for(spec).key_secret)
         result = self.run(kubectl.apply(job), stdin=to_yaml(manifests))
         if result.returncode != 0:
             raise HarnessError(f"kubectl apply failed: {shell.first_line(result)}",
@@ -74,6 +75,19 @@ class KubeScheduler:
         return JobRecord(id=sub.job_id, name=spec.name, scheduler="k8s", submitted=time.time(),
                          total_steps=spec.train.steps, job_file=str(sub.job_file),
                          k8s={**dataclasses.asdict(job), "endpoint_port": spec.deploy.endpoint_port})
+
+    def _ensure_key(self, job: KubeJob, name: str) -> None:
+        """The job's key Secret, created once (docs/security.md): later submissions reuse it,
+        so the checkpoints it signed stay loadable."""
+        import secrets
+
+        if self.run(kubectl.get_secret(job, name)).stdout.strip():
+            return
+        result = self.run(kubectl.create_key_secret(job, name), stdin=secrets.token_hex(32))
+        if result.returncode != 0:
+            raise HarnessError(f"cannot create the job's key Secret {name}: {shell.first_line(result)}",
+                               f"create it yourself: kubectl create secret generic {name} "
+                               "--from-literal=job.key=$(openssl rand -hex 32)")
 
     def _make_room(self, job: KubeJob) -> None:
         """Refuse while the workload runs; delete a finished PyTorchJob (module doc)."""
@@ -122,11 +136,15 @@ class KubeScheduler:
                                "use --node N (that node's pod), or read RUN_DIR/logs in a pod")
         since = int(max(1, time.time() - query.since)) if query.since else None
         cmd = kubectl.logs(_job(record), query.follow, query.node, since)
+        quiet = None if query.all else logsource.Quiet()  # what is shown (logsource)
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
             assert proc.stdout is not None
             try:
                 for line in proc.stdout:
-                    out.write(line)
+                    for kept in quiet.feed([line.rstrip("\n")], end=False) if quiet else [line.rstrip("\n")]:
+                        out.write(kept + "\n")
+                for kept in quiet.feed([]) if quiet else []:
+                    out.write(kept + "\n")
             finally:
                 proc.terminate()
 

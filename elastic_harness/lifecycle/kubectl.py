@@ -60,6 +60,15 @@ def apply(job: KubeJob) -> list[str]:
     return kubectl(job, "apply", "-f", "-")  # the manifests on stdin
 
 
+def get_secret(job: KubeJob, name: str) -> list[str]:
+    return kubectl(job, "get", "secret", name, "--ignore-not-found", "-o", "name")
+
+
+def create_key_secret(job: KubeJob, name: str) -> list[str]:
+    """The job's key Secret (``jobkey``, docs/security.md), the key on stdin, not in argv."""
+    return kubectl(job, "create", "secret", "generic", name, "--from-file=job.key=/dev/stdin")
+
+
 def get_workload(job: KubeJob) -> list[str]:
     kind, name = job.workload
     return kubectl(job, "get", kind, name, "--ignore-not-found", "-o", "json")

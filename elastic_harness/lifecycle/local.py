@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from elastic_harness import runfiles
 from elastic_harness.checkpoint.lock import pid_alive, process_start
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import read_events
@@ -55,11 +56,11 @@ def supervisor_of(run_dir: Path, start: dict) -> JobRecord:
     """A record for a run dir's newest submission that the registry does not know (started
     before it existed, or elsewhere): its host ``start`` event, and the run dir's lock for
     the supervisor's pid when the lock is that submission's."""
-    from elastic_harness.rundir import RESOLVED, owner
+    from elastic_harness.rundir import owner
     from elastic_harness.spec import load_job
 
     try:
-        spec = load_job(str(run_dir / RESOLVED))
+        spec = load_job(str(run_dir / runfiles.RESOLVED_SPEC))
         name, steps = spec.name, spec.train.steps
     except HarnessError:
         name, steps = run_dir.name, 0
@@ -93,7 +94,7 @@ class LocalScheduler:
         return None  # nothing to install: the supervisor is this package
 
     def submit(self, sub: Submission) -> JobRecord:
-        logs = Path(sub.run_dir) / "logs"
+        logs = Path(sub.run_dir) / runfiles.LOGS
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / supervisor_log(sub.job_id), "ab") as log:
             proc = subprocess.Popen(run_command(sub), stdin=subprocess.DEVNULL, stdout=log,
@@ -107,7 +108,7 @@ class LocalScheduler:
             return Liveness("unknown", detail=f"{where}: cannot be checked from {socket.gethostname()}")
         if pid_alive({"pid": record.pid, "pid_start": record.pid_start}):
             return Liveness("running", detail=where)
-        last = _last_error(Path(record.run_dir) / "logs" / supervisor_log(record.id))
+        last = _last_error(Path(record.run_dir) / runfiles.LOGS / supervisor_log(record.id))
         return Liveness("gone", detail=f"{where} is gone" + (f" ({last})" if last else ""))
 
     def status(self, record: JobRecord) -> JobStatus:
@@ -135,7 +136,7 @@ class LocalScheduler:
 
     def leftovers(self, record: JobRecord) -> list[int]:
         """Pids of this submission's agents and workers (from its events) still running."""
-        mine = invocation_of(read_events(Path(record.run_dir) / "events.jsonl"), record.id)
+        mine = invocation_of(read_events(Path(record.run_dir) / runfiles.EVENTS), record.id)
         pids = {int(e["pid"]) for e in mine if e.get("event") in ("worker",) or
                 (e.get("event") == "start" and e.get("who") == "agent")}
         return sorted(p for p in pids if pid_alive({"pid": p}))

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TextIO
 
+from elastic_harness import runfiles
 from elastic_harness.events import EventTail
 from elastic_harness.lifecycle import logsource
 from elastic_harness.lifecycle.api import LogQuery
@@ -34,6 +35,7 @@ class _Stream:
         self.in_section = not agent_of
         self.since, self.keep = since, True
         self.seen: list[str] = []  # agent streams: the job's lines (for worker_dirs)
+        self.quiet = logsource.Quiet()  # what is shown, unless the query asks for all
 
     def read(self) -> list[str]:
         try:
@@ -66,9 +68,9 @@ class LogReader:
 
     def __init__(self, run_dir: Path, job_id: str, query: LogQuery, extra: Iterable[tuple[str, str]] = (),
                  events: Path | None = None) -> None:
-        self.logs, self.job_id, self.query = Path(run_dir) / "logs", job_id, query
+        self.logs, self.job_id, self.query = Path(run_dir) / runfiles.LOGS, job_id, query
         # ``events``: the event log holding this job (``observe.submission_log``: --fresh moves logs)
-        self.events = EventTail(events or Path(run_dir) / "events.jsonl", start_at_end=False)
+        self.events = EventTail(events or Path(run_dir) / runfiles.EVENTS, start_at_end=False)
         self.ranks: dict[tuple[str, int, int], int] = {}
         self.streams: dict[Path, _Stream] = {}
         self.pending_workers: set[Path] = set()  # files whose rank is not known yet
@@ -120,7 +122,7 @@ class LogReader:
         for stream in sorted(self.streams.values(), key=_order):
             lines = stream.read()
             if self._shown(stream):
-                _write(out, stream.label, lines)
+                _write(out, stream.label, lines if self.query.all else stream.quiet.feed(lines))
 
     def dump(self, out: TextIO) -> None:
         """Everything so far, file by file (module doc). Twice: the agents read in the first

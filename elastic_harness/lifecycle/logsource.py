@@ -30,6 +30,13 @@ _WORKERS = re.compile(r"^=== node (?P<node>\S+): worker logs of job (?P<job>\S+)
 _TIME = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)")
 # torch's own log lines (glog style): level letter, MMDD, time; the year is the reader's
 _GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d)[.\d]* ")
+# What ``logs`` leaves out of what it shows (``--all`` shows it; the files keep everything):
+# torch's INFO lines (glog style, with or without a ``[rankN]:`` prefix) and the frames of a
+# C++ stack trace (``Exception raised from ...`` and ``frame #N: ...``), folded into one line.
+# (kubectl's ``--prefix`` puts ``[pod/NAME/CONTAINER] `` before each line)
+_PREFIX = r"^(\[pod/[^\]]*\] )?(\[rank\d+\]:)?"
+_TORCH_INFO = re.compile(_PREFIX + r"\[?I\d{4} \d\d:\d\d:\d\d")
+_CPP_FRAME = re.compile(_PREFIX + r"(frame #\d+: |Exception raised from )")
 _WORKER_FILE = re.compile(r"attempt_(?P<attempt>\d+)/(?P<local>\d+)/(?P<stream>stdout|stderr)\.log$")
 
 
@@ -112,3 +119,33 @@ def label(node: str | None, rank: int | None = None, attempt: int = 0, what: str
         return f"[{what}]"
     who = (f"rank {rank}" + (f" {what}" if what else "")) if rank is not None else (what or "agent")
     return f"[node {node} {who}{f', restart {attempt}' if attempt else ''}]"
+
+
+class Quiet:
+    """Display filter for one stream, fed its lines in order (``feed`` per read): drops
+    torch's INFO lines and folds each C++ stack trace into one line saying how to see it.
+    The error message above a trace is kept; a trace split across two reads is folded in
+    two parts (or feed it with ``end=False`` and once more at the end)."""
+
+    def __init__(self) -> None:
+        self.hidden = 0  # frames of the trace being folded
+
+    def feed(self, lines: Iterable[str], end: bool = True) -> list[str]:
+        """The lines to show; ``end=False`` keeps a trace at the end open for the next call
+        (a stream read line by line), ``end=True`` folds it now."""
+        out: list[str] = []
+        for line in lines:
+            if _CPP_FRAME.match(line):
+                self.hidden += 1
+                continue
+            self._fold(out)
+            if not _TORCH_INFO.match(line):
+                out.append(line)
+        if end:
+            self._fold(out)
+        return out
+
+    def _fold(self, out: list[str]) -> None:
+        if self.hidden:
+            out.append(f"  [C++ stack trace, {self.hidden} lines: elastic-harness logs --all shows it]")
+            self.hidden = 0

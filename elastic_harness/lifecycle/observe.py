@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.events import read_events
 from elastic_harness.lifecycle import registry
 from elastic_harness.lifecycle.registry import JobRecord
@@ -34,10 +35,10 @@ def submission_log(run_dir: Path, job_id: str) -> Path:
     """The run dir's event log, or, when ``--fresh`` has since moved the log holding this
     submission aside (``events.jsonl.old-STAMP``, ``rundir``), that one: each submission
     keeps its own record (a job that succeeded stays succeeded, its logs keep their ranks)."""
-    current = run_dir / "events.jsonl"
+    current = run_dir / runfiles.EVENTS
     if invocation_of(read_events(current), job_id):
         return current
-    for old in sorted(run_dir.glob("events.jsonl.old-*"), reverse=True):
+    for old in sorted(run_dir.glob(f"{runfiles.EVENTS}.old-*"), reverse=True):
         if invocation_of(read_events(old), job_id):
             return old
     return current

@@ -28,10 +28,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.errors import HarnessError
 
 STATE_VAR = "ELASTIC_HARNESS_STATE_DIR"
-LIFECYCLE_DIR = "lifecycle"  # inside a run dir: stop requests, the Slurm script and job file
+LIFECYCLE_DIR = runfiles.LIFECYCLE  # inside a run dir: stop requests, the Slurm script and job file
 
 
 @dataclass(frozen=True)

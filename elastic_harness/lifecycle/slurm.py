@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from elastic_harness import exitcodes
+from elastic_harness import exitcodes, runfiles
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog
 from elastic_harness.lifecycle import shell
@@ -108,13 +108,13 @@ class SlurmScheduler:
         run_dir = Path(sub.run_dir)
         folder = run_dir / LIFECYCLE_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
+        (run_dir / runfiles.LOGS).mkdir(exist_ok=True)
         job_file = folder / f"{sub.job_id}.job.yaml"
         job_file.write_text(dump_job(sub.spec))
         script = folder / f"{sub.job_id}.sbatch"
         job = ScriptJob(sub.spec.name, str(job_file), str(run_dir), sub.job_id, str(Path.cwd()))
         script.write_text(render(sub.spec, job, SlurmOptions(**sub.options)))
-        events = EventLog(run_dir / "events.jsonl")
+        events = EventLog(run_dir / runfiles.EVENTS)
         n = sub.spec.nodes
         events.emit("start", who="host", nodes=f"{n.min}:{n.max}", nproc_per_node=sub.spec.nproc_per_node,
                     run_id=sub.job_id, run_dir=str(run_dir), scheduler="slurm")

@@ -28,7 +28,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from elastic_harness import exitcodes
+from elastic_harness import exitcodes, runfiles
 from elastic_harness.errors import HarnessError
 from elastic_harness.lifecycle.registry import LIFECYCLE_DIR
 
@@ -93,7 +93,7 @@ def render(spec, job: ScriptJob, options: SlurmOptions) -> str:
              f'STOP_FILE="$RUN_DIR/{LIFECYCLE_DIR}/$JOB_ID.stop"',
              "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1",
              "trap 'echo \"batch: SIGTERM; the agents drain and save\"' TERM",
-             'mkdir -p "$RUN_DIR/logs"', *_rendezvous(spec, options),
+             f'mkdir -p "$RUN_DIR/{runfiles.LOGS}"', *_rendezvous(spec, options),
              '[ -e "$STOP_FILE" ] && { echo "batch: stop requested before the agents started"; exit 143; }', "",
              *_srun(spec, job), "code=$?", "", *_requeue(options), "exit $code", ""]
     return "\n".join(lines)
@@ -103,7 +103,7 @@ def _sbatch_options(spec, job: ScriptJob, o: SlurmOptions) -> list[str]:
     n = spec.nodes
     opts = [f"--job-name={spec.name}", f"--nodes={n.min}" if n.min == n.max else f"--nodes={n.min}-{n.max}",
             "--ntasks-per-node=1", "--requeue", "--open-mode=append",
-            f"--output={job.run_dir}/logs/slurm-%j.out", f"--chdir={job.workdir}",
+            f"--output={job.run_dir}/{runfiles.LOGS}/slurm-%j.out", f"--chdir={job.workdir}",
             f"--signal=TERM@{spec.timeouts.shutdown_grace + SIGNAL_MARGIN_S}"]
     if spec.device == "cuda":
         opts.append(f"--gpus-per-node={spec.nproc_per_node}")
@@ -129,7 +129,7 @@ def _srun(spec, job: ScriptJob) -> list[str]:
              f"--nnodes {spec.nodes.min}:{spec.nodes.max} --nproc-per-node {spec.nproc_per_node} "
              f"--max-restarts {spec.max_restarts}", *([sets] if sets else [])]
     srun = ['srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0',
-            '--output="$RUN_DIR/logs/agent-%n.log" --open-mode=append']
+            f'--output="$RUN_DIR/{runfiles.LOGS}/{runfiles.agent_log("%n")}" --open-mode=append']
     parts = [*srun, *agent]
     return [("  " if i else "") + part + (" \\" if i < len(parts) - 1 else "") for i, part in enumerate(parts)]
 

@@ -12,7 +12,9 @@ one rank measures and proposes ``K`` (``Cadence.proposal``) and the others adopt
 that reaches them in the step's all-reduce. ``due`` then counts steps since the last
 snapshot (or the step the generation started from), which is the same on every rank.
 
-Times are medians over the last ``STEP_WINDOW`` steps and ``WINDOW`` snapshots, leaving
+Times are the median over the last ``STEP_WINDOW`` steps and the interquartile mean over the
+last ``WINDOW`` snapshots (copies alternate between two slots whose copy times can differ 2x:
+a median of a few then jumps between the two modes, and the interval with it), leaving
 out the first step of a generation (data loader start, compilation) and the first snapshot
 into each slot (the first touch of its pages costs 3-5x a later copy): neither swings
 ``K``, nor does an occasional slow step.
@@ -33,13 +35,14 @@ import math
 import statistics
 from collections import deque
 
-WINDOW = 8  # snapshots: one every K steps, so these span 8K steps
+WINDOW = 16  # snapshots: one every K steps, so these span 16K steps
 STEP_WINDOW = 64  # steps: a median of 8 wandered 5-15 ms on a 2-rank toy and flipped K every ~10 steps
 MAX_INTERVAL = 100_000
 HYSTERESIS = 1.25  # lowered once a quarter more than needed still leaves a step to spare
 OVER = 1.1  # raised once over budget by a tenth
 SKIP_STEPS = 1  # the generation's first step
 SKIP_COPIES = 2  # the first snapshot into each of the two slots
+MIN_COPIES = 4  # measured copies before the interval moves off memory_every (two per slot)
 
 
 def interval(copy_s: float, step_s: float, budget: float, least: int) -> int:
@@ -51,6 +54,15 @@ def interval(copy_s: float, step_s: float, budget: float, least: int) -> int:
     if budget <= 0 or step_s <= 0 or copy_s <= 0:
         return least
     return max(least, min(MAX_INTERVAL, math.ceil(copy_s / (budget * step_s) - 1e-9)))
+
+
+def middle_mean(values) -> float:
+    """Pure: the mean of the middle half (interquartile mean); the median below 4 values."""
+    ordered = sorted(values)
+    cut = len(ordered) // 4
+    if cut == 0:
+        return statistics.median(ordered)
+    return statistics.fmean(ordered[cut:len(ordered) - cut])
 
 
 def probe_on(step: int, probe: int) -> bool:
@@ -87,7 +99,7 @@ class Cadence:
 
     def medians(self) -> tuple[float, float]:
         """(snapshot seconds, step seconds) as measured so far; 0 when not yet measured."""
-        return (statistics.median(self._copies) if self._copies else 0.0,
+        return (middle_mean(self._copies) if len(self._copies) >= MIN_COPIES else 0.0,
                 statistics.median(self._steps) if self._steps else 0.0)
 
     def proposal(self, step: int) -> int:
@@ -97,11 +109,13 @@ class Cadence:
         With ``need`` the unrounded interval the budget asks for, the current one is kept
         while ``need`` is at most ``OVER`` above it and not far below it (``need *
         HYSTERESIS < current - 1`` lowers it): measurements wandering around a boundary
-        (2.0 then 2.1 steps) do not flip it between neighbours at every step."""
+        (2.0 then 2.1 steps) do not flip it between neighbours at every step. That holds at
+        the floor too: a ``need`` wandering around 1.0 with ``every`` 1 used to drop to 1 at
+        once each time it dipped (``want == every``) and rise again, ~10 flips a run."""
         copy_s, step_s = self.medians()
         want = interval(copy_s, step_s, self.budget, self.every)
         current = self._current
-        if current is None or want == self.every or copy_s <= 0 or step_s <= 0 or self.budget <= 0:
+        if current is None or copy_s <= 0 or step_s <= 0 or self.budget <= 0:
             self._current = want
         else:
             need = copy_s / (self.budget * step_s)

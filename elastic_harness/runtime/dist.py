@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from elastic_harness.errors import HarnessError
 from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.listen import listener
 
 
 @dataclass
@@ -85,8 +86,13 @@ def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
         return store
     if env.rank != 0:
         wait_for_listener(env.master_addr, env.master_port, timeout.total_seconds())
-    return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                         is_master=env.rank == 0, timeout=timeout, multi_tenant=True)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                             is_master=False, timeout=timeout, multi_tenant=True)
+    # Rank 0 serves on MASTER_ADDR only (the node's --local-addr, 127.0.0.1 in a local run),
+    # not on every interface as TCPStore would: see ``elastic_harness.listen``.
+    sock = listener(env.master_addr, env.master_port)
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                         timeout=timeout, multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.005) -> bool:

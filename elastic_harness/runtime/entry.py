@@ -17,12 +17,17 @@ failed (or drained) worker then exits at once (``failures.exit_now``): its agent
 for that exit to restart the group, and Python's own teardown with torch loaded takes
 seconds.
 
+The job is parsed here, once per process, and handed down (``runtime.jobsource``): the task
+loop gets the ``JobSpec``, the user's script's ``init()`` takes it without reading the file.
+
 Usage: ``python -m elastic_harness.runtime.entry JOB_YAML RUN_DIR``.
 """
 
 import ctypes
 import signal
 import sys
+
+from elastic_harness import runfiles
 
 
 def die_with_parent() -> None:
@@ -52,14 +57,16 @@ def main(argv: list[str]) -> int:
     @record
     def guarded() -> int:
         try:
+            from elastic_harness.runtime import jobsource
             from elastic_harness.spec import load_job
 
-            script = load_job(job_path).script
-            if script.path:
-                return run_script(script.path, [str(a) for a in script.args])
+            spec = load_job(job_path)  # the one parse of the job in this process
+            jobsource.hand_over(spec, run_dir)  # the script's init() takes it from there
+            if spec.script.path:
+                return run_script(spec.script.path, [str(a) for a in spec.script.args])
             from elastic_harness.runtime.worker import main as task_main
 
-            return task_main(job_path, run_dir)
+            return task_main(spec, run_dir)
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:
@@ -101,7 +108,7 @@ def _record(exc: BaseException, run_dir: str) -> None:
         run.record_failure(exc)
         return
     env = WorkerEnv.from_environ(standalone_ok=True)
-    failures.record(EventLog(Path(run_dir) / "events.jsonl"), exc, rank=env.rank, step=None,
+    failures.record(EventLog(Path(run_dir) / runfiles.EVENTS), exc, rank=env.rank, step=None,
                     node=env.node, restart=env.restart_count)
 
 

@@ -7,6 +7,12 @@ plan fetches and collates micro-batches in worker processes, ``data.prefetch`` m
 ahead per worker, pinned when CUDA is present, so loading overlaps compute. Nothing about
 the loader is saved: a restart builds a new one from the restored cursor.
 
+A stream (``data.stream.Stream``) is read by ``StreamLoader`` instead: each loader process
+(or the training process, with ``data.workers: 0``) reads the lanes ``data.order`` gives it
+and yields, per step, the samples of its lanes; the training process puts them in plan order
+and collates them. With ``train.record_samples`` both loaders also return each sample's
+identity and content hash (``runtime.audit``).
+
 Per-item randomness (augmentation in ``__getitem__``) is seeded from ``(seed, stream
 position)`` right before each item is fetched, so it is the same whatever the world size,
 the number of loader processes, or where a restart resumed. The training process's own RNG
@@ -20,9 +26,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, default_collate, get_worker_info
 
+from elastic_harness.data.order import StreamOrder, reader_of_lane, stream_step_plan
+from elastic_harness.data.read import DataError, LaneReaders
 from elastic_harness.data.sampler import EpochOrder, step_plan
+from elastic_harness.data.stream import Stream
+from elastic_harness.errors import HarnessError
+from elastic_harness.runtime.audit import content_hash
 from elastic_harness.runtime.seeding import seed_torch
 
 Plan = list[list[tuple[int, int]]]  # micro-batches of (stream position, dataset index)
@@ -74,21 +85,33 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+class _Hashed:
+    """``collate(items)`` and each item's content hash (``train.record_samples``)."""
+
+    def __init__(self, collate: Callable) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list) -> tuple[Any, list[str]]:
+        return self.collate(items), [content_hash(x) for x in items]
+
+
 class StepLoader:
     """Per step, this rank's micro-batches (collated, on the device) and the plan behind them.
 
     ``plan_of(step)`` gives the plan of the step that *starts* after ``step`` updates; the
     loader is built for steps ``first_step .. last_step`` (exclusive) and must be read in
     order, one ``next_step()`` per optimizer step. ``close()`` stops loader processes.
+    With ``record``, ``meta`` holds the last step's (index, content hash) per sample.
     """
 
     def __init__(self, dataset: Any, plan_of: Callable[[int], Plan], first_step: int,
                  last_step: int, *, seed: int, device: torch.device, collate: Callable | None,
-                 workers: int, prefetch: int, pin_memory: bool) -> None:
-        self.plan_of, self.device = plan_of, device
-        self.collate = collate or default_collate
+                 workers: int, prefetch: int, pin_memory: bool, record: bool = False) -> None:
+        self.plan_of, self.device, self.record = plan_of, device, record
+        self.collate = _Hashed(collate or default_collate) if record else (collate or default_collate)
         self.items = PositionedItems(dataset, seed)
         self.step = first_step
+        self.meta: list | None = None
         self._iter: Iterator | None = None
         self._loader: DataLoader | None = None
         if workers > 0 and last_step > first_step:
@@ -107,12 +130,134 @@ class StepLoader:
             batches = [next(self._iter) for _ in plan]
         else:
             batches = [self.collate([self.items[key] for key in chunk]) for chunk in plan]
+        if self.record:
+            hashes = [h for _, hs in batches for h in hs]
+            self.meta = list(zip([i for chunk in plan for _, i in chunk], hashes, strict=True))
+            batches = [b for b, _ in batches]
         return plan, [to_device(b, self.device) for b in batches]
 
     def close(self) -> None:
         """Stop loader processes (safe to call twice)."""
         self._iter = None
         self._loader = None
+
+
+class _Failure:
+    """A ``HarnessError`` raised in a loader process, carried to the training process as data
+    (``DataLoader`` would re-raise it wrapped in a traceback text)."""
+
+    def __init__(self, e: HarnessError) -> None:
+        self.message, self.hint = e.message, e.hint
+
+
+def _as_is(x: Any) -> Any:
+    return x
+
+
+class StreamSteps(torch.utils.data.IterableDataset):
+    """Per step, the ``(position, sample, (shard, offset), hash)`` of the positions whose lanes
+    this process reads (one list per step, empty if it reads none of that step's lanes)."""
+
+    def __init__(self, stream: Stream, order: StreamOrder, plan_of: Callable[[int], Plan],
+                 first_step: int, last_step: int, world_size: int, seed: int, record: bool) -> None:
+        self.stream, self.order, self.plan_of = stream, order, plan_of
+        self.first, self.last, self.world_size = first_step, last_step, world_size
+        self.seed, self.record = seed, record
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        me, readers = (info.id, info.num_workers) if info is not None else (0, 1)
+        lanes, transform = LaneReaders(self.stream, self.order), self.stream.transform
+        n_lanes = self.order.layout.lanes
+        for step in range(self.first, self.last):
+            out = []
+            for chunk in self.plan_of(step):
+                for position, _ in chunk:
+                    if reader_of_lane(position % n_lanes, self.world_size, readers) != me:
+                        continue
+                    try:
+                        shard, offset, item = lanes.read(position)
+                    except HarnessError as e:
+                        yield _Failure(e)
+                        return
+                    if transform is not None:
+                        s = item_seed(self.seed, position)
+                        seed_torch(s)
+                        random.seed(s)
+                        item = transform(item)
+                    out.append((position, item, (shard, offset), content_hash(item) if self.record else None))
+            yield out
+
+
+class StreamLoader:
+    """``StepLoader``'s contract for a stream: loader processes split this rank's lanes."""
+
+    def __init__(self, stream: Stream, order: StreamOrder, plan_of: Callable[[int], Plan],
+                 first_step: int, last_step: int, *, world_size: int, seed: int,
+                 device: torch.device, collate: Callable | None, workers: int, prefetch: int,
+                 pin_memory: bool, record: bool = False) -> None:
+        self.plan_of, self.device, self.record = plan_of, device, record
+        self.collate = collate or default_collate
+        self.pin = pin_memory and device.type == "cuda"
+        self.step, self.meta = first_step, None
+        self.parts = max(workers, 1)
+        items = StreamSteps(stream, order, plan_of, first_step, last_step, world_size, seed, record)
+        self._loader: DataLoader | None = None
+        if workers > 0 and last_step > first_step:
+            self._loader = DataLoader(items, batch_size=None, num_workers=workers,
+                                      collate_fn=_as_is, prefetch_factor=prefetch)
+            self._iter: Iterator | None = iter(self._loader)
+        else:
+            self._iter = iter(items)
+
+    def next_step(self) -> tuple[Plan, list[Any]]:
+        plan = self.plan_of(self.step)
+        self.step += 1
+        got: dict[int, tuple] = {}
+        for _ in range(self.parts):  # one list per loader process, in process order
+            part = next(self._iter)
+            if isinstance(part, _Failure):
+                raise DataError(part.message, part.hint)
+            got.update((p, rest) for p, *rest in part)
+        batches = [self.collate([got[p][0] for p, _ in chunk]) for chunk in plan]
+        if self.pin:
+            batches = [_pinned(b) for b in batches]
+        if self.record:
+            self.meta = [(got[p][1], got[p][2]) for chunk in plan for p, _ in chunk]
+        return plan, [to_device(b, self.device) for b in batches]
+
+    def close(self) -> None:
+        self._iter = None
+        self._loader = None
+
+
+def _pinned(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return type(batch)((k, _pinned(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_pinned(v) for v in batch)
+    return batch
+
+
+def stream_planner(order: StreamOrder, start_cursor: int, start_step: int, global_batch: int,
+                   world_size: int, rank: int, micro_batch: int) -> Callable[[int], Plan]:
+    """``planner`` for a stream (``data.order.stream_step_plan``), remembering the last few
+    steps' plans (the loader and the training process ask for the same step in turn)."""
+    recent: dict[int, Plan] = {}
+
+    def plan_of(step: int) -> Plan:
+        plan = recent.get(step)
+        if plan is None:
+            cursor = start_cursor + (step - start_step) * global_batch
+            plan = stream_step_plan(order, cursor, global_batch, world_size, rank, micro_batch)
+            if len(recent) >= 8:
+                recent.pop(min(recent))
+            recent[step] = plan
+        return plan
+
+    return plan_of
 
 
 def planner(order: EpochOrder, start_cursor: int, start_step: int, global_batch: int,

@@ -12,11 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from elastic_harness import runfiles
+from elastic_harness.deps import require_extra
+
 
 class Metrics:
     def __init__(self, events: Any, run_dir: Path, *, tensorboard: bool, main: bool) -> None:
         self.events, self.run_dir = events, run_dir
         self.tensorboard, self.main = tensorboard, main
+        if tensorboard and main:
+            require_extra("tensorboard")  # at init, not at the first logged step
         self._writer: Any = None
         self._purge_step: int | None = None
 
@@ -58,7 +63,7 @@ class Metrics:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / runfiles.TENSORBOARD),
                                          purge_step=self._purge_step, flush_secs=10)
         return self._writer
 

@@ -34,7 +34,8 @@ What the run does, in order (every rank calls every method, in the same order):
    without a snapshot receiving it from a peer), else loads the newest complete, verified checkpoint through DCP, resharded
    to this world size, or starts fresh.
 4. ``steps(dataset)``: one ``Step`` per remaining update; the data position is the global
-   stream cursor (``data.sampler``), so the same samples follow whatever the world size.
+   stream cursor (``data.sampler``; for a sharded stream ``data.order``, docs/streaming.md),
+   so the same samples follow whatever the world size.
    After the last step: the final save, the model digest, the ``finish`` event. After a
    drain (SIGTERM, a membership change) it saves synchronously and raises
    ``SystemExit(143)``, so nothing after the loop runs on a drained generation.
@@ -60,11 +61,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
+from elastic_harness.data.adapters import source_of
 from elastic_harness.data.sampler import DataState, EpochOrder
+from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError, HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
@@ -75,10 +79,18 @@ from elastic_harness.rundir import check_paths
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime import failures, precision
+from elastic_harness.runtime.audit import record_samples
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
-from elastic_harness.runtime.loader import StepLoader, planner, to_device
+from elastic_harness.runtime.jobsource import resolve_job
+from elastic_harness.runtime.loader import (
+    StepLoader,
+    StreamLoader,
+    planner,
+    stream_planner,
+    to_device,
+)
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import (
     check_registration,
@@ -90,8 +102,10 @@ from elastic_harness.runtime.registration import (
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
+from elastic_harness.runtime.stream_index import bind_stream
 from elastic_harness.runtime.timer import ProgressWatchdog
-from elastic_harness.spec import JobSpec, load_job, parse_job
+from elastic_harness.runtime.topology import Topology
+from elastic_harness.spec import JobSpec
 
 DRAIN_EXIT = 128 + signal.SIGTERM
 _ACTIVE: Run | None = None  # the one run of this process (failure records read its step)
@@ -122,22 +136,11 @@ def save_due_by_time(every_s: float, seconds_since_save: float) -> bool:
     return bool(every_s) and seconds_since_save >= every_s
 
 
-def resolve_job(env: WorkerEnv, job: str | Path | None, run_dir: str | Path | None,
-                overrides: Sequence[str]) -> tuple[JobSpec, Path]:
-    """The job and run dir: our agent's (it names them) over the script's arguments."""
-    if env.by_harness:
-        return load_job(env.job_path), Path(env.run_dir)
-    if job is not None:
-        spec = load_job(job, list(overrides))
-    else:
-        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
-        spec = parse_job("", [f"script.path={script}", *overrides] if script else list(overrides))
-    return spec, Path(run_dir) if run_dir is not None else Path("runs") / spec.name
-
-
-def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
+def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None = None,
          overrides: Sequence[str] = (), argv: Sequence[str] | None = None) -> Run:
     """Start this process's part of the job (see the module docstring). Call once.
+
+    ``job``: a YAML path or a ``JobSpec`` (``runtime.jobsource`` says which wins where).
 
     ``argv`` (e.g. ``sys.argv[1:]``): also read ``--job FILE``, ``--run-dir DIR`` and
     ``--set KEY=VALUE`` (repeatable) from the script's command line; the arguments it does not
@@ -152,6 +155,7 @@ def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
     env = WorkerEnv.from_environ(standalone_ok=True)
     try:
         spec, run_dir = resolve_job(env, job, run_dir, overrides)
+        topology = Topology.from_env(env, spec.parallelism)  # the layout, built once, passed down
         if not env.by_harness:
             check_paths(Path(run_dir), spec)
     except HarnessError as e:
@@ -164,7 +168,7 @@ def init(job: str | Path | None = None, *, run_dir: str | Path | None = None,
     except HarnessError as e:
         hdist.destroy(groups)
         _refuse(e, env)
-    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology)
     _ACTIVE.argv = rest
     return _ACTIVE
 
@@ -230,14 +234,16 @@ class Run:
     """One process's part of a job. Built by ``init``; see the module docstring."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
-                 pg_init_s: float = 0.0, claim: Any = None) -> None:
+                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None) -> None:
         self.spec, self.env, self.groups, self.run_dir = spec, env, groups, Path(run_dir)
+        # The parallel layout (runtime.topology): mesh degrees, groups, data-parallel rank/degree.
+        self.topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device: torch.device = groups.device
         self.closed = False
-        log = EventLog(self.run_dir / "events.jsonl")
+        log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
         self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
         self.generation = self._agree_generation()
@@ -255,6 +261,8 @@ class Run:
             rank=env.rank, world_size=env.world_size, group=groups.ckpt, events=self.events,
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
+            key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
+            optional_keys=TrainState.OPTIONAL_KEYS,
         )
         self.memory = _memory_tier(spec, env, groups.ckpt, log)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
@@ -367,20 +375,21 @@ class Run:
 
     # ----- the loop --------------------------------------------------------------------
     def steps(self, dataset: Any, *, collate_fn: Callable | None = None) -> Iterator[Step]:
-        """One ``Step`` per remaining update of ``train.steps`` (see ``runtime.step``)."""
+        """One ``Step`` per remaining update of ``train.steps`` (see ``runtime.step``).
+
+        ``dataset``: a map-style dataset (``len`` and ``[i]``) or a sharded stream (a
+        ``elastic_harness.data.Stream``, a Hugging Face streaming dataset, an
+        ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``)."""
         self.resume()
-        order = self._bind_data(dataset)
+        source = source_of(dataset)
+        loader = self._bind_data(source, collate_fn)
         spec, train = self.spec, self._train
-        plan_of = planner(order, train.data.cursor, train.step, spec.train.global_batch_size,
-                          self.world_size, self.rank, spec.train.micro_batch_size)
-        loader = StepLoader(dataset, plan_of, train.step, spec.train.steps, seed=spec.train.seed,
-                            device=self.device, collate=collate_fn, workers=spec.data.workers,
-                            prefetch=spec.data.prefetch, pin_memory=spec.data.pin_memory)
         watchdog = self.watchdog
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / "chaos",
                               events=self.log, agent=self.env.agent_pid or os.getppid())
         self._loop = _LoopState(watchdog, faults, self._sample_log())
+        self._loop.loader = loader
         self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
@@ -400,17 +409,40 @@ class Run:
             watchdog.disarm()
             loader.close()
 
-    def _bind_data(self, dataset: Any) -> EpochOrder:
-        n = len(dataset)
+    def _bind_data(self, source: Any, collate_fn: Callable | None) -> Any:
+        """Check the saved position against the data (or start it) and build the loader."""
+        spec, train = self.spec, self._train
+        g, mb = spec.train.global_batch_size, spec.train.micro_batch_size
+        common = dict(seed=spec.train.seed, device=self.device, collate=collate_fn,
+                      workers=spec.data.workers, prefetch=spec.data.prefetch,
+                      pin_memory=spec.data.pin_memory, record=spec.train.record_samples)
+        if isinstance(source, Stream):
+            order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g,
+                                         rank=self.rank, world_size=self.world_size,
+                                         group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+                                         on_progress=lambda: self.watchdog.arm(
+                                             extra_s=spec.timeouts.process_group))
+            self._check_data(order.n, *digests)
+            plan_of = stream_planner(order, train.data.cursor, train.step, g, self.world_size,
+                                     self.rank, mb)
+            return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
+                                world_size=self.world_size, **common)
+        self._check_data(len(source), 0, 0)
+        order = EpochOrder(spec.train.seed, len(source))
+        plan_of = planner(order, train.data.cursor, train.step, g, self.world_size, self.rank, mb)
+        return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+
+    def _check_data(self, n: int, stream: int, layout: int) -> None:
         train = self._train
         if train.data.dataset_size == 0:  # fresh: nothing was loaded
             train.data = DataState(self.spec.train.seed, n)
-        else:
-            reason = train.check_matches(self.spec.train.seed, n)
-            if reason:
-                raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
-                                      f"job: {reason}", "use a new --run-dir or --fresh")
-        return EpochOrder(self.spec.train.seed, n)
+            train.stream, train.layout = stream, layout
+            return
+        reason = train.check_matches(self.spec.train.seed, n, stream, layout)
+        if reason:
+            raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
+                                  f"job: {reason}", "use a new --run-dir or --fresh (or restore "
+                                  "the data as it was)")
 
     def _after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
         """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
@@ -422,7 +454,8 @@ class Run:
         if self._buffers is not None:
             self._buffers.sync()
         if loop.sample_log is not None:
-            _record_samples(loop.sample_log, self.generation, step, self.rank, self.world_size)
+            record_samples(loop.sample_log, self.generation, step.number, self.rank, self.world_size,
+                           step.plan, loop.loader.meta)
         train.step += 1
         train.data = train.data.advance(spec.train.global_batch_size)
         totals = self._collect_totals(step)
@@ -626,6 +659,7 @@ class _LoopState:
         self.last_save = self.last_done = self.period_start = now
         self.snapshot_s = 0.0  # the last hook's in-memory snapshot (not part of a step's time)
         self.last_saved_step = -1
+        self.loader: Any = None  # StepLoader or StreamLoader (its ``meta`` feeds the audit)
 
 
 def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> MemoryTier | None:
@@ -658,19 +692,6 @@ def _guarded(fn: Callable) -> Callable:
             raise ev.EvaluateError(f"evaluate raised {d['message']} (at {d['where']})") from e
 
     return call
-
-
-def _record_samples(path: Path, generation: str, step: Step, rank: int, world_size: int) -> None:
-    import json
-
-    indices = [idx for chunk in step.plan for _, idx in chunk]
-    line = {"t_ns": time.time_ns(), "generation": generation, "step": step.number, "rank": rank,
-            "world_size": world_size, "indices": indices}
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(line) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def active() -> Run | None:

@@ -10,7 +10,10 @@ state through ``build_state`` so the key sets cannot drift apart.
   statistics and its 0-dim int64 ``num_batches_tracked``) are part of ``model``;
   non-persistent buffers are not (the model recomputes them).
 - ``train`` is world-size-free by construction: step, the data stream cursor, the seed and
-  dataset size it refers to, and (for reporting only) the world size it was saved at.
+  dataset size (samples per epoch) it refers to, for a sharded stream digests of its shard
+  list and of what fixes its order (lanes, window, packing, shard sizes; 0 for map-style
+  data: the cursor alone then names every lane's shard and offset, ``data.order``), and
+  (for reporting only) the world size it was saved at.
 - ``sched`` and ``scaler`` are the LR scheduler's and GradScaler's own ``state_dict()``
   (plain values, pickled by DCP); ``extra.NAME`` anything else a script registers.
 
@@ -102,13 +105,18 @@ class TrainState(Stateful):
     """Step and data position: plain int64 tensors for DCP, so nothing is pickled; ints for
     the in-memory tier, whose skeleton is pickled anyway."""
 
-    FIELDS = ("version", "step", "cursor", "seed", "dataset_size", "world_size")
+    FIELDS = ("version", "step", "cursor", "seed", "dataset_size", "world_size", "stream", "layout")
+    # Added with sharded streams: a checkpoint written before lacks them, and their default
+    # (0: map-style data) is what it meant, so it still loads (``checkpoint.safe_load``).
+    OPTIONAL_KEYS = frozenset({"train.stream", "train.layout"})
 
     def __init__(self, data: DataState, world_size: int, step: int = 0) -> None:
         self.step = step
         self.data = data
         self.world_size = world_size
         self.saved_world_size: int | None = None
+        self.stream = 0  # digest of a stream's shard list (0: map-style data)
+        self.layout = 0  # digest of the stream's order settings and shard sizes
 
     def state_dict(self) -> dict:
         return {k: torch.scalar_tensor(v, dtype=torch.int64) for k, v in self.local_state_dict().items()}
@@ -123,6 +131,8 @@ class TrainState(Stateful):
             "seed": self.data.seed,
             "dataset_size": self.data.dataset_size,
             "world_size": self.world_size,
+            "stream": self.stream,
+            "layout": self.layout,
         }
 
     def local_target(self) -> dict:
@@ -137,8 +147,10 @@ class TrainState(Stateful):
         self.step = v["step"]
         self.saved_world_size = v["world_size"]
         self.data = DataState(v["seed"], v["dataset_size"], v["cursor"], v["version"])
+        self.stream, self.layout = v["stream"], v["layout"]
 
-    def check_matches(self, seed: int, dataset_size: int | None) -> str | None:
+    def check_matches(self, seed: int, dataset_size: int | None, stream: int = 0,
+                      layout: int = 0) -> str | None:
         """A reason this saved position cannot continue this job's stream, or None
         (``dataset_size`` None: not known yet, checked once the data is bound)."""
         d = self.data
@@ -146,7 +158,18 @@ class TrainState(Stateful):
             return f"data state version {d.version}, this harness reads {STATE_VERSION}"
         if d.seed != seed:
             return f"saved with train.seed={d.seed}, the job now says {seed}"
-        if dataset_size is not None and d.dataset_size != dataset_size:
+        if dataset_size is None:
+            return None
+        if bool(self.stream) != bool(stream):
+            return ("saved with a map-style dataset, the job now streams shards" if stream else
+                    "saved with a sharded stream, the job now gives a map-style dataset")
+        if self.stream != stream:
+            return ("the stream's shard list changed since the checkpoint (shards added, removed, "
+                    "renamed or reordered)")
+        if self.layout != layout:
+            return ("the stream's order changed since the checkpoint (its lanes, window, packing "
+                    "or shuffle setting, or a shard's size)")
+        if d.dataset_size != dataset_size:
             return f"saved with a dataset of {d.dataset_size} samples, it now has {dataset_size}"
         return None
 

@@ -22,14 +22,16 @@ from elastic_harness.errors import TaskError
 from elastic_harness.runtime.lr import lr_at
 from elastic_harness.runtime.parallel import wrap
 from elastic_harness.runtime.session import Run, init
+from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec, OptimizerSpec
 from elastic_harness.tasks import load_task
 
 
-def build_model(task: Any, spec: JobSpec, device: torch.device, world_size: int) -> nn.Module:
-    """The task's model, built on the seeded RNG, wrapped for this world size, maybe compiled."""
+def build_model(task: Any, spec: JobSpec, device: torch.device, topology: Topology) -> nn.Module:
+    """The task's model, built on the seeded RNG, wrapped for this layout, maybe compiled."""
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
-    model = wrap(task.build_model(), spec.parallelism, device, task, world_size)
+    # FSDP2's mesh is the shard dimension (the whole world under fsdp; DDP needs no degree)
+    model = wrap(task.build_model(), spec.parallelism, device, task, topology.shard)
     return torch.compile(model) if spec.train.compile else model
 
 
@@ -100,13 +102,14 @@ def train(run: Run, task: Any, model: nn.Module, optim: torch.optim.Optimizer, s
             run.evaluate(evaluation, evaluator(task, model), collate_fn=collate)
 
 
-def main(job_path: str, run_dir: str) -> int:
-    """Every rank: build the task's model and optimizer, register them, train, close."""
-    run = init(job_path, run_dir=run_dir)
+def main(spec: JobSpec, run_dir: str) -> int:
+    """Every rank: build the task's model and optimizer, register them, train, close.
+    ``spec``: the job, parsed once by the entry."""
+    run = init(spec, run_dir=run_dir)
     try:
         spec = run.spec
         task = load_task(spec.task.target, spec.task.args)
-        model = build_model(task, spec, run.device, run.world_size)
+        model = build_model(task, spec, run.device, run.topology)
         optim, sched = build_optimizer(task, spec, model)
         run.register(model, optim, scheduler=sched)
         train(run, task, model, optim, sched)

@@ -48,7 +48,10 @@ PRELOAD = (
     "numpy.random",
     "yaml",
     "elastic_harness.runtime.worker",
-    "elastic_harness.runtime.entry",
+    # not elastic_harness.runtime.entry: each fork runs it as __main__ (``run_module``), and
+    # runpy warns in every worker's stderr (RuntimeWarning: found in sys.modules ... prior to
+    # execution) when it was imported already, then executes it a second time. It imports
+    # nothing heavy of its own.
     "elastic_harness.memtier.tier",
 )
 MAX_MESSAGE = 1 << 20
@@ -69,11 +72,19 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
+# Preloaded only where the extra that provides it is installed (the core install lacks it).
+OPTIONAL = {"torch.utils.tensorboard": "tensorboard"}
+
+
 def preload(modules: tuple[str, ...] = PRELOAD) -> int:
     """Import what workers need; the number of threads this process then runs."""
     import importlib
 
+    from elastic_harness.deps import has_module
+
     for name in modules:
+        if name in OPTIONAL and not has_module(OPTIONAL[name]):
+            continue
         importlib.import_module(name)
     try:
         return len(os.listdir("/proc/self/task"))

@@ -229,7 +229,8 @@ class DataSpec:
 @dataclass(frozen=True)
 class MetricsSpec:
     tensorboard: bool = doc(
-        True, "Write step and evaluation metrics as TensorBoard event files to RUN_DIR/tensorboard."
+        False, "Write step and evaluation metrics as TensorBoard event files to RUN_DIR/tensorboard "
+        "(needs the tensorboard extra: pip install 'elastic-harness[tensorboard]')."
     )
 
 
@@ -409,7 +410,15 @@ class JobSpec:
     )
     nodes: NodesSpec = doc(NodesSpec(), "Elastic node range.")
     nproc_per_node: int = doc(2, "Worker processes per node.")
-    max_restarts: int = doc(3, "Worker-group restarts each agent allows after failures.")
+    max_restarts: int = doc(
+        3, "Worker-group restarts each agent allows without progress: a failure counts until the "
+        "job completes restart_window more steps. Whatever is left, a crash loop (the same error at "
+        "the same step, or as many steps after resuming, twice in a row) or a fatal error stops at once."
+    )
+    restart_window: int = doc(
+        100, "Steps of progress after which a failure no longer counts against max_restarts "
+        "(0 = a lifetime budget, as torchrun's --max-restarts)."
+    )
     warm_start: bool = doc(
         True, "Fork workers from a per-agent process that already imported torch and the harness "
         "(a restart then starts in milliseconds); false = a fresh interpreter per worker."
@@ -430,6 +439,7 @@ class JobSpec:
             raise SpecError("name", f"'{self.name}' must be non-empty [A-Za-z0-9._-]")
         _positive("nproc_per_node", self.nproc_per_node)
         _positive("max_restarts", self.max_restarts, allow_zero=True)
+        _positive("restart_window", self.restart_window, allow_zero=True)
         most_ranks = self.nodes.max * self.nproc_per_node
         if self.train.global_batch_size < most_ranks:
             raise SpecError(

@@ -7,7 +7,9 @@ one. The harness calls them in this order, on every rank, on every (re)start:
 1. ``build_model()`` once, right after the RNG is seeded with ``train.seed`` (so every rank
    and every restart builds the same initial weights). Build on CPU; the harness moves it.
 2. ``dataset()`` once: a map-style dataset (``len`` and ``[i]``) whose items are tensors
-   or tuples of tensors. It must be the same on every rank and every restart.
+   or tuples of tensors, or a sharded stream (``elastic_harness.data.Stream``, a Hugging
+   Face streaming dataset...; docs/streaming.md). It must be the same on every rank and
+   every restart.
 3. ``loss(model, batch)`` per micro-batch: return one loss per sample (shape ``[B]``). The
    harness sums and scales them so the step's gradient is the mean over the global batch,
    whatever the world size. ``batch`` is the stacked items, already on the device.

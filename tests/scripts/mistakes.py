@@ -23,7 +23,8 @@ if args.mistake == "stray-optimizer":
     optimizer = torch.optim.SGD(nn.Linear(3, 1).parameters(), lr=0.1)
 run.register(model, optimizer)
 data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
-for step in run.steps(data):
+given = torch.utils.data.DataLoader(data, batch_size=2) if args.mistake == "dataloader" else data
+for step in run.steps(given):
     for x, y in step.batches():
         loss = nn.functional.mse_loss(model(x), y)
         if args.mistake == "plain-backward":

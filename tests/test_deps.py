@@ -1,0 +1,85 @@
+"""The install: torch pinned where its private functions are patched, small core, extras that
+answer with one line naming themselves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as pip vendors it
+    from pip._vendor import tomli as tomllib
+
+from elastic_harness import deps
+from elastic_harness.spec import parse_job
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+SMALL = "name: d\ntask: {target: elastic_harness.tasks.mlp:MLPRegression}\ntrain: {steps: 2}\n"
+
+
+def test_torch_pin_and_version_guard_agree():
+    assert f"torch=={deps.TORCH_VERSION}" in PROJECT["dependencies"]
+    deps.require_torch("x", version=f"{deps.TORCH_VERSION}+cpu")  # the local tag is a build
+    with pytest.raises(deps.TorchVersionError, match=r"torch 2\.14\.0 is installed: pip install 'torch==2\.13\.0'"):
+        deps.require_torch("dynamic_rendezvous._delay", version="2.14.0")
+
+
+def test_rendezvous_patch_is_guarded():
+    """create_handler checks the version before it replaces torch's private functions."""
+    import inspect
+
+    from elastic_harness.launch import rendezvous
+
+    src = inspect.getsource(rendezvous.create_handler)
+    assert src.index("require_torch(") < src.index("dynamic_rendezvous.get_method_name =")
+
+
+def test_core_install_is_small_and_all_covers_every_extra():
+    core = " ".join(PROJECT["dependencies"])
+    for heavy in ("s3fs", "tensorboard", "matplotlib", "python-etcd"):
+        assert heavy not in core
+    extras = PROJECT["optional-dependencies"]
+    assert set(deps.EXTRAS) <= set(extras)
+    (everything,) = extras["all"]
+    assert set(deps.EXTRAS) <= set(everything.split("[")[1].rstrip("]").split(","))
+    assert PROJECT["license"] == "Apache-2.0" and (REPO / "LICENSE").read_text().count("Apache License") >= 1
+
+
+def test_extras_a_spec_uses():
+    assert deps.extras_for(parse_job(SMALL)) == []
+    spec = parse_job(SMALL + "checkpoint: {dir: 's3://b/p'}\nmetrics: {tensorboard: true}\n"
+                     "rendezvous: {backend: etcd, endpoint: 'h:2379'}\n")
+    assert deps.extras_for(spec) == ["s3", "tensorboard", "etcd"]
+
+
+def _without(module: str, *argv: str, cwd=None) -> subprocess.CompletedProcess:
+    """``elastic-harness ARGV`` in a Python where ``module`` cannot be imported."""
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
+            "from elastic_harness.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100, cwd=cwd or REPO)
+
+
+def test_report_without_matplotlib_names_the_extra(tmp_path):
+    (tmp_path / "events.jsonl").write_text('{"kind": "start", "t": 0}\n')
+    r = _without("matplotlib", "report", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'elastic-harness[report]'" in lines[0], r.stderr
+    assert "--no-plot" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_run_with_tensorboard_missing_names_the_extra_before_any_agent(tmp_path):
+    job = tmp_path / "j.yaml"
+    job.write_text(SMALL + "metrics: {tensorboard: true}\n")
+    r = _without("tensorboard", "run", str(job), "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'elastic-harness[tensorboard]'" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run dir was made

@@ -1,0 +1,117 @@
+"""Issue 22 on a live local run: what listens, and a forged rendezvous write.
+
+One small job (two simulated nodes, one worker each, so the rendezvous store, a store
+client, gloo and rank 0's store all exist) is watched while it trains: its processes'
+listening sockets are read from /proc (as ``ss -ltnp``), the rendezvous store is dialled
+from this machine's non-loopback address, and a pickle that would create a file is written
+to the rendezvous key through a loopback store client. The job must finish.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+from elastic_harness.listen import is_loopback
+from tests.conftest import MLP, REPO, read_jsonl
+from tests.sockets import descendants, listening_sockets, non_loopback_address
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+REFUSED = "not signed with this job's key"
+
+
+class Plant:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """Run the job; while it trains, scan, dial and forge; then let it finish."""
+    import torch.distributed as dist
+
+    tmp = tmp_path_factory.mktemp("live")
+    run_dir, planted, job_id = tmp / "run", str(tmp / "pwned"), "sec-e2e"
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir),
+           "--job-id", job_id, "--nodes", "2", "--set", "nodes.min=2", "--set", "nodes.max=2",
+           "--set", "nproc_per_node=1", "--set", "train.steps=400", "--set", "checkpoint.every_steps=100"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    seen: dict = {"planted": planted}
+    try:
+        events = run_dir / "events.jsonl"
+        _wait(lambda: any(e["event"] == "step" for e in read_jsonl(events)), 180, "the first step")
+        seen["sockets"] = listening_sockets(descendants(proc.pid))
+        endpoint = next(e["endpoint"] for e in read_jsonl(events) if e["event"] == "start" and e.get("who") == "agent")
+        port = int(endpoint.rpartition(":")[2])
+        outside = non_loopback_address()
+        seen["outside"] = outside
+        seen["dialled"] = {p: _reachable(outside, p) for _, p, _ in seen["sockets"]} if outside else {}
+        forger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        forger.set(f"torch.rendezvous.{job_id}", base64.b64encode(pickle.dumps(Plant(planted))))
+        logs = [run_dir / "logs" / f"agent-{i}.log" for i in (0, 1)]
+        # The first agent to read it refuses it and overwrites it at its next write, so the
+        # other may never see it: at least one line, at most one per agent.
+        _wait(lambda: any(REFUSED in p.read_text() for p in logs) or os.path.exists(planted)
+              or proc.poll() is not None, 60, "an agent to read the forgery")
+        out, _ = proc.communicate(timeout=240)
+        seen["code"], seen["out"] = proc.returncode, out
+        seen["refusals"] = [p.read_text().count(REFUSED) for p in logs]
+        seen["summary"] = json.loads((run_dir / "summary.json").read_text())
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return seen
+
+
+def test_live_local_run_listens_on_loopback_only(live):
+    ports = live["sockets"]
+    assert len(ports) >= 3, ports  # the rendezvous store, rank 0's store, gloo's pairs at least
+    assert [s for s in ports if not is_loopback(s[0])] == []
+    if live["outside"]:
+        assert not any(live["dialled"].values()), f"reachable from {live['outside']}: {live['dialled']}"
+
+
+def test_forged_rendezvous_write_runs_nothing_and_the_job_finishes(live):
+    assert not os.path.exists(live["planted"]), "the forged pickle ran"
+    assert live["code"] == 0, live["out"][-2000:]
+    assert live["summary"]["finished"] and live["summary"]["restarts"] == 0
+    assert sum(live["refusals"]) >= 1 and max(live["refusals"]) == 1, live["refusals"]
