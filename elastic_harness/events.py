@@ -67,13 +67,17 @@ CONTRACT: dict[str, EventKind] = {
     "resume": EventKind("rank 0", "state restored, or fresh: true when no checkpoint was found", {
         "fresh": "true when starting from scratch",
         "step": "step of the checkpoint loaded (0 when fresh)",
-        "source": "'memory' (the agents' in-memory snapshots) or 'storage' (a DCP checkpoint)",
+        "source": "'memory' (every rank from its own agent's in-memory snapshot), 'peer' (some ranks "
+                  "received the in-memory snapshot from a peer over the network: DDP) or 'storage' (a DCP "
+                  "checkpoint)",
         "checkpoint": "name of the checkpoint loaded (storage)",
         "saved_world_size": "world size that saved it",
         "world_size": _WORLD,
         "load_s": "seconds to load it",
         "samples": "samples consumed so far (the data cursor)",
         "message": "one line for the terminal",
+        "senders": "memory/peer: the ranks that sent their snapshot to ranks without one",
+        "receivers": "memory/peer: how many ranks received it from a peer",
     }),
     "step": EventKind("rank 0, every train.log_every steps and the last", "optimizer steps done", {
         "step": "optimizer steps completed",

@@ -51,6 +51,12 @@ def test_node_loss_shrinks_and_new_node_grows(heavy_reference, tmp_path):
     assert gens[2]["restart"] == gens[1]["restart"] == gens[0]["restart"] + 1
     (drain,) = r.kinds("drain")
     assert r.kinds("resume")[-1]["step"] == drain["step"], "scale-up must lose no step"
+    # DDP: the survivor restores its own memory at world size 1; at the scale-up the new
+    # node's rank receives the drained state from the survivor's (memtier.peer): no storage read.
+    after_loss, after_join = r.kinds("resume")[-2:]
+    assert (after_loss["source"], after_loss["saved_world_size"]) == ("memory", 2)
+    assert after_loss["step"] >= 30 - max(e["every"] for e in r.kinds("memory"))
+    assert (after_join["source"], after_join["receivers"], len(after_join["senders"])) == ("peer", 1, 1)
     seen = audit(tmp_path, 1024, G, STEPS)
     assert set(seen["world_sizes"].values()) == {1, 2}
     diff = assert_close(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(heavy_reference.run_dir)))

@@ -51,6 +51,8 @@ def ours(package: str) -> set[str]:
     ("deps", {"elastic_harness.errors"}),
     # the fault vocabulary: data and pure decisions over the spec
     ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
+    # where a generation restores from (memory, a peer, storage): a pure function of the offers
+    ("memtier/choose", set()),
     # the job's key and listening sockets: used on every side, so they depend on nothing
     ("jobkey", {"elastic_harness.errors", "elastic_harness.runfiles"}),
     ("listen", set()),
@@ -70,6 +72,11 @@ def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
 @pytest.mark.parametrize("package", ["spec", "launch", "k8s", "chaos"])
 def test_host_side_never_imports_the_worker_side(package):
     bad = {m for m in ours(package) if m.startswith(("elastic_harness.runtime", "elastic_harness.checkpoint.manager"))}
+    assert bad == set()
+
+
+def test_memtier_never_imports_the_loop_or_the_launcher():
+    bad = {m for m in ours("memtier") if m.startswith(("elastic_harness.runtime", "elastic_harness.launch"))}
     assert bad == set()
 
 

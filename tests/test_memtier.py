@@ -15,15 +15,11 @@ from torch import nn
 from elastic_harness.data.sampler import DataState
 from elastic_harness.memtier import snapshot
 from elastic_harness.memtier.cadence import WINDOW, Cadence, interval, probe_on, snapshot_due
+from elastic_harness.memtier.choose import MEMORY, Offer, choose, offers_of
 from elastic_harness.memtier.host import HostSlots, describe, slot_paths
+from elastic_harness.memtier.peer import Wire, encode_offers
 from elastic_harness.memtier.region import Region
-from elastic_harness.memtier.slots import (
-    HEADER_SIZE,
-    Header,
-    newest_common,
-    next_slot,
-    usable_steps,
-)
+from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.state import TrainState, build_state
 
@@ -32,22 +28,32 @@ pytestmark = pytest.mark.timeout(60)
 
 # ----- pure decisions --------------------------------------------------------------------
 
+def _own(rank, *steps, world=2):
+    return [Offer(s, world, rank, b"d" * 32, False) for s in steps]
+
+
+def _step(offers, world_size=2):
+    plan = choose(offers, world_size=world_size, replicated=False)
+    return plan.step if plan.source == MEMORY else None
+
+
 def test_the_newest_step_every_rank_holds_is_used():
-    assert newest_common([[4, 5], [4, 5]]) == 5
-    assert newest_common([[4, 5], [3, 4]]) == 4  # a rank died before snapshotting step 5
-    assert newest_common([[4, 5], []]) is None  # a rank without memory (a new node)
-    assert newest_common([[9], [8]]) is None
-    assert newest_common([]) is None
+    assert _step([_own(0, 4, 5), _own(1, 4, 5)]) == 5
+    assert _step([_own(0, 4, 5), _own(1, 3, 4)]) == 4  # a rank died before snapshotting step 5
+    assert _step([_own(0, 4, 5), []]) is None  # a rank without memory (a new node)
+    assert _step([_own(0, 9), _own(1, 8)]) is None
+    assert _step([], world_size=0) is None
 
 
 def test_only_published_snapshots_of_this_rank_and_world_size_are_usable():
     d = b"d" * 32
     headers = [Header(True, 7, 2, 1, 10, 5, d), Header(True, 6, 2, 1, 10, 5, d), None]
-    assert usable_steps(headers, world_size=2, rank=1) == {7: 0, 6: 1}
+    assert [o.step for o in offers_of(headers)] == [7, 6]
     torn = [Header(False, 8, 2, 1, 10, 5, d), Header(True, 7, 2, 1, 10, 5, d)]
-    assert usable_steps(torn, world_size=2, rank=1) == {7: 1}  # killed while writing step 8
-    assert usable_steps(headers, world_size=3, rank=1) == {}  # resized
-    assert usable_steps(headers, world_size=2, rank=0) == {}  # another rank's memory
+    assert [o.step for o in offers_of(torn)] == [7]  # killed while writing step 8
+    assert _step([_own(0, 7), offers_of(headers)], world_size=2) == 7
+    assert _step([_own(0, 7), _own(1, 7), offers_of(headers)], world_size=3) is None  # resized
+    assert _step([offers_of(headers), _own(1, 7)]) is None  # another rank's memory
 
 
 def test_slots_alternate_so_the_newest_snapshot_is_never_overwritten():
@@ -211,7 +217,20 @@ def _train_step(model, optim, i):
     optim.zero_grad()
 
 
-def _tier(regions, rank=1, others=()):
+OK, FAIL = [0], [1]  # a rank's flag in the restore's agreement gathers
+
+
+def _held(*steps, rank=0, world=2):
+    """What the other rank contributes to the offers gather: its own snapshots of ``steps``."""
+    return encode_offers(_own(rank, *steps, world=world))
+
+
+def _published(regions):
+    """Per slot, the step it holds published, or None."""
+    return [h.step if h is not None and h.published else None for h in (r.header() for r in regions)]
+
+
+def _tier(regions, rank=1, others=(), world_size=2):
     """Rank ``rank`` of 2; ``others`` is what the other rank contributes to each gather."""
     replies = list(others)
 
@@ -219,7 +238,11 @@ def _tier(regions, rank=1, others=()):
         other = replies.pop(0)
         return [other, value] if rank == 1 else [value, other]
 
-    return MemoryTier(regions, rank=rank, world_size=2, gather=gather, warn=lambda m: None)
+    def no_p2p(tensor, peer):
+        raise AssertionError("no transfer expected")
+
+    return MemoryTier(regions, rank=rank, world_size=world_size, wire=Wire(gather, no_p2p, no_p2p),
+                      warn=lambda m: None)
 
 
 def test_a_snapshot_restores_every_entry_bit_for_bit(slots):
@@ -228,7 +251,7 @@ def test_a_snapshot_restores_every_entry_bit_for_bit(slots):
     assert {type(v) for v in snapshot.state_dicts(state)["train"].values()} == {int}
     _tier(slots).save(3, state)
     fresh, model2, optim2 = _state(steps=0)
-    restored = _tier(slots, others=[[3], None]).restore(fresh)
+    restored = _tier(slots, others=[_held(3), OK, OK]).restore(fresh)
     assert restored is not None and restored.step == 3
     assert fresh["train"].step == 3 and fresh["train"].data == state["train"].data
     assert fresh["sched"].obj.state_dict() == state["sched"].obj.state_dict()
@@ -244,11 +267,11 @@ def test_nothing_common_means_storage_and_an_untouched_fresh_state(slots):
     state, *_ = _state()
     _tier(slots).save(3, state)
     fresh, _, optim = _state(steps=0)
-    assert _tier(slots, others=[[]]).restore(fresh) is None  # the other rank has no memory
+    assert _tier(slots, others=[_held()]).restore(fresh) is None  # the other rank has no memory
     # The live state_dict() was never taken: it would have initialised the optimizer (a zero
     # step) on this rank only, before a fresh start.
     assert not optim.state
-    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {}  # stale lineage
+    assert _published(slots) == [None, None]  # stale lineage
 
 
 def test_a_rank_killed_while_writing_keeps_its_previous_snapshot(slots):
@@ -256,11 +279,11 @@ def test_a_rank_killed_while_writing_keeps_its_previous_snapshot(slots):
     tier = _tier(slots)
     tier.save(3, state)
     slots[1].begin(HEADER_SIZE + 10)  # the next save started, then the process died
-    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {3: 0}
+    assert _published(slots) == [3, None]
     tier.save(4, state)  # the next process writes the slot not holding its newest snapshot
-    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {3: 0, 4: 1}
+    assert _published(slots) == [3, 4]
     tier.save(5, state)
-    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {5: 0, 4: 1}
+    assert _published(slots) == [5, 4]
 
 
 def test_a_snapshot_of_another_layout_stops_the_generation_and_clears_memory(slots):
@@ -268,16 +291,17 @@ def test_a_snapshot_of_another_layout_stops_the_generation_and_clears_memory(slo
     _tier(slots).save(3, state)
     other, *_ = _state(hidden=16, steps=0)
     with pytest.raises(RuntimeError, match="does not fit"):
-        _tier(slots, others=[[3], None]).restore(other)
-    assert usable_steps([r.header() for r in slots], world_size=2, rank=1) == {}  # storage next
+        _tier(slots, others=[_held(3), OK, OK]).restore(other)
+    assert _published(slots) == [None, None]  # storage next
 
 
 def test_a_peer_that_failed_to_load_stops_every_rank(slots):
     state, *_ = _state()
     _tier(slots).save(3, state)
     fresh, *_ = _state(steps=0)
-    with pytest.raises(RuntimeError, match="rank 0: boom"):
-        _tier(slots, others=[[3], "boom"]).restore(fresh)
+    with pytest.raises(RuntimeError, match=r"failed on rank\(s\) \[0\]"):
+        _tier(slots, others=[_held(3), OK, FAIL]).restore(fresh)
+    assert _published(slots) == [None, None]
 
 
 def test_tied_weights_and_batchnorm_buffers_come_back_bit_for_bit(slots):
@@ -299,7 +323,7 @@ def test_tied_weights_and_batchnorm_buffers_come_back_bit_for_bit(slots):
     _tier(slots).save(3, state)
     model2, optim2 = build()
     fresh = build_state(model2, optim2, TrainState(DataState(0, 100), world_size=2))
-    assert _tier(slots, others=[[3], None]).restore(fresh).step == 3
+    assert _tier(slots, others=[_held(3), OK, OK]).restore(fresh).step == 3
     for (k, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
     assert model2[2].weight is model2[0].weight  # still tied after the restore
@@ -311,7 +335,7 @@ def test_a_snapshot_whose_plain_keys_differ_does_not_fit(slots):
     fresh, *_ = _state(steps=0)
     fresh["extra.ema"]["added"] = 1  # same tensors, one more plain value: another layout
     with pytest.raises(RuntimeError, match="keys differ"):
-        _tier(slots, others=[[3], None]).restore(fresh)
+        _tier(slots, others=[_held(3), OK, OK]).restore(fresh)
 
 
 def test_misfit_names_the_first_difference():

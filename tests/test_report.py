@@ -46,7 +46,7 @@ def killed_worker_run() -> list[dict]:
         ev(12.7, "torchelastic", 5, name=REACT, message="The node 'n' attempts to join the next round"),
         ev(13.0, "torchelastic", 5, name=COMPLETE, state="SUCCEEDED", message="marked round 1 complete"),
         ev(16.5, "rendezvous", 20, world_size=2, restart=1),
-        ev(17.0, "resume", 20, step=20, world_size=2, load_s=0.3),
+        ev(17.0, "resume", 20, step=20, world_size=2, load_s=0.3, source="storage"),
         *steps(20, 21, 30, 17.0, 0.1),
         ev(18.1, "checkpoint", 20, step=30, blocking_s=0.2),
         ev(18.2, "finish", 20, step=30),
@@ -58,6 +58,7 @@ def test_fault_row_times_in_order_and_steps_lost():
     tl = build(killed_worker_run())
     (f,) = tl.faults
     assert (f.kind, f.target, f.step, f.resumed_from, f.steps_lost, f.graceful) == ("kill-worker", 1, 25, 20, 5, False)
+    assert f.source == "storage"  # the resume event's source: the report shows it
     assert f.t == pytest.approx(12.55)
     assert (f.detected, f.rendezvous, f.loaded, f.first_step) == pytest.approx((12.7, 13.0, 17.0, 17.1))
     assert f.t < f.detected < f.rendezvous < f.loaded < f.first_step

@@ -91,6 +91,8 @@ def _at(x: float | None, base: float) -> str:
 
 def _fault_line(f: FaultRow) -> str:
     lost = "-" if f.steps_lost is None else str(f.steps_lost) + (" (drained)" if f.graceful else "")
+    if f.source:
+        lost += f"  from {f.source}"
     cells = [str(f.index), f.kind, str(f.target), "-" if f.step is None else str(f.step), f"{f.t:.2f}",
              _at(f.detected, f.t), _at(f.rendezvous, f.t), _at(f.loaded, f.t), _at(f.first_step, f.t),
              "-" if f.resumed_from is None else str(f.resumed_from), lost]

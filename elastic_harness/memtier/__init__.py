@@ -8,20 +8,25 @@ Which tier covers which fault:
   and so does its memory. The next generation restores from memory when every rank holds
   the same newest step at the same layout (world size, rank, tensor shapes); at most the
   steps since the last snapshot (``checkpoint.memory_every``, default every step) are redone.
-- a node is lost (its agent dies) or the job is resized: that memory is gone or does not fit
-  the new layout, so every rank falls back to the newest verified DCP checkpoint on storage
-  (``checkpoint.every_steps``), as without this tier.
+- under DDP (replicated state: each snapshot is the whole job's state), also a node lost or
+  a job resized: the survivors restore their own snapshot at the new world size, and ranks
+  without one (a node that joined) receive it from one that has it (``peer``).
+- otherwise (FSDP at another world size, every agent new, layouts that disagree) every rank
+  falls back to the newest verified DCP checkpoint on storage (``checkpoint.every_steps``).
 
 Pieces, in call order:
 
 - ``host``: the agent creates two memory slots (memfds) per local rank before its first
   worker starts and holds them until it exits; the kernel frees them when it does, also on
   SIGKILL, and nothing is ever in ``/dev/shm``. Workers open them through ``/proc``.
-- ``slots``: pure decisions: the slot header, which slot to write next, which snapshots fit
-  this layout, the newest step every rank holds.
+- ``slots``: pure decisions: the slot header (replicated or not), which slot to write next.
 - ``region``: one slot's bytes (mmap), written then published: a rank killed while writing
   leaves that slot unpublished and the other slot intact.
 - ``snapshot``: a state dict <-> tensor bytes plus a small pickled skeleton; restoring fills
   the tensors of the freshly built state in place, as DCP does.
+- ``choose``: pure: where a generation restores from (memory, peer, storage), from every
+  rank's offers (its published snapshots), gathered once.
+- ``peer``: what the ranks exchange, as raw tensors (offers, flags, a snapshot's bytes and
+  its skeleton as JSON): nothing received is unpickled.
 - ``tier``: the worker side: ``MemoryTier.restore`` (collective) and ``save``.
 """

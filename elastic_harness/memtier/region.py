@@ -10,6 +10,7 @@ written, and freed with the memory file (when the agent exits).
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 
@@ -48,8 +49,7 @@ class Region:
 
     def publish(self, header: Header) -> None:
         """The header with ``published`` cleared, then the published byte: last."""
-        unpublished = Header(False, header.step, header.world_size, header.rank, header.data_len,
-                             header.skeleton_len, header.digest)
+        unpublished = dataclasses.replace(header, published=False)
         os.pwrite(self.fd, unpublished.pack(), 0)
         os.pwrite(self.fd, b"\1", PUBLISHED_OFFSET)
 

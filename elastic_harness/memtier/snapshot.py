@@ -54,6 +54,7 @@ class Capture:
     digest: bytes  # of the tensors' dtypes, shapes and kinds, in order
     sources: list[torch.Tensor]  # the tensors with bytes to copy, in order
     cpu: bool  # every one of them is in host memory: one fused copy
+    sharded: bool = False  # some tensor is a DTensor (a shard): never a replicated snapshot
 
 
 def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def capture_trees(trees: dict[str, Any]) -> Capture:
     pickler = _Pickler(buf)
     pickler.dump(trees)
     return Capture(buf.getvalue(), pickler.tensors, pickler.cursor, _digest(tuple(pickler.layout)),
-                   pickler.sources, pickler.cpu)
+                   pickler.sources, pickler.cpu, pickler.sharded)
 
 
 class _Pickler(pickle.Pickler):
@@ -102,6 +103,7 @@ class _Pickler(pickle.Pickler):
         self.cursor = 0
         self.sources: list[torch.Tensor] = []
         self.cpu = True
+        self.sharded = False
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in _PLAIN:  # most tensors: a few microseconds less each than the general path
@@ -110,6 +112,7 @@ class _Pickler(pickle.Pickler):
                 raise Unsupported(f"cannot keep a {t.layout} tensor in memory")
         elif isinstance(obj, torch.Tensor):
             t, kind = _local(obj), _kind(obj)
+            self.sharded = self.sharded or kind is not _PLAIN_KIND
         elif type(obj) is OrderedDict:  # a module's state dict: kept as a dict (its ``_metadata``
             return dict, (dict(obj),)  # is the live target's at restore); half the pickling time
         else:

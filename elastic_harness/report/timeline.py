@@ -59,6 +59,7 @@ class FaultRow:
     recovery_s: float | None  # fault to first step after it
     world_size_before: int | None
     world_size_after: int | None
+    source: str | None = None  # where the state came from (``resume``): memory, peer or storage
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def _fault_row(n: int, i: int, f: dict, inv: Sequence[dict], flat: Sequence[dict
         graceful=graceful, recovery_s=round(first["t"] - f["t"], 4) if first else None,
         world_size_before=before[-1].get("world_size") if before else None,
         world_size_after=first.get("world_size") if first else None,
+        source=resume.get("source") if resume else None,
     )
 
 

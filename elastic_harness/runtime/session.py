@@ -29,9 +29,9 @@ What the run does, in order (every rank calls every method, in the same order):
    weights on every rank and restart), installs the SIGTERM drain and failure recording.
 2. ``register``: checks what it is given (an optimizer over the model's own parameters, a
    scheduler of that optimizer whose state pickles) and builds the checkpointed state.
-3. ``resume`` (called by ``steps`` if you do not): every rank restores the newest snapshot
-   all ranks hold in their agents' memory (``memtier``: same world size and layout, after a
-   worker crash), else loads the newest complete, verified checkpoint through DCP, resharded
+3. ``resume`` (called by ``steps`` if you do not): every rank restores from its agent's
+   memory (``memtier``: after a worker crash; under DDP also at a new world size, ranks
+   without a snapshot receiving it from a peer), else loads the newest complete, verified checkpoint through DCP, resharded
    to this world size, or starts fresh.
 4. ``steps(dataset)``: one ``Step`` per remaining update; the data position is the global
    stream cursor (``data.sampler``; for a sharded stream ``data.order``, docs/streaming.md),
@@ -73,7 +73,8 @@ from elastic_harness.errors import CheckpointError, HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
-from elastic_harness.memtier.tier import MemoryTier, Restored
+from elastic_harness.memtier.peer import Wire, replicated_layout
+from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
 from elastic_harness.rundir import check_paths
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
@@ -333,7 +334,10 @@ class Run:
         check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
         self.ckpt.join()  # every generation enters the fence, whichever tier restores it
-        restored = self.memory.restore(self._state) if self.memory is not None else None
+        restored = None
+        if self.memory is not None:
+            restored = self.memory.restore(self._state, replicated=replicated_layout(
+                self.spec.parallelism, self.model, self._state))
         if restored is not None:
             self._resumed_at = restored.step
             return self._resumed_from_memory(restored)
@@ -360,11 +364,12 @@ class Run:
 
     def _resumed_from_memory(self, restored: Restored) -> int:
         self.metrics.resumed_at(restored.step)
+        saved = self._train.saved_world_size
         self.events.emit(
-            "resume", step=restored.step, source="memory", saved_world_size=self.world_size,
+            "resume", step=restored.step, source=restored.source, saved_world_size=saved,
             world_size=self.world_size, load_s=round(restored.seconds, 4), samples=self._train.data.cursor,
-            message=f"restored from memory at step {restored.step} (world size {self.world_size}), "
-            f"took {restored.seconds:.3f} s",
+            senders=list(restored.senders), receivers=restored.receivers,
+            message=restored_message(restored, saved, self.world_size),
         )
         return restored.step
 
@@ -663,7 +668,7 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> Me
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
     return MemoryTier.open(env.memory, env.local_rank, rank=env.rank, world_size=env.world_size,
-                           gather=lambda value: collective.all_gather(value, group, env.world_size),
+                           wire=Wire.of(group, env.world_size),
                            warn=lambda message: log.emit("warning", message=message))
 
 

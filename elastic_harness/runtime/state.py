@@ -19,7 +19,9 @@ state through ``build_state`` so the key sets cannot drift apart.
 
 Per-step randomness is derived from (seed, step, rank), so no RNG state is saved.
 
-The in-memory tier (``memtier``) restores only at the same world size and layout, so for
+The in-memory tier (``memtier``) restores only into the same tensor layout (the same world
+size, or under DDP any world size: a replica's module and optimizer state dicts do not
+depend on it), so for
 ``model`` and ``optim`` it uses the module's and optimizer's own state dicts instead
 (``local_state_dict``, ``local_target``, ``load_local_state_dict``): the same tensors without
 the name mapping of ``get_*_state_dict``, which costs 50-200x more per call and would be paid

@@ -257,8 +257,8 @@ class CheckpointSpec:
     )
     memory_every: int = doc(
         1, "Also keep each rank's state in its agent's memory, at most every this many steps: a "
-        "restart after a worker crash restores it with no storage read (lost nodes and resizes "
-        "load from storage). Two copies of each rank's state in host memory; 0 = off."
+        "restart after a worker crash restores it with no storage read; under DDP also a lost "
+        "node (survivors' memory) and a joining one (from a peer); FSDP resizes load from storage. Two copies of each rank's state in host memory; 0 = off."
     )
     memory_budget: float = doc(
         0.03, "Spread the in-memory snapshots out so that copying the state costs at most this "

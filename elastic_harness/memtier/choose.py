@@ -1,0 +1,112 @@
+"""Pure: where a new worker generation restores from: its own memory, a peer's, or storage.
+
+Every rank reads its own slots' headers (``Offer``: step, the world size and rank that wrote
+it, the layout digest, replicated or not); the offers are gathered once, and every rank
+computes the same ``Plan`` from them:
+
+- ``memory``, same layout: every rank holds a snapshot of the step that it wrote itself at
+  this world size (a worker crash). Works for sharded state too: each rank reads its shard.
+- ``memory`` or ``peer``, replicated: the layout is replicated (DDP: each snapshot holds the
+  whole model and optimizer, and the data position is world-size-free), so any snapshot of a
+  step is every rank's state whatever world size and rank wrote it. The step is the newest
+  one any rank holds; the ranks holding it read their own slot, the others (a node that
+  joined, a lost slot) receive it from a holder (``peer``). Only when the job's layout is
+  replicated now and every offer of that step was written replicated with one digest.
+- ``storage`` otherwise: nobody holds a snapshot, the layouts disagree, the newest step has
+  offers of different layouts, sharded state at another world size (FSDP), or any doubt.
+
+Never mixes steps: every rank restores the one step chosen, or none does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MEMORY, PEER, STORAGE = "memory", "peer", "storage"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A published snapshot one rank holds in its own slots."""
+
+    step: int
+    world_size: int  # of the generation that wrote it
+    rank: int  # that wrote it
+    digest: bytes  # of its tensors' layout
+    replicated: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: str  # MEMORY, PEER or STORAGE
+    step: int | None = None
+    holders: tuple[int, ...] = ()  # ranks that restore from their own slot
+    same_layout: bool = False  # every rank reads the snapshot it wrote at this world size
+    digest: bytes = b""  # replicated: the layout every offer of ``step`` has
+    reason: str = ""  # why storage, for the warning
+
+    def senders(self, world_size: int) -> dict[int, int]:
+        """``{receiver: sender}``: each rank not holding the step receives it from a holder,
+        the receivers spread over the holders in rank order."""
+        if self.source == STORAGE or not self.holders:
+            return {}
+        held = set(self.holders)
+        receivers = [r for r in range(world_size) if r not in held]
+        return {r: self.holders[i % len(self.holders)] for i, r in enumerate(receivers)}
+
+
+def offers_of(headers: Sequence[Any]) -> list[Offer]:
+    """The published snapshots among a rank's slot headers (``slots.Header`` or None): a
+    slot being written (or whose writer was killed) is not published."""
+    return [Offer(h.step, h.world_size, h.rank, h.digest, h.replicated) for h in headers
+            if h is not None and h.published]
+
+
+def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bool) -> Plan:
+    """The plan from every rank's offers (``offers[r]``: rank ``r``'s, ``len == world_size``);
+    ``replicated``: the job's layout now is replicated (``peer.replicated_layout``)."""
+    if len(offers) != world_size:
+        return Plan(STORAGE, reason=f"offers of {len(offers)} ranks, world size {world_size}")
+    exact = _same_layout_step(offers, world_size)
+    rep = _replicated_step(offers) if replicated else None
+    if isinstance(rep, str):  # the newest replicated step is in doubt: not even an older one
+        return Plan(STORAGE, reason=rep)
+    if exact is not None and (rep is None or exact >= rep[0]):
+        return Plan(MEMORY, exact, tuple(range(world_size)), same_layout=True)
+    if rep is not None:
+        step, digest, holders = rep
+        source = MEMORY if len(holders) == world_size else PEER
+        return Plan(source, step, holders, digest=digest)
+    if not any(offers):
+        return Plan(STORAGE, reason="no rank holds a snapshot")
+    if not replicated:
+        return Plan(STORAGE, reason="the state is not replicated (FSDP, or per-rank entries) and not "
+                    f"every rank holds its own snapshot at world size {world_size}")
+    return Plan(STORAGE, reason="no snapshot of a replicated layout")
+
+
+def _same_layout_step(offers: Sequence[Sequence[Offer]], world_size: int) -> int | None:
+    """The newest step every rank wrote itself, at this world size."""
+    per_rank = [{o.step for o in mine if (o.world_size, o.rank) == (world_size, r)}
+                for r, mine in enumerate(offers)]
+    common = set.intersection(*per_rank) if per_rank else set()
+    return max(common) if common else None
+
+
+def _replicated_step(offers: Sequence[Sequence[Offer]]) -> tuple[int, bytes, tuple[int, ...]] | str | None:
+    """(step, digest, holders) of the newest replicated snapshot; a reason if that step is in
+    doubt (offers of it disagree on the layout, or one of it is not replicated); None if none."""
+    steps = [o.step for mine in offers for o in mine if o.replicated]
+    if not steps:
+        return None
+    step = max(steps)
+    at = [(r, o) for r, mine in enumerate(offers) for o in mine if o.step == step]
+    if not all(o.replicated for _, o in at):
+        return f"step {step} has replicated and sharded snapshots"
+    digests = {o.digest for _, o in at}
+    if len(digests) != 1:
+        return f"the snapshots of step {step} disagree on the state's layout"
+    holders = tuple(sorted({r for r, _ in at}))
+    return step, digests.pop(), holders

@@ -1,0 +1,159 @@
+"""What the ranks of a restore exchange, as raw tensors: offers, flags, a snapshot's bytes.
+
+Nothing received is unpickled (issue 22: the checkpoint group's gloo connections are not
+authenticated). Offers and flags travel as fixed-size int64 tensors (``Wire.gather``); a
+snapshot travels as its tensor bytes (sent straight from the sender's slot, received
+straight into the receiver's) plus its skeleton in a JSON form (``encode_skeleton``) that
+holds only containers, numbers, strings, dtypes and ``TensorRef`` fields: decoding it
+builds nothing else, and the receiver then checks it against its own live state
+(``snapshot.misfit``) before any byte is used.
+
+``replicated_layout`` says whether the job's state is a full replica on every rank (DDP),
+the condition for restoring it at another world size or rank (``choose``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic_harness.memtier.choose import Offer
+from elastic_harness.memtier.snapshot import TensorRef, Unsupported
+
+MAX_OFFERS = 4  # slots per rank that take part (the agent makes 2)
+_FIELDS = 8  # step, world size, rank, replicated, digest as 4 int64
+MAX_SKELETON = 64 << 20  # a JSON skeleton larger than this is refused (a bogus length)
+
+
+@dataclass
+class Wire:
+    """The collectives of a restore, on the checkpoint group (every rank calls ``gather`` in
+    the same order; ``send``/``recv`` pair up between one sender and one receiver)."""
+
+    gather: Callable[[list[int]], list[list[int]]]  # every rank's equally long list, rank order
+    send: Callable[[torch.Tensor, int], None]
+    recv: Callable[[torch.Tensor, int], None]
+
+    @classmethod
+    def of(cls, group: Any, world_size: int) -> Wire:
+        import torch.distributed as dist
+
+        def gather(values: list[int]) -> list[list[int]]:
+            t = torch.tensor(values, dtype=torch.int64)
+            out = [torch.empty_like(t) for _ in range(world_size)]
+            dist.all_gather(out, t, group=group)
+            return [o.tolist() for o in out]
+
+        return cls(gather,
+                   lambda t, dst: dist.send(t, group=group, group_dst=dst),
+                   lambda t, src: dist.recv(t, group=group, group_src=src))
+
+
+def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
+    """Is every rank's state the whole job's state, the same on every rank? DDP (the model
+    a ``DistributedDataParallel``, the job's parallelism ``ddp``) and no entries a script
+    registered beyond model, optimizer, scheduler, scaler and train position (an extra entry
+    may be per rank). FSDP, a bare model or anything else: no."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
+
+    inner = getattr(model, "_orig_mod", model)
+    return (parallelism == "ddp" and isinstance(inner, DistributedDataParallel)
+            and not any(str(k).startswith(EXTRA_PREFIX) for k in state_keys))
+
+
+# ----- offers as int64 ------------------------------------------------------------------
+
+def encode_offers(offers: list[Offer]) -> list[int]:
+    """Pure: a fixed-length list of int64 values (count, then ``_FIELDS`` per offer)."""
+    out = [min(len(offers), MAX_OFFERS)]
+    for o in offers[:MAX_OFFERS]:
+        d = o.digest.ljust(32, b"\0")[:32]
+        out += [o.step, o.world_size, o.rank, int(o.replicated),
+                *(int.from_bytes(d[i:i + 8], "little", signed=True) for i in range(0, 32, 8))]
+    return out + [0] * (1 + MAX_OFFERS * _FIELDS - len(out))
+
+
+def decode_offers(values: list[int]) -> list[Offer]:
+    """Pure: ``encode_offers``'s inverse; a malformed list is no offers."""
+    if len(values) != 1 + MAX_OFFERS * _FIELDS or not 0 <= values[0] <= MAX_OFFERS:
+        return []
+    out = []
+    for i in range(values[0]):
+        f = values[1 + i * _FIELDS:1 + (i + 1) * _FIELDS]
+        digest = b"".join(v.to_bytes(8, "little", signed=True) for v in f[4:])
+        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3])))
+    return out
+
+
+# ----- the skeleton as JSON ---------------------------------------------------------------
+
+def encode_skeleton(skeleton: Any) -> bytes:
+    """Pure: the skeleton (``snapshot.read_skeleton``) as JSON; ``Unsupported`` for any value
+    outside containers, numbers, strings, dtypes and plain-tensor ``TensorRef``s."""
+    return json.dumps(_enc(skeleton), separators=(",", ":")).encode()
+
+
+def decode_skeleton(raw: bytes) -> Any:
+    """Pure: ``encode_skeleton``'s inverse; ``ValueError`` for anything it did not write."""
+    return _dec(json.loads(raw.decode()))
+
+
+def _enc(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, TensorRef):
+        if tuple(v.kind) != ("tensor",):
+            raise Unsupported("a sharded tensor is not sent to peers")
+        return {"r": [v.offset, v.nbytes, _dtype_name(v.dtype), list(v.shape)]}
+    if isinstance(v, torch.dtype):
+        return {"dt": _dtype_name(v)}
+    if isinstance(v, dict):
+        if not all(type(k) in (str, int) for k in v):
+            raise Unsupported("a dict key that is not a str or an int")
+        return {"d": [[k, _enc(x)] for k, x in v.items()]}
+    if isinstance(v, list):
+        return {"l": [_enc(x) for x in v]}
+    if type(v) is tuple:
+        return {"t": [_enc(x) for x in v]}
+    raise Unsupported(f"a {type(v).__name__} in the state is not sent to peers")
+
+
+def _dec(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, dict) and len(v) == 1:
+        (tag, x), = v.items()
+        if tag == "d" and isinstance(x, list) and all(isinstance(p, list) and len(p) == 2 for p in x):
+            if not all(type(k) in (str, int) for k, _ in x):
+                raise ValueError("a bad dict key")
+            return {k: _dec(val) for k, val in x}
+        if tag == "l" and isinstance(x, list):
+            return [_dec(i) for i in x]
+        if tag == "t" and isinstance(x, list):
+            return tuple(_dec(i) for i in x)
+        if tag == "dt":
+            return _dtype(x)
+        if tag == "r" and isinstance(x, list) and len(x) == 4:
+            offset, nbytes, dtype, shape = x
+            if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0
+                    and isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+                raise ValueError("a bad tensor reference")
+            return TensorRef(offset, nbytes, _dtype(dtype), tuple(shape), ("tensor",))
+    raise ValueError("not a skeleton this harness wrote")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _dtype(name: Any) -> torch.dtype:
+    d = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"not a dtype: {name!r:.40}")
+    return d
