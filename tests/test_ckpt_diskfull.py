@@ -42,7 +42,7 @@ def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path
     assert "3 checkpoint saves in a row failed" in r.err and "Traceback" not in r.err
     failures = [e for e in r.kinds("failure") if not e.get("fatal")]
     assert [f["step"] for f in failures] == [20, 30, 40]
-    assert all("No space left on device" in f["message"] for f in failures)
+    assert all("No space left on device" in f["message"] for f in failures), [f["message"] for f in failures]
     assert all(f["asynchronous"] for f in failures)  # periodic saves are async by default
     assert [c["step"] for c in r.kinds("checkpoint")] == [10]
     assert max(e["step"] for e in r.kinds("step")) < 60  # stopped, did not train on unsaved

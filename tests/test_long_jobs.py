@@ -299,7 +299,8 @@ def test_what_is_still_running_after_the_bound_is_reported():
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_rank_working_after_close_is_waited_for_then_reported(tmp_path):
-    """Rank 1 works 16 s after run.close(), then hangs. The bound here is 20 + 3 = 23 s; the
+    """Rank 1 works 16 s after run.close(), then hangs. The bound here is 30 + 3 = 33 s (room for
+    a loaded machine between the finish event and close()); the
     host used to stop every node shutdown_grace + 10 = 13 s after the last step and report
     success."""
     from tests.conftest import REPO
@@ -309,11 +310,11 @@ def test_a_rank_working_after_close_is_waited_for_then_reported(tmp_path):
     job.write_text(f"name: lingers\nscript: {{path: {REPO / 'tests/scripts/lingers.py'}, "
                    f"args: [--linger, '16', --marker, '{marker}']}}\nnproc_per_node: 2\n"
                    "train: {steps: 4, global_batch_size: 4, micro_batch_size: 2}\n"
-                   "timeouts: {process_group: 20, shutdown_grace: 3}\n")
+                   "timeouts: {process_group: 30, shutdown_grace: 3}\n")
     r = cli("run", str(job), run_dir=tmp_path / "run", timeout=240)
     assert marker.exists(), "rank 1's work after close was cut short before the bound"
     assert r.code == exitcodes.FAILED, (r.code, r.err)
-    assert "node 0 (ranks 0, 1) still ran 23s later" in r.err and "cut short" in r.err
+    assert "node 0 (ranks 0, 1) still ran 33s later" in r.err and "cut short" in r.err
 
 
 # ----- 7. bench recovery keeps every recovery's breakdown ---------------------------------------

@@ -200,6 +200,7 @@ def test_report_and_verify_on_a_killed_worker_run(mlp_reference, tmp_path):
     # Another model without another run: the same run dir without its final checkpoint.
     other = tmp_path / "earlier"
     shutil.copytree(run_dir / "checkpoints", other / "checkpoints")
+    shutil.copy2(run_dir / "job.key", other / "job.key")  # signed with it: verify reads it first
     shutil.rmtree(final_ckpt(other))
     differs = cli("verify", str(other), str(mlp_reference.run_dir), timeout=120)
     assert differs.code == 1, differs.out + differs.err

@@ -8,6 +8,7 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic_harness as eh
 
@@ -16,7 +17,7 @@ cli = argparse.ArgumentParser()
 cli.add_argument("--linger", type=float, default=0.0)
 cli.add_argument("--marker", default="")
 args = cli.parse_args(run.argv)
-model = nn.Linear(3, 1)
+model = DDP(nn.Linear(3, 1))  # two ranks: wrapped, or the harness stops it (registration)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 run.register(model, optimizer)
 data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
