@@ -58,9 +58,11 @@ def test_a_kill_before_the_first_step_is_counted_against_the_generation_it_hit()
 
 
 def test_goals_are_reported_per_part():
-    report = {"kill_node": {"met": True}, "goodput": {"met": {"goodput": False, "lost_work": True}}}
+    report = {"kill_node": {"met": True, "steps_redone_met": True},
+              "goodput": {"met": {"goodput": False, "lost_work": True}}}
     met = recovery.goals_met(report, repeats=2)
     assert met["kill_node_ratio"] is True and met["goodput_goodput"] is False
+    assert met["kill_node_steps_redone"] is True
     assert "indicative" in met["note"]
 
 
