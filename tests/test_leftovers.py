@@ -133,3 +133,16 @@ def test_runs_leave_nothing_in_the_temp_dir_even_when_sigkilled(tmp_path):
     assert _new_entries(tmp, shm) == []
     assert not (run_dir / "tmp").exists(), list((run_dir / "tmp").iterdir())
     assert (run_dir / "cache" / "torchinductor").is_dir()  # torch did write; just not to /tmp
+
+
+@pytest.mark.e2e  # imports torch and the quickstart's task in a subprocess
+@pytest.mark.timeout(120)
+def test_building_the_model_in_the_host_leaves_nothing_in_the_temp_dir(tmp_path):
+    """The host builds the task's model once before any agent (``run``, ``submit``, ``spec``):
+    the quickstart's task imports torch's compiler, which made its cache dir in the temp dir."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-m", "elastic_harness", "spec", str(REPO / "jobs/quickstart.yaml")],
+                         env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == []

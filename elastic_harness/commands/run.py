@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -23,6 +25,7 @@ from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.launch.policy import finish_bound_s
+from elastic_harness.launch.scratch import INDUCTOR_CACHE_VAR
 from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import check_paths, prepare
@@ -157,8 +160,25 @@ def preflight(spec, job_path: Path):
         return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script)))
     from elastic_harness.tasks import load_task
 
-    check_model_builds(load_task(spec.task.target, spec.task.args), spec.task.target)
+    with throwaway_inductor_cache():  # importing the task may import torch's compiler
+        check_model_builds(load_task(spec.task.target, spec.task.args), spec.task.target)
     return spec
+
+
+@contextlib.contextmanager
+def throwaway_inductor_cache():
+    """torch's compiler makes its cache directory under the temp dir when imported; the host
+    has no run dir yet here, so point it at a temp dir removed afterwards (a run leaves
+    nothing in /tmp). A ``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone."""
+    if os.environ.get(INDUCTOR_CACHE_VAR):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="elastic-harness-build-") as tmp:
+        os.environ[INDUCTOR_CACHE_VAR] = tmp
+        try:
+            yield
+        finally:
+            os.environ.pop(INDUCTOR_CACHE_VAR, None)
 
 
 def check_model_builds(task, target: str) -> None:
