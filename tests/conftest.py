@@ -6,6 +6,7 @@ out, so nothing a test started outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,3 +165,28 @@ def mlp_reference(tmp_path_factory) -> Result:
     r = cli("run", str(MLP), "--set", "train.record_samples=true", run_dir=run_dir)
     assert r.code == 0, r.err
     return r
+
+
+@contextlib.contextmanager
+def training_in_background(run_dir: Path, *args: str):
+    """An endless MLP ``run`` (no saves) in its own process group, yielded once it has taken a
+    step; stopped at the end with SIGTERM (it drains and releases its locks), SIGKILL if stuck."""
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), *args, "--set", "train.steps=100000",
+           "--set", "checkpoint.every_steps=0", "--set", "checkpoint.save_final=false", "--run-dir", str(run_dir)]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "step" for e in read_jsonl(run_dir / "events.jsonl")):
+            assert first.poll() is None, "the first job ended early"
+            assert time.monotonic() < deadline, "the first job never trained"
+            time.sleep(0.2)
+        yield first
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGTERM)
+        try:
+            first.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()

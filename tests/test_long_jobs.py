@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -252,33 +251,15 @@ def test_a_fenced_generation_that_finishes_does_not_report_success():
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_same_command_twice_with_a_pinned_id_trains_once(tmp_path):
-    from tests.conftest import REPO, read_jsonl
+    from tests.conftest import read_jsonl, training_in_background
 
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--job-id", "pinned",
-               "--set", "train.steps=100000", "--set", "checkpoint.every_steps=0",
-               "--set", "checkpoint.save_final=false", "--run-dir", str(run_dir)]
-    first = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(e["event"] == "step" for e in read_jsonl(run_dir / "events.jsonl")):
-            assert first.poll() is None, "the first job ended early"
-            assert time.monotonic() < deadline, "the first job never trained"
-            time.sleep(0.2)
+    with training_in_background(run_dir, "--job-id", "pinned"):
         second = cli("run", str(MLP), "--job-id", "pinned", run_dir=run_dir, timeout=120)
         assert second.code == 2 and "Traceback" not in second.err, second.err
         assert "is in use by job 'mlp' (rendezvous id pinned" in second.err
         starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start" and e.get("who") == "host"]
         assert len(starts) == 1, "the second submission must not have started"
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGTERM)
-        try:
-            first.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
 
 
 # ----- 4. every rank is waited for after the last step, within a bound ------------------------

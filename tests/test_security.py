@@ -18,6 +18,7 @@ import pytest
 
 from elastic_harness import jobkey
 from elastic_harness.listen import is_loopback, listener
+from tests.test_rendezvous import join_all
 
 pytestmark = pytest.mark.timeout(90)
 KEY = b"s" * 32
@@ -148,21 +149,8 @@ def handler(endpoint: str, run_id: str, key: bytes = KEY, backend: str = "c10d")
 
 
 def join(handlers) -> list[int]:
-    sizes, errors = [0] * len(handlers), []
-
-    def one(i: int) -> None:
-        try:
-            sizes[i] = handlers[i].next_rendezvous().world_size
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return sizes
+    """Every handler joins the next round at once; their world sizes."""
+    return join_all(handlers, [0.0] * len(handlers))
 
 
 def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path, caplog):
