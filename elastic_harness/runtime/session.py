@@ -397,6 +397,12 @@ class Run:
                 plan, batches = loader.next_step()
                 seed_everything(step_seed(spec.train.seed, train.step, self.rank))
                 step = Step(self, train.step + 1, plan, batches, lr=None)
+                if self._loop.sample_log is not None:
+                    # Before the step's compute, not in its hook: a step whose gradients were
+                    # reduced then has every rank's line, even when a node dies right after
+                    # (its peers may restore that step from memory).
+                    record_samples(self._loop.sample_log, self.generation, step.number, self.rank,
+                                   self.world_size, plan, loader.meta)
                 yield step
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
@@ -453,9 +459,6 @@ class Run:
         loop.period_start, loop.snapshot_s = now, 0.0
         if self._buffers is not None:
             self._buffers.sync()
-        if loop.sample_log is not None:
-            record_samples(loop.sample_log, self.generation, step.number, self.rank, self.world_size,
-                           step.plan, loop.loader.meta)
         train.step += 1
         train.data = train.data.advance(spec.train.global_batch_size)
         totals = self._collect_totals(step)
