@@ -84,6 +84,7 @@ from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.jobsource import resolve_job
+from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.loader import (
     StepLoader,
     StreamLoader,
@@ -242,6 +243,8 @@ class Run:
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device: torch.device = groups.device
+        # A mesh layout's DeviceMesh (runtime.mesh), built here on every rank: building is collective.
+        self.mesh: Any = build_mesh(self.topology, self.device.type) if self.topology.kind == "mesh" else None
         self.closed = False
         log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
@@ -290,6 +293,16 @@ class Run:
     def step(self) -> int:
         """Updates done so far (after ``resume``: the step the checkpoint was saved at)."""
         return self._train.step
+
+    @property
+    def dp_degree(self) -> int:
+        """How many data-parallel ranks share the global batch (not the world size under
+        tensor parallelism)."""
+        return self.topology.dp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank()
 
     @property
     def device_ids(self) -> list[int] | None:
@@ -401,8 +414,8 @@ class Run:
                     # Before the step's compute, not in its hook: a step whose gradients were
                     # reduced then has every rank's line, even when a node dies right after
                     # (its peers may restore that step from memory).
-                    record_samples(self._loop.sample_log, self.generation, step.number, self.rank,
-                                   self.world_size, plan, loader.meta)
+                    record_samples(self._loop.sample_log, self.generation, step.number, self.dp_rank,
+                                   self.dp_degree, plan, loader.meta)
                 yield step
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
@@ -429,13 +442,14 @@ class Run:
                                          on_progress=lambda: self.watchdog.arm(
                                              extra_s=spec.timeouts.process_group))
             self._check_data(order.n, *digests)
-            plan_of = stream_planner(order, train.data.cursor, train.step, g, self.world_size,
-                                     self.rank, mb)
+            plan_of = stream_planner(order, train.data.cursor, train.step, g, self.dp_degree,
+                                     self.dp_rank, mb)
             return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
-                                world_size=self.world_size, **common)
+                                world_size=self.dp_degree, **common)
         self._check_data(len(source), 0, 0)
         order = EpochOrder(spec.train.seed, len(source))
-        plan_of = planner(order, train.data.cursor, train.step, g, self.world_size, self.rank, mb)
+        # Data-parallel ranks share the global batch; a tensor group reads the same samples.
+        plan_of = planner(order, train.data.cursor, train.step, g, self.dp_degree, self.dp_rank, mb)
         return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
 
     def _check_data(self, n: int, stream: int, layout: int) -> None:
@@ -463,7 +477,8 @@ class Run:
         train.data = train.data.advance(spec.train.global_batch_size)
         totals = self._collect_totals(step)
         now = time.monotonic()
-        loss = float(totals[0]) / spec.train.global_batch_size
+        # every rank of a tensor group counted the same samples' loss
+        loss = float(totals[0]) / (spec.train.global_batch_size * self.topology.tensor)
         self._last_loss = loss
         final = train.step == spec.train.steps
         if train.step % spec.train.log_every == 0 or final:
@@ -563,10 +578,11 @@ class Run:
                          digest=digest, samples=self._train.data.cursor, world_size=self.world_size)
 
     def _sample_log(self) -> Path | None:
-        if not self.spec.train.record_samples:
+        """Per data-parallel rank: the first rank of each tensor group writes its samples."""
+        if not self.spec.train.record_samples or self.topology.coords()[2] != 0:
             return None
         (self.run_dir / runfiles.SAMPLES).mkdir(exist_ok=True)
-        return self.run_dir / runfiles.SAMPLES / f"rank-{self.rank}.jsonl"
+        return self.run_dir / runfiles.SAMPLES / f"rank-{self.dp_rank}.jsonl"
 
     # ----- evaluation --------------------------------------------------------------------
     def evaluate(self, dataset: Any, fn: Callable[[Any], dict[str, torch.Tensor]], *,
@@ -578,7 +594,7 @@ class Run:
 
         t0 = time.perf_counter()
         size = self.spec.eval.batch_size or self.spec.train.micro_batch_size
-        batches = ev.eval_batches(len(dataset), self.world_size, self.rank, size)
+        batches = ev.eval_batches(len(dataset), self.dp_degree, self.dp_rank, size)
         model = self.model
         was_training = model.training if model is not None else False
         if model is not None:

@@ -36,6 +36,7 @@ class Owner(Protocol):
 
     spec: JobSpec
     world_size: int
+    dp_degree: int
     model: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     scaler: Any
@@ -105,8 +106,9 @@ class Step:
 
         ``loss`` is the mean over the current micro-batch (a 0-dim tensor, what
         ``reduction='mean'`` gives), or one value per sample (shape ``[B]``). DDP and FSDP
-        average gradients over ranks, so the micro-batch's sum is scaled by
-        ``world_size / global_batch``. Also counts the loss for the step's reported mean.
+        average gradients over the data-parallel ranks, so the micro-batch's sum is scaled by
+        ``dp_degree / global_batch`` (the world size unless tensor parallelism: a tensor group
+        computes one loss together). Also counts the loss for the step's reported mean.
         """
         n = getattr(self, "_current", None)
         if n is None:
@@ -117,7 +119,7 @@ class Step:
         total = loss.sum() if loss.ndim else loss * n
         self.loss_sum += total.detach().double().sum().cpu()
         self.samples += n
-        return total * (self.run.world_size / self.run.spec.train.global_batch_size)
+        return total * (self.run.dp_degree / self.run.spec.train.global_batch_size)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``scale(loss).backward()``, through the GradScaler under fp16."""
