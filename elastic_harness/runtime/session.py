@@ -84,7 +84,6 @@ from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.jobsource import resolve_job
-from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.loader import (
     StepLoader,
     StreamLoader,
@@ -92,6 +91,7 @@ from elastic_harness.runtime.loader import (
     stream_planner,
     to_device,
 )
+from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import (
     check_registration,

@@ -141,7 +141,11 @@ class TinyLlamaLM:
     def parallelize(self, model: nn.Module, mesh: Any) -> nn.Module:
         """The built-in tensor-parallel plan on ``mesh["tp"]`` (inputs and outputs replicated
         along ``tp``: each layer's column-split projections feed its row-split ones)."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         self.check_parallelize(model, mesh["tp"].size())
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
