@@ -1,0 +1,82 @@
+"""Mesh layouts end to end (CPU, gloo, simulated nodes): a tiny Llama-style model with the
+built-in tensor-parallel plan and FSDP2 on a 2-D mesh, HSDP across nodes, and checkpoints
+resharded between layouts through DCP (docs/layouts.md).
+
+The reference is one uninterrupted run at (shard 2, tensor 2) on 4 processes. A constant
+learning rate keeps the schedule independent of ``train.steps``, so a run stopped early and
+continued is the same job.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.audit import audit
+from tests.conftest import JOBS, cli, final_ckpt, model_of
+from tests.test_e2e_core import assert_close
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+
+JOB = JOBS / "llama_mesh.yaml"
+N = (200_000 - 1) // 32  # samples: byte windows of 32 (+1) in the task's 200k characters
+G, STEPS = 16, 12
+COMMON = ["--set", f"train.steps={STEPS}", "--set", "train.record_samples=true", "--set",
+          "optimizer.schedule=constant", "--set", "optimizer.warmup_steps=0", "--set", "checkpoint.every_steps=4"]
+TP = ["--set", "nodes.max=1", "--set", "parallelism.shard=2", "--set", "parallelism.tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tp-ref")
+    r = cli("run", str(JOB), *COMMON, *TP, run_dir=run_dir)
+    assert r.code == 0, r.err
+    return r
+
+
+def finish(r) -> dict:
+    (f,) = r.kinds("finish")
+    return f
+
+
+def test_tp_fsdp_killed_worker_is_bit_identical_at_equal_layout(tp_reference, tmp_path):
+    seen = audit(tp_reference.run_dir, N, G, STEPS)
+    assert set(seen["world_sizes"].values()) == {2}, "the audit counts data-parallel ranks (4 processes, tensor 2)"
+    r = cli("run", str(JOB), *COMMON, *TP, "--chaos", "kill-worker:1@6", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    (fault,) = r.kinds("fault")
+    assert (fault["kind"], fault["step"]) == ("kill-worker", 6)
+    assert finish(r)["digest"] == finish(tp_reference)["digest"]
+    audit(tmp_path, N, G, STEPS)
+
+
+def test_stop_at_shard2_tensor2_resume_at_shard4(tp_reference, tmp_path):
+    first = cli("run", str(JOB), *COMMON, *TP, "--set", "train.steps=6", run_dir=tmp_path)
+    assert first.code == 0, first.err
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    # A layout the model cannot take (tensor 4 does not divide 2 heads): one line, exit 2,
+    # before any agent starts, the checkpoints as they were.
+    bad = cli("run", str(JOB), *COMMON, "--set", "nodes.max=1", "--set", "parallelism.shard=1",
+              "--set", "parallelism.tensor=4", "--set", "task.args.heads=2", run_dir=tmp_path)
+    assert bad.code == 2 and "tensor degree 4 does not divide heads 2" in bad.err, bad.err
+    assert "Traceback" not in bad.err and len(bad.err.strip().splitlines()) <= 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
+    again = cli("run", str(JOB), *COMMON, "--set", "nodes.max=1", "--set", "parallelism.shard=4",
+                "--set", "parallelism.tensor=1", run_dir=tmp_path)
+    assert again.code == 0, again.err
+    (resumed,) = again.kinds("resume")
+    assert (resumed["step"], resumed["source"]) == (6, "storage")
+    audit(tmp_path, N, G, STEPS)
+    diff = assert_close(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(tp_reference.run_dir)))
+    print(f"(shard 2, tensor 2) -> (shard 4) vs uninterrupted: {diff}")
+
+
+def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path):
+    hsdp = ["--nodes", "2", "--nproc-per-node", "2", "--set", "nodes.min=1", "--set", "nodes.max=2",
+            "--set", "parallelism.shard=2", "--set", "parallelism.tensor=1", "--set", "train.steps=24"]
+    r = cli("run", str(JOB), *COMMON, *hsdp, "--chaos", "kill-node:1@8", "--chaos", "add-node@16",
+            run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert [f["kind"] for f in r.kinds("fault")] == ["kill-node", "add-node"]
+    assert [g["world_size"] for g in r.kinds("rendezvous")] == [4, 2, 4]
+    seen = audit(tmp_path, N, G, 24)
+    assert set(seen["world_sizes"].values()) == {1 * 2, 2 * 2}, "replicate 2 -> 1 -> 2, shard 2"
