@@ -71,12 +71,29 @@ def test_stop_at_shard2_tensor2_resume_at_shard4(tp_reference, tmp_path):
 
 
 def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path):
+    # Steps of ~0.2 s here: a joining agent (a fresh interpreter importing torch) needs tens of
+    # them, and the first async save (plan creation) commits a few steps after it starts.
+    steps = 80
     hsdp = ["--nodes", "2", "--nproc-per-node", "2", "--set", "nodes.min=1", "--set", "nodes.max=2",
-            "--set", "parallelism.shard=2", "--set", "parallelism.tensor=1", "--set", "train.steps=24"]
-    r = cli("run", str(JOB), *COMMON, *hsdp, "--chaos", "kill-node:1@8", "--chaos", "add-node@16",
+            "--set", "parallelism.shard=2", "--set", "parallelism.tensor=1", "--set", f"train.steps={steps}"]
+    r = cli("run", str(JOB), *COMMON, *hsdp, "--chaos", "kill-node:1@10", "--chaos", "add-node@14",
             run_dir=tmp_path)
     assert r.code == 0, r.err
     assert [f["kind"] for f in r.kinds("fault")] == ["kill-node", "add-node"]
     assert [g["world_size"] for g in r.kinds("rendezvous")] == [4, 2, 4]
-    seen = audit(tmp_path, N, G, 24)
-    assert set(seen["world_sizes"].values()) == {1 * 2, 2 * 2}, "replicate 2 -> 1 -> 2, shard 2"
+    # replicate 2 -> 1 -> 2 (shard 2 inside each node), each change resharded from storage
+    _, shrunk, grown = r.kinds("resume")
+    assert (shrunk["source"], shrunk["saved_world_size"], shrunk["world_size"]) == ("storage", 4, 2)
+    assert shrunk["step"] >= 4
+    assert (grown["source"], grown["saved_world_size"], grown["world_size"]) == ("storage", 2, 4)
+    seen = audit(tmp_path, N, G, steps)
+    assert set(seen["world_sizes"].values()) == {2, 4}, "data-parallel degree 4 -> 2 -> 4"
+
+
+def test_a_script_gets_the_mesh_and_applies_its_own_plan(tmp_path):
+    r = cli("run", str(JOBS / "llama_mesh_script.yaml"), "--set", "nodes.max=1", "--set", "train.steps=6",
+            "--set", "train.record_samples=true", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert finish(r)["step"] == 6
+    seen = audit(tmp_path, N, G, 6)
+    assert set(seen["world_sizes"].values()) == {2}
