@@ -46,7 +46,17 @@ def test_tp_fsdp_killed_worker_is_bit_identical_at_equal_layout(tp_reference, tm
     (fault,) = r.kinds("fault")
     assert (fault["kind"], fault["step"]) == ("kill-worker", 6)
     assert finish(r)["digest"] == finish(tp_reference)["digest"]
+    assert r.kinds("resume")[-1]["source"] == "memory", "an unchanged layout restores from memory"
     audit(tmp_path, N, G, STEPS)
+    # plain tensors from a TP + FSDP checkpoint, the same values DCP holds
+    out = tmp_path / "model.pt"
+    export = cli("ckpt", "export", str(tmp_path), "--to", str(out))
+    assert export.code == 0, export.err
+    import torch
+
+    exported = torch.load(out, weights_only=True)
+    stored = model_of(final_ckpt(tmp_path))
+    assert exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
 
 
 def test_stop_at_shard2_tensor2_resume_at_shard4(tp_reference, tmp_path):
