@@ -35,8 +35,7 @@ class Owner(Protocol):
     """What a step needs of its run: the step hook (``runtime.hook.StepHook``)."""
 
     spec: JobSpec
-    world_size: int
-    dp_degree: int
+    dp_size: int  # the data-parallel degree: how many ranks average the gradients
     model: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     scaler: Any
@@ -107,8 +106,8 @@ class Step:
         ``loss`` is the mean over the current micro-batch (a 0-dim tensor, what
         ``reduction='mean'`` gives), or one value per sample (shape ``[B]``). DDP and FSDP
         average gradients over the data-parallel ranks, so the micro-batch's sum is scaled by
-        ``dp_degree / global_batch`` (the world size unless tensor parallelism: a tensor group
-        computes one loss together). Also counts the loss for the step's reported mean.
+        ``dp_size / global_batch`` (``runtime.topology``: the data-parallel degree, the world
+        size under ``ddp``/``fsdp``). Also counts the loss for the step's reported mean.
         """
         n = getattr(self, "_current", None)
         if n is None:
@@ -119,7 +118,7 @@ class Step:
         total = loss.sum() if loss.ndim else loss * n
         self.loss_sum += total.detach().double().sum().cpu()
         self.samples += n
-        return total * (self.hook.dp_degree / self.hook.spec.train.global_batch_size)
+        return total * (self.hook.dp_size / self.hook.spec.train.global_batch_size)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``scale(loss).backward()``, through the GradScaler under fp16."""

@@ -37,8 +37,7 @@ def build_model(task: Any, spec: JobSpec, device: torch.device, topology: Topolo
     if topology.kind == "mesh":  # the task's tensor-parallel plan, then FSDP2/HSDP (runtime.mesh)
         model = parallelize(task.build_model().to(device), mesh, task, topology, spec.task.target)
         return torch.compile(model) if spec.train.compile else model
-    # FSDP2's mesh is the shard dimension (the whole world under fsdp; DDP needs no degree)
-    model = wrap(task.build_model(), spec.parallelism, device, task, topology.shard)
+    model = wrap(task.build_model(), topology, device, task)
     return torch.compile(model) if spec.train.compile else model
 
 
