@@ -9,6 +9,8 @@ continued is the same job.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.audit import audit
@@ -59,10 +61,12 @@ def test_tp_fsdp_killed_worker_is_bit_identical_at_equal_layout(tp_reference, tm
     assert exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
 
 
-def test_stop_at_shard2_tensor2_resume_at_shard4(tp_reference, tmp_path):
+def test_stop_at_shard2_tensor2_resume_at_shard4_and_at_replicate2_shard2(tp_reference, tmp_path):
     first = cli("run", str(JOB), *COMMON, *TP, "--set", "train.steps=6", run_dir=tmp_path)
     assert first.code == 0, first.err
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    hsdp_dir = tmp_path.parent / f"{tmp_path.name}-hsdp"  # the same stop, resumed on 2 nodes below
+    shutil.copytree(tmp_path, hsdp_dir)
     # A layout the model cannot take (tensor 4 does not divide 2 heads): one line, exit 2,
     # before any agent starts, the checkpoints as they were.
     bad = cli("run", str(JOB), *COMMON, "--set", "nodes.max=1", "--set", "parallelism.shard=1",
@@ -78,6 +82,15 @@ def test_stop_at_shard2_tensor2_resume_at_shard4(tp_reference, tmp_path):
     audit(tmp_path, N, G, STEPS)
     diff = assert_close(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(tp_reference.run_dir)))
     print(f"(shard 2, tensor 2) -> (shard 4) vs uninterrupted: {diff}")
+    # the same stop resumed at (replicate 2, shard 2): 2 nodes of 2 processes, HSDP
+    hsdp = cli("run", str(JOB), *COMMON, "--nodes", "2", "--nproc-per-node", "2", "--set", "nodes.max=2",
+               "--set", "parallelism.shard=2", "--set", "parallelism.tensor=1", run_dir=hsdp_dir)
+    assert hsdp.code == 0, hsdp.err
+    (resumed,) = hsdp.kinds("resume")
+    assert (resumed["step"], resumed["saved_world_size"], resumed["world_size"]) == (6, 4, 4)
+    audit(hsdp_dir, N, G, STEPS)
+    diff = assert_close(model_of(final_ckpt(hsdp_dir)), model_of(final_ckpt(tp_reference.run_dir)))
+    print(f"(shard 2, tensor 2) -> (replicate 2, shard 2) vs uninterrupted: {diff}")
 
 
 def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path):
