@@ -91,6 +91,9 @@ class StepHook:
         self.spec, self.train, self.state = spec, train, state
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.rank, self.world_size, self.dp_size = topology.rank, topology.world_size, topology.dp_degree
+        # the ranks of a tensor group each count the same samples' loss: the reported mean
+        # divides them out
+        self.tensor = topology.tensor
         self.restart = restart
         self.events, self.metrics, self.ckpt = events, metrics, ckpt
         self.memory, self.cadence = memory, cadence
@@ -139,7 +142,7 @@ class StepHook:
         train.data = train.data.advance(spec.train.global_batch_size)
         totals = self._collect_totals(step)
         now = time.monotonic()
-        loss = float(totals[0]) / spec.train.global_batch_size
+        loss = float(totals[0]) / (spec.train.global_batch_size * self.tensor)
         self.last_loss = loss
         final = train.step == spec.train.steps
         if train.step % spec.train.log_every == 0 or final:

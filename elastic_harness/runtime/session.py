@@ -88,6 +88,7 @@ from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.hook import ReplicaCheck, StepHook, save_due_by_steps, save_due_by_time
 from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import to_device
+from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
 from elastic_harness.runtime.resume import announce, bind_data, restore
@@ -229,6 +230,8 @@ class Run:
         # split, the loss scale and evaluation use the data-parallel rank and degree instead.
         self.rank, self.world_size, self.local_rank = self.topology.rank, self.topology.world_size, env.local_rank
         self.device: torch.device = groups.device
+        # A mesh layout's DeviceMesh (runtime.mesh), built here on every rank: building is collective.
+        self.mesh: Any = build_mesh(self.topology, self.device.type) if self.topology.kind == "mesh" else None
         self.closed = False
         log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
@@ -277,6 +280,16 @@ class Run:
     def step(self) -> int:
         """Updates done so far (after ``resume``: the step the checkpoint was saved at)."""
         return self._train.step
+
+    @property
+    def dp_degree(self) -> int:
+        """How many data-parallel ranks share the global batch (not the world size under
+        tensor parallelism)."""
+        return self.topology.dp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank()
 
     @property
     def device_ids(self) -> list[int] | None:
