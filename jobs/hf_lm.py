@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -49,9 +50,12 @@ def main():
     args = cli.parse_args(run.argv)
     model = build_model(args.block).to(run.device)
     if args.parallelism == "fsdp":
+        # The mesh on the run's device: FSDP2's default mesh takes the GPU whenever one is
+        # visible, so a CPU run on a GPU machine would ask for a GPU per rank.
+        mesh = init_device_mesh(run.device.type, (run.dp_degree,))
         for layer in model.transformer.h:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     else:
         model = DDP(model, device_ids=run.device_ids)
     optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=3e-3, betas=(0.9, 0.95))
