@@ -70,7 +70,6 @@ def memtier(state: dict, model: torch.nn.Module, res: dict) -> None:
         skeleton = snapshot.read_skeleton(data, 0, cap.data_len, len(cap.skeleton))
         snapshot.restore_into(state, snapshot.targets(state), skeleton, data, 0)
         res["restore_bit_identical"] = all(torch.equal(want[k], v) for k, v in model.state_dict().items())
-        del data, views
         region.close()
     finally:
         os.unlink(path)
