@@ -32,6 +32,24 @@ class SpecError(HarnessError):
         self.path = path
 
 
+class SpecErrors(SpecError):
+    """Several mistakes in one job spec, each with its path and fix (``errors``), printed as
+    one line each so a user fixes them all in one go."""
+
+    def __init__(self, errors: list[SpecError]) -> None:
+        super().__init__("", f"{len(errors)} problems")
+        self.errors = errors
+        self.path = errors[0].path
+
+    def __str__(self) -> str:
+        lines = [self.message]
+        for e in self.errors:
+            where = f"{e.path}: " if e.path else ""
+            text = e.message.removeprefix("job spec error: ").removeprefix(where)
+            lines.append(f"  {where}{text}" + (f" (fix: {e.hint})" if e.hint else ""))
+        return "\n".join(lines)
+
+
 class TaskError(HarnessError):
     """The task named by ``task.target`` cannot be imported or built."""
 

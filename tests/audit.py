@@ -28,27 +28,41 @@ def lineage(run_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
+def per_dp_rank(step: int, recs: list[dict]) -> list[dict]:
+    """One record per data-parallel rank, in order: the ranks of a tensor-parallel group read
+    the same share, so their records must agree (lines before ``dp_rank`` existed: one per rank)."""
+    world = recs[0]["world_size"]
+    assert [r["rank"] for r in recs] == list(range(world)), f"step {step}: ranks missing"
+    shares: dict[int, dict] = {}
+    for r in recs:
+        first = shares.setdefault(r.get("dp_rank", r["rank"]), r)
+        assert first["indices"] == r["indices"], f"step {step}: a tensor group read different samples"
+    dp_size = recs[0].get("dp_size", world)
+    assert sorted(shares) == list(range(dp_size)), f"step {step}: data-parallel ranks missing"
+    return [shares[d] for d in range(dp_size)]
+
+
 def audit(run_dir: Path, dataset_size: int, global_batch: int, steps: int) -> dict:
-    """Assert the exactly-once property; return what was seen (world sizes per step)."""
+    """Assert the exactly-once property, counting data-parallel ranks; return what was seen
+    (process and data-parallel world sizes per step: equal under ddp/fsdp)."""
     steps_seen = lineage(run_dir)
     assert sorted(steps_seen) == list(range(1, steps + 1)), "some steps have no record"
     stream: list[int] = []
-    worlds = {}
+    worlds, dp_sizes = {}, {}
     for step in range(1, steps + 1):
         recs = steps_seen[step]
-        world = recs[0]["world_size"]
-        assert [r["rank"] for r in recs] == list(range(world)), f"step {step}: ranks missing"
-        batch = [i for r in recs for i in r["indices"]]
+        shares = per_dp_rank(step, recs)
+        batch = [i for r in shares for i in r["indices"]]
         assert len(batch) == global_batch, f"step {step}: {len(batch)} samples, not {global_batch}"
         stream += batch
-        worlds[step] = world
+        worlds[step], dp_sizes[step] = recs[0]["world_size"], len(shares)
     full = len(stream) // dataset_size
     for e in range(full):
         epoch = stream[e * dataset_size:(e + 1) * dataset_size]
         assert sorted(epoch) == list(range(dataset_size)), f"epoch {e}: not each sample once"
     rest = stream[full * dataset_size:]
     assert len(set(rest)) == len(rest), "a sample repeats within the partial last epoch"
-    return {"world_sizes": worlds, "epochs": full}
+    return {"world_sizes": worlds, "dp_sizes": dp_sizes, "epochs": full}
 
 
 def all_records(run_dir: Path) -> list[dict]:
@@ -80,8 +94,7 @@ def content_audit(run_dir: Path, epoch_size: int, global_batch: int, steps: int,
     for step in range(1, steps + 1):
         recs = steps_seen[step]
         world = recs[0]["world_size"]
-        assert [r["rank"] for r in recs] == list(range(world)), f"step {step}: ranks missing"
-        positions = sorted(p for r in recs for p in r["positions"])
+        positions = sorted(p for r in per_dp_rank(step, recs) for p in r["positions"])
         assert positions == list(range((step - 1) * global_batch, step * global_batch)), \
             f"step {step}: not the step's {global_batch} positions"
         worlds[step] = world

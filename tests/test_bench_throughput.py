@@ -223,3 +223,19 @@ def test_smoke_both_sides_train_the_same_samples(tmp_path):
     assert all(np.isfinite(v) and v > 0 for s in ("harness", "plain") for v in c["samples_per_s"][s])
     assert c["ratio"] > 0 and set(c["others_cores_median"]) == {"harness", "plain"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp.json"]  # scratch removed
+
+
+def test_the_hsdp_row_is_opt_in_and_both_sides_get_the_same_mesh(tmp_path):
+    assert "hsdp" not in tp.cases_of(bench_args(only=None))
+    args = bench_args(only=["hsdp"], micro_batch=16)
+    assert tp.cases_of(args) == ["hsdp"] and tp.nproc_of(args, "hsdp") == 4
+    tp.check_args(args)
+    with pytest.raises(HarnessError, match="even number of ranks"):
+        tp.check_args(bench_args(only=["hsdp"], micro_batch=16, nproc_layout=3, global_batch=48))
+    row = tp.ROWS["hsdp"]
+    job = tput_run.harness_job(args, row, tmp_path, tmp_path / "o.json", 4, 10)
+    spec = parse_job(__import__("yaml").safe_dump(job))
+    assert spec.parallelism == {"replicate": "auto", "shard": 2, "tensor": 1}
+    plain = tput_run.plain_command(args, row, tmp_path, tmp_path / "o.json", 4, tmp_path, 10)
+    assert plain[plain.index("--hsdp-shard") + 1] == "2"
+    assert "--hsdp-shard" not in tput_run.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path, 2, tmp_path, 10)

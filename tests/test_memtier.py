@@ -358,3 +358,19 @@ def test_key_order_does_not_matter_to_the_layout_check():
     saved = pickle.loads(snapshot.capture_trees({"s": {1: {"m": t}, 0: {"m": t}}}).skeleton)
     assert snapshot.misfit(saved, {"s": {0: {"m": t}, 1: {"m": t}}}) is None
     assert "keys differ" in snapshot.misfit(saved, {"s": {0: {"m": t}, 2: {"m": t}}})
+
+
+def test_a_slot_asked_to_pin_without_cuda_stays_a_plain_mapping(tmp_path):
+    """``begin(pin=True)`` (a snapshot of CUDA tensors) registers the mapping with CUDA; with
+    no GPU it is the same plain mapping, sized and writable, and close is clean."""
+    path = tmp_path / "slot"
+    path.write_bytes(b"")
+    region = Region(str(path))
+    data = region.begin(HEADER_SIZE + 4096, pin=True)
+    data[HEADER_SIZE:HEADER_SIZE + 3].copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert data.numel() >= HEADER_SIZE + 4096 and region.data().data_ptr() == data.data_ptr()
+    assert bool(region._registered) == torch.cuda.is_available()
+    grown = region.begin(HEADER_SIZE + 8192, pin=True)
+    assert grown.numel() >= HEADER_SIZE + 8192 and grown[HEADER_SIZE:HEADER_SIZE + 3].tolist() == [1, 2, 3]
+    region.close()
+    assert not region._registered

@@ -43,17 +43,18 @@ def timed(fn, group: Any) -> float:
     return float(t.item())
 
 
-def sharded(full: dict, mesh: DeviceMesh, rank: int, world: int, fill: bool) -> dict:
-    """The DTensor view of ``full`` over ``mesh`` (Shard(0)); zeros unless ``fill``."""
+def sharded(full: dict, mesh: DeviceMesh, rank: int, world: int, fill: bool, dim: int = 0) -> dict:
+    """The DTensor view of ``full`` over ``mesh`` (Shard(dim): 0 as FSDP2 shards, 1 as a
+    tensor-parallel row split of a weight); zeros unless ``fill``."""
     out: dict = {}
     for part, tensors in full.items():
         out[part] = {}
         for name, t in tensors.items():
-            chunks = t.chunk(world)
+            chunks = t.chunk(world, dim=dim)
             local = chunks[rank].clone() if rank < len(chunks) else t.new_zeros(0, t.shape[1])
             if not fill:
                 local.zero_()
-            out[part][name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+            out[part][name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False,
                                                  shape=t.shape, stride=t.stride())
     return out
 

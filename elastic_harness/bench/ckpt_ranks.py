@@ -85,10 +85,14 @@ def run_all(rank: int, cfg: dict) -> dict:
 
 def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: Any, root: Path,
                repeats: int, samples: dict) -> None:
-    """2 -> 2 (same layout) and 2 -> 3 (resharded) DCP loads, and the seeds' torch.load."""
+    """2 -> 2 (same layout), 2 -> 3 (resharded), 2 -> 2 into another layout (rows saved,
+    columns loaded) DCP loads, and the seeds' torch.load."""
     src, legacy = root / "load-src", root / "legacy.pt"
     same = sharded(full, mesh2, rank, 2, fill=False) if rank < 2 else None
     more = sharded(full, mesh3, rank, 3, fill=False)
+    # the same 2 ranks, another layout: rows (FSDP2's dim 0) saved, columns (a tensor-parallel
+    # split of dim 1) loaded, as a change from (shard 2) to (tensor 2) asks of DCP
+    across = sharded(full, mesh2, rank, 2, fill=False, dim=1) if rank < 2 else None
     world = dist.group.WORLD
 
     def prep() -> None:
@@ -103,18 +107,23 @@ def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: 
             t = timed(lambda: dcp.load(more, checkpoint_id=str(src), process_group=world), world)
         elif rank < 2 and kind == "load_same_layout_2to2":
             t = timed(lambda: dcp.load(same, checkpoint_id=str(src), process_group=g2), g2)
+        elif rank < 2 and kind == "load_layout_change_2to2":
+            t = timed(lambda: dcp.load(across, checkpoint_id=str(src), process_group=g2), g2)
         elif rank < 2:  # the seeds' way: every rank reads the whole file, keeps its part
             t = timed(lambda: _legacy_load(legacy, same), g2)
         else:
             t = 0.0
         samples.setdefault(kind, []).append(t)
 
-    kinds = ["load_same_layout_2to2", "load_resharded_2to3", "baseline_load"]
+    kinds = ["load_same_layout_2to2", "load_resharded_2to3", "load_layout_change_2to2", "baseline_load"]
     for r in range(repeats):
-        for kind in kinds[r % 3:] + kinds[:r % 3]:
+        for kind in kinds[r % 4:] + kinds[:r % 4]:
             one(kind)
     ok = all(torch.equal(more[p][n].to_local(), full[p][n].chunk(3)[rank]) for p in full for n in full[p])
     assert ok, "resharded load returned wrong values"
+    ok = rank == 2 or all(torch.equal(across[p][n].to_local(), full[p][n].chunk(2, dim=1)[rank])
+                          for p in full for n in full[p])
+    assert ok, "the load into another layout returned wrong values"
 
 
 def _legacy_load(path: Path, into: dict) -> None:

@@ -6,8 +6,9 @@ DDP script, side by side in one run, one row per comparison (``ROWS``):
 - ``defaults``: what a user meets: the harness with its defaults (the in-memory tier, a
   durable async DCP save every ``--save-every`` steps) against a plain script that
   ``torch.save``s model and optimizer on rank 0 at the same interval;
-- ``durable``: the ``defaults`` row with the in-memory tier off (``checkpoint.memory_every:
-  0``): the durable saves' own cost; the two rows' difference is the tier's.
+- ``durable`` (opt-in, ``--only durable``): the ``defaults`` row with the in-memory tier off
+  (``checkpoint.memory_every: 0``): the durable saves' own cost; the two rows' difference is
+  the tier's.
 
 Both sides train the same MLP with AdamW on the same images (``tput_common``,
 ``tput_data``), the same global batch split into the same micro-batches, for the same
@@ -40,6 +41,9 @@ compute, optimizer, hook, outside the loop body). Goals:
 - costly items (JPEG decode + augmentation per item, ``--image-px``): harness with
   ``--workers`` loader processes / plain loading in its training process          >= 1.5
 - defaults (saves on both sides, cheap items): harness / plain                     >= 0.97
+- hsdp (opt-in, ``--only hsdp``; cheap items, no saves): FSDP2 on a 2-D mesh, 2 replicas
+  x ``--nproc-layout``/2 shards, the harness's mesh layout ``{shard: nproc/2}`` on one node
+  (``run.mesh``) vs the same ``init_device_mesh`` + ``fully_shard`` under torchrun  >= 0.97
 
 To add a row (another data source, another setting), add a ``Row`` to ``ROWS`` and, if
 its sides need more, a branch in ``tput_run.harness_job`` / ``tput_run.plain_command``.
@@ -85,6 +89,8 @@ class Row:
     costly: bool = False  # --nproc-costly ranks and the harness with --workers loader processes
     saves: bool = False  # harness defaults (memory tier, saves) vs plain torch.save on rank 0
     tier: bool = True  # with saves: the in-memory tier on (the default) or off
+    hsdp: bool = False  # --nproc-layout ranks as replicate x shard (2 x nproc/2), FSDP2 on both sides
+    opt_in: bool = False  # run only when named in --only
 
 
 ROWS = {
@@ -92,8 +98,9 @@ ROWS = {
     "costly": Row("costly", "costly", 1.5, costly=True),
     "defaults": Row("defaults", "cheap", 0.97, saves=True),
     # The defaults less the in-memory tier: what the durable saves alone cost (defaults minus
-    # this row is the tier's share, which its budget, 3% of step time, bounds).
-    "durable": Row("durable", "cheap", None, saves=True, tier=False),
+    # this row is the tier's share, which its budget, 3% of step time, bounds). Opt-in.
+    "durable": Row("durable", "cheap", None, saves=True, tier=False, opt_in=True),
+    "hsdp": Row("hsdp", "cheap", 0.97, hsdp=True, opt_in=True),
 }
 CASES = tuple(ROWS)
 SIDES = ("harness", "plain")
@@ -116,6 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="harness loader processes per rank, costly (default 2)")
     p.add_argument("--nproc-cheap", type=int, default=2, help="ranks with cheap items (default 2)")
     p.add_argument("--nproc-costly", type=int, default=1, help="ranks with costly items (default 1)")
+    p.add_argument("--nproc-layout", type=int, default=4,
+                   help="hsdp row (opt-in: --only hsdp): ranks, as 2 replicas x nproc/2 shards (default 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--save-every", type=int, default=50,
                    help="defaults row: a save every N steps on both sides (default 50)")
@@ -133,7 +142,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse a configuration that cannot run or measure anything, before anything starts."""
     positive = {"--repeats": args.repeats, "--steps": args.steps, "--global-batch": args.global_batch,
                 "--micro-batch": args.micro_batch, "--hidden": args.hidden, "--threads": args.threads,
-                "--nproc-cheap": args.nproc_cheap, "--nproc-costly": args.nproc_costly}
+                "--nproc-cheap": args.nproc_cheap, "--nproc-costly": args.nproc_costly,
+                "--nproc-layout": args.nproc_layout}
     for flag, value in positive.items():
         if value < 1:
             raise HarnessError(f"{flag} must be >= 1, got {value}")
@@ -153,6 +163,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise HarnessError(f"--global-batch {args.global_batch} is not a multiple of {n} ranks x "
                                f"--micro-batch {args.micro_batch} ({case} items)",
                                "pick sizes that divide evenly (the plain script accumulates whole micro-batches)")
+        if ROWS[case].hsdp and (n < 2 or n % 2):
+            raise HarnessError(f"--nproc-layout {n}: the hsdp row needs an even number of ranks (2 replicas)")
         if args.items < args.global_batch:
             raise HarnessError(f"--items {args.items} is smaller than --global-batch {args.global_batch}")
     if not 32 <= args.image_px <= 1024:
@@ -160,10 +172,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def cases_of(args: argparse.Namespace) -> list[str]:
-    return [c for c in CASES if not args.only or c in args.only]
+    return [c for c in CASES if (c in args.only if args.only else not ROWS[c].opt_in)]
 
 
 def nproc_of(args: argparse.Namespace, case: str) -> int:
+    if ROWS[case].hsdp:
+        return args.nproc_layout
     return args.nproc_costly if ROWS[case].costly else args.nproc_cheap
 
 

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0,
                    help="plain script: torch.save model+optimizer on rank 0 every N steps (0: never)")
     p.add_argument("--save-dir", help="plain script: where --save-every writes ckpt.pt")
+    p.add_argument("--hsdp-shard", type=int, default=0,
+                   help="FSDP2 on a (world/S replicas x S shards) mesh instead of DDP (0: DDP)")
     return p.parse_args(argv)
 
 

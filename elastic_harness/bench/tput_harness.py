@@ -30,7 +30,14 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     run = eh.init(args.job)
-    model = DDP(build_model(args.hidden).to(run.device), device_ids=run.device_ids)
+    if args.hsdp_shard:  # the hsdp row: the harness's mesh layout, FSDP2 over its data-parallel mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from elastic_harness.runtime.mesh import fsdp_mesh
+
+        model = fully_shard(build_model(args.hidden).to(run.device), mesh=fsdp_mesh(run.mesh))
+    else:
+        model = DDP(build_model(args.hidden).to(run.device), device_ids=run.device_ids)
     optimizer = build_optimizer(model)
     run.register(model, optimizer)
     clock = StepClock(run.rank, run.world_size)

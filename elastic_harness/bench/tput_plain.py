@@ -42,7 +42,15 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(build_model(args.hidden))
+    if args.hsdp_shard:  # the hsdp row: what a torchrun user writes for HSDP
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world // args.hsdp_shard, args.hsdp_shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        model = fully_shard(build_model(args.hidden), mesh=mesh)
+    else:
+        model = DDP(build_model(args.hidden))
     optimizer = build_optimizer(model)
     data = open_images(args.data, args.data_dir)
     sampler = DistributedSampler(data, seed=0, drop_last=True)
@@ -54,7 +62,11 @@ def main() -> None:
         clock.tick()
         for i in range(accumulate):
             x, y = next(batches)
-            sync = contextlib.nullcontext() if i == accumulate - 1 else model.no_sync()
+            if args.hsdp_shard:
+                model.set_requires_gradient_sync(i == accumulate - 1)
+                sync = contextlib.nullcontext()
+            else:
+                sync = contextlib.nullcontext() if i == accumulate - 1 else model.no_sync()
             with sync:
                 loss = F.cross_entropy(model(x), y) / accumulate
                 loss.backward()
@@ -67,7 +79,7 @@ def main() -> None:
             print(f"step {step + 1} loss {loss.item() * accumulate:.4f}", flush=True)
         if rank == 0 and args.save_every and (step + 1) % args.save_every == 0:
             # what a plain script does (nanoGPT's ckpt.pt): rank 0, synchronous, overwritten
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+            torch.save({"model": getattr(model, "module", model).state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step + 1}, Path(args.save_dir) / "ckpt.pt")
         clock.mark("hook")
     clock.finish(args.out, side="plain", accumulate=accumulate)

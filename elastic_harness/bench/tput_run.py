@@ -34,8 +34,9 @@ HERE = Path(__file__).resolve().parent
 
 def script_args(args: argparse.Namespace, row: Any, data_dir: Path, out: Path) -> list[str]:
     """What both scripts take (``tput_common.parse_args``); ``row``: a ``throughput.Row``."""
+    hsdp = ["--hsdp-shard", str(args.nproc_layout // 2)] if getattr(row, "hsdp", False) else []
     return ["--data", row.data, "--data-dir", str(data_dir), "--hidden", str(args.hidden),
-            "--threads", str(args.threads), "--out", str(out)]
+            "--threads", str(args.threads), "--out", str(out), *hsdp]
 
 
 def harness_job(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, nproc: int,
@@ -53,6 +54,8 @@ def harness_job(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, n
         "script": {"path": str(HERE / "tput_harness.py"), "args": script_args(args, row, data_dir, out)},
         "device": "cpu",  # the plain side is CPU/gloo
         "nproc_per_node": nproc,
+        # the hsdp row: one node, replicate auto (= 2) x shard nproc/2, as the plain side's mesh
+        "parallelism": {"shard": nproc // 2} if getattr(row, "hsdp", False) else "ddp",
         "max_restarts": 0,
         "train": {"steps": args.steps, "global_batch_size": args.global_batch,
                   "micro_batch_size": args.micro_batch, "log_every": log_every, "seed": 0},

@@ -161,8 +161,28 @@ def preflight(spec, job_path: Path):
     from elastic_harness.tasks import load_task
 
     with throwaway_inductor_cache():  # importing the task may import torch's compiler
-        check_model_builds(load_task(spec.task.target, spec.task.args), spec.task.target)
+        task = load_task(spec.task.target, spec.task.args)
+        model = check_model_builds(task, spec.task.target)
+        check_layout(task, model, spec)
     return spec
+
+
+def check_layout(task, model, spec) -> None:
+    """A mesh layout with tensor parallelism: the task has a plan, and the plan fits the model
+    (``check_parallelize``: module names, sizes the tensor degree divides). One line now, not a
+    crash loop in every worker; no checkpoint is touched."""
+    tensor = spec.parallelism["tensor"] if isinstance(spec.parallelism, dict) else 1
+    if tensor == 1:
+        return
+    from elastic_harness.errors import TaskError
+
+    if not callable(getattr(task, "parallelize", None)):
+        raise TaskError(f"parallelism.tensor is {tensor} but task.target '{spec.task.target}' has no "
+                        "parallelize(model, mesh)", "add a tensor-parallel plan to the task, or set "
+                        "parallelism.tensor: 1")
+    check = getattr(task, "check_parallelize", None)
+    if callable(check):
+        check(model, tensor)
 
 
 @contextlib.contextmanager
@@ -181,7 +201,7 @@ def throwaway_inductor_cache():
             os.environ.pop(INDUCTOR_CACHE_VAR, None)
 
 
-def check_model_builds(task, target: str) -> None:
+def check_model_builds(task, target: str):
     """Build the task's model once here, before any worker: a ``build_model`` that raises is
     one line now, not one failure per rank and a crash loop. Built on the meta device first
     (no memory, no initialisation cost); a model that cannot be built there is built for
@@ -204,6 +224,7 @@ def check_model_builds(task, target: str) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TaskError(f"task.target '{target}': build_model() returned {type(model).__name__}, "
                         "not a torch.nn.Module", "return the model (an nn.Module) from build_model()")
+    return model
 
 
 def resolve_script(path: str, job_path: Path) -> Path:

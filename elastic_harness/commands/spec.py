@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from elastic_harness.spec import describe, dump_job, load_job
+from elastic_harness.spec import describe, dump_job, layout, load_job
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +39,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
             preflight(spec, Path(args.job))
             verdict = (f"# valid; {what} exists" if spec.script.path else
                        f"# valid; {what} imports and accepts task.args, and its model builds")
-        # The verdict is a YAML comment, so the output stays a loadable job file.
-        print(dump_job(spec) + verdict)
+        shape = layout.describe(spec.parallelism, spec.nodes.min, spec.nodes.max, spec.nproc_per_node)
+        # The verdict and the layout are YAML comments, so the output stays a loadable job file.
+        print(dump_job(spec) + f"# {shape}\n" + verdict)
         return 0
     rows = describe()
     width = max(len(key) for key, _, _ in rows)

@@ -6,6 +6,11 @@ byte last. A process killed anywhere in between leaves the slot unpublished.
 
 The slot grows to what a snapshot needs (``ftruncate``); pages are only allocated when
 written, and freed with the memory file (when the agent exits).
+
+A snapshot of CUDA tensors copies into a mapping registered with CUDA (``cudaHostRegister``,
+page-locked in place): the device-to-host copies then run at pinned-memory speed. Measured on
+one H200 (torch 2.11), a 2 GB model + AdamW state: 18 GB/s into the plain mapping, 55 GB/s
+registered, the same as a pinned tensor. Registration that fails leaves the slot pageable.
 """
 
 from __future__ import annotations
@@ -25,24 +30,41 @@ class Region:
         self.fd = os.open(path, os.O_RDWR)
         self._size = 0
         self._data: torch.Tensor | None = None  # uint8 view of the whole mapping
+        self._registered = 0  # the mapping's address while registered with CUDA (0: not)
 
     def header(self) -> Header | None:
         return Header.unpack(os.pread(self.fd, HEADER_SIZE, 0))
 
-    def begin(self, size: int) -> torch.Tensor:
-        """Unpublish, make room for ``size`` bytes; the slot's bytes (``HEADER_SIZE`` on)."""
+    def begin(self, size: int, *, pin: bool = False) -> torch.Tensor:
+        """Unpublish, make room for ``size`` bytes; the slot's bytes (``HEADER_SIZE`` on).
+        ``pin``: the copies come from a GPU: register the mapping with CUDA (once per mapping)."""
         os.pwrite(self.fd, b"\0", PUBLISHED_OFFSET)
-        if self._data is not None and self._size >= size:
-            return self._data  # only this rank's worker changes the slot's size
-        if os.fstat(self.fd).st_size < size:
-            os.ftruncate(self.fd, size)
-        return self.data()
+        if self._data is None or self._size < size:  # only this rank's worker changes its size
+            if os.fstat(self.fd).st_size < size:
+                os.ftruncate(self.fd, size)
+            self.data()
+        assert self._data is not None
+        if pin and not self._registered:
+            self._register(self._data)
+        return self._data
+
+    def _register(self, data: torch.Tensor) -> None:
+        if not torch.cuda.is_available():
+            return
+        if int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), 0)) == 0:
+            self._registered = data.data_ptr()
+
+    def _unregister(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = 0
 
     def data(self) -> torch.Tensor:
         """The whole slot as a uint8 tensor sharing its memory (remapped if it grew)."""
         size = os.fstat(self.fd).st_size
         if self._data is None or size != self._size:
             # The previous mapping stays alive while a view of it does; then it is unmapped.
+            self._unregister()
             self._data = torch.frombuffer(mmap.mmap(self.fd, size), dtype=torch.uint8)
             self._size = size
         return self._data
@@ -58,6 +80,7 @@ class Region:
             os.pwrite(self.fd, b"\0", PUBLISHED_OFFSET)
 
     def close(self) -> None:
+        self._unregister()
         self._data = None
         if self.fd >= 0:
             os.close(self.fd)

@@ -240,7 +240,7 @@ class MemoryTier:
         try:
             cap = snapshot.capture(state)
             # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
-            data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK)
+            data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
             snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
             region.publish(Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
                                   cap.digest, replicated=self.replicated and not cap.sharded))

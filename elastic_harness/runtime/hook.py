@@ -43,6 +43,7 @@ from elastic_harness.runtime.registration import replicas_differ, unwrapped_erro
 from elastic_harness.runtime.state import TrainState
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
+from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec
 
 
@@ -57,7 +58,8 @@ def save_due_by_time(every_s: float, seconds_since_save: float) -> bool:
 
 class ReplicaCheck:
     """An unwrapped model on several data-parallel ranks (``registration``): compared across
-    ranks once, before the first save (or the final digest). Every rank calls ``check``."""
+    ranks once, before the first save (or the final digest). Every rank calls ``check``;
+    ``world_size``: the processes of ``group``, all of which take part."""
 
     def __init__(self, model: nn.Module, group: Any, world_size: int) -> None:
         self.model, self.group, self.world_size = model, group, world_size
@@ -73,18 +75,26 @@ class ReplicaCheck:
 class StepHook:
     """What ``Step`` calls (``runtime.step.Owner``): ``share_totals`` when its micro-batches
     end, ``after_step`` from ``done``. Also what a step reads of its run (``spec``,
-    ``world_size``, ``model``, ``optimizer``, ``scaler``)."""
+    ``dp_size``, ``model``, ``optimizer``, ``scaler``).
+
+    ``topology`` (``runtime.topology``) says who this process is: ``rank`` and
+    ``world_size`` are processes (the events' fields), ``dp_size`` the data-parallel degree
+    the loss is scaled by."""
 
     def __init__(self, spec: JobSpec, train: TrainState, state: dict[str, Any], *,
                  model: nn.Module | None, optimizer: torch.optim.Optimizer | None, scaler: Any,
-                 rank: int, world_size: int, restart: int, events: Any, metrics: Metrics,
+                 topology: Topology, restart: int, events: Any, metrics: Metrics,
                  ckpt: CheckpointManager, memory: MemoryTier | None, cadence: Cadence,
                  drain_requested: Callable[[], bool], watchdog: ProgressWatchdog, faults: WorkerFaults,
                  replicas: ReplicaCheck | None = None, buffers: BufferSync | None = None,
                  sample_log: Path | None = None) -> None:
         self.spec, self.train, self.state = spec, train, state
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.rank, self.world_size, self.restart = rank, world_size, restart
+        self.rank, self.world_size, self.dp_size = topology.rank, topology.world_size, topology.dp_degree
+        # the ranks of a tensor group each count the same samples' loss: the reported mean
+        # divides them out
+        self.tensor = topology.tensor
+        self.restart = restart
         self.events, self.metrics, self.ckpt = events, metrics, ckpt
         self.memory, self.cadence = memory, cadence
         self.drain_requested = drain_requested
@@ -132,7 +142,7 @@ class StepHook:
         train.data = train.data.advance(spec.train.global_batch_size)
         totals = self._collect_totals(step)
         now = time.monotonic()
-        loss = float(totals[0]) / spec.train.global_batch_size
+        loss = float(totals[0]) / (spec.train.global_batch_size * self.tensor)
         self.last_loss = loss
         final = train.step == spec.train.steps
         if train.step % spec.train.log_every == 0 or final:

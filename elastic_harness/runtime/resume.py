@@ -33,6 +33,7 @@ from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, st
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.state import TrainState
 from elastic_harness.runtime.stream_index import bind_stream
+from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec
 
 
@@ -85,25 +86,30 @@ def _from_memory(restored: Restored, train: TrainState, *, events: Any, metrics:
     return restored.step
 
 
-def bind_data(source: Any, train: TrainState, spec: JobSpec, *, device: torch.device,
-              collate_fn: Callable | None, rank: int, world_size: int, group: Any, cache_dir: Path,
+def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology, *,
+              device: torch.device, collate_fn: Callable | None, group: Any, cache_dir: Path,
               on_progress: Callable[[], None]) -> StepLoader | StreamLoader:
-    """Check the saved position against the data (or start it) and build the loader."""
+    """Check the saved position against the data (or start it) and build the loader.
+
+    Each step's share is the data-parallel rank's (``topology.dp_rank()`` of
+    ``topology.dp_degree``); the processes of ``group`` (all of them) share the counting of a
+    stream's shards."""
     g, mb = spec.train.global_batch_size, spec.train.micro_batch_size
+    dp_size, dp_rank = topology.dp_degree, topology.dp_rank()
     common = dict(seed=spec.train.seed, device=device, collate=collate_fn,
                   workers=spec.data.workers, prefetch=spec.data.prefetch,
                   pin_memory=spec.data.pin_memory, record=spec.train.record_samples)
     if isinstance(source, Stream):
-        order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g, rank=rank,
-                                     world_size=world_size, group=group, cache_dir=cache_dir,
-                                     on_progress=on_progress)
+        order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g, dp_size=dp_size,
+                                     rank=topology.rank, world_size=topology.world_size, group=group,
+                                     cache_dir=cache_dir, on_progress=on_progress)
         check_data(train, spec.train.seed, order.n, *digests)
-        plan_of = stream_planner(order, train.data.cursor, train.step, g, world_size, rank, mb)
+        plan_of = stream_planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
         return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
-                            world_size=world_size, **common)
+                            dp_size=dp_size, **common)
     check_data(train, spec.train.seed, len(source), 0, 0)
     order = EpochOrder(spec.train.seed, len(source))
-    plan_of = planner(order, train.data.cursor, train.step, g, world_size, rank, mb)
+    plan_of = planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
     return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
 
 

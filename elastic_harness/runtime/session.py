@@ -88,6 +88,7 @@ from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.hook import ReplicaCheck, StepHook, save_due_by_steps, save_due_by_time
 from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import to_device
+from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
 from elastic_harness.runtime.resume import announce, bind_data, restore
@@ -225,31 +226,35 @@ class Run:
         self.topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
-        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        # Processes: who this one is among all of them (collectives, files, events). The data
+        # split, the loss scale and evaluation use the data-parallel rank and degree instead.
+        self.rank, self.world_size, self.local_rank = self.topology.rank, self.topology.world_size, env.local_rank
         self.device: torch.device = groups.device
+        # A mesh layout's DeviceMesh (runtime.mesh), built here on every rank: building is collective.
+        self.mesh: Any = build_mesh(self.topology, self.device.type) if self.topology.kind == "mesh" else None
         self.closed = False
         log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
-        self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
+        self.events = log if self.rank == 0 else NullLog()  # rank 0 narrates
         self.generation = self._agree_generation()
         self._announce(pg_init_s)
         precision.check(spec.train.precision, self.device)
         seed_everything(spec.train.seed)  # identical initial weights on every rank and restart
         self.drain = Drain()
         self.metrics = Metrics(self.events, self.run_dir, tensorboard=spec.metrics.tensorboard,
-                               main=env.rank == 0)
+                               main=self.rank == 0)
         # One step watchdog per process: the loop re-arms it every step, and checkpoint I/O
         # re-arms it while bytes move (a big save or load is slow, not stuck).
         self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
         self.ckpt = CheckpointManager(
             open_storage(checkpoint_root(spec.checkpoint.dir, self.run_dir)), spec.checkpoint,
-            rank=env.rank, world_size=env.world_size, group=groups.ckpt, events=self.events,
+            rank=self.rank, world_size=self.world_size, group=groups.ckpt, events=self.events,
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
             key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
             optional_keys=TrainState.OPTIONAL_KEYS,
         )
-        self.memory = _memory_tier(spec, env, groups.ckpt, log)
+        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
@@ -258,7 +263,8 @@ class Run:
         self._state: dict[str, Any] | None = None
         self._registered: list[Any] = []  # the scheduler and extra objects register() named
         self._replicas: ReplicaCheck | None = None  # an unwrapped model on several ranks
-        self._train = TrainState(DataState(spec.train.seed, 0), env.world_size)
+        # The position is global (a stream cursor); the process count is saved for reports.
+        self._train = TrainState(DataState(spec.train.seed, 0), self.world_size)
         self._resumed = False
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._buffers: BufferSync | None = None
@@ -274,6 +280,16 @@ class Run:
     def step(self) -> int:
         """Updates done so far (after ``resume``: the step the checkpoint was saved at)."""
         return self._train.step
+
+    @property
+    def dp_degree(self) -> int:
+        """How many data-parallel ranks share the global batch (not the world size under
+        tensor parallelism)."""
+        return self.topology.dp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank()
 
     @property
     def device_ids(self) -> list[int] | None:
@@ -295,16 +311,16 @@ class Run:
         if self._state is not None:
             raise UsageError("run.register() was called twice", "register everything in one call")
         check_registration(model, optimizer, scheduler, extra)
-        # Several data-parallel ranks (the world size today) and a bare model: compared
-        # across ranks before the first save (``registration``).
-        if self.world_size > 1 and not distributed(model):
+        # Several data-parallel ranks and a bare model: compared across ranks before the
+        # first save (``registration``).
+        if self.topology.dp_degree > 1 and not distributed(model):
             self._replicas = ReplicaCheck(model, self.groups.ckpt, self.world_size)
         self._registered = [scheduler, *extra.values()]
         check_schedulers(optimizer, self._registered)
         if scaler is not None:
             self.scaler = scaler
         self.model, self.optimizer = model, optimizer
-        self._buffers = BufferSync.of(model, self.world_size)
+        self._buffers = BufferSync.of(model, self.topology.dp_degree)
         self._state = build_state(model, optimizer, self._train, scheduler=scheduler,
                                   scaler=self.scaler, extra=extra)
 
@@ -318,7 +334,7 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
-        found = restore(self._state, self.model, parallelism=self.spec.parallelism,
+        found = restore(self._state, self.model, parallelism=self.topology.kind,
                         memory=self.memory, ckpt=self.ckpt)
         self._resumed_at = found.step if found is not None else 0
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
@@ -335,15 +351,14 @@ class Run:
         self.resume()
         spec, train = self.spec, self._train
         watchdog = self.watchdog
-        loader = bind_data(source_of(dataset), train, spec, device=self.device,
-                           collate_fn=collate_fn, rank=self.rank, world_size=self.world_size,
-                           group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+        loader = bind_data(source_of(dataset), train, spec, self.topology, device=self.device,
+                           collate_fn=collate_fn, group=self.groups.ckpt, cache_dir=self.run_dir / "data",
                            on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
                               events=self.log, agent=self.env.agent_pid or os.getppid())
         hook = StepHook(spec, train, self._state, model=self.model, optimizer=self.optimizer,
-                        scaler=self.scaler, rank=self.rank, world_size=self.world_size,
+                        scaler=self.scaler, topology=self.topology,
                         restart=self.env.restart_count, events=self.events, metrics=self.metrics,
                         ckpt=self.ckpt, memory=self.memory, cadence=self.cadence,
                         drain_requested=lambda: self.drain.requested, watchdog=watchdog,
@@ -361,7 +376,8 @@ class Run:
                     # reduced then has every rank's line, even when a node dies right after
                     # (its peers may restore that step from memory).
                     record_samples(hook.sample_log, self.generation, step.number, self.rank,
-                                   self.world_size, plan, loader.meta)
+                                   self.world_size, plan, loader.meta,
+                                   dp_rank=self.topology.dp_rank(), dp_size=self.topology.dp_degree)
                 yield step
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
@@ -390,7 +406,7 @@ class Run:
 
         t0 = time.perf_counter()
         size = self.spec.eval.batch_size or self.spec.train.micro_batch_size
-        batches = ev.eval_batches(len(dataset), self.world_size, self.rank, size)
+        batches = ev.eval_batches(len(dataset), self.topology.dp_degree, self.topology.dp_rank(), size)
         model = self.model
         was_training = model.training if model is not None else False
         if model is not None:
@@ -453,25 +469,28 @@ class Run:
         return box[0]
 
     def _announce(self, pg_init_s: float) -> None:
-        env = self.env
-        self.log.emit("worker", rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank,
-                      node=env.node, restart=env.restart_count, world_size=env.world_size)
+        env, top = self.env, self.topology
+        self.log.emit("worker", rank=top.rank, local_rank=env.local_rank, group_rank=env.group_rank,
+                      node=env.node, restart=env.restart_count, world_size=top.world_size)
         if not env.by_harness and env.restart_count == 0:
-            self.events.emit("start", who="script", nodes=env.world_size // max(env.local_world_size, 1),
-                             nproc_per_node=env.local_world_size, run_id=env.run_id,
-                             run_dir=str(self.run_dir))
-        self.events.emit("rendezvous", generation=self.generation, world_size=env.world_size,
-                         restart=env.restart_count, nodes=env.world_size // max(env.local_world_size, 1),
-                         pg_init_s=round(pg_init_s, 3))
+            self.events.emit("start", who="script", nodes=top.nodes, nproc_per_node=top.nproc_per_node,
+                             run_id=env.run_id, run_dir=str(self.run_dir))
+        self.events.emit("rendezvous", generation=self.generation, world_size=top.world_size,
+                         restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
 
 
-def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> MemoryTier | None:
+def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
+                 log: EventLog) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
-    every rank (restoring is collective): a rank whose slots cannot be opened has none."""
+    every rank (restoring is collective): a rank whose slots cannot be opened has none.
+
+    Its rank and world size are processes, not data-parallel ones: every process holds its
+    own slots and takes part in the restore's collectives on ``group``, and a snapshot names
+    the process that wrote it (a tensor-parallel rank's state is its own)."""
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
-    return MemoryTier.open(env.memory, env.local_rank, rank=env.rank, world_size=env.world_size,
-                           wire=Wire.of(group, env.world_size),
+    return MemoryTier.open(env.memory, env.local_rank, rank=topology.rank, world_size=topology.world_size,
+                           wire=Wire.of(group, topology.world_size),
                            warn=lambda message: log.emit("warning", message=message))
 
 

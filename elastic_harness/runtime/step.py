@@ -35,7 +35,7 @@ class Owner(Protocol):
     """What a step needs of its run: the step hook (``runtime.hook.StepHook``)."""
 
     spec: JobSpec
-    world_size: int
+    dp_size: int  # the data-parallel degree: how many ranks average the gradients
     model: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     scaler: Any
@@ -105,8 +105,9 @@ class Step:
 
         ``loss`` is the mean over the current micro-batch (a 0-dim tensor, what
         ``reduction='mean'`` gives), or one value per sample (shape ``[B]``). DDP and FSDP
-        average gradients over ranks, so the micro-batch's sum is scaled by
-        ``world_size / global_batch``. Also counts the loss for the step's reported mean.
+        average gradients over the data-parallel ranks, so the micro-batch's sum is scaled by
+        ``dp_size / global_batch`` (``runtime.topology``: the data-parallel degree, the world
+        size under ``ddp``/``fsdp``). Also counts the loss for the step's reported mean.
         """
         n = getattr(self, "_current", None)
         if n is None:
@@ -117,7 +118,7 @@ class Step:
         total = loss.sum() if loss.ndim else loss * n
         self.loss_sum += total.detach().double().sum().cpu()
         self.samples += n
-        return total * (self.hook.world_size / self.hook.spec.train.global_batch_size)
+        return total * (self.hook.dp_size / self.hook.spec.train.global_batch_size)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``scale(loss).backward()``, through the GradScaler under fp16."""

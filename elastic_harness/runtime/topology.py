@@ -20,23 +20,18 @@ node, so they must divide ``nproc_per_node``.
 
 Pure: no torch, no ``torch.distributed`` call, no environment read. ``build`` takes plain
 numbers (``from_env`` the worker's ``launch.env`` values) and validates: a layout that cannot
-fit raises ``SpecError`` naming ``parallelism`` and the fix. The spec accepts only ``ddp``
-and ``fsdp`` today; ``build`` already takes a mesh mapping (``{replicate: auto, shard: 2,
-tensor: 2}``) so the spec can hand one over unchanged.
+fit raises ``SpecError`` naming ``parallelism`` and the fix; that decision lives in
+``spec.layout`` (the spec checks every node count of the job with it, so a job that
+validates also builds here). The ``DeviceMesh`` built from this value: ``runtime.mesh``.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_harness.errors import SpecError
-
-DIMS = ("replicate", "shard", "tensor")  # outer to inner
-AUTO = "auto"
+from elastic_harness.spec.layout import DIMS, mesh_degrees, normalize
 
 
 @dataclass(frozen=True)
@@ -72,11 +67,11 @@ class Topology:
         if layout == "fsdp":
             return cls(replicate=1, shard=world_size, tensor=1, elastic="shard", kind="fsdp", **common)
         if isinstance(layout, Mapping):
-            replicate, shard, tensor = _mesh_degrees(layout, world_size, nproc_per_node, nodes)
+            replicate, shard, tensor = mesh_degrees(layout, world_size, nproc_per_node, nodes)
             return cls(replicate=replicate, shard=shard, tensor=tensor, elastic="replicate", kind="mesh",
                        **common)
-        raise SpecError("parallelism", f"'{layout}' is not a layout",
-                        "use ddp, fsdp, or a mesh such as {replicate: auto, shard: 2, tensor: 2}")
+        normalize(layout)  # raises, naming the fix
+        raise AssertionError(f"{layout!r} passed spec.layout")
 
     @classmethod
     def from_env(cls, env: Any, layout: str | Mapping[str, Any]) -> Topology:
@@ -147,42 +142,3 @@ def _index(dim: str) -> int:
     if dim not in DIMS:
         raise ValueError(f"unknown mesh dimension {dim!r}: one of {', '.join(DIMS)}")
     return DIMS.index(dim)
-
-
-def _mesh_degrees(mesh: Mapping[str, Any], world_size: int, nproc_per_node: int,
-                  nodes: int) -> tuple[int, int, int]:
-    """``(replicate, shard, tensor)`` of a mesh mapping; ``replicate`` may be ``auto`` (the
-    default): whatever the world leaves once the inner dimensions are set."""
-    for key in mesh:
-        if key not in DIMS:
-            near = difflib.get_close_matches(str(key), DIMS, n=1)
-            raise SpecError(f"parallelism.{key}", f"'{key}' is not a mesh dimension",
-                            f"did you mean '{near[0]}'?" if near else f"use {', '.join(DIMS)}")
-    inner = {}
-    for dim in ("shard", "tensor"):
-        value = mesh.get(dim, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SpecError(f"parallelism.{dim}", f"{value!r} is not a degree",
-                            "give a whole number of at least 1 (only replicate may be auto)")
-        inner[dim] = value
-    within = inner["shard"] * inner["tensor"]
-    if nproc_per_node % within:
-        raise SpecError("parallelism", f"shard {inner['shard']} x tensor {inner['tensor']} = {within} "
-                        f"does not divide nproc_per_node {nproc_per_node}: the inner dimensions stay within a node",
-                        f"pick shard x tensor among the divisors of {nproc_per_node}, or change nproc_per_node")
-    if world_size != nodes * nproc_per_node:
-        raise SpecError("parallelism", f"a mesh needs the same processes on every node: {world_size} "
-                        f"processes on {nodes} nodes of {nproc_per_node}",
-                        "give every node the same nproc_per_node")
-    auto = world_size // within
-    replicate = mesh.get("replicate", AUTO)
-    if replicate == AUTO:
-        replicate = auto
-    elif isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
-        raise SpecError("parallelism.replicate", f"{replicate!r} is not a degree",
-                        "give auto (it follows the node count) or a whole number of at least 1")
-    if math.prod((replicate, within)) != world_size:
-        raise SpecError("parallelism.replicate", f"replicate {replicate} x shard {inner['shard']} x tensor "
-                        f"{inner['tensor']} is {replicate * within}, not the {world_size} processes",
-                        "set replicate: auto (it follows the node count)")
-    return replicate, inner["shard"], inner["tensor"]

@@ -4,8 +4,10 @@ A job that names a task (``task.target``) runs this; a job that names a script r
 user's script instead (``runtime.entry``). Both go through the same ``Run``: resume,
 fixed global batch, checkpoints, drain, watchdog, metrics. What a task provides (see
 ``tasks.base``): ``build_model``, ``dataset``, ``loss``; optionally ``optimizer(model)``,
-``lr_scheduler(optimizer)``, ``collate``, ``shard_units``, ``eval_dataset`` and
-``evaluate(model, batch)``. Without a task optimizer/scheduler the job's ``optimizer``
+``lr_scheduler(optimizer)``, ``collate``, ``shard_units``, ``eval_dataset``,
+``evaluate(model, batch)``, and for a mesh layout with ``tensor > 1`` ``parallelize(model,
+mesh)`` (its tensor-parallel plan; ``check_parallelize(model, tensor)`` lets ``run`` refuse a
+plan before any agent starts). Without a task optimizer/scheduler the job's ``optimizer``
 section builds AdamW or SGD and the LR is a pure function of the step (``runtime.lr``).
 """
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from elastic_harness.errors import TaskError
 from elastic_harness.runtime.lr import lr_at
+from elastic_harness.runtime.mesh import parallelize
 from elastic_harness.runtime.parallel import wrap
 from elastic_harness.runtime.session import Run, init
 from elastic_harness.runtime.topology import Topology
@@ -27,11 +30,14 @@ from elastic_harness.spec import JobSpec, OptimizerSpec
 from elastic_harness.tasks import load_task
 
 
-def build_model(task: Any, spec: JobSpec, device: torch.device, topology: Topology) -> nn.Module:
+def build_model(task: Any, spec: JobSpec, device: torch.device, topology: Topology,
+                mesh: Any = None) -> nn.Module:
     """The task's model, built on the seeded RNG, wrapped for this layout, maybe compiled."""
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
-    # FSDP2's mesh is the shard dimension (the whole world under fsdp; DDP needs no degree)
-    model = wrap(task.build_model(), spec.parallelism, device, task, topology.shard)
+    if topology.kind == "mesh":  # the task's tensor-parallel plan, then FSDP2/HSDP (runtime.mesh)
+        model = parallelize(task.build_model().to(device), mesh, task, topology, spec.task.target)
+        return torch.compile(model) if spec.train.compile else model
+    model = wrap(task.build_model(), topology, device, task)
     return torch.compile(model) if spec.train.compile else model
 
 
@@ -73,9 +79,32 @@ def eval_set(task: Any, spec: JobSpec) -> Any:
 
 def grad_norm(model: nn.Module, clip: float) -> float:
     """Clip to ``clip`` (0 = only measure) and return the global gradient norm."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    if len(by_mesh) > 1:  # a mesh layout: tensor-parallel DTensors beside FSDP-only ones
+        return _grad_norm_per_mesh(model, by_mesh, clip)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)
+    return _value(norm)
+
+
+def _value(norm: torch.Tensor) -> float:
     full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
     return float(full() if callable(full) else norm)
+
+
+def _grad_norm_per_mesh(model: nn.Module, by_mesh: dict, clip: float) -> float:
+    """torch's clip stacks every gradient's norm, which DTensor refuses across meshes: one norm
+    per mesh (each reduced over its own ranks), combined here, then the same clip coefficient."""
+    squares = [_value(torch.nn.utils.get_total_norm(gs, 2.0)) ** 2 for gs in by_mesh.values()]
+    total = math.sqrt(sum(squares))
+    if clip and total > clip:
+        coef = clip / (total + 1e-6)
+        for gs in by_mesh.values():
+            for g in gs:
+                g.mul_(coef)
+    return total
 
 
 def train(run: Run, task: Any, model: nn.Module, optim: torch.optim.Optimizer, sched: Any) -> None:
@@ -109,7 +138,7 @@ def main(spec: JobSpec, run_dir: str) -> int:
     try:
         spec = run.spec
         task = load_task(spec.task.target, spec.task.args)
-        model = build_model(task, spec, run.device, run.topology)
+        model = build_model(task, spec, run.device, run.topology, run.mesh)
         optim, sched = build_optimizer(task, spec, model)
         run.register(model, optim, scheduler=sched)
         train(run, task, model, optim, sched)

@@ -16,28 +16,10 @@ from typing import Any
 
 import yaml
 
-from elastic_harness.errors import SpecError
+from elastic_harness.errors import SpecError, SpecErrors  # noqa: F401 - SpecErrors: re-exported
 from elastic_harness.spec.schema import FaultSpec, JobSpec
 
 _LIST_ITEMS = {"chaos": FaultSpec}
-
-
-class SpecErrors(SpecError):
-    """Several mistakes in one job spec, each with its path and fix (``errors``), printed as
-    one line each so a user fixes them all in one go."""
-
-    def __init__(self, errors: list[SpecError]) -> None:
-        super().__init__("", f"{len(errors)} problems")
-        self.errors = errors
-        self.path = errors[0].path
-
-    def __str__(self) -> str:
-        lines = [self.message]
-        for e in self.errors:
-            where = f"{e.path}: " if e.path else ""
-            text = e.message.removeprefix("job spec error: ").removeprefix(where)
-            lines.append(f"  {where}{text}" + (f" (fix: {e.hint})" if e.hint else ""))
-        return "\n".join(lines)
 
 
 class _Loader(yaml.SafeLoader):
@@ -141,6 +123,8 @@ def build(cls: type, raw: Any, path: str) -> Any:
 
 
 def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
+    if tp is Any:  # a field that reads its own shapes (``parallelism``: spec.layout)
+        return value
     if dataclasses.is_dataclass(tp):
         return build(tp, value if value is not None else {}, path)
     origin = typing.get_origin(tp)

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from elastic_harness.errors import SpecError
+from elastic_harness.errors import SpecError, SpecErrors
+from elastic_harness.spec import layout
 
 
 def doc(default: Any, text: str, **kw: Any) -> Any:
@@ -406,7 +407,11 @@ class JobSpec:
     name: str = doc("job", "Job name: names the run directory and the Kubernetes objects.")
     task: TaskSpec = doc(TaskSpec(), "The model, data and loss to train (or use script).")
     script: ScriptSpec = doc(ScriptSpec(), "Your own training script (instead of task).")
-    parallelism: Literal["ddp", "fsdp"] = doc("ddp", "ddp (replicated) or fsdp (FSDP2 sharding).")
+    parallelism: Any = doc(
+        "ddp", "ddp (replicated), fsdp (FSDP2 sharding), or a mesh {replicate: auto, shard: S, tensor: T}: "
+        "shard x tensor within a node (divides nproc_per_node), replicate follows the nodes "
+        "(docs/layouts.md)."
+    )
     device: Literal["auto", "cpu", "cuda"] = doc(
         "auto", "auto = CUDA + NCCL when GPUs are present, else CPU + gloo."
     )
@@ -440,14 +445,19 @@ class JobSpec:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise SpecError("name", f"'{self.name}' must be non-empty [A-Za-z0-9._-]")
         _positive("nproc_per_node", self.nproc_per_node)
+        # ddp, fsdp or a mesh, normalized to a plain dict with every dimension (spec.layout)
+        object.__setattr__(self, "parallelism", layout.normalize(self.parallelism))
+        misfits = layout.fit_problems(self.parallelism, self.nodes.min, self.nodes.max, self.nproc_per_node)
+        if misfits:
+            raise misfits[0] if len(misfits) == 1 else SpecErrors(misfits)
         _positive("max_restarts", self.max_restarts, allow_zero=True)
         _positive("restart_window", self.restart_window, allow_zero=True)
-        most_ranks = self.nodes.max * self.nproc_per_node
+        most_ranks = layout.dp_degree_at(self.parallelism, self.nodes.max, self.nproc_per_node)
         if self.train.global_batch_size < most_ranks:
             raise SpecError(
                 "train.global_batch_size",
-                f"{self.train.global_batch_size} is smaller than the largest world size "
-                f"({most_ranks} = nodes.max x nproc_per_node): some ranks would get no samples",
+                f"{self.train.global_batch_size} is smaller than the largest data-parallel degree "
+                f"({most_ranks} at nodes.max): some ranks would get no samples",
                 f"raise it to at least {most_ranks}",
             )
         if self.task.target and self.script.path:
