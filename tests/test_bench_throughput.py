@@ -131,6 +131,37 @@ def test_defaults_row_is_the_harness_defaults_against_torch_save_at_the_same_int
     tp.check_args(bench_args(steps=120, warmup=20, save_every=50, only=["defaults"]))
 
 
+def test_durable_row_is_the_defaults_less_the_memory_tier_and_sets_no_goal(tmp_path):
+    from elastic_harness.spec.schema import CheckpointSpec
+
+    args = bench_args(save_every=25)
+    raw = tput_run.harness_job(args, tp.ROWS["durable"], tmp_path, tmp_path / "o.json", 2, 10)
+    spec = parse_job(yaml.safe_dump(raw))
+    assert spec.checkpoint == dataclasses.replace(CheckpointSpec(), every_steps=25, memory_every=0)
+    results = [{"case": "durable", "side": s, "repeat": 0, "samples_per_s": 1.0, "cpu_ms_per_step": 1.0,
+                "hook_ms": 0.1, "samples": 1, "world_size": 2, "wall_s": 1.0, "others_cores": 0.0}
+               for s in tp.SIDES]
+    report = tp.summarize(results, bench_args(repeats=5, only=["durable"]), load=((0, 0, 0), (0, 0, 0)), kept=None)
+    assert report["durable"]["paired"]["median"] == 1.0 and report["goals"] == {}
+
+
+def test_stream_rows_pair_each_repeat_and_keep_the_tier_off_without_saves(tmp_path):
+    from elastic_harness.bench import tput_stream as ts
+
+    row = ts.StreamRow("costly", "costly", 1.5, costly=True)
+    out = ts.summarize_row({"harness": [300.0, 200.0, 330.0], "plain": [200.0, 100.0, 200.0]},
+                           {"harness": [50.0, 60.0, None], "plain": [100.0, 90.0, 80.0]}, row, 1, 2)
+    assert out["paired_ratios"] == [1.5, 2.0, 1.65] and out["paired"]["median"] == 1.65 and out["met"]
+    assert out["cpu_paired"]["median"] == 1.75 and out["cpu_paired"]["n"] == 2
+    assert ts.decoder("costly") is ts.decode_costly and ts.decoder("cheap") is ts.decode
+    paths = ts.write_shards(tmp_path / "s", 1, 2, jpeg_px=32)
+    from elastic_harness.data import tar_stream
+
+    samples = list(tar_stream(paths).open(paths[0]))
+    x, y = ts.decode_costly(samples[0])
+    assert tuple(x.shape) == (3, 32, 32) and 0 <= y < 10
+
+
 def test_paired_ratios_come_with_their_spread_and_cpu_per_step():
     assert tp.spread([1.0, 0.9, 3.0, None]) == {"median": 1.0, "p25": 0.95, "p75": 2.0, "min": 0.9,
                                                   "max": 3.0, "n": 3}

@@ -5,7 +5,10 @@ DDP script, side by side in one run, one row per comparison (``ROWS``):
 - ``costly``: JPEG decode + augmentation per item, the harness with loader processes;
 - ``defaults``: what a user meets: the harness with its defaults (the in-memory tier, a
   durable async DCP save every ``--save-every`` steps) against a plain script that
-  ``torch.save``s model and optimizer on rank 0 at the same interval.
+  ``torch.save``s model and optimizer on rank 0 at the same interval;
+- ``durable`` (opt-in, ``--only durable``): the ``defaults`` row with the in-memory tier off
+  (``checkpoint.memory_every: 0``): the durable saves' own cost; the two rows' difference is
+  the tier's.
 
 Both sides train the same MLP with AdamW on the same images (``tput_common``,
 ``tput_data``), the same global batch split into the same micro-batches, for the same
@@ -82,9 +85,10 @@ class Row:
 
     name: str
     data: str  # tput_data.KINDS: what both scripts load
-    goal: float  # harness / plain samples/s, at least
+    goal: float | None  # harness / plain samples/s, at least (None: a diagnostic row)
     costly: bool = False  # --nproc-costly ranks and the harness with --workers loader processes
     saves: bool = False  # harness defaults (memory tier, saves) vs plain torch.save on rank 0
+    tier: bool = True  # with saves: the in-memory tier on (the default) or off
     hsdp: bool = False  # --nproc-layout ranks as replicate x shard (2 x nproc/2), FSDP2 on both sides
     opt_in: bool = False  # run only when named in --only
 
@@ -93,6 +97,9 @@ ROWS = {
     "cheap": Row("cheap", "cheap", 0.97),
     "costly": Row("costly", "costly", 1.5, costly=True),
     "defaults": Row("defaults", "cheap", 0.97, saves=True),
+    # The defaults less the in-memory tier: what the durable saves alone cost (defaults minus
+    # this row is the tier's share, which its budget, 3% of step time, bounds). Opt-in.
+    "durable": Row("durable", "cheap", None, saves=True, tier=False, opt_in=True),
     "hsdp": Row("hsdp", "cheap", 0.97, hsdp=True, opt_in=True),
 }
 CASES = tuple(ROWS)
@@ -145,7 +152,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.steps < args.warmup + 3:
         raise HarnessError(f"--steps {args.steps} leaves fewer than 2 timed steps after --warmup {args.warmup}",
                            "use --steps >= --warmup + 3")
-    if "defaults" in cases_of(args) and (args.save_every < 1 or (args.steps - args.warmup) % args.save_every):
+    saves = any(ROWS[c].saves for c in cases_of(args))
+    if saves and (args.save_every < 1 or (args.steps - args.warmup) % args.save_every):
         raise HarnessError(f"the defaults row times steps {args.warmup + 1}..{args.steps}, not a whole "
                            f"number of --save-every {args.save_every} intervals",
                            "make --steps minus --warmup a multiple of --save-every")
@@ -338,7 +346,8 @@ def summarize(results: list[dict], args: argparse.Namespace, load: tuple, kept: 
         per_case[c].update(nproc_per_node=nproc_of(args, c), expected_samples=args.steps * args.global_batch,
                            harness_data_workers=args.workers if ROWS[c].costly else 0, plain_num_workers=0,
                            saves_every=args.save_every if ROWS[c].saves else 0)
-    goals = {f"{c}_harness_over_plain>={GOALS[c]}": goal(per_case[c]["paired"]["median"], GOALS[c], enough) for c in cases}
+    goals = {f"{c}_harness_over_plain>={GOALS[c]}": goal(per_case[c]["paired"]["median"], GOALS[c], enough)
+             for c in cases if GOALS[c] is not None}
     return {
         "bench": "throughput",
         "config": config_of(args, load, kept),

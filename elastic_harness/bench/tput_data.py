@@ -105,18 +105,33 @@ class CostlyImages:
         return len(self.y)
 
     def __getitem__(self, i: int):
-        from PIL import Image, ImageEnhance
-
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
-        img = Image.open(io.BytesIO(self.blob[start:end])).convert("RGB")
-        side = img.width
-        crop = random.randint(side // 2, side)
-        left, top = random.randint(0, side - crop), random.randint(0, side - crop)
-        img = img.resize((SIDE, SIDE), Image.BILINEAR, box=(left, top, left + crop, top + crop))
-        if random.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        img = ImageEnhance.Brightness(img).enhance(random.uniform(0.8, 1.2))
-        return to_tensor(np.array(img)), self.y[i]  # a writable copy: torch wants one
+        return augment(self.blob[start:end]), self.y[i]
+
+
+def augment(jpeg: bytes):
+    """One costly item: decode the JPEG, random resized crop to 32 x 32, flip, brightness
+    (Python's ``random``); the map-style set and the streaming bench's tar shards share it."""
+    from PIL import Image, ImageEnhance
+
+    img = Image.open(io.BytesIO(jpeg)).convert("RGB")
+    side = img.width
+    crop = random.randint(side // 2, side)
+    left, top = random.randint(0, side - crop), random.randint(0, side - crop)
+    img = img.resize((SIDE, SIDE), Image.BILINEAR, box=(left, top, left + crop, top + crop))
+    if random.random() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    img = ImageEnhance.Brightness(img).enhance(random.uniform(0.8, 1.2))
+    return to_tensor(np.array(img))  # a writable copy: torch wants one
+
+
+def jpeg_bytes(rng: np.random.Generator, px: int) -> bytes:
+    """A ``synthetic_image`` JPEG-encoded as ``write_images`` stores it."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(synthetic_image(rng, px)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
 
 
 def open_images(kind: str, folder: str | Path):

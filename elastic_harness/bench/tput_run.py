@@ -47,7 +47,7 @@ def harness_job(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, n
     a durable save every ``--save-every`` steps."""
     # Off means off: without durable saves the in-memory tier still snapshotted (every ~7
     # steps within its 3% budget), a cost the cheap row charged to the harness itself.
-    checkpoint = ({"every_steps": args.save_every} if row.saves
+    checkpoint = ({"every_steps": args.save_every, **({} if row.tier else {"memory_every": 0})} if row.saves
                   else {"every_steps": 0, "save_final": False, "memory_every": 0})
     return {
         "name": f"bench-throughput-{row.name}",

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from elastic_harness.bench.tput_stream import decode, script_parser
+from elastic_harness.bench.tput_stream import decoder, script_parser
 
 
 def plain_main(args: argparse.Namespace) -> None:
@@ -35,6 +35,7 @@ def plain_main(args: argparse.Namespace) -> None:
     shards = json.loads(Path(args.shards).read_text())
 
     reader = tar_stream(shards)  # the same tar parsing as the harness side, nothing else
+    decode = decoder(args.data)  # and the same decoding (costly: JPEG decode + augmentation)
 
     class RankShards(IterableDataset):
         def __iter__(self):
@@ -59,8 +60,6 @@ def plain_main(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
     clock.finish(args.out, side="plain", accumulate=accumulate)
     dist.destroy_process_group()
-
-
 
 
 if __name__ == "__main__":

@@ -13,17 +13,22 @@ the CPU generator, and CUDA's, directly when CUDA is initialized, queued by torc
 way, kept for exactness) when CUDA could still start in this process. It does not seed
 MPS, XPU, MTIA or custom (privateuse1) devices, which the harness does not run on
 (``device: auto|cpu|cuda``). A process forked from one that used CUDA (a loader process)
-cannot use CUDA, and ``torch.manual_seed`` skips it there too.
+cannot use CUDA, and ``torch.manual_seed`` skips it there too. A torch built without CUDA
+(the CPU wheels) skips those checks altogether: they were a third of a seed's cost per item.
 """
 
 from __future__ import annotations
 
 import torch
 
+_CUDA_BUILT = torch.cuda._is_compiled()  # fixed for the process (and its forks)
+
 
 def seed_torch(seed: int) -> None:
     """Seed the CPU generator and, where it is or may become usable, CUDA's."""
     torch.default_generator.manual_seed(seed)
+    if not _CUDA_BUILT:
+        return
     cuda = torch.cuda
     if cuda.is_initialized() or (not cuda._is_in_bad_fork() and cuda.is_available()):
         cuda.manual_seed_all(seed)
