@@ -25,6 +25,9 @@ with medians, ratios and whether each goal was met:
   default 1 fault every 20 s over 2 minutes, which says so in the JSON)          >= 0.97
 - lost work: mean steps lost per kill <= 1 (the in-memory tier); 0 after a graceful drain
   (the run is ended by a preempt, then resumed to check that).
+- scale-up: a node joining, arrival to the first step at the new size, from peers / from
+  storage, medians of ``--repeats``; churn: goodput with a node killed and replaced every
+  ``--churn-every`` s over ``--churn-duration`` s >= 0.95 (``bench.resize``).
 
 What torchrun is given beyond its defaults, and why: the job's ``--nnodes`` (1:2 for
 kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault,
@@ -88,7 +91,7 @@ checkpoint: {{every_steps: {every}, keep: 3}}
 """
 
 
-PARTS = ["kill-node", "kill-worker", "anytime", "memory-cost", "goodput"]
+PARTS = ["kill-node", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -98,6 +101,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", type=int, default=20, help="kill-worker faults in the restart run (default 20)")
     p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput fault schedule (default 0)")
+    p.add_argument("--churn-duration", type=float, default=600.0, help="churn: seconds the run lasts (default 600)")
+    p.add_argument("--churn-every", type=float, default=120.0, help="churn: seconds between node kills (default 120)")
+    p.add_argument("--churn-replace-after", type=float, default=10.0,
+                   help="churn: seconds from a kill to its replacement's start (default 10)")
     p.add_argument("--only", action="append", choices=PARTS,
                    help="run only these parts (repeatable; default all)")
     p.add_argument("--dir", help="scratch directory for run dirs (default: system temp; removed after)")
@@ -109,6 +116,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_recovery(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.faults < 1:
         raise HarnessError("--repeats and --faults must be >= 1")
+    if not 0 < args.churn_replace_after < args.churn_every < args.churn_duration:
+        raise HarnessError("the churn needs 0 < --churn-replace-after < --churn-every < --churn-duration",
+                           "e.g. --churn-duration 600 --churn-every 120 --churn-replace-after 10")
     parts = args.only or PARTS
     check_out(args.out)
     scratch = scratch_dir("eh-recovery-", args.dir)
@@ -124,6 +134,13 @@ def cmd_recovery(args: argparse.Namespace) -> int:
             report["memory_cost"] = bench_memory_cost(scratch, args.repeats)
         if "goodput" in parts:
             report["goodput"] = bench_goodput(scratch, args.long, args.seed)
+        if "scale-up" in parts or "churn" in parts:
+            from elastic_harness.bench import resize  # it launches through this module's helpers
+        if "scale-up" in parts:
+            report["scale_up"] = resize.bench_scale_up(scratch, args.repeats)
+        if "churn" in parts:
+            report["churn"] = resize.bench_churn(scratch, args.churn_duration, args.churn_every,
+                                                 args.churn_replace_after)
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -141,6 +158,8 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
         "parts": parts, "repeats": args.repeats, "kill_worker_faults": args.faults,
         "goodput_mode": ("long" if args.long else "short (use --long for the goal's 1 fault/60 s over 5 min)"),
         "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
+        "churn_duration_s": args.churn_duration, "churn_every_s": args.churn_every,
+        "churn_replace_after_s": args.churn_replace_after,
         "run_dirs": str(scratch) if args.keep else None, "cpu_count": os.cpu_count(),
         "torchrun": "python -m torch.distributed.run --rdzv-backend c10d --nnodes 1:2 (kill-node) or 1:1 "
                     "--max-restarts <job's> --log-dir <run dir>/logs, default rendezvous conf and worker store",
@@ -348,8 +367,12 @@ def goals_met(report: dict, repeats: int) -> dict:
         out["memory_cost"] = report["memory_cost"]["met"]
     if "goodput" in report:
         out.update({f"goodput_{k}": v for k, v in report["goodput"]["met"].items()})
-    if repeats < MIN_REPEATS_FOR_GOALS and "kill_node" in report:
-        out["note"] = f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node medians are indicative only"
+    if "scale_up" in report:
+        out["scale_up_no_storage_read"] = report["scale_up"]["no_storage_read"]
+    if "churn" in report:
+        out["churn_goodput"] = report["churn"]["met"]
+    if repeats < MIN_REPEATS_FOR_GOALS and ("kill_node" in report or "scale_up" in report):
+        out["note"] = f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node and scale-up medians are indicative only"
     return out
 
 
