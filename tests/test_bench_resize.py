@@ -16,7 +16,8 @@ from tests.test_report import ev, steps
 
 def joined_run(source: str = "peer") -> list[dict]:
     """Node 0 (agent pid 2) trains alone (rank 0 pid 10) from t=5; node 1 is started at t=10
-    (host pid 1), its agent (pid 3) is up at 14, the old generation drains at 15, the round
+    (host pid 1), its agent (pid 3) is up at 14 and joins at 14.2, the old generation (last
+    step at 15.0) drains at 15, the round
     completes at 16.5, the new rank 0 (pid 20) forms its group 17.0-17.2, resumes at 17.5
     and completes its first step at 17.6."""
     return [
@@ -25,6 +26,7 @@ def joined_run(source: str = "peer") -> list[dict]:
         *steps(10, 1, 100, 5.0, 0.1, world_size=1),
         ev(10.0, "fault", 1, kind="add-node", target=0, step=50, node="1"),
         ev(14.0, "start", 3, who="agent", node="1"),
+        ev(14.2, "torchelastic", 3, node="1", name="dynamic_rendezvous.py:_Handler.next_rendezvous"),
         ev(15.0, "drain", 10, step=100, world_size=1),
         ev(16.5, "torchelastic", 2, name="dynamic_rendezvous.py:_mark_rendezvous_complete"),
         ev(17.2, "worker", 20, rank=0, node="0"), ev(17.2, "rendezvous", 20, world_size=2, pg_init_s=0.2),
@@ -36,8 +38,9 @@ def joined_run(source: str = "peer") -> list[dict]:
 
 def test_a_join_is_timed_from_the_new_agent_up_to_the_first_step_at_the_new_size():
     (rec,) = join_stats.joins(joined_run())
-    assert rec["join_s"] == pytest.approx(3.6) and rec["boot_s"] == pytest.approx(4.0)
-    assert rec["phases_s"] == pytest.approx({"notice": 1.0, "rendezvous": 1.5, "spawn": 0.5,
+    assert rec["join_s"] == pytest.approx(3.4) and rec["boot_s"] == pytest.approx(4.2)
+    assert rec["paused_s"] == pytest.approx(2.6)
+    assert rec["phases_s"] == pytest.approx({"notice": 0.8, "rendezvous": 1.5, "spawn": 0.5,
                                              "process_group": 0.2, "restore": 0.3, "first_step": 0.1})
     assert sum(rec["phases_s"].values()) == pytest.approx(rec["join_s"])
     assert (rec["source"], rec["world_size"], rec["saved_world_size"]) == ("peer", 2, 1)
@@ -47,7 +50,7 @@ def test_a_node_that_never_joined_has_no_phases_and_a_later_drain_is_not_its():
     events = [e for e in joined_run() if e["t"] < 16.0]  # stopped after the drain, before the round
     (rec,) = join_stats.joins(events)
     assert rec["join_s"] is None and set(rec["phases_s"].values()) == {None}
-    assert rec["boot_s"] == pytest.approx(4.0)
+    assert rec["boot_s"] == pytest.approx(4.2)
 
 
 def test_scale_up_reports_the_ratio_and_whether_the_peer_arm_read_storage():
@@ -55,7 +58,7 @@ def test_scale_up_reports_the_ratio_and_whether_the_peer_arm_read_storage():
             "storage": join_stats.joins([{**e, "t": e["t"] + (1.0 if e["t"] >= 17.5 else 0.0)}
                                          for e in joined_run("storage")]) * 2}
     out = resize.scale_up_result(runs, repeats=2)
-    assert out["ratio"] == pytest.approx(3.6 / 4.6, abs=1e-3)
+    assert out["ratio"] == pytest.approx(3.4 / 4.4, abs=1e-3)
     assert out["no_storage_read"] is True and out["sources"]["storage"] == ["storage", "storage"]
     runs["peer"][1] = {**runs["peer"][1], "source": "storage"}
     assert resize.scale_up_result(runs, repeats=2)["no_storage_read"] is False

@@ -1,13 +1,13 @@
 """Pure: what ``bench recovery`` reports about a node joining a running job, from its events.
 
 A join (``add-node``: scale-up, or a replacement) is measured from the new node's *arrival*,
-its agent's ``start`` event (the agent process is up and about to join the rendezvous), to
-the first step completed at the new world size. Starting the agent process before that
-(Python and torch imports) is the same whatever the harness does, so it is reported apart
-(``boot``) and not counted in ``join_s``. Consecutive phases, each between two moments the
-events record:
+its agent's first attempt to join the rendezvous (torchelastic's ``next_rendezvous``
+event; the agent's ``start`` event when that was not bridged), to the first step completed
+at the new world size. Starting the node before that (the agent's and its worker zygote's
+imports) is reported apart (``boot_s``) and not counted in ``join_s``; ``paused_s`` is the
+time training stood still, from the last step before the new generation to its first
+step. Consecutive phases, each between two moments the events record:
 
-- ``boot``: the ``add-node`` fault (process started) until the arrival (not in ``join_s``);
 - ``notice``: until the running generation drained (``drain`` event): its agent saw a node
   waiting and asked its workers to stop at the next step, save and exit;
 - ``rendezvous``: until torchelastic completed the round with the new node (this includes
@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from elastic_harness.bench.crash_stats import median_of
 from elastic_harness.goodput import RDZV_COMPLETE
 
+JOIN = "_Handler.next_rendezvous"  # torchelastic's: a node attempts to join (and later: joined)
 PHASES = ("notice", "rendezvous", "spawn", "process_group", "restore", "first_step")
 
 
@@ -43,8 +44,10 @@ def join_moments(events: Sequence[dict], fault: dict) -> dict[str, float | None]
     first ``worker`` event (all ranks form it together). A join that fell into a round a
     failure opened has no drain of its own: ``notice`` is then None."""
     node = str(fault.get("node", ""))
-    arrived = _first(events, fault["t"], lambda e: e["event"] == "start" and e.get("who") == "agent"
-                     and str(e.get("node", "")) == node)
+    up = _first(events, fault["t"], lambda e: e["event"] == "start" and e.get("who") == "agent"
+                and str(e.get("node", "")) == node)
+    arrived = up and (_first(events, up["t"], lambda e: e["event"] == "torchelastic" and e.get("pid") == up["pid"]
+                             and str(e.get("name", "")).endswith(JOIN)) or up)
     base = arrived["t"] if arrived else fault["t"]
     joined = _first(events, base, lambda e: e["event"] == "worker" and str(e.get("node", "")) == node)
     rounds = [e for e in events if e["event"] == "rendezvous" and e["t"] >= base]
@@ -56,7 +59,9 @@ def join_moments(events: Sequence[dict], fault: dict) -> dict[str, float | None]
     drained = drained if formed else None
     resume = formed and _first(events, formed["t"], lambda e: e["event"] == "resume" and e["pid"] == formed["pid"])
     step = resume and _first(events, resume["t"], lambda e: e["event"] == "step" and e["pid"] == resume["pid"])
+    last = [e["t"] for e in events if e["event"] == "step" and formed and e["t"] <= formed["t"]]
     return {"fault": fault["t"], "arrival": arrived and arrived["t"], "notice": drained and drained["t"],
+            "last_step": last[-1] if last else None,
             "rendezvous": done[-1]["t"] if done and formed else None,
             "spawn": formed["t"] - float(formed.get("pg_init_s") or 0.0) if formed else None,
             "process_group": formed and formed["t"], "restore": resume and resume["t"],
@@ -67,7 +72,7 @@ def join_record(events: Sequence[dict], fault: dict) -> dict:
     """One join: ``join_s`` (arrival to the first step at the new size), ``boot_s``, the
     phases, and what the new generation restored from (``source``, ``load_s``, sizes)."""
     m = join_moments(events, fault)
-    formed, resume = m.pop("_formed"), m.pop("_resume")
+    formed, resume, last_step = m.pop("_formed"), m.pop("_resume"), m.pop("last_step")
     arrival = m["arrival"]
     phases: dict[str, float | None] = {}
     last = arrival
@@ -80,6 +85,7 @@ def join_record(events: Sequence[dict], fault: dict) -> dict:
         "node": str(fault.get("node", "")), "step": fault.get("step"),
         "join_s": None if done is None or arrival is None else round(done - arrival, 4),
         "boot_s": None if arrival is None else round(arrival - m["fault"], 4),
+        "paused_s": None if done is None or last_step is None else round(done - last_step, 4),
         "phases_s": phases,
         "source": resume.get("source", "fresh" if resume.get("fresh") else None) if resume else None,
         "load_s": resume.get("load_s") if resume else None,
@@ -94,9 +100,9 @@ def joins(events: Sequence[dict]) -> list[dict]:
 
 
 def median_phases(records: Sequence[dict]) -> dict[str, float | None]:
-    """Per phase (and ``join_s``, ``boot_s``, ``load_s``), the median over the joins that
+    """Per phase (and ``join_s``, ``paused_s``, ``boot_s``, ``load_s``), the median over the joins that
     recorded it."""
     out = {p: median_of([r["phases_s"].get(p) for r in records]) for p in PHASES}
-    for key in ("join_s", "boot_s", "load_s"):
+    for key in ("join_s", "paused_s", "boot_s", "load_s"):
         out[key] = median_of([r.get(key) for r in records])
     return out
