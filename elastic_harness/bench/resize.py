@@ -124,6 +124,9 @@ def churn_result(events: list[dict], schedule: list[str], code: int | None, dura
     return {
         "exit": code, "duration_s": duration, "every_s": every, "schedule": schedule,
         "wall_s": g.wall_s, "productive_s": g.productive_s, "goodput": g.goodput, "badput_s": g.badput,
+        # Not the goal's figure: what the churn itself cost, start-up (one-off, load-bound) left out.
+        "goodput_after_startup": (round(g.productive_s / (g.wall_s - g.badput["startup"]), 4)
+                                  if g.wall_s > g.badput["startup"] else None),
         "faults_fired": {k: sum(1 for e in fired if e.get("kind") == k) for k in ("kill-node", "add-node")},
         "faults_scheduled": len(schedule),
         "kills": [{"t": round(f.t, 3), "step": f.step, "recovery_s": f.recovery_s, "steps_lost": f.steps_lost}
