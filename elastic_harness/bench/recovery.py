@@ -57,7 +57,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import check_out, crash_stats, scratch_dir
+from elastic_harness.bench import check_out, crash_stats, resize, scratch_dir
+from elastic_harness.bench.launching import _signal_group, _spawn, log_tails, write_job
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.report.probe import probe_cost
@@ -67,7 +68,6 @@ MIN_REPEATS_FOR_GOALS = 5
 STALL_S = 240.0  # a launcher whose run writes no event for this long is stuck: stop it
 GOALS = {"kill_node_ratio": 0.03, "kill_worker_ratio": 0.25, "kill_worker_stretch": 0.10,
          "steps_redone": 1.0, "node_steps_redone": 1.0, "memory_cost": 0.03, "goodput": 0.97}
-CKPT_EVERY = 10  # steps between checkpoints in the recovery runs
 NODE_CKPT_EVERY = 50  # kill-node: the spec's default durable interval (issue 26: memory covers it)
 GOODPUT_CKPT_EVERY = 50
 CRASH_CKPT_EVERY = 50  # durable interval of the worker-crash runs: memory covers the rest
@@ -75,20 +75,6 @@ ANYTIME_EVERY_S = 4.0  # about one host-sent kill this often in the anytime part
 COST_STEPS, COST_WARMUP = 1000, 20  # memory-cost runs: steps (~10 s each: noise ~1/sqrt), and steps not measured
 PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in each (every 50)
 
-# The MLP job of jobs/mlp.yaml, inlined so an installed package can run the bench.
-JOB = """\
-name: bench-recovery
-task:
-  target: elastic_harness.tasks.mlp:MLPRegression
-  args: {{samples: 1024, dim: 16, hidden: {hidden}, depth: {depth}}}
-parallelism: ddp
-nodes: {{min: 1, max: {max_nodes}}}
-nproc_per_node: 2
-max_restarts: {max_restarts}
-train: {{steps: {steps}, global_batch_size: {batch}, micro_batch_size: {micro}, seed: 0}}
-optimizer: {{name: adamw, lr: 0.001}}
-checkpoint: {{every_steps: {every}, keep: 3}}
-"""
 
 
 PARTS = ["kill-node", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
@@ -134,8 +120,6 @@ def cmd_recovery(args: argparse.Namespace) -> int:
             report["memory_cost"] = bench_memory_cost(scratch, args.repeats)
         if "goodput" in parts:
             report["goodput"] = bench_goodput(scratch, args.long, args.seed)
-        if "scale-up" in parts or "churn" in parts:
-            from elastic_harness.bench import resize  # it launches through this module's helpers
         if "scale-up" in parts:
             report["scale_up"] = resize.bench_scale_up(scratch, args.repeats)
         if "churn" in parts:
@@ -379,17 +363,6 @@ def goals_met(report: dict, repeats: int) -> dict:
 # --- launching ------------------------------------------------------------------------------
 
 
-def write_job(path: Path, *, steps: int, max_restarts: int, max_nodes: int = 1, hidden: int = 64,
-              depth: int = 2, batch: int = 30, micro: int = 8, every: int = CKPT_EVERY) -> Path:
-    """The bench's job. One node at most unless asked: a rendezvous that may still grow waits
-    its last-call timeout every round (torchrun's default: 30 s), which no single-node
-    comparison should pay."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(JOB.format(steps=steps, max_restarts=max_restarts, max_nodes=max_nodes, hidden=hidden,
-                               depth=depth, batch=batch, micro=micro, every=every))
-    return path
-
-
 def launch(launcher: str, job: Path, run_dir: Path, *, nodes: int, nproc: int, chaos: list[str],
            timeout: int, sets: list[str] | None = None) -> int | None:
     if launcher == "harness":
@@ -462,12 +435,6 @@ def torchrun_environ(base: Mapping[str, str], run_dir: Path, node: int) -> dict[
     return {**env, **torch_environ(run_dir, env)}
 
 
-def _spawn(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    with open(log, "ab") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-
-
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -500,17 +467,3 @@ def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interru
         _signal_group(p, signal.SIGKILL)
         p.wait()
     return [None if p in late else p.returncode for p in procs]
-
-
-def log_tails(run_dir: Path, lines: int = 30) -> dict[str, list[str]]:
-    """The last ``lines`` lines of a run's host and agent logs (a failed run's evidence)."""
-    out = {}
-    for log in [run_dir / "bench-host.log", *sorted((run_dir / runfiles.LOGS).glob("agent-*.log"))]:
-        with contextlib.suppress(OSError):
-            out[log.name] = log.read_text(errors="replace").splitlines()[-lines:]
-    return out
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)
