@@ -87,6 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", type=int, default=20, help="kill-worker faults in the restart run (default 20)")
     p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput fault schedule (default 0)")
+    p.add_argument("--scale-up-hidden", type=int, default=256,
+                   help="scale-up: the MLP's width (256: a 1.6 MB state; 2048: ~100 MB) (default 256)")
     p.add_argument("--churn-duration", type=float, default=600.0, help="churn: seconds the run lasts (default 600)")
     p.add_argument("--churn-every", type=float, default=120.0, help="churn: seconds between node kills (default 120)")
     p.add_argument("--churn-replace-after", type=float, default=10.0,
@@ -100,8 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_recovery(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.faults < 1:
-        raise HarnessError("--repeats and --faults must be >= 1")
+    if args.repeats < 1 or args.faults < 1 or args.scale_up_hidden < 1:
+        raise HarnessError("--repeats, --faults and --scale-up-hidden must be >= 1")
     if not 0 < args.churn_replace_after < args.churn_every < args.churn_duration:
         raise HarnessError("the churn needs 0 < --churn-replace-after < --churn-every < --churn-duration",
                            "e.g. --churn-duration 600 --churn-every 120 --churn-replace-after 10")
@@ -121,7 +123,7 @@ def cmd_recovery(args: argparse.Namespace) -> int:
         if "goodput" in parts:
             report["goodput"] = bench_goodput(scratch, args.long, args.seed)
         if "scale-up" in parts:
-            report["scale_up"] = resize.bench_scale_up(scratch, args.repeats)
+            report["scale_up"] = resize.bench_scale_up(scratch, args.repeats, args.scale_up_hidden)
         if "churn" in parts:
             report["churn"] = resize.bench_churn(scratch, args.churn_duration, args.churn_every,
                                                  args.churn_replace_after)

@@ -47,10 +47,11 @@ CHURN_CKPT_EVERY = 50  # the spec's default durable interval
 MODEL = {"hidden": 256, "depth": 3, "batch": 64, "micro": 32}  # the goodput bench's job
 
 
-def bench_scale_up(scratch: Path, repeats: int) -> dict:
-    """``repeats`` runs of each arm, alternating; see the module doc."""
+def bench_scale_up(scratch: Path, repeats: int, hidden: int = MODEL["hidden"]) -> dict:
+    """``repeats`` runs of each arm, alternating; see the module doc. ``hidden``: the MLP's
+    width (the state grows with its square: 256 is 1.6 MB with AdamW, 2048 about 100 MB)."""
     job = write_job(scratch / "scale-up.yaml", steps=10**7, max_restarts=3, max_nodes=2,
-                    every=CHURN_CKPT_EVERY, **MODEL)
+                    every=CHURN_CKPT_EVERY, **{**MODEL, "hidden": hidden})
     runs: dict[str, list] = {arm: [] for arm in ARMS}
     for r in range(repeats):
         for arm, sets in ARMS.items():
@@ -63,7 +64,7 @@ def bench_scale_up(scratch: Path, repeats: int) -> dict:
             if not found or found[0]["join_s"] is None:
                 record["log_tails"] = log_tails(run_dir)
             runs[arm].append(record)
-    return scale_up_result(runs, repeats)
+    return {**scale_up_result(runs, repeats), "mlp_hidden": hidden}
 
 
 def scale_up_result(runs: dict[str, list], repeats: int) -> dict:
