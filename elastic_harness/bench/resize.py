@@ -79,8 +79,8 @@ def scale_up_result(runs: dict[str, list], repeats: int) -> dict:
         "peer_median_join_s": peer, "storage_median_join_s": storage,
         "median_phases_s": med, "sources": sources,
         "no_storage_read": bool(sources["peer"]) and all(s == "peer" for s in sources["peer"]),
-        "measure": "the new node's agent up and joining -> first step at the new world size (boot: process "
-                   "start -> agent up, the same in both arms, not counted)",
+        "measure": "the new node's agent first attempting to join the rendezvous -> first step at the new world "
+                   "size (boot_s: process start -> that attempt, the agent's and its zygote's imports, not counted)",
         "arms": {arm: sets or ["defaults"] for arm, sets in ARMS.items()}, "repeats": repeats,
         "joined_at_step": SCALE_UP_AT, "runs": runs,
     }
