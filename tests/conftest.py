@@ -121,7 +121,7 @@ def cli_here(capsys, tmp_path, monkeypatch):
     The calls that would start training or a benchmark fail the test instead, so a bad
     input that is accepted cannot start a cluster inside the test process."""
     import elastic_harness.launch.agent
-    from elastic_harness.bench import checkpoint, recovery
+    from elastic_harness.bench import checkpoint, recovery, resize
     from elastic_harness.cli import main
     from elastic_harness.commands import run
     from elastic_harness.lifecycle import kube, local, slurm
@@ -130,7 +130,8 @@ def cli_here(capsys, tmp_path, monkeypatch):
     for var in ("PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_NNODES", "PET_NPROC_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
     for module, name in ((run, "launch_local"), (elastic_harness.launch.agent, "run_agent"),
-                         (checkpoint, "measure"), (recovery, "launch"), (local.LocalScheduler, "submit"),
+                         (checkpoint, "measure"), (recovery, "launch"), (resize, "run_harness_until"),
+                         (local.LocalScheduler, "submit"),
                          (slurm.SlurmScheduler, "submit"), (kube.KubeScheduler, "submit")):
         monkeypatch.setattr(module, name, _must_not_start)
 

@@ -52,6 +52,15 @@ def _exit_of(z: Zygote, pid: int) -> int:
     return z.exits[pid]
 
 
+def test_the_agent_can_wait_for_the_zygotes_imports_before_joining(zygote):
+    """``wait_ready``: True once the zygote said it is ready (an agent joins the rendezvous
+    then, so a running group does not drain and then wait for these imports); a stopped
+    zygote is not waited for."""
+    assert zygote.wait_ready(30) and zygote.threads is not None
+    z = Zygote(preload=())
+    assert z.wait_ready(30) is False  # never started: lost at once, no wait
+
+
 def test_a_half_written_error_file_reads_as_none(tmp_path):
     """A worker stopped while it writes its error file (its peer died, the group is being
     stopped) leaves it empty or cut short: the agent records the failure without its message

@@ -25,6 +25,9 @@ with medians, ratios and whether each goal was met:
   default 1 fault every 20 s over 2 minutes, which says so in the JSON)          >= 0.97
 - lost work: mean steps lost per kill <= 1 (the in-memory tier); 0 after a graceful drain
   (the run is ended by a preempt, then resumed to check that).
+- scale-up: a node joining, arrival to the first step at the new size, from peers / from
+  storage, medians of ``--repeats``; churn: goodput with a node killed and replaced every
+  ``--churn-every`` s over ``--churn-duration`` s >= 0.95 (``bench.resize``).
 
 What torchrun is given beyond its defaults, and why: the job's ``--nnodes`` (1:2 for
 kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault,
@@ -54,7 +57,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import check_out, crash_stats, scratch_dir
+from elastic_harness.bench import check_out, crash_stats, resize, scratch_dir
+from elastic_harness.bench.launching import _signal_group, _spawn, log_tails, write_job
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.report.probe import probe_cost
@@ -64,7 +68,6 @@ MIN_REPEATS_FOR_GOALS = 5
 STALL_S = 240.0  # a launcher whose run writes no event for this long is stuck: stop it
 GOALS = {"kill_node_ratio": 0.03, "kill_worker_ratio": 0.25, "kill_worker_stretch": 0.10,
          "steps_redone": 1.0, "node_steps_redone": 1.0, "memory_cost": 0.03, "goodput": 0.97}
-CKPT_EVERY = 10  # steps between checkpoints in the recovery runs
 NODE_CKPT_EVERY = 50  # kill-node: the spec's default durable interval (issue 26: memory covers it)
 GOODPUT_CKPT_EVERY = 50
 CRASH_CKPT_EVERY = 50  # durable interval of the worker-crash runs: memory covers the rest
@@ -72,23 +75,9 @@ ANYTIME_EVERY_S = 4.0  # about one host-sent kill this often in the anytime part
 COST_STEPS, COST_WARMUP = 1000, 20  # memory-cost runs: steps (~10 s each: noise ~1/sqrt), and steps not measured
 PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in each (every 50)
 
-# The MLP job of jobs/mlp.yaml, inlined so an installed package can run the bench.
-JOB = """\
-name: bench-recovery
-task:
-  target: elastic_harness.tasks.mlp:MLPRegression
-  args: {{samples: 1024, dim: 16, hidden: {hidden}, depth: {depth}}}
-parallelism: ddp
-nodes: {{min: 1, max: {max_nodes}}}
-nproc_per_node: 2
-max_restarts: {max_restarts}
-train: {{steps: {steps}, global_batch_size: {batch}, micro_batch_size: {micro}, seed: 0}}
-optimizer: {{name: adamw, lr: 0.001}}
-checkpoint: {{every_steps: {every}, keep: 3}}
-"""
 
 
-PARTS = ["kill-node", "kill-worker", "anytime", "memory-cost", "goodput"]
+PARTS = ["kill-node", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -98,6 +87,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", type=int, default=20, help="kill-worker faults in the restart run (default 20)")
     p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput fault schedule (default 0)")
+    p.add_argument("--scale-up-hidden", type=int, default=256,
+                   help="scale-up: the MLP's width (256: a 1.6 MB state; 2048: ~100 MB) (default 256)")
+    p.add_argument("--churn-duration", type=float, default=600.0, help="churn: seconds the run lasts (default 600)")
+    p.add_argument("--churn-every", type=float, default=120.0, help="churn: seconds between node kills (default 120)")
+    p.add_argument("--churn-replace-after", type=float, default=10.0,
+                   help="churn: seconds from a kill to its replacement's start (default 10)")
     p.add_argument("--only", action="append", choices=PARTS,
                    help="run only these parts (repeatable; default all)")
     p.add_argument("--dir", help="scratch directory for run dirs (default: system temp; removed after)")
@@ -107,8 +102,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_recovery(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or args.faults < 1:
-        raise HarnessError("--repeats and --faults must be >= 1")
+    if args.repeats < 1 or args.faults < 1 or args.scale_up_hidden < 1:
+        raise HarnessError("--repeats, --faults and --scale-up-hidden must be >= 1")
+    if not 0 < args.churn_replace_after < args.churn_every < args.churn_duration:
+        raise HarnessError("the churn needs 0 < --churn-replace-after < --churn-every < --churn-duration",
+                           "e.g. --churn-duration 600 --churn-every 120 --churn-replace-after 10")
     parts = args.only or PARTS
     check_out(args.out)
     scratch = scratch_dir("eh-recovery-", args.dir)
@@ -124,6 +122,11 @@ def cmd_recovery(args: argparse.Namespace) -> int:
             report["memory_cost"] = bench_memory_cost(scratch, args.repeats)
         if "goodput" in parts:
             report["goodput"] = bench_goodput(scratch, args.long, args.seed)
+        if "scale-up" in parts:
+            report["scale_up"] = resize.bench_scale_up(scratch, args.repeats, args.scale_up_hidden)
+        if "churn" in parts:
+            report["churn"] = resize.bench_churn(scratch, args.churn_duration, args.churn_every,
+                                                 args.churn_replace_after)
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -141,6 +144,8 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
         "parts": parts, "repeats": args.repeats, "kill_worker_faults": args.faults,
         "goodput_mode": ("long" if args.long else "short (use --long for the goal's 1 fault/60 s over 5 min)"),
         "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
+        "churn_duration_s": args.churn_duration, "churn_every_s": args.churn_every,
+        "churn_replace_after_s": args.churn_replace_after,
         "run_dirs": str(scratch) if args.keep else None, "cpu_count": os.cpu_count(),
         "torchrun": "python -m torch.distributed.run --rdzv-backend c10d --nnodes 1:2 (kill-node) or 1:1 "
                     "--max-restarts <job's> --log-dir <run dir>/logs, default rendezvous conf and worker store",
@@ -348,23 +353,16 @@ def goals_met(report: dict, repeats: int) -> dict:
         out["memory_cost"] = report["memory_cost"]["met"]
     if "goodput" in report:
         out.update({f"goodput_{k}": v for k, v in report["goodput"]["met"].items()})
-    if repeats < MIN_REPEATS_FOR_GOALS and "kill_node" in report:
-        out["note"] = f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node medians are indicative only"
+    if "scale_up" in report:
+        out["scale_up_no_storage_read"] = report["scale_up"]["no_storage_read"]
+    if "churn" in report:
+        out["churn_goodput"] = report["churn"]["met"]
+    if repeats < MIN_REPEATS_FOR_GOALS and ("kill_node" in report or "scale_up" in report):
+        out["note"] = f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node and scale-up medians are indicative only"
     return out
 
 
 # --- launching ------------------------------------------------------------------------------
-
-
-def write_job(path: Path, *, steps: int, max_restarts: int, max_nodes: int = 1, hidden: int = 64,
-              depth: int = 2, batch: int = 30, micro: int = 8, every: int = CKPT_EVERY) -> Path:
-    """The bench's job. One node at most unless asked: a rendezvous that may still grow waits
-    its last-call timeout every round (torchrun's default: 30 s), which no single-node
-    comparison should pay."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(JOB.format(steps=steps, max_restarts=max_restarts, max_nodes=max_nodes, hidden=hidden,
-                               depth=depth, batch=batch, micro=micro, every=every))
-    return path
 
 
 def launch(launcher: str, job: Path, run_dir: Path, *, nodes: int, nproc: int, chaos: list[str],
@@ -439,12 +437,6 @@ def torchrun_environ(base: Mapping[str, str], run_dir: Path, node: int) -> dict[
     return {**env, **torch_environ(run_dir, env)}
 
 
-def _spawn(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    with open(log, "ab") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-
-
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -477,17 +469,3 @@ def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interru
         _signal_group(p, signal.SIGKILL)
         p.wait()
     return [None if p in late else p.returncode for p in procs]
-
-
-def log_tails(run_dir: Path, lines: int = 30) -> dict[str, list[str]]:
-    """The last ``lines`` lines of a run's host and agent logs (a failed run's evidence)."""
-    out = {}
-    for log in [run_dir / "bench-host.log", *sorted((run_dir / runfiles.LOGS).glob("agent-*.log"))]:
-        with contextlib.suppress(OSError):
-            out[log.name] = log.read_text(errors="replace").splitlines()[-lines:]
-    return out
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)

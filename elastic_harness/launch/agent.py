@@ -34,6 +34,9 @@ EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes
 EXIT_INFRA = exitcodes.INFRA
 
 
+ZYGOTE_READY_S = 300.0  # at most this long for the zygote's imports before joining anyway
+
+
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
               on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None,
               zygote: Any = None) -> int:
@@ -123,6 +126,11 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                                              spec.timeouts.step)
         if on_health is not None:
             on_health(launch.agent.health)
+        if zygote is not None:
+            # Join once workers can be forked at once: a node joining a running job makes the
+            # group drain as soon as it waits in the rendezvous, and the whole group would
+            # then wait for these imports (seconds; issue 26: a join's pause).
+            zygote.wait_ready(ZYGOTE_READY_S)
         launch.run()
     except SignalException as e:
         code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"

@@ -2,7 +2,7 @@
 workers, signal them, learn their exit codes. No torch import here: the zygote imports it.
 
 Call order (the agent's main thread): ``start()`` once, early (the zygote's imports then
-overlap the first rendezvous); ``spawn``/``signal``/``poll`` as torchelastic starts, watches
+overlap the agent's own); ``wait_ready`` before the first rendezvous; ``spawn``/``signal``/``poll`` as torchelastic starts, watches
 and stops worker groups (``launch.warm.WarmContext``); ``stop()`` once at the end. If the
 zygote died, the next ``spawn`` starts a new one (and waits for its imports).
 
@@ -19,6 +19,7 @@ import select
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,18 @@ class Zygote:
                 return int(msg["pid"])
             if msg["op"] == "error":
                 raise ZygoteLost(msg["message"])
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the zygote finished its imports (its ``ready`` message), it died, or
+        ``timeout`` s passed; whether it is ready. Called before the agent first joins the
+        rendezvous (``launch.agent``)."""
+        deadline = time.monotonic() + timeout
+        while self.threads is None and not self.lost():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.poll(left)
+        return self.threads is not None
 
     def signal(self, pid: int, sig: int) -> None:
         """Deliver ``sig`` to worker ``pid`` unless it already ended (no pid reuse races)."""
