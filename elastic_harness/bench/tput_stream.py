@@ -236,7 +236,7 @@ def measure(args: argparse.Namespace, scratch: Path, steady_rate) -> dict:
 
 def _row(args: argparse.Namespace, scratch: Path, row: StreamRow, steady_rate) -> dict:
     """Both sides of one row, ``--repeats`` times, alternating who goes first."""
-    from elastic_harness.bench.throughput import cpu_per_step_ms
+    from elastic_harness.bench.tput_stats import cpu_per_step_ms
 
     nproc = args.nproc_costly if row.costly else args.nproc_cheap
     workers = args.workers if row.costly else 0
@@ -263,7 +263,7 @@ def summarize_row(rates: dict[str, list[float]], cpu: dict[str, list[float | Non
                   nproc: int, workers: int) -> dict:
     """Pure: medians, their ratio, and each repeat's paired ratio (samples/s; and CPU per step
     of rank 0, plain / harness) with their spread; the goal is judged on the paired median."""
-    from elastic_harness.bench.throughput import ratio, spread
+    from elastic_harness.bench.tput_stats import ratio, spread
 
     med = {s: statistics.median(v) for s, v in rates.items()}
     pairs = [ratio(h, p) for h, p in zip(rates["harness"], rates["plain"], strict=False)]
