@@ -73,7 +73,7 @@ from elastic_harness.errors import CheckpointError, HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
-from elastic_harness.memtier.peer import Wire, replicated_layout
+from elastic_harness.memtier.peer import Wire, replicated_layout, sharded_layout
 from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
 from elastic_harness.rundir import check_paths
 from elastic_harness.runtime import dist as hdist
@@ -264,7 +264,7 @@ class Run:
             key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
             optional_keys=TrainState.OPTIONAL_KEYS,
         )
-        self.memory = _memory_tier(spec, env, groups.ckpt, log)
+        self.memory = _memory_tier(spec, env, groups.ckpt, log, self.generation)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
@@ -337,7 +337,8 @@ class Run:
         restored = None
         if self.memory is not None:
             restored = self.memory.restore(self._state, replicated=replicated_layout(
-                self.spec.parallelism, self.model, self._state))
+                self.spec.parallelism, self.model, self._state), sharded=sharded_layout(self.spec.parallelism, self._state),
+                durable=self.ckpt.newest_complete)
         if restored is not None:
             self._resumed_at = restored.step
             return self._resumed_from_memory(restored)
@@ -476,16 +477,20 @@ class Run:
         blocking = drain or (final and spec.checkpoint.save_final)
         periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
         self._maybe_save(train.step, blocking=blocking, periodic=periodic)
-        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic)
+        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0)
         if drain and not final:
+            if self.memory is not None:
+                self.memory.settle(self.spec.timeouts.process_group)
             self.events.emit("drain", step=train.step, world_size=self.world_size)
             step.drained = True
             return
         loop.faults.after_step(train.step)
 
-    def _snapshot(self, step: int, k: int, *, forced: bool) -> None:
+    def _snapshot(self, step: int, k: int, *, forced: bool, copies_busy: bool = False) -> None:
         """Copy the state into the in-memory tier if it is due (``cadence``: every rank
-        decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce)."""
+        decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce),
+        and send it as a buddy copy unless some rank's copies still move (``copies_busy``,
+        from the same all-reduce: ``memtier.buddy.due``)."""
         if self.memory is None:
             return
         if self.cadence.agree(k) and self.rank == 0:
@@ -494,10 +499,16 @@ class Run:
         if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
-        self.memory.save(step, self._state)
+        saved = self.memory.save(step, self._state, send=not copies_busy)
         self._loop.snapshot_s = time.monotonic() - t0
         self.cadence.snapshot_took(self._loop.snapshot_s)
-        self.cadence.taken(step)
+        if saved:
+            self.cadence.taken(step)
+        link = self.memory.link
+        if link is not None and link.announce and self.rank == 0 and link.held is not None:
+            link.announce = False  # said once a generation: the memory the copies take
+            self.events.emit("buddy", step=link.held[0], bytes=link.held[1], of_rank=link.source,
+                             slots=len(self.memory.buddy_regions))
 
     def _share_totals(self, step: Step) -> None:
         """Start the step's one all-reduce, [loss sum, drain requested, time-based save due,
@@ -515,7 +526,8 @@ class Run:
         flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
                                                          time.monotonic() - self._loop.last_save))
         k = float(self.cadence.proposal(step.number) if self.rank == 0 and self.memory is not None else 0)
-        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag, k],
+        busy = float(self.memory is not None and self.memory.busy())
+        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag, k, busy],
                               dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)
         step.shared = (totals, work, step.loss_sum.clone(), step.samples)
@@ -557,6 +569,8 @@ class Run:
         if self._compare_replicas:  # no save compared them: the final digest must not hide it
             self._check_replicas(self._train.step)
         self.ckpt.wait()
+        if self.memory is not None:
+            self.memory.settle(self.spec.timeouts.process_group)
         digest = model_digest(self.model)
         self.events.emit("finish", step=self._train.step,
                          loss=None if self._last_loss is None else round(self._last_loss, 6),
@@ -665,14 +679,16 @@ class _LoopState:
         self.loader: Any = None  # StepLoader or StreamLoader (its ``meta`` feeds the audit)
 
 
-def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog) -> MemoryTier | None:
+def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog, generation: str) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
     every rank (restoring is collective): a rank whose slots cannot be opened has none."""
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
     return MemoryTier.open(env.memory, env.local_rank, rank=env.rank, world_size=env.world_size,
                            wire=Wire.of(group, env.world_size),
-                           warn=lambda message: log.emit("warning", message=message))
+                           warn=lambda message: log.emit("warning", message=message),
+                           local_size=env.local_world_size, generation=int(generation, 16),
+                           copies=spec.checkpoint.memory_buddy)
 
 
 def job_identity(spec: JobSpec) -> str:
