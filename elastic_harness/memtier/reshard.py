@@ -118,14 +118,20 @@ def _fill_tensor(target: torch.Tensor, pieces: Sequence[Piece], rank: int, world
         if ref.nbytes:
             local.copy_(snapshot._typed(data, base, ref))
         return
-    d, size = placement.dim, target.shape[placement.dim]
+    copy_rows(local, placement.dim, target.shape[placement.dim], rank, world_size,
+              [snapshot._typed(data, base, ref) for ref, data, base in pieces])
+
+
+def copy_rows(local: torch.Tensor, dim: int, size: int, rank: int, world_size: int,
+              old: Sequence[torch.Tensor]) -> None:
+    """Fill ``local``, ``rank``'s shard along ``dim`` (of ``size`` in all) at ``world_size``,
+    from ``old[r]``, old rank ``r``'s shard at ``len(old)`` ranks: each overlap once."""
     count, offset = rows(size, world_size, rank)
-    for r, (ref, data, base) in enumerate(pieces):
-        old_count, old_offset = rows(size, len(pieces), r)
+    for r, src in enumerate(old):
+        old_count, old_offset = rows(size, len(old), r)
         lo, hi = max(offset, old_offset), min(offset + count, old_offset + old_count)
         if hi > lo:
-            src = snapshot._typed(data, base, ref)
-            local.narrow(d, lo - offset, hi - lo).copy_(src.narrow(d, lo - old_offset, hi - lo))
+            local.narrow(dim, lo - offset, hi - lo).copy_(src.narrow(dim, lo - old_offset, hi - lo))
 
 
 def restore(state: dict[str, Any], pieces: Sequence[Piece], *, rank: int, world_size: int) -> None:
