@@ -153,7 +153,7 @@ def test_stream_loader_with_processes_matches_without(world):
 
     def batches(workers, rank, first=0):
         plan_of = stream_planner(order, first * g, first, g, world, rank, 2)
-        loader = StreamLoader(stream, order, plan_of, first, steps, world_size=world, seed=5,
+        loader = StreamLoader(stream, order, plan_of, first, steps, dp_size=world, seed=5,
                               device=torch.device("cpu"), collate=None, workers=workers,
                               prefetch=2, pin_memory=False, record=True)
         out = []

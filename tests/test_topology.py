@@ -96,3 +96,25 @@ def test_built_from_the_worker_environment_values():
     older = WorkerEnv.from_environ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     assert Topology.from_env(older, "fsdp").nodes == 2
+
+
+def test_the_data_split_and_the_sample_records_follow_the_data_parallel_ranks(tmp_path):
+    """A step's global batch is shared over the data-parallel ranks: each sample once among
+    them, and the ranks of one tensor group read the same share (and record it as such)."""
+    import json
+
+    from elastic_harness.data.sampler import EpochOrder
+    from elastic_harness.runtime.audit import record_samples
+    from elastic_harness.runtime.loader import planner
+
+    t = Topology.build(8, 4, 2, {"replicate": "auto", "shard": 1, "tensor": 2})
+    order, g = EpochOrder(0, 40), 12
+    plans = {r: planner(order, 0, 0, g, t.dp_degree, t.dp_rank(r), 2)(0) for r in range(t.world_size)}
+    for group in t.groups("tensor"):
+        assert len({json.dumps(plans[r]) for r in group}) == 1
+    shares = [p for r in range(t.world_size) if t.coords(r)[2] == 0 for chunk in plans[r] for p, _ in chunk]
+    assert sorted(shares) == list(range(g))
+    record_samples(tmp_path / "r.jsonl", "gen", 1, 3, t.world_size, plans[3], None,
+                   dp_rank=t.dp_rank(3), dp_size=t.dp_degree)
+    line = json.loads((tmp_path / "r.jsonl").read_text())
+    assert (line["rank"], line["world_size"], line["dp_rank"], line["dp_size"]) == (3, 8, 1, 4)

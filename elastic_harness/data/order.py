@@ -165,44 +165,47 @@ class StreamOrder:
 
 
 # ----- who reads what -----------------------------------------------------------------------
-def check_sizes(lanes: int, global_batch: int, world_size: int) -> str | None:
-    """Why this lane count cannot serve this run, or None (a user-facing reason)."""
+def check_sizes(lanes: int, global_batch: int, dp_size: int) -> str | None:
+    """Why this lane count cannot serve this run, or None (a user-facing reason).
+
+    Here and below, ``dp_size``/``dp_rank`` are the data-parallel degree and rank
+    (``runtime.topology``): the ranks of one tensor-parallel group read the same lanes."""
     if lanes > global_batch:
         return f"the stream has {lanes} lanes but the global batch is {global_batch}: set lanes <= global batch"
-    if world_size > lanes:
-        return (f"the stream has {lanes} lanes, fewer than the {world_size} ranks (each rank reads "
+    if dp_size > lanes:
+        return (f"the stream has {lanes} lanes, fewer than the {dp_size} ranks (each rank reads "
                 f"whole lanes): raise lanes when the stream is first used, or run on <= {lanes} ranks")
     return None
 
 
-def rank_of_lane(lane: int, world_size: int) -> int:
-    return lane % world_size
+def rank_of_lane(lane: int, dp_size: int) -> int:
+    return lane % dp_size
 
 
-def reader_of_lane(lane: int, world_size: int, readers: int) -> int:
+def reader_of_lane(lane: int, dp_size: int, readers: int) -> int:
     """Which of a rank's ``readers`` loader processes reads ``lane``."""
-    return (lane // world_size) % readers
+    return (lane // dp_size) % readers
 
 
-def step_positions(order: StreamOrder, cursor: int, global_batch: int, world_size: int,
-                   rank: int) -> list[int]:
+def step_positions(order: StreamOrder, cursor: int, global_batch: int, dp_size: int,
+                   dp_rank: int) -> list[int]:
     """This rank's positions in the step that starts at ``cursor``, in order."""
     lanes = order.layout.lanes
-    return [p for p in range(cursor, cursor + global_batch) if (p % lanes) % world_size == rank]
+    return [p for p in range(cursor, cursor + global_batch) if (p % lanes) % dp_size == dp_rank]
 
 
-def share_sizes(lanes: int, cursor: int, global_batch: int, world_size: int) -> list[int]:
-    sizes = [0] * world_size
+def share_sizes(lanes: int, cursor: int, global_batch: int, dp_size: int) -> list[int]:
+    sizes = [0] * dp_size
     for p in range(cursor, cursor + global_batch):
-        sizes[(p % lanes) % world_size] += 1
+        sizes[(p % lanes) % dp_size] += 1
     return sizes
 
 
-def stream_step_plan(order: StreamOrder, cursor: int, global_batch: int, world_size: int,
-                     rank: int, micro_batch: int) -> list[list[tuple[int, int]]]:
+def stream_step_plan(order: StreamOrder, cursor: int, global_batch: int, dp_size: int,
+                     dp_rank: int, micro_batch: int) -> list[list[tuple[int, int]]]:
     """This rank's micro-batches of the step at ``cursor``: lists of (position, canonical
     index). Every rank makes the same number of micro-batches (collectives must match)."""
-    sizes = share_sizes(order.layout.lanes, cursor, global_batch, world_size)
+    sizes = share_sizes(order.layout.lanes, cursor, global_batch, dp_size)
     micro = max(1, min(math.ceil(max(sizes) / micro_batch), min(sizes)))
-    pairs = [(p, order.canonical(p)) for p in step_positions(order, cursor, global_batch, world_size, rank)]
+    pairs = [(p, order.canonical(p)) for p in step_positions(order, cursor, global_batch, dp_size, dp_rank)]
     return split(pairs, micro)

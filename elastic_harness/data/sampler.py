@@ -7,9 +7,13 @@ seeded by ``(seed, e)``, and the stream is epoch 0, then epoch 1, and so on. Str
 boundary; nothing is dropped or repeated, so each epoch uses every sample exactly once.
 
 The only state is ``DataState(version, seed, dataset_size, cursor)`` (``epoch`` is derived),
-so a run saved at any world size continues at any other. Within a step, rank ``r`` of ``W``
-takes the contiguous share ``[floor(r*G/W), floor((r+1)*G/W))`` of the step's positions:
-shares differ by at most one sample when ``W`` does not divide ``G``.
+so a run saved at any world size continues at any other. Within a step, data-parallel rank
+``r`` of ``D`` takes the contiguous share ``[floor(r*G/D), floor((r+1)*G/D))`` of the step's
+positions: shares differ by at most one sample when ``D`` does not divide ``G``.
+
+``D`` is the data-parallel degree (``runtime.topology``: how many different shares a step
+reads), not the process count: the ranks of one tensor-parallel group read the same share.
+Under ``ddp`` and ``fsdp`` the two are equal.
 
 Pure: numpy only, no torch, no I/O.
 """
@@ -39,13 +43,14 @@ class DataState:
         return DataState(self.seed, self.dataset_size, self.cursor + samples, self.version)
 
 
-def rank_share(global_batch: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Offsets ``[lo, hi)`` of rank's share within one step of ``global_batch`` positions."""
-    assert 0 <= rank < world_size <= global_batch
-    return (rank * global_batch) // world_size, ((rank + 1) * global_batch) // world_size
+def rank_share(global_batch: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
+    """Offsets ``[lo, hi)`` of data-parallel rank ``dp_rank``'s share within one step of
+    ``global_batch`` positions."""
+    assert 0 <= dp_rank < dp_size <= global_batch
+    return (dp_rank * global_batch) // dp_size, ((dp_rank + 1) * global_batch) // dp_size
 
 
-def micro_batches(global_batch: int, world_size: int, micro_batch: int) -> int:
+def micro_batches(global_batch: int, dp_size: int, micro_batch: int) -> int:
     """Micro-batches per rank per step: the same on every rank (collectives must match).
 
     Enough that the largest share fits ``micro_batch``, but never more than the smallest
@@ -54,8 +59,8 @@ def micro_batches(global_batch: int, world_size: int, micro_batch: int) -> int:
     In that corner case (e.g. 3 samples over 2 ranks, micro-batch 1) a micro-batch can hold
     one sample more than ``micro_batch``.
     """
-    largest_share = math.ceil(global_batch / world_size)
-    smallest_share = global_batch // world_size
+    largest_share = math.ceil(global_batch / dp_size)
+    smallest_share = global_batch // dp_size
     return max(1, min(math.ceil(largest_share / micro_batch), smallest_share))
 
 
@@ -100,15 +105,15 @@ class EpochOrder:
 
 
 def step_indices(
-    order: EpochOrder, cursor: int, global_batch: int, world_size: int, rank: int
+    order: EpochOrder, cursor: int, global_batch: int, dp_size: int, dp_rank: int
 ) -> list[int]:
-    """Dataset indices rank ``rank`` uses in the step that starts at ``cursor``."""
-    lo, hi = rank_share(global_batch, world_size, rank)
+    """Dataset indices data-parallel rank ``dp_rank`` uses in the step that starts at ``cursor``."""
+    lo, hi = rank_share(global_batch, dp_size, dp_rank)
     return order.indices(cursor + lo, cursor + hi)
 
 
 def step_plan(
-    order: EpochOrder, cursor: int, global_batch: int, world_size: int, rank: int, micro_batch: int
+    order: EpochOrder, cursor: int, global_batch: int, dp_size: int, dp_rank: int, micro_batch: int
 ) -> list[list[tuple[int, int]]]:
     """This rank's micro-batches of the step that starts at ``cursor``.
 
@@ -116,7 +121,7 @@ def step_plan(
     the sample's place in the stream, so per-item randomness can be seeded from it and be
     the same whatever the world size or the number of loader processes.
     """
-    lo, hi = rank_share(global_batch, world_size, rank)
+    lo, hi = rank_share(global_batch, dp_size, dp_rank)
     positions = list(range(cursor + lo, cursor + hi))
     pairs = list(zip(positions, order.indices(cursor + lo, cursor + hi), strict=True))
-    return split(pairs, micro_batches(global_batch, world_size, micro_batch))
+    return split(pairs, micro_batches(global_batch, dp_size, micro_batch))

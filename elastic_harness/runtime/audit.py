@@ -2,8 +2,11 @@
 they held, so an audit can check exactly-once use *and* that a source returned the data its
 position names (``samples/rank-R.jsonl``, one JSON line per step).
 
-Each line: ``step``, ``rank``, ``world_size``, ``generation`` and ``t_ns`` (which attempt ran
-it), ``positions`` (global stream positions), ``indices`` (the sample's number in its epoch:
+Each line: ``step``, ``rank``, ``world_size`` (processes), ``dp_rank`` and ``dp_size`` (the
+data-parallel rank and degree, ``runtime.topology``: the share of the step this rank read,
+and how many shares there were; the ranks of a tensor-parallel group read the same share;
+under ``ddp``/``fsdp`` they equal ``rank`` and ``world_size``), ``generation`` and ``t_ns``
+(which attempt ran it), ``positions`` (global stream positions), ``indices`` (the sample's number in its epoch:
 a dataset index for map-style data, the first unit's offset in shard-list order for a
 stream), ``ids`` (map-style: the index; stream: ``[shard, offset in the shard]``) and
 ``hashes`` (``content_hash`` of each sample as loaded, before collation).
@@ -56,12 +59,15 @@ def _feed(h: Any, x: Any) -> None:
 
 
 def record_samples(path: Path, generation: str, step: int, rank: int, world_size: int,
-                   plan: list, meta: list | None) -> None:
+                   plan: list, meta: list | None, *, dp_rank: int | None = None,
+                   dp_size: int | None = None) -> None:
     """Append this step's line (``plan``: micro-batches of (position, index); ``meta``: per
-    sample (id, hash) in plan order)."""
+    sample (id, hash) in plan order). ``dp_rank``/``dp_size`` default to ``rank`` and
+    ``world_size`` (a one-dimensional layout)."""
     pairs = [pair for chunk in plan for pair in chunk]
     line = {"t_ns": time.time_ns(), "generation": generation, "step": step, "rank": rank,
-            "world_size": world_size, "positions": [p for p, _ in pairs],
+            "world_size": world_size, "dp_rank": rank if dp_rank is None else dp_rank,
+            "dp_size": world_size if dp_size is None else dp_size, "positions": [p for p, _ in pairs],
             "indices": [i for _, i in pairs]}
     if meta is not None:
         line["ids"] = [list(i) if isinstance(i, tuple) else i for i, _ in meta]

@@ -34,12 +34,15 @@ class BufferSync:
             self.groups.setdefault((b.dtype, b.device), []).append(b)
 
     @classmethod
-    def of(cls, model: nn.Module, world_size: int) -> BufferSync | None:
+    def of(cls, model: nn.Module, dp_size: int) -> BufferSync | None:
+        """Only when several data-parallel ranks (``runtime.topology``) read different samples:
+        the ranks of one tensor-parallel group run the same forwards on the same data."""
         buffers = persistent_buffers(model)
-        return cls(buffers) if buffers and world_size > 1 else None
+        return cls(buffers) if buffers and dp_size > 1 else None
 
     def sync(self, group: object = None) -> None:
-        """Every rank: overwrite each buffer with rank 0's copy (one broadcast per dtype)."""
+        """Every rank: overwrite each buffer with rank 0's copy (one broadcast per dtype).
+        ``group`` None: every process (the data-parallel group under ``ddp``/``fsdp``)."""
         for tensors in self.groups.values():
             flat = _flatten_dense_tensors(tensors)
             dist.broadcast(flat, src=0, group=group)

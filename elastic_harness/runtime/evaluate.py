@@ -1,8 +1,11 @@
 """Distributed evaluation over a deterministic split: exact means, whatever the world size.
 
-Rank ``r`` of ``W`` evaluates the contiguous share ``[floor(r*N/W), floor((r+1)*N/W))`` of
-the evaluation set, in the same number of batches on every rank (FSDP and DDP run
-collectives inside forward, so batch counts must match). ``fn(batch)`` returns per-sample
+Data-parallel rank ``r`` of ``D`` (``runtime.topology``; the world size under ``ddp`` and
+``fsdp``) evaluates the contiguous share ``[floor(r*N/D), floor((r+1)*N/D))`` of the
+evaluation set, in the same number of batches on every rank (FSDP and DDP run collectives
+inside forward, so batch counts must match). The ranks of a tensor-parallel group evaluate
+the same share: summed over every process, their sums and counts grow alike, so the means
+stay exact. ``fn(batch)`` returns per-sample
 values ``{metric: tensor of shape [B]}``; their sums and the sample count are all-reduced,
 so each metric is the exact mean over all ``N`` samples.
 """
@@ -23,15 +26,15 @@ class EvaluateError(RuntimeError):
     """The user's evaluation code raised (the message names what and where)."""
 
 
-def eval_batches(n: int, world_size: int, rank: int, batch_size: int) -> list[list[int]]:
-    """Pure: this rank's evaluation batches (dataset indices)."""
-    if n < world_size:
+def eval_batches(n: int, dp_size: int, dp_rank: int, batch_size: int) -> list[list[int]]:
+    """Pure: this data-parallel rank's evaluation batches (dataset indices)."""
+    if n < dp_size:
         raise HarnessError(
-            f"the evaluation set has {n} samples, fewer than the {world_size} ranks",
+            f"the evaluation set has {n} samples, fewer than the {dp_size} ranks",
             "use a larger evaluation set or fewer ranks",
         )
-    lo, hi = rank_share(n, world_size, rank)
-    return split(list(range(lo, hi)), micro_batches(n, world_size, batch_size))
+    lo, hi = rank_share(n, dp_size, dp_rank)
+    return split(list(range(lo, hi)), micro_batches(n, dp_size, batch_size))
 
 
 def reduce_metrics(sums: dict[str, float], count: int, group: Any = None) -> dict[str, float]:

@@ -159,9 +159,9 @@ class StreamSteps(torch.utils.data.IterableDataset):
     this process reads (one list per step, empty if it reads none of that step's lanes)."""
 
     def __init__(self, stream: Stream, order: StreamOrder, plan_of: Callable[[int], Plan],
-                 first_step: int, last_step: int, world_size: int, seed: int, record: bool) -> None:
+                 first_step: int, last_step: int, dp_size: int, seed: int, record: bool) -> None:
         self.stream, self.order, self.plan_of = stream, order, plan_of
-        self.first, self.last, self.world_size = first_step, last_step, world_size
+        self.first, self.last, self.dp_size = first_step, last_step, dp_size
         self.seed, self.record = seed, record
 
     def __iter__(self) -> Iterator[Any]:
@@ -173,7 +173,7 @@ class StreamSteps(torch.utils.data.IterableDataset):
             out = []
             for chunk in self.plan_of(step):
                 for position, _ in chunk:
-                    if reader_of_lane(position % n_lanes, self.world_size, readers) != me:
+                    if reader_of_lane(position % n_lanes, self.dp_size, readers) != me:
                         continue
                     try:
                         shard, offset, item = lanes.read(position)
@@ -193,7 +193,7 @@ class StreamLoader:
     """``StepLoader``'s contract for a stream: loader processes split this rank's lanes."""
 
     def __init__(self, stream: Stream, order: StreamOrder, plan_of: Callable[[int], Plan],
-                 first_step: int, last_step: int, *, world_size: int, seed: int,
+                 first_step: int, last_step: int, *, dp_size: int, seed: int,
                  device: torch.device, collate: Callable | None, workers: int, prefetch: int,
                  pin_memory: bool, record: bool = False) -> None:
         self.plan_of, self.device, self.record = plan_of, device, record
@@ -201,7 +201,7 @@ class StreamLoader:
         self.pin = pin_memory and device.type == "cuda"
         self.step, self.meta = first_step, None
         self.parts = max(workers, 1)
-        items = StreamSteps(stream, order, plan_of, first_step, last_step, world_size, seed, record)
+        items = StreamSteps(stream, order, plan_of, first_step, last_step, dp_size, seed, record)
         self._loader: DataLoader | None = None
         if workers > 0 and last_step > first_step:
             self._loader = DataLoader(items, batch_size=None, num_workers=workers,
@@ -242,7 +242,7 @@ def _pinned(batch: Any) -> Any:
 
 
 def stream_planner(order: StreamOrder, start_cursor: int, start_step: int, global_batch: int,
-                   world_size: int, rank: int, micro_batch: int) -> Callable[[int], Plan]:
+                   dp_size: int, dp_rank: int, micro_batch: int) -> Callable[[int], Plan]:
     """``planner`` for a stream (``data.order.stream_step_plan``), remembering the last few
     steps' plans (the loader and the training process ask for the same step in turn)."""
     recent: dict[int, Plan] = {}
@@ -251,7 +251,7 @@ def stream_planner(order: StreamOrder, start_cursor: int, start_step: int, globa
         plan = recent.get(step)
         if plan is None:
             cursor = start_cursor + (step - start_step) * global_batch
-            plan = stream_step_plan(order, cursor, global_batch, world_size, rank, micro_batch)
+            plan = stream_step_plan(order, cursor, global_batch, dp_size, dp_rank, micro_batch)
             if len(recent) >= 8:
                 recent.pop(min(recent))
             recent[step] = plan
@@ -261,11 +261,12 @@ def stream_planner(order: StreamOrder, start_cursor: int, start_step: int, globa
 
 
 def planner(order: EpochOrder, start_cursor: int, start_step: int, global_batch: int,
-            world_size: int, rank: int, micro_batch: int) -> Callable[[int], Plan]:
-    """``plan_of(step)``: the cursor advances by exactly ``global_batch`` per step."""
+            dp_size: int, dp_rank: int, micro_batch: int) -> Callable[[int], Plan]:
+    """``plan_of(step)``: the cursor advances by exactly ``global_batch`` per step; this
+    data-parallel rank's share of it (``dp_rank`` of ``dp_size``: ``runtime.topology``)."""
 
     def plan_of(step: int) -> Plan:
         cursor = start_cursor + (step - start_step) * global_batch
-        return step_plan(order, cursor, global_batch, world_size, rank, micro_batch)
+        return step_plan(order, cursor, global_batch, dp_size, dp_rank, micro_batch)
 
     return plan_of

@@ -40,6 +40,11 @@ What the run does, in order (every rank calls every method, in the same order):
    drain (SIGTERM, a membership change) it saves synchronously and raises
    ``SystemExit(143)``, so nothing after the loop runs on a drained generation.
 5. ``close``: waits for the async save, closes metrics, destroys the groups it created.
+
+This module is the script's API; the work behind it lives apart: ``runtime.resume`` (where a
+generation starts from, and the data-position checks), ``runtime.hook`` (what each
+``step.done()`` does: counters, metrics, saves, snapshots, drain, faults) and
+``runtime.step`` (one step's micro-batches and loss scaling).
 """
 
 from __future__ import annotations
@@ -62,50 +67,39 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_harness import jobkey, runfiles
-from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.data.adapters import source_of
-from elastic_harness.data.sampler import DataState, EpochOrder
-from elastic_harness.data.stream import Stream
-from elastic_harness.errors import CheckpointError, HarnessError, UsageError
+from elastic_harness.data.sampler import DataState
+from elastic_harness.errors import HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
-from elastic_harness.memtier.peer import Wire, replicated_layout, sharded_layout
-from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
+from elastic_harness.memtier.peer import Wire
+from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.rundir import check_paths
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime import failures, precision
 from elastic_harness.runtime.audit import record_samples
 from elastic_harness.runtime.buffers import BufferSync
-from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
+from elastic_harness.runtime.hook import ReplicaCheck, StepHook, save_due_by_steps, save_due_by_time
 from elastic_harness.runtime.jobsource import resolve_job
-from elastic_harness.runtime.loader import (
-    StepLoader,
-    StreamLoader,
-    planner,
-    stream_planner,
-    to_device,
-)
+from elastic_harness.runtime.loader import to_device
 from elastic_harness.runtime.metrics import Metrics
-from elastic_harness.runtime.registration import (
-    check_registration,
-    check_schedulers,
-    distributed,
-    replicas_differ,
-    unwrapped_error,
-)
+from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
+from elastic_harness.runtime.resume import announce, bind_data, restore
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
-from elastic_harness.runtime.stream_index import bind_stream
 from elastic_harness.runtime.timer import ProgressWatchdog
 from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec
+
+__all__ = ["DRAIN_EXIT", "Run", "active", "check_registration", "init", "job_identity",
+           "save_due_by_steps", "save_due_by_time", "seed_everything", "step_seed"]
 
 DRAIN_EXIT = 128 + signal.SIGTERM
 _ACTIVE: Run | None = None  # the one run of this process (failure records read its step)
@@ -125,15 +119,6 @@ def seed_everything(seed: int) -> None:
     seed_torch(seed)  # torch.manual_seed's effect, without its cost every step (runtime.seeding)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-
-
-def save_due_by_steps(every: int, step: int) -> bool:
-    return bool(every) and step % every == 0
-
-
-def save_due_by_time(every_s: float, seconds_since_save: float) -> bool:
-    """Decided on rank 0 only and shared with the step's all-reduce (clocks differ)."""
-    return bool(every_s) and seconds_since_save >= every_s
 
 
 def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None = None,
@@ -240,31 +225,33 @@ class Run:
         self.topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
-        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        # Processes: who this one is among all of them (collectives, files, events). The data
+        # split, the loss scale and evaluation use the data-parallel rank and degree instead.
+        self.rank, self.world_size, self.local_rank = self.topology.rank, self.topology.world_size, env.local_rank
         self.device: torch.device = groups.device
         self.closed = False
         log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
-        self.events = log if env.rank == 0 else NullLog()  # rank 0 narrates
+        self.events = log if self.rank == 0 else NullLog()  # rank 0 narrates
         self.generation = self._agree_generation()
         self._announce(pg_init_s)
         precision.check(spec.train.precision, self.device)
         seed_everything(spec.train.seed)  # identical initial weights on every rank and restart
         self.drain = Drain()
         self.metrics = Metrics(self.events, self.run_dir, tensorboard=spec.metrics.tensorboard,
-                               main=env.rank == 0)
+                               main=self.rank == 0)
         # One step watchdog per process: the loop re-arms it every step, and checkpoint I/O
         # re-arms it while bytes move (a big save or load is slow, not stuck).
         self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
         self.ckpt = CheckpointManager(
             open_storage(checkpoint_root(spec.checkpoint.dir, self.run_dir)), spec.checkpoint,
-            rank=env.rank, world_size=env.world_size, group=groups.ckpt, events=self.events,
+            rank=self.rank, world_size=self.world_size, group=groups.ckpt, events=self.events,
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
             key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
             optional_keys=TrainState.OPTIONAL_KEYS,
         )
-        self.memory = _memory_tier(spec, env, groups.ckpt, log, self.generation)
+        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
@@ -272,12 +259,12 @@ class Run:
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
         self._state: dict[str, Any] | None = None
         self._registered: list[Any] = []  # the scheduler and extra objects register() named
-        self._compare_replicas = False  # an unwrapped model on several ranks, not compared yet
-        self._train = TrainState(DataState(spec.train.seed, 0), env.world_size)
+        self._replicas: ReplicaCheck | None = None  # an unwrapped model on several ranks
+        # The position is global (a stream cursor); the process count is saved for reports.
+        self._train = TrainState(DataState(spec.train.seed, 0), self.world_size)
         self._resumed = False
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._buffers: BufferSync | None = None
-        self._last_loss: float | None = None
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does.
         self._previous_hook = sys.excepthook
@@ -311,21 +298,22 @@ class Run:
         if self._state is not None:
             raise UsageError("run.register() was called twice", "register everything in one call")
         check_registration(model, optimizer, scheduler, extra)
-        # Several data-parallel ranks (the world size today) and a bare model: compared
-        # across ranks before the first save (``registration``).
-        self._compare_replicas = self.world_size > 1 and not distributed(model)
+        # Several data-parallel ranks and a bare model: compared across ranks before the
+        # first save (``registration``).
+        if self.topology.dp_degree > 1 and not distributed(model):
+            self._replicas = ReplicaCheck(model, self.groups.ckpt, self.world_size)
         self._registered = [scheduler, *extra.values()]
         check_schedulers(optimizer, self._registered)
         if scaler is not None:
             self.scaler = scaler
         self.model, self.optimizer = model, optimizer
-        self._buffers = BufferSync.of(model, self.world_size)
+        self._buffers = BufferSync.of(model, self.topology.dp_degree)
         self._state = build_state(model, optimizer, self._train, scheduler=scheduler,
                                   scaler=self.scaler, extra=extra)
 
     def resume(self) -> int:
         """Restore the newest snapshot every rank holds in memory, else load the newest
-        complete, verified checkpoint (every rank); the step it holds."""
+        complete, verified checkpoint (every rank); the step it holds (``runtime.resume``)."""
         if self._resumed:
             return self._train.step
         if self._state is None:
@@ -333,77 +321,50 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
-        self.ckpt.join()  # every generation enters the fence, whichever tier restores it
-        restored = None
-        if self.memory is not None:
-            restored = self.memory.restore(self._state, replicated=replicated_layout(
-                self.spec.parallelism, self.model, self._state), sharded=sharded_layout(self.spec.parallelism, self._state),
-                durable=self.ckpt.newest_complete)
-        if restored is not None:
-            self._resumed_at = restored.step
-            return self._resumed_from_memory(restored)
-        loaded = self.ckpt.restore(self._state)
-        self._resumed_at = loaded.step if loaded is not None else 0
-        if loaded is None:
-            self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
-            return 0
-        train = self._train
-        # Before saying "resumed": a checkpoint of another data stream is refused first.
-        reason = train.check_matches(self.spec.train.seed, None)
-        if reason:
-            raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
-                                  f"job: {reason}", "use a new --run-dir or --fresh")
-        self.metrics.resumed_at(loaded.step)
-        self.events.emit(
-            "resume", step=loaded.step, source="storage", checkpoint=loaded.name,
-            saved_world_size=train.saved_world_size,
-            world_size=self.world_size, load_s=round(loaded.seconds, 4), samples=train.data.cursor,
-            message=f"resumed from step {loaded.step}, saved at world size {train.saved_world_size}, "
-            f"now {self.world_size}, load took {loaded.seconds:.2f} s",
-        )
-        return loaded.step
-
-    def _resumed_from_memory(self, restored: Restored) -> int:
-        self.metrics.resumed_at(restored.step)
-        saved = self._train.saved_world_size
-        self.events.emit(
-            "resume", step=restored.step, source=restored.source, saved_world_size=saved,
-            world_size=self.world_size, load_s=round(restored.seconds, 4), samples=self._train.data.cursor,
-            senders=list(restored.senders), receivers=restored.receivers,
-            message=restored_message(restored, saved, self.world_size),
-        )
-        return restored.step
+        found = restore(self._state, self.model, parallelism=self.topology.kind,
+                        memory=self.memory, ckpt=self.ckpt)
+        self._resumed_at = found.step if found is not None else 0
+        return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
+                        metrics=self.metrics, world_size=self.world_size)
 
     # ----- the loop --------------------------------------------------------------------
     def steps(self, dataset: Any, *, collate_fn: Callable | None = None) -> Iterator[Step]:
-        """One ``Step`` per remaining update of ``train.steps`` (see ``runtime.step``).
+        """One ``Step`` per remaining update of ``train.steps`` (see ``runtime.step``; each
+        ``step.done()`` runs ``runtime.hook``).
 
         ``dataset``: a map-style dataset (``len`` and ``[i]``) or a sharded stream (a
         ``elastic_harness.data.Stream``, a Hugging Face streaming dataset, an
         ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``)."""
         self.resume()
-        source = source_of(dataset)
-        loader = self._bind_data(source, collate_fn)
         spec, train = self.spec, self._train
         watchdog = self.watchdog
+        loader = bind_data(source_of(dataset), train, spec, self.topology, device=self.device,
+                           collate_fn=collate_fn, group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+                           on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
                               events=self.log, agent=self.env.agent_pid or os.getppid())
-        self._loop = _LoopState(watchdog, faults, self._sample_log())
-        self._loop.loader = loader
+        hook = StepHook(spec, train, self._state, model=self.model, optimizer=self.optimizer,
+                        scaler=self.scaler, topology=self.topology,
+                        restart=self.env.restart_count, events=self.events, metrics=self.metrics,
+                        ckpt=self.ckpt, memory=self.memory, cadence=self.cadence,
+                        drain_requested=lambda: self.drain.requested, watchdog=watchdog,
+                        faults=faults, replicas=self._replicas, buffers=self._buffers,
+                        sample_log=self._sample_log())
         self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
                 watchdog.arm()
                 plan, batches = loader.next_step()
                 seed_everything(step_seed(spec.train.seed, train.step, self.rank))
-                step = Step(self, train.step + 1, plan, batches, lr=None)
-                if self._loop.sample_log is not None:
+                step = Step(hook, train.step + 1, plan, batches, lr=None)
+                if hook.sample_log is not None:
                     # Before the step's compute, not in its hook: a step whose gradients were
                     # reduced then has every rank's line, even when a node dies right after
                     # (its peers may restore that step from memory).
-                    record_samples(self._loop.sample_log, self.generation, step.number, self.rank,
-                                   self.world_size, plan, loader.meta)
+                    record_samples(hook.sample_log, self.generation, step.number, self.rank,
+                                   self.world_size, plan, loader.meta,
+                                   dp_rank=self.topology.dp_rank(), dp_size=self.topology.dp_degree)
                 yield step
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
@@ -411,170 +372,10 @@ class Run:
                 if step.drained:
                     raise SystemExit(DRAIN_EXIT)
             watchdog.disarm()
-            self._finish()
+            hook.finish()
         finally:
             watchdog.disarm()
             loader.close()
-
-    def _bind_data(self, source: Any, collate_fn: Callable | None) -> Any:
-        """Check the saved position against the data (or start it) and build the loader."""
-        spec, train = self.spec, self._train
-        g, mb = spec.train.global_batch_size, spec.train.micro_batch_size
-        common = dict(seed=spec.train.seed, device=self.device, collate=collate_fn,
-                      workers=spec.data.workers, prefetch=spec.data.prefetch,
-                      pin_memory=spec.data.pin_memory, record=spec.train.record_samples)
-        if isinstance(source, Stream):
-            order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g,
-                                         rank=self.rank, world_size=self.world_size,
-                                         group=self.groups.ckpt, cache_dir=self.run_dir / "data",
-                                         on_progress=lambda: self.watchdog.arm(
-                                             extra_s=spec.timeouts.process_group))
-            self._check_data(order.n, *digests)
-            plan_of = stream_planner(order, train.data.cursor, train.step, g, self.world_size,
-                                     self.rank, mb)
-            return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
-                                world_size=self.world_size, **common)
-        self._check_data(len(source), 0, 0)
-        order = EpochOrder(spec.train.seed, len(source))
-        plan_of = planner(order, train.data.cursor, train.step, g, self.world_size, self.rank, mb)
-        return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
-
-    def _check_data(self, n: int, stream: int, layout: int) -> None:
-        train = self._train
-        if train.data.dataset_size == 0:  # fresh: nothing was loaded
-            train.data = DataState(self.spec.train.seed, n)
-            train.stream, train.layout = stream, layout
-            return
-        reason = train.check_matches(self.spec.train.seed, n, stream, layout)
-        if reason:
-            raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
-                                  f"job: {reason}", "use a new --run-dir or --fresh (or restore "
-                                  "the data as it was)")
-
-    def _after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
-        """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
-        spec, train, loop = self.spec, self._train, self._loop
-        # The whole step, hook included, less the snapshot (``memtier.cadence``'s budget).
-        now = time.monotonic()
-        self.cadence.step_took(now - loop.period_start - loop.snapshot_s)
-        loop.period_start, loop.snapshot_s = now, 0.0
-        if self._buffers is not None:
-            self._buffers.sync()
-        train.step += 1
-        train.data = train.data.advance(spec.train.global_batch_size)
-        totals = self._collect_totals(step)
-        now = time.monotonic()
-        loss = float(totals[0]) / spec.train.global_batch_size
-        self._last_loss = loss
-        final = train.step == spec.train.steps
-        if train.step % spec.train.log_every == 0 or final:
-            self.metrics.step(train.step, loss=loss, world_size=self.world_size,
-                              samples=train.data.cursor, step_s=now - loop.last_done,
-                              global_batch=spec.train.global_batch_size,
-                              restart=self.env.restart_count, lr=step.lr, extra=user_metrics)
-        loop.last_done = now
-        drain = totals[1] > 0
-        blocking = drain or (final and spec.checkpoint.save_final)
-        periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
-        self._maybe_save(train.step, blocking=blocking, periodic=periodic)
-        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0)
-        if drain and not final:
-            if self.memory is not None:
-                self.memory.settle(self.spec.timeouts.process_group)
-            self.events.emit("drain", step=train.step, world_size=self.world_size)
-            step.drained = True
-            return
-        loop.faults.after_step(train.step)
-
-    def _snapshot(self, step: int, k: int, *, forced: bool, copies_busy: bool = False) -> None:
-        """Copy the state into the in-memory tier if it is due (``cadence``: every rank
-        decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce),
-        and send it as a buddy copy unless some rank's copies still move (``copies_busy``,
-        from the same all-reduce: ``memtier.buddy.due``)."""
-        if self.memory is None:
-            return
-        if self.cadence.agree(k) and self.rank == 0:
-            copy_s, step_s = self.cadence.medians()
-            self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5))
-        if not self.cadence.due(step, forced):
-            return
-        t0 = time.monotonic()
-        saved = self.memory.save(step, self._state, send=not copies_busy)
-        self._loop.snapshot_s = time.monotonic() - t0
-        self.cadence.snapshot_took(self._loop.snapshot_s)
-        if saved:
-            self.cadence.taken(step)
-        link = self.memory.link
-        if link is not None and link.announce and self.rank == 0 and link.held is not None:
-            link.announce = False  # said once a generation: the memory the copies take
-            self.events.emit("buddy", step=link.held[0], bytes=link.held[1], of_rank=link.source,
-                             slots=len(self.memory.buddy_regions))
-
-    def _share_totals(self, step: Step) -> None:
-        """Start the step's one all-reduce, [loss sum, drain requested, time-based save due,
-        in-memory snapshot interval] (rank 0 decides the last two: clocks and timings differ),
-        without waiting for it (``Step.batches``).
-
-        Waiting for it in the step hook made every step meet its peers twice (the gradient
-        all-reduce, then this): whatever the ranks drifted apart during the optimizer step
-        was paid again as a wait (``bench throughput``). Started right after the last
-        backward, it is done by the time ``done`` needs it. Every rank starts it at the
-        same point of the same step, so collectives keep their order.
-        """
-        if step.shared is not None:
-            return
-        flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
-                                                         time.monotonic() - self._loop.last_save))
-        k = float(self.cadence.proposal(step.number) if self.rank == 0 and self.memory is not None else 0)
-        busy = float(self.memory is not None and self.memory.busy())
-        totals = torch.tensor([float(step.loss_sum), float(self.drain.requested), flag, k, busy],
-                              dtype=torch.float64)
-        work = dist.all_reduce(totals, async_op=True)
-        step.shared = (totals, work, step.loss_sum.clone(), step.samples)
-
-    def _collect_totals(self, step: Step) -> torch.Tensor:
-        """The step's reduced totals; a loss counted after they were started (a backward
-        after the loop) is reduced now. Whether that happened depends on the script's
-        structure (calls, not values), so every rank makes the same extra call."""
-        self._share_totals(step)  # a loop that never finished step.batches(): start it here
-        totals, work, loss_then, samples_then = step.shared
-        work.wait()
-        if step.samples != samples_then:
-            late = step.loss_sum - loss_then
-            dist.all_reduce(late)
-            totals[0] += late
-        return totals
-
-    def _maybe_save(self, step: int, *, blocking: bool, periodic: bool) -> None:
-        loop = self._loop
-        if step == loop.last_saved_step or not (blocking or periodic):
-            return
-        if self._compare_replicas:
-            self._check_replicas(step)
-        # A save may wait for the previous one or write synchronously: a longer budget.
-        loop.watchdog.arm(extra_s=self.spec.timeouts.process_group)
-        if self.ckpt.save(step, self._state, blocking=blocking):
-            loop.last_save, loop.last_saved_step = time.monotonic(), step
-        loop.watchdog.arm()
-
-    def _check_replicas(self, step: int) -> None:
-        """Before the first save of an unwrapped model (``registration``): every rank."""
-        self._compare_replicas = False
-        differ = replicas_differ(self.model, lambda d: collective.all_gather(d, self.groups.ckpt,
-                                                                              self.world_size))
-        if differ:
-            raise unwrapped_error(self.model, step, differ)
-
-    def _finish(self) -> None:
-        if self._compare_replicas:  # no save compared them: the final digest must not hide it
-            self._check_replicas(self._train.step)
-        self.ckpt.wait()
-        if self.memory is not None:
-            self.memory.settle(self.spec.timeouts.process_group)
-        digest = model_digest(self.model)
-        self.events.emit("finish", step=self._train.step,
-                         loss=None if self._last_loss is None else round(self._last_loss, 6),
-                         digest=digest, samples=self._train.data.cursor, world_size=self.world_size)
 
     def _sample_log(self) -> Path | None:
         if not self.spec.train.record_samples:
@@ -592,7 +393,7 @@ class Run:
 
         t0 = time.perf_counter()
         size = self.spec.eval.batch_size or self.spec.train.micro_batch_size
-        batches = ev.eval_batches(len(dataset), self.world_size, self.rank, size)
+        batches = ev.eval_batches(len(dataset), self.topology.dp_degree, self.topology.dp_rank(), size)
         model = self.model
         was_training = model.training if model is not None else False
         if model is not None:
@@ -655,37 +456,28 @@ class Run:
         return box[0]
 
     def _announce(self, pg_init_s: float) -> None:
-        env = self.env
-        self.log.emit("worker", rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank,
-                      node=env.node, restart=env.restart_count, world_size=env.world_size)
+        env, top = self.env, self.topology
+        self.log.emit("worker", rank=top.rank, local_rank=env.local_rank, group_rank=env.group_rank,
+                      node=env.node, restart=env.restart_count, world_size=top.world_size)
         if not env.by_harness and env.restart_count == 0:
-            self.events.emit("start", who="script", nodes=env.world_size // max(env.local_world_size, 1),
-                             nproc_per_node=env.local_world_size, run_id=env.run_id,
-                             run_dir=str(self.run_dir))
-        self.events.emit("rendezvous", generation=self.generation, world_size=env.world_size,
-                         restart=env.restart_count, nodes=env.world_size // max(env.local_world_size, 1),
-                         pg_init_s=round(pg_init_s, 3))
+            self.events.emit("start", who="script", nodes=top.nodes, nproc_per_node=top.nproc_per_node,
+                             run_id=env.run_id, run_dir=str(self.run_dir))
+        self.events.emit("rendezvous", generation=self.generation, world_size=top.world_size,
+                         restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
 
 
-class _LoopState:
-    """What ``steps`` keeps between step hooks (one instance per ``steps`` call)."""
-
-    def __init__(self, watchdog: ProgressWatchdog, faults: WorkerFaults, sample_log: Path | None) -> None:
-        self.watchdog, self.faults, self.sample_log = watchdog, faults, sample_log
-        now = time.monotonic()
-        self.last_save = self.last_done = self.period_start = now
-        self.snapshot_s = 0.0  # the last hook's in-memory snapshot (not part of a step's time)
-        self.last_saved_step = -1
-        self.loader: Any = None  # StepLoader or StreamLoader (its ``meta`` feeds the audit)
-
-
-def _memory_tier(spec: JobSpec, env: WorkerEnv, group: Any, log: EventLog, generation: str) -> MemoryTier | None:
+def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
+                 log: EventLog, generation: str) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
-    every rank (restoring is collective): a rank whose slots cannot be opened has none."""
+    every rank (restoring is collective): a rank whose slots cannot be opened has none.
+
+    Its rank and world size are processes, not data-parallel ones: every process holds its
+    own slots and takes part in the restore's collectives on ``group``, and a snapshot names
+    the process that wrote it (a tensor-parallel rank's state is its own)."""
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
-    return MemoryTier.open(env.memory, env.local_rank, rank=env.rank, world_size=env.world_size,
-                           wire=Wire.of(group, env.world_size),
+    return MemoryTier.open(env.memory, env.local_rank, rank=topology.rank, world_size=topology.world_size,
+                           wire=Wire.of(group, topology.world_size),
                            warn=lambda message: log.emit("warning", message=message),
                            local_size=env.local_world_size, generation=int(generation, 16),
                            copies=spec.checkpoint.memory_buddy)

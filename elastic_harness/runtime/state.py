@@ -13,7 +13,9 @@ state through ``build_state`` so the key sets cannot drift apart.
   dataset size (samples per epoch) it refers to, for a sharded stream digests of its shard
   list and of what fixes its order (lanes, window, packing, shard sizes; 0 for map-style
   data: the cursor alone then names every lane's shard and offset, ``data.order``), and
-  (for reporting only) the world size it was saved at.
+  (for reporting only) the world size it was saved at: the process count, the events'
+  ``world_size``. The position itself names no degree or rank: each data-parallel rank
+  derives its share of a step from it (``data.sampler``, ``runtime.topology``).
 - ``sched`` and ``scaler`` are the LR scheduler's and GradScaler's own ``state_dict()``
   (plain values, pickled by DCP); ``extra.NAME`` anything else a script registers.
 

@@ -15,8 +15,8 @@ A ``Step`` is what ``Run.steps()`` yields. Call order inside the loop body::
 ``require_backward_grad_sync``, FSDP2's ``set_requires_gradient_sync``), so ranks
 accumulate locally and all-reduce once per step. ``backward`` scales the loss so the update
 is the mean over exactly the global batch whatever the world size (see ``scale``), and goes
-through the GradScaler under fp16. ``done`` hands the step to the run: counters, metrics,
-checkpoint, drain, faults.
+through the GradScaler under fp16. ``done`` hands the step to the step hook
+(``runtime.hook``): counters, metrics, checkpoint, drain, faults.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from elastic_harness.spec import JobSpec
 
 
 class Owner(Protocol):
-    """What a step needs of its run (``runtime.session.Run``)."""
+    """What a step needs of its run: the step hook (``runtime.hook.StepHook``)."""
 
     spec: JobSpec
-    world_size: int
+    dp_size: int  # the data-parallel degree: how many ranks average the gradients
     model: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     scaler: Any
 
-    def _share_totals(self, step: Step) -> None: ...
+    def share_totals(self, step: Step) -> None: ...
 
-    def _after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
+    def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
@@ -55,8 +55,8 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
 
 
 class Step:
-    def __init__(self, run: Owner, number: int, plan: list, batches: list, lr: float | None) -> None:
-        self.run = run
+    def __init__(self, hook: Owner, number: int, plan: list, batches: list, lr: float | None) -> None:
+        self.hook = hook
         self.number = number  # this step's number once done (1 = the first update)
         self.plan = plan
         self._batches = batches
@@ -66,16 +66,16 @@ class Step:
         self.backwards = 0
         self.finished = False
         self.drained = False
-        self.shared: Any = None  # the step's totals all-reduce, once launched (Run._share_totals)
+        self.shared: Any = None  # the step's totals all-reduce, once launched (StepHook.share_totals)
 
     @property
     def is_last(self) -> bool:
-        return self.number == self.run.spec.train.steps
+        return self.number == self.hook.spec.train.steps
 
     @property
     def eval_due(self) -> bool:
         """Evaluation is due after this step (``eval.every_steps``; always after the last)."""
-        every = self.run.spec.eval.every_steps
+        every = self.hook.spec.eval.every_steps
         return bool(every) and not self.drained and (self.number % every == 0 or self.is_last)
 
     def batches(self) -> Iterator[Any]:
@@ -87,7 +87,7 @@ class Step:
         and ``done`` collects it. A loop left early (``break``, an exception) does not
         start it; ``done`` then runs it itself.
         """
-        model = self.run.model
+        model = self.hook.model
         last = len(self._batches) - 1
         try:
             for i, batch in enumerate(self._batches):
@@ -98,37 +98,38 @@ class Step:
         finally:
             if model is not None:
                 set_grad_sync(model, True)
-        self.run._share_totals(self)
+        self.hook.share_totals(self)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to differentiate: the micro-batch's share of the global-batch mean.
 
         ``loss`` is the mean over the current micro-batch (a 0-dim tensor, what
         ``reduction='mean'`` gives), or one value per sample (shape ``[B]``). DDP and FSDP
-        average gradients over ranks, so the micro-batch's sum is scaled by
-        ``world_size / global_batch``. Also counts the loss for the step's reported mean.
+        average gradients over the data-parallel ranks, so the micro-batch's sum is scaled by
+        ``dp_size / global_batch`` (``runtime.topology``: the data-parallel degree, the world
+        size under ``ddp``/``fsdp``). Also counts the loss for the step's reported mean.
         """
         n = getattr(self, "_current", None)
         if n is None:
             raise UsageError("step.scale/backward called outside step.batches()",
                              "compute the loss inside `for batch in step.batches():`")
-        if self.samples == 0 and self.run.optimizer is not None:
-            self.lr = self.run.optimizer.param_groups[0].get("lr")  # the LR this update uses
+        if self.samples == 0 and self.hook.optimizer is not None:
+            self.lr = self.hook.optimizer.param_groups[0].get("lr")  # the LR this update uses
         total = loss.sum() if loss.ndim else loss * n
         self.loss_sum += total.detach().double().sum().cpu()
         self.samples += n
-        return total * (self.run.world_size / self.run.spec.train.global_batch_size)
+        return total * (self.hook.dp_size / self.hook.spec.train.global_batch_size)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``scale(loss).backward()``, through the GradScaler under fp16."""
         scaled = self.scale(loss)
-        scaler = self.run.scaler
+        scaler = self.hook.scaler
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         self.backwards += 1
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``, or the GradScaler's step and update under fp16."""
-        scaler = self.run.scaler
+        scaler = self.hook.scaler
         if scaler is None:
             optimizer.step()
             return
@@ -137,8 +138,8 @@ class Step:
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Before clipping under fp16: bring gradients back to their true scale."""
-        if self.run.scaler is not None:
-            self.run.scaler.unscale_(optimizer)
+        if self.hook.scaler is not None:
+            self.hook.scaler.unscale_(optimizer)
 
     def done(self, **metrics: float) -> None:
         """The step hook, after the optimizer step: every rank, every step, exactly once.
@@ -156,5 +157,5 @@ class Step:
                 "the fixed global batch and counts it",
             )
         self.finished = True
-        self.run._after_step(self, {k: float(v) for k, v in metrics.items()})
+        self.hook.after_step(self, {k: float(v) for k, v in metrics.items()})
 

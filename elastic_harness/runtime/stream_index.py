@@ -34,13 +34,15 @@ def digest63(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1 or 1
 
 
-def bind_stream(stream: Stream, *, seed: int, global_batch: int, rank: int, world_size: int,
-                group: Any, cache_dir: Path | None,
+def bind_stream(stream: Stream, *, seed: int, global_batch: int, dp_size: int, rank: int,
+                world_size: int, group: Any, cache_dir: Path | None,
                 on_progress: Callable[[], None] | None = None) -> tuple[StreamOrder, tuple[int, int]]:
     """The stream's order and its ``(shard list, order settings)`` digests for ``TrainState``.
+    ``dp_size``: the data-parallel degree the lanes are shared over; ``rank``/``world_size``:
+    this process among those of ``group``, which share the counting.
     ``on_progress`` is called after each shard counted (the step watchdog's re-arm)."""
     lanes = stream.lanes or min(global_batch, MAX_LANES_DEFAULT)
-    problem = check_sizes(lanes, global_batch, world_size)
+    problem = check_sizes(lanes, global_batch, dp_size)
     if problem:
         raise UsageError(problem, "set Stream(lanes=...) between the largest world size and the global "
                          "batch size, on a new run (the lane count fixes the order)")

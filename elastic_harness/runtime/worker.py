@@ -30,8 +30,7 @@ from elastic_harness.tasks import load_task
 def build_model(task: Any, spec: JobSpec, device: torch.device, topology: Topology) -> nn.Module:
     """The task's model, built on the seeded RNG, wrapped for this layout, maybe compiled."""
     torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
-    # FSDP2's mesh is the shard dimension (the whole world under fsdp; DDP needs no degree)
-    model = wrap(task.build_model(), spec.parallelism, device, task, topology.shard)
+    model = wrap(task.build_model(), topology, device, task)
     return torch.compile(model) if spec.train.compile else model
 
 

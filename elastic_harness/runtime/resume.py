@@ -1,0 +1,127 @@
+"""Where a worker generation starts from, and whether the data it is given can continue it.
+
+``restore`` (collective, every rank): the newest snapshot in the agents' memory (own slot,
+or under DDP received from a peer: ``memtier``), else the newest complete, verified
+checkpoint through DCP (resharded to this world size), else nothing (a fresh start).
+``announce`` checks what was restored against the job and says so (the ``resume`` event,
+the metrics' restart mark); it returns the step to continue from.
+
+``bind_data`` then checks the restored data position against the data the script gives
+(``check_data``: the same seed, dataset size, stream shard list and order settings), or
+starts it, and builds the loader that reads each step's share from that position.
+
+Everything comes in as arguments: the state, the tiers, the rank and world size, the
+event log; nothing is read from a ``Run``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_harness.checkpoint.manager import CheckpointManager, Loaded
+from elastic_harness.data.sampler import DataState, EpochOrder
+from elastic_harness.data.stream import Stream
+from elastic_harness.errors import CheckpointError
+from elastic_harness.memtier.peer import replicated_layout, sharded_layout
+from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
+from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
+from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.state import TrainState
+from elastic_harness.runtime.stream_index import bind_stream
+from elastic_harness.runtime.topology import Topology
+from elastic_harness.spec import JobSpec
+
+
+def restore(state: dict[str, Any], model: nn.Module | None, *, parallelism: str,
+            memory: MemoryTier | None, ckpt: CheckpointManager) -> Restored | Loaded | None:
+    """Every rank: fill ``state`` from memory, else from storage; what restored it, or None."""
+    ckpt.join()  # every generation enters the fence, whichever tier restores it
+    if memory is not None:
+        restored = memory.restore(state, replicated=replicated_layout(parallelism, model, state),
+                                  sharded=sharded_layout(parallelism, state), durable=ckpt.newest_complete)
+        if restored is not None:
+            return restored
+    return ckpt.restore(state)
+
+
+def announce(found: Restored | Loaded | None, train: TrainState, *, seed: int, events: Any,
+             metrics: Metrics, world_size: int) -> int:
+    """Check a restore from storage against the job, then say where this generation starts
+    (``resume`` event); the step it continues from."""
+    if found is None:
+        events.emit("resume", fresh=True, step=0, world_size=world_size)
+        return 0
+    if isinstance(found, Restored):
+        return _from_memory(found, train, events=events, metrics=metrics, world_size=world_size)
+    # Before saying "resumed": a checkpoint of another data stream is refused first.
+    reason = train.check_matches(seed, None)
+    if reason:
+        raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
+                              f"job: {reason}", "use a new --run-dir or --fresh")
+    metrics.resumed_at(found.step)
+    events.emit(
+        "resume", step=found.step, source="storage", checkpoint=found.name,
+        saved_world_size=train.saved_world_size,
+        world_size=world_size, load_s=round(found.seconds, 4), samples=train.data.cursor,
+        message=f"resumed from step {found.step}, saved at world size {train.saved_world_size}, "
+        f"now {world_size}, load took {found.seconds:.2f} s",
+    )
+    return found.step
+
+
+def _from_memory(restored: Restored, train: TrainState, *, events: Any, metrics: Metrics,
+                 world_size: int) -> int:
+    metrics.resumed_at(restored.step)
+    saved = train.saved_world_size
+    events.emit(
+        "resume", step=restored.step, source=restored.source, saved_world_size=saved,
+        world_size=world_size, load_s=round(restored.seconds, 4), samples=train.data.cursor,
+        senders=list(restored.senders), receivers=restored.receivers,
+        message=restored_message(restored, saved, world_size),
+    )
+    return restored.step
+
+
+def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology, *,
+              device: torch.device, collate_fn: Callable | None, group: Any, cache_dir: Path,
+              on_progress: Callable[[], None]) -> StepLoader | StreamLoader:
+    """Check the saved position against the data (or start it) and build the loader.
+
+    Each step's share is the data-parallel rank's (``topology.dp_rank()`` of
+    ``topology.dp_degree``); the processes of ``group`` (all of them) share the counting of a
+    stream's shards."""
+    g, mb = spec.train.global_batch_size, spec.train.micro_batch_size
+    dp_size, dp_rank = topology.dp_degree, topology.dp_rank()
+    common = dict(seed=spec.train.seed, device=device, collate=collate_fn,
+                  workers=spec.data.workers, prefetch=spec.data.prefetch,
+                  pin_memory=spec.data.pin_memory, record=spec.train.record_samples)
+    if isinstance(source, Stream):
+        order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g, dp_size=dp_size,
+                                     rank=topology.rank, world_size=topology.world_size, group=group,
+                                     cache_dir=cache_dir, on_progress=on_progress)
+        check_data(train, spec.train.seed, order.n, *digests)
+        plan_of = stream_planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
+        return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
+                            dp_size=dp_size, **common)
+    check_data(train, spec.train.seed, len(source), 0, 0)
+    order = EpochOrder(spec.train.seed, len(source))
+    plan_of = planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
+    return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+
+
+def check_data(train: TrainState, seed: int, n: int, stream: int, layout: int) -> None:
+    """A fresh position starts on this data; a restored one must name the same data."""
+    if train.data.dataset_size == 0:  # fresh: nothing was loaded
+        train.data = DataState(seed, n)
+        train.stream, train.layout = stream, layout
+        return
+    reason = train.check_matches(seed, n, stream, layout)
+    if reason:
+        raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
+                              f"job: {reason}", "use a new --run-dir or --fresh (or restore "
+                              "the data as it was)")
