@@ -67,27 +67,38 @@ class BuddyLink:
         self.busy()
         return self._sending == slot
 
-    def start(self, slot: int, data: torch.Tensor, header: Header, skeleton: bytes, limit: int) -> None:
-        """Send the own ``slot`` (its bytes ``data``, published with ``header``; ``skeleton``
-        its JSON form) to the holder; receive the source's copy, up to ``limit`` bytes."""
+    def start(self, slot: int, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes],
+              limit: int) -> None:
+        """Send the own ``slot`` (its bytes ``data``, published with ``header``; ``skeleton()``
+        its JSON form, built in the thread: off the step's path) to the holder; receive the
+        source's copy, up to ``limit`` bytes."""
+        self._sending = slot
+        self._result = None
+        self._works, self._keep = [], []
+        self._thread = threading.Thread(target=self._move, args=(data, header, skeleton, limit), name="eh-buddy",
+                                        daemon=True)
+        self._thread.start()
+
+    def _send(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes]) -> None:
+        raw = skeleton()
         d = header.digest.ljust(32, b"\0")[:32]
         meta = torch.tensor([header.step, self.generation, self.world_size, self.rank, header.data_len,
-                             len(skeleton), *(int.from_bytes(d[i:i + 8], "little", signed=True)
-                                              for i in range(0, 32, 8))], dtype=torch.int64)
-        raw = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+                             len(raw), *(int.from_bytes(d[i:i + 8], "little", signed=True)
+                                         for i in range(0, 32, 8))], dtype=torch.int64)
         body = data[HEADER_SIZE:HEADER_SIZE + header.data_len]
-        self._keep = [meta, body, raw]
+        self._keep = [meta, body, torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
         self._works = [self._isend(meta, self.holder)]
         if header.data_len:
             self._works.append(self._isend(body, self.holder))
-        self._works.append(self._isend(raw, self.holder))
-        self._sending = slot
-        self._result = None
-        self._thread = threading.Thread(target=self._move, args=(limit,), name="eh-buddy", daemon=True)
-        self._thread.start()
+        self._works.append(self._isend(self._keep[2], self.holder))
 
-    def _move(self, limit: int) -> None:
-        """The daemon thread: receive one copy, then wait for this rank's sends."""
+    def _move(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes], limit: int) -> None:
+        """The daemon thread: post the sends, receive one copy, then wait for the sends."""
+        try:
+            self._send(data, header, skeleton)
+        except Exception as e:  # noqa: BLE001 - the holder then waits in vain: copies stop (``busy``)
+            self._result = (header.step, 0, f"sending: {e!r:.200}")
+            return
         self._receive(limit)
         for w in self._works:
             try:

@@ -411,13 +411,9 @@ class MemoryTier:
         return True
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
-        try:  # our own bytes, just written: the skeleton as JSON, for a holder that never unpickles
-            raw = peer.encode_skeleton(pickle.loads(cap.skeleton))
-        except snapshot.Unsupported as e:
-            self._warn(f"rank {self.rank}: its snapshot cannot be sent as a buddy copy ({e}); copies stop")
-            self.link.broken = True
-            return
-        self.link.start(slot, data, header, raw, buddy.bound(cap.data_len + len(raw)))
+        pickled = cap.skeleton  # our own bytes, just written: as JSON, for a holder that never unpickles
+        self.link.start(slot, data, header, lambda: peer.encode_skeleton(pickle.loads(pickled)),
+                        buddy.bound(cap.data_len + 4 * len(pickled)))
 
     def settle(self, timeout: float) -> None:
         """At a normal end (the last step, a drain: every rank is there): let the buddy
