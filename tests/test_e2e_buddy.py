@@ -21,7 +21,7 @@ def test_a_lost_fsdp_node_restores_from_buddy_copies_like_storage(tmp_path):
     """Two nodes, one rank each, FSDP: node 1 is killed at step 35. The survivor holds its
     own shard and its copy of node 1's, reshards both to world size 1 in memory (no storage
     read, at most one step redone); the same run restored from storage at that step ends
-    bit-identical. Nothing of the tier is left behind."""
+    bit-identical."""
     r = cli("run", str(MLP), *LOST_NODE, run_dir=tmp_path / "memory")
     assert r.code == 0, r.err
     assert [f["kind"] for f in r.kinds("fault")] == ["kill-node"]
