@@ -174,3 +174,97 @@ def test_a_layout_that_differs_beyond_the_world_size_is_refused_before_any_copy(
             reshard.check(saved, target, 2)
     with pytest.raises(reshard.Misfit):  # the old ranks' skeletons disagree with each other
         reshard.check([_skeleton(), _skeleton(shape=(2,))], {"m": {"b": torch.zeros(3)}, "t": {"step": 0, "lr": 0}}, 2)
+
+
+# ----- a restore over a wire: a replacement rank receives every piece ------------------------
+
+class _Net:
+    """Two ranks in threads: gather through a barrier, send/recv through queues."""
+
+    def __init__(self, world: int) -> None:
+        import queue
+        import threading
+
+        self.barrier, self.slots = threading.Barrier(world, timeout=20), [None] * world
+        self.queues = {(s, d): queue.Queue() for s in range(world) for d in range(world)}
+
+    def wire(self, rank: int):
+        from elastic_harness.memtier.peer import Wire
+
+        def gather(values):
+            self.slots[rank] = list(values)
+            self.barrier.wait()
+            out = [list(v) for v in self.slots]
+            self.barrier.wait()
+            return out
+
+        def send(t, dst):
+            self.queues[(rank, dst)].put(t.clone())
+
+        def recv(t, src):
+            t.copy_(self.queues[(src, rank)].get(timeout=20))
+
+        return Wire(gather, send, recv)
+
+
+def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_step():
+    import pickle
+    import threading
+
+    from torch import nn
+
+    from elastic_harness.data.sampler import DataState
+    from elastic_harness.memtier import snapshot
+    from elastic_harness.memtier.host import HostSlots, slot_paths
+    from elastic_harness.memtier.region import Region
+    from elastic_harness.memtier.slots import HEADER_SIZE
+    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.runtime.state import TrainState, build_state
+
+    def state(trained: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        train = TrainState(DataState(0, 100), world_size=2)
+        if trained:
+            model(torch.ones(3, 4)).sum().backward()
+            optim.step()
+            train.step = 7
+        return build_state(model, optim, train), model
+
+    hosts = [HostSlots.create(1, 4) for _ in range(2)]  # the survivor's agent, the new node's
+    regions = [[Region(p) for p in slot_paths(h.describe(), 0)] for h in hosts]
+    try:
+        saved, model = state(trained=True)
+        old = MemoryTier(regions[0][:2], rank=0, world_size=2, wire=_Net(1).wire(0), warn=print, generation=GEN)
+        old.save(7, saved)  # old rank 0's own snapshot; then its copy of old rank 1's, as received
+        cap = snapshot.capture(saved)
+        raw = encode_skeleton(pickle.loads(cap.skeleton))
+        data = regions[0][2].begin(HEADER_SIZE + cap.data_len + len(raw))
+        snapshot.write(cap, data, HEADER_SIZE, snapshot.Views())
+        data[HEADER_SIZE + cap.data_len:HEADER_SIZE + cap.data_len + len(raw)].copy_(
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        regions[0][2].publish(Header(True, 7, 2, 1, cap.data_len, len(raw), cap.digest, generation=GEN))
+
+        net, results, fresh = _Net(2), [None, None], [state(trained=False) for _ in range(2)]
+
+        def restore(rank):
+            tier = MemoryTier(regions[rank][:2], rank=rank, world_size=2, wire=net.wire(rank), warn=print,
+                              buddy_regions=regions[rank][2:], local_size=1, generation=GEN + 1)
+            results[rank] = tier.restore(fresh[rank][0], sharded=True)
+
+        threads = [threading.Thread(target=restore, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(r is not None and (r.source, r.step, r.receivers) == (BUDDY, 7, 2) for r in results), results
+        for _, restored_model in fresh:
+            assert all(torch.equal(a, b) for a, b in zip(restored_model.state_dict().values(),
+                                                         model.state_dict().values(), strict=True))
+    finally:
+        for rs in regions:
+            for r in rs:
+                r.close()
+        for h in hosts:
+            h.close()
