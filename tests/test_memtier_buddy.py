@@ -268,3 +268,10 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
                 r.close()
         for h in hosts:
             h.close()
+
+
+def test_copies_wait_within_the_budget():
+    # A copy costing 6 ms of CPU against 100 ms steps at a 3 % budget: every 2nd step at most.
+    assert buddy.hold(step=11, last_copy=10, copy_cpu_s=0.006, step_s=0.1, budget=0.03)
+    assert not buddy.hold(step=12, last_copy=10, copy_cpu_s=0.006, step_s=0.1, budget=0.03)
+    assert not buddy.hold(step=11, last_copy=10, copy_cpu_s=0.0, step_s=0.1, budget=0.03)  # not measured yet

@@ -93,3 +93,13 @@ def older_than_storage(step: int, durable: int | None) -> str | None:
         return (f"the newest step the buddy copies cover, {step}, is older than the checkpoint of step "
                 f"{durable} on storage")
     return None
+
+
+def hold(step: int, last_copy: int, copy_cpu_s: float, step_s: float, budget: float) -> bool:
+    """Rank 0's say, added to the step's "copies busy" value: wait before the next copy so
+    that copies cost at most ``budget`` of step time (``cadence.interval`` over the copy
+    thread's measured CPU seconds per copy; with no measurement yet, or a budget of 0, no
+    wait)."""
+    from elastic_harness.memtier.cadence import interval
+
+    return step - last_copy < interval(copy_cpu_s, step_s, budget, 1)

@@ -16,7 +16,10 @@ rather than overwrite bytes in flight).
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +49,8 @@ class BuddyLink:
         self.held: tuple[int, int] | None = None  # (step, bytes) of the newest copy held
         self.announce = False  # the generation's first copy arrived (reported once, then cleared)
         self.broken = False
+        self.cpu_s: deque[float] = deque(maxlen=16)  # the copy thread's CPU seconds, per exchange
+        self.last_step = 0  # the step of the last exchange started
 
     def busy(self) -> bool:
         """Is a copy still moving, to or from this rank? (Collects what finished.)"""
@@ -62,6 +67,10 @@ class BuddyLink:
                 self.held = (step, size)
         return self._thread is not None or self.broken
 
+    def copy_cpu_s(self) -> float:
+        """The median CPU seconds an exchange took this rank's copy thread (0 before one)."""
+        return statistics.median(self.cpu_s) if self.cpu_s else 0.0
+
     def sending(self, slot: int) -> bool:
         """Is own ``slot`` still being read by a send?"""
         self.busy()
@@ -75,6 +84,7 @@ class BuddyLink:
         self._sending = slot
         self._result = None
         self._works, self._keep = [], []
+        self.last_step = header.step
         self._thread = threading.Thread(target=self._move, args=(data, header, skeleton, limit), name="eh-buddy",
                                         daemon=True)
         self._thread.start()
@@ -94,6 +104,13 @@ class BuddyLink:
 
     def _move(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes], limit: int) -> None:
         """The daemon thread: post the sends, receive one copy, then wait for the sends."""
+        t0 = time.thread_time()
+        try:
+            self._transfer(data, header, skeleton, limit)
+        finally:
+            self.cpu_s.append(time.thread_time() - t0)
+
+    def _transfer(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes], limit: int) -> None:
         try:
             self._send(data, header, skeleton)
         except Exception as e:  # noqa: BLE001 - the holder then waits in vain: copies stop (``busy``)

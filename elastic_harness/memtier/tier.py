@@ -376,10 +376,16 @@ class MemoryTier:
                                             plan.digest, replicated=True))
         return target
 
-    def busy(self) -> bool:
-        """Are buddy copies still moving, to or from this rank? (The step's all-reduce
-        carries it, so that every rank agrees whether the next snapshot sends, ``buddy.due``.)"""
-        return self.link is not None and self.link.busy()
+    def busy(self, step: int = 0, step_s: float = 0.0, budget: float = 0.0) -> bool:
+        """Are buddy copies still moving, to or from this rank, or (rank 0, given the step,
+        the step time and the budget) is the next copy not due yet (``buddy.hold``)? The
+        step's all-reduce carries it, so every rank agrees whether the next snapshot sends
+        (``buddy.due``)."""
+        if self.link is None:
+            return False
+        if self.link.busy():
+            return True
+        return bool(budget) and buddy.hold(step, self.link.last_step, self.link.copy_cpu_s(), step_s, budget)
 
     def save(self, step: int, state: dict[str, Any], *, send: bool = False) -> bool:
         """Snapshot ``state`` as ``step`` into the slot not holding this rank's newest one;

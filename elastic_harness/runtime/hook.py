@@ -121,7 +121,10 @@ class StepHook:
         flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
                                                          time.monotonic() - self.last_save))
         k = float(self.cadence.proposal(step.number) if self.rank == 0 and self.memory is not None else 0)
-        busy = float(self.memory is not None and self.memory.busy())  # buddy copies moving (``buddy.due``)
+        # Buddy copies moving, or (rank 0) not due yet within the tier's budget (``buddy.due``).
+        busy = float(self.memory is not None and (
+            self.memory.busy(step.number, self.cadence.medians()[1], self.spec.checkpoint.memory_budget)
+            if self.rank == 0 else self.memory.busy()))
         totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k, busy],
                               dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)
