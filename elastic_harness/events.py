@@ -68,16 +68,18 @@ CONTRACT: dict[str, EventKind] = {
         "fresh": "true when starting from scratch",
         "step": "step of the checkpoint loaded (0 when fresh)",
         "source": "'memory' (every rank from its own agent's in-memory snapshot), 'peer' (some ranks "
-                  "received the in-memory snapshot from a peer over the network: DDP) or 'storage' (a DCP "
-                  "checkpoint)",
+                  "received the in-memory snapshot from a peer over the network: DDP), 'buddy' (FSDP: every old "
+                  "rank's snapshot, its own or a buddy copy kept by another node, resharded in memory to "
+                  "this world size) or 'storage' (a DCP checkpoint)",
         "checkpoint": "name of the checkpoint loaded (storage)",
         "saved_world_size": "world size that saved it",
         "world_size": _WORLD,
         "load_s": "seconds to load it",
         "samples": "samples consumed so far (the data cursor)",
         "message": "one line for the terminal",
-        "senders": "memory/peer: the ranks that sent their snapshot to ranks without one",
-        "receivers": "memory/peer: how many ranks received it from a peer",
+        "senders": "memory/peer/buddy: the ranks that sent a snapshot to ranks without it",
+        "receivers": "memory/peer: how many ranks received it from a peer; buddy: how many snapshots "
+                     "moved between ranks",
     }),
     "step": EventKind("rank 0, every train.log_every steps and the last", "optimizer steps done", {
         "step": "optimizer steps completed",
@@ -109,6 +111,13 @@ CONTRACT: dict[str, EventKind] = {
         "every": "snapshot every this many steps (and at every durable save); 0: off (a memory_probe block)",
         "copy_s": "median seconds a snapshot took on rank 0 (0 before the first)",
         "step_s": "median seconds of a step outside the step hook on rank 0 (0 before measured)",
+    }),
+    "buddy": EventKind("rank 0", "the generation's first buddy copy arrived (FSDP on several nodes, "
+                       "checkpoint.memory_buddy): from now on a lost node restores from memory", {
+        "step": "the step of the copy",
+        "bytes": "bytes of the copy rank 0 holds (it keeps up to two: the newest and one being received)",
+        "of_rank": "the rank whose snapshot rank 0 keeps a copy of",
+        "slots": "buddy slots per rank",
     }),
     "drain": EventKind("rank 0", "stopped early after saving (SIGTERM or membership change)", {
         "step": "last step done and saved",

@@ -21,6 +21,9 @@ with medians, ratios and whether each goal was met:
 - memory-cost: ``--repeats`` uninterrupted runs probing the in-memory tier
   (``checkpoint.memory_probe``: off in every second block of 50 steps): median over
   neighbouring on/off block pairs of mean step time on / off - 1 (``report.probe``)  <= 3 %
+  With ``--parallelism fsdp`` on 2 nodes x 1 rank, side by side in alternating runs: the
+  tier without buddy copies (``checkpoint.memory_buddy=false``) and with them (the cost
+  of snapshots and copies together, and the memory the copies take)                <= 3 %
 - goodput with a seeded kill-worker about every 60 s over 5 minutes (``--long``; by
   default 1 fault every 20 s over 2 minutes, which says so in the JSON)          >= 0.97
 - lost work: mean steps lost per kill <= 1 (the in-memory tier); 0 after a graceful drain
@@ -93,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--churn-every", type=float, default=120.0, help="churn: seconds between node kills (default 120)")
     p.add_argument("--churn-replace-after", type=float, default=10.0,
                    help="churn: seconds from a kill to its replacement's start (default 10)")
+    p.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp",
+                   help="kill-node and memory-cost jobs: ddp (replicated: survivors' own snapshots) or fsdp "
+                        "(sharded: buddy copies; memory-cost then on 2 nodes, with and without copies)")
     p.add_argument("--only", action="append", choices=PARTS,
                    help="run only these parts (repeatable; default all)")
     p.add_argument("--dir", help="scratch directory for run dirs (default: system temp; removed after)")
@@ -113,13 +119,14 @@ def cmd_recovery(args: argparse.Namespace) -> int:
     report: dict = {"bench": "recovery", "settings": _settings(args, parts, scratch)}
     try:
         if "kill-node" in parts:
-            report["kill_node"] = bench_kill_node(scratch, args.repeats)
+            report["kill_node"] = bench_kill_node(scratch, args.repeats, args.parallelism)
         if "kill-worker" in parts:
             report["kill_worker"] = bench_kill_worker(scratch, args.faults)
         if "anytime" in parts:
             report["anytime"] = bench_anytime(scratch, args.faults, args.seed)
         if "memory-cost" in parts:
-            report["memory_cost"] = bench_memory_cost(scratch, args.repeats)
+            report["memory_cost"] = (bench_buddy_cost(scratch, args.repeats) if args.parallelism == "fsdp"
+                                     else bench_memory_cost(scratch, args.repeats))
         if "goodput" in parts:
             report["goodput"] = bench_goodput(scratch, args.long, args.seed)
         if "scale-up" in parts:
@@ -141,7 +148,7 @@ def cmd_recovery(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict:
     duration, interval = (300, 60) if args.long else (120, 20)
     return {
-        "parts": parts, "repeats": args.repeats, "kill_worker_faults": args.faults,
+        "parts": parts, "repeats": args.repeats, "parallelism": args.parallelism, "kill_worker_faults": args.faults,
         "goodput_mode": ("long" if args.long else "short (use --long for the goal's 1 fault/60 s over 5 min)"),
         "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
         "churn_duration_s": args.churn_duration, "churn_every_s": args.churn_every,
@@ -155,9 +162,10 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
 # --- the three measurements ----------------------------------------------------------------
 
 
-def bench_kill_node(scratch: Path, repeats: int) -> dict:
+def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp") -> dict:
     """Kill node 1 of 2 at step 40; harness and torchrun runs alternate."""
-    job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=2, every=NODE_CKPT_EVERY)
+    job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=2, every=NODE_CKPT_EVERY,
+                    parallelism=parallelism)
     out: dict[str, list] = {"harness": [], "torchrun": []}
     for r in range(repeats):
         for launcher in ("harness", "torchrun"):
@@ -169,6 +177,9 @@ def bench_kill_node(scratch: Path, repeats: int) -> dict:
     result["steps_redone_mean"] = round(sum(lost) / len(lost), 2) if lost else None
     result["steps_redone_goal"] = f"mean <= {GOALS['node_steps_redone']} (durable saves every {NODE_CKPT_EVERY})"
     result["steps_redone_met"] = bool(lost) and sum(lost) / len(lost) <= GOALS["node_steps_redone"]
+    result["steps_redone_median"] = crash_stats.median_of(lost)
+    result["parallelism"] = parallelism
+    result["restore_sources"] = [r.get("source") for r in out["harness"]]
     return result
 
 
@@ -247,6 +258,43 @@ def bench_memory_cost(scratch: Path, repeats: int) -> dict:
     }
 
 
+def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
+    """FSDP on 2 nodes x 1 rank, the in-memory tier probed (as ``bench_memory_cost``) in
+    alternating runs without and with buddy copies: two rows side by side, the same minutes
+    of the machine. The ``with_copies`` row's cost is snapshots and copies together."""
+    job = write_job(scratch / "buddy-cost.yaml", steps=COST_STEPS, max_restarts=0, max_nodes=2, hidden=256,
+                    depth=3, batch=64, micro=32, every=CRASH_CKPT_EVERY, parallelism="fsdp")
+    rows: dict[str, list] = {"own_only": [], "with_copies": []}
+    for r in range(repeats):
+        for name, copies in (("own_only", "false"), ("with_copies", "true")):
+            run_dir = scratch / f"buddy-cost-{name}-{r}"
+            code = launch("harness", job, run_dir, nodes=2, nproc=1, chaos=[], timeout=600,
+                          sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}",
+                                f"checkpoint.memory_buddy={copies}"])
+            events = read_events(run_dir / runfiles.EVENTS)
+            probe = probe_cost(events, skip=COST_WARMUP)
+            copy_events = [e for e in events if e["event"] == "buddy"]
+            rows[name].append({"exit": code, "cost": probe.cost if probe else None,
+                               "pairs": probe.pairs if probe else [],
+                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None})
+    out: dict = {"parallelism": "fsdp", "nodes": 2, "nproc_per_node": 1, "probe_block_steps": PROBE_BLOCK,
+                 "steps": COST_STEPS, "warmup_steps": COST_WARMUP, "memory_every": 1}
+    for name, runs in rows.items():
+        pairs = [p for run in runs for p in run["pairs"]]
+        out[name] = {"cost": round(statistics.median(pairs), 4) if pairs else None, "pairs": len(pairs),
+                     "pairs_p25_p75": crash_stats.quartiles(pairs), "runs": runs}
+    sizes = [run["copy_bytes"] for run in rows["with_copies"] if run["copy_bytes"]]
+    out["copy_bytes_per_rank"] = max(sizes) if sizes else None
+    out["copy_memory_bound_per_rank"] = 2 * max(sizes) if sizes else None  # two buddy slots
+    cost = out["with_copies"]["cost"]
+    out["cost"] = cost
+    out["method"] = ("in-run probe (the tier, copies included, off in every second block): median over "
+                     "neighbouring on/off block pairs of mean(on) / mean(off) - 1; rows alternate runs")
+    out["goal"] = f"with_copies cost <= {GOALS['memory_cost']}"
+    out["met"] = cost is not None and cost <= GOALS["memory_cost"]
+    return out
+
+
 def bench_goodput(scratch: Path, long: bool, seed: int) -> dict:
     """Seeded kill-worker faults until a graceful preempt ends the run; then resume it."""
     duration, interval = (300.0, 60.0) if long else (120.0, 20.0)
@@ -295,6 +343,7 @@ def _one_recovery(run_dir: Path, code: int | None) -> dict:
         "loaded_s": _since(row, row.loaded) if row else None,
         "steps_lost": row.steps_lost if row else None,
         "finished": any(e["event"] == "finish" for e in events),
+        "source": next((e.get("source") for e in reversed(events) if e["event"] == "resume"), None),
     }
 
 

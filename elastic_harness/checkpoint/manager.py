@@ -201,6 +201,12 @@ class CheckpointManager:
             unusable.add(choice.chosen.name)
             unloadable.append((choice.chosen.name, why))
 
+    def newest_complete(self) -> int | None:
+        """Collective: the step of the newest complete checkpoint listed (not verified), the
+        same on every rank; None if none."""
+        candidates = layout.load_candidates(layout.scan(self._shared_listing(), True))
+        return candidates[0].step if candidates else None
+
     def join(self) -> None:
         """Start this worker generation in the checkpoint directory (the fence), once; every
         rank. ``restore`` calls it; call it first when the state is restored from memory."""

@@ -27,7 +27,7 @@ from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
 from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
-from elastic_harness.memtier.host import HostSlots
+from elastic_harness.memtier.host import BUDDY_SLOTS, SLOTS_PER_RANK, HostSlots
 from elastic_harness.spec import JobSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
@@ -52,7 +52,8 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     os.environ.update({NODE_VAR: node, JOB_VAR: args[-2], RUN_DIR_VAR: str(run_dir),
                        AGENT_PID_VAR: str(os.getpid())})
     # In-memory checkpoints: this agent owns the slots, so they outlive its workers.
-    slots = HostSlots.create(opts.nproc_per_node) if spec.checkpoint.memory_every else None
+    slots = (HostSlots.create(opts.nproc_per_node, SLOTS_PER_RANK + BUDDY_SLOTS)
+             if spec.checkpoint.memory_every else None)
     if slots is not None:
         os.environ[MEMORY_VAR] = slots.describe()
     try:

@@ -12,8 +12,15 @@ computes the same ``Plan`` from them:
   one any rank holds; the ranks holding it read their own slot, the others (a node that
   joined, a lost slot) receive it from a holder (``peer``). Only when the job's layout is
   replicated now and every offer of that step was written replicated with one digest.
+- ``buddy``, sharded (FSDP): each rank also holds a copy of another node's newest snapshot
+  (``memtier.buddy``: the ring), so after a node is lost every old rank's snapshot of a step
+  may still be in some survivor's memory, as its own or as a buddy copy. The step is the
+  newest one whose pieces, all written by one generation at one world size, cover every rank
+  of that world size (``_cover``); the ranks then reshard them in memory (``memtier.reshard``)
+  to the new world size. A half-written or half-received copy is unpublished, so never offered.
 - ``storage`` otherwise: nobody holds a snapshot, the layouts disagree, the newest step has
-  offers of different layouts, sharded state at another world size (FSDP), or any doubt.
+  offers of different layouts, sharded state whose pieces no longer cover every old rank (a
+  node and the node holding its buddy copy both lost), or any doubt.
 
 Never mixes steps: every rank restores the one step chosen, or none does.
 """
@@ -24,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MEMORY, PEER, STORAGE = "memory", "peer", "storage"
+MEMORY, PEER, BUDDY, STORAGE = "memory", "peer", "buddy", "storage"
 
 
 @dataclass(frozen=True)
@@ -36,16 +43,23 @@ class Offer:
     rank: int  # that wrote it
     digest: bytes  # of its tensors' layout
     replicated: bool
-
+    generation: int = 0  # the worker generation that wrote it (0: not known, never a buddy piece)
+    buddy: bool = False  # a buddy copy: ``rank``'s snapshot, held by another rank
 
 @dataclass(frozen=True)
 class Plan:
-    source: str  # MEMORY, PEER or STORAGE
+    source: str  # MEMORY, PEER, BUDDY or STORAGE
     step: int | None = None
     holders: tuple[int, ...] = ()  # ranks that restore from their own slot
     same_layout: bool = False  # every rank reads the snapshot it wrote at this world size
     digest: bytes = b""  # replicated: the layout every offer of ``step`` has
     reason: str = ""  # why storage, for the warning
+    # BUDDY: the old world size, the generation, and per old rank the rank that provides its
+    # snapshot (``providers[r]``) and that snapshot's layout digest (``digests[r]``)
+    saved_world_size: int = 0
+    generation: int = 0
+    providers: tuple[int, ...] = ()
+    digests: tuple[bytes, ...] = ()
 
     def senders(self, world_size: int) -> dict[int, int]:
         """``{receiver: sender}``: each rank not holding the step receives it from a holder,
@@ -57,10 +71,11 @@ class Plan:
         return {r: self.holders[i % len(self.holders)] for i, r in enumerate(receivers)}
 
 
-def offers_of(headers: Sequence[Any]) -> list[Offer]:
+def offers_of(headers: Sequence[Any], buddy: bool = False) -> list[Offer]:
     """The published snapshots among a rank's slot headers (``slots.Header`` or None): a
-    slot being written (or whose writer was killed) is not published."""
-    return [Offer(h.step, h.world_size, h.rank, h.digest, h.replicated) for h in headers
+    slot being written (or whose writer was killed) is not published. ``buddy``: these are
+    its buddy slots (copies of another rank's snapshot)."""
+    return [Offer(h.step, h.world_size, h.rank, h.digest, h.replicated, h.generation, buddy) for h in headers
             if h is not None and h.published]
 
 
@@ -69,7 +84,12 @@ def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bo
     ``replicated``: the job's layout now is replicated (``peer.replicated_layout``)."""
     if len(offers) != world_size:
         return Plan(STORAGE, reason=f"offers of {len(offers)} ranks, world size {world_size}")
+    everyone = offers
+    cover = None if replicated else _cover(everyone)
+    offers = [[o for o in mine if not o.buddy] for mine in everyone]  # the other sources: own snapshots
     exact = _same_layout_step(offers, world_size)
+    if cover is not None and (exact is None or cover.step > exact):
+        return cover
     rep = _replicated_step(offers) if replicated else None
     if isinstance(rep, str):  # the newest replicated step is in doubt: not even an older one
         return Plan(STORAGE, reason=rep)
@@ -79,12 +99,53 @@ def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bo
         step, digest, holders = rep
         source = MEMORY if len(holders) == world_size else PEER
         return Plan(source, step, holders, digest=digest)
-    if not any(offers):
+    if not any(everyone):
         return Plan(STORAGE, reason="no rank holds a snapshot")
     if not replicated:
-        return Plan(STORAGE, reason="the state is not replicated (FSDP, or per-rank entries) and not "
-                    f"every rank holds its own snapshot at world size {world_size}")
+        return Plan(STORAGE, reason=_uncovered(everyone) or "the state is not replicated (FSDP, or per-rank "
+                    f"entries) and not every rank holds its own snapshot at world size {world_size}")
     return Plan(STORAGE, reason="no snapshot of a replicated layout")
+
+
+def _pieces(offers: Sequence[Sequence[Offer]]) -> dict[tuple[int, int, int], dict[int, list[tuple[int, Offer]]]]:
+    """Sharded offers by (step, old world size, generation): per old rank, who holds it."""
+    out: dict[tuple[int, int, int], dict[int, list[tuple[int, Offer]]]] = {}
+    for holder, mine in enumerate(offers):
+        for o in mine:
+            if o.replicated or not o.generation or not 0 <= o.rank < o.world_size:
+                continue
+            out.setdefault((o.step, o.world_size, o.generation), {}).setdefault(o.rank, []).append((holder, o))
+    return out
+
+
+def _cover(offers: Sequence[Sequence[Offer]]) -> Plan | None:
+    """BUDDY: the newest (step, world size, generation) whose pieces cover every old rank,
+    with one layout digest per old rank; a provider per old rank (one holding it as its own
+    snapshot first, then the lowest rank). None if no step is covered."""
+    for (step, old, gen), by_rank in sorted(_pieces(offers).items(), reverse=True):
+        if len(by_rank) != old:
+            continue
+        if any(len({o.digest for _, o in held}) != 1 for held in by_rank.values()):
+            continue  # two copies of one rank's snapshot that disagree: not this step
+        providers = tuple(min(by_rank[r], key=lambda p: (p[1].buddy, p[0]))[0] for r in range(old))
+        holders = tuple(sorted({h for held in by_rank.values() for h, _ in held}))
+        return Plan(BUDDY, step, holders, saved_world_size=old, generation=gen, providers=providers,
+                    digests=tuple(by_rank[r][0][1].digest for r in range(old)))
+    return None
+
+
+def _uncovered(offers: Sequence[Sequence[Offer]]) -> str:
+    """Why no sharded step is covered, naming the newest one's missing ranks ("" if none)."""
+    pieces = _pieces(offers)
+    if not pieces:
+        return ""
+    (step, old, _), by_rank = max(pieces.items())
+    missing = [r for r in range(old) if r not in by_rank]
+    if not missing:
+        return f"the copies of step {step} disagree on a rank's layout"
+    return (f"no survivor holds the step-{step} snapshot of rank(s) {', '.join(map(str, missing))} of world "
+            f"size {old}, neither as its own nor as a buddy copy (a node and the node holding its buddy "
+            "copy were both lost, or that copy was not complete)")
 
 
 def _same_layout_step(offers: Sequence[Sequence[Offer]], world_size: int) -> int | None:

@@ -1,5 +1,7 @@
 """The agent's side of the in-memory tier: two memory slots per local rank.
 
+Each rank has ``SLOTS_PER_RANK`` slots for its own snapshots, then ``BUDDY_SLOTS`` for the
+copies it keeps of another node's rank (sharded state only; unused slots take no memory).
 Each slot is an anonymous memory file (``memfd_create``), empty until a worker writes its
 snapshot into it (the worker sizes it). The agent only holds the descriptors: it never reads
 or writes them. Workers reach them as ``/proc/AGENT_PID/fd/N`` (same user, same node), so a
@@ -18,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 SLOTS_PER_RANK = 2  # write one while the other holds the last published snapshot
+BUDDY_SLOTS = 2  # then a copy of another node's rank's snapshot (``buddy``): receive one, keep one
 
 
 @dataclass

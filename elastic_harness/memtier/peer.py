@@ -25,7 +25,7 @@ from elastic_harness.memtier.choose import Offer
 from elastic_harness.memtier.snapshot import TensorRef, Unsupported
 
 MAX_OFFERS = 4  # slots per rank that take part (the agent makes 2)
-_FIELDS = 8  # step, world size, rank, replicated, digest as 4 int64
+_FIELDS = 10  # step, world size, rank, replicated, digest as 4 int64, generation, buddy
 MAX_SKELETON = 64 << 20  # a JSON skeleton larger than this is refused (a bogus length)
 
 
@@ -37,6 +37,10 @@ class Wire:
     gather: Callable[[list[int]], list[list[int]]]  # every rank's equally long list, rank order
     send: Callable[[torch.Tensor, int], None]
     recv: Callable[[torch.Tensor, int], None]
+    # The buddy copies' messages (``exchange.TAG``): a send that returns at once (its work),
+    # and a blocking receive (called from the receiving thread).
+    isend: Callable[[torch.Tensor, int], Any] | None = None
+    recv_copy: Callable[[torch.Tensor, int], None] | None = None
 
     @classmethod
     def of(cls, group: Any, world_size: int) -> Wire:
@@ -48,9 +52,21 @@ class Wire:
             dist.all_gather(out, t, group=group)
             return [o.tolist() for o in out]
 
+        from elastic_harness.memtier.exchange import TAG
+
         return cls(gather,
                    lambda t, dst: dist.send(t, group=group, group_dst=dst),
-                   lambda t, src: dist.recv(t, group=group, group_src=src))
+                   lambda t, src: dist.recv(t, group=group, group_src=src),
+                   lambda t, dst: dist.isend(t, group=group, group_dst=dst, tag=TAG),
+                   lambda t, src: dist.recv(t, group=group, group_src=src, tag=TAG))
+
+
+def sharded_layout(parallelism: str, state_keys: Any) -> bool:
+    """Is each rank's state its own shard of the job's (FSDP), with no per-rank entries a
+    script registered? The condition for buddy copies and restoring them resharded."""
+    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
+
+    return parallelism == "fsdp" and not any(str(k).startswith(EXTRA_PREFIX) for k in state_keys)
 
 
 def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
@@ -75,7 +91,8 @@ def encode_offers(offers: list[Offer]) -> list[int]:
     for o in offers[:MAX_OFFERS]:
         d = o.digest.ljust(32, b"\0")[:32]
         out += [o.step, o.world_size, o.rank, int(o.replicated),
-                *(int.from_bytes(d[i:i + 8], "little", signed=True) for i in range(0, 32, 8))]
+                *(int.from_bytes(d[i:i + 8], "little", signed=True) for i in range(0, 32, 8)),
+                o.generation, int(o.buddy)]
     return out + [0] * (1 + MAX_OFFERS * _FIELDS - len(out))
 
 
@@ -86,8 +103,8 @@ def decode_offers(values: list[int]) -> list[Offer]:
     out = []
     for i in range(values[0]):
         f = values[1 + i * _FIELDS:1 + (i + 1) * _FIELDS]
-        digest = b"".join(v.to_bytes(8, "little", signed=True) for v in f[4:])
-        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3])))
+        digest = b"".join(v.to_bytes(8, "little", signed=True) for v in f[4:8])
+        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3]), f[8], bool(f[9])))
     return out
 
 
@@ -108,9 +125,8 @@ def _enc(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, TensorRef):
-        if tuple(v.kind) != ("tensor",):
-            raise Unsupported("a sharded tensor is not sent to peers")
-        return {"r": [v.offset, v.nbytes, _dtype_name(v.dtype), list(v.shape)]}
+        ref = [v.offset, v.nbytes, _dtype_name(v.dtype), list(v.shape)]
+        return {"r": ref} if tuple(v.kind) == ("tensor",) else {"s": [*ref, *_enc_kind(v.kind)]}
     if isinstance(v, torch.dtype):
         return {"dt": _dtype_name(v)}
     if isinstance(v, dict):
@@ -140,12 +156,52 @@ def _dec(v: Any) -> Any:
         if tag == "dt":
             return _dtype(x)
         if tag == "r" and isinstance(x, list) and len(x) == 4:
-            offset, nbytes, dtype, shape = x
-            if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0
-                    and isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-                raise ValueError("a bad tensor reference")
-            return TensorRef(offset, nbytes, _dtype(dtype), tuple(shape), ("tensor",))
+            return TensorRef(*_dec_ref(x), ("tensor",))
+        if tag == "s" and isinstance(x, list) and len(x) == 6:
+            return TensorRef(*_dec_ref(x[:4]), _dec_kind(x[4], x[5]))
     raise ValueError("not a skeleton this harness wrote")
+
+
+def _dec_ref(x: list) -> tuple:
+    offset, nbytes, dtype, shape = x
+    if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0
+            and isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+        raise ValueError("a bad tensor reference")
+    return offset, nbytes, _dtype(dtype), tuple(shape)
+
+
+def _enc_kind(kind: tuple) -> list:
+    """A DTensor's kind (``snapshot._kind``: global shape, placements) as [shape, names]:
+    ``S<dim>`` (``Shard``) or ``R`` (``Replicate``); any other placement is not sent."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    _, shape, placements = kind
+    names = []
+    for p in placements:
+        if type(p) is Shard:
+            names.append(f"S{p.dim}")
+        elif type(p) is Replicate:
+            names.append("R")
+        else:
+            raise Unsupported(f"a {type(p).__name__} placement is not sent to peers")
+    return [list(shape), names]
+
+
+def _dec_kind(shape: Any, names: Any) -> tuple:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)
+            and isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError("a bad sharded tensor reference")
+    placements = []
+    for n in names:
+        if n == "R":
+            placements.append(Replicate())
+        elif n[:1] == "S" and n[1:].isdigit() and len(n) < 6:
+            placements.append(Shard(int(n[1:])))
+        else:
+            raise ValueError(f"not a placement: {n!r:.20}")
+    return ("dtensor", tuple(shape), tuple(placements))
 
 
 def _dtype_name(d: torch.dtype) -> str:

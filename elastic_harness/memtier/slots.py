@@ -15,8 +15,9 @@ MAGIC = b"EHMEM001"
 HEADER_SIZE = 4096  # data starts page-aligned
 PUBLISHED_OFFSET = len(MAGIC)  # the byte that publishes a slot
 # magic, published, replicated, step, world size, rank, data len, skeleton len, digest (the
-# replicated byte was padding: a slot written before it existed reads as not replicated)
-_FORMAT = "<8sBB2xqiiQQ32s"
+# replicated byte was padding: a slot written before it existed reads as not replicated), then
+# the generation that wrote it (``Header.generation``)
+_FORMAT = "<8sBB2xqiiQQ32sq"
 _SIZE = struct.calcsize(_FORMAT)
 
 
@@ -32,20 +33,24 @@ class Header:
     # A full copy of the job's state, the same on every rank (DDP): any rank at any world size
     # may restore from it (``choose``). Never set for sharded state (FSDP, DTensors).
     replicated: bool = False
+    # The worker generation that wrote it (its id as an int): a buddy restore takes pieces of
+    # one step written by one generation only (``choose``); 0: not known.
+    generation: int = 0
 
     def pack(self) -> bytes:
         return struct.pack(_FORMAT, MAGIC, int(self.published), int(self.replicated), self.step,
-                           self.world_size, self.rank, self.data_len, self.skeleton_len, self.digest)
+                           self.world_size, self.rank, self.data_len, self.skeleton_len, self.digest,
+                           self.generation)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header | None:
         """The header in ``raw``, or None for an empty or foreign slot."""
         if len(raw) < _SIZE:
             return None
-        magic, published, replicated, step, world, rank, data_len, skel_len, digest = struct.unpack_from(_FORMAT, raw)
+        magic, published, replicated, step, world, rank, data_len, skel_len, digest, gen = struct.unpack_from(_FORMAT, raw)
         if magic != MAGIC:
             return None
-        return cls(bool(published), step, world, rank, data_len, skel_len, digest, bool(replicated))
+        return cls(bool(published), step, world, rank, data_len, skel_len, digest, bool(replicated), gen)
 
 
 def next_slot(last: int | None, slots: int) -> int:

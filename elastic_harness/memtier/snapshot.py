@@ -193,6 +193,11 @@ def restore_into(state: dict[str, Any], trees: dict[str, Any], skeleton: dict[st
     with torch.no_grad():
         for key, saved in skeleton.items():
             trees[key] = _fill(trees[key], saved, data, base)
+    load_entries(state, trees)
+
+
+def load_entries(state: dict[str, Any], trees: dict[str, Any]) -> None:
+    """Load each entry of ``state`` from its filled state dict in ``trees``."""
     for key, obj in state.items():
         load = getattr(obj, "load_local_state_dict", None)
         if callable(load):

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
-from elastic_harness.memtier import peer, snapshot
-from elastic_harness.memtier.choose import MEMORY, PEER, STORAGE, Plan, choose, offers_of
-from elastic_harness.memtier.host import slot_paths
+from elastic_harness.memtier import buddy, peer, reshard, snapshot
+from elastic_harness.memtier.choose import BUDDY, MEMORY, PEER, STORAGE, Plan, choose, offers_of
+from elastic_harness.memtier.exchange import BuddyLink
+from elastic_harness.memtier.host import SLOTS_PER_RANK, slot_paths
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 
@@ -45,9 +46,9 @@ SLACK = 4096
 class Restored:
     step: int
     seconds: float
-    source: str = MEMORY  # MEMORY (own slot on every rank) or PEER (some ranks received it)
-    senders: tuple[int, ...] = ()  # PEER: the ranks that sent it
-    receivers: int = 0  # PEER: how many ranks received it
+    source: str = MEMORY  # MEMORY (own slot on every rank), PEER (some ranks received it) or BUDDY
+    senders: tuple[int, ...] = ()  # PEER/BUDDY: the ranks that sent a snapshot to another
+    receivers: int = 0  # PEER: how many ranks received it; BUDDY: how many pieces moved between ranks
     saved_world_size: int | None = None  # of the generation that wrote it
 
 
@@ -57,13 +58,21 @@ def restored_message(r: Restored, saved_world_size: int | None, world_size: int)
              else f"saved at world size {saved_world_size}, now {world_size}")
     via = (f", {r.receivers} rank(s) received it from rank(s) {', '.join(map(str, r.senders))}"
            if r.source == PEER else "")
+    if r.source == BUDDY:
+        via = (f", resharded in memory from every old rank's snapshot, own or a buddy copy; {r.receivers} "
+               "moved between ranks")
     return f"restored from {r.source} at step {r.step} ({sizes}{via}), took {r.seconds:.3f} s"
 
 
 class MemoryTier:
     def __init__(self, regions: list[Region], *, rank: int, world_size: int, wire: peer.Wire,
-                 warn: Callable[[str], None]) -> None:
+                 warn: Callable[[str], None], buddy_regions: list[Region] | None = None, local_size: int = 0,
+                 generation: int = 0) -> None:
         self.regions, self.rank, self.world_size, self.wire = regions, rank, world_size, wire
+        # Copies of another node's rank's snapshot (``buddy``); used under sharded state only.
+        self.buddy_regions = buddy_regions or []
+        self.local_size, self.generation = local_size, generation
+        self.link: BuddyLink | None = None  # set by ``restore`` when copies are kept
         self._warn = warn  # every rank may report its own trouble
         self._last: int | None = None  # the slot holding this rank's newest snapshot
         self._views = [snapshot.Views() for _ in regions]
@@ -72,8 +81,10 @@ class MemoryTier:
 
     @classmethod
     def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, wire: peer.Wire,
-             warn: Callable[[str], None]) -> MemoryTier:
-        """This rank's slots from the agent's description (``host.describe``)."""
+             warn: Callable[[str], None], local_size: int = 0, generation: int = 0,
+             copies: bool = True) -> MemoryTier:
+        """This rank's slots from the agent's description (``host.describe``): its own first
+        (``SLOTS_PER_RANK``), then its buddy slots (``copies``: kept where the state is sharded)."""
         regions: list[Region] = []
         try:
             for path in slot_paths(described, local_rank):
@@ -84,17 +95,46 @@ class MemoryTier:
             regions = []
             warn(f"rank {rank}: cannot open its in-memory checkpoint slots ({e.strerror or e!r}); "
                  "restarts restore from storage")
-        return cls(regions, rank=rank, world_size=world_size, wire=wire, warn=warn)
+        own, spare = regions[:SLOTS_PER_RANK], regions[SLOTS_PER_RANK:]
+        if not copies:
+            for region in spare:
+                region.close()
+            spare = []
+        return cls(own, rank=rank, world_size=world_size, wire=wire, warn=warn, buddy_regions=spare,
+                   local_size=local_size, generation=generation)
 
-    def restore(self, state: dict[str, Any], *, replicated: bool = False) -> Restored | None:
-        """Collective: fill ``state`` from memory (own or a peer's, ``choose``), or None.
-        ``replicated``: the job's state is a full replica on every rank
-        (``peer.replicated_layout``); snapshots saved from now on are marked so."""
+    def restore(self, state: dict[str, Any], *, replicated: bool = False, sharded: bool = False,
+                durable: Callable[[], int | None] = lambda: None) -> Restored | None:
+        """Collective: fill ``state`` from memory (own, a peer's, or resharded from own
+        snapshots and buddy copies, ``choose``), or None. ``replicated``: the job's state is a
+        full replica on every rank (``peer.replicated_layout``); snapshots saved from now on
+        are marked so. ``sharded``: each rank holds its own shard (``peer.sharded_layout``):
+        buddy copies are kept from now on, when the job spans nodes. ``durable``: collective,
+        the newest complete checkpoint's step (a buddy restore older than it is not used)."""
         t0 = time.perf_counter()
         self.replicated = replicated
+        restored = self._restore(state, replicated, sharded, durable, t0)
+        if sharded and self.buddy_regions and self.wire.isend is not None \
+                and buddy.active(self.world_size, self.local_size, sharded):
+            self.link = BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size,
+                                  local_size=self.local_size, generation=self.generation, isend=self.wire.isend,
+                                  recv=self.wire.recv_copy, warn=self._warn)
+        return restored
+
+    def _restore(self, state: dict[str, Any], replicated: bool, sharded: bool, durable: Callable[[], int | None],
+                 t0: float) -> Restored | None:
         headers = self._headers()
-        everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(offers_of(headers)))]
+        copies = self._headers(self.buddy_regions)
+        mine = offers_of(headers) + offers_of(copies, buddy=True)
+        everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(mine))]
+        if not sharded:  # copies only ever restore sharded state
+            everyone = [[o for o in offers if not o.buddy] for offers in everyone]
         plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated)
+        if plan.source == BUDDY:
+            older = buddy.older_than_storage(plan.step, durable())
+            if older is None:
+                return self._restore_buddy(plan, state, everyone, headers, copies, t0)
+            plan = self.plan = Plan(STORAGE, reason=older)
         if plan.source == STORAGE:
             if self.rank == 0 and any(everyone):
                 self._warn(f"the in-memory tier cannot restore this generation ({plan.reason}); "
@@ -129,6 +169,111 @@ class MemoryTier:
         self._last = self._keep(plan, slot, got)
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
                         len(senders))
+
+    def _restore_buddy(self, plan: Plan, state: dict[str, Any], everyone: list, headers: list,
+                       copies: list, t0: float) -> Restored | None:
+        """Every old rank's snapshot of the plan's step: read here, or sent by its provider to
+        the ranks without it (one piece at a time, in an order every rank follows); then each
+        rank reshards them into its state (``reshard``)."""
+        moves = buddy.moves(plan, everyone, self.world_size)
+        pieces: dict[int, tuple] = {}
+        problem = None
+        for r in range(plan.saved_world_size):
+            local = self._piece_here(plan, r, headers, copies)
+            if local is not None:
+                try:
+                    pieces[r] = local()
+                except Exception as e:  # noqa: BLE001 - agreed on by every rank below
+                    problem = problem or f"reading old rank {r}'s snapshot: {e!r:.200}"
+        for r, sender, receiver in moves:
+            if self.rank == sender:
+                self._send_piece(receiver, pieces.get(r))
+            elif self.rank == receiver:
+                got, why = self._receive_piece(sender, r)
+                if got is None:
+                    problem = problem or why
+                else:
+                    pieces[r] = got
+        failed = [r for r, (bad,) in enumerate(self.wire.gather([int(problem is not None)])) if bad]
+        if failed:  # nothing was loaded yet: every rank falls back to storage
+            self._warn(f"rank {self.rank}: restoring step {plan.step} from buddy copies failed on rank(s) "
+                       f"{failed}{f' ({problem})' if problem else ''}; restoring from storage")
+            self._unpublish_all()
+            return None
+        error = None
+        try:
+            reshard.restore(state, [(pieces[r][0], pieces[r][1], pieces[r][2])
+                                    for r in range(plan.saved_world_size)], rank=self.rank, world_size=self.world_size)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
+            error = f"{e!r:.300}"
+        failed = [r for r, (bad,) in enumerate(self.wire.gather([int(error is not None)])) if bad]
+        if failed:
+            self._unpublish_all()
+            raise RuntimeError(f"restoring step {plan.step} from buddy copies failed on rank(s) {failed} "
+                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
+                               "the next restart restores from storage")
+        self._last = None  # the own slots hold the old layout's snapshots: written over from now on
+        return Restored(plan.step, time.perf_counter() - t0, BUDDY, tuple(sorted({s for _, s, _ in moves})),
+                        len(moves), plan.saved_world_size)
+
+    def _piece_here(self, plan: Plan, r: int, headers: list, copies: list) -> Callable[[], tuple] | None:
+        """How to read old rank ``r``'s snapshot of the plan from this rank's slots: (skeleton,
+        bytes, base, JSON skeleton or None); None if this rank holds none."""
+        def match(h: Header | None) -> bool:
+            return (h is not None and h.published and h.step == plan.step and h.generation == plan.generation
+                    and (h.world_size, h.rank) == (plan.saved_world_size, r) and h.digest == plan.digests[r])
+
+        for slot, h in enumerate(headers):
+            if match(h):
+                return lambda slot=slot: self._read_own(slot)
+        for slot, h in enumerate(copies):
+            if match(h):
+                return lambda slot=slot, h=h: self._read_copy(slot, h)
+        return None
+
+    def _read_own(self, slot: int) -> tuple:
+        data, skeleton, _ = self._read(slot)
+        return skeleton, data, HEADER_SIZE, None
+
+    def _read_copy(self, slot: int, h: Header) -> tuple:
+        data = self.buddy_regions[slot].data()
+        raw = data[HEADER_SIZE + h.data_len:HEADER_SIZE + h.data_len + h.skeleton_len].numpy().tobytes()
+        return peer.decode_skeleton(raw), data, HEADER_SIZE, raw  # JSON its sender wrote: never unpickled
+
+    def _send_piece(self, receiver: int, piece: tuple | None) -> None:
+        raw = b""
+        if piece is not None:
+            try:
+                raw = piece[3] if piece[3] is not None else peer.encode_skeleton(piece[0])
+            except snapshot.Unsupported as e:
+                self._warn(f"rank {self.rank}: cannot send a snapshot to rank {receiver} ({e})")
+        data_len = _data_len(piece[0]) if raw else 0
+        self.wire.send(torch.tensor([int(bool(raw)), data_len, len(raw)], dtype=torch.int64), receiver)
+        if raw:
+            self.wire.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), receiver)
+            if data_len:
+                self.wire.send(piece[1][piece[2]:piece[2] + data_len], receiver)
+
+    def _receive_piece(self, sender: int, r: int) -> tuple[tuple | None, str]:
+        meta = torch.zeros(3, dtype=torch.int64)
+        self.wire.recv(meta, sender)
+        ok, data_len, json_len = (int(v) for v in meta)
+        if not ok:
+            return None, f"rank {sender} could not send old rank {r}'s snapshot"
+        if not 0 < json_len <= peer.MAX_SKELETON or data_len < 0:
+            raise RuntimeError(f"rank {sender} announced a snapshot of {data_len}+{json_len} bytes")
+        raw = torch.empty(json_len, dtype=torch.uint8)
+        self.wire.recv(raw, sender)
+        data = torch.empty(data_len, dtype=torch.uint8)
+        if data_len:
+            self.wire.recv(data, sender)
+        try:
+            skeleton = peer.decode_skeleton(raw.numpy().tobytes())
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            return None, f"old rank {r}'s skeleton from rank {sender} is malformed ({e!r:.200})"
+        if _data_len(skeleton) > data_len:
+            return None, f"old rank {r}'s skeleton from rank {sender} names more bytes than it sent"
+        return (skeleton, data, 0, None), ""
 
     def _slot_for(self, plan: Plan, headers: list[Header | None]) -> int | None:
         """This rank's slot holding the plan's snapshot; None for a receiver."""
@@ -231,35 +376,69 @@ class MemoryTier:
                                             plan.digest, replicated=True))
         return target
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Snapshot ``state`` as ``step`` into the slot not holding this rank's newest one."""
+    def busy(self, step: int = 0, step_s: float = 0.0, budget: float = 0.0) -> bool:
+        """Are buddy copies still moving, to or from this rank, or (rank 0, given the step,
+        the step time and the budget) is the next copy not due yet (``buddy.hold``)? The
+        step's all-reduce carries it, so every rank agrees whether the next snapshot sends
+        (``buddy.due``)."""
+        if self.link is None:
+            return False
+        if self.link.busy():
+            return True
+        return bool(budget) and buddy.hold(step, self.link.last_step, self.link.copy_cpu_s(), step_s, budget)
+
+    def save(self, step: int, state: dict[str, Any], *, send: bool = False) -> bool:
+        """Snapshot ``state`` as ``step`` into the slot not holding this rank's newest one;
+        ``send``: then send it to this rank's buddy holder, in the background. False if skipped
+        (that slot is still being sent: the previous snapshot stays this rank's newest)."""
         if not self.regions:
-            return
+            return False
         slot = next_slot(self._last, len(self.regions))
+        if self.link is not None and self.link.sending(slot):
+            return False
         region = self.regions[slot]
         try:
             cap = snapshot.capture(state)
             # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
             data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
             snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
-            region.publish(Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
-                                  cap.digest, replicated=self.replicated and not cap.sharded))
+            header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
+                            cap.digest, replicated=self.replicated and not cap.sharded, generation=self.generation)
+            region.publish(header)
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
                        "the tier is off for this worker, restarts restore from storage")
             self._unpublish_all()
             self.close()
-            return
+            return False
         self._last = slot
+        if send and self.link is not None and not self.link.broken:
+            self._send_copy(slot, data, header, cap)
+        return True
+
+    def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
+        pickled = cap.skeleton  # our own bytes, just written: as JSON, for a holder that never unpickles
+        self.link.start(slot, data, header, lambda: peer.encode_skeleton(pickle.loads(pickled)),
+                        buddy.bound(cap.data_len + 4 * len(pickled)))
+
+    def settle(self, timeout: float) -> None:
+        """At a normal end (the last step, a drain: every rank is there): let the buddy
+        copies in flight finish, up to ``timeout``. Never after a failure: a peer that died
+        would hold every rank here until the group's timeout."""
+        if self.link is not None:
+            self.link.close(timeout)
 
     def close(self) -> None:
-        for region in self.regions:
+        """Unmap every slot; copies still in flight are abandoned (their receiving thread is
+        a daemon; a copy not fully received stays unpublished)."""
+        self.link = None
+        for region in self.regions + self.buddy_regions:
             region.close()
-        self.regions = []
+        self.regions, self.buddy_regions = [], []
 
-    def _headers(self) -> list[Header | None]:
+    def _headers(self, regions: list[Region] | None = None) -> list[Header | None]:
         try:
-            return [r.header() for r in self.regions]
+            return [r.header() for r in (self.regions if regions is None else regions)]
         except OSError as e:
             self._warn(f"rank {self.rank}: cannot read its in-memory checkpoint slots ({e!r:.200})")
             return []
@@ -284,7 +463,18 @@ class MemoryTier:
         return None
 
     def _unpublish_all(self) -> None:
-        for region in self.regions:
+        for region in self.regions + self.buddy_regions:
             with contextlib.suppress(OSError):
                 region.unpublish()
         self._last = None
+
+
+def _data_len(skeleton: Any) -> int:
+    """The tensor bytes a skeleton's references span (the end of the last one)."""
+    if isinstance(skeleton, snapshot.TensorRef):
+        return skeleton.offset + skeleton.nbytes
+    if isinstance(skeleton, dict):
+        return max((_data_len(v) for v in skeleton.values()), default=0)
+    if isinstance(skeleton, (list, tuple)):
+        return max((_data_len(v) for v in skeleton), default=0)
+    return 0

@@ -59,7 +59,7 @@ class FaultRow:
     recovery_s: float | None  # fault to first step after it
     world_size_before: int | None
     world_size_after: int | None
-    source: str | None = None  # where the state came from (``resume``): memory, peer or storage
+    source: str | None = None  # where the state came from (``resume``): memory, peer, buddy or storage
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ parts: nothing here reaches back into the ``Run``). In order, for each step:
    is not part of it);
 2. persistent buffers are set to rank 0's copy (``runtime.buffers``);
 3. the counters advance (step, data cursor) and the step's one all-reduce is collected:
-   [loss sum, drain requested, time-based save due, snapshot interval]. ``share_totals``
+   [loss sum, drain requested, time-based save due, snapshot interval, buddy copies moving]. ``share_totals``
    starts it without waiting when ``step.batches()`` ends (``runtime.step``), so it
    completes while the optimizer steps;
 4. metrics (every ``train.log_every`` and at the last step);
@@ -124,7 +124,11 @@ class StepHook:
         flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
                                                          time.monotonic() - self.last_save))
         k = float(self.cadence.proposal(step.number) if self.rank == 0 and self.memory is not None else 0)
-        totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k],
+        # Buddy copies moving, or (rank 0) not due yet within the tier's budget (``buddy.due``).
+        busy = float(self.memory is not None and (
+            self.memory.busy(step.number, self.cadence.medians()[1], self.spec.checkpoint.memory_budget)
+            if self.rank == 0 else self.memory.busy()))
+        totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k, busy],
                               dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)
         step.shared = (totals, work, step.loss_sum.clone(), step.samples)
@@ -155,8 +159,10 @@ class StepHook:
         blocking = drain or (final and spec.checkpoint.save_final)
         periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
         self._maybe_save(train.step, blocking=blocking, periodic=periodic)
-        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic)
+        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0)
         if drain and not final:
+            if self.memory is not None:
+                self.memory.settle(spec.timeouts.process_group)
             self.events.emit("drain", step=train.step, world_size=self.world_size)
             step.drained = True
             return
@@ -168,6 +174,8 @@ class StepHook:
         if self.replicas is not None and self.replicas.pending:
             self.replicas.check(self.train.step)  # no save compared them: the digest must not hide it
         self.ckpt.wait()
+        if self.memory is not None:
+            self.memory.settle(self.spec.timeouts.process_group)
         digest = model_digest(self.model)
         self.events.emit("finish", step=self.train.step,
                          loss=None if self.last_loss is None else round(self.last_loss, 6),
@@ -198,9 +206,11 @@ class StepHook:
             self.last_save, self.last_saved_step = time.monotonic(), step
         self.watchdog.arm()
 
-    def _snapshot(self, step: int, k: int, *, forced: bool) -> None:
+    def _snapshot(self, step: int, k: int, *, forced: bool, copies_busy: bool = False) -> None:
         """Copy the state into the in-memory tier if it is due (``cadence``: every rank
-        decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce)."""
+        decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce),
+        and send it as a buddy copy unless some rank's copies still move (``copies_busy``,
+        from the same all-reduce: ``memtier.buddy.due``)."""
         if self.memory is None:
             return
         if self.cadence.agree(k) and self.rank == 0:
@@ -209,7 +219,13 @@ class StepHook:
         if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
-        self.memory.save(step, self.state)
+        saved = self.memory.save(step, self.state, send=not copies_busy)
         self.snapshot_s = time.monotonic() - t0
         self.cadence.snapshot_took(self.snapshot_s)
-        self.cadence.taken(step)
+        if saved:
+            self.cadence.taken(step)
+        link = self.memory.link
+        if link is not None and link.announce and self.rank == 0 and link.held is not None:
+            link.announce = False  # said once a generation: the memory the copies take
+            self.events.emit("buddy", step=link.held[0], bytes=link.held[1], of_rank=link.source,
+                             slots=len(self.memory.buddy_regions))

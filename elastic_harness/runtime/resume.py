@@ -27,7 +27,7 @@ from elastic_harness.checkpoint.manager import CheckpointManager, Loaded
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
-from elastic_harness.memtier.peer import replicated_layout
+from elastic_harness.memtier.peer import replicated_layout, sharded_layout
 from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
 from elastic_harness.runtime.metrics import Metrics
@@ -42,7 +42,8 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, parallelism: str,
     """Every rank: fill ``state`` from memory, else from storage; what restored it, or None."""
     ckpt.join()  # every generation enters the fence, whichever tier restores it
     if memory is not None:
-        restored = memory.restore(state, replicated=replicated_layout(parallelism, model, state))
+        restored = memory.restore(state, replicated=replicated_layout(parallelism, model, state),
+                                  sharded=sharded_layout(parallelism, state), durable=ckpt.newest_complete)
         if restored is not None:
             return restored
     return ckpt.restore(state)

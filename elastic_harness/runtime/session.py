@@ -254,7 +254,7 @@ class Run:
             key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
             optional_keys=TrainState.OPTIONAL_KEYS,
         )
-        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log)
+        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
@@ -480,7 +480,7 @@ class Run:
 
 
 def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
-                 log: EventLog) -> MemoryTier | None:
+                 log: EventLog, generation: str) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
     every rank (restoring is collective): a rank whose slots cannot be opened has none.
 
@@ -491,7 +491,9 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
         return None
     return MemoryTier.open(env.memory, env.local_rank, rank=topology.rank, world_size=topology.world_size,
                            wire=Wire.of(group, topology.world_size),
-                           warn=lambda message: log.emit("warning", message=message))
+                           warn=lambda message: log.emit("warning", message=message),
+                           local_size=env.local_world_size, generation=int(generation, 16),
+                           copies=spec.checkpoint.memory_buddy)
 
 
 def job_identity(spec: JobSpec) -> str:

@@ -259,7 +259,13 @@ class CheckpointSpec:
     memory_every: int = doc(
         1, "Also keep each rank's state in its agent's memory, at most every this many steps: a "
         "restart after a worker crash restores it with no storage read; under DDP also a lost "
-        "node (survivors' memory) and a joining one (from a peer); FSDP resizes load from storage. Two copies of each rank's state in host memory; 0 = off."
+        "node (survivors' memory) and a joining one (from a peer); under FSDP, see memory_buddy. Two copies of each rank's state in host memory; 0 = off."
+    )
+    memory_buddy: bool = doc(
+        True, "Under FSDP on several nodes, each rank also keeps in its agent's memory a copy of "
+        "the newest snapshot of the same local rank on the next node, sent in the background: a "
+        "lost node's shards are then resharded from the survivors' memory, with no storage read. "
+        "Two more copies of a rank's state in host memory."
     )
     memory_budget: float = doc(
         0.03, "Spread the in-memory snapshots out so that copying the state costs at most this "

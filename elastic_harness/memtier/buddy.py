@@ -1,0 +1,105 @@
+"""Pure: who keeps a copy of whose snapshot (the buddy ring), and what a copy may be.
+
+Under sharded state (FSDP) a rank's snapshot is the only copy of its shard, so a lost node
+takes its shards with it. Each rank therefore also keeps, in its agent's memory, a copy of
+one rank of the next node: the rank ``local_size`` above it, around the ring (node ``i``'s
+local rank ``l`` holds node ``i + 1``'s local rank ``l``; the last node holds node 0's). Any
+single node lost leaves every rank's snapshot in a survivor's memory, as its own snapshot
+or as a copy; a node lost with the node that held its copies (its ring predecessor) does
+not, and that restore falls back to storage (``choose``).
+
+Copies are sent from the sender's own published slot, in the background, after the
+snapshots the ranks agree to send (``due``), and received into one of the holder's two
+buddy slots (the one not holding its newest copy), published only once every byte arrived
+(``exchange``). Memory: two copies of the buddy's snapshot per rank (``bound``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# A received copy larger than this many times the holder's own snapshot (plus ``SPARE``) is
+# refused: under FSDP the shards of one job differ by at most a row per tensor.
+GROWTH = 2
+SPARE = 1 << 20
+META_FIELDS = 11  # step, generation, world size, rank, data bytes, skeleton bytes, digest (4)
+
+
+def active(world_size: int, local_size: int, sharded: bool) -> bool:
+    """Copies are kept when the state is sharded and the job spans more than one node."""
+    return sharded and local_size > 0 and world_size > local_size and world_size % local_size == 0
+
+
+def holder_of(rank: int, world_size: int, local_size: int) -> int:
+    """The rank that keeps ``rank``'s copy: the same local rank of the previous node."""
+    return (rank - local_size) % world_size
+
+
+def source_of(rank: int, world_size: int, local_size: int) -> int:
+    """The rank whose copy ``rank`` keeps: the same local rank of the next node."""
+    return (rank + local_size) % world_size
+
+
+def due(anyone_busy: bool, snapshot_taken: bool) -> bool:
+    """Send copies after this snapshot? Only when no rank still moves the previous ones
+    (``anyone_busy``: agreed through the step's all-reduce, so every pair starts the same
+    exchanges and none waits on a send; a busy ring skips a snapshot, it does not queue)."""
+    return snapshot_taken and not anyone_busy
+
+
+def acceptable(meta: list[int], *, world_size: int, source: int, limit: int) -> str | None:
+    """Why the copy a sender announced (``META_FIELDS`` int64) is refused, or None: another
+    world size or rank than this holder's source, a generation of 0, or more bytes than
+    ``limit`` (a bogus announcement)."""
+    if len(meta) != META_FIELDS:
+        return "a malformed announcement"
+    step, generation, world, rank, data_len, skeleton_len = meta[:6]
+    if (world, rank) != (world_size, source):
+        return f"a copy of rank {rank} at world size {world}, this rank keeps rank {source}'s at {world_size}"
+    if step < 0 or not generation:
+        return "a copy without a step or generation"
+    if data_len < 0 or not 0 < skeleton_len <= limit or data_len + skeleton_len > limit:
+        return f"a copy of {data_len}+{skeleton_len} bytes, more than the {limit} allowed"
+    return None
+
+
+def bound(own_bytes: int) -> int:
+    """The largest copy a holder accepts, from its own snapshot's size."""
+    return GROWTH * own_bytes + SPARE
+
+
+def holds(offers: Sequence[Any], plan: Any, old_rank: int) -> bool:
+    """Does a rank with these offers hold old rank ``old_rank``'s snapshot of the plan?"""
+    return any(o.step == plan.step and o.generation == plan.generation
+               and (o.world_size, o.rank) == (plan.saved_world_size, old_rank)
+               and o.digest == plan.digests[old_rank] for o in offers)
+
+
+def moves(plan: Any, offers: Sequence[Sequence[Any]], world_size: int) -> list[tuple[int, int, int]]:
+    """(old rank, sender, receiver) for every piece a rank lacks, in the order every rank
+    follows: each rank of the new world size takes every old rank's snapshot (rank 0's for
+    what is not sharded, the others' for the rows they overlap; a finer choice is left for
+    later), from the plan's provider of it."""
+    return [(r, plan.providers[r], j) for r in range(plan.saved_world_size) for j in range(world_size)
+            if not holds(offers[j], plan, r)]
+
+
+def older_than_storage(step: int, durable: int | None) -> str | None:
+    """Why a buddy restore of ``step`` is not used, or None: storage holds a newer complete
+    checkpoint (the copies of the step a durable save forced did not all arrive), which
+    redoes fewer steps."""
+    if durable is not None and durable > step:
+        return (f"the newest step the buddy copies cover, {step}, is older than the checkpoint of step "
+                f"{durable} on storage")
+    return None
+
+
+def hold(step: int, last_copy: int, copy_cpu_s: float, step_s: float, budget: float) -> bool:
+    """Rank 0's say, added to the step's "copies busy" value: wait before the next copy so
+    that copies cost at most ``budget`` of step time (``cadence.interval`` over the copy
+    thread's measured CPU seconds per copy; with no measurement yet, or a budget of 0, no
+    wait)."""
+    from elastic_harness.memtier.cadence import interval
+
+    return step - last_copy < interval(copy_cpu_s, step_s, budget, 1)
