@@ -106,8 +106,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
+    require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
     spec = preflight(spec, Path(args.job))
-    require_spec_extras(spec)
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
