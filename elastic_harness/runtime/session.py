@@ -67,6 +67,7 @@ from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.data.adapters import source_of
+from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError, HarnessError, UsageError
@@ -440,6 +441,8 @@ class Run:
 
     def _check_data(self, n: int, stream: int, layout: int) -> None:
         train = self._train
+        if self.spec.train.epochs:  # `run`/`submit` resolve it; a bare eh.init(spec) did not
+            raise unresolved_epochs(self.spec.train.epochs, n, self.spec.train.global_batch_size)
         if train.data.dataset_size == 0:  # fresh: nothing was loaded
             train.data = DataState(self.spec.train.seed, n)
             train.stream, train.layout = stream, layout
