@@ -324,9 +324,11 @@ class Run:
         self._state = build_state(model, optimizer, self._train, scheduler=scheduler,
                                   scaler=self.scaler, extra=extra)
 
-    def resume(self) -> int:
+    def resume(self, before_saying: Callable[[], None] | None = None) -> int:
         """Restore the newest snapshot every rank holds in memory, else load the newest
-        complete, verified checkpoint (every rank); the step it holds."""
+        complete, verified checkpoint (every rank); the step it holds. ``before_saying``
+        (``steps``: binding the data to the restored position) runs before the ``resume``
+        event, so a checkpoint the data cannot continue is refused before "resumed from"."""
         if self._resumed:
             return self._train.step
         if self._state is None:
@@ -341,10 +343,14 @@ class Run:
                 self.spec.parallelism, self.model, self._state))
         if restored is not None:
             self._resumed_at = restored.step
+            if before_saying is not None:
+                before_saying()
             return self._resumed_from_memory(restored)
         loaded = self.ckpt.restore(self._state)
         self._resumed_at = loaded.step if loaded is not None else 0
         if loaded is None:
+            if before_saying is not None:
+                before_saying()
             self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
             return 0
         train = self._train
@@ -353,6 +359,8 @@ class Run:
         if reason:
             raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
                                   f"job: {reason}", "use a new --run-dir or --fresh")
+        if before_saying is not None:
+            before_saying()
         self.metrics.resumed_at(loaded.step)
         self.events.emit(
             "resume", step=loaded.step, source="storage", checkpoint=loaded.name,
@@ -381,9 +389,10 @@ class Run:
         ``dataset``: a map-style dataset (``len`` and ``[i]``) or a sharded stream (a
         ``elastic_harness.data.Stream``, a Hugging Face streaming dataset, an
         ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``)."""
-        self.resume()
         source = source_of(dataset)
-        loader = self._bind_data(source, collate_fn)
+        bound: list = []  # the shard list is checked before "resumed from ..." is said
+        self.resume(before_saying=lambda: bound.append(self._bind_data(source, collate_fn)))
+        loader = bound[0] if bound else self._bind_data(source, collate_fn)  # resumed earlier
         spec, train = self.spec, self._train
         watchdog = self.watchdog
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
