@@ -86,3 +86,12 @@ def test_a_script_job_with_epochs_is_refused_before_anything_starts(tmp_path):
 def test_a_worker_given_unresolved_epochs_names_the_steps_to_set():
     e = unresolved_epochs(2, 1000, 64)
     assert "train.steps=32" in e.hint and "train.epochs 2" in e.message
+
+
+def test_kubernetes_manifests_refuse_epochs_with_the_fix(cli_here, tmp_path):
+    from tests.test_bad_args import assert_one_line_error
+
+    job = tmp_path / "job.yaml"
+    job.write_text(MLP.read_text().replace("  steps: 60\n", "  epochs: 2\n"))
+    r = cli_here("k8s", "render", job, "--flavor", "plain")
+    assert_one_line_error(r, "train.epochs is resolved into train.steps by `run`/`submit`", "set train.steps")
