@@ -22,13 +22,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every rank of ``spawn_ranks`` imports anyway (the forkserver imports it once).
+_RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+                 "elastic_harness.checkpoint.manager", "tests.servers"]
+
+
 def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
     """Run ``fn(rank, port, root)`` in ``nprocs`` processes (torch.multiprocessing) with a
     free loopback port for their process group; each writes ``root/rank{r}.json``, returned
-    in rank order."""
+    in rank order.
+
+    The ranks are forked from one forkserver that imported torch and DCP once for the whole
+    test session (``spawn`` paid those imports in every rank of every fixture: ~4 CPU
+    seconds each); the server forks from a clean single-threaded process, not from pytest,
+    and exits with it."""
     import torch.multiprocessing as mp
 
-    mp.spawn(fn, args=(free_port(), str(root)), nprocs=nprocs, join=True)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_RANK_PRELOAD)
+    mp.start_processes(fn, args=(free_port(), str(root)), nprocs=nprocs, join=True,
+                       start_method="forkserver")
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 

@@ -55,6 +55,7 @@ def test_a_build_model_that_raises_is_one_line_from_the_host(cli_here, tmp_path)
     assert not (tmp_path / "run").exists(), "no worker was started"
 
 
+@pytest.mark.e2e  # runs the real jobs/ddp_toy.py in a fresh interpreter (it imports torch first): ~5 CPU s
 def test_script_init_with_a_bad_override_is_one_line(tmp_path):
     """`python jobs/ddp_toy.py --set train.stpes=20`: eh.init answers as `run` does."""
     r = subprocess.run([sys.executable, str(JOBS / "ddp_toy.py"), "--set", "train.stpes=20",

@@ -107,6 +107,7 @@ def test_an_agent_refuses_set_over_the_owners_resolved_spec(cli_here, tmp_path):
     assert resolved.read_text() == dump_job(spec)
 
 
+@pytest.mark.e2e  # a fresh interpreter runs a script through eh.init (torch, a process group): ~5 CPU s
 def test_a_plain_python_init_runs_the_jobspec_it_is_given(tmp_path):
     """``python script.py``: ``init(spec)`` honours its argument, and builds the layout once."""
     script = tmp_path / "given.py"

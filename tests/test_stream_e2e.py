@@ -87,6 +87,8 @@ def test_stopped_at_2_resumed_at_3_then_1_uses_each_sample_once(reference, corpu
     before = tree_digest(tmp_path / "checkpoints")
     changed = cli("run", str(JOB), *args(corpus / "jsonl5", shards=5, steps=36), run_dir=tmp_path)
     assert_clear_error(changed, "shard list changed since the checkpoint")
+    # The cause is what the user reads: no "resumed from" before (or without) it.
+    assert "resumed from" not in changed.out + changed.err
     assert tree_digest(tmp_path / "checkpoints") == before
 
 

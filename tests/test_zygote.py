@@ -146,37 +146,43 @@ def test_zygote_and_workers_die_with_their_agent(tmp_path):
                "the zygote and its worker to die with the agent")
 
 
-def test_a_warm_worker_runs_the_entry_module_without_runpys_warning(tmp_path):
+@pytest.fixture(scope="module")
+def preloaded_entry(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One interpreter does what the zygote does before its first fork, the core install's
+    way (no tensorboard): ``zygote.preload()`` (its thread count printed), then runs the
+    worker command's module as ``__main__`` the way each fork does. The preload imports
+    torch and DCP: seconds of CPU, paid once for the two tests below."""
+    from elastic_harness.launch.config import worker_command
+
+    tmp = tmp_path_factory.mktemp("preload")
+    _, args = worker_command(tmp)
+    module = args[args.index("-m") + 1]
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules['tensorboard'] = None  # the core install has no tensorboard
+        from elastic_harness.runtime import zygote
+        print(zygote.preload(), flush=True)
+        sys.exit(zygote.run_module({module!r}, [{str(tmp / "none.yaml")!r}, {str(tmp)!r}]))
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                          cwd=tmp, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_a_warm_worker_runs_the_entry_module_without_runpys_warning(preloaded_entry):
     """The zygote imports its preload list, then each fork runs the worker command's module as
     ``__main__``: nothing on that list may be that module, or every worker's stderr starts
     with runpy's RuntimeWarning (and the module runs twice)."""
-    from elastic_harness.launch.config import worker_command
-
-    _, args = worker_command(tmp_path)
-    module = args[args.index("-m") + 1]
-    code = textwrap.dedent(f"""
-        import importlib, sys
-        from elastic_harness.runtime import zygote
-        for name in zygote.PRELOAD:
-            importlib.import_module(name)
-        sys.exit(zygote.run_module({module!r}, [{str(tmp_path / "none.yaml")!r}, {str(tmp_path)!r}]))
-    """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
-                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = preloaded_entry
     assert "does not exist" in r.stderr, r.stderr  # the entry ran (and refused the missing job)
     assert "RuntimeWarning" not in r.stderr, r.stderr
 
 
-def test_the_zygote_preloads_without_the_optional_extras():
+def test_the_zygote_preloads_without_the_optional_extras(preloaded_entry):
     """The core install has no tensorboard: the zygote's preload skips what an extra provides
     (it used to import torch.utils.tensorboard unconditionally and die)."""
-    code = ("import sys; sys.modules['tensorboard'] = None\n"
-            "from elastic_harness.runtime import zygote\n"
-            "print(zygote.preload())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert int(r.stdout.strip()) >= 1
+    printed = preloaded_entry.stdout.strip().splitlines()
+    assert printed and printed[0].isdigit(), preloaded_entry.stderr[-2000:]
+    assert int(printed[0]) >= 1
 
 
 def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from elastic_harness import jobkey
 from elastic_harness.checkpoint import integrity, layout
+from elastic_harness.checkpoint.entries import TRAIN
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.errors import CheckpointError
@@ -212,6 +213,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise CheckpointError(f"{storage.root} already holds checkpoints ({len(existing)})",
                               "import into a new --run-dir, or move them aside with 'run --fresh' first")
     state, step, optimizer = _fresh_state(spec, weights, legacy, args.step, args.epoch)
+    streams = state[TRAIN].data.dataset_size == 0  # a stream, bound at the first start
     info = {"task": spec.task.target, "parallelism": spec.parallelism, "job": spec.name,
             "step": step, "world_size": 1, "imported_from": Path(args.file).name}
     name = layout.step_dirname(step)
@@ -223,8 +225,9 @@ def cmd_import(args: argparse.Namespace) -> int:
           f"signed with {run_dir / jobkey.KEY_FILE}: you vouch for the file's contents")
     if legacy.position and args.step is None and args.epoch is None:
         said = ", ".join(f"{k} {v}" for k, v in legacy.position.items())
-        print(f"note: the file says {said}; this import starts at step 0: name where to continue with "
-              "--epoch E (E full passes done) or --step N")
+        where = ("the task streams its data, so training reads it from the first sample" if streams
+                 else "name where to continue with --epoch E (E full passes done) or --step N")
+        print(f"note: the file says {said}; this import starts at step 0: {where}")
     print(f"train from it with: elastic-harness run {args.job} --run-dir {run_dir}")
     return 0
 
@@ -293,12 +296,31 @@ def _fresh_state(spec, weights: dict, legacy, step: int | None, epoch: int | Non
                               "import it with the job (task.args) that trained it") from None
     optim, sched = build_optimizer(task, spec, model)
     optimizer = _load_optimizer(optim, model, legacy.optimizer)
-    n = len(task.dataset())
-    step, cursor = import_position(step, epoch, n, spec.train.global_batch_size, spec.train.steps)
+    n, step, cursor = _import_data(task.dataset(), step, epoch, spec)
     if sched is not None and step:  # a task's scheduler continues where the step is
         sched.load_state_dict({**sched.state_dict(), "last_epoch": step, "_step_count": step + 1})
     train = TrainState(DataState(spec.train.seed, n, cursor), 1, step=step)
     return build_state(model, optim, train, scheduler=sched), step, optimizer
+
+
+def _import_data(dataset, step: int | None, epoch: int | None, spec) -> tuple[int, int, int]:
+    """(dataset size, step, cursor) the imported checkpoint starts from. A sharded stream
+    starts at its beginning, world-size-free: size 0 means "not bound yet", and the first
+    worker start binds the stream there and records its shard list (``runtime.session``),
+    which its sizes need (counting every shard is the workers' job, not this command's)."""
+    from elastic_harness.data.adapters import source_of
+    from elastic_harness.data.stream import Stream
+
+    data = source_of(dataset)
+    if isinstance(data, Stream):
+        if step or epoch:
+            raise CheckpointError(f"{spec.task.target} streams its data: an import starts at the "
+                                  "stream's beginning (step 0), not at a step or epoch",
+                                  "import without --step/--epoch (the weights and optimizer state "
+                                  "are kept; the data is read from the first sample)")
+        return 0, 0, 0
+    n = len(data)
+    return (n, *import_position(step, epoch, n, spec.train.global_batch_size, spec.train.steps))
 
 
 def _load_optimizer(optim, model, saved) -> str:

@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_render(args: argparse.Namespace) -> int:
     spec = load_job(args.job, args.overrides)
+    refuse_epochs(spec)
     manifests = render(spec, args.flavor, args.image, args.namespace, script_for_pods(spec, Path(args.job)))
     if args.out is None:
         print(to_yaml(manifests), end="")
@@ -50,6 +51,18 @@ def run_render(args: argparse.Namespace) -> int:
     files = manifest_files(manifests, args.flavor, source)
     write_tree(Path(args.out), files)
     return 0
+
+
+def refuse_epochs(spec) -> None:
+    """``train.epochs`` is resolved into steps where the task is built before any worker
+    (``run``/``submit`` locally or on Slurm); manifests carry the spec as written, so pods
+    would only learn the size when training starts: refused here, with the fix."""
+    if spec.train.epochs:
+        from elastic_harness.errors import HarnessError
+
+        raise HarnessError("train.epochs is resolved into train.steps by `run`/`submit` before workers "
+                           "start, which Kubernetes manifests cannot do",
+                           "set train.steps (`elastic-harness spec JOB` prints the steps the epochs resolve to)")
 
 
 def script_for_pods(spec, job_path: Path) -> str | None:

@@ -104,10 +104,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                            "pick a count in range or change nodes in the job")
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
+    from_epochs = bool(spec.train.epochs)
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
+    require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
     spec = preflight(spec, Path(args.job))
-    require_spec_extras(spec)
+    if from_epochs:  # train.epochs became train.steps: each fault's step must fall inside
+        check_faults(spec, nodes, args.netns)
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
@@ -146,16 +149,21 @@ def check_faults(spec, nodes: int, netns: bool) -> None:
     check_netns(spec.chaos, netns)
     adds = sum(1 for f in spec.chaos if f.kind == "add-node")
     check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds,
-                  steps=spec.train.steps)
+                  steps=0 if spec.train.epochs else spec.train.steps)  # epochs: checked once resolved
 
 
-def preflight(spec, job_path: Path):
+def preflight(spec, job_path: Path, note=print):
     """Fail before any agent starts: import and build the task, or find the script.
 
     A script path is made absolute (relative to the working directory, else to the job
     file's directory) so agents and workers find it wherever they run.
     """
     if spec.script.path:
+        if spec.train.epochs:
+            raise HarnessError("train.epochs needs the dataset's size before workers start, and a "
+                               "script's dataset is built inside the script",
+                               "set train.steps = ceil(epochs x dataset size / global_batch_size) "
+                               "(docs/script-api.md, Epochs)")
         script = resolve_script(spec.script.path, job_path)
         return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script)))
     from elastic_harness.tasks import load_task
@@ -164,7 +172,20 @@ def preflight(spec, job_path: Path):
         task = load_task(spec.task.target, spec.task.args)
         model = check_model_builds(task, spec.task.target)
         check_layout(task, model, spec)
-    return spec
+        return resolve_epochs(spec, task, note) if spec.train.epochs else spec
+
+
+def resolve_epochs(spec, task, note=print):
+    """``train.epochs`` as ``train.steps`` (``data.epochs``): the task's dataset is built once
+    here for its size; the spec workers read then says ``steps: N, epochs: 0``."""
+    from elastic_harness.data.adapters import source_of
+    from elastic_harness.data.epochs import describe, samples_per_epoch, steps_for_epochs
+
+    size = samples_per_epoch(source_of(task.dataset()))
+    t = spec.train
+    steps = steps_for_epochs(t.epochs, size, t.global_batch_size)
+    note(describe(t.epochs, size, t.global_batch_size))
+    return dataclasses.replace(spec, train=dataclasses.replace(t, steps=steps, epochs=0))
 
 
 def check_layout(task, model, spec) -> None:

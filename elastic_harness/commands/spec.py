@@ -36,7 +36,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
             from elastic_harness.commands.run import preflight
 
-            preflight(spec, Path(args.job))
+            notes: list[str] = []
+            spec = preflight(spec, Path(args.job), note=notes.append)  # epochs become steps there
+            what += "".join(f" ({n})" for n in notes)
             verdict = (f"# valid; {what} exists" if spec.script.path else
                        f"# valid; {what} imports and accepts task.args, and its model builds")
         shape = layout.describe(spec.parallelism, spec.nodes.min, spec.nodes.max, spec.nproc_per_node)

@@ -118,9 +118,10 @@ def _options(args: argparse.Namespace, spec) -> dict:
     if args.scheduler == "slurm":
         return slurm_options(args)
     if args.scheduler == "k8s":
-        from elastic_harness.commands.k8s import script_for_pods
+        from elastic_harness.commands.k8s import refuse_epochs, script_for_pods
         from elastic_harness.k8s import DEFAULT_IMAGE
 
+        refuse_epochs(spec)
         return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or "",
                 "script_text": script_for_pods(spec, Path(args.job))}
     return {}

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from elastic_harness.checkpoint.manager import CheckpointManager, Loaded
+from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
@@ -50,19 +51,23 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, parallelism: str,
 
 
 def announce(found: Restored | Loaded | None, train: TrainState, *, seed: int, events: Any,
-             metrics: Metrics, world_size: int) -> int:
-    """Check a restore from storage against the job, then say where this generation starts
+             metrics: Metrics, world_size: int, before_saying: Callable[[], None] | None = None) -> int:
+    """Check a restore from storage against the job, run ``before_saying`` (binding the data:
+    its refusal comes before any "resumed from"), then say where this generation starts
     (``resume`` event); the step it continues from."""
+    if found is not None and not isinstance(found, Restored):
+        # Before saying "resumed": a checkpoint of another data stream is refused first.
+        reason = train.check_matches(seed, None)
+        if reason:
+            raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
+                                  f"job: {reason}", "use a new --run-dir or --fresh")
+    if before_saying is not None:
+        before_saying()
     if found is None:
         events.emit("resume", fresh=True, step=0, world_size=world_size)
         return 0
     if isinstance(found, Restored):
         return _from_memory(found, train, events=events, metrics=metrics, world_size=world_size)
-    # Before saying "resumed": a checkpoint of another data stream is refused first.
-    reason = train.check_matches(seed, None)
-    if reason:
-        raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
-                              f"job: {reason}", "use a new --run-dir or --fresh")
     metrics.resumed_at(found.step)
     events.emit(
         "resume", step=found.step, source="storage", checkpoint=found.name,
@@ -104,14 +109,22 @@ def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology,
         order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g, dp_size=dp_size,
                                      rank=topology.rank, world_size=topology.world_size, group=group,
                                      cache_dir=cache_dir, on_progress=on_progress)
+        _refuse_unresolved_epochs(spec, order.n)
         check_data(train, spec.train.seed, order.n, *digests)
         plan_of = stream_planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
         return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
                             dp_size=dp_size, **common)
+    _refuse_unresolved_epochs(spec, len(source))
     check_data(train, spec.train.seed, len(source), 0, 0)
     order = EpochOrder(spec.train.seed, len(source))
     plan_of = planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
     return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+
+
+def _refuse_unresolved_epochs(spec: JobSpec, n: int) -> None:
+    """``run``/``submit`` resolve ``train.epochs`` into steps; a bare ``eh.init(spec)`` did not."""
+    if spec.train.epochs:
+        raise unresolved_epochs(spec.train.epochs, n, spec.train.global_batch_size)
 
 
 def check_data(train: TrainState, seed: int, n: int, stream: int, layout: int) -> None:

@@ -324,9 +324,11 @@ class Run:
         self._state = build_state(model, optimizer, self._train, scheduler=scheduler,
                                   scaler=self.scaler, extra=extra)
 
-    def resume(self) -> int:
+    def resume(self, before_saying: Callable[[], None] | None = None) -> int:
         """Restore the newest snapshot every rank holds in memory, else load the newest
-        complete, verified checkpoint (every rank); the step it holds (``runtime.resume``)."""
+        complete, verified checkpoint (every rank); the step it holds (``runtime.resume``).
+        ``before_saying`` (``steps``: binding the data to the restored position) runs before the
+        ``resume`` event, so a checkpoint the data cannot continue is refused before "resumed from"."""
         if self._resumed:
             return self._train.step
         if self._state is None:
@@ -338,7 +340,7 @@ class Run:
                         memory=self.memory, ckpt=self.ckpt)
         self._resumed_at = found.step if found is not None else 0
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
-                        metrics=self.metrics, world_size=self.world_size)
+                        metrics=self.metrics, world_size=self.world_size, before_saying=before_saying)
 
     # ----- the loop --------------------------------------------------------------------
     def steps(self, dataset: Any, *, collate_fn: Callable | None = None) -> Iterator[Step]:
@@ -348,12 +350,18 @@ class Run:
         ``dataset``: a map-style dataset (``len`` and ``[i]``) or a sharded stream (a
         ``elastic_harness.data.Stream``, a Hugging Face streaming dataset, an
         ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``)."""
-        self.resume()
+        source = source_of(dataset)
         spec, train = self.spec, self._train
         watchdog = self.watchdog
-        loader = bind_data(source_of(dataset), train, spec, self.topology, device=self.device,
-                           collate_fn=collate_fn, group=self.groups.ckpt, cache_dir=self.run_dir / "data",
-                           on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
+
+        def bind() -> Any:
+            return bind_data(source, train, spec, self.topology, device=self.device, collate_fn=collate_fn,
+                             group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+                             on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
+
+        bound: list = []  # the data is checked before "resumed from ..." is said
+        self.resume(before_saying=lambda: bound.append(bind()))
+        loader = bound[0] if bound else bind()  # the script called resume() itself earlier
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
                               events=self.log, agent=self.env.agent_pid or os.getppid())

@@ -65,7 +65,17 @@ def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: st
                         "a job file holds keys such as 'name: my-job' (see 'elastic-harness spec')")
     for item in overrides:
         apply_override(raw, item)
+    _one_length(raw)
     return build(JobSpec, raw, "")
+
+
+def _one_length(raw: dict) -> None:
+    """``train.steps`` and ``train.epochs`` both name the run's length: one of them only (the
+    defaults cannot tell, so the keys given decide; a resolved spec says ``epochs: 0``)."""
+    train = raw.get("train")
+    if isinstance(train, dict) and "steps" in train and train.get("epochs") not in (None, 0):
+        raise SpecError("train", "both train.steps and train.epochs are set",
+                        "keep one: steps counts optimizer updates, epochs full passes over the data")
 
 
 def apply_override(raw: dict, item: str) -> None:

@@ -149,6 +149,13 @@ class RendezvousSpec:
 @dataclass(frozen=True)
 class TrainSpec:
     steps: int = doc(100, "Optimizer steps to train for (the run ends after this many).")
+    epochs: int = doc(
+        0,
+        "Instead of steps: full passes over the data; the host sets steps = ceil(epochs x "
+        "dataset size / global_batch_size) before workers start (the last step is completed "
+        "from the next pass; docs/script-api.md). Task jobs; a stream needs its shard lengths. "
+        "0 = use steps; not with steps.",
+    )
     global_batch_size: int = doc(
         32, "Samples per optimizer step, over all ranks; constant whatever the world size."
     )
@@ -169,6 +176,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps)
+        _positive("train.epochs", self.epochs, allow_zero=True)
         _positive("train.global_batch_size", self.global_batch_size)
         _positive("train.micro_batch_size", self.micro_batch_size)
         _positive("train.log_every", self.log_every)
