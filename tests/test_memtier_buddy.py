@@ -57,6 +57,17 @@ def test_a_lost_node_is_covered_by_its_buddy_copy_at_the_newest_common_step():
     assert plan.generation == GEN and plan.digests == (D, D)
 
 
+def test_a_mesh_layout_at_another_world_size_is_never_resharded_in_memory():
+    # HSDP grown back from 1 to 2 replicas: node 0's snapshots cover the old world, but a 2-D
+    # DTensor is not the 1-D row reshard's to do: storage (DCP reshards), no restart spent.
+    offers = [[own(79, 2, 0)], [own(79, 2, 1)], [], []]
+    assert choose(offers, world_size=4, replicated=False).source == BUDDY
+    plan = choose(offers, world_size=4, replicated=False, sharded=False)
+    assert plan.source == STORAGE
+    same = [[own(35, 2, 0)], [own(35, 2, 1)]]  # an unchanged mesh still restores from memory
+    assert choose(same, world_size=2, replicated=False, sharded=False).source == MEMORY
+
+
 def test_a_replacement_node_receives_every_piece_it_lacks_from_the_survivor():
     plan = choose([[], [own(35, 2, 0), copy(35, 2, 1)]], world_size=2, replicated=False)
     assert (plan.source, plan.step, plan.providers) == (BUDDY, 35, (1, 1))

@@ -79,13 +79,17 @@ def offers_of(headers: Sequence[Any], buddy: bool = False) -> list[Offer]:
             if h is not None and h.published]
 
 
-def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bool) -> Plan:
+def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bool,
+           sharded: bool = True) -> Plan:
     """The plan from every rank's offers (``offers[r]``: rank ``r``'s, ``len == world_size``);
-    ``replicated``: the job's layout now is replicated (``peer.replicated_layout``)."""
+    ``replicated``: the job's layout now is replicated (``peer.replicated_layout``);
+    ``sharded``: it is 1-D FSDP (``peer.sharded_layout``), the only layout whose pieces are
+    resharded in memory (``BUDDY``). Any other layout at another world size (a 2-D mesh
+    whose replicas grew or shrank, say) restores from storage, which DCP reshards."""
     if len(offers) != world_size:
         return Plan(STORAGE, reason=f"offers of {len(offers)} ranks, world size {world_size}")
     everyone = offers
-    cover = None if replicated else _cover(everyone)
+    cover = _cover(everyone) if sharded and not replicated else None
     offers = [[o for o in mine if not o.buddy] for mine in everyone]  # the other sources: own snapshots
     exact = _same_layout_step(offers, world_size)
     if cover is not None and (exact is None or cover.step > exact):

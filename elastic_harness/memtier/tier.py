@@ -129,7 +129,7 @@ class MemoryTier:
         everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(mine))]
         if not sharded:  # copies only ever restore sharded state
             everyone = [[o for o in offers if not o.buddy] for offers in everyone]
-        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated)
+        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated, sharded=sharded)
         if plan.source == BUDDY:
             older = buddy.older_than_storage(plan.step, durable())
             if older is None:
