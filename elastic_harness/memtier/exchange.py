@@ -1,9 +1,12 @@
 """The buddy copies in flight (``buddy``): send this rank's snapshot to its holder, receive
 its source's copy into a buddy slot, without the step loop waiting on either.
 
-``start`` posts the sends (``isend``: gloo moves the bytes from its own thread, straight out
-of this rank's published slot) and starts a daemon thread that waits for them (a gloo send's
-work says it completed only once waited on) and receives the source's copy:
+``start`` hands the exchange to the link's copy thread (a daemon, started with the first
+exchange and kept: ``Thread.start`` holds its caller until the new thread lets go of the GIL,
+which on a loaded 2-core machine put 5-14 ms into every snapshot that sent a copy), which
+posts the sends (``isend``: gloo moves the bytes from its own thread, straight out of this
+rank's published slot), waits for them (a gloo send's work says it completed only once
+waited on) and receives the source's copy:
 an announcement (``buddy.META_FIELDS`` int64), the tensor bytes straight into the buddy slot
 not holding the newest copy (``begin`` unpublished it first), then the skeleton as JSON
 (``peer.encode_skeleton``: nothing received is ever unpickled). The slot is published only
@@ -16,6 +19,7 @@ rather than overwrite bytes in flight).
 
 from __future__ import annotations
 
+import queue
 import statistics
 import threading
 import time
@@ -43,7 +47,10 @@ class BuddyLink:
         self._works: list[Any] = []
         self._keep: list[torch.Tensor] = []  # what the sends read, alive until they complete
         self._sending: int | None = None  # the own slot being sent
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the copy thread, once started
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # exchanges for it; None: stop
+        self._done = threading.Event()  # the exchange handed over last has ended
+        self._moving = False  # an exchange was handed over and not collected yet
         self._result: tuple[int, int, str | None] | None = None  # (step, bytes, problem) of the last receive
         self._last: int | None = None  # the buddy slot holding the newest copy
         self.held: tuple[int, int] | None = None  # (step, bytes) of the newest copy held
@@ -54,8 +61,8 @@ class BuddyLink:
 
     def busy(self) -> bool:
         """Is a copy still moving, to or from this rank? (Collects what finished.)"""
-        if self._thread is not None and not self._thread.is_alive():
-            self._thread = None
+        if self._moving and self._done.is_set():
+            self._moving = False
             self._works, self._keep, self._sending = [], [], None
             step, size, problem = self._result or (0, 0, "the receiver stopped")
             if problem:
@@ -65,7 +72,7 @@ class BuddyLink:
             else:
                 self.announce = self.announce or self.held is None
                 self.held = (step, size)
-        return self._thread is not None or self.broken
+        return self._moving or self.broken
 
     def copy_cpu_s(self) -> float:
         """The median CPU seconds an exchange took this rank's copy thread (0 before one)."""
@@ -85,9 +92,20 @@ class BuddyLink:
         self._result = None
         self._works, self._keep = [], []
         self.last_step = header.step
-        self._thread = threading.Thread(target=self._move, args=(data, header, skeleton, limit), name="eh-buddy",
-                                        daemon=True)
-        self._thread.start()
+        self._done.clear()
+        self._moving = True
+        self._jobs.put((data, header, skeleton, limit))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="eh-buddy", daemon=True)
+            self._thread.start()  # once: a thread that starts takes the GIL from its caller
+
+    def _serve(self) -> None:
+        """The copy thread: one exchange after another, until ``stop``."""
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._move(*job)
+            finally:
+                self._done.set()
 
     def _send(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes]) -> None:
         raw = skeleton()
@@ -152,6 +170,14 @@ class BuddyLink:
 
     def close(self, timeout: float) -> None:
         """Let the copies in flight finish (every rank started the same ones), up to ``timeout``."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._moving:
+            self._done.wait(timeout)
         self.busy()
+        self.stop()
+
+    def stop(self) -> None:
+        """Let the copy thread end once its exchange in flight does (a daemon: one stuck on a
+        dead peer is abandoned, as before)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None

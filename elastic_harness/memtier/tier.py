@@ -431,6 +431,8 @@ class MemoryTier:
     def close(self) -> None:
         """Unmap every slot; copies still in flight are abandoned (their receiving thread is
         a daemon; a copy not fully received stays unpublished)."""
+        if self.link is not None:
+            self.link.stop()
         self.link = None
         for region in self.regions + self.buddy_regions:
             region.close()
