@@ -16,6 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def next_byte_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Per-window mean cross-entropy of predicting each next byte (the byte-level tasks' loss)."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    logits = model(x)
+    ce = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="none")
+    return ce.view(y.shape).mean(dim=1)
+
+
 def stdlib_text(max_chars: int) -> bytes:
     root = Path(sysconfig.get_paths()["stdlib"])
     out = bytearray()
@@ -107,10 +115,7 @@ class CharLM:
         return ByteWindows(stdlib_text(self.max_chars), self.block_size)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        x, y = batch[:, :-1], batch[:, 1:]
-        logits = model(x)
-        ce = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="none")
-        return ce.view(y.shape).mean(dim=1)
+        return next_byte_loss(model, batch)
 
     def shard_units(self, model: TinyGPT) -> list[nn.Module]:
         """FSDP2 shards each transformer block on its own (then the root)."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elastic_harness.tasks.charlm import ByteWindows, stdlib_text
+from elastic_harness.tasks.charlm import ByteWindows, next_byte_loss, stdlib_text
 
 PLAN = {
     "layers.*.attention.wq": "colwise",
@@ -121,10 +121,7 @@ class TinyLlamaLM:
         return ByteWindows(stdlib_text(self.max_chars), self.block_size)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        x, y = batch[:, :-1], batch[:, 1:]
-        logits = model(x)
-        ce = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="none")
-        return ce.view(y.shape).mean(dim=1)
+        return next_byte_loss(model, batch)
 
     def shard_units(self, model: TinyLlama) -> list[nn.Module]:
         """FSDP2 shards each layer on its own (then the root)."""
