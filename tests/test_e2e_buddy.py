@@ -8,6 +8,7 @@ import pytest
 from tests.audit import audit
 from tests.conftest import MLP, cli, read_jsonl
 from tests.test_e2e_core import STEPS, G, N
+from tests.test_e2e_memory import assert_storage_twin_matches
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -44,11 +45,4 @@ def test_a_lost_fsdp_node_restores_from_buddy_copies_like_storage(tmp_path):
     assert seen["world_sizes"][STEPS] == 1
     # The twin: FSDP at world size 2 up to that step, saved to storage (no memory tier),
     # then resumed from storage at world size 1 (DCP reshards it).
-    twin, off = tmp_path / "storage", [*FSDP, "--set", "checkpoint.memory_every=0"]
-    first = cli("run", str(MLP), *off, "--set", f"train.steps={step}", run_dir=twin)
-    assert first.code == 0, first.err
-    second = cli("run", str(MLP), *off, "--nproc-per-node", "1", run_dir=twin)
-    assert second.code == 0, second.err
-    resumed = second.kinds("resume")[-1]
-    assert (resumed["source"], resumed["step"], resumed["world_size"]) == ("storage", step, 1)
-    assert r.summary["model_digest"] == second.summary["model_digest"]
+    assert_storage_twin_matches(r, tmp_path / "storage", step, FSDP)

@@ -62,7 +62,13 @@ def test_a_lost_node_restores_from_the_survivors_memory_like_storage(tmp_path):
     assert seen["world_sizes"][STEPS] == 1
     # The twin: world size 2 up to that step, saved to storage (no memory tier), then resumed
     # from storage at world size 1. The learning rate is constant: train.steps changes nothing else.
-    twin, off = tmp_path / "storage", ["--set", "checkpoint.memory_every=0"]
+    assert_storage_twin_matches(r, tmp_path / "storage", step)
+
+
+def assert_storage_twin_matches(r, twin, step: int, layout: tuple[str, ...] = ()) -> None:
+    """The same job at world size 2 up to ``step`` saved to storage (no memory tier), then
+    resumed from storage at world size 1, ends with ``r``'s model digest."""
+    off = [*layout, "--set", "checkpoint.memory_every=0"]
     first = cli("run", str(MLP), *off, "--set", f"train.steps={step}", run_dir=twin)
     assert first.code == 0, first.err
     second = cli("run", str(MLP), *off, "--nproc-per-node", "1", run_dir=twin)

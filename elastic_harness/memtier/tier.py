@@ -145,7 +145,7 @@ class MemoryTier:
         senders = plan.senders(self.world_size)
         expect = self._expected(plan, state) if self.rank in senders else None
         if senders:  # the layout is agreed before a byte moves
-            mismatch = [r for r, (bad,) in enumerate(self.wire.gather([int(isinstance(expect, str))])) if bad]
+            mismatch = self._failing(isinstance(expect, str))
             if mismatch:
                 self._warn(f"rank {self.rank}: not receiving step {plan.step} from a peer: rank(s) {mismatch} "
                            f"have another layout{f' ({expect})' if isinstance(expect, str) else ''}; "
@@ -153,14 +153,14 @@ class MemoryTier:
                 self._unpublish_all()
                 return None
         got, problem = self._exchange(plan, slot, senders, expect)
-        failed = [r for r, (bad,) in enumerate(self.wire.gather([int(problem is not None)])) if bad]
+        failed = self._failing(problem is not None)
         if failed:  # nothing was loaded yet: every rank falls back to storage
             if problem:
                 self._warn(f"rank {self.rank}: receiving step {plan.step} from a peer failed ({problem})")
             self._unpublish_all()
             return None
         error = self._load(state, *got)
-        failed = [r for r, (bad,) in enumerate(self.wire.gather([int(error is not None)])) if bad]
+        failed = self._failing(error is not None)
         if failed:
             self._unpublish_all()
             raise RuntimeError(f"restoring step {plan.step} from memory failed on rank(s) {failed} "
@@ -169,6 +169,10 @@ class MemoryTier:
         self._last = self._keep(plan, slot, got)
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
                         len(senders))
+
+    def _failing(self, bad: bool) -> list[int]:
+        """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
+        return [r for r, (b,) in enumerate(self.wire.gather([int(bad)])) if b]
 
     def _restore_buddy(self, plan: Plan, state: dict[str, Any], everyone: list, headers: list,
                        copies: list, t0: float) -> Restored | None:
@@ -194,7 +198,7 @@ class MemoryTier:
                     problem = problem or why
                 else:
                     pieces[r] = got
-        failed = [r for r, (bad,) in enumerate(self.wire.gather([int(problem is not None)])) if bad]
+        failed = self._failing(problem is not None)
         if failed:  # nothing was loaded yet: every rank falls back to storage
             self._warn(f"rank {self.rank}: restoring step {plan.step} from buddy copies failed on rank(s) "
                        f"{failed}{f' ({problem})' if problem else ''}; restoring from storage")
@@ -206,7 +210,7 @@ class MemoryTier:
                                     for r in range(plan.saved_world_size)], rank=self.rank, world_size=self.world_size)
         except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
             error = f"{e!r:.300}"
-        failed = [r for r, (bad,) in enumerate(self.wire.gather([int(error is not None)])) if bad]
+        failed = self._failing(error is not None)
         if failed:
             self._unpublish_all()
             raise RuntimeError(f"restoring step {plan.step} from buddy copies failed on rank(s) {failed} "
