@@ -191,3 +191,16 @@ def training_in_background(run_dir: Path, *args: str):
         except subprocess.TimeoutExpired:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A test that leaves its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handler in the pytest process makes Ctrl-C
+    (and a CI runner's SIGTERM) stop doing anything: fail it, and put pytest's back."""
+    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    yield
+    changed = [signal.Signals(sig).name for sig in watched if signal.getsignal(sig) is not before[sig]]
+    for sig in watched:
+        signal.signal(sig, before[sig])
+    assert not changed, f"the test left its own handler for {', '.join(changed)} in the pytest process"

@@ -176,11 +176,18 @@ def test_a_failed_groups_survivor_is_stopped_within_the_bound(tmp_path):
                 "open(__import__('sys').argv[1], 'w').close(); time.sleep(120)")
     ready = tmp_path / "ready"
     fails = ("import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.01)\nsys.exit(3)")
-    ctx = start_processes(name="t", entrypoint=sys.executable,
-                          args={0: ("-c", stubborn, str(ready)), 1: ("-c", fails, str(ready))},
-                          envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
-    bound_failure_close(ctx, failed_stop_grace(30))
-    result = ctx.wait()  # polls until a failure, then stops the rest
+    # torch's process context installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers in the
+    # caller (here: pytest) and never puts the old ones back: this test does.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        ctx = start_processes(name="t", entrypoint=sys.executable,
+                              args={0: ("-c", stubborn, str(ready)), 1: ("-c", fails, str(ready))},
+                              envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+        bound_failure_close(ctx, failed_stop_grace(30))
+        result = ctx.wait()  # polls until a failure, then stops the rest
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     assert result.failures[1].exitcode == 3
     assert result.failures[0].exitcode == -signal.SIGKILL  # SIGTERM ignored: killed after the bound
     assert failed_stop_grace(30) <= 5 and failed_stop_grace(1) == 1
