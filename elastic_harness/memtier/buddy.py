@@ -85,12 +85,12 @@ def moves(plan: Any, offers: Sequence[Sequence[Any]], world_size: int) -> list[t
             if not holds(offers[j], plan, r)]
 
 
-def older_than_storage(step: int, durable: int | None) -> str | None:
-    """Why a buddy restore of ``step`` is not used, or None: storage holds a newer complete
-    checkpoint (the copies of the step a durable save forced did not all arrive), which
-    redoes fewer steps."""
+def older_than_storage(step: int, durable: int | None, what: str = "buddy copies") -> str | None:
+    """Why a buddy (or mesh coordinate, ``what``) restore of ``step`` is not used, or None:
+    storage holds a newer complete checkpoint (the copies of the step a durable save forced
+    did not all arrive), which redoes fewer steps."""
     if durable is not None and durable > step:
-        return (f"the newest step the buddy copies cover, {step}, is older than the checkpoint of step "
+        return (f"the newest step the {what} cover, {step}, is older than the checkpoint of step "
                 f"{durable} on storage")
     return None
 

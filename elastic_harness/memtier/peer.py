@@ -9,7 +9,9 @@ builds nothing else, and the receiver then checks it against its own live state
 (``snapshot.misfit``) before any byte is used.
 
 ``replicated_layout`` says whether the job's state is a full replica on every rank (DDP),
-the condition for restoring it at another world size or rank (``choose``).
+the condition for restoring it at another world size or rank (``choose``); ``mesh_layout``
+gives a mesh's shard and tensor degrees, the condition for restoring a replica's state by its
+coordinate at another replicate degree.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from elastic_harness.memtier.choose import Offer
 from elastic_harness.memtier.snapshot import TensorRef, Unsupported
 
 MAX_OFFERS = 4  # slots per rank that take part (the agent makes 2)
-_FIELDS = 10  # step, world size, rank, replicated, digest as 4 int64, generation, buddy
+_FIELDS = 12  # step, world size, rank, replicated, digest as 4 int64, generation, buddy, shard, tensor
 MAX_SKELETON = 64 << 20  # a JSON skeleton larger than this is refused (a bogus length)
 
 
@@ -83,6 +85,17 @@ def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
             and not any(str(k).startswith(EXTRA_PREFIX) for k in state_keys))
 
 
+def mesh_layout(parallelism: str, degrees: tuple[int, int], state_keys: Any) -> tuple[int, int] | None:
+    """The (shard, tensor) degrees of a mesh layout (``runtime.topology``) with no entries a
+    script registered (an extra entry may be per rank), else None: the condition for a rank
+    restoring a snapshot its coordinate's replica wrote at another replicate degree."""
+    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
+
+    if parallelism != "mesh" or any(str(k).startswith(EXTRA_PREFIX) for k in state_keys):
+        return None
+    return (int(degrees[0]), int(degrees[1]))
+
+
 # ----- offers as int64 ------------------------------------------------------------------
 
 def encode_offers(offers: list[Offer]) -> list[int]:
@@ -92,7 +105,7 @@ def encode_offers(offers: list[Offer]) -> list[int]:
         d = o.digest.ljust(32, b"\0")[:32]
         out += [o.step, o.world_size, o.rank, int(o.replicated),
                 *(int.from_bytes(d[i:i + 8], "little", signed=True) for i in range(0, 32, 8)),
-                o.generation, int(o.buddy)]
+                o.generation, int(o.buddy), o.shard, o.tensor]
     return out + [0] * (1 + MAX_OFFERS * _FIELDS - len(out))
 
 
@@ -104,7 +117,7 @@ def decode_offers(values: list[int]) -> list[Offer]:
     for i in range(values[0]):
         f = values[1 + i * _FIELDS:1 + (i + 1) * _FIELDS]
         digest = b"".join(v.to_bytes(8, "little", signed=True) for v in f[4:8])
-        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3]), f[8], bool(f[9])))
+        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3]), f[8], bool(f[9]), f[10], f[11]))
     return out
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-MAGIC = b"EHMEM001"
+MAGIC = b"EHMEM002"  # 002: the mesh degrees (slots live within one job run: no older reader)
 HEADER_SIZE = 4096  # data starts page-aligned
 PUBLISHED_OFFSET = len(MAGIC)  # the byte that publishes a slot
 # magic, published, replicated, step, world size, rank, data len, skeleton len, digest (the
 # replicated byte was padding: a slot written before it existed reads as not replicated), then
-# the generation that wrote it (``Header.generation``)
-_FORMAT = "<8sBB2xqiiQQ32sq"
+# the generation that wrote it (``Header.generation``), the writer's mesh shard and tensor degrees
+_FORMAT = "<8sBB2xqiiQQ32sqii"
 _SIZE = struct.calcsize(_FORMAT)
 
 
@@ -36,21 +36,28 @@ class Header:
     # The worker generation that wrote it (its id as an int): a buddy restore takes pieces of
     # one step written by one generation only (``choose``); 0: not known.
     generation: int = 0
+    # A mesh layout's snapshot: the writer's shard and tensor degrees (0: not a mesh's). A
+    # replica of the same coordinate (``rank % (shard * tensor)``) at another replicate degree
+    # may restore from it (``choose``).
+    shard: int = 0
+    tensor: int = 0
 
     def pack(self) -> bytes:
         return struct.pack(_FORMAT, MAGIC, int(self.published), int(self.replicated), self.step,
                            self.world_size, self.rank, self.data_len, self.skeleton_len, self.digest,
-                           self.generation)
+                           self.generation, self.shard, self.tensor)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header | None:
         """The header in ``raw``, or None for an empty or foreign slot."""
         if len(raw) < _SIZE:
             return None
-        magic, published, replicated, step, world, rank, data_len, skel_len, digest, gen = struct.unpack_from(_FORMAT, raw)
+        magic, published, replicated, step, world, rank, data_len, skel_len, digest, gen, shard, tensor = \
+            struct.unpack_from(_FORMAT, raw)
         if magic != MAGIC:
             return None
-        return cls(bool(published), step, world, rank, data_len, skel_len, digest, bool(replicated), gen)
+        return cls(bool(published), step, world, rank, data_len, skel_len, digest, bool(replicated), gen, shard,
+                   tensor)
 
 
 def next_slot(last: int | None, slots: int) -> int:

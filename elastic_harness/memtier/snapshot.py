@@ -5,7 +5,8 @@ one, see ``runtime.state``; else ``state_dict()``; plain dicts as they are) and 
 into the tensors (their bytes, at 64-byte aligned offsets; a DTensor contributes its local
 shard) and a skeleton: the same nested dicts and lists, pickled, with each tensor replaced
 by a ``TensorRef`` and every other value kept. The capture's digest hashes the tensors'
-dtypes, shapes and kinds in order (it names the byte layout); ``misfit`` checks a saved
+dtypes, shapes and kinds in order (it names the byte layout; a ``Replicate`` placement aside,
+``_split``); ``misfit`` checks a saved
 skeleton against the state to restore into, key by key. ``write`` copies the tensors into
 a slot through typed views of it, which ``Views`` keeps while the layout and the mapping
 stay the same. A snapshot of a small model is then ~0.2 ms of Python in all: the state
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 ALIGN = 64
 
@@ -146,7 +147,9 @@ def misfit(saved: Any, target: Any, path: str = "") -> str | None:
             return f"{path or '.'}: a tensor was saved, the state has {type(target).__name__}"
         t = _local(target)
         have = (t.dtype, tuple(t.shape), _kind(target))
-        return None if have == tuple(saved[2:]) else f"{path}: saved {tuple(saved[2:])}, the state has {have}"
+        if (have[0], have[1], _split(have[2])) == (saved[2], tuple(saved[3]), _split(saved[4])):
+            return None
+        return f"{path}: saved {tuple(saved[2:])}, the state has {have}"
     if isinstance(saved, dict):
         if not isinstance(target, dict) or saved.keys() != target.keys():  # order aside: filled by key
             return f"{path or '.'}: keys differ"
@@ -249,6 +252,15 @@ def _kind(t: torch.Tensor) -> tuple:
     return ("dtensor", tuple(t.shape), tuple(t.placements)) if isinstance(t, DTensor) else _PLAIN_KIND
 
 
+def _split(kind: tuple) -> tuple:
+    """What of a kind fixes which bytes a rank holds: ``Replicate`` placements aside (they say
+    how many replicas there are, which a mesh's replicate degree changes: an HSDP shard on a
+    2-D (replicate, shard) mesh holds the bytes of the same shard on the 1-D shard mesh)."""
+    if kind[0] != "dtensor" or not any(isinstance(p, Replicate) for p in kind[2]):
+        return kind
+    return (kind[0], kind[1], tuple(p for p in kind[2] if not isinstance(p, Replicate)))
+
+
 def _typed(data: torch.Tensor, base: int, ref: tuple) -> torch.Tensor:
     """The slot's bytes of ``ref`` (a ``TensorRef`` or its fields) seen as its dtype and shape
     (offsets are aligned)."""
@@ -261,11 +273,14 @@ _DIGESTS: dict[tuple, bytes] = {}  # a process sees one or two layouts: hashed o
 
 
 def _digest(layout: tuple) -> bytes:
-    """sha256 of the layout's text (the same in every process); looking the tuple up costs
-    a few microseconds a snapshot, formatting and hashing it a few hundred."""
+    """sha256 of the layout's text (the same in every process), each kind as ``_split`` sees
+    it (so a mesh's state digests the same at any replicate degree; the digests of plain and
+    1-D sharded state are unchanged by that); looking the tuple up costs a few microseconds a
+    snapshot, formatting and hashing it a few hundred."""
     digest = _DIGESTS.get(layout)
     if digest is None:
         if len(_DIGESTS) >= 8:
             _DIGESTS.clear()
-        digest = _DIGESTS[layout] = hashlib.sha256(repr(layout).encode()).digest()
+        text = repr(tuple((*entry[:-1], _split(entry[-1])) for entry in layout))
+        digest = _DIGESTS[layout] = hashlib.sha256(text.encode()).digest()
     return digest

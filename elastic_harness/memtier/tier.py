@@ -10,7 +10,9 @@ follows ``choose``: every rank reads the snapshot it wrote itself at this world 
 worker crash); or, when the state is replicated (DDP), the newest step any rank holds, at
 any world size: its holders read their own slot, the other ranks receive it from a holder
 (``peer``: its tensor bytes into their own slot, its skeleton as JSON; nothing received is
-unpickled); or storage, and then every rank's slots are unpublished (they belong to a
+unpickled); or, under a mesh whose replicas grew or shrank, the same per coordinate of the
+(shard, tensor) plane (a rank receives its coordinate's snapshot from a replica holding
+it; a storage checkpoint newer than that step wins); or storage, and then every rank's slots are unpublished (they belong to a
 lineage this generation does not continue). A rank that cannot open its slots takes part
 with none, so the ranks always agree. Nothing calls the live state's ``state_dict()``
 before the ranks agreed on a step (for an optimizer without state, that call runs a zero
@@ -77,6 +79,7 @@ class MemoryTier:
         self._last: int | None = None  # the slot holding this rank's newest snapshot
         self._views = [snapshot.Views() for _ in regions]
         self.replicated = False  # snapshots are marked replicated (``restore`` learns it)
+        self.mesh: tuple[int, int] | None = None  # and with their mesh degrees (``restore`` too)
         self.plan: Plan | None = None  # the last restore's
 
     @classmethod
@@ -104,15 +107,18 @@ class MemoryTier:
                    local_size=local_size, generation=generation)
 
     def restore(self, state: dict[str, Any], *, replicated: bool = False, sharded: bool = False,
-                durable: Callable[[], int | None] = lambda: None) -> Restored | None:
+                durable: Callable[[], int | None] = lambda: None,
+                mesh: tuple[int, int] | None = None) -> Restored | None:
         """Collective: fill ``state`` from memory (own, a peer's, or resharded from own
         snapshots and buddy copies, ``choose``), or None. ``replicated``: the job's state is a
         full replica on every rank (``peer.replicated_layout``); snapshots saved from now on
         are marked so. ``sharded``: each rank holds its own shard (``peer.sharded_layout``):
         buddy copies are kept from now on, when the job spans nodes. ``durable``: collective,
-        the newest complete checkpoint's step (a buddy restore older than it is not used)."""
+        the newest complete checkpoint's step (a buddy or mesh coordinate restore older than it
+        is not used). ``mesh``: the job's mesh (shard, tensor) degrees (``peer.mesh_layout``):
+        snapshots saved from now on carry them, and replicas restore by coordinate."""
         t0 = time.perf_counter()
-        self.replicated = replicated
+        self.replicated, self.mesh = replicated, mesh
         restored = self._restore(state, replicated, sharded, durable, t0)
         if sharded and self.buddy_regions and self.wire.isend is not None \
                 and buddy.active(self.world_size, self.local_size, sharded):
@@ -129,12 +135,15 @@ class MemoryTier:
         everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(mine))]
         if not sharded:  # copies only ever restore sharded state
             everyone = [[o for o in offers if not o.buddy] for offers in everyone]
-        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated, sharded=sharded)
-        if plan.source == BUDDY:
-            older = buddy.older_than_storage(plan.step, durable())
-            if older is None:
+        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated, sharded=sharded,
+                                  mesh=self.mesh)
+        if plan.source == BUDDY or plan.mesh:
+            older = buddy.older_than_storage(plan.step, durable(), "buddy copies" if plan.source == BUDDY
+                                             else "mesh replicas' snapshots")
+            if older is None and plan.source == BUDDY:
                 return self._restore_buddy(plan, state, everyone, headers, copies, t0)
-            plan = self.plan = Plan(STORAGE, reason=older)
+            if older is not None:
+                plan = self.plan = Plan(STORAGE, reason=older)
         if plan.source == STORAGE:
             if self.rank == 0 and any(everyone):
                 self._warn(f"the in-memory tier cannot restore this generation ({plan.reason}); "
@@ -168,7 +177,7 @@ class MemoryTier:
                                "the next restart restores from storage")
         self._last = self._keep(plan, slot, got)
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
-                        len(senders))
+                        len(senders), plan.saved_world_size or None)
 
     def _failing(self, bad: bool) -> list[int]:
         """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
@@ -286,8 +295,10 @@ class MemoryTier:
         for slot, h in enumerate(headers):
             if h is None or not h.published or h.step != plan.step:
                 continue
+            if plan.mesh and _of_coordinate(h, plan, plan.coordinate(self.rank)):
+                return slot
             if (plan.same_layout and (h.world_size, h.rank) == (self.world_size, self.rank)
-                    or not plan.same_layout and h.replicated and h.digest == plan.digest):
+                    or not plan.same_layout and not plan.mesh and h.replicated and h.digest == plan.digest):
                 return slot
         raise AssertionError("a holder without its snapshot")  # the plan came from these headers
 
@@ -299,7 +310,8 @@ class MemoryTier:
             mine = snapshot.capture_trees(snapshot.targets(state))
         except Exception as e:  # noqa: BLE001 - agreed on by every rank
             return f"{e!r:.200}"
-        return mine.data_len if mine.digest == plan.digest else "its state's layout digest differs"
+        want = plan.digests[plan.coordinate(self.rank)] if plan.mesh else plan.digest
+        return mine.data_len if mine.digest == want else "its state's layout digest differs"
 
     def _exchange(self, plan: Plan, slot: int | None, senders: dict[int, int],
                   expect: int | str | None) -> tuple[tuple, str | None]:
@@ -376,8 +388,14 @@ class MemoryTier:
         if base != HEADER_SIZE:
             return None  # it went into a buffer
         data[base + data_len:base + data_len + len(local)].copy_(torch.frombuffer(bytearray(local), dtype=torch.uint8))
-        self.regions[target].publish(Header(True, plan.step, self.world_size, self.rank, data_len, len(local),
-                                            plan.digest, replicated=True))
+        if plan.mesh:  # its coordinate's snapshot, as old rank ``c`` wrote it (replicas are interchangeable)
+            c = plan.coordinate(self.rank)
+            header = Header(True, plan.step, plan.saved_world_size, c, data_len, len(local), plan.digests[c],
+                            generation=plan.generation, shard=plan.mesh[0], tensor=plan.mesh[1])
+        else:
+            header = Header(True, plan.step, self.world_size, self.rank, data_len, len(local), plan.digest,
+                            replicated=True)
+        self.regions[target].publish(header)
         return target
 
     def busy(self, step: int = 0, step_s: float = 0.0, budget: float = 0.0) -> bool:
@@ -407,7 +425,8 @@ class MemoryTier:
             data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
             snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
             header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
-                            cap.digest, replicated=self.replicated and not cap.sharded, generation=self.generation)
+                            cap.digest, replicated=self.replicated and not cap.sharded, generation=self.generation,
+                            shard=self.mesh[0] if self.mesh else 0, tensor=self.mesh[1] if self.mesh else 0)
             region.publish(header)
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
@@ -473,6 +492,13 @@ class MemoryTier:
             with contextlib.suppress(OSError):
                 region.unpublish()
         self._last = None
+
+
+def _of_coordinate(h: Header, plan: Plan, c: int) -> bool:
+    """Is ``h`` a snapshot of coordinate ``c`` that a mesh plan restores?"""
+    return (h.step == plan.step and h.generation == plan.generation and h.world_size == plan.saved_world_size
+            and (h.shard, h.tensor) == tuple(plan.mesh) and h.rank % (h.shard * h.tensor) == c
+            and h.digest == plan.digests[c] and not h.replicated)
 
 
 def _data_len(skeleton: Any) -> int:

@@ -1,8 +1,9 @@
 """Where a worker generation starts from, and whether the data it is given can continue it.
 
 ``restore`` (collective, every rank): the newest snapshot in the agents' memory (own slot,
-or under DDP received from a peer: ``memtier``), else the newest complete, verified
-checkpoint through DCP (resharded to this world size), else nothing (a fresh start).
+or, under DDP or across a mesh's replicas, received from a peer: ``memtier``), else the
+newest complete, verified checkpoint through DCP (resharded to this world size), else
+nothing (a fresh start).
 ``announce`` checks what was restored against the job and says so (the ``resume`` event,
 the metrics' restart mark); it returns the step to continue from.
 
@@ -28,7 +29,7 @@ from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
-from elastic_harness.memtier.peer import replicated_layout, sharded_layout
+from elastic_harness.memtier.peer import mesh_layout, replicated_layout, sharded_layout
 from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
 from elastic_harness.runtime.metrics import Metrics
@@ -39,12 +40,15 @@ from elastic_harness.spec import JobSpec
 
 
 def restore(state: dict[str, Any], model: nn.Module | None, *, parallelism: str,
-            memory: MemoryTier | None, ckpt: CheckpointManager) -> Restored | Loaded | None:
-    """Every rank: fill ``state`` from memory, else from storage; what restored it, or None."""
+            memory: MemoryTier | None, ckpt: CheckpointManager,
+            degrees: tuple[int, int] = (1, 1)) -> Restored | Loaded | None:
+    """Every rank: fill ``state`` from memory, else from storage; what restored it, or None.
+    ``degrees``: the layout's shard and tensor degrees (a mesh's replicas restore by them)."""
     ckpt.join()  # every generation enters the fence, whichever tier restores it
     if memory is not None:
         restored = memory.restore(state, replicated=replicated_layout(parallelism, model, state),
-                                  sharded=sharded_layout(parallelism, state), durable=ckpt.newest_complete)
+                                  sharded=sharded_layout(parallelism, state), durable=ckpt.newest_complete,
+                                  mesh=mesh_layout(parallelism, degrees, state))
         if restored is not None:
             return restored
     return ckpt.restore(state)

@@ -337,7 +337,7 @@ class Run:
         check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
         found = restore(self._state, self.model, parallelism=self.topology.kind,
-                        memory=self.memory, ckpt=self.ckpt)
+                        memory=self.memory, ckpt=self.ckpt, degrees=(self.topology.shard, self.topology.tensor))
         self._resumed_at = found.step if found is not None else 0
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
                         metrics=self.metrics, world_size=self.world_size, before_saying=before_saying)
