@@ -105,11 +105,16 @@ def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path
     assert r.code == 0, r.err
     assert [f["kind"] for f in r.kinds("fault")] == ["kill-node", "add-node"]
     assert [g["world_size"] for g in r.kinds("rendezvous")] == [4, 2, 4]
-    # replicate 2 -> 1 -> 2 (shard 2 inside each node), each change resharded from storage
+    # replicate 2 -> 1 -> 2 (shard 2 inside each node, unchanged): no storage read. Shrunk: the
+    # surviving node's local rank l held coordinate l % 2 and still does, so every rank reads
+    # its own slot (memory). Grown: the new node's ranks receive their coordinate's snapshot
+    # from the surviving replica (peer).
     _, shrunk, grown = r.kinds("resume")
-    assert (shrunk["source"], shrunk["saved_world_size"], shrunk["world_size"]) == ("storage", 4, 2)
+    assert (shrunk["source"], shrunk["saved_world_size"], shrunk["world_size"]) == ("memory", 4, 2), shrunk
     assert shrunk["step"] >= 4
-    assert (grown["source"], grown["saved_world_size"], grown["world_size"]) == ("storage", 2, 4)
+    assert (grown["source"], grown["saved_world_size"], grown["world_size"]) == ("peer", 2, 4), grown
+    assert grown["receivers"] == 2 and len(grown["senders"]) == 2, grown
+    print(f"resume seconds: shrink {shrunk['load_s']}, grow {grown['load_s']}")
     seen = audit(tmp_path, N, G, steps)
     assert set(seen["dp_sizes"].values()) == {2, 4}, "data-parallel degree 4 -> 2 -> 4"
     # parameters within the stated tolerance of the same job uninterrupted at (replicate 2, shard 2)
