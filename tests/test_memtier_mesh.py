@@ -137,6 +137,39 @@ def test_an_hsdp_shard_fits_its_1d_twin_and_nothing_else():
     assert "saved" in snapshot.misfit(saved, torch.zeros(3))  # a shard saved, a plain tensor here
 
 
+def test_a_survivors_snapshot_restores_unless_storage_holds_a_newer_step(tmp_path):
+    """One rank left of two replicas (shard 1): its own slot holds step 3, written at world
+    size 2; it restores from it (memory), but not when storage holds step 5 (storage)."""
+    from elastic_harness.memtier.host import HostSlots, slot_paths
+    from elastic_harness.memtier.peer import Wire
+    from elastic_harness.memtier.region import Region
+    from elastic_harness.memtier.tier import MemoryTier
+    from tests.test_memtier_peer import _state
+
+    host = HostSlots.create(1)
+    regions = [Region(p) for p in slot_paths(host.describe(), 0)]
+    try:
+        wire = Wire(lambda values: [values], lambda t, dst: None, lambda t, src: None)
+        state, model, _ = _state()
+        saver = MemoryTier(regions, rank=1, world_size=2, wire=wire, warn=print, generation=GEN)
+        saver.mesh = (1, 1)
+        assert saver.save(3, state)
+        warned: list[str] = []
+        fresh, fresh_model, _ = _state(steps=0)
+        tier = MemoryTier(regions, rank=0, world_size=1, wire=wire, warn=warned.append, generation=NEXT_GEN)
+        assert tier.restore(fresh, mesh=(1, 1), durable=lambda: 5) is None
+        assert "older than the checkpoint of step 5" in warned[0] and fresh["train"].step == 0
+        assert saver.save(3, state)  # the fallback unpublished the slots: write it again
+        got = tier.restore(fresh, mesh=(1, 1), durable=lambda: 3)
+        assert (got.source, got.step, got.saved_world_size, got.senders) == (MEMORY, 3, 2, ())
+        assert fresh["train"].step == 3
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True))
+    finally:
+        for r in regions:
+            r.close()
+        host.close()
+
+
 # ----- a restore over real gloo ranks -----------------------------------------------------------
 
 def _model():
