@@ -188,6 +188,7 @@ def test_a_joining_rank_receives_the_state_bit_for_bit_and_keeps_it(nodes):
     fresh1, model1, optim1 = _state(steps=0)
     got1 = MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(fresh1, replicated=True)
     assert (got1.source, got1.step) == (PEER, 3)
+    assert [name for name, _ in got1.phases] == ["offers", "layout", "transfer", "load", "keep"]
     assert fresh1["train"].step == 3 and fresh1["train"].data == state["train"].data
     assert fresh1["sched"].obj.state_dict() == state["sched"].obj.state_dict()
     assert optim1.state_dict()["param_groups"] == optim.state_dict()["param_groups"]

@@ -50,6 +50,10 @@ class Restored:
     senders: tuple[int, ...] = ()  # PEER/BUDDY: the ranks that sent a snapshot to another
     receivers: int = 0  # PEER: how many ranks received it; BUDDY: how many pieces moved between ranks
     saved_world_size: int | None = None  # of the generation that wrote it
+    # Where this rank's seconds went, in order (``_restore``): offers (read the slots, gather,
+    # choose), layout (a receiver takes its state dicts; the ranks agree on the layout),
+    # transfer (send or receive, agreed), load (into the live state, agreed), keep (publish).
+    phases: tuple[tuple[str, float], ...] = ()
 
 
 def restored_message(r: Restored, saved_world_size: int | None, world_size: int) -> str:
@@ -141,6 +145,8 @@ class MemoryTier:
                            "restoring from storage")
             self._unpublish_all()
             return None
+        laps = _Laps(t0)
+        laps("offers")
         slot = self._slot_for(plan, headers)
         senders = plan.senders(self.world_size)
         trees, expect = self._expected(plan, state) if self.rank in senders else (None, None)
@@ -152,8 +158,10 @@ class MemoryTier:
                            "restoring from storage")
                 self._unpublish_all()
                 return None
+        laps("layout")
         got, problem, trees = self._exchange(plan, slot, senders, expect, state, trees)
         failed = self._failing(problem is not None)
+        laps("transfer")
         if failed:  # nothing was loaded yet: every rank falls back to storage
             if problem:
                 self._warn(f"rank {self.rank}: receiving step {plan.step} from a peer failed ({problem})")
@@ -166,9 +174,11 @@ class MemoryTier:
             raise RuntimeError(f"restoring step {plan.step} from memory failed on rank(s) {failed} "
                                f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
                                "the next restart restores from storage")
+        laps("load")
         self._last = self._keep(plan, slot, got)
+        laps("keep")
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
-                        len(senders))
+                        len(senders), phases=laps.done())
 
     def _failing(self, bad: bool) -> list[int]:
         """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
@@ -490,6 +500,21 @@ class MemoryTier:
             with contextlib.suppress(OSError):
                 region.unpublish()
         self._last = None
+
+
+class _Laps:
+    """Seconds between successive named moments, from ``t0``."""
+
+    def __init__(self, t0: float) -> None:
+        self._last, self._laps = t0, []
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self._laps.append((name, round(now - self._last, 4)))
+        self._last = now
+
+    def done(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._laps)
 
 
 def _data_len(skeleton: Any) -> int:
