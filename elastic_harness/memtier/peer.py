@@ -71,8 +71,9 @@ class Wire:
 CHUNK = 8 << 20  # a snapshot's bytes travel in pieces of this size, all posted at once
 
 
-def pieces(size: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+def pieces(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
     """Pure: ``[start, end)`` of each piece of ``size`` bytes (both sides cut the same way)."""
+    chunk = chunk or CHUNK
     return [(a, min(a + chunk, size)) for a in range(0, size, chunk)]
 
 
