@@ -78,6 +78,7 @@ CONTRACT: dict[str, EventKind] = {
         "samples": "samples consumed so far (the data cursor)",
         "message": "one line for the terminal",
         "senders": "memory/peer/buddy: the ranks that sent a snapshot to ranks without it",
+        "phases_s": "memory/peer: rank 0's seconds per phase of the restore (offers, layout, transfer, load, keep)",
         "receivers": "memory/peer: how many ranks received it from a peer; buddy: how many snapshots "
                      "moved between ranks",
     }),

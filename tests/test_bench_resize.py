@@ -31,7 +31,9 @@ def joined_run(source: str = "peer") -> list[dict]:
         ev(16.5, "torchelastic", 2, name="dynamic_rendezvous.py:_mark_rendezvous_complete"),
         ev(17.2, "worker", 20, rank=0, node="0"), ev(17.2, "rendezvous", 20, world_size=2, pg_init_s=0.2),
         ev(17.21, "worker", 21, rank=1, node="1"),
-        ev(17.5, "resume", 20, step=100, source=source, load_s=0.05, saved_world_size=1, world_size=2),
+        ev(17.5, "resume", 20, step=100, source=source, load_s=0.05, saved_world_size=1, world_size=2,
+           **({"phases_s": {"offers": 0.01, "layout": 0.02, "transfer": 0.015, "load": 0.005, "keep": 0.0}}
+              if source == "peer" else {})),
         *steps(20, 101, 110, 17.5, 0.1),
     ]
 
@@ -44,6 +46,8 @@ def test_a_join_is_timed_from_the_new_agent_up_to_the_first_step_at_the_new_size
                                              "process_group": 0.2, "restore": 0.3, "first_step": 0.1})
     assert sum(rec["phases_s"].values()) == pytest.approx(rec["join_s"])
     assert (rec["source"], rec["world_size"], rec["saved_world_size"]) == ("peer", 2, 1)
+    # The restore phase split: before the load (building the run) and the tier's own phases.
+    assert rec["before_load_s"] == pytest.approx(0.25) and rec["tier_phases_s"]["transfer"] == 0.015
 
 
 def test_a_node_that_never_joined_has_no_phases_and_a_later_drain_is_not_its():
@@ -60,6 +64,7 @@ def test_scale_up_reports_the_ratio_and_whether_the_peer_arm_read_storage():
     out = resize.scale_up_result(runs, repeats=2)
     assert out["ratio"] == pytest.approx(3.4 / 4.4, abs=1e-3)
     assert out["no_storage_read"] is True and out["sources"]["storage"] == ["storage", "storage"]
+    assert out["median_phases_s"]["peer"]["tier.layout"] == 0.02 and "tier.layout" not in out["median_phases_s"]["storage"]
     runs["peer"][1] = {**runs["peer"][1], "source": "storage"}
     assert resize.scale_up_result(runs, repeats=2)["no_storage_read"] is False
     assert recovery.goals_met({"scale_up": out}, repeats=2)["note"].startswith("--repeats 2")

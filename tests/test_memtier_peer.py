@@ -188,6 +188,7 @@ def test_a_joining_rank_receives_the_state_bit_for_bit_and_keeps_it(nodes):
     fresh1, model1, optim1 = _state(steps=0)
     got1 = MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(fresh1, replicated=True)
     assert (got1.source, got1.step) == (PEER, 3)
+    assert [name for name, _ in got1.phases] == ["offers", "layout", "transfer", "load", "keep"]
     assert fresh1["train"].step == 3 and fresh1["train"].data == state["train"].data
     assert fresh1["sched"].obj.state_dict() == state["sched"].obj.state_dict()
     assert optim1.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
@@ -300,3 +301,69 @@ def test_two_processes_a_rank_without_slots_receives_over_gloo(tmp_path):
         host.close()
     assert [(g["source"], g["step"], g["train"]) for g in got] == [(PEER, 5, 5)] * 2
     assert got[0]["params"] == got[1]["params"] and got[0]["momentum"] == got[1]["momentum"]
+
+
+# ----- the transfer's pieces ---------------------------------------------------------------
+
+def test_a_snapshot_travels_in_pieces_cut_the_same_way_on_both_sides():
+    from elastic_harness.memtier.peer import pieces
+
+    assert pieces(0) == [] and pieces(5, 8) == [(0, 5)] and pieces(16, 8) == [(0, 8), (8, 16)]
+    assert pieces(17, 8) == [(0, 8), (8, 16), (16, 17)]
+
+
+class Posted(Recorder):
+    """A wire whose tensor bytes are posted (``post_send``/``post_recv``) and waited for
+    later; ``log`` records posts, waits and (patched in) the sender's ``targets``."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.log: list[str] = []
+
+    def wire(self) -> Wire:
+        base = super().wire()
+        log = self.log
+
+        class Work:
+            def __init__(self, name):
+                self.name = name
+
+            def wait(self):
+                log.append(f"wait {self.name}")
+
+        def post_send(t, dst):
+            base.send(t, dst)
+            log.append(f"post {t.numel()}")
+            return Work(t.numel())
+
+        def post_recv(t, src):
+            base.recv(t, src)
+            return Work(t.numel())
+
+        return Wire(base.gather, base.send, base.recv, post_send=post_send, post_recv=post_recv)
+
+
+def test_a_sender_posts_the_bytes_in_pieces_and_takes_its_state_dicts_while_they_move(nodes, monkeypatch):
+    state, model, optim = _state()
+    saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
+    saver.replicated = True
+    saver.save(3, state)
+    data_len = nodes[0][0].header().data_len
+    monkeypatch.setattr("elastic_harness.memtier.peer.CHUNK", 256)  # several pieces of a tiny state
+    holder = Posted(0, [encode_offers([]), [0], [0], [0]])
+    real = snapshot.targets
+    monkeypatch.setattr(snapshot, "targets", lambda s: (holder.log.append("targets"), real(s))[1])
+    fresh0, model0, _ = _state(steps=0)
+    got0 = MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(fresh0, replicated=True)
+    n = -(-data_len // 256)
+    assert n > 1 and got0.source == PEER
+    # every piece posted, then the sender's own state dicts, then the waits
+    assert [e.split()[0] for e in holder.log] == ["post"] * n + ["targets"] + ["wait"] * n
+    assert len(holder.sent) == 2 + n  # announcement, skeleton, the pieces
+    joiner = Posted(1, [encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)]), [0], [0], [0]],
+                    inbox=holder.sent)
+    fresh1, model1, _ = _state(steps=0)
+    assert MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(
+        fresh1, replicated=True).source == PEER
+    for a, b, c in zip(model.parameters(), model0.parameters(), model1.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

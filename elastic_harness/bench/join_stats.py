@@ -20,6 +20,11 @@ step. Consecutive phases, each between two moments the events record:
 - ``first_step``: until that generation's first ``step`` event.
 
 A phase whose end was not recorded is None and the next recorded one spans the gap.
+
+The restore phase is split further: ``before_load_s`` (restore less ``load_s``: building the
+run, and for storage listing and verifying the checkpoint) and, for a restore from memory,
+``tier_phases_s``: rank 0's seconds per phase of ``MemoryTier.restore`` (offers, layout,
+transfer, load, keep; the ``resume`` event's ``phases_s``).
 """
 
 from __future__ import annotations
@@ -89,6 +94,9 @@ def join_record(events: Sequence[dict], fault: dict) -> dict:
         "phases_s": phases,
         "source": resume.get("source", "fresh" if resume.get("fresh") else None) if resume else None,
         "load_s": resume.get("load_s") if resume else None,
+        "before_load_s": (round(phases["restore"] - resume["load_s"], 4)
+                          if resume and phases["restore"] is not None and resume.get("load_s") is not None else None),
+        "tier_phases_s": dict(resume.get("phases_s") or {}) if resume else {},
         "world_size": formed.get("world_size") if formed else None,
         "saved_world_size": resume.get("saved_world_size") if resume else None,
     }
@@ -100,9 +108,12 @@ def joins(events: Sequence[dict]) -> list[dict]:
 
 
 def median_phases(records: Sequence[dict]) -> dict[str, float | None]:
-    """Per phase (and ``join_s``, ``paused_s``, ``boot_s``, ``load_s``), the median over the joins that
-    recorded it."""
+    """Per phase (and ``join_s``, ``paused_s``, ``boot_s``, ``load_s``, ``before_load_s``, each
+    ``tier_phases_s`` phase as ``tier.NAME``), the median over the joins that recorded it."""
     out = {p: median_of([r["phases_s"].get(p) for r in records]) for p in PHASES}
-    for key in ("join_s", "paused_s", "boot_s", "load_s"):
+    for key in ("join_s", "paused_s", "boot_s", "load_s", "before_load_s"):
         out[key] = median_of([r.get(key) for r in records])
+    tier = sorted({name for r in records for name in r.get("tier_phases_s") or {}})
+    for name in tier:
+        out[f"tier.{name}"] = median_of([(r.get("tier_phases_s") or {}).get(name) for r in records])
     return out

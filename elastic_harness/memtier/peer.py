@@ -43,6 +43,11 @@ class Wire:
     # and a blocking receive (called from the receiving thread).
     isend: Callable[[torch.Tensor, int], Any] | None = None
     recv_copy: Callable[[torch.Tensor, int], None] | None = None
+    # A restore's tensor bytes (tag 0, as ``send``/``recv``): post a send or a receive and
+    # return its work (``wait()``), so several pieces are in flight (``send_chunked``).
+    # None: the blocking ``send``/``recv``, one piece after another.
+    post_send: Callable[[torch.Tensor, int], Any] | None = None
+    post_recv: Callable[[torch.Tensor, int], Any] | None = None
 
     @classmethod
     def of(cls, group: Any, world_size: int) -> Wire:
@@ -60,7 +65,46 @@ class Wire:
                    lambda t, dst: dist.send(t, group=group, group_dst=dst),
                    lambda t, src: dist.recv(t, group=group, group_src=src),
                    lambda t, dst: dist.isend(t, group=group, group_dst=dst, tag=TAG),
-                   lambda t, src: dist.recv(t, group=group, group_src=src, tag=TAG))
+                   lambda t, src: dist.recv(t, group=group, group_src=src, tag=TAG),
+                   lambda t, dst: dist.isend(t, group=group, group_dst=dst),
+                   lambda t, src: dist.irecv(t, group=group, group_src=src))
+
+
+CHUNK = 8 << 20  # a snapshot's bytes travel in pieces of this size, all posted at once
+
+
+def pieces(size: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """Pure: ``[start, end)`` of each piece of ``size`` bytes (both sides cut the same way)."""
+    chunk = chunk or CHUNK
+    return [(a, min(a + chunk, size)) for a in range(0, size, chunk)]
+
+
+def post_chunked(wire: Wire, data: torch.Tensor, receivers: list[int]) -> list[Any]:
+    """Post ``data`` (uint8) to every receiver, in ``pieces``; the works to wait for
+    (``wait_all``). Gloo moves them from its own threads, to several receivers at once
+    (measured on 2 loopback ranks, 100 MB: 1.4 GB/s in one message, 1.9 GB/s in 8 MB
+    pieces), while the caller goes on. With blocking sends only: sent here, nothing to wait for."""
+    if wire.post_send is None:
+        for r in receivers:
+            for a, b in pieces(data.numel()):
+                wire.send(data[a:b], r)
+        return []
+    return [wire.post_send(data[a:b], r) for r in receivers for a, b in pieces(data.numel())]
+
+
+def wait_all(works: list[Any]) -> None:
+    """Wait for every posted send or receive; one whose peer died raises (as a blocking one would)."""
+    for w in works:
+        w.wait()
+
+
+def recv_chunked(wire: Wire, data: torch.Tensor, src: int) -> None:
+    """``send_chunked``'s other side: ``data`` (uint8, the size announced) from ``src``."""
+    if wire.post_recv is None:
+        for a, b in pieces(data.numel()):
+            wire.recv(data[a:b], src)
+        return
+    wait_all([wire.post_recv(data[a:b], src) for a, b in pieces(data.numel())])
 
 
 def sharded_layout(parallelism: str, state_keys: Any) -> bool:

@@ -52,6 +52,10 @@ class Restored:
     senders: tuple[int, ...] = ()  # PEER/BUDDY: the ranks that sent a snapshot to another
     receivers: int = 0  # PEER: how many ranks received it; BUDDY: how many pieces moved between ranks
     saved_world_size: int | None = None  # of the generation that wrote it
+    # Where this rank's seconds went, in order (``_restore``): offers (read the slots, gather,
+    # choose), layout (a receiver takes its state dicts; the ranks agree on the layout),
+    # transfer (send or receive, agreed), load (into the live state, agreed), keep (publish).
+    phases: tuple[tuple[str, float], ...] = ()
 
 
 def restored_message(r: Restored, saved_world_size: int | None, world_size: int) -> str:
@@ -150,9 +154,11 @@ class MemoryTier:
                            "restoring from storage")
             self._unpublish_all()
             return None
+        laps = _Laps(t0)
+        laps("offers")
         slot = self._slot_for(plan, headers)
         senders = plan.senders(self.world_size)
-        expect = self._expected(plan, state) if self.rank in senders else None
+        trees, expect = self._expected(plan, state) if self.rank in senders else (None, None)
         if senders:  # the layout is agreed before a byte moves
             mismatch = self._failing(isinstance(expect, str))
             if mismatch:
@@ -161,23 +167,27 @@ class MemoryTier:
                            "restoring from storage")
                 self._unpublish_all()
                 return None
-        got, problem = self._exchange(plan, slot, senders, expect)
+        laps("layout")
+        got, problem, trees = self._exchange(plan, slot, senders, expect, state, trees)
         failed = self._failing(problem is not None)
+        laps("transfer")
         if failed:  # nothing was loaded yet: every rank falls back to storage
             if problem:
                 self._warn(f"rank {self.rank}: receiving step {plan.step} from a peer failed ({problem})")
             self._unpublish_all()
             return None
-        error = self._load(state, *got)
+        error = self._load(state, *got, trees=trees)
         failed = self._failing(error is not None)
         if failed:
             self._unpublish_all()
             raise RuntimeError(f"restoring step {plan.step} from memory failed on rank(s) {failed} "
                                f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
                                "the next restart restores from storage")
+        laps("load")
         self._last = self._keep(plan, slot, got)
+        laps("keep")
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
-                        len(senders), plan.saved_world_size or None)
+                        len(senders), plan.saved_world_size or None, phases=laps.done())
 
     def _failing(self, bad: bool) -> list[int]:
         """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
@@ -302,49 +312,64 @@ class MemoryTier:
                 return slot
         raise AssertionError("a holder without its snapshot")  # the plan came from these headers
 
-    def _expected(self, plan: Plan, state: dict[str, Any]) -> int | str:
-        """A receiver: the tensor bytes its live state takes, if its layout digest is the
-        plan's; else why not. (Every rank loads once the plan is agreed, so taking the live
-        state dicts here creates an empty optimizer's state only where it is restored.)"""
+    def _expected(self, plan: Plan, state: dict[str, Any]) -> tuple[Any, int | str]:
+        """A receiver: the state dicts to load into (``snapshot.targets``) and the tensor
+        bytes its live state takes, if its layout digest is the plan's; else why not. (Every
+        rank loads once the plan is agreed, so taking the live state dicts here creates an
+        empty optimizer's state only where it is restored.)"""
         try:
-            mine = snapshot.capture_trees(snapshot.targets(state))
+            trees = snapshot.targets(state)
+            mine = snapshot.capture_trees(trees)
         except Exception as e:  # noqa: BLE001 - agreed on by every rank
-            return f"{e!r:.200}"
+            return None, f"{e!r:.200}"
         want = plan.digests[plan.coordinate(self.rank)] if plan.mesh else plan.digest
-        return mine.data_len if mine.digest == want else "its state's layout digest differs"
+        return trees, mine.data_len if mine.digest == want else "its state's layout digest differs"
 
-    def _exchange(self, plan: Plan, slot: int | None, senders: dict[int, int],
-                  expect: int | str | None) -> tuple[tuple, str | None]:
+    def _exchange(self, plan: Plan, slot: int | None, senders: dict[int, int], expect: int | str | None,
+                  state: dict[str, Any], trees: Any) -> tuple[tuple, str | None, Any]:
         """Send the snapshot to this rank's receivers, or receive it from its sender: the
-        snapshot to load, as (data, base, skeleton, data_len, local skeleton bytes), and the
-        problem that stops this rank from restoring it (then nothing was loaded anywhere)."""
-        if slot is not None:
-            try:
-                data, skeleton, header = self._read(slot)
-            except Exception as e:  # noqa: BLE001 - agreed on by every rank
-                data, skeleton, header, problem = None, None, None, f"{e!r:.300}"
-            else:
-                problem = None
-            receivers = [r for r, s in senders.items() if s == self.rank]
-            if receivers:
-                self._send(receivers, data, skeleton, header)
-            return (data, HEADER_SIZE, skeleton, 0, b""), problem
-        return self._receive(plan, senders[self.rank], expect)
+        snapshot to load, as (data, base, skeleton, data_len, local skeleton bytes), the
+        problem that stops this rank from restoring it (then nothing was loaded anywhere),
+        and the state dicts to load into if taken here (a sender takes its own while gloo
+        moves the bytes, instead of after)."""
+        if slot is None:
+            return (*self._receive(plan, senders[self.rank], expect), trees)
+        try:
+            data, skeleton, header = self._read(slot)
+        except Exception as e:  # noqa: BLE001 - agreed on by every rank
+            data, skeleton, header, problem = None, None, None, f"{e!r:.300}"
+        else:
+            problem = None
+        receivers = [r for r, s in senders.items() if s == self.rank]
+        if receivers:
+            works = self._send(receivers, data, skeleton, header)
+            if works:
+                try:
+                    trees = snapshot.targets(state)
+                except Exception as e:  # noqa: BLE001 - agreed on by every rank (nothing loaded yet)
+                    problem = problem or f"{e!r:.300}"
+            peer.wait_all(works)
+        return (data, HEADER_SIZE, skeleton, 0, b""), problem, trees
 
-    def _send(self, receivers: list[int], data: Any, skeleton: Any, header: Header | None) -> None:
+    def _send(self, receivers: list[int], data: Any, skeleton: Any, header: Header | None) -> list[Any]:
+        """The snapshot to each receiver: an announcement, the skeleton's JSON (encoded once),
+        then the tensor bytes straight from this rank's slot (``peer.post_chunked``): the
+        sends still in flight, to wait for (none where the wire only has blocking sends)."""
         try:
             raw = peer.encode_skeleton(skeleton) if header is not None else b""
         except snapshot.Unsupported as e:
             self._warn(f"rank {self.rank}: cannot send its snapshot to peers ({e})")
             raw = b""
         ok = bool(raw) and len(raw) <= peer.MAX_SKELETON
+        body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if ok else None
         for r in receivers:
             meta = torch.tensor([int(ok), header.data_len if ok else 0, len(raw) if ok else 0], dtype=torch.int64)
             self.wire.send(meta, r)
             if ok:
-                self.wire.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), r)
-                if header.data_len:
-                    self.wire.send(data[HEADER_SIZE:HEADER_SIZE + header.data_len], r)
+                self.wire.send(body, r)
+        if not (ok and header.data_len):
+            return []
+        return peer.post_chunked(self.wire, data[HEADER_SIZE:HEADER_SIZE + header.data_len], receivers)
 
     def _receive(self, plan: Plan, src: int, expect: Any) -> tuple[tuple, str | None]:
         meta = torch.zeros(3, dtype=torch.int64)
@@ -364,8 +389,8 @@ class MemoryTier:
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             skeleton, local, problem = None, b"", f"its skeleton is malformed ({e!r:.200})"
         data, base = self._room(data_len + len(local))
-        if data_len:
-            self.wire.recv(data[base:base + data_len], src)  # straight into this rank's slot
+        if data_len:  # straight into this rank's slot
+            peer.recv_chunked(self.wire, data[base:base + data_len], src)
         return (data, base, skeleton, data_len, local), problem
 
     def _room(self, size: int) -> tuple[torch.Tensor, int]:
@@ -475,10 +500,12 @@ class MemoryTier:
         data = region.data()
         return data, snapshot.read_skeleton(data, HEADER_SIZE, header.data_len, header.skeleton_len), header
 
-    def _load(self, state: dict[str, Any], data: Any, base: int, skeleton: Any, *_: Any) -> str | None:
-        """Fill ``state`` from a snapshot's bytes and skeleton; why it failed, or None."""
+    def _load(self, state: dict[str, Any], data: Any, base: int, skeleton: Any, *_: Any,
+              trees: Any = None) -> str | None:
+        """Fill ``state`` from a snapshot's bytes and skeleton (``trees``: its state dicts, if
+        already taken); why it failed, or None."""
         try:
-            trees = snapshot.targets(state)
+            trees = snapshot.targets(state) if trees is None else trees
             misfit = snapshot.misfit(skeleton, trees)
             if misfit:
                 return f"the snapshot does not fit this state's layout ({misfit})"
@@ -499,6 +526,21 @@ def _of_coordinate(h: Header, plan: Plan, c: int) -> bool:
     return (h.step == plan.step and h.generation == plan.generation and h.world_size == plan.saved_world_size
             and (h.shard, h.tensor) == tuple(plan.mesh) and h.rank % (h.shard * h.tensor) == c
             and h.digest == plan.digests[c] and not h.replicated)
+
+
+class _Laps:
+    """Seconds between successive named moments, from ``t0``."""
+
+    def __init__(self, t0: float) -> None:
+        self._last, self._laps = t0, []
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self._laps.append((name, round(now - self._last, 4)))
+        self._last = now
+
+    def done(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._laps)
 
 
 def _data_len(skeleton: Any) -> int:

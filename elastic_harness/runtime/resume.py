@@ -90,7 +90,7 @@ def _from_memory(restored: Restored, train: TrainState, *, events: Any, metrics:
     events.emit(
         "resume", step=restored.step, source=restored.source, saved_world_size=saved,
         world_size=world_size, load_s=round(restored.seconds, 4), samples=train.data.cursor,
-        senders=list(restored.senders), receivers=restored.receivers,
+        senders=list(restored.senders), receivers=restored.receivers, phases_s=dict(restored.phases),
         message=restored_message(restored, saved, world_size),
     )
     return restored.step
