@@ -110,6 +110,7 @@ def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path
     assert (shrunk["source"], shrunk["saved_world_size"], shrunk["world_size"]) == ("storage", 4, 2)
     assert shrunk["step"] >= 4
     assert (grown["source"], grown["saved_world_size"], grown["world_size"]) == ("storage", 2, 4)
+    assert r.kinds("drain")[-1]["saved"] == "storage", "HSDP: memory does not cover a join, the drain saves"
     seen = audit(tmp_path, N, G, steps)
     assert set(seen["dp_sizes"].values()) == {2, 4}, "data-parallel degree 4 -> 2 -> 4"
     # parameters within the stated tolerance of the same job uninterrupted at (replicate 2, shard 2)
