@@ -123,6 +123,8 @@ CONTRACT: dict[str, EventKind] = {
     "drain": EventKind("rank 0", "stopped early after saving (SIGTERM or membership change)", {
         "step": "last step done and saved",
         "world_size": _WORLD,
+        "saved": "memory (a drain only for a node joining, kept as a forced in-memory snapshot, no storage "
+                 "write) or storage",
     }),
     "finish": EventKind("rank 0", "the job completed its last step", {
         "step": "final step",

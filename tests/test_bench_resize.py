@@ -88,6 +88,17 @@ def test_churn_result_judges_the_goal_only_at_its_setting():
     assert set(short["badput_s"]) >= {"startup", "rendezvous", "restart", "lost_work"}
     assert short["resume_sources"] == {"fresh": 1, "peer": 1} and short["world_sizes"] == [1, 2]
     assert len(short["joins"]) == 1 and len(short["kills"]) == 1
+    assert short["join_drains"] == {"memory": 0, "storage_writes": 1, "stop": None}  # no ``saved``: storage
+    assert short["storage_writes_per_join"] == 1.0
+    # start-up by phase; the moments this synthetic run lacks (first round, spawn) span into the next
+    assert short["startup"] == {"total_s": 4.5, "phases_s": pytest.approx(
+        {"agents": 1.0, "rendezvous": None, "spawn": None, "worker_init": 2.9, "process_group": 0.1,
+         "build_restore": 0.5})}
+    in_memory = [{**e, "saved": "memory"} if e["event"] == "drain" else e for e in events]
+    stopped = [*in_memory, ev(30.0, "drain", 20, step=110, world_size=2, saved="storage")]
+    out = resize.churn_result(stopped, [], 130, duration=40, every=20)
+    assert out["join_drains"] == {"memory": 1, "storage_writes": 0, "stop": "storage"}
+    assert out["storage_writes_per_join"] == 0.0
     assert resize.churn_result(events, [], 0, duration=600, every=120)["at_goal_setting"] is True
 
 
@@ -107,6 +118,7 @@ def test_a_tiny_churn_bench_fires_its_faults_and_prints_the_goodput(tmp_path):
     assert 0 < churn["goodput"] < 1 and churn["productive_s"] > 0
     assert set(churn["badput_s"]) == set(recovery_badput())
     assert churn["at_goal_setting"] is False and churn["met"] is False
+    assert churn["startup"]["total_s"] > 0 and churn["join_drains"]["storage_writes"] == 0, churn["join_drains"]
     assert [p.name for p in tmp_path.iterdir()] == ["churn.json"]  # the scratch dir is gone
 
 

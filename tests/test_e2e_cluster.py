@@ -51,6 +51,11 @@ def test_node_loss_shrinks_and_new_node_grows(heavy_reference, tmp_path):
     assert gens[2]["restart"] == gens[1]["restart"] == gens[0]["restart"] + 1
     (drain,) = r.kinds("drain")
     assert r.kinds("resume")[-1]["step"] == drain["step"], "scale-up must lose no step"
+    # A drain only for a join, under DDP: a forced snapshot in memory, no storage write
+    # (a checkpoint at that step only if the periodic one fell due there: every 10 steps).
+    assert drain["saved"] == "memory"
+    at_drain = [c for c in r.kinds("checkpoint") if c["step"] == drain["step"]]
+    assert not at_drain or drain["step"] % 10 == 0, at_drain
     # DDP: the survivor restores its own memory at world size 1; at the scale-up the new
     # node's rank receives the drained state from the survivor's (memtier.peer): no storage read.
     after_loss, after_join = r.kinds("resume")[-2:]
@@ -70,6 +75,7 @@ def test_preempted_node_drains_with_zero_lost_steps(tmp_path):
     assert fault_kinds(r) == ["preempt"]
     (drain,) = r.kinds("drain")
     assert drain["step"] >= 40
+    assert drain["saved"] == "storage", "a preemption always saves to storage"
     resumed = r.kinds("resume")[-1]
     assert resumed["step"] == drain["step"] and resumed["world_size"] == 1
     exits = {e["node"]: e["code"] for e in r.kinds("exit") if e.get("who") == "agent"}

@@ -115,6 +115,7 @@ def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path
     assert (grown["source"], grown["saved_world_size"], grown["world_size"]) == ("peer", 2, 4), grown
     assert grown["receivers"] == 2 and len(grown["senders"]) == 2, grown
     print(f"resume seconds: shrink {shrunk['load_s']}, grow {grown['load_s']}")
+    assert r.kinds("drain")[-1]["saved"] == "memory", "a join under HSDP drains to memory: no storage write"
     seen = audit(tmp_path, N, G, steps)
     assert set(seen["dp_sizes"].values()) == {2, 4}, "data-parallel degree 4 -> 2 -> 4"
     # parameters within the stated tolerance of the same job uninterrupted at (replicate 2, shard 2)

@@ -16,6 +16,7 @@ import pytest
 
 from elastic_harness.launch.config import NodeOptions, rdzv_configs
 from elastic_harness.launch.rendezvous import (
+    POLL_S,
     RoundTimeout,
     create_handler,
     last_call_s,
@@ -40,9 +41,10 @@ def test_last_call_per_round(round_, waiting, missing, want):
 
 
 def test_others_waiting_get_two_polls_at_least():
-    """A waiting agent reads the state once a second: a last call of one second closed the
-    round on the poll it would have joined at."""
-    assert last_call_s(2, 1, start_s=15.0, later_s=1.0) == 2.0
+    """A waiting agent reads the state once a poll: a last call of one poll closed the
+    round on the poll it would have joined at (seen with torch's 1 s poll and 1 s)."""
+    assert last_call_s(2, 1, start_s=15.0, later_s=POLL_S) == 2 * POLL_S
+    assert last_call_s(2, 1, start_s=15.0, later_s=1.0) == 1.0
     assert last_call_s(2, 1, start_s=15.0, later_s=5.0) == 5.0
     assert last_call_s(2, 0, 1, start_s=15.0, later_s=0.5) == 0.5, "the peer grace stays <= later_s"
 

@@ -15,8 +15,9 @@
   stops the run (SIGINT to the host: a graceful drain). The bench asks for each fault when
   it is due (``chaos.inject.request``, what ``elastic-harness chaos RUN_DIR FAULT`` does), so
   the schedule runs on training time: a loaded machine's slow start does not eat it. Reported: goodput (``goodput``'s one definition, over the whole run:
-  start-up and the final drain included) with its badput breakdown, every kill's recovery
-  and every join's record. Node 0 hosts the rendezvous store (as a real job's store host),
+  start-up and the final drain included) with its badput breakdown, start-up by phase
+  (``startup_stats``), every kill's recovery, every join's record, and where each join's
+  drain kept the state (``join_drains``: memory, or a storage write). Node 0 hosts the rendezvous store (as a real job's store host),
   so the churn hits the other node: kill node 1, start node 2, kill node 2, start node 3...
   The goal (>= 0.95) is judged at its own setting only (a kill every <= 120 s over >= 600 s);
   a shorter run says so in the JSON and is a test of the plumbing.
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import crash_stats, join_stats
+from elastic_harness.bench import crash_stats, join_stats, startup_stats
 from elastic_harness.bench.launching import _signal_group, _spawn, log_tails, write_job
 from elastic_harness.chaos.inject import request
 from elastic_harness.events import EventTail, read_events
@@ -121,6 +122,7 @@ def churn_result(events: list[dict], schedule: list[str], code: int | None, dura
     fired = [e for e in events if e["event"] == "fault"]
     joined = join_stats.joins(events)
     resumes = [e.get("source", "fresh" if e.get("fresh") else None) for e in events if e["event"] == "resume"]
+    drains = startup_stats.drain_saves(events)
     at_setting = duration >= CHURN_GOAL_SETTING[0] and every <= CHURN_GOAL_SETTING[1]
     return {
         "exit": code, "duration_s": duration, "every_s": every, "schedule": schedule,
@@ -135,6 +137,11 @@ def churn_result(events: list[dict], schedule: list[str], code: int | None, dura
         "median_kill_recovery_s": crash_stats.median_of([f.recovery_s for f in kills]),
         "mean_steps_lost_per_kill": crash_stats.mean_of([f.steps_lost for f in kills]),
         "joins": joined, "median_join": join_stats.median_phases(joined),
+        # Start-up (goodput's term) by phase, and where each join's drain kept the state:
+        # ``storage_writes`` drains for a join that wrote a storage checkpoint (0: memory).
+        "startup": startup_stats.startup_phases(events),
+        "join_drains": drains,
+        "storage_writes_per_join": round(drains["storage_writes"] / len(joined), 3) if joined else None,
         "resume_sources": {s: resumes.count(s) for s in sorted(set(map(str, resumes)))},
         "world_sizes": sorted({e["world_size"] for e in events if e["event"] == "step" and "world_size" in e}),
         "goal": f"goodput >= {CHURN_GOAL} with a node killed and replaced every {CHURN_GOAL_SETTING[1]:g} s "

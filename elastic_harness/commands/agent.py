@@ -114,10 +114,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str) -> int:
     from elastic_harness.launch.zygote import Zygote
+    from elastic_harness.runtime.zygote import preload_for  # stdlib only: the zygote imports torch
 
     # Warm starts: the zygote imports torch and the harness (seconds) while this process
     # does and the first rendezvous runs, so it is started before anything here imports torch.
-    zygote = Zygote() if spec.warm_start else None
+    zygote = Zygote(preload_for(tensorboard=spec.metrics.tensorboard)) if spec.warm_start else None
     if zygote is not None:
         zygote.start()
     try:

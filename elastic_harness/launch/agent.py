@@ -107,6 +107,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from elastic_harness.launch import watchdog
+    from elastic_harness.launch.rendezvous import group_running
 
     run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -127,10 +128,12 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                                              spec.timeouts.step)
         if on_health is not None:
             on_health(launch.agent.health)
-        if zygote is not None:
+        if zygote is not None and group_running(launch.spec.rdzv_handler):
             # Join once workers can be forked at once: a node joining a running job makes the
             # group drain as soon as it waits in the rendezvous, and the whole group would
-            # then wait for these imports (seconds; issue 26: a join's pause).
+            # then wait for these imports (seconds; issue 26: a join's pause). Not when no
+            # group runs yet (the job's start): the first round then overlaps the imports,
+            # and forking the workers waits for them (``Zygote.spawn``).
             zygote.wait_ready(ZYGOTE_READY_S)
         launch.run()
     except SignalException as e:

@@ -6,7 +6,9 @@ monitoring, restarts: all torch's) with three overrides:
 - ``_stop_workers``: torch stops the worker group for a restart or a membership change
   with a fixed 30 s grace; a drain that saves a large state needs
   ``timeouts.shutdown_grace`` (the launch config's shutdown timeout, which torch already
-  uses when the agent itself is signalled).
+  uses when the agent itself is signalled). For a membership change (the group healthy)
+  the workers first get ``JOIN_SIGNAL``, not SIGTERM: a drain for a join, which keeps the
+  state in memory where that covers the next restore (``runtime.hook``).
 - ``_monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
   error or crash loop?) and, if it gives a reason, spend no more restarts. Otherwise it
   settles the restart budget: torch's ``max_restarts`` counts every failure of the agent's
@@ -39,6 +41,8 @@ master address and port come from the rendezvous.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -63,6 +67,9 @@ from elastic_harness.launch.warm import WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 
 Report = Callable[[str, int], None]
+# What a worker takes for "drain, a node joins" (``runtime.session.Drain``); not imported
+# from there: the agent does not import the worker side.
+JOIN_SIGNAL = signal.SIGUSR1
 
 
 class HarnessAgent(LocalElasticAgent):
@@ -114,7 +121,28 @@ class HarnessAgent(LocalElasticAgent):
         return None
 
     def _stop_workers(self, worker_group: Any) -> None:
+        if worker_group.state == WorkerState.HEALTHY:
+            # torch stops a healthy group only for a membership change (a node waits to
+            # join): the workers drain for a join, which may keep their state in memory.
+            self._drain_for_join(self._shutdown_timeout)
         self._shutdown(timeout=self._shutdown_timeout)
+
+    def _drain_for_join(self, grace_s: float) -> None:
+        """Send the workers the join signal (``runtime.session.JOIN_SIGNAL``) instead of
+        SIGTERM, and wait up to ``grace_s`` for them to drain and exit; ``_shutdown``'s
+        SIGTERM then finds nothing left (or stops what did not exit). A SIGTERM to this
+        agent meanwhile (preemption) raises here as anywhere in the monitor loop, and the
+        workers then get SIGTERM: a stop, saved to storage, if it comes before their drain
+        step."""
+        pcontext = self._pcontext
+        if pcontext is None:
+            return
+        for pid in pcontext.pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, JOIN_SIGNAL)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not workers_exited(pcontext):
+            time.sleep(self._worker_group.spec.monitor_interval)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
@@ -150,6 +178,16 @@ class HarnessAgent(LocalElasticAgent):
             self._remaining_restarts = 0
             return
         spec.max_restarts, self._remaining_restarts = budget_refill(spec.max_restarts, self._remaining_restarts, left)
+
+
+def workers_exited(pcontext: Any) -> bool:
+    """Have all of the context's workers exited? Read without side effects: polling torch's
+    way would take a drained worker's exit for a failure and stop the rest."""
+    codes = getattr(pcontext, "_codes", None)  # ``WarmContext``: the zygote's reports
+    if codes is not None:
+        return len(codes()) >= pcontext.nprocs
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    return all(h.proc.poll() is not None for h in handlers.values())
 
 
 def bound_failure_close(pcontext: Any, grace_s: float) -> None:

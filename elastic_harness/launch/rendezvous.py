@@ -105,11 +105,17 @@ _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 
 
 
 # Seconds a later round waits for a peer of the previous round that has not joined it yet
-# (see the module docstring); torch polls the state about once a second, so about one poll.
+# (see the module docstring); a store round trip, well within torch's own 1 s poll.
 PEER_GRACE_S = 1.0
 
-# torch's fixed delay between a waiting node's reads of the rendezvous state (its SYNC action).
-TORCH_POLL_S = 1.0
+# Seconds between a waiting agent's reads of the rendezvous state (torch's SYNC action: 1 s),
+# and the oldest copy of the state torch serves instead of reading it (its state holder's
+# ``cache_duration``: 1 s), which is also how late a running agent, asking every
+# ``timeouts.monitor_interval``, sees a node waiting to join. At torch's 1 s a join paid
+# about a second three times over: the running agent noticing the joiner, then each of the
+# two agents seeing the other in the new round (issue 26). One store read per agent per
+# ``POLL_S`` while it waits or runs.
+POLL_S = 0.25
 
 
 def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
@@ -118,8 +124,8 @@ def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, sta
 
     ``round_`` 0 is the start of a submission: ``start_s``. Later rounds: ``later_s`` while
     ``others_waiting`` agents (listed as waiting for this round, besides the one deciding)
-    may still join, and at least two of their polls (``TORCH_POLL_S``): a waiting agent reads
-    the state once a second, and the deciding agent checks its deadline on the same beat, so
+    may still join, and at least two of their polls (``POLL_S``): a waiting agent reads
+    the state once a poll, and the deciding agent checks its deadline on the same beat, so
     a deadline one poll away is a coin toss between "joined" and "closed without it" (seen:
     two agents restarting together split into two groups of one); else ``PEER_GRACE_S`` (at
     most ``later_s``) while ``peers_missing`` agents of the deciding agent's previous round
@@ -128,7 +134,7 @@ def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, sta
     if round_ == 0:
         return start_s
     if others_waiting > 0:
-        return max(later_s, 2 * TORCH_POLL_S)
+        return max(later_s, 2 * POLL_S)
     return min(later_s, PEER_GRACE_S) if peers_missing > 0 else 0.0
 
 
@@ -278,6 +284,21 @@ class _Handler(DynamicRendezvousHandler):
         executor._keep_alive = keep_alive_with_identity
 
 
+def group_running(handler: Any) -> bool:
+    """Does the rendezvous hold a formed group, so that this agent's join makes it drain?
+    (A completed round with participants, read from the backend.) True when it cannot
+    tell (another handler, or the read fails): the caller then waits as if it did."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None:
+        return True
+    try:
+        holder.sync()
+    except Exception:  # noqa: BLE001 - the join that follows reports the backend's trouble
+        return True
+    state = holder.state
+    return bool(state.complete and state.participants)
+
+
 def _lives(state: Any) -> dict:
     """The state's ``lives`` table (node -> ``liveness.identity()``), made if missing: it
     rides in torch's pickled state object, which our sealed backends carry whole."""
@@ -297,10 +318,14 @@ def delay(seconds: float | tuple[float, float]) -> None:
     rendezvous state's round is 0, when the joining handler has been in a group. That skew is meant
     for agents starting together; but the round still reads 0 at the first restart (the next
     round opens only when an agent joins it), so every job paid it (0.15 s on average) on
-    its first restart. The fixed one-second poll (a bare number) is left alone."""
-    if isinstance(seconds, tuple) and getattr(_JOIN, "restart", False):
+    its first restart. The fixed one-second poll (a bare number, torch's only one) is
+    ``POLL_S``."""
+    if isinstance(seconds, tuple):
+        if getattr(_JOIN, "restart", False):
+            return
+        TORCH_DELAY(seconds)
         return
-    TORCH_DELAY(seconds)
+    TORCH_DELAY(min(seconds, POLL_S))
 
 
 def method_name(depth: int = 2) -> str:
@@ -354,6 +379,7 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
         keep_alive_max_attempt=int(params.get("keep_alive_max_attempt", 3)),
     )
     holder = handler._state_holder  # the state torch's join operation is changing
+    holder._cache_duration = POLL_S  # see ``POLL_S``
     timeout.follow(lambda: holder.state)
     handler.install_liveness()
     return handler

@@ -7,13 +7,16 @@ parts: nothing here reaches back into the ``Run``). In order, for each step:
    is not part of it);
 2. persistent buffers are set to rank 0's copy (``runtime.buffers``);
 3. the counters advance (step, data cursor) and the step's one all-reduce is collected:
-   [loss sum, drain requested, time-based save due, snapshot interval, buddy copies moving]. ``share_totals``
+   [loss sum, drain requested, time-based save due, snapshot interval, buddy copies moving,
+   stop requested]. ``share_totals``
    starts it without waiting when ``step.batches()`` ends (``runtime.step``), so it
    completes while the optimizer steps;
 4. metrics (every ``train.log_every`` and at the last step);
 5. a durable save if one is due (periodic, by time, the final one, a drain), preceded by the
    cross-rank comparison of an unwrapped model (``ReplicaCheck``), then the in-memory
-   snapshot if due;
+   snapshot if due. A drain only for a node joining (no rank asked to stop) takes a forced
+   in-memory snapshot instead of the storage save where memory covers the next restore
+   (``_join_snapshot``; docs/lifecycle.md);
 6. a drain ends the step here (``step.drained``: ``Run.steps`` exits 143); otherwise the
    job's scheduled faults for this step fire (``runtime.faults``).
 
@@ -87,7 +90,8 @@ class StepHook:
                  ckpt: CheckpointManager, memory: MemoryTier | None, cadence: Cadence,
                  drain_requested: Callable[[], bool], watchdog: ProgressWatchdog, faults: WorkerFaults,
                  replicas: ReplicaCheck | None = None, buffers: BufferSync | None = None,
-                 sample_log: Path | None = None) -> None:
+                 sample_log: Path | None = None, stop_requested: Callable[[], bool] | None = None,
+                 join_in_memory: bool = False) -> None:
         self.spec, self.train, self.state = spec, train, state
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.rank, self.world_size, self.dp_size = topology.rank, topology.world_size, topology.dp_degree
@@ -98,6 +102,9 @@ class StepHook:
         self.events, self.metrics, self.ckpt = events, metrics, ckpt
         self.memory, self.cadence = memory, cadence
         self.drain_requested = drain_requested
+        # A drain is a stop (storage save) unless every rank's request was a join's only.
+        self.stop_requested = stop_requested or drain_requested
+        self.join_in_memory = join_in_memory  # ``resume.memory_covers_join``
         self.watchdog, self.faults = watchdog, faults
         self.replicas, self.buffers = replicas, buffers
         self.sample_log = sample_log  # samples/rank-R.jsonl when train.record_samples
@@ -128,8 +135,8 @@ class StepHook:
         busy = float(self.memory is not None and (
             self.memory.busy(step.number, self.cadence.medians()[1], self.spec.checkpoint.memory_budget)
             if self.rank == 0 else self.memory.busy()))
-        totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k, busy],
-                              dtype=torch.float64)
+        totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k, busy,
+                               float(self.stop_requested())], dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)
         step.shared = (totals, work, step.loss_sum.clone(), step.samples)
 
@@ -156,14 +163,18 @@ class StepHook:
                               restart=self.restart, lr=step.lr, extra=user_metrics)
         self.last_done = now
         drain = totals[1] > 0
-        blocking = drain or (final and spec.checkpoint.save_final)
+        # Drained only because a node joins (no rank was asked to stop): the state may stay in memory.
+        in_memory = drain and not final and totals[5] == 0 and self._join_snapshot(train.step)
+        blocking = (drain and not in_memory) or (final and spec.checkpoint.save_final)
         periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
         self._maybe_save(train.step, blocking=blocking, periodic=periodic)
-        self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0)
+        if not in_memory:
+            self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0)
         if drain and not final:
             if self.memory is not None:
                 self.memory.settle(spec.timeouts.process_group)
-            self.events.emit("drain", step=train.step, world_size=self.world_size)
+            self.events.emit("drain", step=train.step, world_size=self.world_size,
+                             saved="memory" if in_memory else "storage")
             step.drained = True
             return
         self.faults.after_step(train.step)
@@ -205,6 +216,23 @@ class StepHook:
         if self.ckpt.save(step, self.state, blocking=blocking):
             self.last_save, self.last_saved_step = time.monotonic(), step
         self.watchdog.arm()
+
+    def _join_snapshot(self, step: int) -> bool:
+        """Collective (every rank, at a drain no rank was asked to stop for): a forced
+        in-memory snapshot of ``step`` in place of the drain's storage save, when memory
+        covers the next generation's restore (``join_in_memory``). True only if it did on
+        every rank; any rank without it (layout, the tier off or failing, its slot still being
+        sent) makes every rank save to storage as before."""
+        ok = False
+        if self.join_in_memory and self.memory is not None:
+            t0 = time.monotonic()
+            ok = self.memory.save(step, self.state, send=False)
+            self.snapshot_s = time.monotonic() - t0
+            if ok:
+                self.cadence.taken(step)
+        missing = torch.tensor([float(not ok)], dtype=torch.float64)
+        dist.all_reduce(missing)
+        return missing.item() == 0
 
     def _snapshot(self, step: int, k: int, *, forced: bool, copies_busy: bool = False) -> None:
         """Copy the state into the in-memory tier if it is due (``cadence``: every rank

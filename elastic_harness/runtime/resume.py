@@ -54,6 +54,21 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, parallelism: str,
     return ckpt.restore(state)
 
 
+def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state: dict[str, Any], *,
+                       parallelism: str) -> bool:
+    """Can a generation that drains only because a node joins leave its state in memory
+    alone (a forced snapshot, no storage write)? With the tier on and a layout that
+    ``restore`` rebuilds from the old ranks' snapshots at any world size: replicated (DDP,
+    the joiner receives it from a peer), 1-D FSDP (every old rank's own snapshot is still
+    held: resharded in memory) or a mesh (HSDP/TP: a join changes only the replicate degree,
+    and the joiner's ranks receive their (shard, tensor) coordinate's snapshot from a
+    replica). Anything else (the tier off, a script's per-rank entries) saves the drain to
+    storage."""
+    return memory is not None and (replicated_layout(parallelism, model, state)
+                                   or sharded_layout(parallelism, state)
+                                   or mesh_layout(parallelism, (1, 1), state) is not None)
+
+
 def announce(found: Restored | Loaded | None, train: TrainState, *, seed: int, events: Any,
              metrics: Metrics, world_size: int, before_saying: Callable[[], None] | None = None) -> int:
     """Check a restore from storage against the job, run ``before_saying`` (binding the data:

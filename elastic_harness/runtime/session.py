@@ -91,7 +91,7 @@ from elastic_harness.runtime.loader import to_device
 from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
-from elastic_harness.runtime.resume import announce, bind_data, restore
+from elastic_harness.runtime.resume import announce, bind_data, memory_covers_join, restore
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
@@ -201,15 +201,27 @@ def _prepare_standalone(spec: JobSpec, run_dir: Path, env: WorkerEnv, group: Any
     return claim
 
 
+JOIN_SIGNAL = signal.SIGUSR1  # the agent's "drain: a node joins" (``launch.elastic``)
+
+
 class Drain:
-    """SIGTERM/SIGINT set a flag; the step hook finishes the step, saves, and exits."""
+    """SIGTERM/SIGINT set a flag; the step hook finishes the step, saves, and exits.
+
+    ``JOIN_SIGNAL`` asks for the same drain for a membership change only (a node waits to
+    join; the agent sends it, then waits for its workers to exit): ``stop`` stays False, so
+    the hook may keep the drain's state in memory instead of storage. Any SIGTERM/SIGINT,
+    before or after, makes it a stop (preemption, the end of the run)."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.stop = False  # a SIGTERM/SIGINT came: the drain saves to storage
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGTERM, signal.SIGINT, JOIN_SIGNAL)}
 
     def _handle(self, signum: int, frame: object) -> None:
         self.requested = True
+        if signum != JOIN_SIGNAL:
+            self.stop = True
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -370,6 +382,9 @@ class Run:
                         restart=self.env.restart_count, events=self.events, metrics=self.metrics,
                         ckpt=self.ckpt, memory=self.memory, cadence=self.cadence,
                         drain_requested=lambda: self.drain.requested, watchdog=watchdog,
+                        stop_requested=lambda: self.drain.stop,
+                        join_in_memory=memory_covers_join(self.memory, self.model, self._state,
+                                                          parallelism=self.topology.kind),
                         faults=faults, replicas=self._replicas, buffers=self._buffers,
                         sample_log=self._sample_log())
         self.cadence.start(train.step)

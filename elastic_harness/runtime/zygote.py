@@ -74,6 +74,14 @@ def die_with_parent(expected_parent: int) -> None:
 
 # Preloaded only where the extra that provides it is installed (the core install lacks it).
 OPTIONAL = {"torch.utils.tensorboard": "tensorboard"}
+TENSORBOARD = "torch.utils.tensorboard"
+
+
+def preload_for(*, tensorboard: bool) -> tuple[str, ...]:
+    """Pure: ``PRELOAD`` less what this job's workers never import: TensorBoard's writer
+    unless the job writes TensorBoard files (``metrics.tensorboard``); a quarter second of
+    CPU per zygote, paid by every node's start-up on a busy machine."""
+    return PRELOAD if tensorboard else tuple(m for m in PRELOAD if m != TENSORBOARD)
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> int:

@@ -100,7 +100,7 @@ class RendezvousSpec:
     last_call_timeout: int = doc(
         2,
         "Later rendezvous rounds: seconds to wait for the other nodes waiting to rejoin once "
-        "nodes.min have joined, 2 at least (they read the state once a second); none when no "
+        "nodes.min have joined, 0.5 at least (two of their reads of the state, one every 0.25 s); none when no "
         "other node is waiting (torch default 30).",
     )
     close_timeout: int = doc(10, "Seconds for the rendezvous to close on shutdown.")
