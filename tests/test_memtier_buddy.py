@@ -139,6 +139,17 @@ def test_a_sharded_skeleton_travels_as_json_with_its_placements():
         decode_skeleton(b'{"s":[0,4,"float32",[1],[1],["X0"]]}')
 
 
+def test_a_snapshot_never_goes_into_the_slot_a_buddy_copy_needs():
+    assert buddy.writable(None, 2, set()) == 0
+    assert buddy.writable(0, 2, set()) == 1
+    # Slot 1 holds the step of the newest copy every rank finished: the newest snapshot's slot
+    # (0) is written again, the copied one stays.
+    assert buddy.writable(0, 2, {1}) == 0
+    assert buddy.writable(1, 2, {0}) == 1
+    # A copy in flight from one slot and the last settled copy in the other: skipped.
+    assert buddy.writable(0, 2, {0, 1}) is None
+
+
 # ----- the reshard ------------------------------------------------------------------------------
 
 def test_rows_tile_the_dimension_as_dtensor_does():

@@ -178,6 +178,8 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp") -> di
     result["steps_redone_goal"] = f"mean <= {GOALS['node_steps_redone']} (durable saves every {NODE_CKPT_EVERY})"
     result["steps_redone_met"] = bool(lost) and sum(lost) / len(lost) <= GOALS["node_steps_redone"]
     result["steps_redone_median"] = crash_stats.median_of(lost)
+    result["steps_redone"] = [r.get("steps_lost") for r in out["harness"]]
+    result["tier_before_fault"] = [r.get("tier") for r in out["harness"]]
     result["parallelism"] = parallelism
     result["restore_sources"] = [r.get("source") for r in out["harness"]]
     return result
@@ -344,7 +346,23 @@ def _one_recovery(run_dir: Path, code: int | None) -> dict:
         "steps_lost": row.steps_lost if row else None,
         "finished": any(e["event"] == "finish" for e in events),
         "source": next((e.get("source") for e in reversed(events) if e["event"] == "resume"), None),
+        "tier": tier_before(events),
     }
+
+
+def tier_before(events: list[dict]) -> dict | None:
+    """The in-memory tier's intervals in force at the first fault (rank 0's last ``memory``
+    event before it): snapshots and buddy copies every how many steps, and the times they
+    came from."""
+    fault = next((i for i, e in enumerate(events) if e["event"] == "fault"), None)
+    last = None if fault is None else next(
+        (e for e in reversed(events[:fault]) if e["event"] == "memory"), None)
+    if last is None:
+        return None
+    return {"snapshot_every": last.get("every"), "copy_every": last.get("copy_every"),
+            "snapshot_ms": round(1e3 * (last.get("copy_s") or 0), 3),
+            "copy_cpu_ms": None if last.get("copy_cpu_s") is None else round(1e3 * last["copy_cpu_s"], 3),
+            "step_ms": round(1e3 * (last.get("step_s") or 0), 3)}
 
 
 def _since(row: FaultRow, t: float | None) -> float | None:
