@@ -276,9 +276,12 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
             events = read_events(run_dir / runfiles.EVENTS)
             probe = probe_cost(events, skip=COST_WARMUP)
             copy_events = [e for e in events if e["event"] == "buddy"]
+            tier = [e for e in events if e["event"] == "memory" and e.get("copy_s")]
             rows[name].append({"exit": code, "cost": probe.cost if probe else None,
                                "pairs": probe.pairs if probe else [],
-                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None})
+                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
+                               # the tier's last measured figures: snapshot and copy intervals and costs
+                               "tier": tier_before([*tier, {"event": "fault"}]) if tier else None})
     out: dict = {"parallelism": "fsdp", "nodes": 2, "nproc_per_node": 1, "probe_block_steps": PROBE_BLOCK,
                  "steps": COST_STEPS, "warmup_steps": COST_WARMUP, "memory_every": 1}
     for name, runs in rows.items():
@@ -290,6 +293,8 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     out["copy_memory_bound_per_rank"] = 2 * max(sizes) if sizes else None  # two buddy slots
     cost = out["with_copies"]["cost"]
     out["cost"] = cost
+    own = out["own_only"]["cost"]
+    out["copies_cost"] = None if cost is None or own is None else round(cost - own, 4)  # what the copies add
     out["method"] = ("in-run probe (the tier, copies included, off in every second block): median over "
                      "neighbouring on/off block pairs of mean(on) / mean(off) - 1; rows alternate runs")
     out["goal"] = f"with_copies cost <= {GOALS['memory_cost']}"

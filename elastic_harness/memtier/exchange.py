@@ -10,13 +10,14 @@ waited on) and receives the source's copy:
 an announcement (``buddy.META_FIELDS`` int64), then the tensor bytes straight into the buddy
 slot not holding the newest copy (``begin`` unpublished it first) and the skeleton as JSON
 (``peer.encode_skeleton``: nothing received is ever unpickled), both posted before waiting
-on either. Every call that lets go of the GIL is a handoff with the training thread on a busy
-machine, so an exchange makes as few as it can (``bench buddy`` times them). The slot is published only
-after its last byte arrived, so a copy whose sender died mid-way stays unpublished and is
-never offered. ``busy`` says whether anything is still moving (the ranks agree on it in
-the step's all-reduce before starting the next exchange, ``buddy.due``), ``sending(slot)``
-whether an own slot is still being read (``MemoryTier.save`` then skips that snapshot
-rather than overwrite bytes in flight).
+on either. Every call that lets go of the GIL is a handoff with the training thread on a
+busy machine, so an exchange makes as few as it can (``bench buddy`` times one). The slot
+is published only after its last byte arrived, so a copy whose sender died mid-way stays
+unpublished and is never offered. ``busy`` says whether anything is still moving or the
+link broke (the ranks agree on it in the step's all-reduce before starting the next
+exchange, ``buddy.due``), ``moving`` whether an exchange is in flight (none on any rank:
+the last copy is complete everywhere, ``MemoryTier.save``'s ``settled``), ``sending(slot)``
+whether an own slot is still being read (never written over then).
 """
 
 from __future__ import annotations
