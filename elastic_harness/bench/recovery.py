@@ -276,7 +276,7 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
             events = read_events(run_dir / runfiles.EVENTS)
             probe = probe_cost(events, skip=COST_WARMUP)
             copy_events = [e for e in events if e["event"] == "buddy"]
-            tier = [e for e in events if e["event"] == "memory" and e.get("copy_s")]
+            tier = [e for e in events if e["event"] == "memory" and e.get("copy_s") and e.get("every")]  # not probe-off
             rows[name].append({"exit": code, "cost": probe.cost if probe else None,
                                "pairs": probe.pairs if probe else [],
                                "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
