@@ -187,6 +187,8 @@ def bad_arguments(i: SimpleNamespace) -> dict[str, list[list]]:
         "slurm render": [[], [i.missing], [i.job, "--time", "soon"], [i.job, "--rdzv-port", "0"],
                          [i.job, "--set", "rendezvous.backend=etcd"], [i.job, "--run-dir", i.adir / "my runs"]],
         "bench": [[], ["nope"]],
+        "bench buddy": [["--steps", "5"], ["--block", "0"], ["--depth", "0"], ["--out", i.missing / "x.json"],
+                        ["--out", i.adir]],
         "bench checkpoint": [["--size", "-5"], ["--size", "lots"], ["--repeats", "0"], ["--dir", i.afile],
                              ["--dir", i.missing], ["--out", i.missing / "x.json"], ["--out", i.adir]],
         "bench recovery": [["--repeats", "0"], ["--only", "nope"], ["--dir", i.afile],

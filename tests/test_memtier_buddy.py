@@ -139,6 +139,17 @@ def test_a_sharded_skeleton_travels_as_json_with_its_placements():
         decode_skeleton(b'{"s":[0,4,"float32",[1],[1],["X0"]]}')
 
 
+def test_a_snapshot_never_goes_into_the_slot_a_buddy_copy_needs():
+    assert buddy.writable(None, 2, set()) == 0
+    assert buddy.writable(0, 2, set()) == 1
+    # Slot 1 holds the step of the newest copy every rank finished: the newest snapshot's slot
+    # (0) is written again, the copied one stays.
+    assert buddy.writable(0, 2, {1}) == 0
+    assert buddy.writable(1, 2, {0}) == 1
+    # A copy in flight from one slot and the last settled copy in the other: skipped.
+    assert buddy.writable(0, 2, {0, 1}) is None
+
+
 # ----- the reshard ------------------------------------------------------------------------------
 
 def test_rows_tile_the_dimension_as_dtensor_does():
@@ -286,3 +297,22 @@ def test_copies_wait_within_the_budget():
     assert buddy.hold(step=11, last_copy=10, copy_cpu_s=0.006, step_s=0.1, budget=0.03)
     assert not buddy.hold(step=12, last_copy=10, copy_cpu_s=0.006, step_s=0.1, budget=0.03)
     assert not buddy.hold(step=11, last_copy=10, copy_cpu_s=0.0, step_s=0.1, budget=0.03)  # not measured yet
+
+
+def test_snapshots_not_sent_keep_the_last_copied_step_covered_after_a_node_loss():
+    # Rank 0 of 2 nodes x 1 rank: snapshots every step, copies at steps 35 and 37 only (held
+    # back by the budget in between), both settled. Its slots follow ``buddy.writable``.
+    own_slots: list = [None, None]
+    last = copied = None
+    for step in range(34, 41):
+        slot = buddy.writable(last, 2, {copied} - {None})
+        own_slots[slot], last = step, slot
+        if step in (35, 37):
+            copied = slot  # settled before the next snapshot
+    assert 37 in own_slots and 40 in own_slots
+    offers = [[own(s, 2, 0) for s in own_slots] + [copy(35, 2, 1), copy(37, 2, 1)]]
+    plan = choose(offers, world_size=1, replicated=False)
+    assert (plan.source, plan.step) == (BUDDY, 37)
+    # The old rule (the next slot, whatever it held) left steps 39 and 40: nothing covered.
+    old = [own(39, 2, 0), own(40, 2, 0), copy(35, 2, 1), copy(37, 2, 1)]
+    assert choose([old], world_size=1, replicated=False).source == STORAGE

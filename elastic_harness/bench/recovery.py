@@ -178,6 +178,8 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp") -> di
     result["steps_redone_goal"] = f"mean <= {GOALS['node_steps_redone']} (durable saves every {NODE_CKPT_EVERY})"
     result["steps_redone_met"] = bool(lost) and sum(lost) / len(lost) <= GOALS["node_steps_redone"]
     result["steps_redone_median"] = crash_stats.median_of(lost)
+    result["steps_redone"] = [r.get("steps_lost") for r in out["harness"]]
+    result["tier_before_fault"] = [r.get("tier") for r in out["harness"]]
     result["parallelism"] = parallelism
     result["restore_sources"] = [r.get("source") for r in out["harness"]]
     return result
@@ -274,9 +276,12 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
             events = read_events(run_dir / runfiles.EVENTS)
             probe = probe_cost(events, skip=COST_WARMUP)
             copy_events = [e for e in events if e["event"] == "buddy"]
+            tier = [e for e in events if e["event"] == "memory" and e.get("copy_s") and e.get("every")]  # not probe-off
             rows[name].append({"exit": code, "cost": probe.cost if probe else None,
                                "pairs": probe.pairs if probe else [],
-                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None})
+                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
+                               # the tier's last measured figures: snapshot and copy intervals and costs
+                               "tier": tier_before([*tier, {"event": "fault"}]) if tier else None})
     out: dict = {"parallelism": "fsdp", "nodes": 2, "nproc_per_node": 1, "probe_block_steps": PROBE_BLOCK,
                  "steps": COST_STEPS, "warmup_steps": COST_WARMUP, "memory_every": 1}
     for name, runs in rows.items():
@@ -288,6 +293,8 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     out["copy_memory_bound_per_rank"] = 2 * max(sizes) if sizes else None  # two buddy slots
     cost = out["with_copies"]["cost"]
     out["cost"] = cost
+    own = out["own_only"]["cost"]
+    out["copies_cost"] = None if cost is None or own is None else round(cost - own, 4)  # what the copies add
     out["method"] = ("in-run probe (the tier, copies included, off in every second block): median over "
                      "neighbouring on/off block pairs of mean(on) / mean(off) - 1; rows alternate runs")
     out["goal"] = f"with_copies cost <= {GOALS['memory_cost']}"
@@ -344,7 +351,23 @@ def _one_recovery(run_dir: Path, code: int | None) -> dict:
         "steps_lost": row.steps_lost if row else None,
         "finished": any(e["event"] == "finish" for e in events),
         "source": next((e.get("source") for e in reversed(events) if e["event"] == "resume"), None),
+        "tier": tier_before(events),
     }
+
+
+def tier_before(events: list[dict]) -> dict | None:
+    """The in-memory tier's intervals in force at the first fault (rank 0's last ``memory``
+    event before it): snapshots and buddy copies every how many steps, and the times they
+    came from."""
+    fault = next((i for i, e in enumerate(events) if e["event"] == "fault"), None)
+    last = None if fault is None else next(
+        (e for e in reversed(events[:fault]) if e["event"] == "memory"), None)
+    if last is None:
+        return None
+    return {"snapshot_every": last.get("every"), "copy_every": last.get("copy_every"),
+            "snapshot_ms": round(1e3 * (last.get("copy_s") or 0), 3),
+            "copy_cpu_ms": None if last.get("copy_cpu_s") is None else round(1e3 * last["copy_cpu_s"], 3),
+            "step_ms": round(1e3 * (last.get("step_s") or 0), 3)}
 
 
 def _since(row: FaultRow, t: float | None) -> float | None:

@@ -11,6 +11,7 @@ import importlib
 
 # name -> module, in --help order
 BENCHES = {
+    "buddy": "elastic_harness.bench.buddy",  # per-step cost of FSDP snapshots and buddy copies
     "checkpoint": "elastic_harness.bench.checkpoint",
     "recovery": "elastic_harness.bench.recovery",  # time to recover from faults
     "throughput": "elastic_harness.bench.throughput",  # samples/s vs a plain torchrun DDP script

@@ -12,6 +12,14 @@ Copies are sent from the sender's own published slot, in the background, after t
 snapshots the ranks agree to send (``due``), and received into one of the holder's two
 buddy slots (the one not holding its newest copy), published only once every byte arrived
 (``exchange``). Memory: two copies of the buddy's snapshot per rank (``bound``).
+
+A copy is only useful with the other ranks' own snapshots of its step, so each rank keeps
+its own snapshot of the newest step whose copies every rank finished (``settled``: no rank
+reported copies moving in a later step's all-reduce) and of the step being copied, and
+writes new snapshots into a slot holding neither (``writable``). Before that rule a
+snapshot not sent (copies still moving, or held back by the budget) went into the slot of
+the last copied step, and the survivors of a node loss then held copies of a step whose
+own snapshots were gone: they fell back to an older step, or to storage.
 """
 
 from __future__ import annotations
@@ -46,6 +54,19 @@ def due(anyone_busy: bool, snapshot_taken: bool) -> bool:
     (``anyone_busy``: agreed through the step's all-reduce, so every pair starts the same
     exchanges and none waits on a send; a busy ring skips a snapshot, it does not queue)."""
     return snapshot_taken and not anyone_busy
+
+
+def writable(last: int | None, slots: int, kept: set[int]) -> int | None:
+    """The own slot the next snapshot goes into: the one after the newest (``last``, as
+    ``slots.next_slot``) unless it is ``kept`` (holding the step of the newest settled copy,
+    or of the copy in flight), else the next one that is not; None when every slot is kept
+    (that snapshot is skipped). Writing into the newest snapshot's slot leaves the kept one
+    as this rank's newest while it is written (a crash then restores that older step)."""
+    for i in range(slots):
+        slot = (0 if last is None else last + 1 + i) % slots
+        if slot not in kept:
+            return slot
+    return None
 
 
 def acceptable(meta: list[int], *, world_size: int, source: int, limit: int) -> str | None:
@@ -95,11 +116,16 @@ def older_than_storage(step: int, durable: int | None, what: str = "buddy copies
     return None
 
 
-def hold(step: int, last_copy: int, copy_cpu_s: float, step_s: float, budget: float) -> bool:
-    """Rank 0's say, added to the step's "copies busy" value: wait before the next copy so
-    that copies cost at most ``budget`` of step time (``cadence.interval`` over the copy
-    thread's measured CPU seconds per copy; with no measurement yet, or a budget of 0, no
-    wait)."""
+def every(copy_cpu_s: float, step_s: float, budget: float) -> int:
+    """Steps between copies so that they cost at most ``budget`` of step time
+    (``cadence.interval`` over the copy thread's measured CPU seconds per copy; 1 with no
+    measurement yet or a budget of 0)."""
     from elastic_harness.memtier.cadence import interval
 
-    return step - last_copy < interval(copy_cpu_s, step_s, budget, 1)
+    return interval(copy_cpu_s, step_s, budget, 1)
+
+
+def hold(step: int, last_copy: int, copy_cpu_s: float, step_s: float, budget: float) -> bool:
+    """Rank 0's say, added to the step's "copies busy" value: wait before the next copy
+    until ``every`` steps passed since the last one."""
+    return step - last_copy < every(copy_cpu_s, step_s, budget)

@@ -7,18 +7,22 @@ which on a loaded 2-core machine put 5-14 ms into every snapshot that sent a cop
 posts the sends (``isend``: gloo moves the bytes from its own thread, straight out of this
 rank's published slot), waits for them (a gloo send's work says it completed only once
 waited on) and receives the source's copy:
-an announcement (``buddy.META_FIELDS`` int64), the tensor bytes straight into the buddy slot
-not holding the newest copy (``begin`` unpublished it first), then the skeleton as JSON
-(``peer.encode_skeleton``: nothing received is ever unpickled). The slot is published only
-after its last byte arrived, so a copy whose sender died mid-way stays unpublished and is
-never offered. ``busy`` says whether anything is still moving (the ranks agree on it in
-the step's all-reduce before starting the next exchange, ``buddy.due``), ``sending(slot)``
-whether an own slot is still being read (``MemoryTier.save`` then skips that snapshot
-rather than overwrite bytes in flight).
+an announcement (``buddy.META_FIELDS`` int64), then the tensor bytes straight into the buddy
+slot not holding the newest copy (``begin`` unpublished it first) and the skeleton as JSON
+(``peer.encode_skeleton``: nothing received is ever unpickled), both posted before waiting
+on either. Every call that lets go of the GIL is a handoff with the training thread on a
+busy machine, so an exchange makes as few as it can (``bench buddy`` times one). The slot
+is published only after its last byte arrived, so a copy whose sender died mid-way stays
+unpublished and is never offered. ``busy`` says whether anything is still moving or the
+link broke (the ranks agree on it in the step's all-reduce before starting the next
+exchange, ``buddy.due``), ``moving`` whether an exchange is in flight (none on any rank:
+the last copy is complete everywhere, ``MemoryTier.save``'s ``settled``), ``sending(slot)``
+whether an own slot is still being read (never written over then).
 """
 
 from __future__ import annotations
 
+import pickle
 import queue
 import statistics
 import threading
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 
-from elastic_harness.memtier import buddy
+from elastic_harness.memtier import buddy, peer
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 
@@ -38,12 +42,12 @@ TAG = 0x6275  # the copies' messages, apart from a restore's (tag 0)
 
 class BuddyLink:
     def __init__(self, regions: list[Region], *, rank: int, world_size: int, local_size: int, generation: int,
-                 isend: Callable[[torch.Tensor, int], Any], recv: Callable[[torch.Tensor, int], None],
+                 isend: Callable[[torch.Tensor, int], Any], irecv: Callable[[torch.Tensor, int], Any],
                  warn: Callable[[str], None]) -> None:
         self.regions, self.rank, self.world_size, self.generation = regions, rank, world_size, generation
         self.holder = buddy.holder_of(rank, world_size, local_size)
         self.source = buddy.source_of(rank, world_size, local_size)
-        self._isend, self._recv, self._warn = isend, recv, warn
+        self._isend, self._irecv, self._warn = isend, irecv, warn
         self._works: list[Any] = []
         self._keep: list[torch.Tensor] = []  # what the sends read, alive until they complete
         self._sending: int | None = None  # the own slot being sent
@@ -57,6 +61,7 @@ class BuddyLink:
         self.announce = False  # the generation's first copy arrived (reported once, then cleared)
         self.broken = False
         self.cpu_s: deque[float] = deque(maxlen=16)  # the copy thread's CPU seconds, per exchange
+        self.wall_s: deque[float] = deque(maxlen=16)  # and its wall seconds (a copy's latency)
         self.last_step = 0  # the step of the last exchange started
 
     def busy(self) -> bool:
@@ -74,6 +79,12 @@ class BuddyLink:
                 self.held = (step, size)
         return self._moving or self.broken
 
+    def moving(self) -> bool:
+        """Is an exchange still in flight here? (A broken link is busy but not moving: its
+        last exchange ended.)"""
+        self.busy()
+        return self._moving
+
     def copy_cpu_s(self) -> float:
         """The median CPU seconds an exchange took this rank's copy thread (0 before one)."""
         return statistics.median(self.cpu_s) if self.cpu_s else 0.0
@@ -83,11 +94,10 @@ class BuddyLink:
         self.busy()
         return self._sending == slot
 
-    def start(self, slot: int, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes],
-              limit: int) -> None:
-        """Send the own ``slot`` (its bytes ``data``, published with ``header``; ``skeleton()``
-        its JSON form, built in the thread: off the step's path) to the holder; receive the
-        source's copy, up to ``limit`` bytes."""
+    def start(self, slot: int, data: torch.Tensor, header: Header, skeleton: bytes, limit: int) -> None:
+        """Send the own ``slot`` (its bytes ``data``, published with ``header``; ``skeleton``
+        its pickled skeleton, our own bytes, turned into JSON in the thread: off the step's
+        path) to the holder; receive the source's copy, up to ``limit`` bytes."""
         self._sending = slot
         self._result = None
         self._works, self._keep = [], []
@@ -107,8 +117,8 @@ class BuddyLink:
             finally:
                 self._done.set()
 
-    def _send(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes]) -> None:
-        raw = skeleton()
+    def _send(self, data: torch.Tensor, header: Header, skeleton: bytes) -> None:
+        raw = peer.encode_skeleton(pickle.loads(skeleton))  # our own bytes (``start``)
         d = header.digest.ljust(32, b"\0")[:32]
         meta = torch.tensor([header.step, self.generation, self.world_size, self.rank, header.data_len,
                              len(raw), *(int.from_bytes(d[i:i + 8], "little", signed=True)
@@ -120,15 +130,16 @@ class BuddyLink:
             self._works.append(self._isend(body, self.holder))
         self._works.append(self._isend(self._keep[2], self.holder))
 
-    def _move(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes], limit: int) -> None:
+    def _move(self, data: torch.Tensor, header: Header, skeleton: bytes, limit: int) -> None:
         """The daemon thread: post the sends, receive one copy, then wait for the sends."""
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         try:
             self._transfer(data, header, skeleton, limit)
         finally:
             self.cpu_s.append(time.thread_time() - t0)
+            self.wall_s.append(time.perf_counter() - w0)
 
-    def _transfer(self, data: torch.Tensor, header: Header, skeleton: Callable[[], bytes], limit: int) -> None:
+    def _transfer(self, data: torch.Tensor, header: Header, skeleton: bytes, limit: int) -> None:
         try:
             self._send(data, header, skeleton)
         except Exception as e:  # noqa: BLE001 - the holder then waits in vain: copies stop (``busy``)
@@ -147,7 +158,7 @@ class BuddyLink:
         meta = torch.zeros(buddy.META_FIELDS, dtype=torch.int64)
         step = 0
         try:
-            self._recv(meta, self.source)
+            self._irecv(meta, self.source).wait()
             values = meta.tolist()
             step = values[0]
             problem = buddy.acceptable(values, world_size=self.world_size, source=self.source, limit=limit)
@@ -158,9 +169,10 @@ class BuddyLink:
             digest = b"".join(v.to_bytes(8, "little", signed=True) for v in values[6:10])
             target = next_slot(self._last, len(self.regions))
             data = self.regions[target].begin(HEADER_SIZE + data_len + json_len)  # unpublished first
-            if data_len:
-                self._recv(data[HEADER_SIZE:HEADER_SIZE + data_len], self.source)
-            self._recv(data[HEADER_SIZE + data_len:HEADER_SIZE + data_len + json_len], self.source)
+            works = [self._irecv(data[HEADER_SIZE:HEADER_SIZE + data_len], self.source)] if data_len else []
+            works.append(self._irecv(data[HEADER_SIZE + data_len:HEADER_SIZE + data_len + json_len], self.source))
+            for w in works:  # the same order as the sender's messages: both posted, then waited on
+                w.wait()
             self.regions[target].publish(Header(True, step, world, rank, data_len, json_len, digest,
                                                 replicated=False, generation=generation))
             self._last = target

@@ -81,6 +81,10 @@ class MemoryTier:
         self.link: BuddyLink | None = None  # set by ``restore`` when copies are kept
         self._warn = warn  # every rank may report its own trouble
         self._last: int | None = None  # the slot holding this rank's newest snapshot
+        # Own slots kept for the buddy copies (``buddy.writable``): the newest step whose
+        # copies every rank finished, and the step last sent until they have.
+        self._copied: int | None = None
+        self._unsettled: int | None = None
         self._views = [snapshot.Views() for _ in regions]
         self.replicated = False  # snapshots are marked replicated (``restore`` learns it)
         self.mesh: tuple[int, int] | None = None  # and with their mesh degrees (``restore`` too)
@@ -128,7 +132,7 @@ class MemoryTier:
                 and buddy.active(self.world_size, self.local_size, sharded):
             self.link = BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size,
                                   local_size=self.local_size, generation=self.generation, isend=self.wire.isend,
-                                  recv=self.wire.recv_copy, warn=self._warn)
+                                  irecv=self.wire.irecv, warn=self._warn)
         return restored
 
     def _restore(self, state: dict[str, Any], replicated: bool, sharded: bool, durable: Callable[[], int | None],
@@ -423,6 +427,11 @@ class MemoryTier:
         self.regions[target].publish(header)
         return target
 
+    def moving(self) -> bool:
+        """Is a buddy copy still moving, to or from this rank? (No rank's, agreed in a
+        step's all-reduce: the last copy ended everywhere, ``save``'s ``settled``.)"""
+        return self.link is not None and self.link.moving()
+
     def busy(self, step: int = 0, step_s: float = 0.0, budget: float = 0.0) -> bool:
         """Are buddy copies still moving, to or from this rank, or (rank 0, given the step,
         the step time and the budget) is the next copy not due yet (``buddy.hold``)? The
@@ -434,14 +443,27 @@ class MemoryTier:
             return True
         return bool(budget) and buddy.hold(step, self.link.last_step, self.link.copy_cpu_s(), step_s, budget)
 
-    def save(self, step: int, state: dict[str, Any], *, send: bool = False) -> bool:
-        """Snapshot ``state`` as ``step`` into the slot not holding this rank's newest one;
-        ``send``: then send it to this rank's buddy holder, in the background. False if skipped
-        (that slot is still being sent: the previous snapshot stays this rank's newest)."""
+    def copy_every(self, step_s: float, budget: float) -> tuple[int, float] | None:
+        """(steps between buddy copies, copy CPU seconds) as ``busy`` holds them to now; None
+        without copies."""
+        if self.link is None:
+            return None
+        cpu = self.link.copy_cpu_s()
+        return buddy.every(cpu, step_s, budget), cpu
+
+    def save(self, step: int, state: dict[str, Any], *, send: bool = False, settled: bool = False) -> bool:
+        """Snapshot ``state`` as ``step`` into the slot not holding this rank's newest one,
+        nor the snapshot the buddy copies need (``buddy.writable``); ``send``: then send it
+        to this rank's buddy holder, in the background. ``settled``: no rank reported copies
+        moving in this step's all-reduce (the last copy sent is complete everywhere). False
+        if skipped (every slot is kept: the previous snapshots stay)."""
         if not self.regions:
             return False
-        slot = next_slot(self._last, len(self.regions))
-        if self.link is not None and self.link.sending(slot):
+        if settled and self._unsettled is not None:
+            self._copied, self._unsettled = self._unsettled, None
+        kept = {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
+        slot = buddy.writable(self._last, len(self.regions), kept)
+        if slot is None or (self.link is not None and self.link.sending(slot)):
             return False
         region = self.regions[slot]
         try:
@@ -461,13 +483,13 @@ class MemoryTier:
             return False
         self._last = slot
         if send and self.link is not None and not self.link.broken:
+            self._unsettled = slot
             self._send_copy(slot, data, header, cap)
         return True
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
-        pickled = cap.skeleton  # our own bytes, just written: as JSON, for a holder that never unpickles
-        self.link.start(slot, data, header, lambda: peer.encode_skeleton(pickle.loads(pickled)),
-                        buddy.bound(cap.data_len + 4 * len(pickled)))
+        # our own pickled skeleton, just written: sent as JSON, for a holder that never unpickles
+        self.link.start(slot, data, header, cap.skeleton, buddy.bound(cap.data_len + 4 * len(cap.skeleton)))
 
     def settle(self, timeout: float) -> None:
         """At a normal end (the last step, a drain: every rank is there): let the buddy
@@ -518,7 +540,7 @@ class MemoryTier:
         for region in self.regions + self.buddy_regions:
             with contextlib.suppress(OSError):
                 region.unpublish()
-        self._last = None
+        self._last = self._copied = self._unsettled = None
 
 
 def _of_coordinate(h: Header, plan: Plan, c: int) -> bool:

@@ -7,8 +7,8 @@ parts: nothing here reaches back into the ``Run``). In order, for each step:
    is not part of it);
 2. persistent buffers are set to rank 0's copy (``runtime.buffers``);
 3. the counters advance (step, data cursor) and the step's one all-reduce is collected:
-   [loss sum, drain requested, time-based save due, snapshot interval, buddy copies moving,
-   stop requested]. ``share_totals``
+   [loss sum, drain requested, time-based save due, snapshot interval, buddy copies busy (moving
+   or held back), stop requested, buddy copies moving]. ``share_totals``
    starts it without waiting when ``step.batches()`` ends (``runtime.step``), so it
    completes while the optimizer steps;
 4. metrics (every ``train.log_every`` and at the last step);
@@ -111,6 +111,7 @@ class StepHook:
         now = time.monotonic()
         self.last_save = self.last_done = self.period_start = now
         self.snapshot_s = 0.0  # the last hook's in-memory snapshot (not part of a step's time)
+        self.copy_every: int | None = None  # buddy copies' interval last reported (rank 0)
         self.last_saved_step = -1
         self.last_loss: float | None = None
 
@@ -135,8 +136,11 @@ class StepHook:
         busy = float(self.memory is not None and (
             self.memory.busy(step.number, self.cadence.medians()[1], self.spec.checkpoint.memory_budget)
             if self.rank == 0 else self.memory.busy()))
+        # Copies moving (not merely held): none anywhere means the last one is complete on every
+        # rank, and the own snapshots it needs may move on (``MemoryTier.save``'s ``settled``).
+        moving = float(self.memory is not None and self.memory.moving())
         totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k, busy,
-                               float(self.stop_requested())], dtype=torch.float64)
+                               float(self.stop_requested()), moving], dtype=torch.float64)
         work = dist.all_reduce(totals, async_op=True)
         step.shared = (totals, work, step.loss_sum.clone(), step.samples)
 
@@ -164,12 +168,13 @@ class StepHook:
         self.last_done = now
         drain = totals[1] > 0
         # Drained only because a node joins (no rank was asked to stop): the state may stay in memory.
-        in_memory = drain and not final and totals[5] == 0 and self._join_snapshot(train.step)
+        in_memory = drain and not final and totals[5] == 0 and self._join_snapshot(train.step, settled=totals[6] == 0)
         blocking = (drain and not in_memory) or (final and spec.checkpoint.save_final)
         periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
         self._maybe_save(train.step, blocking=blocking, periodic=periodic)
         if not in_memory:
-            self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0)
+            self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0,
+                           copies_settled=totals[6] == 0)
         if drain and not final:
             if self.memory is not None:
                 self.memory.settle(spec.timeouts.process_group)
@@ -217,16 +222,16 @@ class StepHook:
             self.last_save, self.last_saved_step = time.monotonic(), step
         self.watchdog.arm()
 
-    def _join_snapshot(self, step: int) -> bool:
+    def _join_snapshot(self, step: int, settled: bool = False) -> bool:
         """Collective (every rank, at a drain no rank was asked to stop for): a forced
         in-memory snapshot of ``step`` in place of the drain's storage save, when memory
         covers the next generation's restore (``join_in_memory``). True only if it did on
         every rank; any rank without it (layout, the tier off or failing, its slot still being
-        sent) makes every rank save to storage as before."""
+        sent) makes every rank save to storage as before. ``settled``: as ``MemoryTier.save``'s."""
         ok = False
         if self.join_in_memory and self.memory is not None:
             t0 = time.monotonic()
-            ok = self.memory.save(step, self.state, send=False)
+            ok = self.memory.save(step, self.state, send=False, settled=settled)
             self.snapshot_s = time.monotonic() - t0
             if ok:
                 self.cadence.taken(step)
@@ -234,20 +239,29 @@ class StepHook:
         dist.all_reduce(missing)
         return missing.item() == 0
 
-    def _snapshot(self, step: int, k: int, *, forced: bool, copies_busy: bool = False) -> None:
+    def _snapshot(self, step: int, k: int, *, forced: bool, copies_busy: bool = False,
+                  copies_settled: bool = False) -> None:
         """Copy the state into the in-memory tier if it is due (``cadence``: every rank
         decides alike, from the interval ``k`` rank 0 proposed in this step's all-reduce),
-        and send it as a buddy copy unless some rank's copies still move (``copies_busy``,
-        from the same all-reduce: ``memtier.buddy.due``)."""
+        and send it as a buddy copy unless some rank's copies still move or wait
+        (``copies_busy``, from the same all-reduce: ``memtier.buddy.due``); ``copies_settled``:
+        no rank's copies moved (``MemoryTier.save``)."""
         if self.memory is None:
             return
-        if self.cadence.agree(k) and self.rank == 0:
+        changed = self.cadence.agree(k)
+        if self.rank == 0:
             copy_s, step_s = self.cadence.medians()
-            self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5))
+            copies = self.memory.copy_every(step_s, self.spec.checkpoint.memory_budget)
+            if changed or (copies is not None and copies[0] != self.copy_every):
+                # Buddy copies: every ``copy_every`` steps at most (also when only that changed).
+                more = {} if copies is None else {"copy_every": copies[0], "copy_cpu_s": round(copies[1], 5)}
+                self.copy_every = None if copies is None else copies[0]
+                self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5),
+                                 **more)
         if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
-        saved = self.memory.save(step, self.state, send=not copies_busy)
+        saved = self.memory.save(step, self.state, send=not copies_busy, settled=copies_settled)
         self.snapshot_s = time.monotonic() - t0
         self.cadence.snapshot_took(self.snapshot_s)
         if saved:
