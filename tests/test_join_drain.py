@@ -42,7 +42,7 @@ class FakeTier:
     def __init__(self, saves: bool) -> None:
         self.saves, self.saved = saves, []
 
-    def save(self, step, state, *, send=False):
+    def save(self, step, state, *, send=False, settled=False):
         self.saved.append((step, send))
         return self.saves
 

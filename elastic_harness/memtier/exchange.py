@@ -37,8 +37,6 @@ from elastic_harness.memtier import buddy, peer
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 
-TAG = 0x6275  # the copies' messages, apart from a restore's (tag 0)
-
 
 class BuddyLink:
     def __init__(self, regions: list[Region], *, rank: int, world_size: int, local_size: int, generation: int,

@@ -26,6 +26,7 @@ import torch
 from elastic_harness.memtier.choose import Offer
 from elastic_harness.memtier.snapshot import TensorRef, Unsupported
 
+COPY_TAG = 0x6275  # the buddy copies' messages (``exchange``), apart from a restore's (tag 0)
 MAX_OFFERS = 4  # slots per rank that take part (the agent makes 2)
 _FIELDS = 12  # step, world size, rank, replicated, digest as 4 int64, generation, buddy, shard, tensor
 MAX_SKELETON = 64 << 20  # a JSON skeleton larger than this is refused (a bogus length)
@@ -39,7 +40,7 @@ class Wire:
     gather: Callable[[list[int]], list[list[int]]]  # every rank's equally long list, rank order
     send: Callable[[torch.Tensor, int], None]
     recv: Callable[[torch.Tensor, int], None]
-    # The buddy copies' messages (``exchange.TAG``): a send and a receive that return at
+    # The buddy copies' messages (``COPY_TAG``): a send and a receive that return at
     # once (their works), posted straight on the group (the copy thread calls them ~6 times a
     # copy: ``dist.isend``'s checks and logging wrapper cost ~30 us a call there).
     isend: Callable[[torch.Tensor, int], Any] | None = None
@@ -60,14 +61,12 @@ class Wire:
             dist.all_gather(out, t, group=group)
             return [o.tolist() for o in out]
 
-        from elastic_harness.memtier.exchange import TAG
-
         pg = group if group is not None else dist.group.WORLD  # ranks below are the group's
         return cls(gather,
                    lambda t, dst: dist.send(t, group=group, group_dst=dst),
                    lambda t, src: dist.recv(t, group=group, group_src=src),
-                   isend=lambda t, dst: pg.send([t], dst, TAG),
-                   irecv=lambda t, src: pg.recv([t], src, TAG),
+                   isend=lambda t, dst: pg.send([t], dst, COPY_TAG),
+                   irecv=lambda t, src: pg.recv([t], src, COPY_TAG),
                    post_send=lambda t, dst: dist.isend(t, group=group, group_dst=dst),
                    post_recv=lambda t, src: dist.irecv(t, group=group, group_src=src))
 

@@ -254,10 +254,10 @@ class StepHook:
             copies = self.memory.copy_every(step_s, self.spec.checkpoint.memory_budget)
             if changed or (copies is not None and copies[0] != self.copy_every):
                 # Buddy copies: every ``copy_every`` steps at most (also when only that changed).
-                more = {} if copies is None else {"copy_every": copies[0], "copy_cpu_s": round(copies[1], 5)}
                 self.copy_every = None if copies is None else copies[0]
                 self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5),
-                                 **more)
+                                 copy_every=self.copy_every,
+                                 copy_cpu_s=None if copies is None else round(copies[1], 5))
         if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
