@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_join_signal_drains_without_stopping_and_any_sigterm_makes_it_a_stop():
-    assert JOIN_SIGNAL == session.JOIN_SIGNAL, "the agent and its workers name the same signal"
+    assert session.JOIN_SIGNAL is JOIN_SIGNAL, "the agent and its workers name the same signal"
     drain = session.Drain()
     try:
         os.kill(os.getpid(), JOIN_SIGNAL)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,6 +55,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_harness.launch import liveness, rendezvous
+from elastic_harness.launch.env import JOIN_SIGNAL
 from elastic_harness.launch.policy import (
     agent_health,
     budget_refill,
@@ -69,7 +69,6 @@ from elastic_harness.launch.zygote import Zygote
 Report = Callable[[str, int], None]
 # What a worker takes for "drain, a node joins" (``runtime.session.Drain``); not imported
 # from there: the agent does not import the worker side.
-JOIN_SIGNAL = signal.SIGUSR1
 
 
 class HarnessAgent(LocalElasticAgent):
@@ -128,7 +127,7 @@ class HarnessAgent(LocalElasticAgent):
         self._shutdown(timeout=self._shutdown_timeout)
 
     def _drain_for_join(self, grace_s: float) -> None:
-        """Send the workers the join signal (``runtime.session.JOIN_SIGNAL``) instead of
+        """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
         SIGTERM, and wait up to ``grace_s`` for them to drain and exit; ``_shutdown``'s
         SIGTERM then finds nothing left (or stops what did not exit). A SIGTERM to this
         agent meanwhile (preemption) raises here as anywhere in the monitor loop, and the

@@ -15,6 +15,7 @@ Three ways a worker starts, all read here:
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
 RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
 AGENT_PID_VAR = "ELASTIC_HARNESS_AGENT_PID"  # our agent's pid (a worker's parent may be its zygote)
 MEMORY_VAR = "ELASTIC_HARNESS_MEMORY"  # the agent's in-memory checkpoint slots (memtier.host)
+# The agent's "drain, a node joins" to its workers (``launch.elastic``; ``runtime.session.Drain``):
+# a drain that may keep the state in memory, unlike SIGTERM's stop.
+JOIN_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)

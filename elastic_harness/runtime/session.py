@@ -74,7 +74,7 @@ from elastic_harness.data.adapters import source_of
 from elastic_harness.data.sampler import DataState
 from elastic_harness.errors import HarnessError, UsageError
 from elastic_harness.events import EventLog
-from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.launch.env import JOIN_SIGNAL, WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
 from elastic_harness.memtier.peer import Wire
 from elastic_harness.memtier.tier import MemoryTier
@@ -201,7 +201,6 @@ def _prepare_standalone(spec: JobSpec, run_dir: Path, env: WorkerEnv, group: Any
     return claim
 
 
-JOIN_SIGNAL = signal.SIGUSR1  # the agent's "drain: a node joins" (``launch.elastic``)
 
 
 class Drain:
