@@ -75,6 +75,8 @@ def summarize(ranks: list[dict], args: argparse.Namespace) -> dict:
         return statistics.median(statistics.median(r[key][mode]) for r in ranks)
 
     wall = {m: med("wall", m) for m in MODES}
+    mean = {m: statistics.mean(statistics.mean(r["wall"][m]) for r in ranks) for m in MODES}
+    share = statistics.median(r["sent"] / max(1, len(r["wall"]["copy"])) for r in ranks)
     cpu = {m: med("cpu", m) for m in MODES}
     base = wall["none"]
     out: dict = {
@@ -90,10 +92,16 @@ def summarize(ranks: list[dict], args: argparse.Namespace) -> dict:
         "save_ms": {m: round(1e3 * med("save", m), 3) for m in ("snapshot", "copy")},
         "copy_thread_cpu_ms": round(1e3 * statistics.median(statistics.median(r["copy_cpu"]) for r in ranks), 3),
         "copy_latency_ms": round(1e3 * statistics.median(statistics.median(r["copy_wall"]) for r in ranks), 3),
-        "copies_sent_share": round(statistics.median(r["sent"] / max(1, len(r["wall"]["copy"])) for r in ranks), 3),
+        "copies_sent_share": round(share, 3),
+        # Means, not medians: when fewer than half the steps send a copy, the median step of
+        # ``copy`` is one that sent none. Per copy: the mean extra over the share that sent.
+        "step_mean_ms": {m: round(1e3 * v, 3) for m, v in mean.items()},
+        "copy_extra_mean_ms": round(1e3 * (mean["copy"] - mean["snapshot"]), 3),
+        "copy_extra_per_copy_ms": round(1e3 * (mean["copy"] - mean["snapshot"]) / max(share, 1e-9), 3),
         "parts_ms": ranks[0]["parts"],
         "method": ("2 ranks, loopback gloo, FSDP2; modes rotate in blocks of the same steps on both ranks; "
-                   "medians per mode, then over the ranks; extras are differences of median step times"),
+                   "medians per mode, then over the ranks; extras are differences of median step times "
+                   "(the *_mean_ms ones of means; per copy: over the share of steps that sent one)"),
     }
     return out
 
