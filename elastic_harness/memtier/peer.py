@@ -108,12 +108,18 @@ def recv_chunked(wire: Wire, data: torch.Tensor, src: int) -> None:
     wait_all([wire.post_recv(data[a:b], src) for a, b in pieces(data.numel())])
 
 
+def _per_rank_entries(state_keys: Any) -> bool:
+    """Did a script register entries of its own (``checkpoint.entries``)? They may differ per
+    rank, so no layout rule may take one rank's snapshot for another's."""
+    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
+
+    return any(str(k).startswith(EXTRA_PREFIX) for k in state_keys)
+
+
 def sharded_layout(parallelism: str, state_keys: Any) -> bool:
     """Is each rank's state its own shard of the job's (FSDP), with no per-rank entries a
     script registered? The condition for buddy copies and restoring them resharded."""
-    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
-
-    return parallelism == "fsdp" and not any(str(k).startswith(EXTRA_PREFIX) for k in state_keys)
+    return parallelism == "fsdp" and not _per_rank_entries(state_keys)
 
 
 def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
@@ -123,20 +129,16 @@ def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
     may be per rank). FSDP, a bare model or anything else: no."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
-
     inner = getattr(model, "_orig_mod", model)
     return (parallelism == "ddp" and isinstance(inner, DistributedDataParallel)
-            and not any(str(k).startswith(EXTRA_PREFIX) for k in state_keys))
+            and not _per_rank_entries(state_keys))
 
 
 def mesh_layout(parallelism: str, degrees: tuple[int, int], state_keys: Any) -> tuple[int, int] | None:
     """The (shard, tensor) degrees of a mesh layout (``runtime.topology``) with no entries a
     script registered (an extra entry may be per rank), else None: the condition for a rank
     restoring a snapshot its coordinate's replica wrote at another replicate degree."""
-    from elastic_harness.checkpoint.entries import EXTRA_PREFIX
-
-    if parallelism != "mesh" or any(str(k).startswith(EXTRA_PREFIX) for k in state_keys):
+    if parallelism != "mesh" or _per_rank_entries(state_keys):
         return None
     return (int(degrees[0]), int(degrees[1]))
 
