@@ -113,7 +113,7 @@ CONTRACT: dict[str, EventKind] = {
         "copy_s": "median seconds a snapshot took on rank 0 (0 before the first)",
         "step_s": "median seconds of a step outside the step hook on rank 0 (0 before measured)",
         "copy_every": "buddy copies (FSDP on several nodes) every this many steps at most; null: none kept",
-        "copy_cpu_s": "median CPU seconds of a buddy copy on rank 0's copy thread; null: none kept",
+        "copy_cost_s": "median seconds a buddy copy holds rank 0's training thread (posting it, landing the one received; wall time); null: none kept",
     }),
     "buddy": EventKind("rank 0", "the generation's first buddy copy arrived (FSDP on several nodes, "
                        "checkpoint.memory_buddy): from now on a lost node restores from memory", {

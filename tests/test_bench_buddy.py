@@ -11,7 +11,7 @@ def rank(copy_steps: list[float], sent: int) -> dict:
     flat = [0.010] * len(copy_steps)
     return {"wall": {"none": flat, "snapshot": flat, "copy": copy_steps},
             "cpu": {"none": flat, "snapshot": flat, "copy": flat},
-            "save": {"snapshot": [0.001], "copy": [0.001]}, "copy_cpu": [0.001], "copy_wall": [0.005],
+            "save": {"snapshot": [0.001], "copy": [0.001]}, "copy_cost": [0.001], "copy_wall": [0.005],
             "sent": sent, "parts": {}}
 
 

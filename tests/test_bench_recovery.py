@@ -136,9 +136,9 @@ def test_kill_node_runs_report_the_tier_intervals_in_force_at_the_fault():
 
     events = [{"event": "memory", "t": 1.0, "every": 1, "copy_s": 0.0, "step_s": 0.0},
               {"event": "memory", "t": 2.0, "every": 2, "copy_s": 0.0007, "step_s": 0.02, "copy_every": 1,
-               "copy_cpu_s": 0.0011},
+               "copy_cost_s": 0.0011},
               {"event": "fault", "t": 3.0, "step": 40},
               {"event": "memory", "t": 4.0, "every": 1, "copy_s": 0.0, "step_s": 0.0}]  # the next generation's
-    assert tier_before(events) == {"snapshot_every": 2, "copy_every": 1, "snapshot_ms": 0.7, "copy_cpu_ms": 1.1,
+    assert tier_before(events) == {"snapshot_every": 2, "copy_every": 1, "snapshot_ms": 0.7, "copy_cost_ms": 1.1,
                                    "step_ms": 20.0}
     assert tier_before(events[:2]) is None  # no fault

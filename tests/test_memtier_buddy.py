@@ -112,12 +112,25 @@ def test_a_copy_older_than_storage_is_not_used():
 
 
 def test_a_bogus_announcement_is_refused():
-    ok = [35, GEN, 2, 1, 1000, 200, 0, 0, 0, 0, 0]
-    assert buddy.acceptable(ok, world_size=2, source=1, limit=buddy.bound(1000)) is None
-    assert "rank 0" in buddy.acceptable([35, GEN, 2, 0, *ok[4:]], world_size=2, source=1, limit=10**6)
-    assert buddy.acceptable([35, GEN, 2, 1, 10**12, 200, *ok[6:]], world_size=2, source=1, limit=10**6)
-    assert buddy.acceptable([35, 0, 2, 1, *ok[4:]], world_size=2, source=1, limit=10**6)
-    assert buddy.acceptable(ok[:-1], world_size=2, source=1, limit=10**6)
+    M = buddy.MAGIC
+    # magic, step, generation, world, rank, sent (tensor, JSON), needed (tensor, JSON), digest
+    ok = [M, 35, GEN, 2, 1, 1000, 200, 1000, 200, 0, 0, 0, 0]
+    room = (buddy.room(1000), buddy.room(200))
+    assert buddy.acceptable(ok, world_size=2, source=1, limit=buddy.bound(1000), room=room) is None
+    sizing = [M, 35, GEN, 2, 1, 0, 0, 1000, 200, 0, 0, 0, 0]  # nothing sent: it only sizes the next
+    assert buddy.acceptable(sizing, world_size=2, source=1, limit=10**6) is None
+    assert "rank 0" in buddy.acceptable([M, 35, GEN, 2, 0, *ok[5:]], world_size=2, source=1, limit=10**6, room=room)
+    assert buddy.acceptable([M, 35, GEN, 2, 1, 1000, 200, 10**12, 200, *ok[9:]], world_size=2, source=1,
+                            limit=10**6, room=room)
+    assert "agreed" in buddy.acceptable(ok, world_size=2, source=1, limit=10**6, room=(999, 10**4))
+    assert buddy.acceptable([M, 35, 0, *ok[3:]], world_size=2, source=1, limit=10**6, room=room)
+    assert buddy.acceptable([0, *ok[1:]], world_size=2, source=1, limit=10**6, room=room)
+    assert buddy.acceptable(ok[:-1], world_size=2, source=1, limit=10**6, room=room)
+
+
+def test_the_room_agreed_is_a_little_more_than_needed_in_whole_int64s():
+    assert buddy.room(0) == 0
+    assert all(buddy.room(n) >= n + n // 8 and buddy.room(n) % 8 == 0 for n in (1, 7, 1000, 10**9 + 3))
 
 
 # ----- what travels -----------------------------------------------------------------------------
@@ -294,9 +307,9 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
 
 def test_copies_wait_within_the_budget():
     # A copy costing 6 ms of CPU against 100 ms steps at a 3 % budget: every 2nd step at most.
-    assert buddy.hold(step=11, last_copy=10, copy_cpu_s=0.006, step_s=0.1, budget=0.03)
-    assert not buddy.hold(step=12, last_copy=10, copy_cpu_s=0.006, step_s=0.1, budget=0.03)
-    assert not buddy.hold(step=11, last_copy=10, copy_cpu_s=0.0, step_s=0.1, budget=0.03)  # not measured yet
+    assert buddy.hold(step=11, last_copy=10, copy_s=0.006, step_s=0.1, budget=0.03)
+    assert not buddy.hold(step=12, last_copy=10, copy_s=0.006, step_s=0.1, budget=0.03)
+    assert not buddy.hold(step=11, last_copy=10, copy_s=0.0, step_s=0.1, budget=0.03)  # not measured yet
 
 
 def test_snapshots_not_sent_keep_the_last_copied_step_covered_after_a_node_loss():

@@ -12,7 +12,8 @@ of ``--block`` steps rotate through three modes, the same steps on both ranks:
 
 It prints JSON: per mode the median step wall time and the training thread's CPU time per
 step, the extra of ``snapshot`` over ``none`` and of ``copy`` over ``snapshot`` in ms and as
-a share of the ``none`` step, the copy thread's CPU per copy, and how many steps sent one.
+a share of the ``none`` step, the seconds a copy holds the training thread (``copy_cost_ms``:
+posting it and landing the one received), and how many steps sent one.
 The pieces of one copy's fixed work are timed apart (``parts_ms``: the skeleton as JSON,
 posting the sends). No agents, no rendezvous: the per-step figures of the tier alone, apart
 from the launch noise of ``bench recovery --only memory-cost``.
@@ -90,7 +91,7 @@ def summarize(ranks: list[dict], args: argparse.Namespace) -> dict:
         "copy_share": round((wall["copy"] - wall["snapshot"]) / base, 4),
         "tier_share": round((wall["copy"] - base) / base, 4),
         "save_ms": {m: round(1e3 * med("save", m), 3) for m in ("snapshot", "copy")},
-        "copy_thread_cpu_ms": round(1e3 * statistics.median(statistics.median(r["copy_cpu"]) for r in ranks), 3),
+        "copy_cost_ms": round(1e3 * statistics.median(statistics.median(r["copy_cost"]) for r in ranks), 3),
         "copy_latency_ms": round(1e3 * statistics.median(statistics.median(r["copy_wall"]) for r in ranks), 3),
         "copies_sent_share": round(share, 3),
         # Means, not medians: when fewer than half the steps send a copy, the median step of
@@ -164,12 +165,12 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
                 if mode != "none":
                     samples["save"][mode].append(s1 - s0)
         tier.settle(30)
-        copy_cpu = list(tier.link.cpu_s) if tier.link else [0.0]
+        copy_cost = list(tier.link.cost_s) if tier.link else [0.0]
         copy_wall = list(tier.link.wall_s) if tier.link else [0.0]
         parts = _parts(tier, state) if rank == 0 else {}
         dist.barrier()
         tier.close()
-        Path(root, f"rank{rank}.json").write_text(json.dumps({**samples, "copy_cpu": copy_cpu, "copy_wall": copy_wall,
+        Path(root, f"rank{rank}.json").write_text(json.dumps({**samples, "copy_cost": copy_cost, "copy_wall": copy_wall,
                                                                "sent": sent,
                                                                "parts": parts}))
     finally:

@@ -8,7 +8,7 @@ single node lost leaves every rank's snapshot in a survivor's memory, as its own
 or as a copy; a node lost with the node that held its copies (its ring predecessor) does
 not, and that restore falls back to storage (``choose``).
 
-Copies are sent from the sender's own published slot, in the background, after the
+Copies are sent from the sender's own published slot, moved by gloo's threads, after the
 snapshots the ranks agree to send (``due``), and received into one of the holder's two
 buddy slots (the one not holding its newest copy), published only once every byte arrived
 (``exchange``). Memory: two copies of the buddy's snapshot per rank (``bound``).
@@ -31,7 +31,10 @@ from typing import Any
 # refused: under FSDP the shards of one job differ by at most a row per tensor.
 GROWTH = 2
 SPARE = 1 << 20
-META_FIELDS = 11  # step, generation, world size, rank, data bytes, skeleton bytes, digest (4)
+# An announcement: MAGIC, step, generation, world size, rank, tensor and JSON bytes sent, tensor
+# and JSON bytes the snapshot needs, digest (4).
+META_FIELDS = 13
+MAGIC = 0x45484255_44445931  # first, in a buffer zeroed before the receive: it arrived (``exchange``)
 
 
 def active(world_size: int, local_size: int, sharded: bool) -> bool:
@@ -69,20 +72,31 @@ def writable(last: int | None, slots: int, kept: set[int]) -> int | None:
     return None
 
 
-def acceptable(meta: list[int], *, world_size: int, source: int, limit: int) -> str | None:
+def acceptable(meta: list[int], *, world_size: int, source: int, limit: int,
+               room: tuple[int, int] = (0, 0)) -> str | None:
     """Why the copy a sender announced (``META_FIELDS`` int64) is refused, or None: another
-    world size or rank than this holder's source, a generation of 0, or more bytes than
-    ``limit`` (a bogus announcement)."""
-    if len(meta) != META_FIELDS:
+    world size or rank than this holder's source, a generation of 0, more bytes sent than
+    the ``room`` agreed or than the snapshot needs, or a snapshot needing more than ``limit``
+    bytes (a bogus announcement)."""
+    if len(meta) != META_FIELDS or meta[0] != MAGIC:
         return "a malformed announcement"
-    step, generation, world, rank, data_len, skeleton_len = meta[:6]
+    step, generation, world, rank, data_len, json_len, need_data, need_json = meta[1:9]
     if (world, rank) != (world_size, source):
         return f"a copy of rank {rank} at world size {world}, this rank keeps rank {source}'s at {world_size}"
     if step < 0 or not generation:
         return "a copy without a step or generation"
-    if data_len < 0 or not 0 < skeleton_len <= limit or data_len + skeleton_len > limit:
-        return f"a copy of {data_len}+{skeleton_len} bytes, more than the {limit} allowed"
+    if not (0 <= data_len <= min(need_data, room[0]) and 0 <= json_len <= min(need_json, room[1])):
+        return f"a copy of {data_len}+{json_len} bytes, not what was agreed"
+    if need_data < 0 or not 0 < need_json <= limit or need_data + need_json > limit:
+        return f"a copy of {need_data}+{need_json} bytes, more than the {limit} allowed"
     return None
+
+
+def room(need: int) -> int:
+    """Pure: the size both ends of a pair agree for the next copy's message, from what the
+    last one needed (a little more: a skeleton's plain values, such as a learning rate,
+    change length from step to step; a snapshot larger than that is sent as a sizing copy)."""
+    return (need + need // 8 + 4096 + 7) // 8 * 8 if need > 0 else 0  # whole int64s: the announcement follows
 
 
 def bound(own_bytes: int) -> int:
@@ -116,16 +130,17 @@ def older_than_storage(step: int, durable: int | None, what: str = "buddy copies
     return None
 
 
-def every(copy_cpu_s: float, step_s: float, budget: float) -> int:
+def every(copy_s: float, step_s: float, budget: float) -> int:
     """Steps between copies so that they cost at most ``budget`` of step time
-    (``cadence.interval`` over the copy thread's measured CPU seconds per copy; 1 with no
+    (``cadence.interval`` over the seconds a copy measured holding the training thread,
+    ``exchange.BuddyLink.copy_cost_s``, a budget apart from the own snapshots'; 1 with no
     measurement yet or a budget of 0)."""
     from elastic_harness.memtier.cadence import interval
 
-    return interval(copy_cpu_s, step_s, budget, 1)
+    return interval(copy_s, step_s, budget, 1)
 
 
-def hold(step: int, last_copy: int, copy_cpu_s: float, step_s: float, budget: float) -> bool:
+def hold(step: int, last_copy: int, copy_s: float, step_s: float, budget: float) -> bool:
     """Rank 0's say, added to the step's "copies busy" value: wait before the next copy
     until ``every`` steps passed since the last one."""
-    return step - last_copy < every(copy_cpu_s, step_s, budget)
+    return step - last_copy < every(copy_s, step_s, budget)

@@ -79,6 +79,7 @@ class MemoryTier:
         self.buddy_regions = buddy_regions or []
         self.local_size, self.generation = local_size, generation
         self.link: BuddyLink | None = None  # set by ``restore`` when copies are kept
+        self.copy_s = 0.0  # seconds the last ``save`` spent starting a buddy copy (0: none)
         self._warn = warn  # every rank may report its own trouble
         self._last: int | None = None  # the slot holding this rank's newest snapshot
         # Own slots kept for the buddy copies (``buddy.writable``): the newest step whose
@@ -441,15 +442,15 @@ class MemoryTier:
             return False
         if self.link.busy():
             return True
-        return bool(budget) and buddy.hold(step, self.link.last_step, self.link.copy_cpu_s(), step_s, budget)
+        return bool(budget) and buddy.hold(step, self.link.last_step, self.link.copy_cost_s(), step_s, budget)
 
     def copy_every(self, step_s: float, budget: float) -> tuple[int, float] | None:
         """(steps between buddy copies, copy CPU seconds) as ``busy`` holds them to now; None
         without copies."""
         if self.link is None:
             return None
-        cpu = self.link.copy_cpu_s()
-        return buddy.every(cpu, step_s, budget), cpu
+        cost = self.link.copy_cost_s()
+        return buddy.every(cost, step_s, budget), cost
 
     def save(self, step: int, state: dict[str, Any], *, send: bool = False, settled: bool = False) -> bool:
         """Snapshot ``state`` as ``step`` into the slot not holding this rank's newest one,
@@ -457,10 +458,13 @@ class MemoryTier:
         to this rank's buddy holder, in the background. ``settled``: no rank reported copies
         moving in this step's all-reduce (the last copy sent is complete everywhere). False
         if skipped (every slot is kept: the previous snapshots stay)."""
+        self.copy_s = 0.0
         if not self.regions:
             return False
         if settled and self._unsettled is not None:
             self._copied, self._unsettled = self._unsettled, None
+            if self.link is not None:
+                self.link.settled()
         kept = {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
         slot = buddy.writable(self._last, len(self.regions), kept)
         if slot is None or (self.link is not None and self.link.sending(slot)):
@@ -484,7 +488,9 @@ class MemoryTier:
         self._last = slot
         if send and self.link is not None and not self.link.broken:
             self._unsettled = slot
+            t0 = time.perf_counter()
             self._send_copy(slot, data, header, cap)
+            self.copy_s = time.perf_counter() - t0
         return True
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:

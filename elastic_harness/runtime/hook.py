@@ -257,13 +257,15 @@ class StepHook:
                 self.copy_every = None if copies is None else copies[0]
                 self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5),
                                  copy_every=self.copy_every,
-                                 copy_cpu_s=None if copies is None else round(copies[1], 5))
+                                 copy_cost_s=None if copies is None else round(copies[1], 5))
         if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
         saved = self.memory.save(step, self.state, send=not copies_busy, settled=copies_settled)
-        self.snapshot_s = time.monotonic() - t0
-        self.cadence.snapshot_took(self.snapshot_s)
+        self.snapshot_s = time.monotonic() - t0  # left out of the step's time, copy included
+        # The snapshot interval's budget is the own snapshot's; a copy's start has its own
+        # (``memtier.buddy.hold``, over ``BuddyLink.copy_cost_s``).
+        self.cadence.snapshot_took(self.snapshot_s - self.memory.copy_s)
         if saved:
             self.cadence.taken(step)
         link = self.memory.link
