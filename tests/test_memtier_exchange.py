@@ -152,3 +152,26 @@ def test_the_skeleton_encoder_reuses_unchanged_entries_and_matches_a_full_encodi
     changed = {**moved, "optim": {"state": {0: {"lr": 0.05}}}}
     assert enc.encode(changed) == encode_skeleton(changed)
     assert enc.encode([1, 2]) == encode_skeleton([1, 2])  # not a dict of entries: encoded whole
+
+
+# ----- the copies' own group, at idle priority ---------------------------------------------
+
+def test_the_copies_group_runs_its_own_gloo_threads_at_idle_priority_and_no_other():
+    import os
+
+    from elastic_harness.runtime.dist import background_group
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = {int(t) for t in os.listdir("/proc/self/task")}
+        group = background_group(dt.timedelta(seconds=30))
+        new = {int(t) for t in os.listdir("/proc/self/task")} - before
+        policies = {tid: os.sched_getscheduler(tid) for tid in new}
+        assert os.SCHED_IDLE in policies.values(), "the group's gloo threads were not lowered"
+        assert all(os.sched_getscheduler(tid) == os.SCHED_OTHER for tid in before
+                   if os.path.exists(f"/proc/self/task/{tid}")), "a thread that existed before was touched"
+        t = torch.ones(3)
+        dist.all_reduce(t, group=group)  # still a working group
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        dist.destroy_process_group()

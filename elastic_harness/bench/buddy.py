@@ -117,6 +117,7 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
     from elastic_harness.memtier.host import HostSlots
     from elastic_harness.memtier.peer import Wire
     from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.runtime.dist import background_group
     from elastic_harness.runtime.state import TrainState, build_state
     from elastic_harness.tasks.mlp import MLPRegression
 
@@ -126,13 +127,14 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
     hosts = HostSlots.create(1, slots=4)
     try:
         group = dist.new_group(backend="gloo")
+        copies = background_group(dt.timedelta(seconds=60))  # as the harness: the copies' own, idle group
         torch.manual_seed(0)
         model = MLPRegression(samples=1024, dim=16, hidden=opts["hidden"], depth=opts["depth"]).build_model()
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         train = TrainState(DataState(0, 1024), world_size=2)
         state = build_state(model, optim, train)
-        tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2),
+        tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2, copies=copies),
                                warn=print, local_size=1, generation=0x5EED)
         tier.restore(state, sharded=True)
         gen = torch.Generator().manual_seed(rank)

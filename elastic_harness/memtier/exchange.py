@@ -3,7 +3,8 @@ its source's copy into a buddy slot, with no thread of ours and without the step
 waiting on either.
 
 Everything runs on the training thread, in a few calls that return at once; gloo's own
-threads move the bytes. A copy thread (the previous design) cost a step ~4 ms per copy on a
+threads move the bytes (in the harness, those of the copies' own group, at idle CPU
+priority: ``runtime.dist.background_group``). A copy thread (the previous design) cost a step ~4 ms per copy on a
 busy 2-core machine for ~1 ms of its own CPU: each of its wake-ups took the GIL from the
 training thread, which then waited for it back (``bench buddy``).
 

@@ -52,7 +52,9 @@ class Wire:
     post_recv: Callable[[torch.Tensor, int], Any] | None = None
 
     @classmethod
-    def of(cls, group: Any, world_size: int) -> Wire:
+    def of(cls, group: Any, world_size: int, copies: Any = None) -> Wire:
+        """The wire over ``group``; the buddy copies' messages over ``copies`` when given (their
+        own group, at idle priority: ``runtime.dist.background_group``)."""
         import torch.distributed as dist
 
         def gather(values: list[int]) -> list[list[int]]:
@@ -61,7 +63,7 @@ class Wire:
             dist.all_gather(out, t, group=group)
             return [o.tolist() for o in out]
 
-        pg = group if group is not None else dist.group.WORLD  # ranks below are the group's
+        pg = copies if copies is not None else group if group is not None else dist.group.WORLD  # group ranks
         return cls(gather,
                    lambda t, dst: dist.send(t, group=group, group_dst=dst),
                    lambda t, src: dist.recv(t, group=group, group_src=src),

@@ -147,7 +147,7 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
     except HarnessError as e:
         _refuse(e, env)
     t0 = time.perf_counter()
-    groups = hdist.init(env, spec.device, spec.timeouts.process_group)
+    groups = hdist.init(env, spec.device, spec.timeouts.process_group, copies=_keeps_copies(spec, env, topology))
     pg_init_s = time.perf_counter() - t0
     try:
         claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
@@ -265,7 +265,7 @@ class Run:
             key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
             optional_keys=TrainState.OPTIONAL_KEYS,
         )
-        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation)
+        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation, groups.copies)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
@@ -501,8 +501,18 @@ class Run:
                          restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
 
 
+def _keeps_copies(spec: JobSpec, env: WorkerEnv, topology: Topology) -> bool:
+    """May this generation keep buddy copies (``memtier.buddy.active``)? From the job and the
+    launch alone, so the same on every rank: it decides whether every rank creates the copies'
+    own group (``runtime.dist.background_group``)."""
+    from elastic_harness.memtier import buddy
+
+    return (env.by_harness and spec.checkpoint.memory_every > 0 and spec.checkpoint.memory_buddy
+            and topology.kind == "fsdp" and buddy.active(topology.world_size, env.local_world_size, True))
+
+
 def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
-                 log: EventLog, generation: str) -> MemoryTier | None:
+                 log: EventLog, generation: str, copies: Any = None) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
     every rank (restoring is collective): a rank whose slots cannot be opened has none.
 
@@ -512,7 +522,7 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
     return MemoryTier.open(env.memory, env.local_rank, rank=topology.rank, world_size=topology.world_size,
-                           wire=Wire.of(group, topology.world_size),
+                           wire=Wire.of(group, topology.world_size, copies=copies),
                            warn=lambda message: log.emit("warning", message=message),
                            local_size=env.local_world_size, generation=int(generation, 16),
                            copies=spec.checkpoint.memory_buddy)
