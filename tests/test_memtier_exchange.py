@@ -175,3 +175,15 @@ def test_the_copies_group_runs_its_own_gloo_threads_at_idle_priority_and_no_othe
         assert t.tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+def test_sends_a_holder_never_took_break_the_link_instead_of_holding_the_step(pair):
+    links, own, copies, warnings = pair
+    # Rank 1 posts nothing (its link broke before it could): rank 0's sends are never taken.
+    # Told that no copy is moving (a broken link is not), rank 0 gives them a grace, then
+    # stops copies rather than wait on them.
+    data, header, skeleton = snapshot(own[0][1], 1, 0, 1000)
+    links[0].start(1, data, header, skeleton, limit=buddy.bound(10**6))
+    links[0].settled()
+    assert links[0].broken and "sending to rank 1" in warnings[0]
+    assert not links[0].sending(1)

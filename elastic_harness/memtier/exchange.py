@@ -40,6 +40,7 @@ link broke (the ranks agree on it in the step's all-reduce before the next excha
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import pickle
 import statistics
 import struct
@@ -58,6 +59,7 @@ from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _META_BYTES = 8 * buddy.META_FIELDS
 _ABANDONED: list = []  # works left in flight by ``stop``, with what they read and write
+SEND_GRACE = dt.timedelta(seconds=1)  # ``settled``: a complete send returns at once
 
 
 class BuddyLink:
@@ -115,10 +117,19 @@ class BuddyLink:
 
     def settled(self) -> None:
         """No rank's copy is moving (the step's all-reduce): every holder received this rank's
-        messages, so its sends are complete; collect them."""
+        messages, so its sends are complete; collect them. (A holder whose link broke is not
+        moving either: a send it never took is given ``SEND_GRACE``, then the link breaks
+        here too instead of the step waiting on it. The copies' group is theirs alone.)"""
         if self._sends and not self.broken:
-            for w in self._sends:
-                w.wait()  # complete: returns at once
+            try:
+                for w in self._sends:
+                    w.wait(SEND_GRACE)  # complete: returns at once
+            except Exception as e:  # noqa: BLE001 - never taken: copies stop, the step goes on
+                _ABANDONED.append((self._sends, self._keep))
+                self._sends = []
+                self._break(f"sending to rank {self.holder}: {e!r:.200}", self.last_step)
+        elif self._sends:  # a broken link's: maybe never taken, kept (``stop``)
+            _ABANDONED.append((self._sends, self._keep))
         self._sends, self._keep, self._sending = [], [], None
 
     # ----- one exchange ----------------------------------------------------------------------

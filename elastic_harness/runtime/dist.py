@@ -19,6 +19,7 @@ import contextlib
 import datetime as dt
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -82,15 +83,29 @@ def init(env: WorkerEnv, device_request: str, timeout_s: int, copies: bool = Fal
 def background_group(timeout: dt.timedelta) -> Any:
     """A new gloo group whose own threads (those its creation started that gloo names) run
     at ``SCHED_IDLE``. Threads that existed before are never touched (were a gloo version to
-    share one loop between groups, training's would keep its priority). Where the policy is
-    not available the group keeps the normal one."""
+    share one loop between groups, training's would keep its priority). A new thread names
+    itself once running: one still bearing its creator's name is looked at again for up to
+    ``NAME_WAIT_S``. Where the policy is not available the group keeps the normal one."""
+    creator = _thread_name(threading.get_native_id())
     before = _threads()
     group = dist.new_group(backend="gloo", timeout=timeout)
-    for tid in _threads() - before:
-        if "gloo" in _thread_name(tid):
-            with contextlib.suppress(AttributeError, OSError):
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    unnamed = _threads() - before
+    deadline = time.monotonic() + NAME_WAIT_S
+    while unnamed:
+        for tid in list(unnamed):
+            name = _thread_name(tid)
+            if name != creator:  # named (or ended: "")
+                unnamed.discard(tid)
+                if "gloo" in name:
+                    with contextlib.suppress(AttributeError, OSError):
+                        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        if not unnamed or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)  # a thread that just started names itself within microseconds
     return group
+
+
+NAME_WAIT_S = 0.05
 
 
 def _threads() -> set[int]:
