@@ -187,3 +187,30 @@ def test_sends_a_holder_never_took_break_the_link_instead_of_holding_the_step(pa
     links[0].settled()
     assert links[0].broken and "sending to rank 1" in warnings[0]
     assert not links[0].sending(1)
+
+
+def test_a_copy_that_never_lands_is_given_up_and_own_snapshots_go_on(pair):
+    from elastic_harness.memtier.peer import Wire
+    from elastic_harness.memtier.tier import MemoryTier
+
+    links, own, copies, warnings = pair
+    tier = MemoryTier(own[0], rank=0, world_size=2, wire=Wire(None, None, None), warn=warnings.append,
+                      buddy_regions=copies[0], local_size=1, generation=GEN)
+    tier.link = links[0]
+    state = {"model": {"w": torch.arange(4.0)}}
+    # Step 1's copy goes both ways and lands; then rank 1 stops taking part: the copy of step 2
+    # stays in flight, every later snapshot is told a copy still moves (``settled`` False),
+    # and the own slots of steps 1 (copied) and 2 (being copied) are both held.
+    assert tier.save(1, state, send=True, settled=True)
+    links[1].start(0, *snapshot(own[1][0], 1, 1, 16), limit=buddy.bound(10**6))
+    deadline = time.monotonic() + 20
+    while links[0].moving() or links[1].moving():
+        assert time.monotonic() < deadline, "a receive never landed"
+        time.sleep(0.001)
+    assert tier.save(2, state, send=True, settled=True)
+    saved = [tier.save(step, state, settled=False) for step in range(3, 4 + buddy.STUCK_SNAPSHOTS)]
+    assert not any(saved[:-1]), "the own slots are held while the copy is in flight"
+    assert tier.link is None and "copies stop" in warnings[-1]
+    assert saved[-1] and tier.save(201, state, settled=False), "given up: snapshots go on"
+    steps = sorted(h.step for h in (r.header() for r in own[0]) if h is not None and h.published)
+    assert steps == [3 + buddy.STUCK_SNAPSHOTS, 201]

@@ -104,6 +104,17 @@ def bound(own_bytes: int) -> int:
     return GROWTH * own_bytes + SPARE
 
 
+STUCK_SNAPSHOTS = 100  # snapshots in a row that found a copy still moving somewhere: given up
+
+
+def stuck(waiting: int) -> bool:
+    """Give copies up for this generation? ``waiting`` snapshots in a row found some rank's
+    receive still in flight: one that will not land (its sender's link broke before it sent),
+    which would keep both own slots held (``writable``) and stop the own snapshots too. Every
+    rank counts the same all-reduced flags, so all give up at the same snapshot."""
+    return waiting > STUCK_SNAPSHOTS
+
+
 def holds(offers: Sequence[Any], plan: Any, old_rank: int) -> bool:
     """Does a rank with these offers hold old rank ``old_rank``'s snapshot of the plan?"""
     return any(o.step == plan.step and o.generation == plan.generation

@@ -86,6 +86,7 @@ class MemoryTier:
         # copies every rank finished, and the step last sent until they have.
         self._copied: int | None = None
         self._unsettled: int | None = None
+        self._waiting = 0  # snapshots in a row that found a copy moving somewhere (``buddy.stuck``)
         self._views = [snapshot.Views() for _ in regions]
         self.replicated = False  # snapshots are marked replicated (``restore`` learns it)
         self.mesh: tuple[int, int] | None = None  # and with their mesh degrees (``restore`` too)
@@ -461,6 +462,13 @@ class MemoryTier:
         self.copy_s = 0.0
         if not self.regions:
             return False
+        if self.link is not None:
+            self._waiting = 0 if settled else self._waiting + 1
+            if buddy.stuck(self._waiting):
+                self._warn(f"rank {self.rank}: a buddy copy has been in flight for {self._waiting} snapshots; "
+                           "copies stop for this generation, snapshots go on")
+                self.link.stop()
+                self.link, self._copied, self._unsettled = None, None, None
         if settled and self._unsettled is not None:
             self._copied, self._unsettled = self._unsettled, None
             if self.link is not None:
