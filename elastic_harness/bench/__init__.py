@@ -8,8 +8,10 @@ checked before anything is measured (``scratch_dir``, ``check_out``): a bad ``--
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from elastic_harness.errors import HarnessError
@@ -24,6 +26,25 @@ def scratch_dir(prefix: str, parent: str | None) -> Path:
         where = parent or tempfile.gettempdir()
         raise HarnessError(f"cannot make a scratch directory in '{where}': {e.strerror}",
                            "pass --dir an existing directory you can write") from None
+
+
+@contextlib.contextmanager
+def spawning_into(scratch: Path) -> Iterator[None]:
+    """While a bench spawns its own rank processes: what torch would leave in the temp dir
+    goes into ``scratch`` (removed by the caller) instead. Their compile cache
+    (``launch.scratch.torch_environ``), and the traceback file ``torch.multiprocessing``
+    names per child in the temp dir and never removes when a child failed."""
+    from elastic_harness.launch.scratch import torch_environ
+
+    added = torch_environ(scratch, os.environ)
+    os.environ.update(added)
+    saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def check_out(path: str | None) -> None:

@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from elastic_harness.bench import check_out, scratch_dir
+from elastic_harness.bench import check_out, scratch_dir, spawning_into
 from elastic_harness.errors import HarnessError
 
 MODES = ("none", "snapshot", "copy")
@@ -57,8 +57,9 @@ def cmd_buddy(args: argparse.Namespace) -> int:
 
     scratch = scratch_dir("eh-bench-buddy-", None)
     try:
-        mp.start_processes(_rank, args=(free_port(), str(scratch), vars(args)), nprocs=2, join=True,
-                           start_method="spawn")
+        with spawning_into(scratch):  # torch's compile cache and traceback files: not in /tmp
+            mp.start_processes(_rank, args=(free_port(), str(scratch), vars(args)), nprocs=2, join=True,
+                               start_method="spawn")
         ranks = [json.loads((scratch / f"rank{r}.json").read_text()) for r in range(2)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

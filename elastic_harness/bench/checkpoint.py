@@ -35,11 +35,10 @@ import os
 import re
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from elastic_harness.bench import check_out, scratch_dir
+from elastic_harness.bench import check_out, scratch_dir, spawning_into
 from elastic_harness.errors import HarnessError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
@@ -104,18 +103,12 @@ def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
 
     from elastic_harness.bench.ckpt_ranks import main
     from elastic_harness.cluster import free_port
-    from elastic_harness.launch.scratch import torch_environ
-
-    os.environ.update(torch_environ(scratch, os.environ))  # the ranks' torch caches: in scratch
     cfg = {"port": free_port(), "size": size, "repeats": args.repeats, "every": args.every,
            "steps": args.steps, "windows": args.windows, "train_only": args.train_only,
            "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
-    # mp.spawn names a traceback file per child in the temp dir and never removes one a
-    # failing child wrote: point tempfile at the scratch dir (removed after) meanwhile.
-    saved, tempfile.tempdir = tempfile.tempdir, str(scratch)
-    try:
+    with spawning_into(scratch):  # the ranks' torch caches and traceback files: in scratch
         ranks = mp.spawn(main, args=(cfg,), nprocs=3, join=False)
         try:
             while not ranks.join():
@@ -123,8 +116,6 @@ def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
         except BaseException:  # a failed rank, or Ctrl-C: stop the others before the scratch goes
             stop_ranks(ranks.processes)
             raise
-    finally:
-        tempfile.tempdir = saved
     raw = json.loads((scratch / "results.json").read_text())
     raw["wall_s"] = time.perf_counter() - t0
     raw["load_before"], raw["load_after"] = round(load_before, 2), round(os.getloadavg()[0], 2)
