@@ -446,8 +446,8 @@ class MemoryTier:
         return bool(budget) and buddy.hold(step, self.link.last_step, self.link.copy_cost_s(), step_s, budget)
 
     def copy_every(self, step_s: float, budget: float) -> tuple[int, float] | None:
-        """(steps between buddy copies, copy CPU seconds) as ``busy`` holds them to now; None
-        without copies."""
+        """(steps between buddy copies, seconds a copy holds the training thread) as ``busy``
+        holds them to now; None without copies."""
         if self.link is None:
             return None
         cost = self.link.copy_cost_s()
