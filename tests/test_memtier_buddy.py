@@ -113,24 +113,17 @@ def test_a_copy_older_than_storage_is_not_used():
 
 def test_a_bogus_announcement_is_refused():
     M = buddy.MAGIC
-    # magic, step, generation, world, rank, sent (tensor, JSON), needed (tensor, JSON), digest
-    ok = [M, 35, GEN, 2, 1, 1000, 200, 1000, 200, 0, 0, 0, 0]
-    room = (buddy.room(1000), buddy.room(200))
-    assert buddy.acceptable(ok, world_size=2, source=1, limit=buddy.bound(1000), room=room) is None
-    sizing = [M, 35, GEN, 2, 1, 0, 0, 1000, 200, 0, 0, 0, 0]  # nothing sent: it only sizes the next
-    assert buddy.acceptable(sizing, world_size=2, source=1, limit=10**6) is None
-    assert "rank 0" in buddy.acceptable([M, 35, GEN, 2, 0, *ok[5:]], world_size=2, source=1, limit=10**6, room=room)
-    assert buddy.acceptable([M, 35, GEN, 2, 1, 1000, 200, 10**12, 200, *ok[9:]], world_size=2, source=1,
-                            limit=10**6, room=room)
-    assert "agreed" in buddy.acceptable(ok, world_size=2, source=1, limit=10**6, room=(999, 10**4))
-    assert buddy.acceptable([M, 35, 0, *ok[3:]], world_size=2, source=1, limit=10**6, room=room)
-    assert buddy.acceptable([0, *ok[1:]], world_size=2, source=1, limit=10**6, room=room)
-    assert buddy.acceptable(ok[:-1], world_size=2, source=1, limit=10**6, room=room)
-
-
-def test_the_room_agreed_is_a_little_more_than_needed_in_whole_int64s():
-    assert buddy.room(0) == 0
-    assert all(buddy.room(n) >= n + n // 8 and buddy.room(n) % 8 == 0 for n in (1, 7, 1000, 10**9 + 3))
+    # magic, step, generation, world, rank, tensor bytes, JSON bytes, digest
+    ok = [M, 35, GEN, 2, 1, 1000, 200, 0, 0, 0, 0]
+    assert buddy.acceptable(ok, world_size=2, source=1, limit=buddy.bound(1000)) is None
+    assert "rank 0" in buddy.acceptable([M, 35, GEN, 2, 0, *ok[5:]], world_size=2, source=1, limit=10**6)
+    assert "more than" in buddy.acceptable([M, 35, GEN, 2, 1, 10**12, 200, *ok[7:]], world_size=2, source=1,
+                                           limit=10**6)
+    assert buddy.acceptable([M, 35, GEN, 2, 1, -1, 200, *ok[7:]], world_size=2, source=1, limit=10**6)
+    assert buddy.acceptable([M, 35, GEN, 2, 1, 1000, 0, *ok[7:]], world_size=2, source=1, limit=10**6)
+    assert buddy.acceptable([M, 35, 0, *ok[3:]], world_size=2, source=1, limit=10**6)
+    assert buddy.acceptable([0, *ok[1:]], world_size=2, source=1, limit=10**6)
+    assert buddy.acceptable(ok[:-1], world_size=2, source=1, limit=10**6)
 
 
 # ----- what travels -----------------------------------------------------------------------------

@@ -1,22 +1,28 @@
-"""The buddy copies' exchange (``memtier.exchange``) over real gloo: two ranks' process groups
-in one process (each on its own loopback pairs, as two nodes' would be), their slots in two
-agents' memory files. What lands, when, and what never does; fast."""
+"""The buddy copies' exchange (``memtier.exchange``) over its real streams (``memtier.conduit``):
+two ranks' links in one process, connected on loopback and authenticated under a key, their
+slots in two agents' memory files. What lands, when, and what never does; fast."""
 
 from __future__ import annotations
 
-import datetime as dt
 import pickle
+import socket
 import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from elastic_harness.memtier import buddy
+from elastic_harness.memtier.conduit import (
+    Conduit,
+    decode_address,
+    encode_address,
+    local_address,
+    proof,
+)
 from elastic_harness.memtier.exchange import BuddyLink
 from elastic_harness.memtier.host import HostSlots, slot_paths
-from elastic_harness.memtier.peer import COPY_TAG, SkeletonEncoder, decode_skeleton, encode_skeleton
+from elastic_harness.memtier.peer import SkeletonEncoder, decode_skeleton, encode_skeleton
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header
 
@@ -24,29 +30,50 @@ pytestmark = pytest.mark.timeout(60)
 
 GEN = 0x5EED
 DIGEST = b"g" * 32
+KEY = b"k" * 32
 
 
-@pytest.fixture
-def pair():
-    """Two gloo process groups of world size 2 in this process, and each rank's own and buddy
-    slots (two each) in its own agent's memory."""
-    store = dist.HashStore()
-    groups: dict[int, object] = {}
+class Gather:
+    """``Wire.gather`` for ranks that are threads of this process: every rank's list, in rank order."""
 
-    def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, dt.timedelta(seconds=30))
+    def __init__(self, n: int) -> None:
+        self.values: list = [None] * n
+        self.barrier = threading.Barrier(n, timeout=30)
 
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    def __call__(self, rank: int, values: list[int]) -> list[list[int]]:
+        self.values[rank] = values
+        self.barrier.wait()
+        out = list(self.values)
+        self.barrier.wait()  # everyone read them before the next gather writes
+        return out
+
+
+def connect(n: int = 2, keys: list[bytes] | None = None, warn=None) -> list[Conduit | None]:
+    """Every rank's streams of a ring of ``n`` (one node each), set up at once as the ranks do."""
+    gather, out = Gather(n), [None] * n
+    keys = keys or [KEY] * n
+
+    def one(r: int) -> None:
+        out[r] = Conduit.connect(rank=r, holder=(r - 1) % n, source=(r + 1) % n, generation=GEN, key=keys[r],
+                                 host="127.0.0.1", gather=lambda v, r=r: gather(r, v), timeout=20,
+                                 warn=warn or (lambda m: None))
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+@pytest.fixture
+def pair():
+    """Two ranks' links, and each rank's own and buddy slots (two each) in its own agent's memory."""
+    conduits = connect()
     hosts = [HostSlots.create(1, slots=4) for _ in range(2)]
     regions = [[Region(p) for p in slot_paths(h.describe(), 0)] for h in hosts]
     warnings: list[str] = []
-    links = [BuddyLink(regions[r][2:], rank=r, world_size=2, local_size=1, generation=GEN,
-                       isend=lambda t, dst, g=groups[r]: g.send([t], dst, COPY_TAG),
-                       irecv=lambda t, src, g=groups[r]: g.recv([t], src, COPY_TAG),
+    links = [BuddyLink(regions[r][2:], rank=r, world_size=2, local_size=1, generation=GEN, conduit=conduits[r],
                        warn=warnings.append) for r in range(2)]
     yield links, [rs[:2] for rs in regions], [rs[2:] for rs in regions], warnings
     for link in links:
@@ -77,68 +104,88 @@ def exchange(links, own, step: int, sizes=(1000, 1000)) -> None:
         link.settled()
         data, header, skeleton = snapshot(own[r][step % 2], step, r, sizes[r])
         link.start(step % 2, data, header, skeleton, limit=buddy.bound(10**6))
+    settle(links)
+
+
+def settle(links) -> None:
     deadline = time.monotonic() + 20
-    while any(link.moving() for link in links):  # gloo's threads move the bytes
+    while any(link.moving() for link in links):  # each poll moves what the sockets take
         assert time.monotonic() < deadline, "a receive never landed"
-        time.sleep(0.001)
 
 
 def published(regions) -> list[tuple[int, int]]:
     return sorted((h.step, h.data_len) for h in (r.header() for r in regions) if h is not None and h.published)
 
 
-def test_the_first_exchange_sizes_the_next_and_a_whole_copy_lands_byte_for_byte(pair):
+def test_a_copy_lands_byte_for_byte_in_the_holders_buddy_slot(pair):
     links, own, copies, warnings = pair
     exchange(links, own, 1)
-    assert [published(c) for c in copies] == [[], []], "the sizing exchange publishes nothing"
-    exchange(links, own, 2)
-    assert [published(c) for c in copies] == [[(2, 1000)], [(2, 1000)]]
+    assert [published(c) for c in copies] == [[(1, 1000)], [(1, 1000)]]
     for holder, source in ((0, 1), (1, 0)):
         (slot,) = [r for r in copies[holder] if r.header() is not None and r.header().published]
         h = slot.header()
         assert (h.rank, h.world_size, h.generation, h.digest, h.replicated) == (source, 2, GEN, DIGEST, False)
-        mine = own[source][0].data()[HEADER_SIZE:HEADER_SIZE + 1000]
+        mine = own[source][1].data()[HEADER_SIZE:HEADER_SIZE + 1000]
         assert torch.equal(slot.data()[HEADER_SIZE:HEADER_SIZE + 1000], mine)
         raw = bytes(slot.data()[HEADER_SIZE + 1000:HEADER_SIZE + 1000 + h.skeleton_len].tolist())
-        assert decode_skeleton(raw) == {"train": {"step": 2, "rank": source}, "model": {"w": [1, 2, 3]}}
-    assert [link.held[0] for link in links] == [2, 2] and all(link.announce for link in links)
+        assert decode_skeleton(raw) == {"train": {"step": 1, "rank": source}, "model": {"w": [1, 2, 3]}}
+    assert [link.held[0] for link in links] == [1, 1] and all(link.announce for link in links)
+    assert all(link.cost_s and link.copy_cost_s() > 0 for link in links)
     assert not warnings
 
 
-def test_a_grown_snapshot_is_sized_first_and_the_newest_whole_copy_stays_offered(pair):
+def test_a_grown_snapshot_lands_and_the_two_newest_copies_alternate_slots(pair):
     links, own, copies, warnings = pair
     exchange(links, own, 1)
-    exchange(links, own, 2)
-    # Rank 0's snapshot grows past the room agreed: its copy of step 3 only sizes the next one
-    # (gloo would abort a holder sent more than it posted), rank 1's lands as usual.
-    exchange(links, own, 3, sizes=(10_000, 1000))
-    assert published(copies[1]) == [(2, 1000)], "rank 1 still offers rank 0's step 2"
+    exchange(links, own, 2, sizes=(10_000, 1000))
+    exchange(links, own, 3, sizes=(3_000_000, 1000))  # more than the sockets hold: over several polls
+    assert published(copies[1]) == [(2, 10_000), (3, 3_000_000)]
     assert published(copies[0]) == [(2, 1000), (3, 1000)]
-    exchange(links, own, 4, sizes=(10_000, 1000))
-    assert published(copies[1]) == [(2, 1000), (4, 10_000)]
-    assert links[1].held[0] == 4 and not warnings
+    (slot,) = [r for r in copies[1] if r.header().step == 3]
+    assert torch.equal(slot.data()[HEADER_SIZE:HEADER_SIZE + 3_000_000], own[0][1].data()[HEADER_SIZE:HEADER_SIZE + 3_000_000])
+    assert links[1].held == (3, 3_000_000 + slot.header().skeleton_len) and not warnings
 
 
-def test_a_copy_in_flight_is_never_offered_and_its_sends_are_kept_until_settled(pair):
+def test_a_copy_in_flight_is_never_offered_and_its_own_slot_is_kept_until_sent(pair):
     links, own, copies, _ = pair
     exchange(links, own, 1)
-    exchange(links, own, 2)
-    # Only rank 1 starts step 3's exchange (rank 0 is gone, say): its receive never lands,
-    # the slot it receives into is unpublished and the newest whole copy stays offered.
-    links[1].settled()
-    data, header, skeleton = snapshot(own[1][1], 3, 1, 1000)
-    links[1].start(1, data, header, skeleton, limit=buddy.bound(10**6))
+    # Only rank 1 starts step 2's exchange, far larger than the sockets hold (rank 0 is stuck,
+    # say, and reads nothing): its receive never lands, the slot it receives into stays
+    # unpublished, the newest whole copy stays offered, and its own slot stays kept.
+    data, header, skeleton = snapshot(own[1][0], 2, 1, 64 << 20)
+    links[1].start(0, data, header, skeleton, limit=buddy.bound(10**9))
     assert links[1].moving() and links[1].busy()
-    assert published(copies[1]) == [(2, 1000)]
-    assert links[1].sending(1) and not links[1].sending(0), "the own slot being sent is not rewritten"
+    assert published(copies[1]) == [(1, 1000)]
+    assert links[1].sending(0) and not links[1].sending(1), "the own slot being sent is not rewritten"
 
 
 def test_a_bogus_announcement_breaks_the_link_and_publishes_nothing(pair):
     links, own, copies, warnings = pair
     links[0].world_size = 3  # rank 0 now expects a copy of another world size than rank 1 sends
-    exchange(links, own, 1)
-    assert links[0].broken and links[0].busy() and not links[0].moving()
+    for r in (0, 1):
+        links[r].start(1, *snapshot(own[r][1], 1, r, 1000), limit=buddy.bound(10**6))
+    deadline = time.monotonic() + 20
+    while not links[0].broken:
+        assert time.monotonic() < deadline
+        links[0].busy()
+    assert links[0].busy() and not links[0].moving()
     assert published(copies[0]) == [] and "world size" in warnings[0]
+
+
+def test_a_sender_that_dies_mid_copy_leaves_nothing_published_and_breaks_the_link(pair):
+    links, own, copies, warnings = pair
+    exchange(links, own, 1)
+    data, header, skeleton = snapshot(own[1][0], 2, 1, 64 << 20)
+    links[1].start(0, data, header, skeleton, limit=buddy.bound(10**9))
+    links[0].start(0, *snapshot(own[0][0], 2, 0, 1000), limit=buddy.bound(10**9))
+    links[0].busy()  # part of rank 1's copy arrived
+    links[1].stop()  # rank 1 dies
+    deadline = time.monotonic() + 20
+    while not links[0].broken:
+        assert time.monotonic() < deadline
+        links[0].busy()
+    assert published(copies[0]) == [(1, 1000)], "the half-received step 2 is never offered"
+    assert "closed" in warnings[-1] or "broke" in warnings[-1]
 
 
 # ----- the skeleton's JSON, entry by entry --------------------------------------------------
@@ -154,39 +201,68 @@ def test_the_skeleton_encoder_reuses_unchanged_entries_and_matches_a_full_encodi
     assert enc.encode([1, 2]) == encode_skeleton([1, 2])  # not a dict of entries: encoded whole
 
 
-# ----- the copies' own group, at idle priority ---------------------------------------------
+# ----- the streams ---------------------------------------------------------------------------
 
-def test_the_copies_group_runs_its_own_gloo_threads_at_idle_priority_and_no_other():
-    import os
-
-    from elastic_harness.runtime.dist import background_group
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def test_a_ring_of_three_links_up_and_a_wrong_key_keeps_no_link_on_any_rank():
+    ring = connect(3)
     try:
-        before = {int(t) for t in os.listdir("/proc/self/task")}
-        group = background_group(dt.timedelta(seconds=30))
-        new = {int(t) for t in os.listdir("/proc/self/task")} - before
-        policies = {tid: os.sched_getscheduler(tid) for tid in new}
-        assert os.SCHED_IDLE in policies.values(), "the group's gloo threads were not lowered"
-        assert all(os.sched_getscheduler(tid) == os.SCHED_OTHER for tid in before
-                   if os.path.exists(f"/proc/self/task/{tid}")), "a thread that existed before was touched"
-        t = torch.ones(3)
-        dist.all_reduce(t, group=group)  # still a working group
-        assert t.tolist() == [1.0, 1.0, 1.0]
+        assert all(c is not None for c in ring)
+        ring[0].offer([memoryview(b"hello")])
+        assert ring[0].push()
+        got = bytearray(5)
+        deadline = time.monotonic() + 10
+        n = 0
+        while n < 5:
+            assert time.monotonic() < deadline
+            n += ring[2].pull_into(memoryview(got)[n:])  # rank 0's holder is rank 2
+        assert bytes(got) == b"hello"
     finally:
-        dist.destroy_process_group()
+        for c in ring:
+            c.close()
+    warnings: list[str] = []
+    assert connect(3, keys=[KEY, KEY, b"x" * 32], warn=warnings.append) == [None, None, None]
+    assert any("did not prove the job's key" in w for w in warnings)
 
 
-def test_sends_a_holder_never_took_break_the_link_instead_of_holding_the_step(pair):
-    links, own, copies, warnings = pair
-    # Rank 1 posts nothing (its link broke before it could): rank 0's sends are never taken.
-    # Told that no copy is moving (a broken link is not), rank 0 gives them a grace, then
-    # stops copies rather than wait on them.
-    data, header, skeleton = snapshot(own[0][1], 1, 0, 1000)
-    links[0].start(1, data, header, skeleton, limit=buddy.bound(10**6))
-    links[0].settled()
-    assert links[0].broken and "sending to rank 1" in warnings[0]
-    assert not links[0].sending(1)
+def test_a_stranger_who_connects_first_is_never_taken_for_the_source():
+    # A connection that does not say it is the source's is dropped; the source's then proves the key.
+    import secrets
+
+    def stranger(values: list[int]) -> None:
+        addr = decode_address(values)
+        with socket.create_connection(addr, timeout=5) as s:
+            s.sendall(b"EHBC" + b"\0" * 24 + secrets.token_bytes(16))
+
+    gather, out = Gather(2), [None, None]
+
+    def one(r: int) -> None:
+        def g(v: list[int], r=r) -> list[list[int]]:
+            everyone = gather(r, v)
+            if r == 0 and len(v) == 3:
+                stranger(everyone[0])  # before rank 1 connects to rank 0, say
+            return everyone
+        out[r] = Conduit.connect(rank=r, holder=1 - r, source=1 - r, generation=GEN, key=KEY, host="127.0.0.1",
+                                 gather=g, timeout=20)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(c is not None for c in out)
+    for c in out:
+        c.close()
+
+
+def test_addresses_and_proofs():
+    assert decode_address(encode_address("10.1.2.3", 4567)) == ("10.1.2.3", 4567)
+    assert decode_address(encode_address("fe80::1", 80)) == ("fe80::1", 80)
+    assert decode_address([0, 0, 0]) is None
+    assert local_address("127.0.0.1") == "127.0.0.1"
+    nonce = b"n" * 16
+    p = proof(KEY, nonce, GEN, 1, 0, b"holder")
+    assert p != proof(KEY, nonce, GEN, 1, 0, b"sender") and p != proof(KEY, nonce, GEN + 1, 1, 0, b"holder")
+    assert p != proof(b"y" * 32, nonce, GEN, 1, 0, b"holder")
 
 
 def test_a_copy_that_never_lands_is_given_up_and_own_snapshots_go_on(pair):

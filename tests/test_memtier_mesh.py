@@ -204,7 +204,7 @@ def _hsdp_rank(rank: int, port: int, root: str) -> None:
         train = TrainState(DataState(0, 64), world_size=world)
         state = build_state(model, optim, train)
         tier = MemoryTier.open(phase["slots"][rank], 0, rank=rank, world_size=world, wire=Wire.of(group, world),
-                               warn=print, generation=phase["generation"], copies=False)
+                               warn=print, generation=phase["generation"])
         got = tier.restore(state, mesh=mesh_layout("mesh", (1, 1), state))
         out["restored"] = None if got is None else [got.source, got.step, got.saved_world_size]
         out["tensors"] = _leaves(model, optim)

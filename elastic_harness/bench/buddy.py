@@ -2,7 +2,8 @@
 
 Two ranks on loopback gloo train the recovery bench's FSDP2 MLP (``bench.launching``'s job:
 dim 16, hidden 64, depth 2, AdamW, 30 samples a step) with the real in-memory tier
-(``memtier.tier.MemoryTier`` on memfd slots, ``BuddyLink`` between the two ranks). Blocks
+(``memtier.tier.MemoryTier`` on memfd slots, ``BuddyLink`` between the two ranks over its
+loopback streams, ``memtier.conduit``). Blocks
 of ``--block`` steps rotate through three modes, the same steps on both ranks:
 
 - ``none``: no snapshot;
@@ -13,9 +14,10 @@ of ``--block`` steps rotate through three modes, the same steps on both ranks:
 It prints JSON: per mode the median step wall time and the training thread's CPU time per
 step, the extra of ``snapshot`` over ``none`` and of ``copy`` over ``snapshot`` in ms and as
 a share of the ``none`` step, the seconds a copy holds the training thread (``copy_cost_ms``:
-posting it and landing the one received), and how many steps sent one.
-The pieces of one copy's fixed work are timed apart (``parts_ms``: the skeleton as JSON,
-posting the sends). No agents, no rendezvous: the per-step figures of the tier alone, apart
+starting it, every call that moved its bytes, landing the one received), and how many steps
+sent one.
+The pieces of one copy's fixed work are timed apart (``parts_ms``: the capture, the skeleton
+as JSON). No agents, no rendezvous: the per-step figures of the tier alone, apart
 from the launch noise of ``bench recovery --only memory-cost``.
 """
 
@@ -118,7 +120,6 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
     from elastic_harness.memtier.host import HostSlots
     from elastic_harness.memtier.peer import Wire
     from elastic_harness.memtier.tier import MemoryTier
-    from elastic_harness.runtime.dist import background_group
     from elastic_harness.runtime.state import TrainState, build_state
     from elastic_harness.tasks.mlp import MLPRegression
 
@@ -128,15 +129,14 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
     hosts = HostSlots.create(1, slots=4)
     try:
         group = dist.new_group(backend="gloo")
-        copies = background_group(dt.timedelta(seconds=60))  # as the harness: the copies' own, idle group
         torch.manual_seed(0)
         model = MLPRegression(samples=1024, dim=16, hidden=opts["hidden"], depth=opts["depth"]).build_model()
         fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         train = TrainState(DataState(0, 1024), world_size=2)
         state = build_state(model, optim, train)
-        tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2, copies=copies),
-                               warn=print, local_size=1, generation=0x5EED)
+        tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2), warn=print,
+                               local_size=1, generation=0x5EED, link_key=b"bench buddy, not secret", link_host="127.0.0.1")
         tier.restore(state, sharded=True)
         gen = torch.Generator().manual_seed(rank)
         x, y = torch.randn(15, 16, generator=gen), torch.randn(15, 1, generator=gen)

@@ -8,10 +8,10 @@ single node lost leaves every rank's snapshot in a survivor's memory, as its own
 or as a copy; a node lost with the node that held its copies (its ring predecessor) does
 not, and that restore falls back to storage (``choose``).
 
-Copies are sent from the sender's own published slot, moved by gloo's threads, after the
-snapshots the ranks agree to send (``due``), and received into one of the holder's two
-buddy slots (the one not holding its newest copy), published only once every byte arrived
-(``exchange``). Memory: two copies of the buddy's snapshot per rank (``bound``).
+Copies are sent from the sender's own published slot over the pair's stream
+(``conduit``), after the snapshots the ranks agree to send (``due``), and received into one
+of the holder's two buddy slots (the one not holding its newest copy), published only once
+every byte arrived (``exchange``). Memory: two copies of the buddy's snapshot per rank (``bound``).
 
 A copy is only useful with the other ranks' own snapshots of its step, so each rank keeps
 its own snapshot of the newest step whose copies every rank finished (``settled``: no rank
@@ -31,10 +31,10 @@ from typing import Any
 # refused: under FSDP the shards of one job differ by at most a row per tensor.
 GROWTH = 2
 SPARE = 1 << 20
-# An announcement: MAGIC, step, generation, world size, rank, tensor and JSON bytes sent, tensor
-# and JSON bytes the snapshot needs, digest (4).
-META_FIELDS = 13
-MAGIC = 0x45484255_44445931  # first, in a buffer zeroed before the receive: it arrived (``exchange``)
+# An announcement, ahead of a copy's bytes on its stream: MAGIC, step, generation, world size,
+# rank, tensor bytes, JSON bytes, digest (4).
+META_FIELDS = 11
+MAGIC = 0x45484255_44445931  # first: the stream is where a copy begins (``exchange``)
 
 
 def active(world_size: int, local_size: int, sharded: bool) -> bool:
@@ -72,31 +72,20 @@ def writable(last: int | None, slots: int, kept: set[int]) -> int | None:
     return None
 
 
-def acceptable(meta: list[int], *, world_size: int, source: int, limit: int,
-               room: tuple[int, int] = (0, 0)) -> str | None:
+def acceptable(meta: list[int], *, world_size: int, source: int, limit: int) -> str | None:
     """Why the copy a sender announced (``META_FIELDS`` int64) is refused, or None: another
-    world size or rank than this holder's source, a generation of 0, more bytes sent than
-    the ``room`` agreed or than the snapshot needs, or a snapshot needing more than ``limit``
-    bytes (a bogus announcement)."""
+    world size or rank than this holder's source, a generation of 0, or more bytes than
+    ``limit`` (a bogus announcement)."""
     if len(meta) != META_FIELDS or meta[0] != MAGIC:
         return "a malformed announcement"
-    step, generation, world, rank, data_len, json_len, need_data, need_json = meta[1:9]
+    step, generation, world, rank, data_len, json_len = meta[1:7]
     if (world, rank) != (world_size, source):
         return f"a copy of rank {rank} at world size {world}, this rank keeps rank {source}'s at {world_size}"
     if step < 0 or not generation:
         return "a copy without a step or generation"
-    if not (0 <= data_len <= min(need_data, room[0]) and 0 <= json_len <= min(need_json, room[1])):
-        return f"a copy of {data_len}+{json_len} bytes, not what was agreed"
-    if need_data < 0 or not 0 < need_json <= limit or need_data + need_json > limit:
-        return f"a copy of {need_data}+{need_json} bytes, more than the {limit} allowed"
+    if data_len < 0 or not 0 < json_len <= limit or data_len + json_len > limit:
+        return f"a copy of {data_len}+{json_len} bytes, more than the {limit} allowed"
     return None
-
-
-def room(need: int) -> int:
-    """Pure: the size both ends of a pair agree for the next copy's message, from what the
-    last one needed (a little more: a skeleton's plain values, such as a learning rate,
-    change length from step to step; a snapshot larger than that is sent as a sizing copy)."""
-    return (need + need // 8 + 4096 + 7) // 8 * 8 if need > 0 else 0  # whole int64s: the announcement follows
 
 
 def bound(own_bytes: int) -> int:

@@ -26,7 +26,6 @@ import torch
 from elastic_harness.memtier.choose import Offer
 from elastic_harness.memtier.snapshot import TensorRef, Unsupported
 
-COPY_TAG = 0x6275  # the buddy copies' messages (``exchange``), apart from a restore's (tag 0)
 MAX_OFFERS = 4  # slots per rank that take part (the agent makes 2)
 _FIELDS = 12  # step, world size, rank, replicated, digest as 4 int64, generation, buddy, shard, tensor
 MAX_SKELETON = 64 << 20  # a JSON skeleton larger than this is refused (a bogus length)
@@ -40,11 +39,6 @@ class Wire:
     gather: Callable[[list[int]], list[list[int]]]  # every rank's equally long list, rank order
     send: Callable[[torch.Tensor, int], None]
     recv: Callable[[torch.Tensor, int], None]
-    # The buddy copies' messages (``COPY_TAG``): a send and a receive that return at
-    # once (their works), posted straight on the group (the training thread calls them 4
-    # times a copy: ``dist.isend``'s checks and logging wrapper cost ~30 us a call).
-    isend: Callable[[torch.Tensor, int], Any] | None = None
-    irecv: Callable[[torch.Tensor, int], Any] | None = None
     # A restore's tensor bytes (tag 0, as ``send``/``recv``): post a send or a receive and
     # return its work (``wait()``), so several pieces are in flight (``send_chunked``).
     # None: the blocking ``send``/``recv``, one piece after another.
@@ -52,9 +46,8 @@ class Wire:
     post_recv: Callable[[torch.Tensor, int], Any] | None = None
 
     @classmethod
-    def of(cls, group: Any, world_size: int, copies: Any = None) -> Wire:
-        """The wire over ``group``; the buddy copies' messages over ``copies`` when given (their
-        own group, at idle priority: ``runtime.dist.background_group``)."""
+    def of(cls, group: Any, world_size: int) -> Wire:
+        """The wire over ``group`` (None: the default group)."""
         import torch.distributed as dist
 
         def gather(values: list[int]) -> list[list[int]]:
@@ -63,12 +56,9 @@ class Wire:
             dist.all_gather(out, t, group=group)
             return [o.tolist() for o in out]
 
-        pg = copies if copies is not None else group if group is not None else dist.group.WORLD  # group ranks
         return cls(gather,
                    lambda t, dst: dist.send(t, group=group, group_dst=dst),
                    lambda t, src: dist.recv(t, group=group, group_src=src),
-                   isend=lambda t, dst: pg.send([t], dst, COPY_TAG),
-                   irecv=lambda t, src: pg.recv([t], src, COPY_TAG),
                    post_send=lambda t, dst: dist.isend(t, group=group, group_dst=dst),
                    post_recv=lambda t, src: dist.irecv(t, group=group, group_src=src))
 

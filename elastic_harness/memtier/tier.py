@@ -36,12 +36,14 @@ import torch
 
 from elastic_harness.memtier import buddy, peer, reshard, snapshot
 from elastic_harness.memtier.choose import BUDDY, MEMORY, PEER, STORAGE, Plan, choose, offers_of
+from elastic_harness.memtier.conduit import Conduit
 from elastic_harness.memtier.exchange import BuddyLink
 from elastic_harness.memtier.host import SLOTS_PER_RANK, slot_paths
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
 
 SLACK = 4096
+LINK_SETUP_S = 30.0  # the buddy copies' streams: connect and prove the key, every rank at once
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,11 @@ def restored_message(r: Restored, saved_world_size: int | None, world_size: int)
 class MemoryTier:
     def __init__(self, regions: list[Region], *, rank: int, world_size: int, wire: peer.Wire,
                  warn: Callable[[str], None], buddy_regions: list[Region] | None = None, local_size: int = 0,
-                 generation: int = 0) -> None:
+                 generation: int = 0, link_key: bytes | None = None, link_host: str = "127.0.0.1") -> None:
         self.regions, self.rank, self.world_size, self.wire = regions, rank, world_size, wire
+        # The buddy copies' link (``conduit``): the job's key its ends prove, the address this
+        # rank listens on. No key: no copies (the same on every rank: it comes from the job).
+        self.link_key, self.link_host = link_key, link_host
         # Copies of another node's rank's snapshot (``buddy``); used under sharded state only.
         self.buddy_regions = buddy_regions or []
         self.local_size, self.generation = local_size, generation
@@ -95,9 +100,10 @@ class MemoryTier:
     @classmethod
     def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, wire: peer.Wire,
              warn: Callable[[str], None], local_size: int = 0, generation: int = 0,
-             copies: bool = True) -> MemoryTier:
+             link_key: bytes | None = None, link_host: str = "127.0.0.1") -> MemoryTier:
         """This rank's slots from the agent's description (``host.describe``): its own first
-        (``SLOTS_PER_RANK``), then its buddy slots (``copies``: kept where the state is sharded)."""
+        (``SLOTS_PER_RANK``), then its buddy slots (with ``link_key``, the job's key: buddy
+        copies are kept where the state is sharded, over a link on ``link_host``)."""
         regions: list[Region] = []
         try:
             for path in slot_paths(described, local_rank):
@@ -109,12 +115,12 @@ class MemoryTier:
             warn(f"rank {rank}: cannot open its in-memory checkpoint slots ({e.strerror or e!r}); "
                  "restarts restore from storage")
         own, spare = regions[:SLOTS_PER_RANK], regions[SLOTS_PER_RANK:]
-        if not copies:
+        if link_key is None:
             for region in spare:
                 region.close()
             spare = []
         return cls(own, rank=rank, world_size=world_size, wire=wire, warn=warn, buddy_regions=spare,
-                   local_size=local_size, generation=generation)
+                   local_size=local_size, generation=generation, link_key=link_key, link_host=link_host)
 
     def restore(self, state: dict[str, Any], *, replicated: bool = False, sharded: bool = False,
                 durable: Callable[[], int | None] = lambda: None,
@@ -130,12 +136,22 @@ class MemoryTier:
         t0 = time.perf_counter()
         self.replicated, self.mesh = replicated, mesh
         restored = self._restore(state, replicated, sharded, durable, t0)
-        if sharded and self.buddy_regions and self.wire.isend is not None \
-                and buddy.active(self.world_size, self.local_size, sharded):
-            self.link = BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size,
-                                  local_size=self.local_size, generation=self.generation, isend=self.wire.isend,
-                                  irecv=self.wire.irecv, warn=self._warn)
+        if self.link_key is not None and buddy.active(self.world_size, self.local_size, sharded):
+            self.link = self._link()  # collective, as every input to the condition is the job's
         return restored
+
+    def _link(self) -> BuddyLink | None:
+        """Collective: the buddy copies' link, when every rank set its streams up (``conduit``)."""
+        assert self.link_key is not None
+        holder = buddy.holder_of(self.rank, self.world_size, self.local_size)
+        source = buddy.source_of(self.rank, self.world_size, self.local_size)
+        conduit = Conduit.connect(rank=self.rank, holder=holder, source=source, generation=self.generation,
+                                  key=self.link_key, host=self.link_host, gather=self.wire.gather,
+                                  timeout=LINK_SETUP_S, able=bool(self.buddy_regions), warn=self._warn)
+        if conduit is None:
+            return None
+        return BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size, local_size=self.local_size,
+                         generation=self.generation, conduit=conduit, warn=self._warn)
 
     def _restore(self, state: dict[str, Any], replicated: bool, sharded: bool, durable: Callable[[], int | None],
                  t0: float) -> Restored | None:
@@ -513,8 +529,8 @@ class MemoryTier:
             self.link.close(timeout)
 
     def close(self) -> None:
-        """Unmap every slot; copies still in flight are abandoned (their receiving thread is
-        a daemon; a copy not fully received stays unpublished)."""
+        """Unmap every slot; copies still in flight are abandoned (their streams closed; a
+        copy not fully received stays unpublished)."""
         if self.link is not None:
             self.link.stop()
         self.link = None

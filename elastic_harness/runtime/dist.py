@@ -3,23 +3,12 @@
 ``init`` creates the default group (gloo on CPU, gloo+NCCL on GPU) unless the user's script
 already did, plus a separate gloo group for checkpoint collectives: async saves run
 collectives from a background thread, which must never interleave with training's.
-
-When buddy copies are kept (``copies``), a third gloo group carries only them, and its
-threads run at the lowest priority the kernel has (``SCHED_IDLE``, ``background``): moving a
-copy's bytes is socket work in gloo's own threads, which on cores the training ranks keep
-busy took ~2 ms of step time per copy for ~0.7 ms of the training thread's own work; at idle
-priority it runs in the gaps (the ranks' waits in collectives) instead of preempting a
-training thread. Copies are never waited for, so a slower copy only skips a snapshot; the
-checkpoint group (saves, restores) keeps its normal priority.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +27,6 @@ class Groups:
     backend: str
     ckpt: Any  # a separate gloo group: async checkpoint collectives never interleave with training's
     owned: bool  # we created the default group (and so destroy it)
-    copies: Any = None  # the buddy copies' own gloo group, at idle priority (None: no copies)
 
 
 def choose_device(requested: str, local_rank: int) -> torch.device:
@@ -55,9 +43,8 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(env: WorkerEnv, device_request: str, timeout_s: int, copies: bool = False) -> Groups:
-    """Join (or create) the default group and create the checkpoint group (and, with
-    ``copies``, the same on every rank, the buddy copies' group)."""
+def init(env: WorkerEnv, device_request: str, timeout_s: int) -> Groups:
+    """Join (or create) the default group and create the checkpoint group."""
     device = choose_device(device_request, env.local_rank)
     timeout = dt.timedelta(seconds=timeout_s)
     owned = not dist.is_initialized()
@@ -76,51 +63,7 @@ def init(env: WorkerEnv, device_request: str, timeout_s: int, copies: bool = Fal
         )
     backend = str(dist.get_backend())
     ckpt = dist.new_group(backend="gloo", timeout=timeout)
-    return Groups(device=device, backend=backend, ckpt=ckpt, owned=owned,
-                  copies=background_group(timeout) if copies else None)
-
-
-def background_group(timeout: dt.timedelta) -> Any:
-    """A new gloo group whose own threads (those its creation started that gloo names) run
-    at ``SCHED_IDLE``. Threads that existed before are never touched (were a gloo version to
-    share one loop between groups, training's would keep its priority). A new thread names
-    itself once running: one still bearing its creator's name is looked at again for up to
-    ``NAME_WAIT_S``. Where the policy is not available the group keeps the normal one."""
-    creator = _thread_name(threading.get_native_id())
-    before = _threads()
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    unnamed = _threads() - before
-    deadline = time.monotonic() + NAME_WAIT_S
-    while unnamed:
-        for tid in list(unnamed):
-            name = _thread_name(tid)
-            if name != creator:  # named (or ended: "")
-                unnamed.discard(tid)
-                if "gloo" in name:
-                    with contextlib.suppress(AttributeError, OSError):
-                        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        if not unnamed or time.monotonic() > deadline:
-            break
-        time.sleep(0.001)  # a thread that just started names itself within microseconds
-    return group
-
-
-NAME_WAIT_S = 0.05
-
-
-def _threads() -> set[int]:
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:  # not Linux: nothing to lower
-        return set()
-
-
-def _thread_name(tid: int) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:  # it ended
-        return ""
+    return Groups(device=device, backend=backend, ckpt=ckpt, owned=owned)
 
 
 def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:

@@ -76,6 +76,7 @@ from elastic_harness.errors import HarnessError, UsageError
 from elastic_harness.events import EventLog
 from elastic_harness.launch.env import JOIN_SIGNAL, WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
+from elastic_harness.memtier.conduit import local_address
 from elastic_harness.memtier.peer import Wire
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.rundir import check_paths
@@ -147,7 +148,7 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
     except HarnessError as e:
         _refuse(e, env)
     t0 = time.perf_counter()
-    groups = hdist.init(env, spec.device, spec.timeouts.process_group, copies=_keeps_copies(spec, env, topology))
+    groups = hdist.init(env, spec.device, spec.timeouts.process_group)
     pg_init_s = time.perf_counter() - t0
     try:
         claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
@@ -257,15 +258,16 @@ class Run:
         # One step watchdog per process: the loop re-arms it every step, and checkpoint I/O
         # re-arms it while bytes move (a big save or load is slow, not stuck).
         self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
+        key = jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file}))
         self.ckpt = CheckpointManager(
             open_storage(checkpoint_root(spec.checkpoint.dir, self.run_dir)), spec.checkpoint,
             rank=self.rank, world_size=self.world_size, group=groups.ckpt, events=self.events,
             info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
             on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
-            key=jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file})),
+            key=key,
             optional_keys=TrainState.OPTIONAL_KEYS,
         )
-        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation, groups.copies)
+        self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation, key)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
         self.model: nn.Module | None = None
@@ -501,18 +503,8 @@ class Run:
                          restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
 
 
-def _keeps_copies(spec: JobSpec, env: WorkerEnv, topology: Topology) -> bool:
-    """May this generation keep buddy copies (``memtier.buddy.active``)? From the job and the
-    launch alone, so the same on every rank: it decides whether every rank creates the copies'
-    own group (``runtime.dist.background_group``)."""
-    from elastic_harness.memtier import buddy
-
-    return (env.by_harness and spec.checkpoint.memory_every > 0 and spec.checkpoint.memory_buddy
-            and topology.kind == "fsdp" and buddy.active(topology.world_size, env.local_world_size, True))
-
-
 def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
-                 log: EventLog, generation: str, copies: Any = None) -> MemoryTier | None:
+                 log: EventLog, generation: str, key: bytes) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
     every rank (restoring is collective): a rank whose slots cannot be opened has none.
 
@@ -522,10 +514,11 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
     return MemoryTier.open(env.memory, env.local_rank, rank=topology.rank, world_size=topology.world_size,
-                           wire=Wire.of(group, topology.world_size, copies=copies),
+                           wire=Wire.of(group, topology.world_size),
                            warn=lambda message: log.emit("warning", message=message),
                            local_size=env.local_world_size, generation=int(generation, 16),
-                           copies=spec.checkpoint.memory_buddy)
+                           link_key=key if spec.checkpoint.memory_buddy else None,
+                           link_host=local_address(env.master_addr))
 
 
 def job_identity(spec: JobSpec) -> str:
