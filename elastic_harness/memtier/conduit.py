@@ -22,6 +22,7 @@ generation (storage and own snapshots still restore). Nothing read is ever unpic
 from __future__ import annotations
 
 import contextlib
+import hmac
 import ipaddress
 import secrets
 import socket
@@ -94,8 +95,8 @@ class Conduit:
 
     # ----- sending -------------------------------------------------------------------------
     def offer(self, pieces: list[memoryview]) -> None:
-        """Queue ``pieces`` (read, not copied: they must stay unchanged until ``push`` says
-        everything left)."""
+        """Queue ``pieces`` (read, not copied: each view keeps its buffer alive, which must
+        stay unchanged until ``push`` says everything left)."""
         self._pending.extend(p.cast("B") for p in pieces if p.nbytes)
 
     def push(self) -> bool:
@@ -113,10 +114,6 @@ class Conduit:
                 return False
             self._pending.pop(0)
         return True
-
-    @property
-    def sending(self) -> bool:
-        return bool(self._pending)
 
     # ----- receiving -----------------------------------------------------------------------
     def pull_into(self, view: memoryview) -> int:
@@ -202,28 +199,21 @@ def _handshake(listening: socket.socket, to: tuple[str, int], *, rank: int, hold
         inp.sendall(proof(key, hello[_HELLO.size:], generation, source, rank, b"holder") + theirs)
         out.settimeout(_left(deadline))
         answer = _read(out, jobkey.TAG_BYTES + NONCE)  # 3: the holder's proof, and ours to it
-        if not _same(answer[:jobkey.TAG_BYTES], proof(key, mine, generation, rank, holder, b"holder")):
+        expected = proof(key, mine, generation, rank, holder, b"holder")
+        if not hmac.compare_digest(answer[:jobkey.TAG_BYTES], expected):
             raise LinkError(f"rank {holder} at {to[0]}:{to[1]} did not prove the job's key")
         out.sendall(proof(key, answer[jobkey.TAG_BYTES:], generation, rank, holder, b"sender"))
-        if not _same(_read(inp, jobkey.TAG_BYTES), proof(key, theirs, generation, source, rank, b"sender")):
+        expected = proof(key, theirs, generation, source, rank, b"sender")
+        if not hmac.compare_digest(_read(inp, jobkey.TAG_BYTES), expected):
             raise LinkError(f"the connection claiming to be rank {source} did not prove the job's key")  # 4
         return Conduit(out, inp)
-    except (OSError, struct.error) as e:
+    except BaseException as e:
         for s in (out, inp):
             if s is not None:
                 s.close()
-        raise e if isinstance(e, LinkError) else LinkError(f"setting up the copy link failed ({e})") from None
-    except BaseException:
-        for s in (out, inp):
-            if s is not None:
-                s.close()
+        if isinstance(e, OSError) and not isinstance(e, LinkError):  # a timeout, a refused connect
+            raise LinkError(f"setting up the copy link failed ({e})") from None
         raise
-
-
-def _same(a: bytes, b: bytes) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a, b)
 
 
 def _left(deadline: float) -> float:

@@ -29,6 +29,7 @@ its receive is in flight.
 
 from __future__ import annotations
 
+import pickle
 import statistics
 import struct
 import time
@@ -53,7 +54,6 @@ class BuddyLink:
         self.source = buddy.source_of(rank, world_size, local_size)
         self._conduit, self._warn = conduit, warn
         self._sending: int | None = None  # the own slot the stream still reads
-        self._keep: list[object] = []  # what the queued pieces view, alive until sent
         self._expect = False  # a copy from the source is due (an exchange started) and not landed
         self._head = bytearray(_META.size)  # its announcement, as it arrives
         self._head_got = 0
@@ -116,7 +116,6 @@ class BuddyLink:
         meta = _META.pack(buddy.MAGIC, header.step, self.generation, self.world_size, self.rank, header.data_len,
                           len(raw), *struct.unpack("<4q", d))
         body = data[HEADER_SIZE:HEADER_SIZE + header.data_len]
-        self._keep = [body]
         self._sending = slot
         self._conduit.offer([memoryview(meta), memoryview(body.numpy()), memoryview(raw)])
         self._expect, self._head_got, self._body, self._body_got = True, 0, None, 0
@@ -135,10 +134,10 @@ class BuddyLink:
         landed = False
         try:
             if self._sending is not None and self._conduit.push():
-                self._sending, self._keep = None, []
+                self._sending = None
             if self._expect and receive:
                 landed = self._receive()
-        except LinkError as e:
+        except (LinkError, OSError) as e:  # OSError: the buddy slot could not be resized
             self._break(str(e), self.last_step)
         now = time.perf_counter()
         self._cost += now - t0
@@ -172,8 +171,6 @@ class BuddyLink:
         """The skeleton as JSON: the last one's again when the pickle is the same, else
         encoded again where its entries changed (``peer.SkeletonEncoder``)."""
         if self._skeleton is None or self._skeleton[0] != skeleton:
-            import pickle
-
             self._skeleton = (skeleton, self._encoder.encode(pickle.loads(skeleton)))  # our own bytes
         return self._skeleton[1]
 
@@ -192,7 +189,7 @@ class BuddyLink:
 
     def _break(self, problem: str, step: int) -> None:
         self.broken = True
-        self._expect, self._body, self._sending, self._keep = False, None, None, []
+        self._expect, self._body, self._sending = False, None, None
         self._conduit.close()
         self._warn(f"rank {self.rank}: no buddy copy of rank {self.source} at step {step} ({problem}); "
                    "copies stop for this generation")
@@ -210,4 +207,4 @@ class BuddyLink:
     def stop(self) -> None:
         """Close the streams (a copy not whole stays unpublished)."""
         self._conduit.close()
-        self._expect, self._body, self._sending, self._keep = False, None, None, []
+        self._expect, self._body, self._sending = False, None, None
