@@ -6,8 +6,6 @@ their agent's; the other ranks of a collective restore are played by ``gather``.
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -341,7 +339,7 @@ def test_a_snapshot_whose_plain_keys_differ_does_not_fit(slots):
 def test_misfit_names_the_first_difference():
     t = torch.zeros(2, 3)
     cap = snapshot.capture_trees({"m": {"w": t, "n": 1, "l": [t, 2]}})
-    saved = pickle.loads(cap.skeleton)
+    saved = snapshot.unpack(cap.skeleton)
     assert saved["m"]["l"][0] == saved["m"]["w"]  # one tensor, one reference (the memo)
     assert len(cap.tensors) == 1 and cap.data_len == 64
     assert snapshot.misfit(saved, {"m": {"w": t, "n": 5, "l": [t, 7]}}) is None  # values may differ
@@ -355,7 +353,7 @@ def test_key_order_does_not_matter_to_the_layout_check():
     """An optimizer's state lists parameters in the order they first got state, which a
     fresh one (state created for all at once) need not share."""
     t = torch.zeros(2)
-    saved = pickle.loads(snapshot.capture_trees({"s": {1: {"m": t}, 0: {"m": t}}}).skeleton)
+    saved = snapshot.unpack(snapshot.capture_trees({"s": {1: {"m": t}, 0: {"m": t}}}).skeleton)
     assert snapshot.misfit(saved, {"s": {0: {"m": t}, 1: {"m": t}}}) is None
     assert "keys differ" in snapshot.misfit(saved, {"s": {0: {"m": t}, 2: {"m": t}}})
 

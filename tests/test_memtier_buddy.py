@@ -236,7 +236,6 @@ class _Net:
 
 
 def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_step():
-    import pickle
     import threading
 
     from torch import nn
@@ -267,8 +266,8 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
         old = MemoryTier(regions[0][:2], rank=0, world_size=2, wire=_Net(1).wire(0), warn=print, generation=GEN)
         old.save(7, saved)  # old rank 0's own snapshot; then its copy of old rank 1's, as received
         cap = snapshot.capture(saved)
-        raw = encode_skeleton(pickle.loads(cap.skeleton))
-        data = regions[0][2].begin(HEADER_SIZE + cap.data_len + len(raw))
+        raw = encode_skeleton(snapshot.unpack(cap.skeleton))
+        data = regions[0][2].begin(HEADER_SIZE + cap.data_len + max(len(raw), len(cap.skeleton)))  # write: the pickle too
         snapshot.write(cap, data, HEADER_SIZE, snapshot.Views())
         data[HEADER_SIZE + cap.data_len:HEADER_SIZE + cap.data_len + len(raw)].copy_(
             torch.frombuffer(bytearray(raw), dtype=torch.uint8))

@@ -25,6 +25,7 @@ from elastic_harness.memtier.host import HostSlots, slot_paths
 from elastic_harness.memtier.peer import SkeletonEncoder, decode_skeleton, encode_skeleton
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header
+from elastic_harness.memtier.snapshot import capture_trees, pack, pack_skeleton, unpack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,16 +86,18 @@ def pair():
         h.close()
 
 
-def snapshot(region: Region, step: int, rank: int, size: int) -> tuple[torch.Tensor, Header, bytes]:
-    """Publish a snapshot of ``size`` tensor bytes (a pattern of the step and rank) into an own slot."""
-    skeleton = pickle.dumps({"train": {"step": step, "rank": rank}, "model": {"w": [1, 2, 3]}})
+def snapshot(region: Region, step: int, rank: int, size: int) -> tuple[torch.Tensor, Header, dict[str, bytes]]:
+    """Publish a snapshot of ``size`` tensor bytes (a pattern of the step and rank) into an own
+    slot; its skeleton's pickled entries (``snapshot.Capture.parts``) with it."""
+    parts = {"train": pickle.dumps({"step": step, "rank": rank}), "model": pickle.dumps({"w": [1, 2, 3]})}
+    skeleton = pack(parts)
     data = region.begin(HEADER_SIZE + size + len(skeleton))
     data[HEADER_SIZE:HEADER_SIZE + size] = (torch.arange(size) * (step + 3 * rank)).to(torch.uint8)
     data[HEADER_SIZE + size:HEADER_SIZE + size + len(skeleton)] = torch.frombuffer(bytearray(skeleton),
                                                                                    dtype=torch.uint8)
     header = Header(True, step, 2, rank, size, len(skeleton), DIGEST, generation=GEN)
     region.publish(header)
-    return data, header, skeleton
+    return data, header, parts
 
 
 def exchange(links, own, step: int, sizes=(1000, 1000)) -> None:
@@ -192,13 +195,30 @@ def test_a_sender_that_dies_mid_copy_leaves_nothing_published_and_breaks_the_lin
 
 def test_the_skeleton_encoder_reuses_unchanged_entries_and_matches_a_full_encoding():
     enc = SkeletonEncoder()
+
+    def parts(skeleton):
+        return {k: pickle.dumps(v) for k, v in skeleton.items()}
+
     base = {"model": {"w": (1, 2)}, "optim": {"state": {0: {"lr": 0.1}}}, "train": {"step": 1}}
-    assert enc.encode(base) == encode_skeleton(base)
+    assert enc.encode(parts(base)) == encode_skeleton(base)
     moved = {**base, "train": {"step": 2}}
-    assert enc.encode(moved) == encode_skeleton(moved)
+    assert enc.encode(parts(moved)) == encode_skeleton(moved)
     changed = {**moved, "optim": {"state": {0: {"lr": 0.05}}}}
-    assert enc.encode(changed) == encode_skeleton(changed)
-    assert enc.encode([1, 2]) == encode_skeleton([1, 2])  # not a dict of entries: encoded whole
+    assert enc.encode(parts(changed)) == encode_skeleton(changed)
+    assert enc.encode(parts(base)) == encode_skeleton(base)  # back again: nothing stale kept
+
+
+def test_a_capture_pickles_entry_by_entry_and_a_slot_reads_them_back_whole():
+    t, u = torch.ones(3), torch.zeros(2)
+    cap = capture_trees({"model": {"w": t, "tied": t}, "train": {"step": 4, "u": u}})
+    assert set(cap.parts) == {"model", "train"} and cap.skeleton == pack(cap.parts)
+    back = unpack(cap.skeleton)
+    assert back["model"]["w"] == back["model"]["tied"]  # within an entry: one reference
+    assert back["train"]["step"] == 4 and back["train"]["u"].offset == 64  # one byte layout across entries
+    assert cap.data_len == 128 and len(cap.sources) == 2
+    assert unpack(pack_skeleton(back)) == back
+    with pytest.raises(ValueError, match="named entries"):
+        pack_skeleton([1, 2])
 
 
 # ----- the streams ---------------------------------------------------------------------------

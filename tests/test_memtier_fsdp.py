@@ -29,11 +29,13 @@ def _reference(state: dict):
     trees = {k: v.model.state_dict() if isinstance(v, ModelState) else snapshot._state_dict(v, "local_state_dict")
              for k, v in state.items()}
     assert torch.is_grad_enabled()
-    buf = io.BytesIO()
-    p = snapshot._Pickler(buf)
-    p.dump(trees)
-    return snapshot.Capture(buf.getvalue(), p.tensors, p.cursor, snapshot._digest(tuple(p.layout)), p.sources,
-                            p.cpu, p.sharded)
+    found, parts = snapshot._Found(), {}
+    for key, tree in trees.items():
+        buf = io.BytesIO()
+        snapshot._Pickler(buf, found).dump(tree)
+        parts[key] = buf.getvalue()
+    return snapshot.Capture(snapshot.pack(parts), parts, found.tensors, found.cursor,
+                            snapshot._digest(tuple(found.layout)), found.sources, found.cpu, found.sharded)
 
 
 def _bytes(cap, views) -> torch.Tensor:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import pickle
 import socket
 from pathlib import Path
 
@@ -117,7 +116,7 @@ def _train_step(model, optim, i):
 
 def test_a_skeleton_round_trips_through_json_exactly():
     state, *_ = _state()
-    skeleton = pickle.loads(snapshot.capture(state).skeleton)
+    skeleton = snapshot.unpack(snapshot.capture(state).skeleton)
     back = decode_skeleton(encode_skeleton(skeleton))
     assert back == skeleton  # tuples stay tuples, int keys int keys, dtypes dtypes
     assert isinstance(back["optim"]["param_groups"][0]["betas"], tuple)

@@ -17,8 +17,9 @@ a share of the ``none`` step, the seconds a copy holds the training thread (``co
 starting it, every call that moved its bytes, landing the one received), and how many steps
 sent one.
 The pieces of one copy's fixed work are timed apart (``parts_ms``: the capture, the skeleton
-as JSON). No agents, no rendezvous: the per-step figures of the tier alone, apart
-from the launch noise of ``bench recovery --only memory-cost``.
+as JSON whole, and as a copy re-encodes it with only the train position's entry changed). No
+agents, no rendezvous: the per-step figures of the tier alone, apart from the launch noise of
+``bench recovery --only memory-cost``.
 """
 
 from __future__ import annotations
@@ -197,7 +198,16 @@ def _parts(tier, state) -> dict:
             xs.append(time.perf_counter() - t0)
         return round(1e3 * statistics.median(xs), 4)
 
+    encoder = peer.SkeletonEncoder()
+    moved = {**cap.parts, "train": pickle.dumps({"moved": 1})} if "train" in cap.parts else dict(cap.parts)
+    flip = [cap.parts, moved]
+
+    def per_copy() -> None:  # as a copy: only the train position's entry changed since the last
+        flip.reverse()
+        encoder.encode(flip[0])
+
     return {"capture": timed(lambda: snapshot.capture(state)),
-            "skeleton_json": timed(lambda: peer.encode_skeleton(pickle.loads(cap.skeleton))),
-            "skeleton_json_bytes": len(peer.encode_skeleton(pickle.loads(cap.skeleton))),
+            "skeleton_json": timed(lambda: peer.encode_skeleton(snapshot.unpack(cap.skeleton))),
+            "skeleton_json_per_copy": timed(per_copy),
+            "skeleton_json_bytes": len(peer.encode_skeleton(snapshot.unpack(cap.skeleton))),
             "data_bytes": cap.data_len}

@@ -29,7 +29,6 @@ its receive is in flight.
 
 from __future__ import annotations
 
-import pickle
 import statistics
 import struct
 import time
@@ -62,8 +61,7 @@ class BuddyLink:
         self._body_got = 0
         self._target: int | None = None  # the buddy slot receiving
         self._limit = 0
-        self._skeleton: tuple[bytes, bytes] | None = None  # the last pickled skeleton and its JSON
-        self._encoder = peer.SkeletonEncoder()
+        self._encoder = peer.SkeletonEncoder()  # the skeleton as JSON, unchanged entries reused
         self._last: int | None = None  # the buddy slot holding the newest copy
         self.held: tuple[int, int] | None = None  # (step, bytes) of the newest copy held
         self.announce = False  # the generation's first copy arrived (reported once, then cleared)
@@ -101,17 +99,17 @@ class BuddyLink:
         self.pump()
 
     # ----- one exchange ----------------------------------------------------------------------
-    def start(self, slot: int, data: torch.Tensor, header: Header, skeleton: bytes, limit: int) -> None:
+    def start(self, slot: int, data: torch.Tensor, header: Header, parts: dict[str, bytes], limit: int) -> None:
         """Expect the source's copy (up to ``limit`` bytes); send the own ``slot`` (its bytes
-        ``data``, published with ``header``; ``skeleton`` its pickled skeleton, our own bytes)
-        to the holder. Every rank calls it at the same step, with no copy moving anywhere."""
+        ``data``, published with ``header``; ``parts`` its skeleton's pickled entries, our own
+        bytes, ``snapshot.Capture.parts``) to the holder. Every rank calls it at the same step, with no copy moving anywhere."""
         if self.broken:
             return
         self._t0 = time.perf_counter()
         self._cost = 0.0
         self._limit = limit
         self.last_step = header.step
-        raw = self._encoded(skeleton)
+        raw = self._encoder.encode(parts)
         d = header.digest.ljust(32, b"\0")[:32]
         meta = _META.pack(buddy.MAGIC, header.step, self.generation, self.world_size, self.rank, header.data_len,
                           len(raw), *struct.unpack("<4q", d))
@@ -166,13 +164,6 @@ class BuddyLink:
             return False
         self._land()
         return True
-
-    def _encoded(self, skeleton: bytes) -> bytes:
-        """The skeleton as JSON: the last one's again when the pickle is the same, else
-        encoded again where its entries changed (``peer.SkeletonEncoder``)."""
-        if self._skeleton is None or self._skeleton[0] != skeleton:
-            self._skeleton = (skeleton, self._encoder.encode(pickle.loads(skeleton)))  # our own bytes
-        return self._skeleton[1]
 
     def _land(self) -> None:
         """Every byte of the copy arrived: publish it."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-MAGIC = b"EHMEM002"  # 002: the mesh degrees (slots live within one job run: no older reader)
+MAGIC = b"EHMEM003"  # 003: the skeleton pickled entry by entry; 002: the mesh degrees (slots live
+# within one job run: no older reader)
 HEADER_SIZE = 4096  # data starts page-aligned
 PUBLISHED_OFFSET = len(MAGIC)  # the byte that publishes a slot
 # magic, published, replicated, step, world size, rank, data len, skeleton len, digest (the

@@ -3,8 +3,10 @@
 ``capture(state)`` takes each entry's state dict (``local_state_dict()`` where an entry has
 one, see ``runtime.state``; else ``state_dict()``; plain dicts as they are) and splits it
 into the tensors (their bytes, at 64-byte aligned offsets; a DTensor contributes its local
-shard) and a skeleton: the same nested dicts and lists, pickled, with each tensor replaced
-by a ``TensorRef`` and every other value kept. The capture's digest hashes the tensors'
+shard) and a skeleton: the same nested dicts and lists with each tensor replaced by a
+``TensorRef`` and every other value kept, pickled entry by entry (``Capture.parts``; a slot
+holds them as one pickled dict of those pickles, ``pack``/``unpack``: a buddy copy then
+re-encodes as JSON only the entries whose pickle changed, usually the train position). The capture's digest hashes the tensors'
 dtypes, shapes and kinds in order (it names the byte layout; a ``Replicate`` placement aside,
 ``_split``); ``misfit`` checks a saved
 skeleton against the state to restore into, key by key. ``write`` copies the tensors into
@@ -49,7 +51,8 @@ class TensorRef(NamedTuple):  # a tuple: pickled fast, at every snapshot
 
 @dataclass
 class Capture:
-    skeleton: bytes  # the pickled state dicts, a ``TensorRef`` in place of each tensor
+    skeleton: bytes  # ``pack(parts)``: what a slot holds after the tensor bytes
+    parts: dict[str, bytes]  # each entry's pickled state dict, a ``TensorRef`` in place of each tensor
     tensors: list[tuple[tuple, torch.Tensor]]  # (``TensorRef`` fields, tensor), as pickled
     data_len: int
     digest: bytes  # of the tensors' dtypes, shapes and kinds, in order
@@ -87,32 +90,61 @@ def capture(state: dict[str, Any]) -> Capture:
 
 
 def capture_trees(trees: dict[str, Any]) -> Capture:
-    """One pass of the C pickler over ``trees``: each tensor it meets is swapped for a
-    ``TensorRef`` (``_Pickler.reducer_override``), so no Python code walks the dicts.
+    """One pass of the C pickler over each entry of ``trees``: each tensor it meets is swapped
+    for a ``TensorRef`` (``_Pickler.reducer_override``), so no Python code walks the dicts.
 
     A Python walk that built paths and a layout per node cost ~150 us for a small model's
     optimizer state, every snapshot; the pickler visits plain values in C and calls back only
-    for tensors and other non-builtin objects. A tensor reached twice (tied weights) is one
-    reference (the pickler's memo)."""
+    for tensors and other non-builtin objects. A tensor reached twice within an entry (tied
+    weights) is one reference (the pickler's memo); one reached from two entries is kept
+    twice (each entry's pickle stands alone)."""
     if torch.is_grad_enabled():  # see ``capture``
         with torch.no_grad():
             return capture_trees(trees)
-    buf = io.BytesIO()
-    pickler = _Pickler(buf)
-    pickler.dump(trees)
-    return Capture(buf.getvalue(), pickler.tensors, pickler.cursor, _digest(tuple(pickler.layout)),
-                   pickler.sources, pickler.cpu, pickler.sharded)
+    found = _Found()
+    parts = {}
+    for key, tree in trees.items():
+        buf = io.BytesIO()
+        _Pickler(buf, found).dump(tree)
+        parts[key] = buf.getvalue()
+    return Capture(pack(parts), parts, found.tensors, found.cursor, _digest(tuple(found.layout)),
+                   found.sources, found.cpu, found.sharded)
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+def pack(parts: dict[str, bytes]) -> bytes:
+    """The skeleton a slot holds: the entries' pickles (``Capture.parts``), as one pickle."""
+    return pickle.dumps(parts, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(raw: bytes) -> dict[str, Any]:
+    """``pack``'s inverse, each entry unpickled: the skeleton (our own bytes only)."""
+    return {k: pickle.loads(v) for k, v in pickle.loads(raw).items()}
+
+
+def pack_skeleton(skeleton: Any) -> bytes:
+    """A skeleton's slot bytes (``pack``), from its entries; ``ValueError`` if it is not a
+    dict of entries."""
+    if not (isinstance(skeleton, dict) and all(type(k) is str for k in skeleton)):
+        raise ValueError("a skeleton is a dict of named entries")
+    return pack({k: pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for k, v in skeleton.items()})
+
+
+class _Found:
+    """What the entries' picklers found, in order: one byte layout for all entries."""
+
+    def __init__(self) -> None:
         self.tensors: list[tuple[tuple, torch.Tensor]] = []  # (``TensorRef`` fields, tensor)
         self.layout: list[tuple] = []  # what must match for another state to load these bytes
         self.cursor = 0
         self.sources: list[torch.Tensor] = []
         self.cpu = True
         self.sharded = False
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, found: _Found) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.found = found
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) in _PLAIN:  # most tensors: a few microseconds less each than the general path
@@ -121,20 +153,21 @@ class _Pickler(pickle.Pickler):
                 raise Unsupported(f"cannot keep a {t.layout} tensor in memory")
         elif isinstance(obj, torch.Tensor):
             t, kind = _local(obj), _kind(obj)
-            self.sharded = self.sharded or kind is not _PLAIN_KIND
+            self.found.sharded = self.found.sharded or kind is not _PLAIN_KIND
         elif type(obj) is OrderedDict:  # a module's state dict: kept as a dict (its ``_metadata``
             return dict, (dict(obj),)  # is the live target's at restore); half the pickling time
         else:
             return NotImplemented
-        cursor, nbytes = self.cursor, t.nbytes
+        found = self.found
+        cursor, nbytes = found.cursor, t.nbytes
         args = (cursor, nbytes, t.dtype, tuple(t.shape), kind)
-        self.cursor = cursor + -(-nbytes // ALIGN) * ALIGN
+        found.cursor = cursor + -(-nbytes // ALIGN) * ALIGN
         # Plain tuples here (a NamedTuple costs a microsecond more each, every snapshot).
-        self.tensors.append((args, t))
-        self.layout.append(args[2:])
+        found.tensors.append((args, t))
+        found.layout.append(args[2:])
         if nbytes:
-            self.sources.append(t)
-            self.cpu = self.cpu and t.is_cpu
+            found.sources.append(t)
+            found.cpu = found.cpu and t.is_cpu
         return TensorRef, args
 
 
@@ -194,7 +227,7 @@ def write(cap: Capture, data: torch.Tensor, base: int, views: Views) -> None:
 
 def read_skeleton(data: torch.Tensor, base: int, data_len: int, skeleton_len: int) -> dict[str, Any]:
     start = base + data_len
-    return pickle.loads(data[start:start + skeleton_len].numpy().tobytes())
+    return unpack(data[start:start + skeleton_len].numpy().tobytes())
 
 
 def restore_into(state: dict[str, Any], trees: dict[str, Any], skeleton: dict[str, Any],

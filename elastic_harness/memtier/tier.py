@@ -26,7 +26,6 @@ unpublished first, so the next restart restores from storage.
 from __future__ import annotations
 
 import contextlib
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -407,7 +406,7 @@ class MemoryTier:
         problem = None
         try:
             skeleton = peer.decode_skeleton(raw.numpy().tobytes())
-            local = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)  # our own bytes, for our slot
+            local = snapshot.pack_skeleton(skeleton)  # our own bytes, for our slot
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             skeleton, local, problem = None, b"", f"its skeleton is malformed ({e!r:.200})"
         data, base = self._room(data_len + len(local))
@@ -519,7 +518,7 @@ class MemoryTier:
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
         # our own pickled skeleton, just written: sent as JSON, for a holder that never unpickles
-        self.link.start(slot, data, header, cap.skeleton, buddy.bound(cap.data_len + 4 * len(cap.skeleton)))
+        self.link.start(slot, data, header, cap.parts, buddy.bound(cap.data_len + 4 * len(cap.skeleton)))
 
     def settle(self, timeout: float) -> None:
         """At a normal end (the last step, a drain: every rank is there): let the buddy
