@@ -244,34 +244,54 @@ def test_a_ring_of_three_links_up_and_a_wrong_key_keeps_no_link_on_any_rank():
     assert any("did not prove the job's key" in w for w in warnings)
 
 
-def test_a_stranger_who_connects_first_is_never_taken_for_the_source():
-    # A connection that does not say it is the source's is dropped; the source's then proves the key.
+@pytest.mark.parametrize("says", ["another hello", "nothing", "half a hello"])
+def test_a_stranger_who_connects_first_is_never_taken_for_the_source_nor_holds_it_up(says):
+    # A connection that does not say it is the source's is dropped, one that says nothing
+    # (or stops halfway) is left waiting; the source's then proves the key, well within the
+    # setup's deadline (a stranger read before the source would hold it to the deadline,
+    # and the link would fail).
     import secrets
 
+    strangers: list[socket.socket] = []
+
     def stranger(values: list[int]) -> None:
-        addr = decode_address(values)
-        with socket.create_connection(addr, timeout=5) as s:
+        s = socket.create_connection(decode_address(values), timeout=5)
+        strangers.append(s)  # kept open until the links are up
+        if says == "another hello":
             s.sendall(b"EHBC" + b"\0" * 24 + secrets.token_bytes(16))
+        elif says == "half a hello":
+            s.sendall(b"EHBC" + b"\0" * 8)
 
     gather, out = Gather(2), [None, None]
+    warnings: list[str] = []
+    first = threading.Event()  # the stranger is in rank 0's accept queue before rank 1 connects
 
     def one(r: int) -> None:
         def g(v: list[int], r=r) -> list[list[int]]:
             everyone = gather(r, v)
-            if r == 0 and len(v) == 3:
-                stranger(everyone[0])  # before rank 1 connects to rank 0, say
+            if len(v) == 3:  # the addresses' gather
+                if r == 0:
+                    stranger(everyone[0])
+                    first.set()
+                else:
+                    assert first.wait(10)
             return everyone
         out[r] = Conduit.connect(rank=r, holder=1 - r, source=1 - r, generation=GEN, key=KEY, host="127.0.0.1",
-                                 gather=g, timeout=20)
+                                 gather=g, timeout=8, warn=warnings.append)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(c is not None for c in out)
-    for c in out:
-        c.close()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(c is not None for c in out), warnings
+    finally:
+        for s in strangers:
+            s.close()
+        for c in out:
+            if c is not None:
+                c.close()
 
 
 def test_addresses_and_proofs():

@@ -16,7 +16,9 @@ connects to its holder and accepts its source. Both ends prove they know the job
 before a byte of a copy is read: the connecting end sends a nonce, the accepting end answers
 ``HMAC(key, nonce, who)`` and its own nonce, the connecting end answers that in turn
 (``proof``). A connection that fails the proof is closed; the link then keeps no copies this
-generation (storage and own snapshots still restore). Nothing read is ever unpickled.
+generation (storage and own snapshots still restore). Connections are read side by side
+until one says it is the source (``_accept_source``): a stranger who connects and says
+nothing does not hold the setup up. Nothing read is ever unpickled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import hmac
 import ipaddress
 import secrets
+import selectors
 import socket
 import struct
 import time
@@ -38,6 +41,7 @@ _MAGIC = b"EHBC"
 _CONTEXT = b"elastic-harness buddy copy link"
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a closed peer is an error here, never a SIGPIPE
 ADDRESS_INTS = 3  # an address as int64s: two halves of the IPv6(-mapped) address, the port
+MAX_PENDING = 64  # accepted connections read side by side while waiting for the source's hello
 
 
 class LinkError(ConnectionError):
@@ -185,16 +189,9 @@ def _handshake(listening: socket.socket, to: tuple[str, int], *, rank: int, hold
         out = socket.create_connection(to, timeout=_left(deadline))
         mine = secrets.token_bytes(NONCE)
         out.sendall(_HELLO.pack(_MAGIC, generation, rank, holder) + mine)  # 1: hello to the holder
-        listening.settimeout(_left(deadline))
-        while True:  # 2: the source's hello, answered
-            inp, _ = listening.accept()
-            inp.settimeout(_left(deadline))
-            hello = _read(inp, _HELLO.size + NONCE)
-            magic, gen, who, whom = _HELLO.unpack(hello[:_HELLO.size])
-            if (magic, gen, who, whom) == (_MAGIC, generation, source, rank):
-                break
-            inp.close()  # not our source (a stray connection): wait for the right one
-            inp = None
+        inp, hello = _accept_source(listening, generation=generation, source=source, rank=rank,
+                                    deadline=deadline)  # 2: the source's hello, answered
+        inp.settimeout(_left(deadline))
         theirs = secrets.token_bytes(NONCE)
         inp.sendall(proof(key, hello[_HELLO.size:], generation, source, rank, b"holder") + theirs)
         out.settimeout(_left(deadline))
@@ -214,6 +211,64 @@ def _handshake(listening: socket.socket, to: tuple[str, int], *, rank: int, hold
         if isinstance(e, OSError) and not isinstance(e, LinkError):  # a timeout, a refused connect
             raise LinkError(f"setting up the copy link failed ({e})") from None
         raise
+
+
+def _accept_source(listening: socket.socket, *, generation: int, source: int, rank: int,
+                   deadline: float) -> tuple[socket.socket, bytes]:
+    """The accepted connection whose hello names ``source`` connecting to ``rank`` in this
+    generation, and that hello. Every connection is read as its bytes come, side by side
+    (``selectors``), so one that connects and says nothing, or too little, holds no one up;
+    a hello naming anyone else is dropped at once. At most ``MAX_PENDING`` connections wait
+    (the oldest dropped for a newer one); the link's deadline bounds it all."""
+    size = _HELLO.size + NONCE
+    pending: dict[socket.socket, bytearray] = {}
+    sel = selectors.DefaultSelector()
+    listening.setblocking(False)
+    sel.register(listening, selectors.EVENT_READ)
+
+    def drop(conn: socket.socket) -> None:
+        sel.unregister(conn)
+        del pending[conn]
+        conn.close()
+
+    try:
+        while True:
+            for event, _ in sel.select(_left(deadline)):
+                conn = event.fileobj
+                if conn is listening:
+                    with contextlib.suppress(BlockingIOError, InterruptedError):
+                        new, _ = listening.accept()
+                        new.setblocking(False)
+                        if len(pending) >= MAX_PENDING:
+                            drop(next(iter(pending)))
+                        pending[new] = bytearray()
+                        sel.register(new, selectors.EVENT_READ)
+                    continue
+                got = pending.get(conn)
+                if got is None:  # dropped for a newer one in this same round
+                    continue
+                try:
+                    chunk = conn.recv(size - len(got))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:  # closed before a whole hello
+                    drop(conn)
+                    continue
+                got += chunk
+                if len(got) < size:
+                    continue
+                if _HELLO.unpack(bytes(got[:_HELLO.size])) == (_MAGIC, generation, source, rank):
+                    sel.unregister(conn)
+                    del pending[conn]
+                    conn.setblocking(True)
+                    return conn, bytes(got)
+                drop(conn)  # not our source (a stray connection): wait for the right one
+    finally:
+        for conn in pending:
+            conn.close()
+        sel.close()
 
 
 def _left(deadline: float) -> float:
