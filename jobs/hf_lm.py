@@ -45,11 +45,14 @@ def per_sample_loss(model, batch):
 def main():
     run = eh.init(Path(__file__).with_suffix(".yaml"), argv=sys.argv[1:])  # --run-dir, --set
     cli = argparse.ArgumentParser()
-    cli.add_argument("--parallelism", choices=["ddp", "fsdp"], default="fsdp")
     cli.add_argument("--block", type=int, default=32)
     args = cli.parse_args(run.argv)
     model = build_model(args.block).to(run.device)
-    if args.parallelism == "fsdp":
+    # The job's layout decides the wrapping (one place to say it: the harness keeps buddy
+    # copies and reshards in memory only when it knows the state is sharded).
+    if run.spec.parallelism not in ("ddp", "fsdp"):
+        raise SystemExit(f"hf_lm.py wraps the model for parallelism ddp or fsdp, the job says {run.spec.parallelism}")
+    if run.spec.parallelism == "fsdp":
         # The mesh on the run's device: FSDP2's default mesh takes the GPU whenever one is
         # visible, so a CPU run on a GPU machine would ask for a GPU per rank.
         mesh = init_device_mesh(run.device.type, (run.dp_degree,))
