@@ -102,7 +102,8 @@ class BuddyLink:
     def start(self, slot: int, data: torch.Tensor, header: Header, parts: dict[str, bytes], limit: int) -> None:
         """Expect the source's copy (up to ``limit`` bytes); send the own ``slot`` (its bytes
         ``data``, published with ``header``; ``parts`` its skeleton's pickled entries, our own
-        bytes, ``snapshot.Capture.parts``) to the holder. Every rank calls it at the same step, with no copy moving anywhere."""
+        bytes, ``snapshot.Capture.parts``) to the holder. Every rank calls it at the same
+        step, with no copy moving anywhere."""
         if self.broken:
             return
         self._t0 = time.perf_counter()

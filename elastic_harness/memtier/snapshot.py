@@ -6,9 +6,9 @@ into the tensors (their bytes, at 64-byte aligned offsets; a DTensor contributes
 shard) and a skeleton: the same nested dicts and lists with each tensor replaced by a
 ``TensorRef`` and every other value kept, pickled entry by entry (``Capture.parts``; a slot
 holds them as one pickled dict of those pickles, ``pack``/``unpack``: a buddy copy then
-re-encodes as JSON only the entries whose pickle changed, usually the train position). The capture's digest hashes the tensors'
-dtypes, shapes and kinds in order (it names the byte layout; a ``Replicate`` placement aside,
-``_split``); ``misfit`` checks a saved
+re-encodes as JSON only the entries whose pickle changed, usually the train position). The
+capture's digest hashes the tensors' dtypes, shapes and kinds in order (it names the byte
+layout; a ``Replicate`` placement aside, ``_split``); ``misfit`` checks a saved
 skeleton against the state to restore into, key by key. ``write`` copies the tensors into
 a slot through typed views of it, which ``Views`` keeps while the layout and the mapping
 stay the same. A snapshot of a small model is then ~0.2 ms of Python in all: the state
