@@ -4,7 +4,7 @@ Each subcommand lives in its own module exposing ``register(subparsers)``; the p
 adds sets ``func(args) -> int``. A ``HarnessError`` becomes one clear line on stderr and its
 exit code; anything else is a bug and keeps its traceback. Command modules import torch
 (and other heavy libraries) inside the functions that need it, never at module level, so
-``--help`` and ``spec`` answer at once (``tests/test_cli_imports.py`` checks it).
+``--help`` and ``spec`` answer at once (``tests/cli/test_cli_imports.py`` checks it).
 """
 
 from __future__ import annotations

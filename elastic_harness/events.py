@@ -6,7 +6,7 @@ worker generation). Each event is one ``write()`` of one line on a file opened w
 
 ``CONTRACT`` below is the documentation: every kind the code emits, who writes it, and
 every field it may carry (each event also has ``COMMON``). A field may be absent (older
-runs, optional values); no other field may appear: ``tests/test_event_contract.py`` scans
+runs, optional values); no other field may appear: ``tests/report/test_event_contract.py`` scans
 every ``emit("kind", ...)`` call in the package and fails on an undocumented kind or field.
 Readers fold the log one way (``runstate``).
 """

@@ -19,7 +19,7 @@ from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.events import read_events
 from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
 
-# What the tests accept after a resize (reduction order changes): see tests/test_e2e_core.py.
+# What the tests accept after a resize (reduction order changes): see tests/e2e/test_e2e_core.py.
 DEFAULT_ATOL, DEFAULT_RTOL = 1e-5, 1e-4
 
 

@@ -3,7 +3,7 @@
 A run must leave nothing in ``$TMPDIR`` (``/tmp``) or ``/dev/shm``, even when it is
 SIGKILLed as a whole and nothing gets to clean up, so what torch would put there is placed
 in ``RUN_DIR/tmp`` and ``RUN_DIR/cache`` instead. What torch 2.13 writes to the temp dir
-during a run (read in its source, then checked by ``tests/test_leftovers.py``):
+during a run (read in its source, then checked by ``tests/e2e/test_leftovers.py``):
 
 - ``torchinductor_$USER``: ``torch._dynamo`` creates its compile cache when imported, and
   DDP and FSDP import it. ``TORCHINDUCTOR_CACHE_DIR`` moves it (a user's own setting wins).

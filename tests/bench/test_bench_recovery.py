@@ -1,0 +1,144 @@
+"""``bench recovery``: its pure pieces only (schedules, summaries); the bench itself is long."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_harness.bench import crash_stats, recovery
+from elastic_harness.chaos.vocabulary import parse_fault
+from elastic_harness.report.probe import probe_cost
+from tests.report.test_report import ev, killed_worker_run
+
+
+def test_kill_worker_schedule_spreads_faults_over_the_save_interval():
+    sched = recovery.kill_worker_schedule(20, every=10)
+    faults = [parse_fault(s) for s in sched]
+    steps = [f.at_step for f in faults]
+    assert len(set(steps)) == 20 and steps == sorted(steps)
+    assert {f.target for f in faults} == {0, 1}
+    assert len({s % 10 for s in steps}) >= 3  # not always the same distance past a save
+    assert all(s % 10 for s in steps)  # never on a save step
+
+
+def test_goodput_schedule_is_seeded_and_ends_with_a_drain():
+    a = recovery.goodput_schedule(120, 20, seed=3, ranks=2)
+    assert a == recovery.goodput_schedule(120, 20, seed=3, ranks=2)
+    faults = [parse_fault(s) for s in a]
+    assert faults[-1].kind == "preempt" and faults[-1].at_seconds == 120
+    kills = faults[:-1]
+    assert len(kills) == 5 and all(f.kind == "kill-worker" for f in kills)
+    assert all(abs(f.at_seconds - 20 * (i + 1)) <= 5 for i, f in enumerate(kills))
+
+
+def test_restart_stats_counts_first_try_recoveries():
+    events = killed_worker_run()
+    for e in events:
+        if e["event"] == "step":
+            e["restart"] = 0 if e["pid"] == 10 else 1
+    stats = crash_stats.restart_stats(events, requested=1, code=0)
+    assert (stats["fired"], stats["recovered"], stats["recovered_first_try"]) == (1, 1, 1)
+    assert stats["steps_lost"] == [5] and stats["finished"]
+    for e in events:
+        if e["event"] == "step" and e["pid"] == 20:
+            e["restart"] = 2  # the first restart failed: the agent needed a second
+    assert crash_stats.restart_stats(events, requested=1, code=0)["recovered_first_try"] == 0
+
+
+def test_a_kill_before_the_first_step_is_counted_against_the_generation_it_hit():
+    """No step before the fault: the restart it cost is counted from the generation that
+    had formed (its ``rendezvous`` event), so a kill during start-up recovers on the first try."""
+    events = [e for e in killed_worker_run() if not (e["event"] == "step" and e["pid"] == 10)]
+    for e in events:
+        if e["event"] == "step":
+            e["restart"] = 1
+    stats = crash_stats.restart_stats(events, requested=1, code=0)
+    assert (stats["fired"], stats["recovered"], stats["recovered_first_try"]) == (1, 1, 1)
+    events.append(ev(18.5, "fault", 11, kind="preempt", target=0, step=30))
+    assert crash_stats.restart_stats(events, requested=1, code=0)["fired"] == 1  # the preempt is not a crash
+
+
+def test_goals_are_reported_per_part():
+    report = {"kill_node": {"met": True, "steps_redone_met": True},
+              "goodput": {"met": {"goodput": False, "lost_work": True}}}
+    met = recovery.goals_met(report, repeats=2)
+    assert met["kill_node_ratio"] is True and met["goodput_goodput"] is False
+    assert met["kill_node_steps_redone"] is True
+    assert "indicative" in met["note"]
+
+
+def test_recovery_breakdown_phases_add_up_to_the_recovery_time():
+
+    events = [e for e in killed_worker_run() if e["event"] != "rendezvous" or e["pid"] != 20]
+    events += [ev(12.6, "workers", 5, state="failed"), ev(12.65, "workers", 5, state="stopped"),
+               ev(16.5, "rendezvous", 20, world_size=2, restart=1, pg_init_s=0.1)]
+    events.sort(key=lambda e: e["t"])
+    fault = next(e for e in events if e["event"] == "fault")
+    phases = crash_stats.breakdown(events, fault)
+    assert phases == pytest.approx({"detect": 0.05, "stop": 0.05, "rendezvous": 0.35, "spawn": 3.4,
+                                    "process_group": 0.1, "restore": 0.5, "first_step": 0.1})
+    assert sum(phases.values()) == pytest.approx(17.1 - 12.55)
+    # torchrun records no agent events: the phases before the workers' own merge into spawn
+    bare = [e for e in events if e["event"] not in ("workers", "torchelastic")]
+    plain = crash_stats.breakdown(bare, fault)
+    assert plain["detect"] is None and plain["rendezvous"] is None
+    assert plain["spawn"] == pytest.approx(16.4 - 12.55)
+    assert crash_stats.median_breakdown([phases, plain])["spawn"] == pytest.approx((3.4 + 3.85) / 2)
+
+
+def test_memory_cost_compares_neighbouring_blocks_of_one_run():
+    """A probed run: rank 0's step times, and the interval it set (0: off) after the step it
+    applies from. A step holds the previous step's snapshot, so it counts by the interval in
+    force for that previous step; the first step of each generation is left out."""
+    def run(pid, first, last, on_s, off_s, block):
+        out = []
+        for i in range(first, last + 1):
+            on_before = ((i - 2) // block) % 2 == 0  # the interval in force for step i - 1
+            out.append(ev(float(i), "step", pid, step=i, step_s=on_s if on_before else off_s))
+            if (i - 1) % block == 0:  # the first step of a block sets its interval
+                out.append(ev(i + 0.5, "memory", pid, step=i, every=2 if ((i - 1) // block) % 2 == 0 else 0))
+        return out
+
+    events = run(7, 1, 40, 0.104, 0.1, 10)
+    probe = probe_cost(events, skip=1)
+    assert probe.cost == pytest.approx(0.04) and len(probe.pairs) == 3
+    assert (probe.on_step_s, probe.off_step_s) == (pytest.approx(0.104), pytest.approx(0.1))
+    # A machine slowing down: both neighbours of each block count, so drift favours no kind.
+    drift = [dict(e, step_s=e["step_s"] * (1 + 0.001 * e["step"])) if e["event"] == "step" else e for e in events]
+    assert probe_cost(drift, skip=1).cost == pytest.approx(0.04, abs=0.012)
+    # Blocks of two generations are not compared with each other; a run never off has no cost.
+    assert len(probe_cost(run(7, 1, 20, 0.104, 0.1, 10) + run(8, 1, 20, 0.104, 0.1, 10), skip=1).pairs) == 2
+    assert probe_cost(run(7, 1, 10, 0.104, 0.1, 10), skip=1) is None
+    assert probe_cost([ev(1.0, "step", 7, step=1, step_s=0.1)]) is None
+
+
+def test_copy_share_and_quartiles():
+    memory = [{"event": "memory", "copy_s": 0.0, "step_s": 0.0, "every": 1},  # the first, unmeasured
+              {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 4},
+              {"event": "memory", "copy_s": 0.001, "step_s": 0.01, "every": 3}]
+    assert crash_stats.copy_share(memory) == pytest.approx(0.0292, abs=1e-4)  # median of 1/40 and 1/30
+    assert crash_stats.copy_share([]) is None
+    assert crash_stats.quartiles([0.01, 0.02, 0.03, 0.04, 0.05]) == [0.015, 0.045]
+    assert crash_stats.quartiles([0.01]) is None
+
+
+def test_a_failed_runs_log_tails_are_kept(tmp_path):
+    from elastic_harness.bench.recovery import log_tails
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "bench-host.log").write_text("".join(f"line {i}\n" for i in range(50)))
+    (tmp_path / "logs" / "agent-0.log").write_text("Traceback\nboom\n")
+    tails = log_tails(tmp_path, lines=3)
+    assert tails == {"bench-host.log": ["line 47", "line 48", "line 49"], "agent-0.log": ["Traceback", "boom"]}
+
+
+def test_kill_node_runs_report_the_tier_intervals_in_force_at_the_fault():
+    from elastic_harness.bench.recovery import tier_before
+
+    events = [{"event": "memory", "t": 1.0, "every": 1, "copy_s": 0.0, "step_s": 0.0},
+              {"event": "memory", "t": 2.0, "every": 2, "copy_s": 0.0007, "step_s": 0.02, "copy_every": 1,
+               "copy_cost_s": 0.0011},
+              {"event": "fault", "t": 3.0, "step": 40},
+              {"event": "memory", "t": 4.0, "every": 1, "copy_s": 0.0, "step_s": 0.0}]  # the next generation's
+    assert tier_before(events) == {"snapshot_every": 2, "copy_every": 1, "snapshot_ms": 0.7, "copy_cost_ms": 1.1,
+                                   "step_ms": 20.0}
+    assert tier_before(events[:2]) is None  # no fault

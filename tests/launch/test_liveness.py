@@ -1,0 +1,210 @@
+"""A dead node sooner (``launch.liveness``, issue 26 item 5): the rule, and real rounds.
+
+The rounds are torch's own handlers (ours, from ``create_handler``) in threads of this
+process against a real c10d ``TCPStore``, as in ``test_rendezvous``. torch's keep-alive
+expiry is set far beyond the join timeout here, so a survivor can only close a round alone
+if the rule dropped its silent peer; every simulated agent of this process is the same
+(live) process, so "gone" is told by giving a node the identity of a process that exited.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+
+from elastic_harness.launch import liveness
+from elastic_harness.launch.elastic import lost_a_peer
+from elastic_harness.launch.rendezvous import create_handler
+from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(90)
+
+GLOO_RESET = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:61569: Connection "
+              "reset by peer. This is typically caused by a remote worker hanging")
+
+
+@pytest.mark.parametrize(("message", "lost"), [
+    (GLOO_RESET, True),
+    ("RuntimeError: [pair.cc:534] Connection closed by peer [10.0.0.2]:4242", True),
+    ("OSError: [Errno 32] Broken pipe", True),
+    # a frozen peer: the collective times out, which says nothing of the peer's process
+    ("RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms", False),
+    ("Signal 9 (SIGKILL) received by PID 1234", False),  # this node's own worker was killed
+    ("ValueError: loss is nan", False),
+])
+def test_peer_lost_reads_the_failure_message(message, lost):
+    assert liveness.peer_lost(message) is lost
+
+
+def failed(*messages) -> RunResult:
+    failures = {}
+    for rank, message in enumerate(messages):
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file="<N/A>")
+        f.message = message
+        failures[rank] = f
+    return RunResult(state=WorkerState.FAILED, failures=failures)
+
+
+def test_the_agent_reads_torchelastics_failure_records():
+    assert lost_a_peer(failed({"message": GLOO_RESET, "extraInfo": {"timestamp": "1"}}))
+    assert lost_a_peer(failed("Signal 9 (SIGKILL) received by PID 1", GLOO_RESET))
+    assert not lost_a_peer(failed("Signal 9 (SIGKILL) received by PID 1"))
+
+
+def test_suspect_after_is_two_intervals_at_most_torchs_expiry():
+    assert liveness.suspect_after_s(1.0, 3) == 2.0
+    assert liveness.suspect_after_s(5.0, 1) == 5.0
+
+
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def decide(*, evidence=True, complete=True, round_=4, participants=("a", "b"), peers=("me", "a", "b"),
+           verdicts=None, silent_s=None):
+    verdicts = verdicts or {}
+    silent_s = silent_s or {}
+    beats = {n: NOW - timedelta(seconds=silent_s.get(n, 0.5)) for n in participants}
+    return liveness.dead_peers(participants=set(participants), heartbeats=beats, complete=complete,
+                               round_=round_, my_round=4, peers=set(peers), me="me", evidence=evidence,
+                               gone=lambda n: verdicts.get(n), now=NOW, suspect_after=2.0)
+
+
+def test_a_gone_process_on_this_host_is_dropped_at_once():
+    assert decide(verdicts={"a": True, "b": False}) == {"a"}
+
+
+def test_a_live_process_on_this_host_is_never_dropped_however_silent():
+    """A SIGSTOPped or overloaded agent is a live process: only torch's expiry drops it."""
+    assert decide(verdicts={"a": False, "b": False}, silent_s={"a": 60, "b": 60}) == set()
+
+
+def test_another_hosts_node_is_dropped_once_silent_two_intervals():
+    assert decide(silent_s={"a": 2.5, "b": 1.5}) == {"a"}
+
+
+@pytest.mark.parametrize("change", [
+    {"evidence": False},  # no worker of ours lost a peer: silence alone is never enough
+    {"complete": False},  # the round is no longer the one we were in together
+    {"round_": 5},
+    {"participants": ()},  # everyone left it (alive)
+    {"peers": ("me",)},  # not a peer of our round: a node we know nothing about
+])
+def test_without_all_the_evidence_nobody_is_dropped(change):
+    args = {"verdicts": {"a": True, "b": True}, "silent_s": {"a": 60, "b": 60}, **change}
+    assert decide(**args) == set()
+
+
+def test_this_node_never_drops_itself():
+    assert decide(participants=("me",), verdicts={"me": True}, silent_s={"me": 60}) == set()
+
+
+def exited_identity() -> str:
+    """The identity of a process of this host that has exited (its pid is free now)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True)
+    boot, ns, _pid, _start = liveness.identity().split("/")
+    return f"{boot}/{ns}/{int(child.stdout)}/1"
+
+
+def test_identity_tells_a_live_process_from_an_exited_one():
+    assert liveness.gone(liveness.identity()) is False
+    assert liveness.gone(exited_identity()) is True
+    assert liveness.gone("other-boot/1/2/3") is None, "another host: this one cannot tell"
+    assert liveness.gone(None) is None
+    boot, ns, _pid, _start = liveness.identity().split("/")
+    assert liveness.gone(f"{boot}/{ns}/0/1") is None and liveness.gone(f"{boot}/{ns}/x/1") is None
+
+
+def agent(endpoint: str, run_id: str):
+    """Ours, with torch's expiry (60 s) far beyond the join timeout (40 s)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    conf = dict(join_timeout=40, last_call_timeout=1, close_timeout=10, heartbeat_timeout=5,
+                keep_alive_interval=1, keep_alive_max_attempt=60, is_host=False, read_timeout=30,
+                start_last_call_timeout=15)
+    return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf), key=TEST_KEY)
+
+
+def formed_pair(endpoint: str, run_id: str, identity_of_1: str | None = None):
+    pair = [agent(endpoint, run_id) for _ in range(2)]
+    if identity_of_1 is not None:
+        pair[1]._identity = identity_of_1  # what node 1 writes next to its keep-alives
+    assert join_all(pair, [0.0, 0.0]) == [2, 2]
+    return pair
+
+
+def test_a_survivor_closes_the_round_alone_when_its_peer_is_gone(store):  # noqa: F811
+    """Node 1's agent and workers are killed: node 0's workers lose their connection to it,
+    and its agent's process is gone. Node 0 forms the next round alone, without waiting 60 s
+    for node 1's keep-alives to expire."""
+    pair = formed_pair(store, "gone", exited_identity())
+    pair[1]._stop_heartbeats()  # killed: no more keep-alives, no goodbye
+    try:
+        pair[0].peer_lost()
+        info = pair[0].next_rendezvous()
+        assert info.world_size == 1 and pair[0]._state_holder.state.round == 1
+    finally:
+        close(pair)
+
+
+def test_a_silent_peer_of_another_host_is_dropped_after_two_intervals(store):  # noqa: F811
+    pair = formed_pair(store, "remote", "another-boot/1/2/3")
+    pair[1]._stop_heartbeats()
+    try:
+        pair[0].peer_lost()
+        assert pair[0].next_rendezvous().world_size == 1
+    finally:
+        close(pair)
+
+
+def test_a_frozen_but_live_agent_is_not_dropped_and_rejoins(store):  # noqa: F811
+    """Node 1's agent is alive (this process) but silent: even with node 0's workers having
+    lost a peer, node 0 waits for it (torch's expiry, 60 s here). When node 1 comes back and
+    restarts too, both form one group: no split."""
+    pair = formed_pair(store, "frozen")
+    pair[1]._stop_heartbeats()  # frozen: no keep-alives
+    decided: list = []
+    drop_dead = pair[0].drop_dead
+    silent = threading.Event()
+
+    def watch(state):  # node 0 decided again after node 1 was silent beyond two intervals
+        dead = drop_dead(state)
+        beat = state.last_heartbeats.get(pair[1]._this_node)
+        if beat is not None and datetime.now(timezone.utc) - beat > timedelta(seconds=3):
+            decided.append(dead)
+            silent.set()
+        return dead
+
+    pair[0].drop_dead = watch
+    pair[0].peer_lost()
+    result: dict = {}
+    survivor = threading.Thread(target=lambda: result.update(info=pair[0].next_rendezvous()))
+    survivor.start()
+    try:
+        assert silent.wait(30), "node 0 never looked at the state with node 1 silent"
+        assert not result and decided[-1] == frozenset(), "a live agent was dropped"
+        assert pair[1].next_rendezvous().world_size == 2  # node 1 wakes up and restarts
+        survivor.join(30)
+        assert result["info"].world_size == 2
+    finally:
+        close(pair)
+
+
+def test_a_workers_failure_event_says_when_it_lost_a_peer(tmp_path):
+    from elastic_harness.events import EventLog, read_events
+    from elastic_harness.runtime import failures
+
+    log = EventLog(tmp_path / "events.jsonl")
+    for exc in (RuntimeError(GLOO_RESET), ValueError("loss is nan")):
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001 - recorded as a worker records it
+            failures.record(log, e, rank=0, step=3)
+    lost = [e["peer_lost"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure"]
+    assert lost == [True, False]

@@ -1,0 +1,45 @@
+"""A dead node sooner, end to end (``launch.liveness``, issue 26 item 5): two simulated
+nodes (real agents with their workers), one SIGKILLed or SIGSTOPped mid-run.
+
+The SIGKILLed node is dropped by the new rule (its agent's process is gone and the
+survivor's worker lost its connection to it); the SIGSTOPped one is alive, its peers see a
+timeout rather than a closed connection, and only torch's keep-alive expiry may drop it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.audit import audit
+from tests.conftest import MLP, cli
+from tests.e2e.test_e2e_cluster import ELASTIC, HEAVY
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+DROPPED = "without waiting for its keep-alives to expire"
+
+
+def drops(r) -> list[str]:
+    return [e["message"] for e in r.kinds("torchelastic") if DROPPED in (e.get("message") or "")]
+
+
+def test_a_killed_node_is_dropped_by_the_survivor_without_waiting(tmp_path):
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80",
+            "--chaos", "kill-node:1@30", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert [f["kind"] for f in r.kinds("fault")] == ["kill-node"]
+    assert [g["world_size"] for g in r.kinds("rendezvous")] == [2, 1]
+    (dropped,) = drops(r)
+    assert "process is gone" in dropped, dropped
+    audit(tmp_path, 1024, 30, 80)
+
+
+def test_a_frozen_node_is_left_to_torchs_expiry(tmp_path):
+    r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80",
+            "--set", "timeouts.step=5", "--set", "timeouts.shutdown_grace=5",
+            "--chaos", "hang-node:1@30", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert [f["kind"] for f in r.kinds("fault")] == ["hang-node"]
+    assert r.kinds("rendezvous")[-1]["world_size"] == 1
+    assert drops(r) == [], "a SIGSTOPped (live) node was dropped by the new rule"
+    audit(tmp_path, 1024, 30, 80)
