@@ -44,6 +44,8 @@ CONTRACT: dict[str, EventKind] = {
         "run_id": "rendezvous id of this submission",
         "run_dir": "host: the run directory",
         "netns": "host: nodes run in their own network namespaces (link faults possible)",
+        "separate_hosts": "host: each node is a simulated host of its own (own pid, UTS and network "
+                          "namespaces: pids in its events are its own)",
         "scheduler": "host: where it was submitted when not started by `run` ('slurm')",
         "node": "agent: its node name",
         "endpoint": "agent: the rendezvous endpoint",

@@ -94,8 +94,8 @@ class ChaosController:
 
     def thaw(self, cluster: LocalCluster) -> None:
         """SIGCONT every process a hang froze, so shutdown is not held up by them."""
-        for pid, _ in self.workers.values():
-            _signal(pid, signal.SIGCONT)
+        for pid, node in self.workers.values():
+            _signal(_here(cluster, node, pid), signal.SIGCONT)
         for index in cluster.running():
             cluster.signal_node(index, signal.SIGCONT)
 
@@ -141,22 +141,31 @@ def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]
 def _send(kind: Kind, target: int, cluster: LocalCluster, workers: dict[int, tuple[int, str]]) -> str:
     sig = kind.signal
     if kind.reaches == "rank":
-        pid = workers[target][0]
-        _signal(pid, sig)
+        pid, node = workers[target]
+        _signal(_here(cluster, node, pid), sig)
         return f"{sig.name} rank {target} (pid {pid})"
     if kind.reaches == "agent":
-        pid = cluster.nodes[target].proc.pid
+        pid = cluster.agent_pid(target)
         _signal(pid, sig)
         return f"{sig.name} node {target}'s agent (pid {pid})"
     cluster.signal_node(target, sig)
     if kind.reaches == "agent-group":
         return f"{sig.name} node {target} (agent, and so its workers)"
+    if cluster.nodes[target].separate:  # signal_node reached every process of that host
+        return f"{sig.name} node {target} (every process of its host)"
     pids = [pid for pid, node in workers.values() if node == str(target)]
     for pid in pids:
         _signal(pid, sig)
     return f"{sig.name} node {target} (agent and workers {pids})"
 
 
-def _signal(pid: int, sig: int) -> None:
+def _here(cluster: LocalCluster, node: str, pid: int) -> int | None:
+    """A worker's pid as its node reported it, in this machine's namespace (``host_pid``)."""
+    return cluster.host_pid(int(node), pid) if node.isdigit() else pid
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)

@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="after the run, compare the final model with this run's (see `verify`)")
     p.add_argument("--netns", action="store_true",
                    help="give every node its own network namespace and address (root; enables partition)")
+    p.add_argument("--separate-hosts", action="store_true",
+                   help="every node a simulated host of its own: its own network, pid and UTS namespaces "
+                        "and host name (root; implies --netns): no same-host shortcut applies")
     p.add_argument("--chaos", action="append", default=[], metavar="FAULT",
                    help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
     p.add_argument("--job-id", help="id of this submission, also its rendezvous id (default: "
@@ -98,6 +101,7 @@ def _devices(kind: str) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec = load_with_flags(args)
+    args.netns = args.netns or args.separate_hosts
     nodes = spec.nodes.min if args.nodes is None else args.nodes  # --nodes 0 is refused, not a default
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
@@ -119,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = claim.path
         register_run(spec, run_dir, Path(args.job), rdzv_id)
         code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
-                            submission=holder.submission)
+                            submission=holder.submission, separate_hosts=args.separate_hosts)
     if code == 0 and args.verify:
         from elastic_harness.commands.report import cmd_verify
 
@@ -258,14 +262,15 @@ def resolve_script(path: str, job_path: Path) -> Path:
 
 
 def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
-                 submission: str = "") -> int:
+                 submission: str = "", separate_hosts: bool = False) -> int:
     events = EventLog(run_dir / runfiles.EVENTS)
     chaos = ChaosController(faults, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
         endpoint = _endpoint(spec, topology)
-        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission)
+        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission,
+                       separate_hosts)
     finally:
         if topology is not None:
             topology.teardown()
@@ -286,13 +291,13 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None, submission: str = "") -> int:
+            topology: NetnsTopology | None, submission: str = "", separate_hosts: bool = False) -> int:
     tail = EventTail(run_dir / runfiles.EVENTS)
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
-                run_dir=str(run_dir), netns=topology is not None)
+                run_dir=str(run_dir), netns=topology is not None, separate_hosts=separate_hosts)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend, netns=topology,
+                           backend=spec.rendezvous.backend, netns=topology, separate_hosts=separate_hosts,
                            extra_args=("--submission", submission) if submission else ())
     progress = Progress(spec.train.steps)
     fatal, lingering = None, ""

@@ -95,7 +95,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.deps import require_torch
-from elastic_harness.launch import liveness
+from elastic_harness.launch import liveness, probe
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ class _Handler(DynamicRendezvousHandler):
     _peers: frozenset = frozenset()  # who was in that round
     _evidence = False  # since then, its workers failed because a peer's connection was lost
     _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
+    _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
 
     def peer_lost(self) -> None:
         """The agent's workers failed because a peer's connection closed (``liveness``);
@@ -242,12 +243,12 @@ class _Handler(DynamicRendezvousHandler):
         dead = liveness.dead_peers(
             participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
             round_=state.round, my_round=self._round, peers=self._peers, me=self._this_node,
-            evidence=self._evidence, gone=lambda node: liveness.gone(lives.get(node)),
+            evidence=self._evidence, gone=lambda node: liveness.gone(lives.get(node), ask=self._ask),
             now=datetime.now(timezone.utc),
             suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
                                                    settings.keep_alive_max_attempt))
         for node in dead:
-            how = "its agent's process is gone" if liveness.gone(lives.get(node)) else "silent"
+            how = "its agent's process is gone" if liveness.gone(lives.get(node), ask=self._ask) else "silent"
             message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
                        f"without waiting for its keep-alives to expire: {how}, and this node's workers "
                        "lost their connection to a peer")
@@ -267,8 +268,9 @@ class _Handler(DynamicRendezvousHandler):
 
     def install_liveness(self) -> None:
         """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
-        agent's identity with each of its keep-alives."""
-        self._identity = liveness.identity()
+        agent's identity (and its beacon's address: ``launch.probe``) with each of its keep-alives."""
+        self._identity = liveness.identity(_beacon(self._this_node.addr))
+        self._ask = probe.Asker()
         holder, executor = self._state_holder, self._op_executor
         expire, keep_alive = holder._sanitize, executor._keep_alive
 
@@ -282,6 +284,22 @@ class _Handler(DynamicRendezvousHandler):
 
         holder._sanitize = sanitize
         executor._keep_alive = keep_alive_with_identity
+
+
+_BEACONS: list = []  # this process's beacon (one agent per process), kept open for its life
+
+
+def _beacon(addr: str) -> str:
+    """The address of this agent's beacon on ``addr`` (started once), or "" if it cannot
+    listen there (then peers on other hosts wait for its keep-alives, as before)."""
+    if not _BEACONS:
+        try:
+            _BEACONS.append(probe.Beacon(addr).start())
+        except OSError as e:
+            log.warning("no liveness beacon on %s (%s): peers on other hosts will wait for this "
+                        "node's keep-alives to expire if it dies", addr, e)
+            return ""
+    return _BEACONS[0].address
 
 
 def group_running(handler: Any) -> bool:

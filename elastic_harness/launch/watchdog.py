@@ -7,7 +7,8 @@ with one change: it never signals the agent. Workers find the FIFO through
 ``TORCHELASTIC_TIMER_FILE``, which they inherit from the agent's environment.
 
 The FIFO lives in the run dir (``launch.scratch.watchdog_fifo``), so an agent killed
-outright leaves nothing in the system temp dir. Where the run dir cannot hold a FIFO (some
+outright leaves nothing in the system temp dir; its name is a random token, and the agent
+holds a lock file beside it for its life (``stale_fifos``: what another agent may remove). Where the run dir cannot hold a FIFO (some
 FUSE mounts), it goes to a private temp dir that ``stop()`` removes.
 A worker it kills leaves no exception behind, so the server says what it did: ``on_reap``
 (set by the agent once it knows its workers) hears the pid and how long since that worker
@@ -19,9 +20,9 @@ Call order: ``start()`` once, before the workers start; ``stop()`` once, after t
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import time
@@ -30,15 +31,15 @@ from pathlib import Path
 
 from torch.distributed.elastic.timer import FileTimerServer
 
-from elastic_harness.launch.scratch import stale_fifos, watchdog_fifo
+from elastic_harness.launch.scratch import fifo_lock, stale_fifos, watchdog_fifo
 
 TIMER_FILE_VAR = "TORCHELASTIC_TIMER_FILE"
 
 
 class WorkerOnlyTimerServer(FileTimerServer):
-    def __init__(self, fifo: Path, run_id: str, private_dir: str | None = None) -> None:
+    def __init__(self, fifo: Path, run_id: str, private_dir: str | None = None, lock_fd: int | None = None) -> None:
         super().__init__(file_path=str(fifo), run_id=run_id, max_interval=0.1, daemon=True)
-        self._fifo, self._private_dir = fifo, private_dir
+        self._fifo, self._private_dir, self._lock_fd = fifo, private_dir, lock_fd
         self._armed: dict[int, float] = {}  # worker pid -> when it last armed its timer
         self.on_reap: Callable[[int, float, str], None] | None = None  # (pid, seconds silent, state)
 
@@ -62,6 +63,11 @@ class WorkerOnlyTimerServer(FileTimerServer):
 
     def stop(self) -> None:
         super().stop()  # removes the FIFO
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(fifo_lock(self._fifo))
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self._private_dir:
             shutil.rmtree(self._private_dir, ignore_errors=True)
         else:  # RUN_DIR/tmp, unless another agent's FIFO is still in it
@@ -80,13 +86,18 @@ def process_state(pid: int) -> str:
 
 
 def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer:
-    host = socket.gethostname()
-    fifo = watchdog_fifo(run_dir, host, os.getpid())
-    _remove_stale(fifo.parent, host)
+    fifo = watchdog_fifo(run_dir, os.urandom(8).hex())
+    lock_fd = None
     try:
         fifo.parent.mkdir(parents=True, exist_ok=True)
-        server = WorkerOnlyTimerServer(fifo, run_id)
+        lock_fd = _hold(fifo_lock(fifo))  # before the FIFO exists: never seen without it
+        _remove_stale(fifo.parent)
+        server = WorkerOnlyTimerServer(fifo, run_id, lock_fd=lock_fd)
     except OSError:  # no FIFOs on this file system: a private temp dir, removed by stop()
+        if lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(fifo_lock(fifo))
+            os.close(lock_fd)
         private = tempfile.mkdtemp(prefix="elastic-harness-watchdog-")
         fifo = Path(private) / "watchdog.fifo"
         server = WorkerOnlyTimerServer(fifo, run_id, private_dir=private)
@@ -95,20 +106,39 @@ def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer:
     return server
 
 
-def _remove_stale(where: Path, host: str) -> None:
-    """FIFOs of this host's agents that were killed before they could remove their own."""
+def _hold(lock: Path) -> int:
+    """Create ``lock`` and hold it locked (``flock``) until the descriptor is closed: by
+    ``stop()``, or by the kernel when this process dies."""
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _held(lock: Path) -> bool:
+    """Does a live process hold ``lock``? (Taking it for a moment says nobody does.)"""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return True  # gone meanwhile, or not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _remove_stale(where: Path) -> None:
+    """FIFOs (and their locks) of agents that were killed before they could remove their own."""
     with contextlib.suppress(OSError):
-        for name in stale_fifos(os.listdir(where), host, _alive):
+        for name in stale_fifos(os.listdir(where), lambda lock: _held(where / lock)):
             with contextlib.suppress(OSError):
                 if stat.S_ISFIFO(os.lstat(where / name).st_mode):
                     os.remove(where / name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
+            with contextlib.suppress(OSError):
+                os.remove(fifo_lock(where / name))

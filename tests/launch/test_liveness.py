@@ -121,13 +121,14 @@ def test_identity_tells_a_live_process_from_an_exited_one():
     assert liveness.gone(f"{boot}/{ns}/0/1") is None and liveness.gone(f"{boot}/{ns}/x/1") is None
 
 
-def agent(endpoint: str, run_id: str):
+def agent(endpoint: str, run_id: str, **overrides):
     """Ours, with torch's expiry (60 s) far beyond the join timeout (40 s)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     conf = dict(join_timeout=40, last_call_timeout=1, close_timeout=10, heartbeat_timeout=5,
                 keep_alive_interval=1, keep_alive_max_attempt=60, is_host=False, read_timeout=30,
                 start_last_call_timeout=15)
+    conf.update(overrides)
     return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf), key=TEST_KEY)
 
 
