@@ -153,10 +153,21 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
         "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
-        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception)",
-        "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
+        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception); "
+                 "'node-lost': it stopped a stalled worker because peer nodes are gone (launch.verdict)",
+        "seconds": "hang, node-lost: how long the worker had not re-armed its step timer when it was killed",
+        "gone": "node-lost: the rendezvous nodes judged gone (dropped from the rendezvous)",
         "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
         "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died)",
+    }),
+    "stall": EventKind("an agent", "a worker passed its stall bound (runtime.timer): the agent looks for "
+                       "evidence that a peer node is gone (launch.verdict); a node-lost failure follows if "
+                       "it finds some, nothing if the peers are alive", {
+        "node": "the agent's node",
+        "rank": "the stalled worker's global rank",
+        "step": "the job's last completed step",
+        "seconds": "how long the worker had made no progress",
+        "bound_s": "the stall bound it had given (derived from its measured steps)",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",

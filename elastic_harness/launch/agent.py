@@ -126,6 +126,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
         launch = _launch(spec, opts, node, command, zygote, events, witness)
         timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
                                              spec.timeouts.step)
+        watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
         if on_health is not None:
             on_health(launch.agent.health)
         if zygote is not None and group_running(launch.spec.rdzv_handler):
@@ -185,6 +186,38 @@ def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | No
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
                     seconds=round(silent_s, 3), state=state,
                     message=hang_message(who, step, silent_s, timeout_s, state))
+
+    return report
+
+
+def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: Callable[[], int]) -> None:
+    """The step watchdog asks ``launch.stall`` about workers past their stall bound
+    (``launch.watchdog``): a ``stall`` event when it starts looking, a ``node-lost`` failure
+    for each worker it stopped on a verdict."""
+    from elastic_harness.launch.stall import StallJudge
+
+    rank_of = launch.agent.rank_of
+
+    def stall(pid: int, stalled_s: float, bound_s: float) -> None:
+        events.emit("stall", node=node, rank=rank_of(pid), step=last_step(), seconds=round(stalled_s, 3),
+                    bound_s=round(bound_s, 3))
+
+    timer_server.judge = StallJudge(launch.spec.rdzv_handler)
+    timer_server.on_verdict = verdict_reporter(events, node, rank_of, last_step)
+    timer_server.on_stall = stall
+
+
+def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
+                     last_step: Callable[[], int]) -> Callable[[int, float, Any], None]:
+    """A ``node-lost`` failure for each worker the watchdog stopped on a verdict
+    (``launch.verdict``): which nodes are gone and why. Called on the watchdog's thread."""
+
+    def report(pid: int, stalled_s: float, found: Any) -> None:
+        rank = rank_of(pid)
+        events.emit("failure", cause="node-lost", fatal=False, rank=rank, node=node, step=last_step(),
+                    seconds=round(stalled_s, 3), gone=sorted(str(n) for n in found.gone),
+                    message=(f"rank {rank if rank is not None else '?'} stopped: the group cannot go on "
+                             f"({found.reason}); the group restarts without the nodes gone"))
 
     return report
 

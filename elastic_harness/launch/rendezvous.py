@@ -95,7 +95,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.deps import require_torch
-from elastic_harness.launch import liveness, probe
+from elastic_harness.launch import liveness, probe, verdict
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,9 @@ class _Handler(DynamicRendezvousHandler):
     _evidence = False  # since then, its workers failed because a peer's connection was lost
     _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
     _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
+    _condemned: frozenset = frozenset()  # peers of its last round ``launch.verdict`` found gone
+    _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
+    _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
 
     def peer_lost(self) -> None:
         """The agent's workers failed because a peer's connection closed (``liveness``);
@@ -228,6 +231,7 @@ class _Handler(DynamicRendezvousHandler):
         self._formed = True
         state = self._state_holder.state
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
+        self._condemned = frozenset()
         timeout = self._settings.timeout
         if isinstance(timeout, RoundTimeout):
             timeout.remember(state.participants)
@@ -243,12 +247,15 @@ class _Handler(DynamicRendezvousHandler):
         dead = liveness.dead_peers(
             participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
             round_=state.round, my_round=self._round, peers=self._peers, me=self._this_node,
-            evidence=self._evidence, gone=lambda node: liveness.gone(lives.get(node), ask=self._ask),
+            evidence=self._evidence or bool(self._condemned),
+            gone=lambda node: node in self._condemned or liveness.gone(lives.get(node), ask=self._ask),
             now=datetime.now(timezone.utc),
             suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
                                                    settings.keep_alive_max_attempt))
         for node in dead:
-            how = "its agent's process is gone" if liveness.gone(lives.get(node), ask=self._ask) else "silent"
+            how = ("silent, and its group stalled (launch.verdict)" if node in self._condemned
+                   else "its agent's process is gone" if liveness.gone(lives.get(node), ask=self._ask)
+                   else "silent")
             message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
                        f"without waiting for its keep-alives to expire: {how}, and this node's workers "
                        "lost their connection to a peer")
@@ -271,10 +278,13 @@ class _Handler(DynamicRendezvousHandler):
         agent's identity (and its beacon's address: ``launch.probe``) with each of its keep-alives."""
         self._identity = liveness.identity(_beacon(self._this_node.addr))
         self._ask = probe.Asker()
+        self._gaps = verdict.KeepAliveGaps()
         holder, executor = self._state_holder, self._op_executor
         expire, keep_alive = holder._sanitize, executor._keep_alive
 
         def sanitize() -> None:
+            self._read_at = datetime.now(timezone.utc)
+            self._gaps.observe(holder.state.last_heartbeats)
             expire()
             self.drop_dead(holder.state)
 
@@ -284,6 +294,34 @@ class _Handler(DynamicRendezvousHandler):
 
         holder._sanitize = sanitize
         executor._keep_alive = keep_alive_with_identity
+
+    def condemn(self, nodes: Any) -> None:
+        """``launch.verdict`` found these peers of the last round gone (any thread): dropped
+        at the next read of the state (``drop_dead``), as if their processes were gone."""
+        self._condemned = self._condemned | frozenset(nodes)
+
+    def peers_now(self, wait_s: float = 0.2) -> tuple[list, dict] | None:
+        """The peers of the last completed round as the last read of the state saw them
+        (``verdict.Peer``), and their beacons' addresses; None before any round or while the
+        state is being read for longer than ``wait_s`` (any thread)."""
+        if self._round is None or not self._heartbeat_lock.acquire(timeout=wait_s):
+            return None
+        try:
+            state, read_at, settings = self._state_holder.state, self._read_at, self._settings
+            interval = settings.keep_alive_interval.total_seconds()
+            expiry = interval * settings.keep_alive_max_attempt
+            ours = state.round == self._round and state.complete
+            lives = _lives(state)
+            peers = []
+            for node in sorted(self._peers - {self._this_node}):
+                beat = state.last_heartbeats.get(node)
+                silent = (read_at - beat).total_seconds() if beat is not None and read_at is not None else None
+                bound = verdict.silence_bound_s(interval, self._gaps.usual(node), expiry)
+                peers.append(verdict.Peer(node, ours and node in state.participants, silent, bound))
+            beacons = {n: lives[n].partition("|")[2] for n in self._peers if "|" in lives.get(n, "")}
+            return peers, beacons
+        finally:
+            self._heartbeat_lock.release()
 
 
 _BEACONS: list = []  # this process's beacon (one agent per process), kept open for its life

@@ -14,6 +14,14 @@ A worker it kills leaves no exception behind, so the server says what it did: ``
 (set by the agent once it knows its workers) hears the pid and how long since that worker
 last armed its timer, and the agent records a ``hang`` failure (``launch.agent``).
 
+Two deadlines per worker (issue 36; ``runtime.timer``): the *progress* one (SIGKILL when
+it lapses: a hang, after ``timeouts.step`` or a phase's budget) and the *stall* one, with
+no signal, derived from the worker's measured steps. A lapsed stall deadline kills nobody by
+itself: the server asks ``judge`` (``launch.stall``: is a peer of the group gone, by
+``launch.verdict``?) at each pass until the worker makes progress again, and stops the
+worker when the verdict says so (``on_verdict`` reports it instead of ``on_reap``);
+``on_stall`` hears each stall once, when the looking starts.
+
 Call order: ``start()`` once, before the workers start; ``stop()`` once, after they ended.
 """
 
@@ -28,12 +36,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.timer import FileTimerServer
 
 from elastic_harness.launch.scratch import fifo_lock, stale_fifos, watchdog_fifo
 
 TIMER_FILE_VAR = "TORCHELASTIC_TIMER_FILE"
+STALL_SCOPE = "elastic-harness-stall"  # ``runtime.timer.STALL_SCOPE`` (the agent imports no worker code)
 
 
 class WorkerOnlyTimerServer(FileTimerServer):
@@ -42,6 +52,32 @@ class WorkerOnlyTimerServer(FileTimerServer):
         self._fifo, self._private_dir, self._lock_fd = fifo, private_dir, lock_fd
         self._armed: dict[int, float] = {}  # worker pid -> when it last armed its timer
         self.on_reap: Callable[[int, float, str], None] | None = None  # (pid, seconds silent, state)
+        self.judge: Callable[[float, float], Any] | None = None  # (stalled s, bound s) -> verdict
+        self.on_verdict: Callable[[int, float, Any], None] | None = None  # (pid, stalled s, verdict)
+        self._verdicts: dict[int, Any] = {}  # workers stopped on a verdict, until reaped
+        self.on_stall: Callable[[int, float, float], None] | None = None  # (pid, stalled s, bound s)
+        self._stalls: dict[int, float] = {}  # worker pid -> the progress its reported stall followed
+
+    def get_expired_timers(self, deadline: float) -> dict[int, list]:
+        lapsed = super().get_expired_timers(deadline)
+        stalled = {pid: rs for pid, rs in lapsed.items() if {r.scope_id for r in rs} == {STALL_SCOPE}}
+        expired = {pid: rs for pid, rs in lapsed.items() if pid not in stalled}
+        if not stalled or self.judge is None:
+            return expired
+        pid = min(stalled, key=lambda p: self._armed.get(p, deadline))  # the most stalled worker
+        armed = self._armed.get(pid, deadline)
+        bound = stalled[pid][0].expiration_time - armed
+        if self.on_stall is not None and self._stalls.get(pid) != armed:
+            self._stalls[pid] = armed  # once per stall: the agent starts looking for evidence
+            with contextlib.suppress(Exception):
+                self.on_stall(pid, deadline - armed, bound)
+        with contextlib.suppress(Exception):  # a question that fails must not stop the watchdog
+            found = self.judge(deadline - armed, bound)
+            if found:
+                for p in stalled:  # with the deadline that kills (the stall one has no signal)
+                    self._verdicts[p] = found
+                    expired[p] = stalled[p] + [r for (q, _), r in self._timers.items() if q == p and r.signal > 0]
+        return expired
 
     def register_timers(self, timer_requests: list) -> None:
         now = time.time()
@@ -56,9 +92,13 @@ class WorkerOnlyTimerServer(FileTimerServer):
         state = process_state(worker_pid)  # before the kill: was it stopped, or waiting?
         reaped = super()._reap_worker(worker_pid, signal)
         armed = self._armed.pop(worker_pid, None)
-        if reaped and self.on_reap is not None:
-            with contextlib.suppress(Exception):  # a report must not stop the watchdog
-                self.on_reap(worker_pid, time.time() - armed if armed is not None else 0.0, state)
+        found = self._verdicts.pop(worker_pid, None)
+        silent = time.time() - armed if armed is not None else 0.0
+        with contextlib.suppress(Exception):  # a report must not stop the watchdog
+            if reaped and found is not None and self.on_verdict is not None:
+                self.on_verdict(worker_pid, silent, found)
+            elif reaped and self.on_reap is not None:
+                self.on_reap(worker_pid, silent, state)
         return reaped
 
     def stop(self) -> None:

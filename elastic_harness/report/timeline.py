@@ -153,7 +153,7 @@ def _first(events: Sequence[dict], after: float, pred) -> dict | None:
 
 def is_reaction(e: dict) -> bool:
     """An event showing the agents reacting to a fault."""
-    if e["event"] == "drain" or (e["event"] == "failure" and e.get("cause") == "hang"):
+    if e["event"] == "drain" or (e["event"] == "failure" and e.get("cause") in ("hang", "node-lost")):
         return True
     if e["event"] != "torchelastic":
         return False

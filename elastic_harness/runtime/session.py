@@ -435,16 +435,32 @@ class Run:
         was_training = model.training if model is not None else False
         if model is not None:
             model.eval()
+        budget = self.spec.timeouts.process_group  # each batch: one budget (a phase: runtime.timer)
+
+        def to_here(batch: Any) -> Any:
+            self.watchdog.arm(extra_s=budget)
+            return to_device(batch, self.device)
+
         try:
-            with torch.no_grad(), self.autocast():
-                sums, count = ev.run_eval(dataset, _guarded(fn), batches, collate_fn or default_collate,
-                                          lambda b: to_device(b, self.device))
+            with torch.no_grad(), self.autocast(), self.watchdog.phase(budget):
+                sums, count = ev.run_eval(dataset, _guarded(fn), batches, collate_fn or default_collate, to_here)
+                metrics = ev.reduce_metrics(sums, count)
         finally:
             if model is not None:
                 model.train(was_training)
-        metrics = ev.reduce_metrics(sums, count)
         self.metrics.evaluation(self._train.step, metrics, time.perf_counter() - t0)
         return metrics
+
+    def phase(self, name: str, seconds: float | None = None) -> typing.ContextManager[None]:
+        """Announce work in the loop where steps stop for a while (a long evaluation of your
+        own, a pause to write samples): inside the block, no step is expected for up to
+        ``seconds`` (default ``timeouts.process_group``) beyond ``timeouts.step``, so the
+        agent does not take this rank's silence for a peer's loss (``runtime.timer``).
+        ``name`` says what it is, for you; the harness announces its own phases (saves,
+        ``run.evaluate``, checkpoint loads)."""
+        if not name:
+            raise UsageError("run.phase() needs a name", "e.g. with run.phase('generate samples', 300):")
+        return self.watchdog.phase(self.spec.timeouts.process_group if seconds is None else float(seconds))
 
     # ----- the end -----------------------------------------------------------------------
     def close(self) -> None:
