@@ -21,8 +21,8 @@ about the same moment. torch opens the next round only once every participant of
 one left it (its exit), and an agent joins right after its exit, in the same call; so two
 agents that both exit can each find the new round open and the other one not in it yet,
 and the first would close a group of one. A peer that left is one store round trip from
-joining, so a short grace suffices; a lost peer (removed once its keep-alives expired)
-costs that grace once.
+joining, so a short grace suffices; a lost peer is no longer waited for once it is known
+gone: dropped by ``liveness``/``verdict`` or seen expiring at a read of the state.
 
 The deciding happens where torch reads the value: ``RoundTimeout.last_call`` is read only
 when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``), on the
@@ -283,9 +283,15 @@ class _Handler(DynamicRendezvousHandler):
         expire, keep_alive = holder._sanitize, executor._keep_alive
 
         def sanitize() -> None:
-            self._read_at = datetime.now(timezone.utc)
-            self._gaps.observe(holder.state.last_heartbeats)
-            expire()
+            self._read_at = now = datetime.now(timezone.utc)
+            beats = holder.state.last_heartbeats
+            self._gaps.observe(beats)
+            settings = self._settings
+            expiry = now - settings.keep_alive_interval * settings.keep_alive_max_attempt
+            expired = [node for node, beat in beats.items() if beat < expiry]
+            expire()  # torch drops those; not peers to wait for either (``RoundTimeout.forget``)
+            if expired and isinstance(settings.timeout, RoundTimeout):
+                settings.timeout.forget(expired)
             self.drop_dead(holder.state)
 
         def keep_alive_with_identity() -> None:
