@@ -206,7 +206,8 @@ CONTRACT: dict[str, EventKind] = {
     "workers": EventKind("an agent (launch.elastic)", "a phase of its worker group, for recovery timing", {
         "node": "node name",
         "state": "'failed' (an exit seen; warm starts only), 'stopped' (the group is down; cold "
-                 "starts: also the first sign of a failure) or 'started'",
+                 "starts: also the first sign of a failure), 'broken' (a peer wrote the round broken: its "
+                 "group failed, so this one's workers are stopped at once) or 'started'",
         "restart": "the agent's restart count",
         "warm": "workers are forked from the agent's zygote",
     }),

@@ -16,9 +16,14 @@ monitoring, restarts: all torch's) with three overrides:
   highest completed step at each failure, from ``progress()``), and torch's counter is
   refilled accordingly (``policy.budget_refill``, which keeps torch's restart count, the
   attempt number, as it is) or emptied with ``exhausted`` saying why. It also notes when it
-  last ran, so ``health()`` can tell a live agent from a stuck one. When a worker failed
-  because a peer's connection closed, it tells the rendezvous handler (``peer_lost``:
-  ``launch.liveness``), before torch restarts the group.
+  last ran, so ``health()`` can tell a live agent from a stuck one. When the group failed
+  it tells the rendezvous handler (``group_failed``: the round is written broken, so every
+  peer stops its group at once), and when a worker failed because a peer's connection
+  closed, that too (``peer_lost``: ``launch.liveness``), before torch restarts the group.
+  A group still running in a round a peer wrote broken is stopped (SIGKILL: its workers
+  may be blocked in a collective) instead of waiting for the failure to reach it through
+  its collectives, peer by peer (issue 36: node loss flat in the number of nodes); so is a
+  drain for a join that is under way then.
 - ``_start_workers``: the process context it makes stops a failed group's survivors within
   ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -90,6 +96,7 @@ class HarnessAgent(LocalElasticAgent):
         self._zygote = zygote
         self._report = report or (lambda state, restart: None)
         self.stop_reason: str | None = None
+        self._broken = False  # its group was stopped because a peer's failed (``_round_broken``)
 
     def health(self) -> tuple[bool, str]:
         """For the agent endpoint's ``/healthz`` (any thread; reads two fields, never blocks)."""
@@ -106,6 +113,7 @@ class HarnessAgent(LocalElasticAgent):
             with _processes_from(self._zygote, self._phase):
                 pids = super()._start_workers(worker_group)
         self.formed = True
+        self._broken = False
         if self._pcontext is not None:
             bound_failure_close(self._pcontext, failed_stop_grace(self._shutdown_timeout))
         self._phase("started")
@@ -141,11 +149,30 @@ class HarnessAgent(LocalElasticAgent):
                 os.kill(pid, JOIN_SIGNAL)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not workers_exited(pcontext):
+            if self._round_broken():  # a peer's group failed meanwhile: nothing left to drain for
+                self._kill_workers()
+                return
             time.sleep(self._worker_group.spec.monitor_interval)
+
+    def _round_broken(self) -> bool:
+        check = getattr(self._worker_group.spec.rdzv_handler, "round_broken", None)
+        return bool(check is not None and check())
+
+    def _kill_workers(self) -> None:
+        """SIGKILL this node's workers: their group cannot finish (a peer's failed), and a
+        worker blocked in a collective handles no other signal."""
+        pcontext = self._pcontext
+        for pid in (pcontext.pids().values() if pcontext is not None else ()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
         self._tick()
+        if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
+            self._broken = True  # once per group
+            self._phase("broken")  # a peer's group failed: ours cannot finish its step
+            self._kill_workers()
         before = self._remaining_restarts
         result = super()._monitor_workers(worker_group)
         # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
@@ -153,10 +180,11 @@ class HarnessAgent(LocalElasticAgent):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed and lost_a_peer(result):
-            tell = getattr(worker_group.spec.rdzv_handler, "peer_lost", None)  # ``rendezvous._Handler``
-            if tell is not None:
-                tell()
+        handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
+        if failed and hasattr(handler, "group_failed"):
+            handler.group_failed()
+        if failed and lost_a_peer(result) and hasattr(handler, "peer_lost"):
+            handler.peer_lost()
         if failed and self.stop_reason is None:
             reason = self._judge()
             if reason:

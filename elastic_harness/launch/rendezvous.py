@@ -95,7 +95,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.deps import require_torch
-from elastic_harness.launch import liveness, probe, verdict
+from elastic_harness.launch import liveness, probe, rounds, verdict
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,7 @@ class _Handler(DynamicRendezvousHandler):
     _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
     _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
     _condemned: frozenset = frozenset()  # peers of its last round ``launch.verdict`` found gone
+    _failed = False  # its workers failed since its last round completed (``group_failed``)
     _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
     _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
 
@@ -221,6 +222,21 @@ class _Handler(DynamicRendezvousHandler):
         """The agent's workers failed because a peer's connection closed (``liveness``);
         the agent's main thread calls it before it restarts the group."""
         self._evidence = True
+
+    def group_failed(self) -> None:
+        """The agent's workers failed (any cause; main thread, before it restarts them): the
+        round is written broken with this agent's next change of the state, so that every
+        peer stops its workers at once instead of waiting for the failure to reach them
+        through their collectives, peer by peer (``round_broken``)."""
+        self._failed = True
+
+    def round_broken(self) -> bool:
+        """Is this agent's last round over while its workers may still run in it? A peer
+        wrote it broken (its group failed), or the round moved on (everyone else left, or
+        this node was dropped). From the last read of the state (the agent reads it every
+        ``POLL_S`` while its workers run); never before a round completed."""
+        state = self._state_holder.state
+        return self._round is not None and (state.round != self._round or getattr(state, "broken", None) == self._round)
 
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
@@ -231,7 +247,7 @@ class _Handler(DynamicRendezvousHandler):
         self._formed = True
         state = self._state_holder.state
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
-        self._condemned = frozenset()
+        self._condemned, self._failed = frozenset(), False
         timeout = self._settings.timeout
         if isinstance(timeout, RoundTimeout):
             timeout.remember(state.participants)
@@ -240,6 +256,8 @@ class _Handler(DynamicRendezvousHandler):
     def drop_dead(self, state: Any) -> frozenset:
         """Remove from ``state`` (this agent's copy, just synced) the peers ``liveness``
         finds certainly gone, as torch's expiry removes a node; returns them."""
+        if (self._failed or self._evidence or self._condemned) and state.round == self._round and state.complete:
+            state.broken = self._round  # written with this agent's exit from the round (``group_failed``)
         lives = _lives(state)
         for node in [n for n in lives if n not in state.last_heartbeats]:
             del lives[node]  # left or expired: its entry goes with its keep-alive
@@ -265,6 +283,7 @@ class _Handler(DynamicRendezvousHandler):
                 node_state=NodeState.RUNNING)
             for table in (state.last_heartbeats, state.participants, lives):
                 table.pop(node, None)
+            _nodes(state, "gone").add(node)
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
         if dead:
@@ -290,8 +309,10 @@ class _Handler(DynamicRendezvousHandler):
             expiry = now - settings.keep_alive_interval * settings.keep_alive_max_attempt
             expired = [node for node, beat in beats.items() if beat < expiry]
             expire()  # torch drops those; not peers to wait for either (``RoundTimeout.forget``)
-            if expired and isinstance(settings.timeout, RoundTimeout):
-                settings.timeout.forget(expired)
+            if expired:
+                _nodes(holder.state, "gone").update(expired)
+                if isinstance(settings.timeout, RoundTimeout):
+                    settings.timeout.forget(expired)
             self.drop_dead(holder.state)
 
         def keep_alive_with_identity() -> None:
@@ -300,6 +321,28 @@ class _Handler(DynamicRendezvousHandler):
 
         holder._sanitize = sanitize
         executor._keep_alive = keep_alive_with_identity
+        self._close_rounds_early(executor)
+
+    def _close_rounds_early(self, executor: Any) -> None:
+        """A later round closes once everyone expected joined it (``launch.rounds``): each
+        join checks, and each completed round records its members for the next one."""
+        add, complete, settings = executor._add_to_participants, executor._mark_rendezvous_complete, self._settings
+
+        def add_to_participants() -> None:
+            add()
+            state = executor._state
+            if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
+                    round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
+                    participants=state.participants, waiting=state.wait_list):
+                state.deadline = datetime.now(timezone.utc)
+
+        def mark_complete() -> None:
+            complete()
+            state = executor._state
+            state.members, state.gone = set(state.participants), set()
+
+        executor._add_to_participants = add_to_participants
+        executor._mark_rendezvous_complete = mark_complete
 
     def condemn(self, nodes: Any) -> None:
         """``launch.verdict`` found these peers of the last round gone (any thread): dropped
@@ -359,6 +402,16 @@ def group_running(handler: Any) -> bool:
         return True
     state = holder.state
     return bool(state.complete and state.participants)
+
+
+def _nodes(state: Any, name: str) -> set:
+    """A set of nodes our rules keep in the state (``members``, ``gone``: ``launch.rounds``),
+    made if missing; it rides in torch's pickled state object like ``lives``."""
+    nodes = getattr(state, name, None)
+    if nodes is None:
+        nodes = set()
+        setattr(state, name, nodes)
+    return nodes
 
 
 def _lives(state: Any) -> dict:

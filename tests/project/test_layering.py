@@ -68,6 +68,9 @@ def ours(package: str) -> set[str]:
     ("pidns", set()),
     # a peer's beacon: sockets only, on every agent
     ("launch/probe", {"elastic_harness.listen"}),
+    # the verdicts on nodes and rounds: pure decisions over evidence
+    ("launch/verdict", set()),
+    ("launch/rounds", set()),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}

@@ -1,0 +1,84 @@
+"""Node loss flat in the number of nodes (issue 36, item 2): real rounds of our handlers.
+
+torch's handlers (ours, from ``create_handler``) in threads of this process against a real
+c10d ``TCPStore``, as in ``test_rendezvous``. The later-round last call is a minute here and
+torch's keep-alive expiry a minute too: a round that closes in seconds closed because
+everyone expected was in (``launch.rounds``), not because a timeout ran out.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from elastic_harness.launch import rounds
+from elastic_harness.launch.rendezvous import create_handler
+from tests.launch.test_liveness import exited_identity
+from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(45)
+
+
+def agent(endpoint: str, run_id: str, max_nodes: int):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    conf = dict(join_timeout=90, last_call_timeout=60, close_timeout=10, heartbeat_timeout=5,
+                keep_alive_interval=1, keep_alive_max_attempt=60, is_host=False, read_timeout=30,
+                start_last_call_timeout=15)
+    return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, max_nodes, **conf), key=TEST_KEY)
+
+
+@pytest.mark.parametrize(("kw", "closes"), [
+    ({}, True),
+    ({"participants": {"a"}}, False),  # b, a member of the last round, is not in yet
+    ({"gone": set()}, False),  # c was not known gone: it may still come
+    ({"waiting": {"d"}}, False),  # d waits to join: the round must hold it
+    ({"waiting": {"d"}, "participants": {"a", "b", "d"}}, True),
+    ({"round_": 0}, False),  # the start of a submission has its own last call
+    ({"members": set()}, False),
+])
+def test_a_round_closes_when_every_member_not_gone_and_every_waiting_node_joined(kw, closes):
+    args = {"round_": 3, "members": {"a", "b", "c"}, "gone": {"c"}, "participants": {"a", "b"},
+            "waiting": set(), **kw}
+    assert rounds.everyone_in(**args) is closes
+
+
+def test_survivors_of_three_form_the_next_round_without_its_last_call(store):  # noqa: F811
+    """Node c dies; a and b (whose workers lost it) restart: the round closes once both are
+    in, not a minute later."""
+    nodes = [agent(store, "three", 3) for _ in range(3)]
+    nodes[2]._identity = exited_identity()
+    try:
+        assert join_all(nodes, [0.0, 0.0, 0.0]) == [3, 3, 3]
+        nodes[2]._stop_heartbeats()  # killed
+        for n in nodes[:2]:
+            n.group_failed()
+            n.peer_lost()
+        assert join_all(nodes[:2], [0.0, 0.3]) == [2, 2]
+    finally:
+        close(nodes)
+
+
+def test_a_failed_group_writes_its_round_broken_for_every_peer(store):  # noqa: F811
+    pair = [agent(store, "broken", 2) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        assert not pair[0].round_broken() and not pair[1].round_broken()
+        pair[0].group_failed()
+        rejoined: dict = {}
+        again = threading.Thread(target=lambda: rejoined.update(info=pair[0].next_rendezvous()))
+        again.start()  # its exit from the round writes it broken; then it waits for the next
+        deadline = threading.Event()
+        for _ in range(100):  # node 1 reads the state as its agent does while its workers run
+            pair[1].num_nodes_waiting()
+            if pair[1].round_broken():
+                break
+            deadline.wait(0.1)
+        assert pair[1].round_broken(), "node 1 never learned that its round is over"
+        assert pair[1].next_rendezvous().world_size == 2
+        again.join(30)
+        assert rejoined["info"].world_size == 2
+        assert not pair[1].round_broken(), "the new round is not broken"
+    finally:
+        close(pair)
