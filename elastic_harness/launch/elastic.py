@@ -181,7 +181,7 @@ class HarnessAgent(LocalElasticAgent):
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
-        if failed and hasattr(handler, "group_failed"):
+        if failed and crashed(result) and hasattr(handler, "group_failed"):
             handler.group_failed()
         if failed and lost_a_peer(result) and hasattr(handler, "peer_lost"):
             handler.peer_lost()
@@ -228,6 +228,15 @@ def bound_failure_close(pcontext: Any, grace_s: float) -> None:
         close(death_sig, grace_s if timeout is None else timeout)
 
     pcontext.close = bounded
+
+
+DRAINED = 128 + int(signal.SIGTERM)  # a worker that drained and saved (``runtime.session.DRAIN_EXIT``)
+
+
+def crashed(result: RunResult) -> bool:
+    """Pure: did a worker of the failed group end other than by a drain? (Workers that all
+    drained, for a join their peers asked for, left a consistent state: not a broken round.)"""
+    return any(f.exitcode != DRAINED for f in result.failures.values())
 
 
 def lost_a_peer(result: RunResult) -> bool:

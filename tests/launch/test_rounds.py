@@ -82,3 +82,19 @@ def test_a_failed_group_writes_its_round_broken_for_every_peer(store):  # noqa: 
         assert not pair[1].round_broken(), "the new round is not broken"
     finally:
         close(pair)
+
+
+def test_only_a_crash_breaks_the_round_not_workers_that_drained():
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+
+    from elastic_harness.launch.elastic import DRAINED, crashed
+    from elastic_harness.runtime.session import DRAIN_EXIT
+
+    def failed(*codes: int) -> RunResult:
+        return RunResult(state=WorkerState.FAILED, failures={
+            r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="<N/A>") for r, c in enumerate(codes)})
+
+    assert DRAINED == DRAIN_EXIT
+    assert not crashed(failed(DRAIN_EXIT, DRAIN_EXIT)), "a drain for a join its peers asked for"
+    assert crashed(failed(-9)) and crashed(failed(DRAIN_EXIT, 1))
