@@ -160,6 +160,18 @@ CONTRACT: dict[str, EventKind] = {
         "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
         "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died)",
     }),
+    "excluded": EventKind("an agent (launch.exclusion)", "its node failed nodes.exclude_after times within "
+                          "nodes.exclude_window (dropped while alive, or a worker that hung itself): it is kept "
+                          "out of the job, its agent stops (exit 200)", {
+        "node": "the node kept out",
+        "message": "one line: why, and how to change it",
+        "failures": "each failure counted (oldest first)",
+        "window_s": "nodes.exclude_window",
+    }),
+    "spares": EventKind("host", "the hot spares were started, once the group formed (nodes.spares)", {
+        "nodes": "the spares' node names",
+        "world_size": "the group's world size when they started (the one a spare keeps)",
+    }),
     "stall": EventKind("an agent", "a worker passed its stall bound (runtime.timer): the agent looks for "
                        "evidence that a peer node is gone (launch.verdict); a node-lost failure follows if "
                        "it finds some, nothing if the peers are alive", {

@@ -49,7 +49,7 @@ class ChaosController:
         self.fired: set[int] = set()
         self.step = 0
         self.workers: dict[int, tuple[int, str]] = {}  # rank -> (pid, node), latest generation
-        self.heals: list[tuple[float, int]] = []  # (when, node) for timed partitions
+        self.heals: list[tuple[float, int, str]] = []  # (when, node, kind) for timed partitions and hangs
         self.done: list[dict] = []  # the fault events seen (worker- and host-fired)
         self.joined: set[str] = set()  # every node a worker reported from, in any generation
 
@@ -77,20 +77,30 @@ class ChaosController:
     def tick(self, cluster: LocalCluster) -> None:
         self._take_requests()
         now = self.clock()
-        for when, node in [h for h in self.heals if h[0] <= now]:
-            self.heals.remove((when, node))
-            cluster.netns.heal(node)
+        for when, node, kind in [h for h in self.heals if h[0] <= now]:
+            self.heals.remove((when, node, kind))
             self.events.emit("fault", kind="heal", target=node, step=self.step, node=str(node),
-                             detail=f"link of node {node} up")
+                             detail=self._heal(cluster, node, kind))
         for i in due(self.faults, self.fired, self.step, self.clock() - self.t0):
             f = self.faults[i]
             if not ready(f, self.workers, cluster.nodes):
                 continue  # that rank or node has not started yet; try again later
             self.fired.add(i)
             node, detail = fire(f, cluster, self.workers)
-            if f.kind == "partition" and f.duration:
-                self.heals.append((self.clock() + f.duration, f.target))
+            if f.kind in ("partition", "hang-node") and f.duration:
+                self.heals.append((self.clock() + f.duration, f.target, f.kind))
             self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, node=node, detail=detail)
+
+    def _heal(self, cluster: LocalCluster, node: int, kind: str) -> str:
+        """End a timed fault on ``node``: bring its link up, or thaw it (SIGCONT)."""
+        if kind == "partition":
+            cluster.netns.heal(node)
+            return f"link of node {node} up"
+        cluster.signal_node(node, signal.SIGCONT)
+        for pid, where in self.workers.values():
+            if where == str(node):
+                _signal(_here(cluster, where, pid), signal.SIGCONT)
+        return f"node {node} thawed (SIGCONT)"
 
     def thaw(self, cluster: LocalCluster) -> None:
         """SIGCONT every process a hang froze, so shutdown is not held up by them."""

@@ -77,6 +77,7 @@ def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
         "faults": [dataclasses.asdict(f) for f in tl.faults],
         "goodput": dataclasses.asdict(tl.goodput), "plot": str(plot_path) if plot_path else None,
         "memory_probe": dataclasses.asdict(tl.probe) if tl.probe else None,
+        "excluded": tl.excluded,
     }
 
 
@@ -113,6 +114,8 @@ def render(tl: Timeline, run_dir: Path) -> list[str]:
         lines += [_fault_line(f) for f in tl.faults]
     else:
         lines.append("no faults injected")
+    for out in tl.excluded:
+        lines.append(f"kept out (a bad node): node {out['node']}: {out['message']}")
     g = tl.goodput
     lines.append(_headline(tl))
     for kind in BADPUT_KINDS:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, runfiles
+from elastic_harness import exitcodes, runfiles, spares
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.checkpoint.lock import Holder
@@ -106,6 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
+    spares.check(spec.nodes.spares, nodes, spec.nodes.max)
     # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
     spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     from_epochs = bool(spec.train.epochs)
@@ -114,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
     spec = preflight(spec, Path(args.job))
     if from_epochs:  # train.epochs became train.steps: each fault's step must fall inside
-        check_faults(spec, nodes, args.netns)
+        check_faults(spec, nodes, args.netns, warn=False)
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
@@ -148,12 +149,17 @@ def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
             print(f"warning: {e.message}; `status` and `list` will not show this job", file=sys.stderr)
 
 
-def check_faults(spec, nodes: int, netns: bool) -> None:
-    """Refuse faults this run cannot carry out, before any agent starts."""
+def check_faults(spec, nodes: int, netns: bool, warn: bool = True) -> None:
+    """Refuse faults this run cannot carry out, before any agent starts (and say which
+    hit a spare, once: ``warn``)."""
     check_netns(spec.chaos, netns)
     adds = sum(1 for f in spec.chaos if f.kind == "add-node")
-    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds,
+    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + spec.nodes.spares + adds,
                   steps=0 if spec.train.epochs else spec.train.steps)  # epochs: checked once resolved
+    if spec.train.epochs or not warn:
+        return
+    for line in spares.faults_on_spares(spec.chaos, nodes, spec.nodes.spares):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def preflight(spec, job_path: Path, note=print):
@@ -302,10 +308,12 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
     progress = Progress(spec.train.steps)
     fatal, lingering = None, ""
     stop = StopSignal()
+    idle = spares.Spares(spec.nodes.spares, nodes)
     try:
         cluster.start()
-        fatal, lingering = _supervise(cluster, tail, progress, chaos, spec, stop)
-        unjoined = chaos.unjoined(cluster.running()) if progress.state.finished else []
+        fatal, lingering = _supervise(cluster, tail, progress, chaos, spec, stop, idle, events)
+        unjoined = [i for i in chaos.unjoined(cluster.running()) if not idle.is_spare(i)] \
+            if progress.state.finished else []
     finally:
         chaos.thaw(cluster)
         cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
@@ -361,7 +369,8 @@ POLL_S = 0.05
 
 
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec,
-               stop: StopSignal) -> tuple[str | None, str]:
+               stop: StopSignal, idle: spares.Spares | None = None, events: EventLog | None = None
+               ) -> tuple[str | None, str]:
     """Follow events until every agent exits; returns a fatal message if one was logged, and
     what was cut short: after the last step, every node of the last worker group gets
     ``policy.finish_bound_s`` to exit (a rank may go on working after ``run.close()``); those
@@ -379,6 +388,8 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
         for e in tail.read():
             progress.update(e)
             chaos.observe(e, cluster)
+            if idle is not None and events is not None:
+                idle.observe(e, cluster, events)
             if e["event"] == "failure" and e.get("fatal"):
                 return e["message"], ""
             if e["event"] == "finish":
@@ -386,6 +397,8 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
             if e["event"] == "worker":
                 where[int(e.get("rank", -1))], where[-1] = str(e.get("node", "")), str(e.get("world_size", 0))
         chaos.tick(cluster)
+        if idle is not None:
+            idle.watch(cluster.poll(), chaos.joined)
         if all(code is not None for code in cluster.poll().values()):
             for e in tail.read():
                 progress.update(e)

@@ -124,8 +124,9 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
         # be reached at start-up raises then (a RendezvousConnectionError).
         witness = Witness(run_dir / runfiles.EVENTS, node, time.time())
         launch = _launch(spec, opts, node, command, zygote, events, witness)
+        strikes = keep_out(launch.agent, spec, events, node)
         timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
-                                             spec.timeouts.step)
+                                             spec.timeouts.step, strikes)
         watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
         if on_health is not None:
             on_health(launch.agent.health)
@@ -141,7 +142,9 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
         code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"
     except ChildFailedError as e:
         reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
-        if reason:
+        if launch.agent.excluded:
+            code, message = EXIT_INFRA, launch.agent.excluded
+        elif reason:
             code, message = EXIT_PERMANENT, reason
         else:
             code, message = EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
@@ -173,15 +176,31 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace))
 
 
+def keep_out(agent, spec: JobSpec, events: EventLog, node: str):
+    """This node's strikes (``launch.exclusion``), given to ``agent``; its ``excluded`` event."""
+    from elastic_harness.launch.exclusion import Strikes
+
+    strikes = Strikes(spec.nodes.exclude_after, spec.nodes.exclude_window)
+    agent.strikes, agent._node_name = strikes, node
+    agent.on_excluded = lambda message: events.emit("excluded", node=node, message=message,
+                                                    failures=list(strikes.reasons),
+                                                    window_s=spec.nodes.exclude_window)
+    return strikes
+
+
 def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
-                  last_step: Callable[[], int], timeout_s: float) -> Callable[[int, float], None]:
+                  last_step: Callable[[], int], timeout_s: float, strikes: Any = None) -> Callable[[int, float], None]:
     """The watchdog's report of a worker it killed (``launch.watchdog``): a ``hang`` failure
-    naming the rank, the job's last completed step and how long the worker was silent.
-    Called on the watchdog's thread."""
+    naming the rank, the job's last completed step and how long the worker was silent; a
+    strike against this node when the worker hung itself (``launch.exclusion``). Called on
+    the watchdog's thread."""
+    from elastic_harness.launch.exclusion import OWN_HANG_STATES
 
     def report(pid: int, silent_s: float, state: str = "") -> None:
         rank = rank_of(pid)
         step = last_step()
+        if strikes is not None and state in OWN_HANG_STATES:
+            strikes.add(f"rank {rank} hung{_STATES.get(state, '')}")
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
                     seconds=round(silent_s, 3), state=state,
@@ -251,7 +270,10 @@ def _first_failure(err, max_restarts: int, window: int) -> str:
 
 def rendezvous_exit_code(kind: str) -> int:
     """Pure: a closed rendezvous id fails again however often it is retried (a new id
-    fixes it); every other rendezvous failure is the infrastructure's, worth a retry."""
+    fixes it); a spare that waited in torch's redundancy list until the job closed is done
+    (torch's graceful exit); every other rendezvous failure is the infrastructure's."""
+    if kind == "RendezvousGracefulExitError":
+        return EXIT_OK
     return EXIT_PERMANENT if kind == "RendezvousClosedError" else EXIT_INFRA
 
 
@@ -271,6 +293,8 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
                 "to survive losing any node); re-run to resume with a new rendezvous id")
     if kind == "RendezvousClosedError":
         return f"rendezvous '{opts.rdzv_id}' is closed (that job already finished); use a new id"
+    if kind == "RendezvousGracefulExitError":
+        return "a spare: the job finished without needing this node"
     return f"rendezvous failed: {kind}: {detail[:300]}"
 
 

@@ -97,6 +97,10 @@ class HarnessAgent(LocalElasticAgent):
         self._report = report or (lambda state, restart: None)
         self.stop_reason: str | None = None
         self._broken = False  # its group was stopped because a peer's failed (``_round_broken``)
+        self.strikes: Any = None  # ``launch.exclusion.Strikes`` of this node, when it may be kept out
+        self.excluded: str | None = None  # why this node is kept out of the job, once it is
+        self.on_excluded: Callable[[str], None] = lambda message: None
+        self._node_name = ""
 
     def health(self) -> tuple[bool, str]:
         """For the agent endpoint's ``/healthz`` (any thread; reads two fields, never blocks)."""
@@ -172,6 +176,8 @@ class HarnessAgent(LocalElasticAgent):
         if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
             self._broken = True  # once per group
             self._phase("broken")  # a peer's group failed: ours cannot finish its step
+            if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
+                self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
             self._kill_workers()
         before = self._remaining_restarts
         result = super()._monitor_workers(worker_group)
@@ -192,6 +198,11 @@ class HarnessAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
             elif not disabled_by_torch:
                 self._settle_budget(result)
+        if failed and self.strikes is not None and self.excluded is None:
+            self.excluded = self.strikes.verdict(self._node_name)
+            if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
+                self._remaining_restarts = 0
+                self.on_excluded(self.excluded)
         return result
 
     def _settle_budget(self, result: RunResult) -> None:
@@ -325,6 +336,8 @@ class Launch:
                 raise ChildFailedError(name=spec.get_entrypoint_name(), failures=result.failures)
             return result.return_values
         except ChildFailedError:
+            # A node kept out (``launch.exclusion``) leaves the rendezvous open: the job goes on.
+            shutdown_rdzv = agent.excluded is None
             raise
         except SignalException:
             # A signalled agent leaves the rendezvous open so the job can go on without it.

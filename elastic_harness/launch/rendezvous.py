@@ -238,6 +238,11 @@ class _Handler(DynamicRendezvousHandler):
         state = self._state_holder.state
         return self._round is not None and (state.round != self._round or getattr(state, "broken", None) == self._round)
 
+    def was_dropped(self) -> bool:
+        """Is this agent no longer a participant of the round it joined last (its peers
+        dropped it, or torch's expiry did), by the last read of the state?"""
+        return self._round is not None and self._this_node not in self._state_holder.state.participants
+
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
         try:
@@ -333,7 +338,8 @@ class _Handler(DynamicRendezvousHandler):
             state = executor._state
             if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
                     round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
-                    participants=state.participants, waiting=state.wait_list):
+                    participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
+                    max_nodes=settings.max_nodes):
                 state.deadline = datetime.now(timezone.utc)
 
         def mark_complete() -> None:

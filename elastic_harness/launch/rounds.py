@@ -8,8 +8,8 @@ waited to rejoin: node loss took about 0.2 s at 2 nodes and 2.5-3.5 s at 4 to 8.
 Who is expected is in the state itself, so every agent decides alike, whichever joins last:
 the participants of the last completed round (``members``, written when a round completes)
 less the nodes known gone (``gone``: dropped by ``launch.liveness``/``launch.verdict`` or
-expired by torch, written when an agent sees it), and the agents waiting for the round
-(torch's wait list). When all of them are participants, the round closes now; otherwise the
+expired by torch, written when an agent sees it), the agents waiting for the round (torch's
+wait list), and as many hot spares (torch's redundancy list) as the round has room for. When all of them are participants, the round closes now; otherwise the
 last call runs as before (a node that is slow to rejoin, a preempted node whose keep-alives
 have not expired yet).
 
@@ -23,9 +23,14 @@ from collections.abc import Collection
 
 
 def everyone_in(*, round_: int, members: Collection, gone: Collection, participants: Collection,
-                waiting: Collection) -> bool:
-    """Pure: has every node expected in this round joined it? (Module doc.)"""
+                waiting: Collection, spares: Collection = (), max_nodes: int = 0) -> bool:
+    """Pure: has every node expected in this round joined it? (Module doc.) ``spares``:
+    torch's redundancy list (hot spares, ``nodes.spares``), expected too while the round has
+    room for them (``max_nodes``): one may not have seen the vacancy yet."""
     if round_ == 0 or not members:
         return False
     expected = (set(members) - set(gone)) | set(waiting)
-    return expected <= set(participants)
+    joined = set(participants)
+    room = max_nodes - len(expected) if max_nodes else 0
+    extra = min(room, len(set(spares) - joined)) if room > 0 else 0
+    return expected <= joined and len(joined) >= len(expected) + extra

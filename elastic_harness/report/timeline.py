@@ -91,6 +91,7 @@ class Timeline:
     points: list[StepPoint]
     evals: list[EvalPoint] = field(default_factory=list)
     probe: ProbeCost | None = None  # the in-memory tier's cost, when the run probed it
+    excluded: list[dict] = field(default_factory=list)  # nodes kept out (``excluded`` events): node, message
 
 
 def build(events: Sequence[dict]) -> Timeline:
@@ -108,6 +109,8 @@ def build(events: Sequence[dict]) -> Timeline:
         points=step_points(invocations, gens, t0),
         evals=eval_points(events, t0),
         probe=probe_cost(events),
+        excluded=[{"node": e.get("node"), "message": e.get("message", "")} for e in events
+                  if e.get("event") == "excluded"],
     )
 
 

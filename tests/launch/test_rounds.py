@@ -37,6 +37,10 @@ def agent(endpoint: str, run_id: str, max_nodes: int):
     ({"waiting": {"d"}, "participants": {"a", "b", "d"}}, True),
     ({"round_": 0}, False),  # the start of a submission has its own last call
     ({"members": set()}, False),
+    ({"spares": {"s"}, "max_nodes": 3}, False),  # a spare has not taken c's place yet
+    ({"spares": {"s"}, "max_nodes": 3, "participants": {"a", "b", "s"}}, True),
+    ({"spares": {"s", "t"}, "max_nodes": 3, "participants": {"a", "b", "s"}}, True),  # room for one
+    ({"spares": {"s"}, "max_nodes": 2}, True),  # no room: the spare stays one
 ])
 def test_a_round_closes_when_every_member_not_gone_and_every_waiting_node_joined(kw, closes):
     args = {"round_": 3, "members": {"a", "b", "c"}, "gone": {"c"}, "participants": {"a", "b"},
