@@ -214,3 +214,68 @@ def _follow(run_dir: Path, procs: list[subprocess.Popen], kind: str, bound_s: fl
             return bound_s
         time.sleep(0.1)
     return None
+
+
+# --- a spare ready ----------------------------------------------------------------------------
+
+GOAL_SPARE_S = 1.0  # issue 36: with a spare ready, the first step within 1 s at the same world size
+SPARE_READY_S = 300.0
+
+
+def bench_spare(scratch: Path, repeats: int, nodes: int) -> dict:
+    """``nodes`` nodes and one spare (``nodes.spares``); once the spare waits in the
+    redundancy list, node 1 is SIGKILLed (``chaos`` request); the run is stopped once a few
+    steps followed. Recovery and the world size after it, per run."""
+    job = _one_rank_per_node(write_job(scratch / "spare.yaml", steps=10**6, max_restarts=3, max_nodes=nodes,
+                                       every=50))
+    runs = []
+    for r in range(repeats):
+        run_dir = scratch / f"spare-{nodes}-{r}"
+        load = os.getloadavg()[0]
+        code = spare_run(job, run_dir, nodes)
+        result = measure(run_dir, code)
+        result["same_world_size"] = result["world_size_after"] == nodes
+        result["source"] = next((e.get("source") for e in reversed(read_events(run_dir / runfiles.EVENTS))
+                                 if e["event"] == "resume"), None)
+        runs.append({**result, "load": round(load, 2)})
+    med = crash_stats.median_of([r["recovery_s"] for r in runs])
+    return {"fault": "kill-node:1 once the spare waits", "nodes": nodes, "spares": 1, "nproc_per_node": 1,
+            "median_s": med, "phases_median_s": crash_stats.median_breakdown([r["phases"] for r in runs if r["phases"]]),
+            "same_world_size": sum(r["same_world_size"] for r in runs), "of": len(runs), "runs": runs,
+            "goal": f"median <= {GOAL_SPARE_S} s at an unchanged world size (quiet machine)",
+            "met": med is not None and med <= GOAL_SPARE_S and all(r["same_world_size"] for r in runs)}
+
+
+def spare_run(job: Path, run_dir: Path, nodes: int, after_steps: int = 20) -> int | None:
+    """One harness run with a spare: fault once it is ready, stop ``after_steps`` later."""
+    from elastic_harness.chaos.inject import request
+
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(job), "--run-dir", str(run_dir), "--nodes", str(nodes),
+           "--nproc-per-node", "1", "--set", "nodes.spares=1"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = _spawn(cmd, run_dir / "bench-host.log", dict(os.environ))
+    tail = EventTail(run_dir / runfiles.EVENTS)
+    spare, fired, stop_at = str(nodes), None, None
+    end = time.monotonic() + SPARE_READY_S
+    try:
+        while proc.poll() is None and time.monotonic() < end:
+            for e in tail.read():
+                waiting = e["event"] == "torchelastic" and e.get("node") == spare \
+                    and "redundancy list" in (e.get("message") or "")
+                if waiting and fired is None:
+                    fired = request(run_dir, "kill-node:1")
+                if e["event"] == "fault" and stop_at is None:
+                    stop_at = -1
+                if e["event"] == "step" and stop_at == -1 and e.get("world_size") == nodes:
+                    stop_at = e["step"] + after_steps
+                if e["event"] == "step" and stop_at and stop_at > 0 and e["step"] >= stop_at:
+                    end = 0.0
+            time.sleep(0.1)
+    finally:
+        _signal_group(proc, signal.SIGINT)  # the host drains and stops its nodes
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            code = proc.wait()
+    return code

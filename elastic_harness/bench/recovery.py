@@ -13,6 +13,8 @@ with medians, ratios and whether each goal was met:
   with a row per placement (``bench.nodeloss``): every node on this host (``same_host``,
   the ratio above) and each node a simulated host of its own (``separate_hosts``: own
   pid, UTS and network namespaces, as root), each with its phases   separate <= 0.5 s
+- spare: ``--nodes`` nodes and one hot spare (``nodes.spares``); once the spare waits,
+  node 1 is SIGKILLed: fault to the first step, at an unchanged world size        <= 1 s
 - hang-node: one of ``--nodes`` nodes frozen (SIGSTOP, no connection reset), the same rows
   and torchrun given the same fault; a launcher still not recovered 240 s after it is
   stopped there and reported so                                             <= 5 s
@@ -93,7 +95,7 @@ PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in eac
 
 
 
-PARTS = ["kill-node", "hang-node", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
+PARTS = ["kill-node", "hang-node", "spare", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -140,6 +142,8 @@ def cmd_recovery(args: argparse.Namespace) -> int:
         if "hang-node" in parts:
             report["hang_node"] = nodeloss.bench_node_fault(scratch, "hang-node", args.repeats, args.nodes,
                                                             args.parallelism)
+        if "spare" in parts:
+            report["spare"] = nodeloss.bench_spare(scratch, args.repeats, max(args.nodes, 2))
         if "kill-worker" in parts:
             report["kill_worker"] = bench_kill_worker(scratch, args.faults)
         if "anytime" in parts:
@@ -458,6 +462,8 @@ def goals_met(report: dict, repeats: int) -> dict:
             out["kill_node_separate_hosts"] = report["kill_node"]["separate_hosts_goal"]["met"]
     if "hang_node" in report:
         out["hang_node"] = report["hang_node"]["met"]
+    if "spare" in report:
+        out["spare"] = report["spare"]["met"]
     for part in ("kill_worker", "anytime"):
         if part in report:
             out.update({f"{part}_{k}": v for k, v in report[part]["met"].items()})

@@ -395,6 +395,38 @@ def _beacon(addr: str) -> str:
     return _BEACONS[0].address
 
 
+class _CountingStore:
+    """A store client that reports each call: ``tally(op, bytes sent, bytes received, lost)``
+    (``lost``: a compare-and-set that found another value). ``bench rendezvous`` only."""
+
+    def __init__(self, store: Any, tally: Callable[[str, int, int, bool], None]) -> None:
+        self._store, self._tally = store, tally
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        self._tally("get", len(key), len(value), False)
+        return value
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        value = self._store.compare_set(key, expected, desired)
+        sent = len(key) + len(expected) + len(desired)
+        self._tally("compare_set", sent, len(value), _as_bytes(value) != _as_bytes(desired))
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def count_store_calls(handler: Any, tally: Callable[[str, int, int, bool], None]) -> None:
+    """Count every store call ``handler``'s c10d backend makes (``bench rendezvous``)."""
+    backend = handler._state_holder._backend
+    backend._store = _CountingStore(backend._store, tally)
+
+
 def group_running(handler: Any) -> bool:
     """Does the rendezvous hold a formed group, so that this agent's join makes it drain?
     (A completed round with participants, read from the backend.) True when it cannot
