@@ -276,12 +276,13 @@ class _Handler(DynamicRendezvousHandler):
             suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
                                                    settings.keep_alive_max_attempt))
         for node in dead:
-            how = ("silent, and its group stalled (launch.verdict)" if node in self._condemned
-                   else "its agent's process is gone" if liveness.gone(lives.get(node), ask=self._ask)
-                   else "silent")
+            how = ("its keep-alives and beacon silent while this node's workers stalled (launch.verdict)"
+                   if node in self._condemned
+                   else "its agent's process is gone, and this node's workers lost their connection to a peer"
+                   if liveness.gone(lives.get(node), ask=self._ask)
+                   else "silent, and this node's workers lost their connection to a peer")
             message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
-                       f"without waiting for its keep-alives to expire: {how}, and this node's workers "
-                       "lost their connection to a peer")
+                       f"without waiting for its keep-alives to expire: {how}")
             log.warning(message)
             dynamic_rendezvous.construct_and_record_rdzv_event(
                 name="_Handler.drop_dead", run_id=settings.run_id, message=message,
