@@ -117,6 +117,17 @@ PEER_GRACE_S = 1.0
 # ``POLL_S`` while it waits or runs.
 POLL_S = 0.25
 
+# Store reads per second a job's running agents make together at most (issue 36: each read is
+# the whole state, ~260 bytes a node; at 1000 nodes and ``POLL_S`` that was 4000 reads and ~1 GB
+# a second on the one store). A group of more than ``STATE_READS_PER_S * POLL_S`` nodes reads
+# the state less often (``poll_for``): a waiting node or a broken round is seen that much later.
+STATE_READS_PER_S = 200.0
+
+
+def poll_for(nodes: int) -> float:
+    """Pure: seconds between a running agent's reads of the state in a group of ``nodes``."""
+    return max(POLL_S, nodes / STATE_READS_PER_S)
+
 
 def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
                 later_s: float) -> float:
@@ -251,6 +262,7 @@ class _Handler(DynamicRendezvousHandler):
             _JOIN.restart = False
         self._formed = True
         state = self._state_holder.state
+        self._state_holder._cache_duration = poll_for(len(state.participants))
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
         self._condemned, self._failed = frozenset(), False
         timeout = self._settings.timeout

@@ -102,3 +102,10 @@ def test_only_a_crash_breaks_the_round_not_workers_that_drained():
     assert DRAINED == DRAIN_EXIT
     assert not crashed(failed(DRAIN_EXIT, DRAIN_EXIT)), "a drain for a join its peers asked for"
     assert crashed(failed(-9)) and crashed(failed(DRAIN_EXIT, 1))
+
+
+def test_a_large_group_reads_the_state_less_often():
+    from elastic_harness.launch.rendezvous import POLL_S, poll_for
+
+    assert poll_for(2) == poll_for(16) == POLL_S
+    assert poll_for(1000) == 5.0, "1000 agents read the state 200 times a second together, not 4000"
