@@ -15,6 +15,9 @@ with medians, ratios and whether each goal was met:
   pid, UTS and network namespaces, as root), each with its phases   separate <= 0.5 s
 - spare: ``--nodes`` nodes and one hot spare (``nodes.spares``); once the spare waits,
   node 1 is SIGKILLed: fault to the first step, at an unchanged world size        <= 1 s
+- soak: ``--soak-jobs`` fault-free jobs at once for ``--soak-duration`` s, each with a 20 s
+  synchronous save, a slow evaluation and an unannounced pause of one node
+  (``bench.soak_script``): node-lost verdicts, hangs or failures they report       0
 - hang-node: one of ``--nodes`` nodes frozen (SIGSTOP, no connection reset), the same rows
   and torchrun given the same fault; a launcher still not recovered 240 s after it is
   stopped there and reported so                                             <= 5 s
@@ -95,7 +98,7 @@ PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in eac
 
 
 
-PARTS = ["kill-node", "hang-node", "spare", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
+PARTS = ["kill-node", "hang-node", "spare", "soak", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -103,6 +106,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5, help="kill-node runs per launcher; medians reported (default 5)")
     p.add_argument("--faults", type=int, default=20, help="kill-worker faults in the restart run (default 20)")
+    p.add_argument("--soak-duration", type=float, default=600.0,
+                   help="soak: seconds the fault-free jobs run (default 600)")
+    p.add_argument("--soak-jobs", type=int, default=3,
+                   help="soak: jobs at once, each 2 nodes x 1 rank (they load the machine) (default 3)")
     p.add_argument("--nodes", type=int, default=2,
                    help="kill-node and hang-node: nodes of 1 rank, node 1 is hit (default 2)")
     p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
@@ -127,6 +134,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_recovery(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.faults < 1 or args.scale_up_hidden < 1:
         raise HarnessError("--repeats, --faults and --scale-up-hidden must be >= 1")
+    if args.soak_duration <= 0 or args.soak_jobs < 1:
+        raise HarnessError("--soak-duration must be positive and --soak-jobs at least 1")
     if args.nodes < 2:
         raise HarnessError(f"--nodes {args.nodes}: a node loss needs a survivor", "pass --nodes 2 or more")
     if not 0 < args.churn_replace_after < args.churn_every < args.churn_duration:
@@ -144,6 +153,8 @@ def cmd_recovery(args: argparse.Namespace) -> int:
                                                             args.parallelism)
         if "spare" in parts:
             report["spare"] = nodeloss.bench_spare(scratch, args.repeats, max(args.nodes, 2))
+        if "soak" in parts:
+            report["soak"] = nodeloss.bench_soak(scratch, args.soak_duration, args.soak_jobs)
         if "kill-worker" in parts:
             report["kill_worker"] = bench_kill_worker(scratch, args.faults)
         if "anytime" in parts:
@@ -464,6 +475,8 @@ def goals_met(report: dict, repeats: int) -> dict:
         out["hang_node"] = report["hang_node"]["met"]
     if "spare" in report:
         out["spare"] = report["spare"]["met"]
+    if "soak" in report:
+        out["soak_no_false_detection"] = report["soak"]["met"]
     for part in ("kill_worker", "anytime"):
         if part in report:
             out.update({f"{part}_{k}": v for k, v in report[part]["met"].items()})

@@ -172,3 +172,14 @@ def test_node_fault_goals():
     assert not nodeloss.goals("kill-node", rows)["met"]
     assert nodeloss.goals("kill-node", {"separate_hosts": {"median_s": 0.3}})["met"]
     assert not nodeloss.goals("kill-node", {"separate_hosts": {"skipped": "needs root"}})["met"]
+
+
+def test_a_soak_counts_every_verdict_hang_or_failure_as_a_false_detection():
+    from elastic_harness.bench import nodeloss
+
+    events = [{"event": "step", "step": 10}, {"event": "stall", "node": "0"}, {"event": "eval", "step": 10},
+              {"event": "rendezvous"}, {"event": "step", "step": 11}]
+    clean = nodeloss.soak_counts(events)
+    assert clean["false_detections"] == 0 and clean["stalls_looked_at"] == 1 and clean["steps"] == 11
+    bad = nodeloss.soak_counts([*events, {"event": "failure", "cause": "node-lost"}, {"event": "failure"}])
+    assert (bad["node_lost"], bad["worker_failures"], bad["false_detections"]) == (1, 1, 2)
