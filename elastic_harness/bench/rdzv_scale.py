@@ -1,4 +1,4 @@
-"""``elastic-harness bench rendezvous``: messages and bytes the rendezvous costs per round.
+"""``elastic-harness bench rendezvous-scale``: messages and bytes the rendezvous costs per round.
 
 Many light agents (issue 36, item 5): ``N`` of our rendezvous handlers (``launch.rendezvous``,
 torch's dynamic rendezvous with the state sealed under a job key), each with its own client
@@ -36,7 +36,7 @@ from elastic_harness.errors import HarnessError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("rendezvous", help="rendezvous messages and bytes per round at N light agents (JSON)",
+    p = sub.add_parser("rendezvous-scale", help="rendezvous messages and bytes per round at N light agents (JSON)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", default="2,4,8,16", help="comma-separated agent counts (default 2,4,8,16)")
     p.add_argument("--idle", type=float, default=5.0, help="seconds of a formed group's keep-alives (default 5)")
@@ -55,7 +55,7 @@ def cmd_rendezvous(args: argparse.Namespace) -> int:
                            "e.g. --nodes 2,4,8,16 --idle 5 --to 1000")
     check_out(args.out)
     rows = [measure(n, args.idle) for n in counts]
-    report = {"bench": "rendezvous", "backend": "c10d (TCPStore), state sealed (launch.sealed)",
+    report = {"bench": "rendezvous-scale", "backend": "c10d (TCPStore), state sealed (launch.sealed)",
               "idle_s": args.idle, "rows": rows, "extrapolated": extrapolate(rows, args.to)}
     text = json.dumps(report, indent=1)
     print(text)

@@ -410,7 +410,7 @@ def _beacon(addr: str) -> str:
 
 class _CountingStore:
     """A store client that reports each call: ``tally(op, bytes sent, bytes received, lost)``
-    (``lost``: a compare-and-set that found another value). ``bench rendezvous`` only."""
+    (``lost``: a compare-and-set that found another value). ``bench rendezvous-scale`` only."""
 
     def __init__(self, store: Any, tally: Callable[[str, int, int, bool], None]) -> None:
         self._store, self._tally = store, tally
@@ -435,7 +435,7 @@ def _as_bytes(value: Any) -> bytes:
 
 
 def count_store_calls(handler: Any, tally: Callable[[str, int, int, bool], None]) -> None:
-    """Count every store call ``handler``'s c10d backend makes (``bench rendezvous``)."""
+    """Count every store call ``handler``'s c10d backend makes (``bench rendezvous-scale``)."""
     backend = handler._state_holder._backend
     backend._store = _CountingStore(backend._store, tally)
 

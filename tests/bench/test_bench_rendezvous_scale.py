@@ -1,4 +1,4 @@
-"""``bench rendezvous`` (issue 36, item 5): its fits, and one small real measurement."""
+"""``bench rendezvous-scale`` (issue 36, item 5): its fits, and one small real measurement."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def test_the_extrapolation_names_each_figure_at_the_target():
 
 
 def test_bad_node_counts_are_one_line(cli_here):
-    r = cli_here("bench", "rendezvous", "--nodes", "1,2")
+    r = cli_here("bench", "rendezvous-scale", "--nodes", "1,2")
     assert r.code == 2 and "--nodes needs counts of 2 or more" in r.err
-    r = cli_here("bench", "rendezvous", "--nodes", "two")
+    r = cli_here("bench", "rendezvous-scale", "--nodes", "two")
     assert r.code == 2 and "is not a list of numbers" in r.err
 
 
