@@ -89,7 +89,7 @@ def summarize(runs: list[dict], torchrun: list[dict]) -> dict:
     phases = crash_stats.median_breakdown([r["phases"] for r in runs if r.get("phases")])
     return {"median_s": med, "phases_median_s": phases,
             "ratio_to_torchrun": round(med / theirs, 4) if med is not None and theirs else None,
-            "recovered": sum(bool(r.get("recovered")) for r in runs), "of": len(runs),
+            "recovered": sum(bool(r.get("recovered", r.get("recovery_s") is not None)) for r in runs), "of": len(runs),
             "stopped_at_bound": sum(bool(r.get("stopped_at_bound_s")) for r in runs), "runs": runs}
 
 
