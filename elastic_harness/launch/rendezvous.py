@@ -122,6 +122,7 @@ POLL_S = 0.25
 # a second on the one store). A group of more than ``STATE_READS_PER_S * POLL_S`` nodes reads
 # the state less often (``poll_for``): a waiting node or a broken round is seen that much later.
 STATE_READS_PER_S = 200.0
+SPARE_POLL_S = 0.05  # a hot spare's reads of the state while it waits (``_Handler._wait_as_spare``)
 
 
 def poll_for(nodes: int) -> float:
@@ -259,7 +260,7 @@ class _Handler(DynamicRendezvousHandler):
         try:
             info = super().next_rendezvous()
         finally:
-            _JOIN.restart = False
+            _JOIN.restart, _JOIN.poll = False, POLL_S
         self._formed = True
         state = self._state_holder.state
         self._state_holder._cache_duration = poll_for(len(state.participants))
@@ -362,6 +363,19 @@ class _Handler(DynamicRendezvousHandler):
 
         executor._add_to_participants = add_to_participants
         executor._mark_rendezvous_complete = mark_complete
+        self._wait_as_spare(executor)
+
+    def _wait_as_spare(self, executor: Any) -> None:
+        """A hot spare (torch's redundancy list: the round is full) reads the state every
+        ``SPARE_POLL_S`` instead of ``POLL_S``: it takes a lost node's place as soon as
+        the round has room (issue 36; a few spares, a few reads more a second)."""
+        holder, add = self._state_holder, executor._add_to_redundancy_list
+
+        def add_to_redundancy_list() -> None:
+            add()
+            holder._cache_duration = _JOIN.poll = SPARE_POLL_S  # this join's thread (``delay``)
+
+        executor._add_to_redundancy_list = add_to_redundancy_list
 
     def condemn(self, nodes: Any) -> None:
         """``launch.verdict`` found these peers of the last round gone (any thread): dropped
@@ -491,7 +505,7 @@ def delay(seconds: float | tuple[float, float]) -> None:
             return
         TORCH_DELAY(seconds)
         return
-    TORCH_DELAY(min(seconds, POLL_S))
+    TORCH_DELAY(min(seconds, getattr(_JOIN, "poll", POLL_S)))
 
 
 def method_name(depth: int = 2) -> str:

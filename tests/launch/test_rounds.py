@@ -109,3 +109,34 @@ def test_a_large_group_reads_the_state_less_often():
 
     assert poll_for(2) == poll_for(16) == POLL_S
     assert poll_for(1000) == 5.0, "1000 agents read the state 200 times a second together, not 4000"
+
+
+def test_a_spare_waits_reading_often_and_ends_cleanly_when_the_job_closes(store):  # noqa: F811
+    from elastic_harness.launch.agent import rendezvous_exit_code
+    from elastic_harness.launch.rendezvous import SPARE_POLL_S
+
+    active, spare = agent(store, "spare", 1), agent(store, "spare", 1)
+    try:
+        assert join_all([active], [0.0]) == [1]
+        outcome: dict = {}
+
+        def wait() -> None:
+            try:
+                spare.next_rendezvous()
+            except Exception as e:  # noqa: BLE001 - the outcome under test
+                outcome["error"] = e
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        for _ in range(100):
+            if spare._state_holder._cache_duration == SPARE_POLL_S:
+                break
+            threading.Event().wait(0.1)
+        assert spare._state_holder._cache_duration == SPARE_POLL_S, "a spare reads the state often"
+        assert spare._this_node in spare._state_holder.state.redundancy_list
+        active.shutdown()  # the job finished without needing the spare
+        waiting.join(30)
+        kind = type(outcome.get("error")).__name__
+        assert kind == "RendezvousGracefulExitError" and rendezvous_exit_code(kind) == 0
+    finally:
+        close([active, spare])
