@@ -90,7 +90,8 @@ def summarize(runs: list[dict], torchrun: list[dict]) -> dict:
     return {"median_s": med, "phases_median_s": phases,
             "ratio_to_torchrun": round(med / theirs, 4) if med is not None and theirs else None,
             "recovered": sum(bool(r.get("recovered", r.get("recovery_s") is not None)) for r in runs), "of": len(runs),
-            "stopped_at_bound": sum(bool(r.get("stopped_at_bound_s")) for r in runs), "runs": runs}
+            "stopped_at_bound": sum(bool(r.get("stopped_at_bound_s") or r.get("stopped_at_bound")) for r in runs),
+            "runs": runs}
 
 
 def goals(kind: str, rows: dict) -> dict:

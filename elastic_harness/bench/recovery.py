@@ -214,10 +214,13 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
             else:
                 code = launch(launcher, job, run_dir, nodes=nodes, nproc=1, chaos=["kill-node:1@40"], timeout=420)
             out[launcher].append({**_one_recovery(run_dir, code), "load": load,
-                                  "phases": nodeloss.measure(run_dir, code)["phases"]})
+                                  "phases": nodeloss.measure(run_dir, code)["phases"],
+                                  # stopped by the bench (no progress for STALL_S, or past 420 s)
+                                  "stopped_at_bound": code is None})
     separate = out.pop("separate_hosts", None)
     result = _compare(out, GOALS["kill_node_ratio"])
     result["nodes"] = nodes
+    result["torchrun_stopped_at_bound"] = sum(r["stopped_at_bound"] for r in out["torchrun"])  # never recovered
     result["rows"] = {"same_host": nodeloss.summarize(out["harness"], out["torchrun"]),
                       "separate_hosts": (nodeloss.summarize(separate, out["torchrun"]) if separate is not None
                                          else {"skipped": "needs root (network, pid and UTS namespaces)"})}

@@ -130,6 +130,15 @@ def poll_for(nodes: int) -> float:
     return max(POLL_S, nodes / STATE_READS_PER_S)
 
 
+REJOIN_POLL_S = 0.05  # an agent rejoining after a restart: its peers arrive within moments
+
+
+def rejoin_poll(nodes: int) -> float:
+    """Pure: seconds between a rejoining agent's reads of the state (a round after a failure
+    lasts a fraction of a second; the same cap on a job's reads as ``poll_for``, times 4)."""
+    return max(REJOIN_POLL_S, nodes / (4 * STATE_READS_PER_S))
+
+
 def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
                 later_s: float) -> float:
     """Pure: seconds a round stays open for more agents once ``nodes.min`` have joined it.
@@ -257,6 +266,8 @@ class _Handler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
+        if self._formed:  # a restart: the peers rejoin within moments; see them at once
+            self._state_holder._cache_duration = _JOIN.poll = rejoin_poll(len(self._peers))
         try:
             info = super().next_rendezvous()
         finally:

@@ -109,6 +109,9 @@ def test_a_large_group_reads_the_state_less_often():
 
     assert poll_for(2) == poll_for(16) == POLL_S
     assert poll_for(1000) == 5.0, "1000 agents read the state 200 times a second together, not 4000"
+    from elastic_harness.launch.rendezvous import REJOIN_POLL_S, rejoin_poll
+
+    assert rejoin_poll(8) == REJOIN_POLL_S and rejoin_poll(1000) == 1.25
 
 
 def test_a_spare_waits_reading_often_and_ends_cleanly_when_the_job_closes(store):  # noqa: F811
