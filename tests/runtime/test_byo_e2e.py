@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from elastic_harness.checkpoint.offline import compare
-from tests.audit import audit
+from tests.audit import all_records, audit
 from tests.conftest import JOBS, REPO, cli, final_ckpt, model_of
 from tests.e2e.test_e2e_core import assert_close
 from tests.servers import free_port
@@ -81,6 +81,29 @@ def test_batchnorm_cnn_with_own_optimizer_scheduler_and_eval_recovers_bit_identi
     assert [e["step"] for e in evals][-1] == 30 and {"loss", "accuracy"} <= set(evals[-1]["metrics"])
     assert any(e.get("metrics", {}).get("grad_norm") for e in killed.kinds("step"))
     assert list((tmp_path / "killed" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def bn_cnn_job(tmp_path, *settings: str):
+    """tests/scripts/bn_cnn.py (a TensorDataset of images and 0-dim labels) as a job."""
+    job = tmp_path / "bn_cnn.yaml"
+    job.write_text(f"name: bn-cnn\nscript: {{path: {REPO / 'tests/scripts/bn_cnn.py'}}}\nnproc_per_node: 2\n"
+                   "train: {steps: 20, global_batch_size: 24, micro_batch_size: 4, record_samples: true}\n"
+                   "checkpoint: {every_steps: 5}\n" + "".join(f"{s}\n" for s in settings))
+    return job
+
+
+def test_samples_of_a_tensor_dataset_with_0_dim_labels_are_recorded_and_audit_exactly_once(tmp_path):
+    """Issue 33: ``record_samples`` crash-looped at step 0 on ``(image, 0-dim label)`` items."""
+    r = cli("run", str(bn_cnn_job(tmp_path)), "--chaos", "kill-worker:1@12", run_dir=tmp_path / "run")
+    assert r.code == 0, r.err
+    assert r.summary["restarts"] == 1
+    audit(tmp_path / "run", 240, 24, 20)
+    by_index: dict[int, set[str]] = {}
+    for rec in all_records(tmp_path / "run"):
+        for i, h in zip(rec["ids"], rec["hashes"], strict=True):
+            by_index.setdefault(i, set()).add(h)
+    assert len(by_index) == 240 and all(len(h) == 1 for h in by_index.values())  # redone steps: same content
+    assert len({h for hs in by_index.values() for h in hs}) == 240
 
 
 HF = JOBS / "hf_gpt2.yaml"
