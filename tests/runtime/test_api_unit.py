@@ -52,6 +52,21 @@ def test_the_same_error_the_same_steps_after_each_resume_is_a_crash_loop():
     assert reason and "crash loop" in reason and "1 step(s) after resuming" in reason
 
 
+@pytest.mark.parametrize("step, resumed, says, never", [
+    (0, None, "before training started", "resuming"),            # failed building its data
+    (0, 0, "in the first step, each time starting fresh (there was no checkpoint", "after resuming"),
+    (7, 0, "at step 7, each time starting fresh", "after resuming"),
+    (7, 5, "at step 7, each time after resuming from step 5", "fresh"),
+])
+def test_a_crash_loop_names_only_the_start_each_attempt_had(step, resumed, says, never):
+    """Issue 33: a crash loop at step 0 said "after resuming from the same checkpoint" when
+    there was none."""
+    events = [failure(r, step=step, **({} if resumed is None else {"resumed_at": resumed})) for r in (0, 1)]
+    reason = stop_reason(events, "n0", since=0.0)
+    assert reason and says in reason and never not in reason, reason
+    assert "same checkpoint" not in reason
+
+
 def test_the_agent_judges_the_failures_logged_since_it_started(tmp_path):
     from elastic_harness.events import EventLog
     from elastic_harness.launch.agent import Witness
