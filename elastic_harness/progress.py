@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import TextIO
 
@@ -37,6 +38,10 @@ class Progress:
 
     def update(self, e: dict) -> None:
         self.state.update(e)
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # a field of another shape: not shown
+            self._show(e)
+
+    def _show(self, e: dict) -> None:
         kind = e["event"]
         if kind == "resume":
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
@@ -79,8 +84,9 @@ class Progress:
         width = 24
         bar = "#" * int(pct * width) + "-" * (width - int(pct * width))
         saved = self.state.last_checkpoint_step
-        text = (f"[{bar}] step {e['step']}/{self.total} loss {e['loss']:.4f} "
-                f"{e.get('samples_per_s') or 0:.0f} samples/s world {e['world_size']} "
+        loss = "-" if e.get("loss") is None else f"{e['loss']:.4f}"
+        text = (f"[{bar}] step {e['step']}/{self.total} loss {loss} "
+                f"{e.get('samples_per_s') or 0:.0f} samples/s world {e.get('world_size', '-')} "
                 f"restarts {self.state.restarts}" + (f" saved {saved}" if saved is not None else ""))
         if self.tty:
             self.out.write("\r\033[K" + text)

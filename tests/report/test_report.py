@@ -164,6 +164,68 @@ def test_report_and_verify_need_a_run_dir(tmp_path, capsys):
     assert "no complete checkpoint" in err and "fix:" in err and "Traceback" not in err
 
 
+def not_events() -> list[bytes]:
+    """Lines a log may hold that are not events: bytes, other JSON, and every field readers
+    compute with in another shape."""
+    from elastic_harness.events import FIELD_TYPES
+
+    lines = [b"\xff\xfe not utf-8 \xc3\x28", b"{not json", b"[1, 2]", b"\"text\"", b"42", b"null",
+             b'{"event": "step", "step": 3}', b'{"t": "soon", "event": "step", "step": 3}',
+             b'{"t": 12.0, "event": 7}', b'{"t": NaN, "event": "step", "step": 3}',
+             b'{"t": 12.0, "event": "finish"}', b'{"t": 12.0, "event": "step", "step": null, "loss": 1}']
+    for kind in ("step", "resume", "failure", "torchelastic", "finish", "eval", "memory", "checkpoint",
+                 "exit", "rendezvous", "worker", "drain", "fault", "start"):
+        for name in FIELD_TYPES:
+            for wrong in ([1], {"a": 1}, "x", 1.5):
+                e = {"t": 12.0, "event": kind, "pid": 10, "step": 3, name: wrong}
+                from elastic_harness.events import well_formed
+
+                if well_formed(e):
+                    lines.append(json.dumps(e).encode())
+    return lines
+
+
+def test_lines_that_are_not_events_are_skipped_counted_and_said_once(tmp_path, capsys):
+    """Issue 33: one line of invalid UTF-8, or valid JSON of the wrong shape, crashed
+    ``report``, ``status`` and the end of ``run``. Readers skip it, count it, say so once."""
+    from elastic_harness.events import read_events, skipped_notes
+    from elastic_harness.lifecycle.state import JobStatus, Liveness, status_from_events
+    from elastic_harness.progress import Progress
+    from elastic_harness.runstate import fold
+    from elastic_harness.summary import summarize
+
+    good = killed_worker_run()
+    bad = not_events()
+    assert len(bad) > 300
+    log = tmp_path / "events.jsonl"
+    with log.open("wb") as f:
+        for i, e in enumerate(good):
+            f.write(json.dumps(e).encode() + b"\n")
+            if i == 20:
+                f.write(b"\n".join(bad) + b"\n")
+    skipped_notes()
+    events = read_events(log)
+    assert events == good
+    (note,) = skipped_notes()
+    assert f"skipped {len(bad)} line(s) that are not events (first: line 22: not UTF-8)" in note
+    assert skipped_notes() == []  # said once
+    # What reads the log through the reader: the summary, the report's timeline, the
+    # terminal's progress, a job's status.
+    assert summarize(events)["steps"] == 30 and fold(events).finished
+    assert build(events).faults
+    with (tmp_path / "progress.txt").open("w") as out:
+        progress = Progress(30, out=out)
+        for e in events:
+            progress.update(e)
+    base = JobStatus(id="j", name="n", scheduler="local", state="pending", run_dir=str(tmp_path), total_steps=30)
+    status_from_events(base, events, Liveness("gone", 0), None, 20.0)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--no-plot"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and err.count("warning:") == 1 and "skipped" in err, err
+    assert "goodput" in out
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_report_and_verify_on_a_killed_worker_run(mlp_reference, tmp_path):
@@ -229,3 +291,25 @@ def test_plot_keeps_fault_labels_off_the_data_and_draws_a_smoothed_loss(tmp_path
     assert [t.get_text().split(":")[0] for t in label_ax.texts] == ["kill-worker"]
     styles = [(line.get_linestyle(), line.get_marker()) for line in loss_ax.get_lines()]
     assert ("-", "None") in styles and ("None", ".") in styles  # a line over the points
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_log_line_that_is_not_an_event_does_not_fail_a_run_report_or_status(tmp_path):
+    """Issue 33: a run that trained fine exited 1 at its end (``summary.json`` stale), and
+    ``report``/``status`` gave a traceback, for one line of invalid UTF-8 in its log."""
+    from tests.conftest import JOBS
+
+    toy, run_dir = JOBS / "ddp_toy.yaml", tmp_path / "toy"
+    first = cli("run", str(toy), "--set", "train.steps=10", run_dir=run_dir)
+    assert first.code == 0, first.err
+    with (run_dir / "events.jsonl").open("ab") as f:
+        f.write(b'\xff\xfe{"t": 1}\n[1, 2]\n{"t": 1.0, "event": "step", "step": "ten"}\n')
+    again = cli("run", str(toy), "--set", "train.steps=20", run_dir=run_dir)
+    assert again.code == 0, again.err
+    assert again.summary["finished"] and again.summary["steps"] == 20
+    assert again.err.count("skipped 3 line(s) that are not events (first: line") == 1, again.err
+    for command in (["report", str(run_dir), "--no-plot"], ["status", str(run_dir)]):
+        r = cli(*command, timeout=120)
+        assert r.code == 0 and "Traceback" not in r.err, (command, r.err)
+        assert r.err.count("warning:") == 1 and "not UTF-8" in r.err, (command, r.err)
