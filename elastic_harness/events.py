@@ -159,6 +159,7 @@ CONTRACT: dict[str, EventKind] = {
         "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
         "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
         "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died)",
+        "detail": "checkpoint failures: the full error (DCP's names each rank's traceback); the message has one line",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",

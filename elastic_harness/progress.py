@@ -56,6 +56,8 @@ class Progress:
                 self._line(_describe(e))
         elif kind == "failure" and e.get("fatal"):
             return  # the host prints it once, as the error
+        elif kind == "failure" and (e.get("consecutive") or 0) > 1:
+            return  # failed saves in a row: the first is said; the limit's error says the rest
         elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
             self._line(_describe(e))

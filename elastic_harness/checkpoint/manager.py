@@ -71,6 +71,7 @@ from elastic_harness.checkpoint import (
 )
 from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.compat import check_compatible
+from elastic_harness.checkpoint.failure_text import detail, one_line
 from elastic_harness.checkpoint.progress import (
     BACKGROUND_POLL_S,
     POLL_S,
@@ -160,6 +161,7 @@ class CheckpointManager:
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
         self._failures = 0
+        self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
 
     # ----- load ------------------------------------------------------------------------
@@ -288,7 +290,7 @@ class CheckpointManager:
             self._busy.discard(choice.step)
         if ok:
             return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0), ""
-        return None, f"{error!r:.300}" if error is not None else "another rank failed to read it"
+        return None, one_line(error) if error is not None else "another rank failed to read it"
 
     def _compatible(self, name: str, state: dict, manifest: dict) -> tuple[CheckpointError | None, BaseException | None]:
         """(why ``name`` belongs to another model or job, why it could not be read)."""
@@ -350,8 +352,8 @@ class CheckpointManager:
             ok = self._finish(fut, writer, step, name, t0, None, False)
         if not ok and blocking:
             raise CheckpointError(
-                f"the required checkpoint at step {step} could not be written (see the failure "
-                f"event); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
+                f"the required checkpoint at step {step} could not be written ({self._last_failure}; "
+                f"details in events.jsonl); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
@@ -393,7 +395,7 @@ class CheckpointManager:
                 self.events.emit("warning", message=f"removing stale incomplete {name}")
                 self.storage.remove(name)
         except OSError as e:
-            return "error", f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
+            return "error", f"cannot prepare {self.storage.uri(name)}: {one_line(e)}"
         return "go", ""
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
@@ -413,7 +415,7 @@ class CheckpointManager:
                 blocking_s: float, asynchronous: bool) -> bool:
         """Every rank: rank 0 commits what every rank reported, if all wrote; all learn the outcome."""
         reports: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        mine = (written_files(writer), None if error is None else f"{error!r:.400}")
+        mine = (written_files(writer), None if error is None else one_line(error))
         dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
         outcome = self._commit(step, name, reports) if self.rank == 0 else None
         status, why = collective.broadcast(outcome, self.group)
@@ -459,7 +461,7 @@ class CheckpointManager:
             return "failed", (f"files the ranks wrote are not all on {self.storage.uri(name)} ({e}); "
                               "is checkpoint.dir shared by every node?")
         except Exception as e:  # storage errors: a failed save like any other
-            return "failed", f"{e!r:.400}"
+            return "failed", one_line(e)
         return "ok", ""
 
     def _purge(self, committed: int) -> None:
@@ -478,13 +480,15 @@ class CheckpointManager:
 
     def _on_failure(self, step: int, name: str, err: BaseException | None, asynchronous: bool) -> None:
         self._failures += 1
+        why = one_line(err) if err is not None else "another rank failed to write"
+        self._last_failure = why
         if self.rank != 0:
             return
-        why = f"{err!r:.400}" if err is not None else "another rank failed to write"
         self.events.emit(
             "failure", step=step, asynchronous=asynchronous, consecutive=self._failures,
             message=f"checkpoint at step {step} failed ({self._failures} in a row, "
             f"limit {MAX_CONSECUTIVE_SAVE_FAILURES}): {why}",
+            detail=detail(err) if err is not None else why,
         )
         with contextlib.suppress(OSError):
             self.storage.remove(name)  # incomplete by definition, and every writer has stopped
@@ -492,7 +496,8 @@ class CheckpointManager:
     def raise_if_failing(self) -> None:
         if self._failures >= MAX_CONSECUTIVE_SAVE_FAILURES:
             raise CheckpointError(
-                f"{self._failures} checkpoint saves in a row failed (see events.jsonl); "
+                f"{self._failures} checkpoint saves in a row failed (last: {self._last_failure}; details in "
+                "events.jsonl); "
                 f"stopping so no more work goes unsaved; checkpoints in {self.storage.root} are intact",
                 _FIX_STORAGE,
             )
