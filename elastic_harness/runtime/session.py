@@ -91,7 +91,13 @@ from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import to_device
 from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
-from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
+from elastic_harness.runtime.registration import (
+    check_registration,
+    check_schedulers,
+    distributed,
+    short_schedule,
+    short_schedule_error,
+)
 from elastic_harness.runtime.resume import announce, bind_data, memory_covers_join, restore
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
@@ -352,6 +358,9 @@ class Run:
         found = restore(self._state, self.model, parallelism=self.topology.kind,
                         memory=self.memory, ckpt=self.ckpt, degrees=(self.topology.shard, self.topology.tensor))
         self._resumed_at = found.step if found is not None else 0
+        short = short_schedule(self._registered, self._train.step, self.spec.train.steps)
+        if short is not None:  # before "resumed from": it would raise past its total every restart
+            raise short_schedule_error(short, self._train.step, self.spec.train.steps)
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
                         metrics=self.metrics, world_size=self.world_size, before_saying=before_saying)
 

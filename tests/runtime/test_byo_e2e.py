@@ -185,3 +185,25 @@ def test_api_mistakes_in_a_script_are_one_line(tmp_path, mistake, words):
     assert "Traceback" not in r.err and words in line
     if mistake == "bad-evaluate":  # a bug in evaluate repeats: stopped on the second attempt
         assert "evaluate raised ZeroDivisionError" in r.err
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "lambda"])
+def test_raising_train_steps_on_resume_with_a_schedule_over_train_steps(tmp_path, schedule):
+    """Issue 33: the docs' ``OneCycleLR(total_steps=run.spec.train.steps)`` crash-looped when
+    ``train.steps`` was raised on resume (its saved state keeps the old total). Now one line
+    before any step; the LambdaLR pattern the docs give instead continues."""
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: schedule\nscript: {{path: {REPO / 'tests/scripts/onecycle.py'}, "
+                   f"args: [--schedule, {schedule}]}}\nnproc_per_node: 2\nmax_restarts: 3\n"
+                   "train: {steps: 10, global_batch_size: 8, micro_batch_size: 4}\n")
+    first = cli("run", str(job), run_dir=tmp_path / "run")
+    assert first.code == 0, first.err
+    more = cli("run", str(job), "--set", "train.steps=15", run_dir=tmp_path / "run")
+    if schedule == "lambda":
+        assert more.code == 0 and more.summary["steps"] == 15, more.err
+        return
+    assert more.code == 2, more.err
+    (line,) = [x for x in more.err.splitlines() if x.startswith("error: ")]
+    assert "OneCycleLR" in line and "total_steps=10" in line and "crash loop" not in more.err
+    assert "train.steps at most 10" in more.err and "LambdaLR" in more.err
+    assert not more.kinds("step") and len(more.kinds("worker")) == 2  # refused before training, not restarted
