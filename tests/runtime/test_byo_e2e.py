@@ -207,3 +207,31 @@ def test_raising_train_steps_on_resume_with_a_schedule_over_train_steps(tmp_path
     assert "OneCycleLR" in line and "total_steps=10" in line and "crash loop" not in more.err
     assert "train.steps at most 10" in more.err and "LambdaLR" in more.err
     assert not more.kinds("step") and len(more.kinds("worker")) == 2  # refused before training, not restarted
+
+
+def test_calling_run_steps_again(tmp_path):
+    """Issue 33: a second ``run.steps()`` trained nothing, silently (and logged a second
+    ``finish`` with no loss). After the job's last step it is one line; after a ``break`` it
+    continues where the first loop stopped, to the same model as one loop; a loop left for
+    good says the job is not finished; a loop inside a loop body is refused."""
+    def run(mode):
+        job = tmp_path / f"{mode}.yaml"
+        job.write_text(f"name: loops\nscript: {{path: {REPO / 'tests/scripts/loops.py'}, args: [{mode}]}}\n"
+                       "nproc_per_node: 2\ntrain: {steps: 10, global_batch_size: 8, micro_batch_size: 4}\n")
+        return cli("run", str(job), run_dir=tmp_path / mode)
+
+    twice = run("twice")
+    assert twice.code == 2, twice.err
+    (line,) = [x for x in twice.err.splitlines() if x.startswith("error: ")]
+    assert "run.steps() was called again after all train.steps=10 updates were done" in line
+    (finish,) = twice.kinds("finish")  # the first loop's, with its loss
+    assert finish["step"] == 10 and finish["loss"] is not None
+    resumed = run("break")
+    assert resumed.code == 0, resumed.err
+    assert resumed.summary["model_digest"] == finish["digest"] and resumed.summary["steps"] == 10
+    assert [e["step"] for e in resumed.kinds("step")] == list(range(1, 11))  # no step twice, none skipped
+    left = run("break-only")
+    assert left.code != 0
+    assert "warning: the script left its run.steps() loop after step 4 of train.steps=10" in left.err, left.err
+    nested = run("nested")
+    assert nested.code == 2 and "run.steps() was called inside the loop body of step 1" in nested.err, nested.err
