@@ -142,7 +142,8 @@ CONTRACT: dict[str, EventKind] = {
     "warning": EventKind("any", "something worth knowing that did not stop the job", {
         "message": "one line",
     }),
-    "failure": EventKind("rank 0 (saves), any rank (fatal), or an agent (hang)", "something failed", {
+    "failure": EventKind("rank 0 (saves), any rank (fatal), or an agent (hang; exit: its worker group failed, "
+                         "the cause first)", "something failed", {
         "message": "one line",
         "rank": "the rank that failed, where known",
         "fatal": "a mistake the user must fix: the host stops and prints it",
@@ -155,11 +156,17 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
         "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
-        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception)",
+        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception); "
+                 "'exit': an agent saw its worker group fail (which rank exited how, the cause first)",
         "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
         "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
-        "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died)",
+        "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died); "
+                     "exit: every rank of this node only lost a peer (the cause is on another node)",
         "detail": "checkpoint failures: the full error (DCP's names each rank's traceback); the message has one line",
+        "worker_pid": "exit: the process id of the rank that failed first",
+        "exit_code": "exit: its exit code (negative: the signal that ended it)",
+        "signal": "exit: the signal that ended it ('SIGKILL'), None when it exited with a code",
+        "recorded": "exit: it recorded its own error (a worker exception), so its own failure event says more",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",

@@ -58,6 +58,8 @@ class Progress:
             return  # the host prints it once, as the error
         elif kind == "failure" and (e.get("consecutive") or 0) > 1:
             return  # failed saves in a row: the first is said; the limit's error says the rest
+        elif kind == "failure" and not _cause_first(e):
+            return  # a symptom, or an error its rank's own failure line already said
         elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
             self._line(_describe(e))
@@ -106,6 +108,16 @@ class Progress:
             self.out.write("\n")
         if self._saves:
             self._line(_tally(self._saves))
+
+
+def _cause_first(e: dict) -> bool:
+    """Is a ``failure`` event the line to show? A survivor's "connection closed by peer" is a
+    symptom: its agent's account (``cause: exit``) names the rank that died and how, first.
+    That account is shown when no rank's own failure event said it: a rank killed by a signal
+    or exiting without a record, or a node whose ranks only lost peers on another node."""
+    if e.get("cause") == "exit":
+        return not e.get("recorded") or bool(e.get("peer_lost"))
+    return not e.get("peer_lost")
 
 
 def _tally(saves: list[dict]) -> str:

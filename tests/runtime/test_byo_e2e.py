@@ -97,6 +97,11 @@ def test_samples_of_a_tensor_dataset_with_0_dim_labels_are_recorded_and_audit_ex
     r = cli("run", str(bn_cnn_job(tmp_path)), "--chaos", "kill-worker:1@12", run_dir=tmp_path / "run")
     assert r.code == 0, r.err
     assert r.summary["restarts"] == 1
+    # The cause first (issue 33): the killed rank, not the survivor's "Connection reset by peer".
+    (fault,) = r.kinds("fault")
+    (line,) = [x for x in r.err.splitlines() if x.startswith("failure:")]
+    assert line.startswith(f"failure: rank 1 (pid {fault['detail'].split('pid ')[1].rstrip(')')}) was killed by SIGKILL")
+    assert "GLHF" not in r.err and "Connection" not in line
     audit(tmp_path / "run", 240, 24, 20)
     by_index: dict[int, set[str]] = {}
     for rec in all_records(tmp_path / "run"):
