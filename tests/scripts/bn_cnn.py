@@ -3,7 +3,7 @@
 ``train.record_samples`` (issue 33). Conv layers keep their bias before BatchNorm, as
 many hand-written models do (docs/tolerance.md says what that does on a resize).
 
-    elastic-harness run tests/scripts/bn_cnn.py --set train.record_samples=true
+    elastic-harness run --set train.record_samples=true tests/scripts/bn_cnn.py [--no-conv-bias]
 """
 
 import sys
@@ -27,10 +27,10 @@ def images() -> TensorDataset:
     return TensorDataset(x, labels)
 
 
-def model() -> nn.Module:
+def model(conv_bias: bool = True) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(1, 8, 3, padding=1, bias=conv_bias), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1, bias=conv_bias), nn.BatchNorm2d(8), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, CLASSES),
     )
 
@@ -39,7 +39,7 @@ def main() -> None:
     run = eh.init(None, argv=sys.argv[1:], overrides=[
         "train.steps=20", "train.global_batch_size=24", "train.micro_batch_size=4",
         "checkpoint.every_steps=5"])
-    net = DDP(model().to(run.device), device_ids=run.device_ids)
+    net = DDP(model(conv_bias="--no-conv-bias" not in run.argv).to(run.device), device_ids=run.device_ids)
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     run.register(net, optimizer)
     for step in run.steps(images()):
