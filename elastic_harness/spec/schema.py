@@ -406,7 +406,7 @@ class DeploySpec:
         "Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used for s3:// checkpoints.",
     )
     etcd_image: str = doc(
-        "quay.io/coreos/etcd:v3.5.17", "etcd image for the rendezvous; 3.5.x (3.6 has no v2 API)."
+        "quay.io/coreos/etcd:v3.6.14", "etcd image for the rendezvous (its v3 API: etcd 3.4 or newer)."
     )
     run_as_user: int = doc(
         10001, "Non-root UID and GID of every container; k8s/Dockerfile creates this user."
