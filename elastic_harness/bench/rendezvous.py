@@ -10,9 +10,10 @@ runs it) form a first round, then ``--rounds`` re-rendezvous rounds: every handl
 slowest handler's. The first round is not timed: torch skews its joins by a random
 0-0.3 s.
 
-It prints JSON: per backend the median round (and range), the time inside the backend's
-``get_state``/``set_state`` per round and how many calls a round made; the ratios v3 / v2
-of the median round and of the backend time. Goal: v3 no slower (round ratio <= 1).
+It prints JSON: per backend the mean and median round (and range), the time inside the
+backend's ``get_state``/``set_state`` per round and how many calls a round made; the ratios
+v3 / v2 of the mean round (the goal's figure: ``summarize`` says why not the median), the
+median round and the backend time. Goal: v3 no slower (round ratio <= 1).
 
 What a round holds besides the backend: waiting handlers read the state every
 ``launch.rendezvous.POLL_S`` (0.25 s), the same for both, so the round ratio leans
@@ -83,20 +84,28 @@ def cmd_rendezvous(args: argparse.Namespace) -> int:
 
 
 def summarize(samples: dict, args: argparse.Namespace, version: str) -> dict:
-    """Pure: the JSON from each backend's per-round samples (seconds, calls)."""
+    """Pure: the JSON from each backend's per-round samples (seconds, calls).
+
+    The goal compares mean rounds: a round ends at a waiting handler's poll, so round times
+    cluster at one poll (~0.27 s) and two (~0.52 s), and a median flips between them with a
+    few rounds more or less in either cluster; the mean weighs them as they happened."""
     def med(backend: str, key: str) -> float:
         return statistics.median(samples[backend][key])
 
-    per = {b: {"round_s": round(med(b, "round"), 4),
+    def mean(backend: str) -> float:
+        return statistics.fmean(samples[backend]["round"])
+
+    per = {b: {"round_mean_s": round(mean(b), 4), "round_median_s": round(med(b, "round"), 4),
                "round_range_s": [round(min(samples[b]["round"]), 4), round(max(samples[b]["round"]), 4)],
                "backend_s_per_round": round(med(b, "backend"), 5),
                "backend_calls_per_round": med(b, "calls")} for b in BACKENDS}
-    ratio = med("etcd-v3", "round") / med("etcd-v2", "round")
+    ratio = mean("etcd-v3") / mean("etcd-v2")
     return {"bench": "rendezvous", "etcd": version, "nodes": args.nodes, "repeats": args.repeats,
             "rounds": args.rounds, **per,
             "round_ratio_v3_over_v2": round(ratio, 3),
+            "round_median_ratio_v3_over_v2": round(med("etcd-v3", "round") / med("etcd-v2", "round"), 3),
             "backend_ratio_v3_over_v2": round(med("etcd-v3", "backend") / med("etcd-v2", "backend"), 3),
-            "goal": "etcd-v3 round no slower than etcd-v2 (round_ratio_v3_over_v2 <= 1)",
+            "goal": "etcd-v3 round no slower than etcd-v2 (round_ratio_v3_over_v2, of the means, <= 1)",
             "goal_met": ratio <= 1.0}
 
 

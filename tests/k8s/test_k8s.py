@@ -105,7 +105,8 @@ def _strict(schema: object) -> object:
 
 
 def _crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load((CRDS / CRD_FILES[(api_version, kind)]).read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are megabytes of YAML
+    crd = yaml.load((CRDS / CRD_FILES[(api_version, kind)]).read_text(), Loader=loader)
     assert crd["spec"]["names"]["kind"] == kind
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == api_version.rsplit("/", 1)[1]]
     return jsonschema.Draft202012Validator(_strict(version["schema"]["openAPIV3Schema"]))
