@@ -208,9 +208,12 @@ class EtcdV3Store(Store):
             value = int(unb64(kvs[0]["value"])) + num if kvs else num
             compare = ({"key": k, "target": "MOD", "mod_revision": kvs[0]["mod_revision"], "result": "EQUAL"}
                        if kvs else {"key": k, "target": "CREATE", "create_revision": "0", "result": "EQUAL"})
-            put = {"key": k, "value": b64(str(value)), "lease": self._lease.id()}
-            if _call(self._gateway, "kv/txn", {"compare": [compare], "success": [{"request_put": put}]}).get(
-                    "succeeded"):
+
+            def swap(lease: str, compare: dict = compare, value: int = value) -> dict:
+                put = {"key": k, "value": b64(str(value)), "lease": lease}
+                return self._gateway.call("kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
+
+            if _with_lease(self._lease, swap).get("succeeded"):
                 return value
 
     def wait(self, keys: list, override_timeout: timedelta | None = None) -> None:

@@ -103,6 +103,8 @@ def test_a_lease_lost_while_stopped_is_granted_anew(etcd):
     assert a.get_state() is None
     state, _, won = a.set_state(b"two")
     assert (state, won) == (b"two", True)
+    raw(etcd, "lease/revoke", {"ID": raw(etcd, "kv/range", {"key": base64.b64encode(a.key).decode()})["kvs"][0]["lease"]})
+    assert store.add("n", 2) == 2, "the store's writes take a new lease too"
     store.set("k", "v")
     assert store.get("k") == b"v"
 
