@@ -126,9 +126,8 @@ def test_hashes_are_the_same_in_another_process_with_another_hash_seed():
             "print(json.dumps({k: content_hash(v) for k, v in items().items()}))")
     import json
 
-    mine = {k: content_hash(v) for k, v in items().items()}
-    for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                             env={**os.environ, "PYTHONHASHSEED": seed}, timeout=50)
-        assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout) == mine
+    mine = {k: content_hash(v) for k, v in items().items()}  # this process: a random hash seed
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONHASHSEED": "1"}, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == mine
