@@ -77,7 +77,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     return out
 
 
-# `run` flags a cluster scheduler cannot honour: (flag, why, fix). Local submissions pass them
+# `run` flags a cluster scheduler cannot honour: (attribute, flag, fix). Local submissions pass them
 # to their supervisor, which is a `run`.
 _LOCAL_ONLY = (
     ("fresh", "--fresh", "submit to a new --run-dir (slurm), or delete the job's volume claim (k8s)"),
