@@ -22,6 +22,7 @@ from elastic_harness.k8s.common import (
 )
 from elastic_harness.k8s.flavors import render_plain, render_pytorchjob
 from elastic_harness.k8s.pod import uses_s3
+from elastic_harness.k8s.trainjob import render_trainjob
 from elastic_harness.spec import JobSpec, dump_job
 
 DEFAULT_IMAGE = f"elastic-harness:{__version__}"
@@ -46,7 +47,8 @@ def render(
         raise RenderError(f"namespace '{namespace}' is not a valid namespace name", "e.g. ml-jobs")
     config, paths = job_config(spec, script_files)
     target = Target(spec, names_for(spec), image, namespace or None, paths)
-    pods = render_pytorchjob(target) if flavor == "pytorchjob" else render_plain(target)
+    renderers = {"pytorchjob": render_pytorchjob, "plain": render_plain, "trainjob": render_trainjob}
+    pods = renderers[flavor](target)
     return [*_shared(target, config), *pods]
 
 
