@@ -182,6 +182,82 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
             h._stop_heartbeats()
 
 
+def test_non_utf8_bytes_in_the_rendezvous_key_are_refused_and_overwritten(store, caplog):
+    """Issue 33: bytes that are not even UTF-8 ended the agent (torch decoded the token, the
+    raw value read back, as UTF-8). Now they read as the last authentic state, the next
+    write replaces them, and the agents form their next round."""
+    import torch.distributed as dist
+
+    from elastic_harness.launch import sealed
+
+    pair = [handler(f"127.0.0.1:{store.port}", "garbage") for _ in range(2)]
+    try:
+        assert join(pair) == [2, 2]
+        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        forger.set("torch.rendezvous.garbage", b"\xff\xfe\x80 not a state")
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+            for h in pair:
+                h._state_holder.sync()
+                assert h._state_holder.state.participants, "the last authentic state, not an empty one"
+            assert join(pair) == [2, 2], "a restart after the garbage forms the group again"
+        stored = forger.get("torch.rendezvous.garbage")
+        assert sealed.StateSeal(KEY, "garbage").authentic(stored) is not None, "overwritten by the agents"
+        lines = [r.getMessage() for r in caplog.records if "not signed with this job's key" in r.getMessage()]
+        assert lines and all("'torch.rendezvous.garbage'" in line for line in lines), lines
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, caplog):
+    """Issue 33: a deleted key made every read block for ``read_timeout`` (torch's store
+    ``get`` waits for the key), and the job's end with it. Reads and writes now go on at
+    once, the key is written again, and a rendezvous closed after a deletion reads closed."""
+    import time
+
+    import torch.distributed as dist
+
+    pair = [handler(f"127.0.0.1:{store.port}", "deleted") for _ in range(2)]
+    for h in pair:
+        h._state_holder._cache_duration = 0  # every sync reads the store
+    key = "torch.rendezvous.deleted"
+    try:
+        assert join(pair) == [2, 2]
+        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+            forger.delete_key(key)
+            t0 = time.monotonic()
+            pair[1]._state_holder.sync()  # a read: took read_timeout (30 s here), then raised
+            assert time.monotonic() - t0 < 10 and forger.check([key]), "written again from the last state"
+            assert pair[1]._state_holder.state.participants
+            forger.delete_key(key)
+            pair[0].set_closed()  # what an agent's shutdown does at the job's end
+            assert pair[1].is_closed(), "the closing state survives the deletion"
+        assert any("was deleted from the store" in r.getMessage() and key in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+def test_a_writer_in_a_loop_is_named_without_flooding_the_log(caplog):
+    """One line at the first refusal, then at most one per ``LOG_EVERY_S`` saying how many
+    more came and that something outside the job keeps writing the key."""
+    from elastic_harness.launch import sealed
+
+    now = [0.0]
+    seal = sealed.StateSeal(KEY, "loop", clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        for i in range(50):
+            now[0] = i * 0.1
+            seal.open(b"\xff%d" % i)
+        now[0] = sealed.LOG_EVERY_S + 1
+        seal.open(b"\xffagain")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and seal.refused == 51, lines
+    assert "49 more" in lines[1] and "keeps writing 'torch.rendezvous.loop'" in lines[1]
+
+
 def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, caplog, monkeypatch):
     """The same through a real etcd (v2 API), the forger a plain etcd client."""
     import etcd
@@ -221,6 +297,7 @@ def test_another_jobs_key_cannot_join(store):
     good = seal.open(base64.b64encode(seal.close(b"ours")))
     assert good == b"ours"
     assert seal.open(b"garbage") == b"ours", "after a refusal: the last authentic state"
+    assert seal.open(b"\xff\xfe") == b"ours" and seal.open(sealed.ABSENT) == b"ours", "not UTF-8; the empty marker"
 
 
 def test_rendezvous_store_host_binds_only_the_endpoint_host(monkeypatch):
