@@ -133,3 +133,39 @@ def test_garbage_and_a_deleted_rendezvous_key_are_repaired_while_the_job_trains(
     """Non-UTF-8 bytes ended the job; a deleted key blocked its end 150 s and failed it."""
     assert live["garbage_overwritten"] == "overwritten" and live["deleted_rewritten"] == "rewritten"
     assert live["code"] == 0 and live["summary"]["finished"] and live["summary"]["restarts"] == 0, live["out"][-2000:]
+
+
+def test_directories_planted_at_the_jobs_next_and_final_steps_take_nothing_of_it(tmp_path):
+    """Issue 33: unsigned step directories planted beside a run's checkpoints, one (with a
+    pickle for ``.metadata``) at a step the resumed job will save, one at its final step:
+    the job resumes from its own, writes its own checkpoints at those steps (keep=2 of its
+    own), the planted ones are set aside intact, and nothing of theirs ran."""
+    from elastic_harness.checkpoint import integrity
+    from elastic_harness.checkpoint.storage import LocalStorage
+    from tests.security.test_planted_checkpoints import plant
+
+    run_dir, planted = tmp_path / "run", tmp_path / "pwned"
+
+    def run(steps: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir),
+               "--set", "nproc_per_node=2", "--set", f"train.steps={steps}", "--set", "checkpoint.every_steps=100",
+               "--set", "checkpoint.keep=2"]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240)
+
+    assert run(100).returncode == 0
+    storage = LocalStorage(run_dir / "checkpoints")
+    plant(storage, "step-0000300", planted, step=300)
+    plant(storage, "step-0000400", None, step=400)
+    r = run(400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not planted.exists(), "the planted pickle ran"
+    key = jobkey.read(run_dir / jobkey.KEY_FILE)
+    names = sorted(storage.listing())
+    assert [n for n in names if integrity.signed_by(storage, n, key).ok] == ["step-0000300", "step-0000400"], names
+    aside = [n for n in names if ".bad-" in n]
+    assert sorted(n.split(".bad-")[0] for n in aside) == ["step-0000300", "step-0000400"], names
+    assert all((run_dir / "checkpoints" / n / ".metadata").is_file() for n in aside), "set aside, intact"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["last_checkpoint"].endswith("step-0000400"), summary
+    assert summary["resumed_from_step"] == 100, "resumed from its own checkpoint, not a planted one"
+

@@ -492,7 +492,11 @@ def test_ckpt_commands_check_signatures_and_trust_signs(cli_here, tmp_path):
     r = cli_here("ckpt", "export", run_dir, "--to", tmp_path / "m.pt")
     assert r.code == 2 and "unsigned checkpoint" in r.err and "ckpt trust" in r.err
     assert not (tmp_path / "m.pt").exists()
-    r = cli_here("ckpt", "trust", run_dir)
+    r = cli_here("ckpt", "trust", run_dir)  # no bulk signing: one named step at a time
+    assert r.code == 2 and "--step" in r.err and cli_here("ckpt", "verify", run_dir).code == 1
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5)  # shown, but nobody said yes (no terminal)
+    assert r.code == 2 and "model.w" in r.out and "--yes" in r.err and cli_here("ckpt", "verify", run_dir).code == 1
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5, "--yes")
     assert r.code == 0 and "step-0000005: signed with" in r.out
     assert cli_here("ckpt", "verify", run_dir).code == 0
     assert cli_here("ckpt", "export", run_dir, "--to", tmp_path / "m.pt").code == 0
@@ -524,7 +528,7 @@ def test_a_legacy_run_is_never_read_silently(cli_here, tmp_path):
     save_single_process(storage, "step-0000003", {"model": {"w": torch.ones(2)}}, {"step": 3})
     r = cli_here("verify", run_dir, run_dir)
     assert r.code == 2 and "no job.key" in r.err and "ckpt trust" in r.err
-    r = cli_here("ckpt", "trust", run_dir, "--key", run_dir / "job.key")
+    r = cli_here("ckpt", "trust", run_dir, "--step", 3, "--yes", "--key", run_dir / "job.key")
     assert r.code == 0 and stat.S_IMODE(os.stat(run_dir / "job.key").st_mode) == 0o600
     r = cli_here("verify", run_dir, run_dir)
     assert r.code == 0, r.err
