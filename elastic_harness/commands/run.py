@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, runfiles
+from elastic_harness import exitcodes, jobkey, runfiles
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
 from elastic_harness.checkpoint.lock import Holder
@@ -115,7 +115,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
     holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
-    with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder) as claim:
+    # The key the agents will use (``jobkey.key_path``), checked here, before any launch.
+    given = os.environ.get(jobkey.KEY_FILE_VAR)
+    with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder,
+                 key_file=Path(given) if given else None) as claim:
         run_dir = claim.path
         register_run(spec, run_dir, Path(args.job), rdzv_id)
         code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,

@@ -471,6 +471,69 @@ def test_a_provided_key_file_must_exist(tmp_path):
     assert not (tmp_path / "run" / jobkey.KEY_FILE).exists(), "no key of its own beside a provided one"
 
 
+def _signed_run(run_dir):
+    """A run dir whose key signed a checkpoint (step 5); its listing."""
+    from elastic_harness.checkpoint.export import save_single_process
+    from elastic_harness.checkpoint.storage import LocalStorage
+
+    storage = LocalStorage(run_dir / "checkpoints")
+    storage.ensure()
+    key = jobkey.ensure(run_dir / jobkey.KEY_FILE)
+    save_single_process(storage, "step-0000005", {"model": {"w": __import__("torch").ones(3)}}, {"step": 5}, key=key)
+    return storage, sorted(storage.listing())
+
+
+def test_a_missing_or_replaced_key_is_named_and_nothing_is_set_aside(cli_here, tmp_path):
+    """Issue 33: with job.key gone, a new key was made silently and every good checkpoint
+    set aside as forged on resume. Now the run is refused before anything starts (exit 2),
+    naming the file and the fix, with the checkpoints and the run dir as they were."""
+    from tests.conftest import MLP
+
+    run_dir = tmp_path / "run"
+    storage, before = _signed_run(run_dir)
+    (run_dir / jobkey.KEY_FILE).unlink()
+    r = cli_here("run", MLP, "--run-dir", run_dir)
+    assert r.code == 2 and f"{run_dir / jobkey.KEY_FILE} is missing" in r.err, r.err
+    assert "ckpt trust" in r.err and "--step 5" in r.err and "--fresh" in r.err and "Traceback" not in r.err
+    assert not (run_dir / jobkey.KEY_FILE).exists() and sorted(storage.listing()) == before
+    jobkey.ensure(run_dir / jobkey.KEY_FILE)  # another key than the one that signed them
+    r = cli_here("run", MLP, "--run-dir", run_dir)
+    assert r.code == 2 and "are not signed with the key in" in r.err and sorted(storage.listing()) == before, r.err
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5, "--yes")  # the fix it names: review, re-sign
+    assert r.code == 0, r.err
+
+
+def test_a_fresh_run_dir_still_makes_its_key_and_fresh_starts_over(tmp_path):
+    from elastic_harness.checkpoint.lock import Holder
+    from elastic_harness.rundir import prepare
+    from elastic_harness.spec import parse_job
+
+    spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])
+    with prepare(tmp_path / "new", spec, holder=Holder.this_process("job", "a")):
+        assert (tmp_path / "new" / jobkey.KEY_FILE).is_file()
+    run_dir = tmp_path / "run"
+    _signed_run(run_dir)
+    (run_dir / jobkey.KEY_FILE).unlink()
+    with prepare(run_dir, spec, fresh=True, holder=Holder.this_process("job", "b")):
+        assert (run_dir / jobkey.KEY_FILE).is_file(), "--fresh moved the checkpoints aside: a new key"
+
+
+@pytest.mark.parametrize("bad", ["missing", "short", "directory"])
+def test_a_bad_provided_key_file_is_one_line_before_any_launch(cli_here, tmp_path, monkeypatch, bad):
+    """Issue 33: a bad ELASTIC_HARNESS_KEY_FILE gave "agents exited with {0: 2}", exit 1."""
+    from tests.conftest import MLP
+
+    path = tmp_path / "key"
+    if bad == "short":
+        path.write_text("abcd\n")
+    elif bad == "directory":
+        path.mkdir()
+    monkeypatch.setenv(jobkey.KEY_FILE_VAR, str(path))
+    r = cli_here("run", MLP, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and jobkey.KEY_FILE_VAR in r.err and str(path) in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 2 and "Traceback" not in r.err  # the line and its fix
+
+
 def test_ckpt_commands_check_signatures_and_trust_signs(cli_here, tmp_path):
     """An unsigned (legacy) checkpoint: verify says so, export refuses it with the fix named,
     ``ckpt trust`` signs it, then both accept it; a copy away from its key needs --key/--trust."""
