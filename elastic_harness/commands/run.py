@@ -435,13 +435,17 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
     code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering)
+                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering,
+                            sessions=state.generations)
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
     (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
+    if message:  # a plain script's success (``outcome``)
+        print(f"finished: {message}")
+        return 0
     print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
           f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
     print(f"model digest {summary['model_digest']}")
@@ -451,10 +455,13 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
             codes: dict[int, int | None], drained_at: int | None = None,
             agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "",
-            cut_short: str = "") -> tuple[int, str]:
+            cut_short: str = "", sessions: int = -1) -> tuple[int, str]:
     """Pure: the host's exit code and message (``exitcodes``), from what happened
     (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them;
-    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step)."""
+    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step;
+    ``sessions``: worker groups that started the harness's session, ``RunState.generations``).
+    A script that never starts one (a plain torchrun script) has finished when every agent
+    exited 0, its workers having exited 0: then the message says so (the only OK with one)."""
     if fatal:
         return exitcodes.PERMANENT, fatal
     if finished and cut_short:
@@ -465,6 +472,9 @@ def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: in
         return exitcodes.FAILED, superseded
     if permanent:  # a crash loop (or a fatal error): restarting cannot help
         return exitcodes.PERMANENT, permanent
+    if sessions == 0 and stopped_by is None and codes and all(c == 0 for c in codes.values()):
+        return exitcodes.OK, ("the script exited 0 on every rank (it does not use elastic_harness's API, "
+                              "so no steps, checkpoints or resumes were recorded)")
     saved = "no step was drained" if drained_at is None else f"drained and saved at step {drained_at}"
     if stopped_by is not None:
         return 128 + stopped_by, f"job stopped by {signal.Signals(stopped_by).name}; {saved}"

@@ -169,3 +169,40 @@ def test_directories_planted_at_the_jobs_next_and_final_steps_take_nothing_of_it
     assert summary["finished"] and summary["last_checkpoint"].endswith("step-0000400"), summary
     assert summary["resumed_from_step"] == 100, "resumed from its own checkpoint, not a planted one"
 
+
+PLAIN_SCRIPT = '''
+import os, sys, torch, torch.distributed as dist
+go, ready = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")  # its own: torch's env:// with the launcher's variables
+if dist.get_rank() == 0:
+    open(ready, "w").close()
+flag = torch.zeros(1)
+while not flag.item():  # every rank trains until rank 0 sees the go file
+    flag.fill_(float(dist.get_rank() == 0 and os.path.exists(go)))
+    dist.all_reduce(flag)
+dist.destroy_process_group()
+'''
+
+
+def test_a_plain_torchrun_script_listens_on_loopback_and_its_success_is_reported(tmp_path):
+    """Issue 33: a script with its own ``init_process_group`` got rank 0's store on every
+    interface (torch's env:// binds the wildcard), and its exit 0 on every rank was reported
+    as "job failed: agents exited with {0: 0}", exit 1."""
+    script, go, ready = tmp_path / "plain.py", tmp_path / "go", tmp_path / "ready"
+    script.write_text(PLAIN_SCRIPT)
+    cmd = [sys.executable, "-m", "elastic_harness", "run", "--run-dir", str(tmp_path / "run"),
+           "--nproc-per-node", "2", str(script), str(go), str(ready)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        _wait(lambda: ready.exists() or proc.poll() is not None, 180, "the script's process group")
+        sockets = listening_sockets(descendants(proc.pid))
+        go.touch()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert len(sockets) >= 3, sockets  # the rendezvous store, rank 0's store, gloo's pairs
+    assert [s for s in sockets if not is_loopback(s[0])] == [], sockets
+    assert proc.returncode == 0 and "the script exited 0 on every rank" in out, out[-2000:]
