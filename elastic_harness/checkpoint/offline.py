@@ -36,8 +36,14 @@ MODEL_PREFIX = "model."
 
 
 def load_model_tensors(reader: Any) -> dict[str, torch.Tensor]:
-    """``{parameter name: tensor}`` with clean names (no ``model.``/``module.`` prefixes)."""
-    meta = reader.read_metadata().state_dict_metadata
+    """``{parameter name: tensor}`` with clean names (no ``model.``/``module.`` prefixes).
+    A ``.metadata`` that is not DCP's (``safe_metadata``) is a ``CheckpointError``."""
+    import pickle
+
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(str(e), "nothing was read from it") from None
     flat = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in meta.items()
@@ -201,8 +207,8 @@ def review(storage: Storage, name: str) -> Review:
     data = storage.read_bytes(name, layout.METADATA)
     try:
         meta = load(io.BytesIO(data), f"{where}/{layout.METADATA}")
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{where} cannot be vouched for: {e}", "remove it; nothing was signed") from None
+    except pickle.UnpicklingError as e:  # safe_metadata.UnsafeMetadata: refused or damaged
+        raise CheckpointError(f"{where} cannot be vouched for: {e}", "nothing was signed") from None
     sha = hashlib.sha256(data).hexdigest()
     listed = manifest.get("files") or {}
     files = [(f, int(w.get("size", 0)), f"sha256 {sha}" if f == layout.METADATA

@@ -115,8 +115,15 @@ class _Unpickler(pickle.Unpickler):
 
 def load(stream: IO[bytes], where: str = METADATA) -> Metadata:
     """The ``Metadata`` pickled in ``stream``, resolving only DCP's metadata types; raises
-    ``UnsafeMetadata`` (an ``UnpicklingError``) naming ``where`` for anything else."""
-    value = _Unpickler(stream, where).load()
+    ``UnsafeMetadata`` (an ``UnpicklingError``) naming ``where`` for anything else,
+    a damaged pickle included."""
+    try:
+        value = _Unpickler(stream, where).load()
+    except UnsafeMetadata:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError) as e:
+        raise UnsafeMetadata(f"{where} is not readable DCP metadata ({e!r:.120}); {_FIX}") from None
     if not isinstance(value, Metadata):
         raise UnsafeMetadata(f"{where} holds a {type(value).__name__}, not DCP metadata; {_FIX}")
     return value
