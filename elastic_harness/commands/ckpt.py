@@ -8,7 +8,8 @@ signed with the run's key (``job.key`` beside the checkpoints, or ``--key FILE``
 user says ``--trust``; ``ckpt trust`` shows one checkpoint the user vouches for (an older
 run's, written before checkpoints were signed, or another job's) and signs it once
 confirmed, ``ckpt import`` signs what it imports. ``.metadata`` is read by
-``safe_metadata`` (DCP's types only), so even a signed one runs no code. ``ls`` and ``verify`` read no pickle and only report signatures.
+``safe_metadata`` (DCP's types only), so even a signed one runs no code. ``ls`` and
+``verify`` read no pickle and only report signatures.
 Modules that import torch (``offline``, ``export``) are imported by the commands that use
 them, so ``--help`` stays fast.
 """
