@@ -191,8 +191,9 @@ class CheckpointManager:
                     raise CheckpointError(
                         f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
                         "(see the quarantine and warning events)",
-                        "unsigned ones (written before checkpoints were signed) load once you vouch for them: "
-                        "'elastic-harness ckpt trust RUN_DIR'; or re-run with --fresh to start over"
+                        "an unsigned one (an older run's, another tool's, or planted) loads only once you have "
+                        "reviewed it with 'elastic-harness ckpt trust RUN_DIR --step N'; or re-run with --fresh "
+                        "to start over"
                         if unsigned else "restore a good copy, or re-run with --fresh to start over",
                     )
                 return None
@@ -255,10 +256,11 @@ class CheckpointManager:
         for s in choice.incomplete:
             self.events.emit("warning", message=f"ignoring incomplete checkpoint {s.name} ({s.reason})")
 
-    def _quarantine(self, name: str, reason: str, kind: str) -> None:
-        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it."""
-        quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
-                             blocked=self._superseded())
+    def _quarantine(self, name: str, reason: str, kind: str, move_unsigned: bool = False) -> str | None:
+        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it
+        (an unsigned one stays, unless ``move_unsigned``); its new name, or None."""
+        return quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
+                                    blocked=self._superseded(), move_unsigned=move_unsigned)
 
     def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> tuple[Loaded | None, str]:
         """Every rank: load ``choice`` into ``state``; ``(None, why)`` on every rank if any failed.
@@ -390,13 +392,24 @@ class CheckpointManager:
             listing = self.storage.listing()
             if name in listing:
                 d = layout.scan({name: listing[name]}, require_manifest=True)[0]
-                if d.complete:
+                if d.complete and self._ours(name):
                     return "skipped", f"a complete checkpoint {name} already exists"
+                if d.complete:  # not this job's: it must not take the place of this job's own
+                    verdict = integrity.signed_by(self.storage, name, self.key)
+                    if not self._quarantine(name, f"{verdict.reason}; in the way of this job's checkpoint "
+                                            "of that step", verdict.kind, move_unsigned=True):
+                        return "skipped", f"{name} is not this job's and could not be set aside"
+                    return "go", ""
                 self.events.emit("warning", message=f"removing stale incomplete {name}")
                 self.storage.remove(name)
         except OSError as e:
             return "error", f"cannot prepare {self.storage.uri(name)}: {one_line(e)}"
         return "go", ""
+
+    def _ours(self, name: str) -> bool:
+        """Rank 0: is ``name`` this job's (signed with its key)? True without a key (tests,
+        benches: everything is trusted there)."""
+        return self.key is None or integrity.signed_by(self.storage, name, self.key).ok
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
                 asynchronous: bool) -> bool:
@@ -471,7 +484,8 @@ class CheckpointManager:
                 return  # a newer generation owns retention now
             dirs = layout.scan(self.storage.listing(), require_manifest=True)
             protect = self._busy | {committed}
-            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect)
+            foreign = {d.name for d in dirs if d.complete and not self._ours(d.name)}
+            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect, foreign)
             for d in doomed + stale_incomplete(dirs, committed):
                 if d.step not in protect:
                     self.storage.remove(d.name)

@@ -155,7 +155,8 @@ def final_checkpoint(run_dir: Path):
     if choice.chosen is not None and key is None:
         raise CheckpointError(f"cannot check who wrote the checkpoints of '{run_dir}': it has no job.key "
                               "(a run from before checkpoints were signed)",
-                              f"if you trust them: elastic-harness ckpt trust {run_dir} --key {run_dir}/job.key")
+                              f"if you trust it, review and sign it: elastic-harness ckpt trust {run_dir} "
+                              f"--step {choice.chosen.step} --key {run_dir}/job.key")
     if choice.chosen is not None:
         return storage, choice.chosen.name
     if not choice.complete:
