@@ -11,7 +11,8 @@ Where the key lives:
 - ``<run dir>/job.key`` (``KEY_FILE``), 32 random bytes written hex, mode 0600, created
   once per run directory by whichever process prepares it first (``ensure``: ``run``,
   ``agent``, ``submit``), atomically, so concurrent agents agree on one key. Every later
-  submission into the same run directory reuses it: its checkpoints stay loadable.
+  submission into the same run directory reuses it: its checkpoints stay loadable. A key
+  that went missing beside checkpoints it signed is not made anew (``rundir.check_key``).
 - elsewhere, when ``KEY_FILE_VAR`` (``ELASTIC_HARNESS_KEY_FILE``) names a file: a
   Kubernetes Secret mounted into the pod, or a path Slurm's job environment exports. Such a
   file is never created here; it must exist.
@@ -60,7 +61,11 @@ def ensure(path: Path) -> bytes:
     if not path.exists():
         key = secrets.token_bytes(_KEY_BYTES)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise KeyError_(f"cannot create the job's key {path}: {e.strerror or e}",
+                            "name a key file in a directory you can write") from None
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(key.hex() + "\n")

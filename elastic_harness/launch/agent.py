@@ -173,7 +173,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
-                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace))
+                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
+                  on_failure=exit_reporter(events, node))
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):
@@ -252,6 +253,18 @@ def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: 
             f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
 
 
+def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
+    """The agent's account of a failed worker group (``launch.elastic.exit_account``): which
+    rank exited how, the cause first. Called on the agent's main thread."""
+
+    def report(a: dict) -> None:
+        events.emit("failure", cause="exit", fatal=False, node=node, rank=a.get("rank"), step=a.get("step"),
+                    worker_pid=a.get("worker_pid"), exit_code=a.get("exit_code"), signal=a.get("signal"),
+                    recorded=a.get("recorded"), peer_lost=a.get("peer_lost"), message=a["message"])
+
+    return report
+
+
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
     """The agent's account of its worker group (``launch.elastic.HarnessAgent``'s report)."""
 
@@ -268,19 +281,26 @@ def _first_failure(err, max_restarts: int, window: int) -> str:
                              f"rank {rank} exit {failure.exitcode}: {msg[:300]}")
 
 
+# Rendezvous failures that fail again however often they are retried: a closed id (a new
+# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job).
+PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured")
+
+
 def rendezvous_exit_code(kind: str) -> int:
-    """Pure: a closed rendezvous id fails again however often it is retried (a new id
-    fixes it); a spare that waited in torch's redundancy list until the job closed is done
-    (torch's graceful exit); every other rendezvous failure is the infrastructure's."""
+    """Pure: a mistake (``PERMANENT_RENDEZVOUS_ERRORS``) exits 2; a spare that waited in
+    torch's redundancy list until the job closed is done (torch's graceful exit: 0); every
+    other rendezvous failure is the infrastructure's, worth a retry."""
     if kind == "RendezvousGracefulExitError":
         return EXIT_OK
-    return EXIT_PERMANENT if kind == "RendezvousClosedError" else EXIT_INFRA
+    return EXIT_PERMANENT if kind in PERMANENT_RENDEZVOUS_ERRORS else EXIT_INFRA
 
 
 def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_timeout: int,
                              at_start: bool = False) -> str:
     """Pure: one line saying what a rendezvous failure means for this job (``at_start``:
     before this agent's first rendezvous completed)."""
+    if kind == "EtcdMisconfigured":  # its message is the line, fix included
+        return f"{detail}; nothing was trained" if at_start else detail
     if kind == "RendezvousConnectionError" and at_start:
         return unreachable_backend(opts, detail)
     if kind == "RendezvousTimeoutError":
@@ -301,13 +321,16 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
 def unreachable_backend(opts: NodeOptions, detail: str) -> str:
     """Pure: the line for a rendezvous backend that cannot be used at start-up."""
     detail = " ".join(detail.split())[:200]
-    v2 = "--enable-v2 (torch's etcd rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
+    v2 = "--enable-v2 (torch's etcd-v2 rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
     if opts.rdzv_backend == "c10d":
         fix = ("start the agent that hosts the c10d store (--is-host) first, at that address, or fix "
                "rendezvous.endpoint (--rdzv-endpoint)")
+    elif opts.rdzv_backend == "etcd-v3":
+        fix = ("start etcd there (3.4 or newer: the v3 API), or fix rendezvous.endpoint (--rdzv-endpoint; "
+               "name every member, comma-separated)")
     elif "404" in detail:  # an etcd that answers, without the v2 API
-        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}; "
-                "nothing was trained, re-run once it is up")
+        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}, or use "
+                "rendezvous.backend: etcd (the v3 API); nothing was trained, re-run once it is up")
     else:
         fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
     return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "

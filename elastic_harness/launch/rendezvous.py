@@ -1,4 +1,4 @@
-"""torch's dynamic rendezvous (c10d, etcd-v2) with a last call decided per round.
+"""torch's dynamic rendezvous (c10d, etcd-v3, etcd-v2) with a last call decided per round.
 
 torch's ``DynamicRendezvousHandler`` closes a round ``last_call`` seconds after ``nodes.min``
 nodes joined it (or at once when ``nodes.max`` did). One value serves two opposite needs:
@@ -87,6 +87,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
     dynamic_rendezvous,
+    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -95,7 +96,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.deps import require_torch
-from elastic_harness.launch import liveness, probe, rounds, verdict
+from elastic_harness.launch import etcd_v3, liveness, probe, rounds, verdict
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +219,13 @@ def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
     (``launch.sealed``)."""
     from elastic_harness.launch import sealed
 
-    seal = sealed.StateSeal(key, params.run_id)
-    if params.backend == "c10d":
+    c10d = params.backend == "c10d"  # where the state lives, for the log: a store key, an etcd key
+    where = f"torch.rendezvous.{params.run_id}" if c10d else f"/torch/elastic/rendezvous/{params.run_id}"
+    seal = sealed.StateSeal(key, params.run_id, where=where)
+    if c10d:
         return sealed.create_c10d_backend(params, seal)
+    if params.backend == etcd_v3.BACKEND:
+        return etcd_v3.create_backend(params, seal)
     return sealed.create_etcd_backend(params, seal)
 
 
@@ -236,6 +241,7 @@ class _Handler(DynamicRendezvousHandler):
     _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
     _condemned: frozenset = frozenset()  # peers of its last round ``launch.verdict`` found gone
     _failed = False  # its workers failed since its last round completed (``group_failed``)
+    _steady_poll: float | None = None  # its state holder's cache while its workers run (``poll_for``)
     _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
     _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
 
@@ -266,15 +272,20 @@ class _Handler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
+        holder = self._state_holder
+        if self._steady_poll is None:
+            self._steady_poll = holder._cache_duration  # ``POLL_S`` (``create_handler``), or a caller's
         if self._formed:  # a restart: the peers rejoin within moments; see them at once
-            self._state_holder._cache_duration = _JOIN.poll = rejoin_poll(len(self._peers))
+            holder._cache_duration = _JOIN.poll = rejoin_poll(len(self._peers))
         try:
             info = super().next_rendezvous()
         finally:
             _JOIN.restart, _JOIN.poll = False, POLL_S
+            holder._cache_duration = self._steady_poll
         self._formed = True
-        state = self._state_holder.state
-        self._state_holder._cache_duration = poll_for(len(state.participants))
+        state = holder.state
+        if poll_for(len(state.participants)) > POLL_S:  # a large group reads less often
+            holder._cache_duration = max(self._steady_poll, poll_for(len(state.participants)))
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
         self._condemned, self._failed = frozenset(), False
         timeout = self._settings.timeout
@@ -545,16 +556,24 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
     record_rdzv_event(event)
 
 
+def register_backends() -> None:
+    """Name our etcd v3 backend in torch's rendezvous handler registry: a handler made by
+    torch's registry for ``etcd-v3`` is ``create_handler``'s (torch's ``register`` accepts the
+    same creator again)."""
+    rendezvous_handler_registry.register(etcd_v3.BACKEND, create_handler)
+
+
 def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
+    c10d, etcd-v3 (``launch.etcd_v3``) and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
     file that the config's ``key_file`` names: ``launch.config.rdzv_configs``); any other
     backend exactly as torch's registry makes it."""
     require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
     dynamic_rendezvous.get_method_name = method_name  # see the module docstring
     dynamic_rendezvous.construct_and_record_rdzv_event = record_event
     dynamic_rendezvous._delay = delay
-    if params.backend not in ("c10d", "etcd-v2"):
+    register_backends()
+    if params.backend not in ("c10d", "etcd-v2", etcd_v3.BACKEND):
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         return get_rendezvous_handler(params)
