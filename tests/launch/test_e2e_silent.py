@@ -52,8 +52,8 @@ def test_a_slow_node_that_is_alive_is_waited_for(tmp_path):
     r = script(tmp_path, *TWO_NODES, "--set", "train.steps=40", "--set", "timeouts.step=30",
                str(STRAGGLER), "1", "20", "6")
     assert r.code == 0, r.err
-    stalls = r.kinds("stall")
-    assert stalls and stalls[0]["node"] == "0", "rank 0 stalled past its bound: its agent looked"
+    stalls = r.kinds("stall")  # rank 1 stalls too, in its own pause
+    assert any(s["node"] == "0" for s in stalls), "rank 0 stalled past its bound: its agent looked"
     assert causes(r) == [], "a live node was taken for a dead one"
     assert [g["world_size"] for g in r.kinds("rendezvous")] == [2]
 
