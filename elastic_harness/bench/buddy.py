@@ -122,6 +122,7 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
     from elastic_harness.memtier.peer import Wire
     from elastic_harness.memtier.tier import MemoryTier
     from elastic_harness.runtime.state import TrainState, build_state
+    from elastic_harness.runtime.topology import Topology
     from elastic_harness.tasks.mlp import MLPRegression
 
     torch.set_num_threads(1)
@@ -138,7 +139,7 @@ def _rank(rank: int, port: int, root: str, opts: dict) -> None:
         state = build_state(model, optim, train)
         tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2), warn=print,
                                local_size=1, generation=0x5EED, link_key=b"bench buddy, not secret", link_host="127.0.0.1")
-        tier.restore(state, sharded=True)
+        tier.restore(state, Topology.build(2, 1, 2, "fsdp", rank=rank))  # one rank per node: copies kept
         gen = torch.Generator().manual_seed(rank)
         x, y = torch.randn(15, 16, generator=gen), torch.randn(15, 1, generator=gen)
         samples = {k: {m: [] for m in MODES} for k in ("wall", "cpu", "save")}

@@ -1,6 +1,6 @@
 """The worker's side of the in-memory tier: save a snapshot, restore the newest usable one.
 
-Call order (every rank of a generation, same order): ``restore(state, replicated=...)`` once,
+Call order (every rank of a generation, same order): ``restore(state, layout)`` once,
 before training and before any storage restore (it is collective, over ``wire``: the
 checkpoint group); then ``save(step, state)`` after the steps ``cadence`` names (no
 collective; each rank writes its own slot). ``close()`` at the end.
@@ -10,9 +10,9 @@ follows ``choose``: every rank reads the snapshot it wrote itself at this world 
 worker crash); or, when the state is replicated (DDP), the newest step any rank holds, at
 any world size: its holders read their own slot, the other ranks receive it from a holder
 (``peer``: its tensor bytes into their own slot, its skeleton as JSON; nothing received is
-unpickled); or, under a mesh whose replicas grew or shrank, the same per coordinate of the
-(shard, tensor) plane (a rank receives its coordinate's snapshot from a replica holding
-it; a storage checkpoint newer than that step wins); or storage, and then every rank's slots are unpublished (they belong to a
+unpickled); or, under a mesh whose replicas grew or shrank, the same per coordinate of its
+plane (a rank receives its coordinate's snapshot from a replica holding it; a storage
+checkpoint newer than that step wins); or storage, and then every rank's slots are unpublished (they belong to a
 lineage this generation does not continue). A rank that cannot open its slots takes part
 with none, so the ranks always agree. Nothing calls the live state's ``state_dict()``
 before the ranks agreed on a step (for an optimizer without state, that call runs a zero
@@ -92,8 +92,9 @@ class MemoryTier:
         self._unsettled: int | None = None
         self._waiting = 0  # snapshots in a row that found a copy moving somewhere (``buddy.stuck``)
         self._views = [snapshot.Views() for _ in regions]
-        self.replicated = False  # snapshots are marked replicated (``restore`` learns it)
-        self.mesh: tuple[int, int] | None = None  # and with their mesh degrees (``restore`` too)
+        # What the job's layout allows (``restore`` learns it): snapshots saved from then on are
+        # marked replicated, or carry their mesh plane and coordinate.
+        self.rules = peer.Rules()
         self.plan: Plan | None = None  # the last restore's
 
     @classmethod
@@ -121,21 +122,21 @@ class MemoryTier:
         return cls(own, rank=rank, world_size=world_size, wire=wire, warn=warn, buddy_regions=spare,
                    local_size=local_size, generation=generation, link_key=link_key, link_host=link_host)
 
-    def restore(self, state: dict[str, Any], *, replicated: bool = False, sharded: bool = False,
-                durable: Callable[[], int | None] = lambda: None,
-                mesh: tuple[int, int] | None = None) -> Restored | None:
+    def restore(self, state: dict[str, Any], layout: peer.Layout | None = None, *, portable: bool = True,
+                durable: Callable[[], int | None] = lambda: None) -> Restored | None:
         """Collective: fill ``state`` from memory (own, a peer's, or resharded from own
-        snapshots and buddy copies, ``choose``), or None. ``replicated``: the job's state is a
-        full replica on every rank (``peer.replicated_layout``); snapshots saved from now on
-        are marked so. ``sharded``: each rank holds its own shard (``peer.sharded_layout``):
-        buddy copies are kept from now on, when the job spans nodes. ``durable``: collective,
+        snapshots and buddy copies, ``choose``), or None. ``layout``: the job's
+        (``runtime.topology``), read by ``peer.restore_rules``: under ``ddp`` snapshots saved
+        from now on are marked replicated; under ``fsdp`` buddy copies are kept from now on,
+        when the job spans nodes; under a mesh snapshots carry its plane and coordinate, and
+        replicas restore by coordinate. None, or a state not ``portable`` (``peer.portable``):
+        each rank only restores its own snapshot at this world size. ``durable``: collective,
         the newest complete checkpoint's step (a buddy or mesh coordinate restore older than it
-        is not used). ``mesh``: the job's mesh (shard, tensor) degrees (``peer.mesh_layout``):
-        snapshots saved from now on carry them, and replicas restore by coordinate."""
+        is not used)."""
         t0 = time.perf_counter()
-        self.replicated, self.mesh = replicated, mesh
-        restored = self._restore(state, replicated, sharded, durable, t0)
-        if self.link_key is not None and buddy.active(self.world_size, self.local_size, sharded):
+        self.rules = peer.restore_rules(layout, self.world_size, portable)
+        restored = self._restore(state, durable, t0)
+        if self.link_key is not None and buddy.active(self.world_size, self.local_size, self.rules.sharded):
             self.link = self._link()  # collective, as every input to the condition is the job's
         return restored
 
@@ -152,16 +153,16 @@ class MemoryTier:
         return BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size, local_size=self.local_size,
                          generation=self.generation, conduit=conduit, warn=self._warn)
 
-    def _restore(self, state: dict[str, Any], replicated: bool, sharded: bool, durable: Callable[[], int | None],
-                 t0: float) -> Restored | None:
+    def _restore(self, state: dict[str, Any], durable: Callable[[], int | None], t0: float) -> Restored | None:
         headers = self._headers()
         copies = self._headers(self.buddy_regions)
         mine = offers_of(headers) + offers_of(copies, buddy=True)
         everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(mine))]
-        if not sharded:  # copies only ever restore sharded state
+        rules = self.rules
+        if not rules.sharded:  # copies only ever restore sharded state
             everyone = [[o for o in offers if not o.buddy] for offers in everyone]
-        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated, sharded=sharded,
-                                  mesh=self.mesh)
+        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=rules.replicated,
+                                  sharded=rules.sharded, mesh=rules.mesh, coordinates=rules.coordinates)
         if plan.source == BUDDY or plan.mesh:
             older = buddy.older_than_storage(plan.step, durable(), "buddy copies" if plan.source == BUDDY
                                              else "mesh replicas' snapshots")
@@ -434,10 +435,10 @@ class MemoryTier:
         if base != HEADER_SIZE:
             return None  # it went into a buffer
         data[base + data_len:base + data_len + len(local)].copy_(torch.frombuffer(bytearray(local), dtype=torch.uint8))
-        if plan.mesh:  # its coordinate's snapshot, as old rank ``c`` wrote it (replicas are interchangeable)
+        if plan.mesh:  # its coordinate's snapshot, as if old rank ``c`` wrote it (replicas are interchangeable)
             c = plan.coordinate(self.rank)
             header = Header(True, plan.step, plan.saved_world_size, c, data_len, len(local), plan.digests[c],
-                            generation=plan.generation, shard=plan.mesh[0], tensor=plan.mesh[1])
+                            generation=plan.generation, mesh=plan.mesh, coordinate=c)
         else:
             header = Header(True, plan.step, self.world_size, self.rank, data_len, len(local), plan.digest,
                             replicated=True)
@@ -499,8 +500,9 @@ class MemoryTier:
             data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
             snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
             header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
-                            cap.digest, replicated=self.replicated and not cap.sharded, generation=self.generation,
-                            shard=self.mesh[0] if self.mesh else 0, tensor=self.mesh[1] if self.mesh else 0)
+                            cap.digest, replicated=self.rules.replicated and not cap.sharded,
+                            generation=self.generation, mesh=self.rules.mesh or (),
+                            coordinate=self.rules.coordinates[self.rank] if self.rules.mesh else 0)
             region.publish(header)
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
@@ -575,8 +577,8 @@ class MemoryTier:
 def _of_coordinate(h: Header, plan: Plan, c: int) -> bool:
     """Is ``h`` a snapshot of coordinate ``c`` that a mesh plan restores?"""
     return (h.step == plan.step and h.generation == plan.generation and h.world_size == plan.saved_world_size
-            and (h.shard, h.tensor) == tuple(plan.mesh) and h.rank % (h.shard * h.tensor) == c
-            and h.digest == plan.digests[c] and not h.replicated)
+            and h.mesh == tuple(plan.mesh) and h.coordinate == c and h.digest == plan.digests[c]
+            and not h.replicated)
 
 
 class _Laps:

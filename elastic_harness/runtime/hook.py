@@ -97,7 +97,7 @@ class StepHook:
         self.rank, self.world_size, self.dp_size = topology.rank, topology.world_size, topology.dp_degree
         # the ranks of a tensor group each count the same samples' loss: the reported mean
         # divides them out
-        self.tensor = topology.tensor
+        self.ranks_per_share = topology.ranks_per_share
         self.restart = restart
         self.events, self.metrics, self.ckpt = events, metrics, ckpt
         self.memory, self.cadence = memory, cadence
@@ -157,7 +157,7 @@ class StepHook:
         train.data = train.data.advance(spec.train.global_batch_size)
         totals = self._collect_totals(step)
         now = time.monotonic()
-        loss = float(totals[0]) / (spec.train.global_batch_size * self.tensor)
+        loss = float(totals[0]) / (spec.train.global_batch_size * self.ranks_per_share)
         self.last_loss = loss
         final = train.step == spec.train.steps
         if train.step % spec.train.log_every == 0 or final:

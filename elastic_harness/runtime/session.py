@@ -349,8 +349,7 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
-        found = restore(self._state, self.model, parallelism=self.topology.kind,
-                        memory=self.memory, ckpt=self.ckpt, degrees=(self.topology.shard, self.topology.tensor))
+        found = restore(self._state, self.model, topology=self.topology, memory=self.memory, ckpt=self.ckpt)
         self._resumed_at = found.step if found is not None else 0
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
                         metrics=self.metrics, world_size=self.world_size, before_saying=before_saying)
@@ -385,7 +384,7 @@ class Run:
                         drain_requested=lambda: self.drain.requested, watchdog=watchdog,
                         stop_requested=lambda: self.drain.stop,
                         join_in_memory=memory_covers_join(self.memory, self.model, self._state,
-                                                          parallelism=self.topology.kind),
+                                                          topology=self.topology),
                         faults=faults, replicas=self._replicas, buffers=self._buffers,
                         sample_log=self._sample_log())
         self.cadence.start(train.step)
