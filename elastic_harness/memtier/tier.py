@@ -154,6 +154,21 @@ class MemoryTier:
                          generation=self.generation, conduit=conduit, warn=self._warn)
 
     def _restore(self, state: dict[str, Any], durable: Callable[[], int | None], t0: float) -> Restored | None:
+        plan, everyone, headers, copies = self._plan(durable)
+        if plan.source == BUDDY:
+            return self._restore_buddy(plan, state, everyone, headers, copies, t0)
+        if plan.source == STORAGE:
+            if self.rank == 0 and any(everyone):
+                self._warn(f"the in-memory tier cannot restore this generation ({plan.reason}); "
+                           "restoring from storage")
+            self._unpublish_all()
+            return None
+        return self._restore_held(plan, state, headers, t0)
+
+    def _plan(self, durable: Callable[[], int | None]) -> tuple[Plan, list, list, list]:
+        """Collective: the plan every rank computes from every rank's offers, gathered once
+        (a buddy or mesh plan older than the newest complete checkpoint gives way to storage),
+        with the offers and this rank's own and buddy slots' headers."""
         headers = self._headers()
         copies = self._headers(self.buddy_regions)
         mine = offers_of(headers) + offers_of(copies, buddy=True)
@@ -161,34 +176,26 @@ class MemoryTier:
         rules = self.rules
         if not rules.sharded:  # copies only ever restore sharded state
             everyone = [[o for o in offers if not o.buddy] for offers in everyone]
-        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=rules.replicated,
-                                  sharded=rules.sharded, mesh=rules.mesh, coordinates=rules.coordinates)
+        plan = choose(everyone, world_size=self.world_size, replicated=rules.replicated,
+                      sharded=rules.sharded, mesh=rules.mesh, coordinates=rules.coordinates)
         if plan.source == BUDDY or plan.mesh:
             older = buddy.older_than_storage(plan.step, durable(), "buddy copies" if plan.source == BUDDY
                                              else "mesh replicas' snapshots")
-            if older is None and plan.source == BUDDY:
-                return self._restore_buddy(plan, state, everyone, headers, copies, t0)
             if older is not None:
-                plan = self.plan = Plan(STORAGE, reason=older)
-        if plan.source == STORAGE:
-            if self.rank == 0 and any(everyone):
-                self._warn(f"the in-memory tier cannot restore this generation ({plan.reason}); "
-                           "restoring from storage")
-            self._unpublish_all()
-            return None
+                plan = Plan(STORAGE, reason=older)
+        self.plan = plan
+        return plan, everyone, headers, copies
+
+    def _restore_held(self, plan: Plan, state: dict[str, Any], headers: list, t0: float) -> Restored | None:
+        """MEMORY or PEER: each rank reads the plan's snapshot from its own slot, or receives
+        it from a holder, once the layouts are agreed; then every rank loads it."""
         laps = _Laps(t0)
         laps("offers")
         slot = self._slot_for(plan, headers)
         senders = plan.senders(self.world_size)
         trees, expect = self._expected(plan, state) if self.rank in senders else (None, None)
-        if senders:  # the layout is agreed before a byte moves
-            mismatch = self._failing(isinstance(expect, str))
-            if mismatch:
-                self._warn(f"rank {self.rank}: not receiving step {plan.step} from a peer: rank(s) {mismatch} "
-                           f"have another layout{f' ({expect})' if isinstance(expect, str) else ''}; "
-                           "restoring from storage")
-                self._unpublish_all()
-                return None
+        if senders and not self._layouts_agree(plan, expect):  # before a byte moves
+            return None
         laps("layout")
         got, problem, trees = self._exchange(plan, slot, senders, expect, state, trees)
         failed = self._failing(problem is not None)
@@ -198,18 +205,35 @@ class MemoryTier:
                 self._warn(f"rank {self.rank}: receiving step {plan.step} from a peer failed ({problem})")
             self._unpublish_all()
             return None
-        error = self._load(state, *got, trees=trees)
-        failed = self._failing(error is not None)
-        if failed:
-            self._unpublish_all()
-            raise RuntimeError(f"restoring step {plan.step} from memory failed on rank(s) {failed} "
-                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
-                               "the next restart restores from storage")
+        self._agree_loaded(self._load(state, *got, trees=trees), plan.step, "memory")
         laps("load")
         self._last = self._keep(plan, slot, got)
         laps("keep")
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
                         len(senders), plan.saved_world_size or None, phases=laps.done())
+
+    def _layouts_agree(self, plan: Plan, expect: int | str | None) -> bool:
+        """Collective: does every receiver's state take the snapshot (``_expected``)? If not,
+        every rank falls back to storage."""
+        mismatch = self._failing(isinstance(expect, str))
+        if not mismatch:
+            return True
+        self._warn(f"rank {self.rank}: not receiving step {plan.step} from a peer: rank(s) {mismatch} "
+                   f"have another layout{f' ({expect})' if isinstance(expect, str) else ''}; "
+                   "restoring from storage")
+        self._unpublish_all()
+        return False
+
+    def _agree_loaded(self, error: str | None, step: int, source: str) -> None:
+        """Collective, once loading began: if it failed on any rank, every rank stops (its
+        state may be half-filled), every slot unpublished first so the next restart restores
+        from storage."""
+        failed = self._failing(error is not None)
+        if failed:
+            self._unpublish_all()
+            raise RuntimeError(f"restoring step {step} from {source} failed on rank(s) {failed} "
+                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
+                               "the next restart restores from storage")
 
     def _failing(self, bad: bool) -> list[int]:
         """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
@@ -221,6 +245,29 @@ class MemoryTier:
         the ranks without it (one piece at a time, in an order every rank follows); then each
         rank reshards them into its state (``reshard``)."""
         moves = buddy.moves(plan, everyone, self.world_size)
+        pieces, problem = self._read_pieces(plan, headers, copies)
+        moved = self._move_pieces(moves, pieces)  # every rank takes part, whatever it read
+        problem = problem or moved
+        failed = self._failing(problem is not None)
+        if failed:  # nothing was loaded yet: every rank falls back to storage
+            self._warn(f"rank {self.rank}: restoring step {plan.step} from buddy copies failed on rank(s) "
+                       f"{failed}{f' ({problem})' if problem else ''}; restoring from storage")
+            self._unpublish_all()
+            return None
+        error = None
+        try:
+            reshard.restore(state, [pieces[r][:3] for r in range(plan.saved_world_size)], rank=self.rank,
+                            world_size=self.world_size)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
+            error = f"{e!r:.300}"
+        self._agree_loaded(error, plan.step, "buddy copies")
+        self._last = None  # the own slots hold the old layout's snapshots: written over from now on
+        return Restored(plan.step, time.perf_counter() - t0, BUDDY, tuple(sorted({s for _, s, _ in moves})),
+                        len(moves), plan.saved_world_size)
+
+    def _read_pieces(self, plan: Plan, headers: list, copies: list) -> tuple[dict[int, tuple], str | None]:
+        """The old ranks' snapshots this rank holds (own or buddy copies), by old rank, and the
+        first problem reading them."""
         pieces: dict[int, tuple] = {}
         problem = None
         for r in range(plan.saved_world_size):
@@ -228,8 +275,14 @@ class MemoryTier:
             if local is not None:
                 try:
                     pieces[r] = local()
-                except Exception as e:  # noqa: BLE001 - agreed on by every rank below
+                except Exception as e:  # noqa: BLE001 - agreed on by every rank
                     problem = problem or f"reading old rank {r}'s snapshot: {e!r:.200}"
+        return pieces, problem
+
+    def _move_pieces(self, moves: list[tuple[int, int, int]], pieces: dict[int, tuple]) -> str | None:
+        """Send and receive the pieces ``moves`` name, in their order (every rank follows it);
+        received ones go into ``pieces``. The first problem receiving, or None."""
+        problem = None
         for r, sender, receiver in moves:
             if self.rank == sender:
                 self._send_piece(receiver, pieces.get(r))
@@ -239,27 +292,7 @@ class MemoryTier:
                     problem = problem or why
                 else:
                     pieces[r] = got
-        failed = self._failing(problem is not None)
-        if failed:  # nothing was loaded yet: every rank falls back to storage
-            self._warn(f"rank {self.rank}: restoring step {plan.step} from buddy copies failed on rank(s) "
-                       f"{failed}{f' ({problem})' if problem else ''}; restoring from storage")
-            self._unpublish_all()
-            return None
-        error = None
-        try:
-            reshard.restore(state, [(pieces[r][0], pieces[r][1], pieces[r][2])
-                                    for r in range(plan.saved_world_size)], rank=self.rank, world_size=self.world_size)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
-            error = f"{e!r:.300}"
-        failed = self._failing(error is not None)
-        if failed:
-            self._unpublish_all()
-            raise RuntimeError(f"restoring step {plan.step} from buddy copies failed on rank(s) {failed} "
-                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
-                               "the next restart restores from storage")
-        self._last = None  # the own slots hold the old layout's snapshots: written over from now on
-        return Restored(plan.step, time.perf_counter() - t0, BUDDY, tuple(sorted({s for _, s, _ in moves})),
-                        len(moves), plan.saved_world_size)
+        return problem
 
     def _piece_here(self, plan: Plan, r: int, headers: list, copies: list) -> Callable[[], tuple] | None:
         """How to read old rank ``r``'s snapshot of the plan from this rank's slots: (skeleton,
@@ -478,6 +511,24 @@ class MemoryTier:
         self.copy_s = 0.0
         if not self.regions:
             return False
+        slot = buddy.writable(self._last, len(self.regions), self._kept_for_copies(settled))
+        if slot is None or (self.link is not None and self.link.sending(slot)):
+            return False
+        written = self._write(slot, step, state)
+        if written is None:
+            return False
+        self._last = slot
+        if send and self.link is not None and not self.link.broken:
+            self._unsettled = slot
+            t0 = time.perf_counter()
+            self._send_copy(slot, *written)
+            self.copy_s = time.perf_counter() - t0
+        return True
+
+    def _kept_for_copies(self, settled: bool) -> set[int]:
+        """The own slots the buddy copies still need (the newest settled copy's, the one in
+        flight), once this step's all-reduce said whether copies moved (``settled``). Copies
+        stuck for ``buddy.STUCK_SNAPSHOTS`` snapshots stop for the generation."""
         if self.link is not None:
             self._waiting = 0 if settled else self._waiting + 1
             if buddy.stuck(self._waiting):
@@ -489,34 +540,31 @@ class MemoryTier:
             self._copied, self._unsettled = self._unsettled, None
             if self.link is not None:
                 self.link.settled()
-        kept = {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
-        slot = buddy.writable(self._last, len(self.regions), kept)
-        if slot is None or (self.link is not None and self.link.sending(slot)):
-            return False
+        return {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
+
+    def _write(self, slot: int, step: int, state: dict[str, Any]
+               ) -> tuple[torch.Tensor, Header, snapshot.Capture] | None:
+        """Capture ``state`` into own ``slot`` and publish it: its bytes, header and capture;
+        None when that failed (then the tier is off for this worker)."""
         region = self.regions[slot]
+        rules = self.rules
         try:
             cap = snapshot.capture(state)
             # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
             data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
             snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
             header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
-                            cap.digest, replicated=self.rules.replicated and not cap.sharded,
-                            generation=self.generation, mesh=self.rules.mesh or (),
-                            coordinate=self.rules.coordinates[self.rank] if self.rules.mesh else 0)
+                            cap.digest, replicated=rules.replicated and not cap.sharded,
+                            generation=self.generation, mesh=rules.mesh or (),
+                            coordinate=rules.coordinates[self.rank] if rules.mesh else 0)
             region.publish(header)
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
                        "the tier is off for this worker, restarts restore from storage")
             self._unpublish_all()
             self.close()
-            return False
-        self._last = slot
-        if send and self.link is not None and not self.link.broken:
-            self._unsettled = slot
-            t0 = time.perf_counter()
-            self._send_copy(slot, data, header, cap)
-            self.copy_s = time.perf_counter() - t0
-        return True
+            return None
+        return data, header, cap
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
         # our own pickled skeleton, just written: sent as JSON, for a holder that never unpickles

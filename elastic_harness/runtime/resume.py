@@ -59,8 +59,7 @@ def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state
     ``restore`` rebuilds from the old ranks' snapshots at any world size: replicated (DDP,
     the joiner receives it from a peer), 1-D FSDP (every old rank's own snapshot is still
     held: resharded in memory) or a mesh (HSDP/TP: a join changes only the replicate degree,
-    and the joiner's ranks receive their (shard, tensor) coordinate's snapshot from a
-    replica): every layout, when its state is ``portable``. Anything else (the tier off, a
+    and the joiner's ranks receive their coordinate's snapshot from a replica): every layout, when its state is ``portable``. Anything else (the tier off, a
     script's per-rank entries, a bare model under ddp) saves the drain to storage."""
     return memory is not None and portable(topology, model, state)
 
