@@ -86,7 +86,16 @@ from elastic_harness.runtime import failures, precision
 from elastic_harness.runtime.audit import record_samples
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.faults import WorkerFaults
-from elastic_harness.runtime.hook import ReplicaCheck, StepHook, save_due_by_steps, save_due_by_time
+from elastic_harness.runtime.hook import (
+    Keeping,
+    ReplicaCheck,
+    Reporting,
+    Signals,
+    StepHook,
+    Trained,
+    save_due_by_steps,
+    save_due_by_time,
+)
 from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import to_device
 from elastic_harness.runtime.mesh import build_mesh
@@ -377,28 +386,26 @@ class Run:
         faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
                               local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
                               events=self.log, agent=self.env.agent_pid or os.getppid())
-        hook = StepHook(spec, train, self._state, model=self.model, optimizer=self.optimizer,
-                        scaler=self.scaler, topology=self.topology,
-                        restart=self.env.restart_count, events=self.events, metrics=self.metrics,
-                        ckpt=self.ckpt, memory=self.memory, cadence=self.cadence,
-                        drain_requested=lambda: self.drain.requested, watchdog=watchdog,
-                        stop_requested=lambda: self.drain.stop,
-                        join_in_memory=memory_covers_join(self.memory, self.model, self._state,
-                                                          topology=self.topology),
-                        faults=faults, replicas=self._replicas, buffers=self._buffers,
-                        sample_log=self._sample_log())
+        hook = StepHook(
+            spec, self.topology,
+            Trained(self._state, train, self.model, self.optimizer, self.scaler, self._buffers, self._replicas),
+            Keeping(self.ckpt, self.memory, self.cadence,
+                    join_in_memory=memory_covers_join(self.memory, self.model, self._state, topology=self.topology)),
+            Signals(lambda: self.drain.requested, lambda: self.drain.stop, watchdog, faults),
+            Reporting(self.events, self.metrics, self.env.restart_count))
+        sample_log = self._sample_log()
         self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
                 watchdog.arm()
                 plan, batches = loader.next_step()
                 seed_everything(step_seed(spec.train.seed, train.step, self.rank))
-                step = Step(hook, train.step + 1, plan, batches, lr=None)
-                if hook.sample_log is not None:
+                step = Step(hook, train.step + 1, plan, batches)
+                if sample_log is not None:
                     # Before the step's compute, not in its hook: a step whose gradients were
                     # reduced then has every rank's line, even when a node dies right after
                     # (its peers may restore that step from memory).
-                    record_samples(hook.sample_log, self.generation, step.number, self.rank,
+                    record_samples(sample_log, self.generation, step.number, self.rank,
                                    self.world_size, plan, loader.meta,
                                    dp_rank=self.topology.dp_rank(), dp_size=self.topology.dp_degree)
                 yield step
