@@ -44,7 +44,7 @@ class Wire:
     send: Callable[[torch.Tensor, int], None]
     recv: Callable[[torch.Tensor, int], None]
     # A restore's tensor bytes (tag 0, as ``send``/``recv``): post a send or a receive and
-    # return its work (``wait()``), so several pieces are in flight (``send_chunked``).
+    # return its work (``wait()``), so several pieces are in flight (``post_chunked``).
     # None: the blocking ``send``/``recv``, one piece after another.
     post_send: Callable[[torch.Tensor, int], Any] | None = None
     post_recv: Callable[[torch.Tensor, int], Any] | None = None
@@ -96,7 +96,7 @@ def wait_all(works: list[Any]) -> None:
 
 
 def recv_chunked(wire: Wire, data: torch.Tensor, src: int) -> None:
-    """``send_chunked``'s other side: ``data`` (uint8, the size announced) from ``src``."""
+    """``post_chunked``'s other side: ``data`` (uint8, the size announced) from ``src``."""
     if wire.post_recv is None:
         for a, b in pieces(data.numel()):
             wire.recv(data[a:b], src)
