@@ -20,8 +20,8 @@ monitoring, restarts: all torch's) with three overrides:
   because a peer's connection closed, it tells the rendezvous handler (``peer_lost``:
   ``launch.liveness``), before torch restarts the group.
 - ``_start_workers``: the process context it makes stops a failed group's survivors within
-  ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a
-  ``zygote`` (``launch.zygote``), the workers are forks of it instead of fresh interpreters. torch builds their environment and log files as usual and
+  ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
+  instead of fresh interpreters. torch builds their environment and log files as usual and
   then calls its module-level ``start_processes``, which has no parameter for the kind of
   process context; for the duration of that call it is ``warm_processes`` instead (the
   agent's main thread is the only caller), which returns a ``WarmContext``.
