@@ -134,14 +134,20 @@ def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bo
         step, digest, holders = rep
         source = MEMORY if len(holders) == world_size else PEER
         return Plan(source, step, holders, digest=digest)
+    return Plan(STORAGE, reason=_storage_reason(everyone, offers, world_size, replicated, mesh, coordinates))
+
+
+def _storage_reason(everyone: Sequence[Sequence[Offer]], own: Sequence[Sequence[Offer]], world_size: int,
+                    replicated: bool, mesh: tuple[int, ...] | None, coordinates: Sequence[int]) -> str:
+    """Why no memory source serves (``everyone``'s offers, ``own`` without the buddy copies)."""
     if not any(everyone):
-        return Plan(STORAGE, reason="no rank holds a snapshot")
+        return "no rank holds a snapshot"
     if mesh and not replicated:
-        return Plan(STORAGE, reason=_coordinates_missing(offers, mesh, coordinates))
+        return _coordinates_missing(own, mesh, coordinates)
     if not replicated:
-        return Plan(STORAGE, reason=_uncovered(everyone) or "the state is not replicated (FSDP, or per-rank "
-                    f"entries) and not every rank holds its own snapshot at world size {world_size}")
-    return Plan(STORAGE, reason="no snapshot of a replicated layout")
+        return _uncovered(everyone) or ("the state is not replicated (FSDP, or per-rank entries) and not "
+                                        f"every rank holds its own snapshot at world size {world_size}")
+    return "no snapshot of a replicated layout"
 
 
 def _pieces(offers: Sequence[Sequence[Offer]]) -> dict[tuple[int, int, int], dict[int, list[tuple[int, Offer]]]]:
