@@ -7,8 +7,9 @@ One home for two install-time decisions, each a user-facing line and exit 2:
   ``FileSystemWriter._write_data`` and ``DefaultSavePlanner._cached_plans_key``). Their
   names and signatures are not promised between releases, so ``require_torch`` refuses any
   other version before patching, instead of failing somewhere inside torch.
-- **extras.** The core install is small; S3 checkpoints, TensorBoard files, ``report.png``
-  and the etcd-v2 rendezvous each need one extra (``pip install 'elastic-harness[EXTRA]'``).
+- **extras.** The core install is small; S3 checkpoints, TensorBoard files, ``report.png``,
+  the etcd-v2 rendezvous and ``bench throughput`` (Pillow) each need one extra
+  (``pip install 'elastic-harness[EXTRA]'``).
   ``require_extra`` checks that the module can be found (without importing it).
 
 Imports nothing of ours but ``errors`` (the spec-facing check takes the spec duck-typed).
@@ -29,6 +30,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "metrics.tensorboard: true"),
     "report": ("matplotlib", "report.png"),
     "etcd": ("etcd", "rendezvous.backend: etcd-v2"),
+    "bench": ("PIL", "bench throughput (its images are JPEG files)"),
 }
 
 
