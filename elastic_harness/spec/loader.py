@@ -261,8 +261,7 @@ def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         return build(tp, value if value is not None else {}, path)
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
+    if typing.get_origin(tp) is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
@@ -270,45 +269,63 @@ def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
             raise SpecError(path, f"'{value}' is not one of {list(choices)}", hint)
         return value
     if tp is list:
-        if not isinstance(value, list):
-            raise SpecError(path, f"must be a list, got {type(value).__name__}")
-        item_cls = _LIST_ITEMS.get(name)
-        if item_cls is None:
-            return list(value)
-        items, problems = [], []
-        for i, v in enumerate(value):
-            try:
-                items.append(build(item_cls, v, f"{path}[{i}]"))
-            except SpecError as e:
-                problems.extend(getattr(e, "errors", [e]))
-        if problems:
-            raise problems[0] if len(problems) == 1 else SpecErrors(problems)
-        return items
+        return _convert_list(value, path, name)
     if tp is dict:
         if not isinstance(value, dict):
             raise SpecError(path, f"must be a mapping, got {type(value).__name__}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            yaml11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
-            raise SpecError(path, f"must be true or false, got {value!r}",
-                            "write true or false (YAML 1.2: yes/no/on/off are text)" if yaml11 else "")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():  # steps: 1e4
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(path, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(path, f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise SpecError(path, f"must be a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, path)
     raise AssertionError(f"unsupported spec type {tp} at {path}")
+
+
+def _convert_list(value: Any, path: str, name: str) -> list:
+    """A list field; one of specs (``_LIST_ITEMS``) builds each, every problem reported at once."""
+    if not isinstance(value, list):
+        raise SpecError(path, f"must be a list, got {type(value).__name__}")
+    item_cls = _LIST_ITEMS.get(name)
+    if item_cls is None:
+        return list(value)
+    items, problems = [], []
+    for i, v in enumerate(value):
+        try:
+            items.append(build(item_cls, v, f"{path}[{i}]"))
+        except SpecError as e:
+            problems.extend(getattr(e, "errors", [e]))
+    if problems:
+        raise problems[0] if len(problems) == 1 else SpecErrors(problems)
+    return items
+
+
+def _to_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        yaml11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
+        raise SpecError(path, f"must be true or false, got {value!r}",
+                        "write true or false (YAML 1.2: yes/no/on/off are text)" if yaml11 else "")
+    return value
+
+
+def _to_int(value: Any, path: str) -> int:
+    if isinstance(value, float) and value.is_integer():  # steps: 1e4
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(path, f"must be an integer, got {value!r}")
+    return value
+
+
+def _to_float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(path, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _to_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise SpecError(path, f"must be a string, got {value!r}")
+    return value
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def _join(path: str, key: str) -> str:

@@ -17,11 +17,9 @@ LIMIT = 40
 WAITING: set[str] = {
     "checkpoint/manager.py:CheckpointManager.__init__",
     "checkpoint/manager.py:CheckpointManager.save",
-    "commands/ckpt.py:register",
     "launch/agent.py:_run",
     "runtime/session.py:Run.__init__",
     "runtime/session.py:Run.steps",
-    "spec/loader.py:_convert",
 }
 
 
