@@ -18,8 +18,6 @@ WAITING: set[str] = {
     "checkpoint/manager.py:CheckpointManager.__init__",
     "checkpoint/manager.py:CheckpointManager.save",
     "launch/agent.py:_run",
-    "runtime/session.py:Run.__init__",
-    "runtime/session.py:Run.steps",
 }
 
 
