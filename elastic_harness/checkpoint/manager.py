@@ -22,12 +22,10 @@ threads that serialise (it cost a third of the write; torch keeps that setting p
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
 copied into host-memory staging buffers (see ``staging``; only what this rank writes, once the
-save plans are cached; shared memory, ``arena``, for a writer process), then DCP
-plans and serialises from that copy in a background thread, which writes and syncs the bytes
-(or, with ``policy.writer == "process"``, a separate writer process does: ``offload``),
-and the commit follows in a second thread (``scheduling``: threads and process yield the CPU
-to training, and are raised back while anyone waits on them). Save plans are cached per
-manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
+save plans are cached), then DCP plans and serialises from that copy in a background thread,
+which writes and syncs the bytes, and the commit follows in a second thread (``scheduling``:
+both threads yield the CPU to training, and are raised back while anyone waits on them).
+Save plans are cached per manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
 group: the background collectives would otherwise interleave with training's and can
 deadlock.
 
@@ -65,11 +63,9 @@ from elastic_harness.checkpoint import (
     fence,
     integrity,
     layout,
-    offload,
     plans,
     quarantine,
 )
-from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.compat import check_compatible
 from elastic_harness.checkpoint.progress import (
     BACKGROUND_POLL_S,
@@ -85,7 +81,6 @@ from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
-from elastic_harness.checkpoint.where import is_url
 from elastic_harness.errors import CheckpointError
 from elastic_harness.spec import CheckpointSpec
 
@@ -147,16 +142,6 @@ class CheckpointManager:
         self.threads = BackgroundThreads.here()
         self._plan_key = f"ckpt-{uuid.uuid4().hex}"  # this manager's entries in DCP's plan cache
         self._stager: Any = None
-        self._arena: Arena | None = None
-        self.writer_process: offload.WriterProcess | None = None  # public for benchmarks' CPU accounting
-        if policy.writer == "process" and policy.async_save and offload.available(is_url(storage.root),
-                                                                      torch.cuda.is_available()):
-            self._arena = Arena()
-            try:
-                self.writer_process = offload.WriterProcess(self._arena, self.threads)
-            except OSError as e:  # out of processes or fds: the write thread does it all
-                events.emit("warning", message=f"checkpoint writer process not started ({e!r:.200}); "
-                            "async saves are written by a thread")
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
         self._failures = 0
@@ -337,7 +322,6 @@ class CheckpointManager:
             agreed = all(same for _, same in said)
             staged = self._staging().stage(plain, skip if agreed else frozenset())  # agreed: no rank's is None
             blocked = time.perf_counter() - t0
-            writer = self._offloaded(writer)
             fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
                                      planner=plans.planner(self._plan_key))
             self._pending_watch = (write_watch(writer), name)
@@ -356,18 +340,10 @@ class CheckpointManager:
         return ok
 
     def _staging(self) -> Any:
-        """One reusable host-memory buffer set for async saves (pinned when CUDA is present,
-        in the shared arena when a writer process may write them)."""
+        """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""
         if self._stager is None:
-            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available(), arena=self._arena)
+            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
         return self._stager
-
-    def _offloaded(self, writer: Any) -> Any:
-        """``writer``, routed through the writer process when this save may use it."""
-        if self.writer_process is None:
-            return writer
-        how = offload.choose(True, offload.plain_local_fs(writer), torch.cuda.is_available(), self.writer_process.ready())
-        return offload.route(writer, self.writer_process) if how == offload.PROCESS else writer
 
     def _superseded(self) -> str:
         """Rank 0: why this generation may no longer change the directory ("" if it may)."""
@@ -431,7 +407,6 @@ class CheckpointManager:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
                 total_s=round(time.perf_counter() - t0, 4), asynchronous=asynchronous,
-                writer=offload.PROCESS if offload.routed(writer) else offload.THREAD,
             )
             if asynchronous:  # already in the background thread
                 self._purge(step)
@@ -542,10 +517,6 @@ class CheckpointManager:
             pass
         finally:
             self.threads.shutdown()
-            if self.writer_process is not None:
-                self.writer_process.close()
             plans.forget(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
-            if self._arena is not None:
-                self._arena.close()
