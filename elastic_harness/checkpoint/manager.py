@@ -144,7 +144,9 @@ class CheckpointManager:
         self._stager: Any = None
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
+        self._fenced = ""  # rank 0: why this generation was found superseded (for good)
         self._failures = 0
+        self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
         self._closed = False
 
     # ----- load ------------------------------------------------------------------------
@@ -332,7 +334,7 @@ class CheckpointManager:
             fut = self.threads.write(write, state, storage_writer=writer, process_group=self.group,
                                      planner=plans.planner(self._plan_key))
             ok = self._finish(fut, writer, step, name, t0, None, False)
-        if not ok and blocking:
+        if not ok and blocking and self._outcome != "fenced":  # superseded: an event, not an error
             raise CheckpointError(
                 f"the required checkpoint at step {step} could not be written (see the failure "
                 f"event); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
@@ -346,31 +348,47 @@ class CheckpointManager:
         return self._stager
 
     def _superseded(self) -> str:
-        """Rank 0: why this generation may no longer change the directory ("" if it may)."""
+        """Rank 0: why this generation may no longer change the directory ("" if it may).
+        Reads the fence until it says so once: a generation never becomes current again."""
+        if self._fenced:
+            return self._fenced
         try:
-            return fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
+            self._fenced = fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
         except OSError as e:
             return f"the generation record cannot be read: {e.strerror or e!r}"
+        return self._fenced
 
     def _prepare_dir(self, name: str) -> tuple[str, str]:
         """Rank 0: may ``name`` be written? Removes a stale incomplete dir of that name.
 
+        Looks at ``name`` alone, and reads the fence only before removing something: a
+        superseded generation learns it at its next commit (``_commit``) and remembers, so
+        at worst one save's files are written in vain, never committed. (DCP itself refuses
+        to write over a ``.metadata``.)
         ("go", ""), ("skipped", why), ("fenced", why) or ("error", why).
         """
-        fenced = self._superseded()
-        if fenced:
-            return "fenced", fenced
+        if self._fenced:
+            return "fenced", self._fenced
         try:
-            listing = self.storage.listing()
-            if name in listing:
-                d = layout.scan({name: listing[name]}, require_manifest=True)[0]
-                if d.complete:
-                    return "skipped", f"a complete checkpoint {name} already exists"
+            present = self._files(name)
+            if present and layout.scan({name: present}, require_manifest=True)[0].complete:
+                return "skipped", f"a complete checkpoint {name} already exists"
+            if present:
+                fenced = self._superseded()
+                if fenced:
+                    return "fenced", fenced
                 self.events.emit("warning", message=f"removing stale incomplete {name}")
                 self.storage.remove(name)
         except OSError as e:
             return "error", f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
         return "go", ""
+
+    def _files(self, name: str) -> list[str]:
+        """The files in step directory ``name``; none if it does not exist."""
+        try:
+            return list(self.storage.files(name))
+        except FileNotFoundError:
+            return []
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
                 asynchronous: bool) -> bool:
@@ -393,6 +411,7 @@ class CheckpointManager:
         dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
         outcome = self._commit(step, name, reports) if self.rank == 0 else None
         status, why = collective.broadcast(outcome, self.group)
+        self._outcome = status
         self._busy.discard(step)
         if status == "fenced":
             if self.rank == 0:
@@ -438,10 +457,12 @@ class CheckpointManager:
         return "ok", ""
 
     def _purge(self, committed: int) -> None:
-        """Rank 0, right after ``committed``: retention, then leftovers of crashed saves."""
+        """Rank 0, right after ``committed``: retention, then leftovers of crashed saves.
+
+        The fence is not read again: the commit read it moments ago. A generation that
+        started since is still restoring, from the newest checkpoint, which is kept (keep >= 2),
+        and has written nothing a leftover could be."""
         try:
-            if self._superseded():
-                return  # a newer generation owns retention now
             dirs = layout.scan(self.storage.listing(), require_manifest=True)
             protect = self._busy | {committed}
             doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect)

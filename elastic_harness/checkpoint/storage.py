@@ -2,13 +2,15 @@
 
 Call order, per save (see ``manager``):
 
-1. rank 0: ``listing()`` to find stale or existing step directories; ``remove(name)`` of a
-   stale *incomplete* directory with the same name (never a complete one).
+1. rank 0: ``files(name)`` to find an existing step directory of that name; ``remove(name)``
+   of a stale *incomplete* one (never a complete one).
 2. every rank: ``writer(name)`` -> a DCP ``StorageWriter``; DCP writes each rank's shards,
    then rank 0 writes ``.metadata``.
-3. rank 0: ``files(name)`` to check every reported file is there, ``make_durable(name,
-   [".metadata"])``, then ``write_atomic(name, "manifest.json", ...)``: the commit.
-4. rank 0: ``remove(name)`` for each checkpoint the retention policy purges.
+3. rank 0: ``read_root`` of the generation fence, ``files(name)`` to check every reported
+   file is there, ``make_durable(name, [".metadata"])``, then ``write_atomic(name,
+   "manifest.json", ...)``: the commit.
+4. rank 0: ``listing()``, then ``remove(name)`` for each checkpoint the retention policy
+   purges. One listing and one fence read per save.
 
 Per load: rank 0 ``listing()``, ``read_bytes`` of the manifest and ``files(name)``; every
 rank ``open_read`` of its share of the files to verify them, then ``reader(name)``. A
