@@ -21,9 +21,8 @@ from elastic_harness.checkpoint import lock
 from elastic_harness.errors import HarnessError, RunDirError
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.lifecycle import registry
-from elastic_harness.lifecycle.api import SCHEDULERS, Submission
-from elastic_harness.lifecycle.schedulers import scheduler_for
-from elastic_harness.lifecycle.slurm_script import C10D_PORT, SlurmOptions
+from elastic_harness.lifecycle.api import Submission
+from elastic_harness.lifecycle.schedulers import SCHEDULERS, scheduler_class, scheduler_for
 from elastic_harness.lifecycle.state import ACTIVE
 from elastic_harness.rundir import owner
 from elastic_harness.spec import load_job
@@ -32,38 +31,18 @@ from elastic_harness.spec import load_job
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="start a job detached (here, on Slurm or on Kubernetes) and print its id")
     p.add_argument("job", help="job YAML file")
-    p.add_argument("--scheduler", choices=SCHEDULERS, default="local", help="where it runs (default local)")
+    kinds = {name: scheduler_class(name) for name in SCHEDULERS}
+    p.add_argument("--scheduler", choices=list(kinds), default="local", help="where it runs (default local): " +
+                   "; ".join(f"{name}, {cls.description}" for name, cls in kinds.items()))
     p.add_argument("--run-dir", help="run directory (default runs/<job name>); re-using it resumes (local, slurm)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     p.add_argument("--nodes", help="local: simulated nodes to start (N); slurm, k8s: the elastic range "
                                    "to ask for (N or MIN:MAX, over nodes.min/max)")
     p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
     p.add_argument("--json", action="store_true", help="print the submission as JSON")
-    add_slurm_options(p)
-    k = p.add_argument_group("k8s")
-    k.add_argument("--flavor", choices=("pytorchjob", "plain"), default="pytorchjob", help="k8s: manifest flavor")
-    k.add_argument("--image", help="k8s: container image (default: the package's, see k8s render)")
-    k.add_argument("--namespace", help="k8s: namespace (default: default)")
+    for cls in kinds.values():
+        cls.add_options(p)  # each scheduler's own flags
     p.set_defaults(func=cmd_submit)
-
-
-def add_slurm_options(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("slurm")
-    s.add_argument("--partition", default="", help="slurm: partition")
-    s.add_argument("--time", default="", help="slurm: time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)")
-    s.add_argument("--account", default="", help="slurm: account")
-    s.add_argument("--cpus-per-task", type=int, default=0, help="slurm: CPUs per node's agent task")
-    s.add_argument("--rdzv-port", type=int, default=C10D_PORT, help=f"slurm, c10d: store port on the first node (default {C10D_PORT})")
-    s.add_argument("--max-requeues", type=int, default=5, help="slurm: requeues after preemption or infrastructure failures")
-    s.add_argument("--sbatch", action="append", default=[], metavar="--OPTION=VALUE", help="slurm: another #SBATCH option")
-
-
-def slurm_options(args: argparse.Namespace) -> dict:
-    options = dict(partition=args.partition, time=args.time, account=args.account,
-                   cpus_per_task=args.cpus_per_task, rdzv_port=args.rdzv_port,
-                   max_requeues=args.max_requeues, python=sys.executable, extra=list(args.sbatch))
-    SlurmOptions(**options).check()
-    return options
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
@@ -82,12 +61,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     root = registry.state_dir()
     overrides = overrides_of(args)
     spec = load_job(args.job, overrides)
-    options = _options(args, spec)
     sched = scheduler_for(args.scheduler, root)
+    options = _options(args, spec, sched)
     sched.check()
     registry.ensure_writable(root)
     run_dir, nodes = None, None
-    if args.scheduler != "k8s":
+    if sched.keeps_run_dir:
         from elastic_harness.commands.run import preflight
         from elastic_harness.rundir import check_paths
 
@@ -102,7 +81,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job_id = spec.rendezvous.id or new_rdzv_id(spec.name)
     record = sched.submit(Submission(spec, Path(args.job).resolve(), job_id, run_dir, overrides, nodes, options))
     registry.save(record, root)
-    _report(record, args.json)
+    _report(record, sched, args.json)
     return 0
 
 
@@ -114,17 +93,16 @@ def _make(run_dir: Path) -> None:
                           "pass --run-dir to a directory you can write") from None
 
 
-def _options(args: argparse.Namespace, spec) -> dict:
-    if args.scheduler == "slurm":
-        return slurm_options(args)
-    if args.scheduler == "k8s":
+def _options(args: argparse.Namespace, spec, sched) -> dict:
+    """The scheduler's own flags; where the job runs from what is sent (no run directory
+    here: Kubernetes), the spec as written and its script's text go with them."""
+    options = sched.options(args)
+    if not sched.keeps_run_dir:
         from elastic_harness.commands.k8s import refuse_epochs, script_for_pods
-        from elastic_harness.k8s import DEFAULT_IMAGE
 
         refuse_epochs(spec)
-        return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or "",
-                "script_text": script_for_pods(spec, Path(args.job))}
-    return {}
+        options["script_text"] = script_for_pods(spec, Path(args.job))
+    return options
 
 
 def _local_nodes(args: argparse.Namespace, spec) -> int | None:
@@ -157,13 +135,12 @@ def refuse_if_busy(run_dir: Path, root: Path) -> None:
                                    "or pass another --run-dir")
 
 
-def _report(record: registry.JobRecord, as_json: bool) -> None:
+def _report(record: registry.JobRecord, sched, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"id": record.id, "scheduler": record.scheduler, "run_dir": record.run_dir,
-                          "slurm_job": record.slurm_job or None, "k8s": record.k8s or None, "pid": record.pid or None}))
+                          **sched.summary(record)}))
         return
-    where = {"local": f"supervisor pid {record.pid}", "slurm": f"Slurm job {record.slurm_job}",
-             "k8s": f"Kubernetes {record.k8s.get('namespace')}/{record.k8s.get('name')}"}[record.scheduler]
+    where = sched.where(record)
     print(record.id)
     print(f"submitted to {record.scheduler} ({where}{', run dir ' + record.run_dir if record.run_dir else ''})",
           file=sys.stderr)
