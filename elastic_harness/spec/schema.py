@@ -45,7 +45,7 @@ class Removed:
 REMOVED: dict[str, Removed] = {  # dotted key -> what became of it
     "checkpoint.writer": Removed(
         "0.3", ("thread",),
-        "the writer process cost more step time than the default thread (+13.7% vs +11.3%, docs/benchmarks.md)",
+        "the writer process cost more step time than the default thread (+13.7% vs +11.3%, docs/benchmarks-history.md)",
         "delete the key: async saves are written by a background thread of each worker"),
 }
 
