@@ -371,9 +371,9 @@ class CheckpointManager:
             return "fenced", self._fenced
         try:
             present = self._files(name)
-            if present and layout.scan({name: present}, require_manifest=True)[0].complete:
+            if present is not None and layout.scan({name: present}, require_manifest=True)[0].complete:
                 return "skipped", f"a complete checkpoint {name} already exists"
-            if present:
+            if present is not None:
                 fenced = self._superseded()
                 if fenced:
                     return "fenced", fenced
@@ -383,12 +383,12 @@ class CheckpointManager:
             return "error", f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
         return "go", ""
 
-    def _files(self, name: str) -> list[str]:
-        """The files in step directory ``name``; none if it does not exist."""
+    def _files(self, name: str) -> list[str] | None:
+        """The files in step directory ``name``; None if there is no such directory."""
         try:
             return list(self.storage.files(name))
         except FileNotFoundError:
-            return []
+            return None
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
                 asynchronous: bool) -> bool:

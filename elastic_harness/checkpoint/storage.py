@@ -52,7 +52,8 @@ class Storage(Protocol):
         """``{directory name: [file names]}`` one level below the root; files at the root are left out."""
 
     def files(self, name: str) -> dict[str, int]:
-        """``{file name: size}`` in step directory ``name``."""
+        """``{file name: size}`` in step directory ``name``; ``FileNotFoundError`` if there is
+        no such directory (on object stores: no object under it)."""
 
     def open_read(self, name: str, filename: str) -> IO[bytes]: ...
 
