@@ -4,6 +4,7 @@ item 6): its flags, its description and its part of the job record are its own."
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,19 @@ def test_records_stay_flat_json_and_records_written_before_details_still_read(tm
     assert Supervisor.of(local) == Supervisor("h", 7, "", True)
     assert LocalScheduler(tmp_path).summary(local) == {"pid": 7}
     assert json.loads(local.to_json())["pid"] == 7
+
+
+def test_run_registers_itself_once_by_its_supervisors_pid(tmp_path, monkeypatch):
+    """`run` of a submitted job finds the record `submit` wrote (its own pid): kept as is."""
+    from elastic_harness.commands.run import register_run
+    from elastic_harness.lifecycle.local import supervisor_record
+    from elastic_harness.spec import load_job
+
+    monkeypatch.setenv(registry.STATE_VAR, str(tmp_path))
+    spec = load_job(MLP)
+    submitted = supervisor_record(spec, tmp_path / "run", MLP, "mlp-1", os.getpid(), via="submit", session=True)
+    registry.save(submitted, tmp_path)
+    register_run(spec, tmp_path / "run", MLP, "mlp-1")
+    assert registry.load("mlp-1", tmp_path) == submitted
+    register_run(spec, tmp_path / "run", MLP, "mlp-2")  # a job started in a terminal: recorded now
+    assert Supervisor.of(registry.load("mlp-2", tmp_path)).pid == os.getpid()
