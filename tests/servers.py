@@ -35,13 +35,21 @@ def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
     The ranks are forked from one forkserver that imported torch and DCP once for the whole
     test session (``spawn`` paid those imports in every rank of every fixture: ~4 CPU
     seconds each); the server forks from a clean single-threaded process, not from pytest,
-    and exits with it."""
+    and exits with it. Ranks still running when the wait ends early are stopped."""
     import torch.multiprocessing as mp
+
+    from elastic_harness.bench.checkpoint import stop_ranks
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_RANK_PRELOAD)
-    mp.start_processes(fn, args=(free_port(), str(root)), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    ranks = mp.start_processes(fn, args=(free_port(), str(root)), nprocs=nprocs, join=False,
+                               start_method="forkserver")
+    try:
+        while not ranks.join():
+            pass
+    except BaseException:  # a failed rank (torch stopped the others) or Ctrl-C: multiprocessing
+        stop_ranks(ranks.processes)  # would join ranks still running at pytest's exit, however long
+        raise
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
