@@ -7,8 +7,9 @@ One home for two install-time decisions, each a user-facing line and exit 2:
   ``FileSystemWriter._write_data`` and ``DefaultSavePlanner._cached_plans_key``). Their
   names and signatures are not promised between releases, so ``require_torch`` refuses any
   other version before patching, instead of failing somewhere inside torch.
-- **extras.** The core install is small; S3 checkpoints, TensorBoard files, ``report.png``
-  and the etcd rendezvous each need one extra (``pip install 'elastic-harness[EXTRA]'``).
+- **extras.** The core install is small; S3 checkpoints, TensorBoard files, ``report.png``,
+  the etcd-v2 rendezvous and ``bench throughput`` (Pillow) each need one extra
+  (``pip install 'elastic-harness[EXTRA]'``).
   ``require_extra`` checks that the module can be found (without importing it).
 
 Imports nothing of ours but ``errors`` (the spec-facing check takes the spec duck-typed).
@@ -28,7 +29,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "s3": ("s3fs", "checkpoint.dir on s3://"),
     "tensorboard": ("tensorboard", "metrics.tensorboard: true"),
     "report": ("matplotlib", "report.png"),
-    "etcd": ("etcd", "rendezvous.backend: etcd"),
+    "etcd": ("etcd", "rendezvous.backend: etcd-v2"),
+    "bench": ("PIL", "bench throughput (its images are JPEG files)"),
 }
 
 
@@ -79,7 +81,7 @@ def extras_for(spec: Any) -> list[str]:
         need.append("s3")
     if spec.metrics.tensorboard:
         need.append("tensorboard")
-    if spec.rendezvous.backend in ("etcd", "etcd-v2"):
+    if spec.rendezvous.backend == "etcd-v2":  # torch's v2 client; etcd (v3) needs no library
         need.append("etcd")
     return need
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from elastic_harness.errors import HarnessError
 from elastic_harness.spec import JobSpec
 
-FLAVORS = ("pytorchjob", "plain")
+FLAVORS = ("pytorchjob", "plain", "trainjob")
 
 CONTAINER = "pytorch"  # the training operator finds its container by this name
+TRAINER_CONTAINER = "node"  # Kubeflow Trainer v2's torch plugin finds its container by this name
 JOB_DIR = "/etc/elastic-harness"
 JOB_FILE = f"{JOB_DIR}/job.yaml"
 DATA_DIR = "/mnt/elastic-harness"
@@ -87,6 +88,9 @@ class Target:
     names: Names
     image: str
     namespace: str | None
+    # ConfigMap key -> path under JOB_DIR, when a shipped file lives in a subdirectory (a
+    # package beside the script); empty: every key is its own file name.
+    config_paths: tuple[tuple[str, str], ...] = ()
 
 
 def names_for(spec: JobSpec) -> Names:

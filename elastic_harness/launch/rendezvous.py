@@ -1,4 +1,4 @@
-"""torch's dynamic rendezvous (c10d, etcd-v2) with a last call decided per round.
+"""torch's dynamic rendezvous (c10d, etcd-v3, etcd-v2) with a last call decided per round.
 
 torch's ``DynamicRendezvousHandler`` closes a round ``last_call`` seconds after ``nodes.min``
 nodes joined it (or at once when ``nodes.max`` did). One value serves two opposite needs:
@@ -87,6 +87,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
     dynamic_rendezvous,
+    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -95,7 +96,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.deps import require_torch
-from elastic_harness.launch import liveness
+from elastic_harness.launch import etcd_v3, liveness
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,8 @@ def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
     seal = sealed.StateSeal(key, params.run_id)
     if params.backend == "c10d":
         return sealed.create_c10d_backend(params, seal)
+    if params.backend == etcd_v3.BACKEND:
+        return etcd_v3.create_backend(params, seal)
     return sealed.create_etcd_backend(params, seal)
 
 
@@ -354,16 +357,24 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
     record_rdzv_event(event)
 
 
+def register_backends() -> None:
+    """Name our etcd v3 backend in torch's rendezvous handler registry: a handler made by
+    torch's registry for ``etcd-v3`` is ``create_handler``'s (torch's ``register`` accepts the
+    same creator again)."""
+    rendezvous_handler_registry.register(etcd_v3.BACKEND, create_handler)
+
+
 def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
+    c10d, etcd-v3 (``launch.etcd_v3``) and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
     file that the config's ``key_file`` names: ``launch.config.rdzv_configs``); any other
     backend exactly as torch's registry makes it."""
     require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
     dynamic_rendezvous.get_method_name = method_name  # see the module docstring
     dynamic_rendezvous.construct_and_record_rdzv_event = record_event
     dynamic_rendezvous._delay = delay
-    if params.backend not in ("c10d", "etcd-v2"):
+    register_backends()
+    if params.backend not in ("c10d", "etcd-v2", etcd_v3.BACKEND):
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         return get_rendezvous_handler(params)
