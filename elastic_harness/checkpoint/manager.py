@@ -67,6 +67,7 @@ from elastic_harness.checkpoint import (
     quarantine,
 )
 from elastic_harness.checkpoint.compat import check_compatible
+from elastic_harness.checkpoint.failure_text import detail, one_line
 from elastic_harness.checkpoint.progress import (
     BACKGROUND_POLL_S,
     POLL_S,
@@ -147,6 +148,7 @@ class CheckpointManager:
         self._fenced = ""  # rank 0: why this generation was found superseded (for good)
         self._failures = 0
         self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
+        self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
 
     # ----- load ------------------------------------------------------------------------
@@ -176,8 +178,9 @@ class CheckpointManager:
                     raise CheckpointError(
                         f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
                         "(see the quarantine and warning events)",
-                        "unsigned ones (written before checkpoints were signed) load once you vouch for them: "
-                        "'elastic-harness ckpt trust RUN_DIR'; or re-run with --fresh to start over"
+                        "an unsigned one (an older run's, another tool's, or planted) loads only once you have "
+                        "reviewed it with 'elastic-harness ckpt trust RUN_DIR --step N'; or re-run with --fresh "
+                        "to start over"
                         if unsigned else "restore a good copy, or re-run with --fresh to start over",
                     )
                 return None
@@ -240,10 +243,11 @@ class CheckpointManager:
         for s in choice.incomplete:
             self.events.emit("warning", message=f"ignoring incomplete checkpoint {s.name} ({s.reason})")
 
-    def _quarantine(self, name: str, reason: str, kind: str) -> None:
-        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it."""
-        quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
-                             blocked=self._superseded())
+    def _quarantine(self, name: str, reason: str, kind: str, move_unsigned: bool = False) -> str | None:
+        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it
+        (an unsigned one stays, unless ``move_unsigned``); its new name, or None."""
+        return quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
+                                    blocked=self._superseded(), move_unsigned=move_unsigned)
 
     def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> tuple[Loaded | None, str]:
         """Every rank: load ``choice`` into ``state``; ``(None, why)`` on every rank if any failed.
@@ -275,7 +279,7 @@ class CheckpointManager:
             self._busy.discard(choice.step)
         if ok:
             return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0), ""
-        return None, f"{error!r:.300}" if error is not None else "another rank failed to read it"
+        return None, one_line(error) if error is not None else "another rank failed to read it"
 
     def _compatible(self, name: str, state: dict, manifest: dict) -> tuple[CheckpointError | None, BaseException | None]:
         """(why ``name`` belongs to another model or job, why it could not be read)."""
@@ -336,8 +340,8 @@ class CheckpointManager:
             ok = self._finish(fut, writer, step, name, t0, None, False)
         if not ok and blocking and self._outcome != "fenced":  # superseded: an event, not an error
             raise CheckpointError(
-                f"the required checkpoint at step {step} could not be written (see the failure "
-                f"event); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
+                f"the required checkpoint at step {step} could not be written ({self._last_failure}; "
+                f"details in events.jsonl); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
@@ -371,16 +375,17 @@ class CheckpointManager:
             return "fenced", self._fenced
         try:
             present = self._files(name)
-            if present is not None and layout.scan({name: present}, require_manifest=True)[0].complete:
-                return "skipped", f"a complete checkpoint {name} already exists"
-            if present is not None:
-                fenced = self._superseded()
-                if fenced:
-                    return "fenced", fenced
-                self.events.emit("warning", message=f"removing stale incomplete {name}")
-                self.storage.remove(name)
+            if present is None:
+                return "go", ""
+            if layout.scan({name: present}, require_manifest=True)[0].complete:
+                return self._complete_in_the_way(name)
+            fenced = self._superseded()
+            if fenced:
+                return "fenced", fenced
+            self.events.emit("warning", message=f"removing stale incomplete {name}")
+            self.storage.remove(name)
         except OSError as e:
-            return "error", f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
+            return "error", f"cannot prepare {self.storage.uri(name)}: {one_line(e)}"
         return "go", ""
 
     def _files(self, name: str) -> list[str] | None:
@@ -389,6 +394,23 @@ class CheckpointManager:
             return list(self.storage.files(name))
         except FileNotFoundError:
             return None
+
+    def _complete_in_the_way(self, name: str) -> tuple[str, str]:
+        """Rank 0: a complete ``name`` where this save would go: this job's (skipped), or one
+        it did not sign, set aside (which reads the fence) so that it takes neither the step's
+        name nor a keep slot."""
+        if self._ours(name):
+            return "skipped", f"a complete checkpoint {name} already exists"
+        verdict = integrity.signed_by(self.storage, name, self.key)
+        if not self._quarantine(name, f"{verdict.reason}; in the way of this job's checkpoint of that step",
+                                verdict.kind, move_unsigned=True):
+            return "skipped", f"{name} is not this job's and could not be set aside"
+        return "go", ""
+
+    def _ours(self, name: str) -> bool:
+        """Rank 0: is ``name`` this job's (signed with its key)? True without a key (tests,
+        benches: everything is trusted there)."""
+        return self.key is None or integrity.signed_by(self.storage, name, self.key).ok
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
                 asynchronous: bool) -> bool:
@@ -407,7 +429,7 @@ class CheckpointManager:
                 blocking_s: float, asynchronous: bool) -> bool:
         """Every rank: rank 0 commits what every rank reported, if all wrote; all learn the outcome."""
         reports: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        mine = (written_files(writer), None if error is None else f"{error!r:.400}")
+        mine = (written_files(writer), None if error is None else one_line(error))
         dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
         outcome = self._commit(step, name, reports) if self.rank == 0 else None
         status, why = collective.broadcast(outcome, self.group)
@@ -453,7 +475,7 @@ class CheckpointManager:
             return "failed", (f"files the ranks wrote are not all on {self.storage.uri(name)} ({e}); "
                               "is checkpoint.dir shared by every node?")
         except Exception as e:  # storage errors: a failed save like any other
-            return "failed", f"{e!r:.400}"
+            return "failed", one_line(e)
         return "ok", ""
 
     def _purge(self, committed: int) -> None:
@@ -465,7 +487,8 @@ class CheckpointManager:
         try:
             dirs = layout.scan(self.storage.listing(), require_manifest=True)
             protect = self._busy | {committed}
-            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect)
+            foreign = {d.name for d in dirs if d.complete and not self._ours(d.name)}
+            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect, foreign)
             for d in doomed + stale_incomplete(dirs, committed):
                 if d.step not in protect:
                     self.storage.remove(d.name)
@@ -474,13 +497,15 @@ class CheckpointManager:
 
     def _on_failure(self, step: int, name: str, err: BaseException | None, asynchronous: bool) -> None:
         self._failures += 1
+        why = one_line(err) if err is not None else "another rank failed to write"
+        self._last_failure = why
         if self.rank != 0:
             return
-        why = f"{err!r:.400}" if err is not None else "another rank failed to write"
         self.events.emit(
             "failure", step=step, asynchronous=asynchronous, consecutive=self._failures,
             message=f"checkpoint at step {step} failed ({self._failures} in a row, "
             f"limit {MAX_CONSECUTIVE_SAVE_FAILURES}): {why}",
+            detail=detail(err) if err is not None else why,
         )
         with contextlib.suppress(OSError):
             self.storage.remove(name)  # incomplete by definition, and every writer has stopped
@@ -488,7 +513,8 @@ class CheckpointManager:
     def raise_if_failing(self) -> None:
         if self._failures >= MAX_CONSECUTIVE_SAVE_FAILURES:
             raise CheckpointError(
-                f"{self._failures} checkpoint saves in a row failed (see events.jsonl); "
+                f"{self._failures} checkpoint saves in a row failed (last: {self._last_failure}; details in "
+                "events.jsonl); "
                 f"stopping so no more work goes unsaved; checkpoints in {self.storage.root} are intact",
                 _FIX_STORAGE,
             )

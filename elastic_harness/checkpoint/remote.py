@@ -151,6 +151,6 @@ class FsspecStorage:
         return watch_writer(FsspecWriter(self.uri(name), sync_files=False, overwrite=False))
 
     def reader(self, name: str) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from elastic_harness.checkpoint.safe_metadata import fsspec_reader
 
-        return FsspecReader(self.uri(name))
+        return fsspec_reader(self.uri(name))

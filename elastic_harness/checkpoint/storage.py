@@ -20,8 +20,9 @@ checkpoint that fails is moved with ``set_aside(name, new_name)``. Small files a
 Object stores have no atomic rename; the commit marker is a single small object written
 last, which is atomic there (``remote.FsspecStorage``).
 
-A checkpoint directory is trusted input: DCP unpickles ``.metadata`` (see
-``docs/checkpoints.md``). Only point the harness at storage that you and your jobs write.
+DCP unpickles ``.metadata``; the readers here read it with an unpickler that admits only
+DCP's metadata types (``safe_metadata``), and a checkpoint is read only once its signed
+manifest says this job wrote it (``integrity``, ``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class Storage(Protocol):
         """A fresh DCP ``StorageWriter`` for step directory ``name`` (never overwrites)."""
 
     def reader(self, name: str) -> StorageReader:
-        """A DCP ``StorageReader`` for step directory ``name``."""
+        """A DCP ``StorageReader`` for step directory ``name``, which reads ``.metadata``
+        without running code (``safe_metadata``)."""
 
 
 class LocalStorage:
@@ -173,9 +175,9 @@ class LocalStorage:
         return watch_writer(FileSystemWriter(self.uri(name), sync_files=True, overwrite=False))
 
     def reader(self, name: str) -> StorageReader:
-        from torch.distributed.checkpoint import FileSystemReader
+        from elastic_harness.checkpoint.safe_metadata import SafeFileSystemReader
 
-        return FileSystemReader(self.uri(name))
+        return SafeFileSystemReader(self.uri(name))
 
 
 def _write_replace(final: Path, data: bytes) -> None:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, resumepoint, runfiles
+from elastic_harness import exitcodes, jobkey, resumepoint, runfiles
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets
 from elastic_harness.checkpoint.lock import Holder
@@ -82,7 +82,9 @@ def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
     holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
-    with prepare(run_dir, spec, fresh=args.fresh, holder=holder) as claim:
+    # The key the agents will use (``jobkey.key_path``), checked here, before any launch.
+    given = os.environ.get(jobkey.KEY_FILE_VAR)
+    with prepare(run_dir, spec, fresh=args.fresh, holder=holder, key_file=Path(given) if given else None) as claim:
         register_run(spec, claim.path, Path(args.job), rdzv_id)
         return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
                             submission=holder.submission)
@@ -393,13 +395,17 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
     code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering)
+                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering,
+                            sessions=state.generations)
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
     (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
+    if message:  # a plain script's success (``outcome``)
+        print(f"finished: {message}")
+        return 0
     print(finished_line(summary))
     print(f"model digest {summary['model_digest']}")
     return 0
@@ -418,10 +424,13 @@ def finished_line(summary: dict) -> str:
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
             codes: dict[int, int | None], drained_at: int | None = None,
             agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "",
-            cut_short: str = "") -> tuple[int, str]:
+            cut_short: str = "", sessions: int = -1) -> tuple[int, str]:
     """Pure: the host's exit code and message (``exitcodes``), from what happened
     (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them;
-    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step)."""
+    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step;
+    ``sessions``: worker groups that started the harness's session, ``RunState.generations``).
+    A script that never starts one (a plain torchrun script) has finished when every agent
+    exited 0, its workers having exited 0: then the message says so (the only OK with one)."""
     if fatal:
         return exitcodes.PERMANENT, fatal
     if finished and cut_short:
@@ -432,6 +441,9 @@ def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: in
         return exitcodes.FAILED, superseded
     if permanent:  # a crash loop (or a fatal error): restarting cannot help
         return exitcodes.PERMANENT, permanent
+    if sessions == 0 and stopped_by is None and codes and all(c == 0 for c in codes.values()):
+        return exitcodes.OK, ("the script exited 0 on every rank (it does not use elastic_harness's API, "
+                              "so no steps, checkpoints or resumes were recorded)")
     saved = "no step was drained" if drained_at is None else f"drained and saved at step {drained_at}"
     if stopped_by is not None:
         return 128 + stopped_by, f"job stopped by {signal.Signals(stopped_by).name}; {saved}"

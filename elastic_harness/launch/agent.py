@@ -169,7 +169,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
-                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace))
+                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
+                  on_failure=exit_reporter(events, node))
 
 
 def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
@@ -198,6 +199,18 @@ def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: 
     before the kill, which tells the frozen rank from the peers waiting on it."""
     return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
             f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
+
+
+def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
+    """The agent's account of a failed worker group (``launch.elastic.exit_account``): which
+    rank exited how, the cause first. Called on the agent's main thread."""
+
+    def report(a: dict) -> None:
+        events.emit("failure", cause="exit", fatal=False, node=node, rank=a.get("rank"), step=a.get("step"),
+                    worker_pid=a.get("worker_pid"), exit_code=a.get("exit_code"), signal=a.get("signal"),
+                    recorded=a.get("recorded"), peer_lost=a.get("peer_lost"), message=a["message"])
+
+    return report
 
 
 def phase_reporter(events: EventLog, node: str, *, warm: bool):

@@ -75,9 +75,11 @@ class HarnessAgent(LocalElasticAgent):
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
-                 tick: Callable[[], None] | None = None, **kwargs: Any) -> None:
+                 tick: Callable[[], None] | None = None,
+                 on_failure: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._judge = judge
+        self._on_failure = on_failure or (lambda account: None)  # hears ``exit_account`` of a failed group
         self._progress = progress or (lambda: 0)
         self._tick = tick or (lambda: None)  # each monitor pass: keeps the log reader current
         self._window = restart_window
@@ -153,6 +155,8 @@ class HarnessAgent(LocalElasticAgent):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
+        if failed:
+            self._on_failure({**exit_account(result.failures), "step": self._progress()})
         if failed and lost_a_peer(result):
             tell = getattr(worker_group.spec.rdzv_handler, "peer_lost", None)  # ``rendezvous._Handler``
             if tell is not None:
@@ -213,6 +217,56 @@ def _message(failure: Any) -> str:
     return message.get("message", str(message)) if isinstance(message, dict) else str(message)
 
 
+def exit_account(failures: dict[int, Any]) -> dict[str, Any]:
+    """Pure: a failed group's ``failure`` event fields (``cause: exit``), the cause first.
+
+    ``failures``: torchelastic's ``{global rank: ProcessFailure}``, in the order the exits
+    were seen. A rank that only lost a peer (its error says the connection closed: a gloo
+    "Connection closed by peer ... GLHF!") is a symptom, never the cause; the cause is the
+    first other exit: a signal (``rank 1 (pid N) was killed by SIGKILL``), an exit without
+    an error record, or an error the rank recorded. The survivors' symptom comes after."""
+    order = sorted(failures.items(), key=lambda kv: liveness.peer_lost(_message(kv[1])) and _recorded(kv[1]))
+    if not order:
+        return {"cause": "exit", "fatal": False, "message": "the worker group failed"}
+    (rank, first), rest = order[0], order[1:]
+    message = _exit_line(rank, first)
+    if rest:
+        message += "; then " + ", ".join(_exit_line(r, f, short=True) for r, f in rest)
+    return {"cause": "exit", "fatal": False, "rank": rank, "worker_pid": first.pid,
+            "exit_code": first.exitcode, "signal": _signal(first), "recorded": _recorded(first),
+            "peer_lost": liveness.peer_lost(_message(first)) and _recorded(first), "message": message[:500]}
+
+
+def _recorded(failure: Any) -> bool:
+    """Did the worker write its error (torchelastic's error file)?"""
+    return str(getattr(failure, "error_file", "<N/A>")) not in ("<N/A>", "")
+
+
+def _signal(failure: Any) -> str | None:
+    import signal
+
+    code = failure.exitcode
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _exit_line(rank: int, failure: Any, short: bool = False) -> str:
+    who = f"rank {rank}" if short else f"rank {rank} (pid {failure.pid})"
+    sig = _signal(failure)
+    if sig:
+        return f"{who} was killed by {sig}" if not short else f"{who} stopped ({sig})"
+    if not _recorded(failure):
+        return f"{who} exited with code {failure.exitcode} without recording an error"
+    text = " ".join(_message(failure).split())
+    if liveness.peer_lost(text):
+        return f"{who} lost its peers ({text[:120]})"
+    return f"{who} failed: {text[:300 if not short else 120]}"
+
+
 def first_failure(result: RunResult) -> str:
     """'rank R exit C' of a failed group's first failure, for one-line messages."""
     if not result.failures:
@@ -254,7 +308,8 @@ class Launch:
                  judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
-                 tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0) -> None:
+                 tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
+                 on_failure: Callable[[dict[str, Any]], None] | None = None) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -273,7 +328,7 @@ class Launch:
                                   shutdown_timeout=config.shutdown_timeout, judge=judge,
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
-                                  exit_barrier_timeout=exit_barrier_s)
+                                  exit_barrier_timeout=exit_barrier_s, on_failure=on_failure)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,

@@ -198,8 +198,10 @@ def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
     (``launch.sealed``)."""
     from elastic_harness.launch import sealed
 
-    seal = sealed.StateSeal(key, params.run_id)
-    if params.backend == "c10d":
+    c10d = params.backend == "c10d"  # where the state lives, for the log: a store key, an etcd key
+    where = f"torch.rendezvous.{params.run_id}" if c10d else f"/torch/elastic/rendezvous/{params.run_id}"
+    seal = sealed.StateSeal(key, params.run_id, where=where)
+    if c10d:
         return sealed.create_c10d_backend(params, seal)
     if params.backend == etcd_v3.BACKEND:
         return etcd_v3.create_backend(params, seal)

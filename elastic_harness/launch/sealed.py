@@ -4,18 +4,22 @@ torch's dynamic rendezvous pickles its state (``_BackendRendezvousStateHolder``)
 the bytes to a backend, which stores them base64-encoded under one key of the c10d store or
 etcd; on every sync it reads them back and ``pickle.loads`` them. Anyone who can write that
 key can make every agent run code (issue 22: a forged pickle ran a shell command within
-1 s; garbage ended the job). Both backends here are torch's own classes with two changes:
+1 s; garbage ended the job). The backends here seal what they write and check what they read:
 
 - ``set_state`` stores ``HMAC(key, run id, state) || state`` (``jobkey.seal``);
-- decoding a value read back (``_decode_state``, the one place both turn stored bytes into
-  state bytes) checks that tag first. A value that is not base64, or not sealed with this
-  job's key for this rendezvous id, is refused with one logged line (per distinct value,
-  so a forged value that stays put is not logged at every poll) and replaced by the last
-  authentic state this agent saw (a fresh, empty state before it saw any). The store's
-  token is kept, so the agent's next write replaces the forged value, and the job goes on.
+- every value read back goes through ``StateSeal.open`` before torch sees it: one that is
+  not sealed with this job's key for this rendezvous id (a forgery, garbage, bytes that are
+  not even UTF-8, another job's state, torch's "no state yet" marker once a state was seen)
+  reads as the last authentic state this agent saw (a fresh, empty state before it saw
+  any), with a logged line (rate-limited: ``LOG_EVERY_S``). The token stays the exact
+  value read, so the agent's next write replaces it, and the job goes on (issue 33: the
+  token used to be the raw bytes torch then decoded as UTF-8, and non-UTF-8 bytes ended
+  the agent).
 
-``has_set`` (whether this agent's own write won) is computed on the unsealed bytes, as
-torch does on its own.
+The c10d backend is written on torch's public backend interface (``SealedC10dBackend``):
+its reads never block on a deleted key and a deleted key is written again (issue 33: the
+agents blocked at the job's end for ``read_timeout`` each). The etcd-v2 backend is torch's
+class with those two steps added; etcd tells a missing key apart itself.
 
 The c10d store itself: ``create_c10d_backend`` is torch's ``create_backend`` for a TCP
 store, except that the agent hosting the store binds the endpoint's host (``listen``), not
@@ -28,7 +32,9 @@ from __future__ import annotations
 import binascii
 import logging
 import pickle
-from base64 import b64decode
+import time
+from base64 import b64decode, b64encode
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -37,8 +43,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,
 )
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    _RendezvousState,
+)
 from torch.distributed.elastic.rendezvous.utils import (
     _matches_machine_hostname,
     parse_rendezvous_endpoint,
@@ -50,58 +59,126 @@ from elastic_harness.listen import listener
 log = logging.getLogger(__name__)
 
 
+# torch's c10d backend's marker for "no state yet" (a store read blocks on a missing key, so
+# the key is created holding this); the same bytes, so a store torch's backend set up reads alike.
+ABSENT = b"Y2FuaW1hZGFt"
+
+# Seconds between two log lines about refused values: the first is logged at once, then at
+# most one line per window with how many more came (a writer in a loop does not flood the log).
+LOG_EVERY_S = 30.0
+
+
 class StateSeal:
     """Seals state bytes for one rendezvous id and opens what is read back.
 
-    ``open`` never raises for a bad value: it logs once per distinct value and returns the
-    last authentic state (``refused`` counts the refusals, for tests and the log)."""
+    ``open`` never raises: a value that is not this job's (``ABSENT``, a forgery, garbage,
+    another job's state) gives the last authentic state this agent saw, else a fresh one;
+    what is refused is logged (``refused`` counts it). ``where`` names the store key, for the
+    log. ``clock`` is ``time.monotonic`` unless a test passes another."""
 
-    def __init__(self, key: bytes, run_id: str) -> None:
+    def __init__(self, key: bytes, run_id: str, where: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._key, self._context = key, b"rendezvous-state:" + run_id.encode()
-        self._run_id = run_id
+        self.run_id, self.where, self._clock = run_id, where or f"torch.rendezvous.{run_id}", clock
         self._last: bytes | None = None
-        self._logged: bytes | None = None
+        self.last_sealed: bytes | None = None  # the stored form of ``_last`` (base64)
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, not logged since)
         self.refused = 0
 
     def close(self, state: bytes) -> bytes:
         return jobkey.seal(self._key, state, self._context)
 
     def open(self, stored: bytes) -> bytes:
-        """``stored``: the value as kept in the store (base64 text)."""
-        try:
-            payload = jobkey.unseal(self._key, b64decode(stored, validate=True), self._context)
-        except (binascii.Error, ValueError):
-            payload = None
+        """``stored``: the value as kept in the store (base64 text, or anything at all)."""
+        payload = self.authentic(stored)
         if payload is not None:
-            self._last = payload
+            self._last, self.last_sealed = payload, bytes(stored)
             return payload
-        self.refused += 1
-        if stored != self._logged:
-            self._logged = stored
-            log.warning("refused rendezvous state of '%s' not signed with this job's key (%d bytes, "
-                        "forged or corrupt); ignoring it and keeping the last authentic state",
-                        self._run_id, len(stored))
+        if stored != ABSENT or self._last is not None:  # the marker is no one's once a state was seen
+            self.refused += 1
+            self.warn("refused", f"refused rendezvous state of '{self.run_id}' not signed with this job's key "
+                      f"({len(stored)} bytes, forged or corrupt, in the store key '{self.where}'); "
+                      "ignoring it and keeping the last authentic state")
+        return self.fallback()
+
+    def authentic(self, stored: bytes) -> bytes | None:
+        """The state sealed in ``stored``, or None when it is not this job's (never raises)."""
+        try:
+            return jobkey.unseal(self._key, b64decode(stored, validate=True), self._context)
+        except (binascii.Error, ValueError, TypeError):
+            return None
+
+    def fallback(self) -> bytes:
+        """The last authentic state, else a fresh one (what a refused value reads as)."""
         return self._last if self._last is not None else pickle.dumps(_RendezvousState())
 
+    def warn(self, kind: str, message: str) -> None:
+        """Log ``message`` now, unless a line of this ``kind`` went out within ``LOG_EVERY_S``:
+        then count it, and the next line of that kind after the window says how many more
+        there were (a writer in a loop is named, and does not flood the log)."""
+        now = self._clock()
+        logged_at, unlogged = self._logged.get(kind, (None, 0))
+        if logged_at is not None and now - logged_at < LOG_EVERY_S:
+            self._logged[kind] = (logged_at, unlogged + 1)
+            return
+        if unlogged:
+            message += (f" ({unlogged} more in the last {now - logged_at:.0f} s: a process outside the job "
+                        f"keeps writing '{self.where}', and the agents cannot agree on the rendezvous while "
+                        "it does; find it among the store's connections)")
+        self._logged[kind] = (now, 0)
+        log.warning(message)
 
-class SealedC10dBackend(C10dRendezvousBackend):
-    """torch's c10d backend with the state sealed (module doc)."""
+
+class SealedC10dBackend(RendezvousBackend):
+    """torch's c10d backend (``C10dRendezvousBackend``, same key and protocol) with the state
+    sealed, written on torch's public backend interface.
+
+    The token is the exact value last read from the store, whatever it is: a compare-and-set
+    with it replaces that value, so an agent that read a forgery or garbage overwrites it at
+    its next write, and the agents' writes converge as with torch's own backend. Reading
+    never blocks on a missing key: a read is a compare-and-set that recreates a deleted key
+    from this agent's last authentic state (torch's ``get`` waited ``read_timeout`` for it,
+    and a job whose key was deleted blocked at its end), after a ``check`` that notices the
+    deletion for the log; a write that finds the key deleted (the store then answers with
+    the expected value: see c10d's ``compare_set``) recreates it with the new state."""
 
     def __init__(self, store: Any, run_id: str, seal: StateSeal) -> None:
-        self._seal = seal
-        super().__init__(store, run_id)
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._store, self._seal = store, seal
+        self._key = "torch.rendezvous." + run_id
+        self._call("compare_set", self._key, "", ABSENT)
 
-    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
-        result = super().set_state(self._seal.close(state), token)
-        if result is None:
-            return None
-        new_state, new_token, _ = result
-        return new_state, new_token, new_state == state
+    @property
+    def name(self) -> str:
+        return "c10d"
 
-    def _decode_state(self, base64_state: bytes) -> tuple[bytes, Any] | None:
-        if base64_state == self._NULL_SENTINEL.encode():
-            return None
-        return self._seal.open(base64_state), base64_state
+    def get_state(self) -> tuple[bytes, Token] | None:
+        if not self._call("check", [self._key]):
+            self._deleted()
+        stored = self._call("compare_set", self._key, "", self._seal.last_sealed or ABSENT)
+        return self._seal.open(stored), stored
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token is not None and not isinstance(token, bytes):
+            return *self.get_state(), False  # not a token of ours: it cannot match (as torch)
+        expected, desired = token or ABSENT, b64encode(self._seal.close(state))
+        stored = self._call("compare_set", self._key, expected, desired)
+        if stored == expected != desired:  # the key is gone: the store echoes ``expected``
+            self._deleted()
+            stored = self._call("compare_set", self._key, "", desired)
+        return self._seal.open(stored), stored, stored == desired
+
+    def _deleted(self) -> None:
+        self._seal.warn("deleted", f"the rendezvous state of '{self._seal.run_id}' was deleted from the store "
+                        f"(key '{self._seal.where}'); writing it again from this agent's last authentic state")
+
+    def _call(self, op: str, *args: Any) -> Any:
+        try:
+            return getattr(self._store, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as exc:
+            raise RendezvousConnectionError(
+                "The connection to the C10d store has failed. See inner exception for details.") from exc
 
 
 def _c10d_store(params: RendezvousParameters) -> TCPStore:
@@ -150,7 +227,7 @@ def create_etcd_backend(params: RendezvousParameters, seal: StateSeal) -> tuple[
             return super().set_state(seal.close(state), token)
 
         def _decode_state(self, result: Any) -> tuple[bytes, Any]:
-            return seal.open(result.value.encode()), result.modifiedIndex
+            return seal.open(str(result.value or "").encode("utf-8", "surrogatepass")), result.modifiedIndex
 
     client = _create_etcd_client(params)
     backend = SealedEtcdBackend(client, params.run_id, key_prefix="/torch/elastic/rendezvous")

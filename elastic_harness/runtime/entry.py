@@ -63,6 +63,11 @@ def main(argv: list[str]) -> int:
             spec = load_job(job_path)  # the one parse of the job in this process
             jobsource.hand_over(spec, run_dir)  # the script's init() takes it from there
             if spec.script.path:
+                from elastic_harness.launch.env import WorkerEnv
+                from elastic_harness.runtime.dist import serve_for_script
+
+                # rank 0's store on MASTER_ADDR, also for a script's own init_process_group
+                serve_for_script(WorkerEnv.from_environ(standalone_ok=True), spec.timeouts.process_group)
                 return run_script(spec.script.path, [str(a) for a in spec.script.args])
             from elastic_harness.runtime.worker import main as task_main
 

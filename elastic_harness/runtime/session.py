@@ -91,7 +91,13 @@ from elastic_harness.runtime.jobsource import resolve_job
 from elastic_harness.runtime.loader import to_device
 from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
-from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
+from elastic_harness.runtime.registration import (
+    check_registration,
+    check_schedulers,
+    distributed,
+    short_schedule,
+    short_schedule_error,
+)
 from elastic_harness.runtime.resume import announce, bind_data, memory_covers_join, restore
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
@@ -286,7 +292,14 @@ class Run:
         self._previous_hook = sys.excepthook
         if not env.by_harness:
             sys.excepthook = self._excepthook
-        atexit.register(self.close)
+        # The loop (``steps``): the open one, the step it yielded last, whether the job's last
+        # step was done in this process, where the script left a loop early (a break).
+        self._loop: Iterator[Step] | None = None
+        self._yielded: Step | None = None
+        self._loop_done = False
+        self._left_loop_at: int | None = None
+        self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
+        atexit.register(self._close_at_exit)
 
     # ----- properties ----------------------------------------------------------------
     @property
@@ -352,6 +365,9 @@ class Run:
         found = restore(self._state, self.model, parallelism=self.topology.kind,
                         memory=self.memory, ckpt=self.ckpt, degrees=(self.topology.shard, self.topology.tensor))
         self._resumed_at = found.step if found is not None else 0
+        short = short_schedule(self._registered, self._train.step, self.spec.train.steps)
+        if short is not None:  # before "resumed from": it would raise past its total every restart
+            raise short_schedule_error(short, self._train.step, self.spec.train.steps)
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
                         metrics=self.metrics, world_size=self.world_size, before_saying=before_saying)
 
@@ -362,7 +378,34 @@ class Run:
 
         ``dataset``: a map-style dataset (``len`` and ``[i]``) or a sharded stream (a
         ``elastic_harness.data.Stream``, a Hugging Face streaming dataset, an
-        ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``)."""
+        ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``).
+
+        One loop runs the whole job (every epoch). Called again after the script left a loop
+        early (a ``break`` after ``step.done()``), it continues with the next step, from the
+        same data position; after the job's last step, or from inside a loop body, it raises
+        ``UsageError`` (docs/your-script.md)."""
+        self._check_new_loop()
+        self._loop = self._run_loop(dataset, collate_fn)
+        return self._loop
+
+    def _check_new_loop(self) -> None:
+        """Refuse a loop that would silently train nothing, or two loops at once; end the
+        loop the script left (its loader processes stop)."""
+        if self._loop_done:
+            raise UsageError(
+                f"run.steps() was called again after all train.steps={self.spec.train.steps} updates were "
+                "done: one run.steps() loop runs the whole job, every epoch, so this one has nothing to train",
+                "loop over run.steps() once (derive an epoch from step.number, docs/script-api.md); to train "
+                "longer, raise train.steps and run the job again: it resumes")
+        step = self._yielded
+        if self._loop is not None and step is not None and not step.finished and not step.drained \
+                and _suspended(self._loop):
+            raise UsageError(f"run.steps() was called inside the loop body of step {step.number}",
+                             "finish the step with step.done() and leave the loop before starting another")
+        if self._loop is not None:
+            self._loop.close()  # a loop the script left early: its loader stops here
+
+    def _run_loop(self, dataset: Any, collate_fn: Callable | None) -> Iterator[Step]:
         source = source_of(dataset)
         spec, train = self.spec, self._train
         watchdog = self.watchdog
@@ -402,6 +445,7 @@ class Run:
                     record_samples(hook.sample_log, self.generation, step.number, self.rank,
                                    self.world_size, plan, loader.meta,
                                    dp_rank=self.topology.dp_rank(), dp_size=self.topology.dp_degree)
+                self._yielded = step
                 yield step
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
@@ -410,6 +454,10 @@ class Run:
                     raise SystemExit(DRAIN_EXIT)
             watchdog.disarm()
             hook.finish()
+            self._loop_done = True
+        except GeneratorExit:  # the script left the loop (a break): a later steps() goes on
+            self._left_loop_at = train.step
+            raise
         finally:
             watchdog.disarm()
             loader.close()
@@ -452,6 +500,9 @@ class Run:
         if self.closed:
             return
         self.closed = True
+        if self._loop is not None:
+            self._loop.close()  # a loop the script left (a break): its loader stops
+        self._say_unfinished()
         try:
             self.ckpt.close()
             self.metrics.close()
@@ -468,7 +519,23 @@ class Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._quiet_close = self._quiet_close or exc[0] is not None
         self.close()
+
+    def _close_at_exit(self) -> None:
+        self._quiet_close = True  # the interpreter is ending, perhaps on an exception
+        self.close()
+
+    def _say_unfinished(self) -> None:
+        """A script that left its loop early and closed the run: say so (rank 0), so the job's
+        end does not read as a failure without a reason."""
+        at, steps = self._left_loop_at, self.spec.train.steps
+        if self._quiet_close or self._loop_done or at is None or at >= steps:
+            return
+        self.events.emit("warning", message=(
+            f"the script left its run.steps() loop after step {at} of train.steps={steps} and closed the "
+            f"run: the job is not finished ({steps - at} steps were not trained); running the job again "
+            "continues from its last checkpoint"))
 
     def record_failure(self, exc: BaseException) -> None:
         failures.record(self.log, exc, rank=self.rank, step=self._train.step, node=self.env.node,
@@ -519,6 +586,13 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
                            local_size=env.local_world_size, generation=int(generation, 16),
                            link_key=key if spec.checkpoint.memory_buddy else None,
                            link_host=local_address(env.master_addr))
+
+
+def _suspended(loop: Iterator[Step]) -> bool:
+    """Is ``loop`` (a generator) paused at a ``yield``, i.e. the script is in its body?"""
+    import inspect
+
+    return inspect.getgeneratorstate(loop) == inspect.GEN_SUSPENDED  # type: ignore[arg-type]
 
 
 def job_identity(spec: JobSpec) -> str:

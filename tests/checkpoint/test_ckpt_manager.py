@@ -599,3 +599,36 @@ def test_a_stuck_async_write_is_abandoned_but_its_directory_left_alone(seen):
         assert r["present_while_stuck"] and r["present_after"] and not r["manifest"]
         assert r["quiet"]  # once released, the writer stopped instead of writing on
         assert "checkpoint" not in r["events"]
+
+
+def test_a_failed_save_is_one_short_line_naming_each_ranks_cause():
+    """Issue 33: DCP's CheckpointException repr (each rank's FrameSummary list, 461
+    characters) was the terminal's failure line; now each cause once, with its ranks."""
+    import io
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from elastic_harness.checkpoint.failure_text import detail, one_line
+    from elastic_harness.progress import Progress
+
+    def wrapped(e):
+        try:
+            raise e
+        except OSError as caught:
+            return caught, traceback.extract_tb(caught.__traceback__)
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    err = CheckpointException("failed", {0: wrapped(full), 1: wrapped(OSError(errno.ENOSPC, "No space left on device")),
+                                         2: wrapped(PermissionError(errno.EACCES, "Permission denied"))})
+    assert len(repr(err)) > 300 and "FrameSummary" in repr(err)
+    line = one_line(err)
+    assert line == ("ranks 0,1: OSError: [Errno 28] No space left on device; "
+                    "rank 2: PermissionError: [Errno 13] Permission denied")
+    assert "Traceback" in detail(err)
+    assert one_line(ValueError("bad\nsecond line")) == "ValueError: bad" and one_line(KeyError()) == "KeyError"
+    out = io.StringIO()
+    progress = Progress(60, out=out)
+    for n in (1, 2, 3):  # a streak of failed saves: the first is said, the limit's error says the rest
+        progress.update({"t": float(n), "event": "failure", "consecutive": n, "message": f"checkpoint failed {n}"})
+    assert out.getvalue().splitlines() == ["failure: checkpoint failed 1"]
