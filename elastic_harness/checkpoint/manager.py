@@ -429,7 +429,7 @@ class CheckpointManager:
                 blocking_s: float, asynchronous: bool) -> bool:
         """Every rank: rank 0 commits what every rank reported, if all wrote; all learn the outcome."""
         reports: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        mine = (written_files(writer), None if error is None else one_line(error))
+        mine = (written_files(writer), None if error is None else self._explain(error))
         dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
         outcome = self._commit(step, name, reports) if self.rank == 0 else None
         status, why = collective.broadcast(outcome, self.group)
@@ -495,9 +495,13 @@ class CheckpointManager:
         except OSError as e:  # a purge that fails costs space, not correctness
             self.events.emit("warning", message=f"purging old checkpoints failed: {e!r:.300}")
 
+    def _explain(self, err: BaseException) -> str:
+        """``err`` in one line; the storage's free space names a full disk behind a short write."""
+        return one_line(err, self.storage.free_bytes())
+
     def _on_failure(self, step: int, name: str, err: BaseException | None, asynchronous: bool) -> None:
         self._failures += 1
-        why = one_line(err) if err is not None else "another rank failed to write"
+        why = self._explain(err) if err is not None else "another rank failed to write"
         self._last_failure = why
         if self.rank != 0:
             return

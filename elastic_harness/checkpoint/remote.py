@@ -145,6 +145,9 @@ class FsspecStorage:
             self.fs.rm_file(self._root_path(filename))
         self.fs.invalidate_cache()
 
+    def free_bytes(self) -> int | None:
+        return None  # object stores have no fixed size to report
+
     def writer(self, name: str) -> StorageWriter:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 

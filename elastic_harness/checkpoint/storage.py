@@ -85,6 +85,10 @@ class Storage(Protocol):
 
     def remove_root(self, filename: str) -> None: ...
 
+    def free_bytes(self) -> int | None:
+        """Bytes a writer may still add under the root where the storage can tell, else None
+        (to name a full disk when a writer only reports a short write)."""
+
     def writer(self, name: str) -> StorageWriter:
         """A fresh DCP ``StorageWriter`` for step directory ``name`` (never overwrites)."""
 
@@ -178,6 +182,13 @@ class LocalStorage:
         from elastic_harness.checkpoint.safe_metadata import SafeFileSystemReader
 
         return SafeFileSystemReader(self.uri(name))
+
+    def free_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
 
 def _write_replace(final: Path, data: bytes) -> None:

@@ -632,3 +632,21 @@ def test_a_failed_save_is_one_short_line_naming_each_ranks_cause():
     for n in (1, 2, 3):  # a streak of failed saves: the first is said, the limit's error says the rest
         progress.update({"t": float(n), "event": "failure", "consecutive": n, "message": f"checkpoint failed {n}"})
     assert out.getvalue().splitlines() == ["failure: checkpoint failed 1"]
+
+
+def test_a_short_write_on_a_full_disk_is_named_as_the_full_disk():
+    """On a full disk one rank's write raises ENOSPC while torch's file writer on another
+    reports only a position mismatch; with the storage (almost) out of space both are the full
+    disk, one cause. With space left the writer's own words stay: it is not guessed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from elastic_harness.checkpoint.failure_text import one_line
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    err = CheckpointException("failed", {0: (OSError(errno.ENOSPC, "No space left on device"), []),
+                                         1: (short, [])})
+    assert one_line(err, free_bytes=0) == "ranks 0,1: OSError: [Errno 28] No space left on device"
+    assert one_line(short, free_bytes=4096) == "OSError: [Errno 28] No space left on device"
+    assert "unexpected pos" in one_line(err, free_bytes=10 << 30)
+    assert "unexpected pos" in one_line(short)  # a storage that cannot tell: nothing guessed
+
