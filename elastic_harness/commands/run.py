@@ -94,11 +94,11 @@ def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
     """Put this job in the registry, so ``status`` and ``list`` see it (``lifecycle``). A
     detached job's ``submit`` already did (this process is its supervisor)."""
     from elastic_harness.lifecycle import registry
-    from elastic_harness.lifecycle.local import supervisor_record
+    from elastic_harness.lifecycle.local import Supervisor, supervisor_record
 
     root = registry.state_dir()
     known = registry.load(job_id, root)
-    if known is None or known.pid != os.getpid():
+    if known is None or Supervisor.of(known).pid != os.getpid():
         try:
             registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
         except HarnessError as e:  # training does not depend on the registry: say so and go on

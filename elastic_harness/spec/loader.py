@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from elastic_harness.errors import SpecError, SpecErrors  # noqa: F401 - SpecErrors: re-exported
-from elastic_harness.spec.schema import FaultSpec, JobSpec
+from elastic_harness.spec.schema import REMOVED, FaultSpec, JobSpec
 
 _LIST_ITEMS = {"chaos": FaultSpec}
 
@@ -238,11 +238,9 @@ def build(cls: type, raw: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     problems: list[SpecError] = []
-    for key in raw:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
-            problems.append(SpecError(_join(path, str(key)), "unknown key", hint))
+    for key, value in raw.items():
+        if key not in fields and (problem := _not_a_field(_join(path, str(key)), value, fields)):
+            problems.append(problem)
     kwargs = {}
     for name, value in raw.items():
         if name not in fields:
@@ -254,6 +252,19 @@ def build(cls: type, raw: Any, path: str) -> Any:
     if problems:
         raise problems[0] if len(problems) == 1 else SpecErrors(problems)
     return cls(**kwargs)
+
+
+def _not_a_field(dotted: str, value: Any, fields: dict) -> SpecError | None:
+    """Why key ``dotted`` is refused: a key removed in an earlier release (None when its value
+    asks for what happens now), or an unknown key with the closest valid name."""
+    gone = REMOVED.get(dotted)
+    if gone is not None:
+        if value in gone.still_meant:
+            return None
+        return SpecError(dotted, f"{value!r} was removed in {gone.version}: {gone.why}", gone.instead)
+    close = difflib.get_close_matches(dotted.rsplit(".", 1)[-1], fields, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+    return SpecError(dotted, "unknown key", hint)
 
 
 def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
