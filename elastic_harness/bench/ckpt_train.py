@@ -57,35 +57,13 @@ from elastic_harness.runtime.state import ModelState, OptimState
 def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root: Path,
                repeats: int, samples: dict) -> None:
     state = sharded(full, mesh2, rank, 2, fill=True)
-    sync_ev, async_ev = Events(), Events()
-    sync_m = make_manager(rank, root / "sync", ckpt_group, False, sync_ev)
-    async_m = make_manager(rank, root / "async", ckpt_group, True, async_ev)
+    sync_m = make_manager(rank, root / "sync", ckpt_group, False, Events())
+    async_m = make_manager(rank, root / "async", ckpt_group, True, Events())
     step = iter(range(1, 10**9))
-    legacy, scratch = root / "legacy.pt", root / "scratch"
+    scratch = root / "scratch"
     (root / "raw").mkdir(exist_ok=True)
-
-    def baseline() -> None:
-        if rank == 0:
-            with open(legacy, "wb") as f:
-                torch.save(full, f)
-                f.flush()
-                os.fsync(f.fileno())
-        dist.barrier(group=g2)
-
-    def dcp_only() -> None:
-        dcp.save(state, checkpoint_id=str(scratch / str(next(step))), process_group=ckpt_group)
-
-    def async_save() -> None:
-        async_m.save(next(step), state, blocking=False)
-
-    kinds = {
-        "raw_write": lambda: raw_write(root / "raw" / f"rank{rank}.bin", local_tensors(state)),
-        "dcp_sync_save": lambda: sync_m.save(next(step), state, blocking=True),
-        "dcp_only_sync_save": dcp_only,
-        "async_blocking": async_save,
-        "baseline_save": baseline,
-    }
-    async_save()  # warm-ups: the first DCP save plans and allocates the staging buffer
+    kinds = _save_kinds(rank, full, state, root, g2, ckpt_group, step, sync_m, async_m)
+    kinds["async_blocking"]()  # warm-ups: the first DCP save plans and allocates the staging buffer
     async_m.wait()
     sync_m.save(next(step), state, blocking=True)
     names = list(kinds)
@@ -100,6 +78,31 @@ def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root
     dcp.save(state, checkpoint_id=str(root / "load-src"), process_group=ckpt_group)
     async_m.close()
     sync_m.close()
+
+
+def _save_kinds(rank: int, full: dict, state: dict, root: Path, g2: Any, ckpt_group: Any, step: Any,
+                sync_m: Any, async_m: Any) -> dict:
+    """Each save measured, by name (the module doc), as a call; ``step`` numbers the saves."""
+    legacy, scratch = root / "legacy.pt", root / "scratch"
+
+    def baseline() -> None:
+        if rank == 0:
+            with open(legacy, "wb") as f:
+                torch.save(full, f)
+                f.flush()
+                os.fsync(f.fileno())
+        dist.barrier(group=g2)
+
+    def dcp_only() -> None:
+        dcp.save(state, checkpoint_id=str(scratch / str(next(step))), process_group=ckpt_group)
+
+    return {
+        "raw_write": lambda: raw_write(root / "raw" / f"rank{rank}.bin", local_tensors(state)),
+        "dcp_sync_save": lambda: sync_m.save(next(step), state, blocking=True),
+        "dcp_only_sync_save": dcp_only,
+        "async_blocking": lambda: async_m.save(next(step), state, blocking=False),
+        "baseline_save": baseline,
+    }
 
 
 def _model(size: int) -> nn.Module:
@@ -117,40 +120,21 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     width = model.module[0].in_features
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, width, generator=gen), torch.randn(32, width, generator=gen)
-    state = {"model": ModelState(model), "optim": OptimState(model, optim)}
+
+    def train_step() -> None:
+        optim.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+
     managers = {
         "step_async_save": make_manager(rank, root / "train-async", ckpt_group, True, Events()),
         "step_sync_save": make_manager(rank, root / "train-sync", ckpt_group, False, Events()),
     }
-    counter = iter(range(1, 10**9))
     floor = Floor(rank, root / "floor", [p.detach() for p in model.parameters()], world=2)
     runs = {**{k: managers.get(k) for k in ("step_no_save", *managers)},
             "step_floor_direct": floor.saver(direct=True), "step_floor_buffered": floor.saver(direct=False)}
-
-    def window(kind: str) -> float:
-        save = runs[kind]
-        dist.barrier(group=g2)
-        t0, cpu0, machine0 = time.perf_counter(), time.process_time(), machine_times()
-        for i in range(cfg["steps"]):
-            if save is not None and i % cfg["every"] == 0:
-                save.save(next(counter), state, blocking=kind == "step_sync_save")
-            optim.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
-            optim.step()
-        if save is not None:
-            save.wait()
-        if rank == 0:  # machine-wide: one rank's reading covers both
-            for what, secs in machine_times().items():
-                if what in machine0:
-                    samples.setdefault(f"machine_{what}_{kind}", []).append(
-                        (secs - machine0[what]) / cfg["steps"])
-        t = torch.tensor([(time.perf_counter() - t0) / cfg["steps"]], dtype=torch.float64)
-        cpu = torch.tensor([(time.process_time() - cpu0) / cfg["steps"]], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g2)
-        dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=g2)
-        samples.setdefault("cpu_" + kind, []).append(float(cpu.item()))
-        return float(t.item())
-
+    window = _Windows(rank, cfg, g2, {"model": ModelState(model), "optim": OptimState(model, optim)},
+                      train_step, runs, samples)
     for _ in range(2):  # warm-ups: plans, staging buffers, allocator
         window("step_async_save")
     window("step_floor_direct")
@@ -163,3 +147,36 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     for m in managers.values():
         m.close()
     floor.close()
+
+
+class _Windows:
+    """A window of ``cfg["steps"]`` training steps saving every ``cfg["every"]`` the way
+    ``runs[kind]`` does (None: no saves), ended once its last save committed: its mean step
+    time (the slower rank's), and into ``samples`` the ranks' CPU and the machine's time per step."""
+
+    def __init__(self, rank: int, cfg: dict, g2: Any, state: dict, train_step: Any, runs: dict,
+                 samples: dict) -> None:
+        self.rank, self.cfg, self.g2, self.state, self.train_step = rank, cfg, g2, state, train_step
+        self.runs, self.samples = runs, samples
+        self.counter = iter(range(1, 10**9))
+
+    def __call__(self, kind: str) -> float:
+        save, steps = self.runs[kind], self.cfg["steps"]
+        dist.barrier(group=self.g2)
+        t0, cpu0, machine0 = time.perf_counter(), time.process_time(), machine_times()
+        for i in range(steps):
+            if save is not None and i % self.cfg["every"] == 0:
+                save.save(next(self.counter), self.state, blocking=kind == "step_sync_save")
+            self.train_step()
+        if save is not None:
+            save.wait()
+        if self.rank == 0:  # machine-wide: one rank's reading covers both
+            for what, secs in machine_times().items():
+                if what in machine0:
+                    self.samples.setdefault(f"machine_{what}_{kind}", []).append((secs - machine0[what]) / steps)
+        t = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        cpu = torch.tensor([(time.process_time() - cpu0) / steps], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.g2)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=self.g2)
+        self.samples.setdefault("cpu_" + kind, []).append(float(cpu.item()))
+        return float(t.item())

@@ -309,15 +309,7 @@ class CheckpointManager:
                                      self.group, self.world_size)
         action, detail = said[0][0]
         if action != "go":
-            if action == "error":  # rank 0 could not even look at the storage
-                self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
-                self.raise_if_failing()
-            elif self.rank == 0 and action == "skipped":
-                self.events.emit("skipped", step=step, name=name, reason=detail,
-                                 message=f"checkpoint at step {step} not written: {detail}")
-            elif self.rank == 0:
-                self.events.emit("fenced", step=step, name=name, reason=detail,
-                                 message=f"checkpoint at step {step} not written: {detail}")
+            self._not_written(step, name, action, detail)
             return False
         self._busy.add(step)
         writer = self.storage.writer(name)
@@ -326,12 +318,7 @@ class CheckpointManager:
             # What dcp.async_save does, in our write thread: a copy training cannot change
             # (of what this rank writes, when every rank's cached plan still holds).
             agreed = all(same for _, same in said)
-            staged = self._staging().stage(plain, skip if agreed else frozenset())  # agreed: no rank's is None
-            blocked = time.perf_counter() - t0
-            fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
-                                     planner=plans.planner(self._plan_key))
-            self._pending_watch = (write_watch(writer), name)
-            self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
+            self._start_async(write, writer, plain, skip if agreed else frozenset(), step, name, t0)
             return True
         # Written in a thread so this one can watch progress (and report it) meanwhile.
         with self.threads.foreground():
@@ -344,6 +331,29 @@ class CheckpointManager:
                 f"details in events.jsonl); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
+
+    def _not_written(self, step: int, name: str, action: str, detail: str) -> None:
+        """Rank 0 said ``name`` is not to be written (``_prepare_dir``): an error (it could
+        not look at the storage: a failure), or the ``skipped`` or ``fenced`` event."""
+        message = f"checkpoint at step {step} not written: {detail}"
+        if action == "error":
+            self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
+            self.raise_if_failing()
+        elif self.rank == 0 and action == "skipped":
+            self.events.emit("skipped", step=step, name=name, reason=detail, message=message)
+        elif self.rank == 0:
+            self.events.emit("fenced", step=step, name=name, reason=detail, message=message)
+
+    def _start_async(self, write: Any, writer: Any, plain: dict[str, Any], skip: frozenset, step: int,
+                     name: str, t0: float) -> None:
+        """Stage this rank's part of ``plain`` (less what ``skip`` says another rank writes),
+        then write and commit it in the background."""
+        staged = self._staging().stage(plain, skip)
+        blocked = time.perf_counter() - t0
+        fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
+                                 planner=plans.planner(self._plan_key))
+        self._pending_watch = (write_watch(writer), name)
+        self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
 
     def _staging(self) -> Any:
         """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""
