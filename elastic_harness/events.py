@@ -110,7 +110,6 @@ CONTRACT: dict[str, EventKind] = {
         "blocking_s": "seconds training was blocked",
         "total_s": "seconds until committed",
         "asynchronous": "written in the background",
-        "writer": "who wrote rank 0's shards: process (the low-priority writer process) or thread",
     }),
     "memory": EventKind("rank 0", "the in-memory tier's snapshot interval was set or changed "
                         "(checkpoint.memory_every, memory_budget)", {

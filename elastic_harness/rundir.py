@@ -65,15 +65,7 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
     leases = [_lease(LocalStorage(run_dir), holder, f"run directory '{run_dir}'", RunDirError, "--run-dir")]
     try:
         if not inside(root, run_dir):
-            store = open_storage(root)
-            try:
-                if not is_url(root):
-                    private_dir(Path(root))
-                store.ensure()
-            except OSError as e:
-                raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
-                                      "set checkpoint.dir to a directory you can write") from None
-            leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
+            leases.append(_outside_checkpoints(root, holder))
         if fresh:
             set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
         else:
@@ -87,6 +79,19 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             lease.release()
         raise
     return Claim(run_dir, root, leases)
+
+
+def _outside_checkpoints(root: str, holder: lock.Holder) -> lock.Lease:
+    """A ``checkpoint.dir`` outside the run directory: created (private) and locked, its lease."""
+    store = open_storage(root)
+    try:
+        if not is_url(root):
+            private_dir(Path(root))
+        store.ensure()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
+                              "set checkpoint.dir to a directory you can write") from None
+    return _lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir")
 
 
 def _provided_key(path: Path) -> bytes:

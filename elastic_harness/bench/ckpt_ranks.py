@@ -120,6 +120,11 @@ def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: 
     for r in range(repeats):
         for kind in kinds[r % 4:] + kinds[:r % 4]:
             one(kind)
+    _check_loaded(rank, full, more, across)
+
+
+def _check_loaded(rank: int, full: dict, more: dict, across: dict | None) -> None:
+    """The resharded loads returned this rank's part of the saved values."""
     ok = all(torch.equal(more[p][n].to_local(), full[p][n].chunk(3)[rank]) for p in full for n in full[p])
     assert ok, "resharded load returned wrong values"
     ok = rank == 2 or all(torch.equal(across[p][n].to_local(), full[p][n].chunk(2, dim=1)[rank])

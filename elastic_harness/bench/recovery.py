@@ -321,19 +321,7 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     rows: dict[str, list] = {"own_only": [], "with_copies": []}
     for r in range(repeats):
         for name, copies in (("own_only", "false"), ("with_copies", "true")):
-            run_dir = scratch / f"buddy-cost-{name}-{r}"
-            code = launch("harness", job, run_dir, nodes=2, nproc=1, chaos=[], timeout=600,
-                          sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}",
-                                f"checkpoint.memory_buddy={copies}"])
-            events = read_events(run_dir / runfiles.EVENTS)
-            probe = probe_cost(events, skip=COST_WARMUP)
-            copy_events = [e for e in events if e["event"] == "buddy"]
-            tier = [e for e in events if e["event"] == "memory" and e.get("copy_s") and e.get("every")]  # not probe-off
-            rows[name].append({"exit": code, "cost": probe.cost if probe else None,
-                               "pairs": probe.pairs if probe else [],
-                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
-                               # the tier's last measured figures: snapshot and copy intervals and costs
-                               "tier": tier_before([*tier, {"event": "fault"}]) if tier else None})
+            rows[name].append(_buddy_cost_run(job, scratch / f"buddy-cost-{name}-{r}", copies))
     out: dict = {"parallelism": "fsdp", "nodes": 2, "nproc_per_node": 1, "probe_block_steps": PROBE_BLOCK,
                  "steps": COST_STEPS, "warmup_steps": COST_WARMUP, "memory_every": 1}
     for name, runs in rows.items():
@@ -354,6 +342,21 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     out["goal"] = f"copies_cost <= {GOALS['memory_cost']}"
     out["met"] = out["copies_cost"] is not None and out["copies_cost"] <= GOALS["memory_cost"]
     return out
+
+
+def _buddy_cost_run(job: Path, run_dir: Path, copies: str) -> dict:
+    """One probed run of ``bench_buddy_cost``, buddy copies on (``copies`` "true") or off."""
+    code = launch("harness", job, run_dir, nodes=2, nproc=1, chaos=[], timeout=600,
+                  sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}",
+                        f"checkpoint.memory_buddy={copies}"])
+    events = read_events(run_dir / runfiles.EVENTS)
+    probe = probe_cost(events, skip=COST_WARMUP)
+    copy_events = [e for e in events if e["event"] == "buddy"]
+    tier = [e for e in events if e["event"] == "memory" and e.get("copy_s") and e.get("every")]  # not probe-off
+    return {"exit": code, "cost": probe.cost if probe else None, "pairs": probe.pairs if probe else [],
+            "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
+            # the tier's last measured figures: snapshot and copy intervals and costs
+            "tier": tier_before([*tier, {"event": "fault"}]) if tier else None}
 
 
 def bench_goodput(scratch: Path, long: bool, seed: int) -> dict:

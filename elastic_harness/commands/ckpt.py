@@ -21,7 +21,6 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from elastic_harness import jobkey
 from elastic_harness.checkpoint import integrity, layout
@@ -30,9 +29,6 @@ from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.errors import CheckpointError
 
-if TYPE_CHECKING:
-    pass
-
 _FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
@@ -40,6 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ckpt", help="list, verify, export, import and diff checkpoints",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     acts = p.add_subparsers(dest="ckpt_action", metavar="ACTION", required=True)
+    _add_ls_verify_export(acts)
+    _add_trust_import(acts)
+    a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
+    a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
+    a.add_argument("b")
+    _key_flags(a)
+    a.set_defaults(func=cmd_diff)
+
+
+def _add_ls_verify_export(acts: argparse._SubParsersAction) -> None:
+    """The actions that read checkpoints: ``ls``, ``verify``, ``export``."""
     a = acts.add_parser("ls", help="one line per checkpoint: step, world size, size, status")
     a.add_argument("dir")
     a.add_argument("--verify", choices=integrity.VERIFY_MODES, default="size",
@@ -58,6 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--step", type=int, help="which step (default: the newest that verifies)")
     _key_flags(a)
     a.set_defaults(func=cmd_export)
+
+
+def _add_trust_import(acts: argparse._SubParsersAction) -> None:
+    """The actions that bring checkpoints in: ``trust`` (sign one), ``import`` (a legacy file)."""
     a = acts.add_parser("trust", help="review one checkpoint and sign it with the run's key (an older "
                                       "run's unsigned one, another job's)")
     a.add_argument("dir", help="a run dir or checkpoint dir (with --step), or one step dir")
@@ -78,11 +89,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--epoch", type=int, help="continue at the start of this epoch (this many full "
                                                  "passes over the dataset done)")
     a.set_defaults(func=cmd_import)
-    a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
-    a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
-    a.add_argument("b")
-    _key_flags(a)
-    a.set_defaults(func=cmd_diff)
 
 
 def _key_flags(a: argparse.ArgumentParser) -> None:

@@ -96,11 +96,11 @@ def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
     """Put this job in the registry, so ``status`` and ``list`` see it (``lifecycle``). A
     detached job's ``submit`` already did (this process is its supervisor)."""
     from elastic_harness.lifecycle import registry
-    from elastic_harness.lifecycle.local import supervisor_record
+    from elastic_harness.lifecycle.local import Supervisor, supervisor_record
 
     root = registry.state_dir()
     known = registry.load(job_id, root)
-    if known is None or known.pid != os.getpid():
+    if known is None or Supervisor.of(known).pid != os.getpid():
         try:
             registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
         except HarnessError as e:  # training does not depend on the registry: say so and go on
@@ -347,9 +347,7 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
     while stop.signum is None:
         for e in tail.read():
             progress.update(e)
-            chaos.observe(e, cluster)
-            if idle is not None and events is not None:
-                idle.observe(e, cluster, events)
+            _look(e, cluster, chaos, idle, events)
             if e["event"] == "failure" and e.get("fatal"):
                 return e["message"], ""
             if e["event"] == "finish":
@@ -364,15 +362,30 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
                 progress.update(e)
                 chaos.observe(e, cluster)
             return None, ""
-        if finished_at:
-            members = group_members(where)
-            running = [i for i in cluster.running() if not members or str(i) in members]
-            if not running or len(chaos.unjoined(cluster.running())) == len(cluster.running()):
-                return None, ""  # nothing left of the last group, or only nodes that never joined
-            if time.monotonic() - finished_at > bound:
-                return None, cut_short(running, members, bound)
+        lingering = _after_finish(cluster, chaos, where, finished_at, bound) if finished_at else None
+        if lingering is not None:
+            return None, lingering
         time.sleep(POLL_S)
     return None, ""
+
+
+def _look(e: dict, cluster: LocalCluster, chaos, idle: spares.Spares | None, events: EventLog | None) -> None:
+    """What the host's helpers learn from one event: the chaos controller, the spares."""
+    chaos.observe(e, cluster)
+    if idle is not None and events is not None:
+        idle.observe(e, cluster, events)
+
+
+def _after_finish(cluster: LocalCluster, chaos, where: dict[int, str], finished_at: float, bound: float) -> str | None:
+    """After the last step: "" once nothing of the last group runs (or only nodes that never
+    joined), the nodes cut short once ``bound`` passed, else None (wait on)."""
+    members = group_members(where)
+    running = [i for i in cluster.running() if not members or str(i) in members]
+    if not running or len(chaos.unjoined(cluster.running())) == len(cluster.running()):
+        return ""
+    if time.monotonic() - finished_at > bound:
+        return cut_short(running, members, bound)
+    return None
 
 
 def group_members(where: dict[int, str]) -> dict[str, set[int]]:

@@ -102,12 +102,7 @@ class Witness:
 
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
          on_health: Callable | None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-
     from elastic_harness.launch import watchdog
-    from elastic_harness.launch.rendezvous import group_running
 
     run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -118,47 +113,67 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
-    code, message, launch = EXIT_OK, "", None
     try:
-        # Inside the try: the rendezvous handler is built here, and a backend that cannot
-        # be reached at start-up raises then (a RendezvousConnectionError).
-        witness = Witness(run_dir / runfiles.EVENTS, node, time.time())
-        launch = _launch(spec, opts, node, command, zygote, events, witness)
-        strikes = keep_out(launch.agent, spec, events, node)
-        timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
-                                             spec.timeouts.step, strikes)
-        watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
-        if on_health is not None:
-            on_health(launch.agent.health)
-        if zygote is not None and group_running(launch.spec.rdzv_handler):
-            # Join once workers can be forked at once: a node joining a running job makes the
-            # group drain as soon as it waits in the rendezvous, and the whole group would
-            # then wait for these imports (seconds; issue 26: a join's pause). Not when no
-            # group runs yet (the job's start): the first round then overlaps the imports,
-            # and forking the workers waits for them (``Zygote.spawn``).
-            zygote.wait_ready(ZYGOTE_READY_S)
-        launch.run()
-    except SignalException as e:
-        code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"
-    except ChildFailedError as e:
-        reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
-        if launch.agent.excluded:
-            code, message = EXIT_INFRA, launch.agent.excluded
-        elif reason:
-            code, message = EXIT_PERMANENT, reason
-        else:
-            code, message = EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
-    except RendezvousError as e:
-        code = rendezvous_exit_code(type(e).__name__)
-        detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
-        message = explain_rendezvous_error(type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
-                                           at_start=launch is None or not launch.agent.formed)
+        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server)
     finally:
         timer_server.stop()
         if cutoff is not None:
             cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
+
+
+def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
+             events: EventLog, timer_server: Any) -> tuple[int, str]:
+    """Run the agent to its end: its exit code and the line saying why (empty when it ended well)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    launch = None
+    try:
+        # Inside the try: the rendezvous handler is built here, and a backend that cannot
+        # be reached at start-up raises then (a RendezvousConnectionError).
+        launch = _started(spec, opts, node, command, zygote, on_health, events, timer_server)
+        launch.run()
+    except SignalException as e:
+        return 128 + int(e.sigval), f"agent received {e.sigval.name}"
+    except ChildFailedError as e:
+        reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
+        if launch.agent.excluded:  # kept out (``launch.exclusion``): the infrastructure's failure
+            return EXIT_INFRA, launch.agent.excluded
+        if reason:
+            return EXIT_PERMANENT, reason
+        return EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
+    except RendezvousError as e:
+        detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
+        return rendezvous_exit_code(type(e).__name__), explain_rendezvous_error(
+            type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
+            at_start=launch is None or not launch.agent.formed)
+    return EXIT_OK, ""
+
+
+def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
+             events: EventLog, timer_server: Any) -> Any:
+    """The launch (``launch.elastic.Launch``), its hang reports and health hooked up, ready to ``run``."""
+    from elastic_harness.launch.rendezvous import group_running
+
+    witness = Witness(Path(opts.run_dir) / runfiles.EVENTS, node, time.time())
+    launch = _launch(spec, opts, node, command, zygote, events, witness)
+    strikes = keep_out(launch.agent, spec, events, node)
+    timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
+                                         spec.timeouts.step, strikes)
+    watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
+    if on_health is not None:
+        on_health(launch.agent.health)
+    if zygote is not None and group_running(launch.spec.rdzv_handler):
+        # Join once workers can be forked at once: a node joining a running job makes the
+        # group drain as soon as it waits in the rendezvous, and the whole group would
+        # then wait for these imports (seconds; issue 26: a join's pause). Not when no
+        # group runs yet (the job's start): the first round then overlaps the imports,
+        # and forking the workers waits for them (``Zygote.spawn``).
+        zygote.wait_ready(ZYGOTE_READY_S)
+    return launch
 
 
 def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, events: EventLog,

@@ -1,4 +1,4 @@
-"""torchelastic's agent, with the two behaviours we need changed, and a launcher for it.
+"""torchelastic's agent, with the three behaviours we need changed, and a launcher for it.
 
 ``HarnessAgent`` is torchelastic's ``LocalElasticAgent`` (rendezvous, worker processes,
 monitoring, restarts: all torch's) with three overrides:

@@ -31,6 +31,26 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class Removed:
+    """A key this schema had once. ``still_meant``: values that ask for what happens now
+    (every resolved spec of that release records the default, so those are dropped
+    silently); any other value is refused with what to use instead."""
+
+    version: str
+    still_meant: tuple
+    why: str
+    instead: str
+
+
+REMOVED: dict[str, Removed] = {  # dotted key -> what became of it
+    "checkpoint.writer": Removed(
+        "0.3", ("thread",),
+        "the writer process cost more step time than the default thread (+13.7% vs +11.3%, docs/benchmarks-history.md)",
+        "delete the key: async saves are written by a background thread of each worker"),
+}
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     target: str = doc(
         "",
@@ -293,11 +313,6 @@ class CheckpointSpec:
     save_final: bool = doc(True, "Save at the last step.")
     async_save: bool = doc(
         True, "Write in the background after staging to host memory (one save in flight)."
-    )
-    writer: Literal["thread", "process"] = doc(
-        "thread", "Who writes an async save's bytes on CPU jobs with local storage: a background "
-        "thread of the worker, or a separate idle-priority writer process (O_DIRECT from the "
-        "staging memory). The thread cost 2-3 points less step time on 2 busy cores (README)."
     )
     verify: Literal["full", "size", "none"] = doc(
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."

@@ -119,13 +119,6 @@ def _descendants(root: int) -> set[int]:
     return out
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -146,15 +139,14 @@ def test_runs_leave_nothing_in_the_temp_dir_even_when_sigkilled(tmp_path):
     shm = set(os.listdir(SHM))
     env = {**os.environ, "TMPDIR": str(tmp)}
     cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir),
-           "--set", "train.steps=100000", "--set", "checkpoint.every_steps=5", "--set", "checkpoint.writer=process"]
+           "--set", "train.steps=100000", "--set", "checkpoint.every_steps=5"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: any(e["event"] == "checkpoint" for e in read_jsonl(run_dir / "events.jsonl")),
                    180, "a checkpoint of the run to be killed")
         tree = _descendants(proc.pid)
-        assert len(tree) >= 6, tree  # run, agent, two workers and their checkpoint writer processes
-        assert sum(b"writer_child.py" in _cmdline(p) for p in tree) >= 2, "no writer processes"
+        assert len(tree) >= 5, tree  # run, agent, its zygote, two workers
         assert [p.name for p in (run_dir / "tmp").iterdir()][0].startswith("watchdog-")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -9,7 +9,6 @@ size; resized runs within the tolerance of tests/e2e/test_e2e_core.py; with
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 
 from elastic_harness.checkpoint.offline import compare
 from tests.audit import all_records, audit
-from tests.conftest import JOBS, REPO, cli, final_ckpt, model_of
+from tests.conftest import JOBS, REPO, cli, communicate_bounded, final_ckpt, model_of
 from tests.e2e.test_e2e_core import assert_close
 from tests.servers import free_port
 
@@ -35,12 +34,7 @@ def torchrun(script, *args, run_dir, timeout=300):
            str(script), "--run-dir", str(run_dir), *args]  # --log-dir: torchrun's default is in /tmp
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
+    out, _ = communicate_bounded(proc, timeout, "torchrun")
     return proc.returncode, out
 
 
