@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_harness import jobkey
+from elastic_harness import jobkey, runfiles
 from elastic_harness.chaos.vocabulary import fault_text
 from elastic_harness.checkpoint import integrity, layout
 from elastic_harness.checkpoint.storage import open_storage
@@ -46,10 +46,11 @@ class Resume:
 def check(spec, run_dir: Path, environ: Mapping[str, str] = os.environ) -> str:
     """"" when the run has work to do; the note to print when the job already finished
     (start nothing then). Raises ``HarnessError`` for faults that can never fire."""
-    resumed = resume_point(spec, run_dir, environ)
+    faults = pending(spec.chaos, run_dir)
+    resumed = resume_point(spec, run_dir, environ, faults)
     if resumed is None:
         return ""
-    finished, dead = judge(resumed.step, spec.train.steps, spec.chaos)
+    finished, dead = judge(resumed.step, spec.train.steps, faults)
     if dead:
         raise _unreachable(spec, resumed, dead, finished)
     if not finished:
@@ -58,6 +59,13 @@ def check(spec, run_dir: Path, environ: Mapping[str, str] = os.environ) -> str:
             f"of train.steps {spec.train.steps}; nothing was trained\n"
             f"  to train more, raise train.steps (e.g. --set train.steps={2 * spec.train.steps}: it resumes "
             f"from step {resumed.step}); to start over, add --fresh or pass another --run-dir")
+
+
+def pending(faults: Sequence, run_dir: Path) -> list:
+    """The faults of ``faults`` still to fire: a fault that fired in an earlier run of this
+    directory (its marker, ``runfiles.fault_marker``) is done, not dead."""
+    done = Path(run_dir) / runfiles.CHAOS
+    return [f for i, f in enumerate(faults) if not (done / runfiles.fault_marker(i)).exists()]
 
 
 def judge(resumed: int, total: int, faults: Sequence) -> tuple[bool, list]:
@@ -81,9 +89,11 @@ def _unreachable(spec, resumed: Resume, dead: list, finished: bool) -> HarnessEr
                         "or start over (--fresh, or another --run-dir)")
 
 
-def resume_point(spec, run_dir: Path, environ: Mapping[str, str] = os.environ) -> Resume | None:
+def resume_point(spec, run_dir: Path, environ: Mapping[str, str] = os.environ,
+                 faults: Sequence | None = None) -> Resume | None:
     """The checkpoint the run would resume from, when anything depends on it (module doc);
-    None for a fresh start or when nothing does."""
+    None for a fresh start or when nothing does. ``faults``: those still to fire (default:
+    the job's)."""
     key_file = jobkey.key_path(run_dir, environ)
     if not Path(run_dir).is_dir() or not key_file.is_file():
         return None
@@ -91,7 +101,7 @@ def resume_point(spec, run_dir: Path, environ: Mapping[str, str] = os.environ) -
         storage = open_storage(checkpoint_root(spec.checkpoint.dir, Path(run_dir)))
         listing = storage.listing()
         candidates = layout.load_candidates(layout.scan(listing, True))
-        steps = [f.at_step for f in spec.chaos if f.at_step]
+        steps = [f.at_step for f in (spec.chaos if faults is None else faults) if f.at_step]
         if not candidates or (candidates[0].step < spec.train.steps and all(s > candidates[0].step for s in steps)):
             return None
         key = jobkey.read(key_file)

@@ -40,6 +40,12 @@ LIFECYCLE = "lifecycle"  # submissions: stop requests, the Slurm script and its 
 SET_ASIDE_ON_FRESH = (EVENTS, SUMMARY, SAMPLES)
 
 
+def fault_marker(index: int) -> str:
+    """The marker of chaos fault ``index`` (the job's list order) once it fired, under ``CHAOS``:
+    a step-keyed fault fires once per run directory (``runtime.faults``)."""
+    return f"fault-{index}"
+
+
 def agent_log(node: int | str) -> str:
     """A simulated node's agent log, under ``LOGS``."""
     return f"agent-{node}.log"

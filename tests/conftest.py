@@ -219,3 +219,13 @@ def _signal_handlers_restored():
     for sig in watched:
         signal.signal(sig, before[sig])
     assert not changed, f"the test left its own handler for {', '.join(changed)} in the pytest process"
+
+
+@pytest.fixture(autouse=True)
+def _no_timer_file_leaks(monkeypatch):
+    """``launch.watchdog.start`` points the agent's process at its FIFO (the workers inherit
+    it); a test that starts one in the pytest process must not hand a dead FIFO to every
+    worker started by a later test (plain torchrun's workers then fail to re-arm it)."""
+    from elastic_harness.launch.watchdog import TIMER_FILE_VAR
+
+    monkeypatch.delenv(TIMER_FILE_VAR, raising=False)

@@ -67,7 +67,7 @@ class ChaosController:
         those a worker fired in an earlier run of this directory (``runtime.faults``' marker
         ``chaos/fault-I``: a step-keyed fault fires once per run directory)."""
         return [self.faults[i] for i in unfired(self.faults, self.done)
-                if not (self.run_dir / runfiles.CHAOS / f"fault-{i}").exists()]
+                if not (self.run_dir / runfiles.CHAOS / runfiles.fault_marker(i)).exists()]
 
     def unjoined(self, running: Collection[int]) -> list[int]:
         """Of the ``running`` nodes, those no worker has ever reported from: started (say,

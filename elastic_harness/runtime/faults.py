@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastic_harness import runfiles
 from elastic_harness.chaos.schedule import hits
 from elastic_harness.chaos.vocabulary import KINDS
 from elastic_harness.spec import FaultSpec
@@ -42,7 +43,7 @@ class WorkerFaults:
     def _claim(self, i: int) -> bool:
         self.marker_dir.mkdir(parents=True, exist_ok=True)
         try:
-            os.close(os.open(self.marker_dir / f"fault-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(self.marker_dir / runfiles.fault_marker(i), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return True
         except FileExistsError:
             return False

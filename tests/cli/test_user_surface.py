@@ -150,6 +150,27 @@ def test_a_fault_after_the_resume_point_goes_ahead(cli_here, imported, monkeypat
     assert fresh.code == 0 and len(started) == 2, "--fresh starts over: nothing is finished"
 
 
+def test_a_fault_that_fired_in_an_earlier_run_of_the_directory_is_done_not_refused(cli_here, imported, monkeypatch):
+    """A job keeps its chaos list across runs: fault 0 fired before (its marker), so keyed
+    before the resume point it is not one that can never fire; fault 1 still is."""
+    from elastic_harness import runfiles
+    from elastic_harness.commands import run
+
+    started = []
+    monkeypatch.setattr(run, "launch_local", lambda spec, *a, **k: started.append(spec) or 0)
+    (imported / runfiles.CHAOS).mkdir(exist_ok=True)
+    (imported / runfiles.CHAOS / runfiles.fault_marker(0)).touch()
+    r = cli_here("run", MLP, "--run-dir", imported, "--set", "train.steps=20",
+                 "--chaos", "kill-worker:1@5", "--chaos", "kill-worker:0@15")
+    assert r.code == 0 and len(started) == 1, r.err
+    refused = cli_here("run", MLP, "--run-dir", imported, "--set", "train.steps=20",
+                       "--chaos", "kill-worker:1@5", "--chaos", "kill-worker:0@7")
+    assert_one_line_error(refused, "fault kill-worker:0@7 cannot fire")
+    assert "kill-worker:1@5" not in refused.err and len(started) == 1
+    done = cli_here("run", MLP, "--run-dir", imported, "--set", "train.steps=10", "--chaos", "kill-worker:1@5")
+    assert done.code == 0 and "already finished" in done.out and len(started) == 1
+
+
 def test_a_run_that_trained_nothing_never_prints_loss_none():
     from elastic_harness.commands.run import finished_line
 
