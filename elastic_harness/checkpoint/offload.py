@@ -46,14 +46,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from elastic_harness.checkpoint import writer_child as proto
 from elastic_harness.checkpoint.arena import PHASE_GRAIN, Arena
 from elastic_harness.checkpoint.streams import WriteStopped, WriteWatch, write_watch
-from elastic_harness.deps import require_torch
 
 PROCESS, THREAD = "process", "thread"
 BIG = 4096  # writes at least this long are looked up in the arena instead of copied
@@ -74,7 +73,7 @@ def available(url_storage: bool, cuda: bool) -> bool:
 
 def routed(writer: Any) -> bool:
     """Did ``route`` send this writer's shards to a writer process?"""
-    return bool(getattr(writer, "_eh_routed", False))
+    return bool(getattr(writer, "eh_routed", False))
 
 
 def plain_local_fs(writer: Any) -> bool:
@@ -305,43 +304,53 @@ class WriterProcess:
 def route(writer: Any, proc: WriterProcess) -> Any:
     """Make ``writer`` (a watched local ``FileSystemWriter``) write its shards through ``proc``.
 
-    DCP's per-file loop runs as usual against recorders; the bytes go to ``proc``; the
-    ``.metadata`` that rank 0 writes in ``finish`` still goes through the watched filesystem.
+    DCP's own ``write_data`` runs as usual, with the writer's filesystem a recording one for
+    that call (``_RecordingFS``: every shard file becomes a recipe, nothing reaches the disk)
+    and ``sync_files`` off (a recorder has nothing to sync: the process syncs); the recipes
+    then go to ``proc``. The ``.metadata`` that rank 0 writes in ``finish`` still goes
+    through the watched filesystem. Only public names of the writer are used (``write_data``,
+    ``fs``, ``sync_files``): no torch internals (issue 35).
     """
-    require_torch("FileSystemWriter._write_data")
-    from torch.distributed.checkpoint.filesystem import _write_files_from_queue
     from torch.futures import Future
 
     watch = write_watch(writer)
+    dcp_write_data = type(writer).write_data  # torch's, not the watch's wrapper
 
-    def write_data(planner: Any, file_queue: queue.Queue) -> Any:
-        recipes: list[tuple[str, str, list]] = []
-        results: queue.Queue = queue.Queue()
-        _write_files_from_queue(
-            create_stream=_recording(recipes, proc.arena), file_queue=file_queue,
-            result_queue=results, planner=planner, transforms=writer.transforms,
-            inflight_threshhold=writer.per_thread_copy_ahead, use_fsync=False, thread_count=1,
-            serialization_format=writer.serialization_format)
-        record = proc.write(recipes, writer.sync_files, watch)
-        watch.record.update(record)
-        done: list = []
-        while not results.empty():
-            done += results.get_nowait()
-        fut: Future = Future()  # DCP waits on torch's kind
-        fut.set_result(done)
-        return fut
+    def write_data(plan: Any, planner: Any) -> Any:
+        try:
+            recipes: list[tuple[str, str, list]] = []
+            watched, sync = writer.fs, writer.sync_files
+            writer.fs, writer.sync_files = _RecordingFS(watched, recipes, proc.arena), False
+            try:
+                done = dcp_write_data(writer, plan, planner).wait()
+            finally:
+                writer.fs, writer.sync_files = watched, sync
+            watch.record.update(proc.write(recipes, sync, watch))
+            fut: Future = Future()  # DCP waits on torch's kind
+            fut.set_result(done)
+            return fut
+        finally:
+            watch.done = True  # as the watch's own wrapper does, once the bytes are written
 
-    writer._write_data = write_data
-    writer._eh_routed = True
+    writer.write_data = write_data
+    writer.eh_routed = True  # ours, for ``routed``
     return writer
 
 
-def _recording(recipes: list, arena: Arena) -> Callable:
+class _RecordingFS:
+    """A DCP filesystem whose created streams are ``Recorder``s: each file written becomes a
+    recipe ``(path, filename, pieces)``; everything else is the wrapped filesystem's."""
+
+    def __init__(self, inner: Any, recipes: list, arena: Arena) -> None:
+        self._inner, self._recipes, self._arena = inner, recipes, arena
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
     @contextmanager
-    def create_stream(path: Any, mode: str) -> Iterator[Recorder]:
-        rec = Recorder(arena)
+    def create_stream(self, path: Any, mode: str) -> Iterator[Recorder]:
+        rec = Recorder(self._arena)
         yield rec
         name = os.path.basename(os.fspath(path))
-        recipes.append((os.fspath(path), name, [bytes(p) if isinstance(p, bytearray) else p for p in rec.pieces]))
-
-    return create_stream
+        self._recipes.append((os.fspath(path), name, [bytes(p) if isinstance(p, bytearray) else p
+                                                      for p in rec.pieces]))

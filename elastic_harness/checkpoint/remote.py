@@ -144,11 +144,13 @@ class FsspecStorage:
         self.fs.invalidate_cache()
 
     def writer(self, name: str) -> StorageWriter:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from elastic_harness.torchcompat.dcp import fsspec_classes
 
-        return watch_writer(FsspecWriter(self.uri(name), sync_files=False, overwrite=False))
+        writer, _ = fsspec_classes()
+        return watch_writer(writer(self.uri(name), sync_files=False, overwrite=False))
 
     def reader(self, name: str) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from elastic_harness.torchcompat.dcp import fsspec_classes
 
-        return FsspecReader(self.uri(name))
+        _, reader = fsspec_classes()
+        return reader(self.uri(name))

@@ -124,8 +124,9 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
         # be reached at start-up raises then (a RendezvousConnectionError).
         witness = Witness(run_dir / runfiles.EVENTS, node, time.time())
         launch = _launch(spec, opts, node, command, zygote, events, witness)
-        timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
-                                             spec.timeouts.step)
+        if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
+            timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
+                                                 spec.timeouts.step)
         if on_health is not None:
             on_health(launch.agent.health)
         if zygote is not None and group_running(launch.spec.rdzv_handler):
@@ -150,7 +151,8 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
         message = explain_rendezvous_error(type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
                                            at_start=launch is None or not launch.agent.formed)
     finally:
-        timer_server.stop()
+        if timer_server is not None:
+            timer_server.stop()
         if cutoff is not None:
             cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
@@ -169,7 +171,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
-                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace))
+                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
+                  shutdown_grace=t.shutdown_grace)
 
 
 def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],

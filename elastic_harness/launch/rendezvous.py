@@ -29,8 +29,8 @@ when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``),
 executor's freshly synced state, which is the state holder's. ``create_handler`` builds
 torch's handler exactly as torch's own c10d/etcd-v2 creators do, with that timeout.
 
-Limits: the state is read through the handler's ``_state_holder`` (torch 2.x keeps it
-there); keep-alive expiry compares the writer's and the reader's wall clocks, so clock skew
+Limits: the state is read through the handler's state holder (``torchcompat.rdzv``: where a
+torch lacks it, every round waits the start last call); keep-alive expiry compares the writer's and the reader's wall clocks, so clock skew
 between hosts adds to (or eats into) ``keep_alive_interval * keep_alive_max_attempt``.
 
 Events without ``inspect.stack()``: every rendezvous operation records an event (the report
@@ -40,7 +40,8 @@ and searches ``sys.modules`` for each: 20-30 ms per event with torch loaded, 100
 each restart's rendezvous on a 2-core machine, most of the time it took. torch skips it
 only when nobody listens. ``create_handler`` replaces both lookups in torch's
 ``dynamic_rendezvous`` module with ``method_name`` and ``record_event``, which read the same
-frames directly: the same events, in microseconds.
+frames directly: the same events, in microseconds (``torchcompat.rdzv.patch_module``: only in
+the agent's process, undone by tests).
 
 No start-up skew at restarts: see ``delay``.
 
@@ -57,11 +58,13 @@ the agent's process is gone, or another host and silent two keep-alive intervals
 torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
 Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
 state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks two
-private methods of torch 2.x's dynamic rendezvous, the state holder's ``_sanitize`` (run
-after every sync, where torch's own expiry happens) and the executor's ``_keep_alive``.
+private methods of torch's dynamic rendezvous, the state holder's ``_sanitize`` (run after
+every sync, where torch's own expiry happens) and the executor's ``_keep_alive``
+(``torchcompat.rdzv.hook_handler``); where a torch lacks them, torch's expiry alone drops a
+lost node.
 
-Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
-agent then uses the handler as torch's own.
+Call order: ``handler_for(params)`` once per agent (torch's registry, which calls
+``create_handler``); the agent then uses the handler as torch's own.
 """
 
 from __future__ import annotations
@@ -86,7 +89,6 @@ from torch.distributed.elastic.events import (
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
-    dynamic_rendezvous,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -94,8 +96,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.deps import require_torch
 from elastic_harness.launch import liveness
+from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,7 @@ class RoundTimeout(RendezvousTimeout):
         if start_last_call <= 0:
             raise ValueError(f"start_last_call ({start_last_call}) must be positive")
         self.start_last_call = timedelta(seconds=start_last_call)
+        self.later_last_call = timedelta(seconds=last_call)  # torch's copy is private to it
         self._state: Callable[[], Any] = lambda: None
         self._peers: frozenset = frozenset()  # the participants of this agent's last round
 
@@ -170,12 +173,12 @@ class RoundTimeout(RendezvousTimeout):
     def last_call(self) -> timedelta:
         state = self._state()
         if state is None:
-            return self._last_call
+            return self.later_last_call
         others = len(state.wait_list) + len(state.redundancy_list)
         missing = len(self._peers - set(state.participants))
         return timedelta(seconds=last_call_s(state.round, others, missing,
                                              start_s=self.start_last_call.total_seconds(),
-                                             later_s=self._last_call.total_seconds()))
+                                             later_s=self.later_last_call.total_seconds()))
 
 
 def timeout_from(params: RendezvousParameters) -> RoundTimeout:
@@ -191,14 +194,13 @@ def _seconds(params: RendezvousParameters, key: str) -> float:
     return float(params.get(key, _DEFAULTS[key]))
 
 
-def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
-    """torch's state backend and store for ``params.backend`` (what its own creators build),
-    with the state sealed under ``key`` and a c10d store bound to one address
-    (``launch.sealed``)."""
+def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
+    """Our state backend and store for backend ``name`` (c10d, etcd-v2), with the state sealed
+    under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
     from elastic_harness.launch import sealed
 
     seal = sealed.StateSeal(key, params.run_id)
-    if params.backend == "c10d":
+    if name == "c10d":
         return sealed.create_c10d_backend(params, seal)
     return sealed.create_etcd_backend(params, seal)
 
@@ -225,9 +227,11 @@ class _Handler(DynamicRendezvousHandler):
         finally:
             _JOIN.restart = False
         self._formed = True
-        state = self._state_holder.state
+        state = rdzv.state(self)
+        if state is None:  # ``rdzv-state`` off: torch's own timeouts, no per-round memory
+            return info
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
-        timeout = self._settings.timeout
+        timeout = rdzv.settings(self).timeout
         if isinstance(timeout, RoundTimeout):
             timeout.remember(state.participants)
         return info
@@ -238,10 +242,10 @@ class _Handler(DynamicRendezvousHandler):
         lives = _lives(state)
         for node in [n for n in lives if n not in state.last_heartbeats]:
             del lives[node]  # left or expired: its entry goes with its keep-alive
-        settings = self._settings
+        settings = rdzv.settings(self)
         dead = liveness.dead_peers(
             participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
-            round_=state.round, my_round=self._round, peers=self._peers, me=self._this_node,
+            round_=state.round, my_round=self._round, peers=self._peers, me=rdzv.this_node(self),
             evidence=self._evidence, gone=lambda node: liveness.gone(lives.get(node)),
             now=datetime.now(timezone.utc),
             suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
@@ -252,7 +256,7 @@ class _Handler(DynamicRendezvousHandler):
                        f"without waiting for its keep-alives to expire: {how}, and this node's workers "
                        "lost their connection to a peer")
             log.warning(message)
-            dynamic_rendezvous.construct_and_record_rdzv_event(
+            record_event(
                 name="_Handler.drop_dead", run_id=settings.run_id, message=message,
                 node_state=NodeState.RUNNING)
             for table in (state.last_heartbeats, state.participants, lives):
@@ -260,35 +264,29 @@ class _Handler(DynamicRendezvousHandler):
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
         if dead:
-            dynamic_rendezvous._remove_participant_epilogue(state, settings)
+            rdzv.remove_participant_epilogue(state, settings)
             if isinstance(settings.timeout, RoundTimeout):
                 settings.timeout.forget(dead)
         return dead
 
-    def install_liveness(self) -> None:
+    def install_liveness(self) -> Callable[[], None] | None:
         """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
-        agent's identity with each of its keep-alives."""
+        agent's identity with each of its keep-alives; returns the undo (None: torch's
+        expiry alone, ``rdzv-fast-path`` is off on this torch)."""
         self._identity = liveness.identity()
-        holder, executor = self._state_holder, self._op_executor
-        expire, keep_alive = holder._sanitize, executor._keep_alive
+        me = rdzv.this_node(self) if rdzv.on("rdzv-fast-path") else None
 
-        def sanitize() -> None:
-            expire()
-            self.drop_dead(holder.state)
+        def write_identity(state: Any) -> None:
+            _lives(state)[me] = self._identity
 
-        def keep_alive_with_identity() -> None:
-            keep_alive()
-            _lives(executor._state)[self._this_node] = self._identity
-
-        holder._sanitize = sanitize
-        executor._keep_alive = keep_alive_with_identity
+        return rdzv.hook_handler(self, lambda state: self.drop_dead(state), write_identity)
 
 
 def group_running(handler: Any) -> bool:
     """Does the rendezvous hold a formed group, so that this agent's join makes it drain?
     (A completed round with participants, read from the backend.) True when it cannot
     tell (another handler, or the read fails): the caller then waits as if it did."""
-    holder = getattr(handler, "_state_holder", None)
+    holder = rdzv.state_holder(handler)
     if holder is None:
         return True
     try:
@@ -308,8 +306,8 @@ def _lives(state: Any) -> dict:
     return lives
 
 
-TORCH_METHOD_NAME = dynamic_rendezvous.get_method_name  # torch's own, kept for comparison
-TORCH_DELAY = dynamic_rendezvous._delay
+TORCH_METHOD_NAME = rdzv.TORCH_GET_METHOD_NAME  # torch's own, kept for comparison
+TORCH_DELAY = rdzv.TORCH_DELAY
 _JOIN = threading.local()  # ``restart``: the handler joining on this thread was in a group
 
 
@@ -354,16 +352,41 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
     record_rdzv_event(event)
 
 
+# Our handler in torch's rendezvous handler registry (its public extension point), under
+# names of its own (each is also its backend's ``name``): torch's ``c10d`` and ``etcd-v2``
+# stay torch's.
+REGISTERED = {"c10d": "harness-c10d", "etcd-v2": "harness-etcd-v2"}
+
+
+def register() -> None:
+    """Put ``create_handler`` in torch's registry under ``REGISTERED``'s names (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    for name in REGISTERED.values():
+        rendezvous_handler_registry.register(name, create_handler)
+
+
+def handler_for(params: RendezvousParameters) -> RendezvousHandler:
+    """The agent's handler, made by torch's registry: ours for c10d and etcd-v2 (``register``),
+    torch's own for any other backend."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    register()
+    name = REGISTERED.get(params.backend, params.backend)
+    ours = RendezvousParameters(backend=name, endpoint=params.endpoint, run_id=params.run_id,
+                                min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+                                local_addr=params.local_addr, **params.config)
+    return rendezvous_handler_registry.create_handler(ours)
+
+
 def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
-    file that the config's ``key_file`` names: ``launch.config.rdzv_configs``); any other
-    backend exactly as torch's registry makes it."""
-    require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
-    dynamic_rendezvous.get_method_name = method_name  # see the module docstring
-    dynamic_rendezvous.construct_and_record_rdzv_event = record_event
-    dynamic_rendezvous._delay = delay
-    if params.backend not in ("c10d", "etcd-v2"):
+    c10d and etcd-v2 backends (``REGISTERED``'s names too), its state sealed with the job's
+    ``key`` (else the key in the file that the config's ``key_file`` names:
+    ``launch.config.rdzv_configs``); any other backend exactly as torch's registry makes it."""
+    rdzv.patch_module(method_name, record_event, delay)  # see the module docstring
+    backend_name = {v: k for k, v in REGISTERED.items()}.get(params.backend, params.backend)
+    if backend_name not in REGISTERED:
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         return get_rendezvous_handler(params)
@@ -371,15 +394,26 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
         if not params.get("key_file"):
             raise ValueError("the rendezvous needs the job's key (key_file in its config)")
         key = jobkey.read(Path(params.get("key_file")))
-    backend, store = _backend(params, key)
-    timeout = timeout_from(params)
+    backend, store = _backend(params, backend_name, key)
+    timeout = timeout_from(params) if rdzv.on("rdzv-state") else torch_timeout(params)
     handler = _Handler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=int(_seconds(params, "keep_alive_interval")),
         keep_alive_max_attempt=int(params.get("keep_alive_max_attempt", 3)),
     )
-    holder = handler._state_holder  # the state torch's join operation is changing
-    holder._cache_duration = POLL_S  # see ``POLL_S``
-    timeout.follow(lambda: holder.state)
+    holder = rdzv.state_holder(handler)  # the state torch's join operation is changing
+    if holder is not None:
+        rdzv.set_state_cache(handler, POLL_S)  # see ``POLL_S``
+        timeout.follow(lambda: holder.state)
     handler.install_liveness()
     return handler
+
+
+def torch_timeout(params: RendezvousParameters) -> RendezvousTimeout:
+    """torch's own timeouts, for a torch whose rendezvous state cannot be read
+    (``rdzv-state`` off): every round waits the start last call, the safe one at start-up."""
+    return RendezvousTimeout(join=timedelta(seconds=_seconds(params, "join_timeout")),
+                             last_call=timedelta(seconds=float(params.get(
+                                 "start_last_call_timeout", _seconds(params, "last_call_timeout")))),
+                             close=timedelta(seconds=_seconds(params, "close_timeout")),
+                             heartbeat=timedelta(seconds=_seconds(params, "heartbeat_timeout")))

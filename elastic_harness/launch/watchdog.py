@@ -28,14 +28,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from torch.distributed.elastic.timer import FileTimerServer
-
 from elastic_harness.launch.scratch import stale_fifos, watchdog_fifo
+from elastic_harness.torchcompat import probe
+from elastic_harness.torchcompat.agent import TimerServerBase
 
 TIMER_FILE_VAR = "TORCHELASTIC_TIMER_FILE"
 
 
-class WorkerOnlyTimerServer(FileTimerServer):
+class WorkerOnlyTimerServer(TimerServerBase):
     def __init__(self, fifo: Path, run_id: str, private_dir: str | None = None) -> None:
         super().__init__(file_path=str(fifo), run_id=run_id, max_interval=0.1, daemon=True)
         self._fifo, self._private_dir = fifo, private_dir
@@ -49,11 +49,11 @@ class WorkerOnlyTimerServer(FileTimerServer):
                 self._armed[request.worker_pid] = now
         super().register_timers(timer_requests)
 
-    def _reap_worker(self, worker_pid: int, signal: int) -> bool:
+    def reap_worker(self, worker_pid: int, signal: int) -> bool:
         if worker_pid == os.getpid():
             return True  # the worker was reaped; the agent lives on to restart the group
         state = process_state(worker_pid)  # before the kill: was it stopped, or waiting?
-        reaped = super()._reap_worker(worker_pid, signal)
+        reaped = super().reap_worker(worker_pid, signal)
         armed = self._armed.pop(worker_pid, None)
         if reaped and self.on_reap is not None:
             with contextlib.suppress(Exception):  # a report must not stop the watchdog
@@ -79,7 +79,12 @@ def process_state(pid: int) -> str:
         return ""
 
 
-def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer:
+def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer | None:
+    """The started server, or None where ``watchdog-reap`` is off: torch's server would
+    SIGKILL the agent itself after a worker, so the watchdog is not run at all (a hung
+    worker then waits for its process group's timeout; said once by ``probe.on``)."""
+    if not probe.on("watchdog-reap"):
+        return None
     host = socket.gethostname()
     fifo = watchdog_fifo(run_dir, host, os.getpid())
     _remove_stale(fifo.parent, host)

@@ -122,7 +122,9 @@ def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
     may be per rank). FSDP, a bare model or anything else: no."""
     from torch.nn.parallel import DistributedDataParallel
 
-    inner = getattr(model, "_orig_mod", model)
+    from elastic_harness.torchcompat.nn import unwrap_compiled
+
+    inner = unwrap_compiled(model)
     return (parallelism == "ddp" and isinstance(inner, DistributedDataParallel)
             and not _per_rank_entries(state_keys))
 

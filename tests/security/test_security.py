@@ -217,7 +217,7 @@ def test_another_jobs_key_cannot_join(store):
     seal = sealed.StateSeal(KEY, "r")
     stranger = sealed.StateSeal(b"o" * 32, "r")
     fresh = seal.open(base64.b64encode(stranger.close(pickle.dumps({"evil": 1}))))
-    assert type(pickle.loads(fresh)).__name__ == "_RendezvousState" and seal.refused == 1
+    assert fresh == sealed.NO_STATE == b"" and seal.refused == 1  # torch makes a fresh state of it
     good = seal.open(base64.b64encode(seal.close(b"ours")))
     assert good == b"ours"
     assert seal.open(b"garbage") == b"ours", "after a refusal: the last authentic state"
