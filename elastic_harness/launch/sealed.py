@@ -94,8 +94,10 @@ class StateSeal:
     def open(self, stored: bytes) -> bytes:
         """The state in ``stored``, else the last authentic one (else ``NO_STATE``)."""
         payload = self.authentic(stored)
-        if payload is not None:
-            return payload
+        return payload if payload is not None else self.fallback()
+
+    def fallback(self) -> bytes:
+        """What a refused value reads as: the last authentic state, else ``NO_STATE``."""
         return self._last if self._last is not None else NO_STATE
 
 
@@ -131,7 +133,7 @@ class SealedBackend(RendezvousBackend):
         stored, token, _ = got
         payload = self.seal.authentic(stored)
         if payload is None:
-            return self.seal.open(stored), token, False
+            return self.seal.fallback(), token, False
         return payload, token, payload == state
 
 
