@@ -30,8 +30,9 @@ executor's freshly synced state, which is the state holder's. ``create_handler``
 torch's handler exactly as torch's own c10d/etcd-v2 creators do, with that timeout.
 
 Limits: the state is read through the handler's state holder (``torchcompat.rdzv``: where a
-torch lacks it, every round waits the start last call); keep-alive expiry compares the writer's and the reader's wall clocks, so clock skew
-between hosts adds to (or eats into) ``keep_alive_interval * keep_alive_max_attempt``.
+torch lacks it, every round waits the start last call); keep-alive expiry compares the
+writer's and the reader's wall clocks, so clock skew between hosts adds to (or eats into)
+``keep_alive_interval * keep_alive_max_attempt``.
 
 Events without ``inspect.stack()``: every rendezvous operation records an event (the report
 reads them, through ``bridge``), named after the method and file that recorded it, which

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_harness.torchcompat.probe import attrs, feature, instance_attrs, module, on
+from elastic_harness.torchcompat.probe import attrs, feature, module, on
 
 
 def _source_has(relative: str, *names: str) -> list[str]:
@@ -69,7 +69,7 @@ def _foreach() -> list[str]:
 @feature("buffer-persistence", "non-persistent buffer check",
          "non-persistent buffers are broadcast with the persistent ones")
 def _buffers() -> list[str]:
-    return instance_attrs(nn.Module, "_non_persistent_buffers_set")
+    return [] if hasattr(nn.Module(), "_non_persistent_buffers_set") else ["nn.Module._non_persistent_buffers_set"]
 
 
 @feature("compiled-unwrap", "torch.compile unwrap",

@@ -14,6 +14,7 @@ Probing never raises: a check that fails in an unforeseen way counts as the feat
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -109,16 +110,29 @@ def attrs(owner: Any, *names: str, label: str = "") -> list[str]:
 
 def instance_attrs(cls: type, *names: str) -> list[str]:
     """Instance attributes that no torch class in ``cls``'s MRO sets or reads as
-    ``self.NAME`` (they exist only on instances, so ``hasattr(cls)`` cannot tell)."""
+    ``self.NAME`` (they exist only on instances, so ``hasattr(cls)`` cannot tell). Reads the
+    classes' source files as text (``inspect.getsource`` parses them: a second here)."""
     source = ""
-    for k in cls.__mro__:
-        if k.__module__.startswith("torch"):
-            try:
-                source += inspect.getsource(k)
-            except (OSError, TypeError):
-                continue
+    for path in {_source_file(k) for k in cls.__mro__ if k.__module__.startswith("torch")} - {None}:
+        source += _read(path)
     return [f"{cls.__name__}.{n}" for n in names
             if not hasattr(cls, n) and not re.search(rf"self\.{re.escape(n)}\b", source)]
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:
+        return None
+
+
+@functools.cache
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def parameters(fn: Callable, *names: str, label: str) -> list[str]:

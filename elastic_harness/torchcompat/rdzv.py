@@ -62,7 +62,7 @@ def _delay() -> list[str]:
 def _state() -> list[str]:
     if _Holder is None:
         return ["dynamic_rendezvous._BackendRendezvousStateHolder"]
-    return [*instance_attrs(_Handler, "_state_holder"), *instance_attrs(_Holder, "_cache_duration"),
+    return [*instance_attrs(_Handler, "_state_holder", "_settings"), *instance_attrs(_Holder, "_cache_duration"),
             *attrs(_Holder, "state", "sync", label="_BackendRendezvousStateHolder")]
 
 
@@ -74,7 +74,7 @@ def _fast_path() -> list[str]:
     return [*_state(), *attrs(_Holder, "_sanitize", label="_BackendRendezvousStateHolder"),
             *attrs(_Executor, "_keep_alive", label="_DistributedRendezvousOpExecutor"),
             *instance_attrs(_Executor, "_state"),
-            *instance_attrs(_Handler, "_op_executor", "_settings", "_this_node"),
+            *instance_attrs(_Handler, "_op_executor", "_this_node"),
             *attrs(_dr, "_remove_participant_epilogue", label="dynamic_rendezvous")]
 
 
