@@ -1,10 +1,10 @@
 """What this install has: the optional extras.
 
-The core install is small; S3 checkpoints, TensorBoard files, ``report.png`` and the etcd
-rendezvous each need one extra (``pip install 'elastic-harness[EXTRA]'``). ``require_extra``
-checks that the module can be found (without importing it): one user-facing line and exit 2.
-The installed torch is checked by ``torchcompat.host`` (the release range and every private
-name the harness reaches).
+The core install is small; S3 checkpoints, TensorBoard files, ``report.png`` and torch's
+etcd-v2 rendezvous each need one extra (``pip install 'elastic-harness[EXTRA]'``).
+``require_extra`` checks that the module can be found (without importing it): one
+user-facing line and exit 2. The installed torch is checked by ``torchcompat.host`` (the
+release range and every private name the harness reaches).
 
 Imports nothing of ours but ``errors`` (the spec-facing check takes the spec duck-typed).
 """
@@ -21,7 +21,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "s3": ("s3fs", "checkpoint.dir on s3://"),
     "tensorboard": ("tensorboard", "metrics.tensorboard: true"),
     "report": ("matplotlib", "report.png"),
-    "etcd": ("etcd", "rendezvous.backend: etcd"),
+    "etcd": ("etcd", "rendezvous.backend: etcd-v2"),
 }
 
 
@@ -51,7 +51,7 @@ def extras_for(spec: Any) -> list[str]:
         need.append("s3")
     if spec.metrics.tensorboard:
         need.append("tensorboard")
-    if spec.rendezvous.backend in ("etcd", "etcd-v2"):
+    if spec.rendezvous.backend == "etcd-v2":  # torch's v2 client; etcd (v3) needs no library
         need.append("etcd")
     return need
 

@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,72 +64,170 @@ def _healthy(url: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def etcd_server(data_dir: Path, listen_all: bool = False) -> Iterator[str]:
-    """One etcd member with the v2 API (what torch's etcd-v2 rendezvous speaks).
+@dataclass(frozen=True)
+class EtcdTLS:
+    """Files for an etcd on loopback with TLS (``make_tls``): its CA, server and client
+    certificates, and a second CA that signed neither."""
 
-    ``listen_all``: also listen on this machine's other addresses (network namespaces reach
-    it through their bridge); the endpoint returned is still the loopback one."""
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    other_ca: str
+
+
+def make_tls(directory: Path) -> EtcdTLS:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate signed by
+    it, and an unrelated CA, as PEM files in ``directory`` (the ``cryptography`` package)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key, issuer: str, signer, *, ca: bool, usage=None, sans=None):
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(name(issuer))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usage:
+            b = b.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    def write(stem: str, key, certificate) -> tuple[str, str]:
+        key_path, cert_path = directory / f"{stem}.key", directory / f"{stem}.crt"
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        return str(cert_path), str(key_path)
+
+    keys = {k: ec.generate_private_key(ec.SECP256R1()) for k in ("ca", "server", "client", "other")}
+    ca, _ = write("ca", keys["ca"], cert("test-ca", keys["ca"], "test-ca", keys["ca"], ca=True))
+    other, _ = write("other-ca", keys["other"], cert("other-ca", keys["other"], "other-ca", keys["other"], ca=True))
+    sans = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    server = write("server", keys["server"], cert("etcd", keys["server"], "test-ca", keys["ca"], ca=False,
+                                                  # etcd's gateway dials etcd with it: client use too
+                                                  usage=[ExtendedKeyUsageOID.SERVER_AUTH,
+                                                         ExtendedKeyUsageOID.CLIENT_AUTH], sans=sans))
+    client = write("client", keys["client"], cert("agent", keys["client"], "test-ca", keys["ca"], ca=False,
+                                                  usage=[ExtendedKeyUsageOID.CLIENT_AUTH]))
+    return EtcdTLS(ca, *server, *client, other)
+
+
+def _etcd_binary() -> str:
     binary = shutil.which("etcd")
     if binary is None:
         pytest.fail("etcd is not installed: run `bash .ci/setup` (installs Debian's etcd-server)")
-    client, peer = free_port(), free_port()
-    cmd = [
-        binary, "--name", "t0", "--data-dir", str(data_dir), "--enable-v2",
-        "--listen-client-urls", f"http://{'0.0.0.0' if listen_all else '127.0.0.1'}:{client}",
-        "--advertise-client-urls", f"http://127.0.0.1:{client}",
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"t0=http://127.0.0.1:{peer}",
-    ]
+    return binary
+
+
+def _etcd_flags(name: str, data_dir: Path, client_url: str, advertise: str, peer: int, metrics: int,
+                v2: bool, gateway: bool, tls: EtcdTLS | None) -> list[str]:
+    flags = ["--name", name, "--data-dir", str(data_dir), f"--enable-v2={str(v2).lower()}",
+             "--listen-client-urls", client_url, "--advertise-client-urls", advertise,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--listen-metrics-urls", f"http://127.0.0.1:{metrics}"]
+    if not gateway:  # etcd 3.4 without its v3 JSON gateway: a server that speaks only v2 over HTTP
+        flags.append("--enable-grpc-gateway=false")
+    if tls is not None:
+        flags += ["--cert-file", tls.server_cert, "--key-file", tls.server_key,
+                  "--trusted-ca-file", tls.ca, "--client-cert-auth"]
+    return flags
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def etcd_server(data_dir: Path, listen_all: bool = False, v2: bool = False, gateway: bool = True,
+                tls: EtcdTLS | None = None) -> Iterator[str]:
+    """One etcd member (Debian's etcd 3.4), serving its v3 API; ``v2``: also the v2 API
+    (what torch's etcd-v2 rendezvous speaks); ``gateway=False``: no v3 over HTTP (with
+    ``v2``, an etcd that a v3 client cannot use); ``tls``: https only, client certificates
+    signed by ``tls.ca`` required. Yields its client endpoint (``127.0.0.1:PORT``).
+
+    ``listen_all``: also listen on this machine's other addresses (network namespaces reach
+    it through their bridge); the endpoint returned is still the loopback one."""
+    client, peer, metrics = free_port(), free_port(), free_port()
+    scheme = "https" if tls else "http"
+    listen = f"{scheme}://{'0.0.0.0' if listen_all else '127.0.0.1'}:{client}"
+    cmd = [_etcd_binary(), *_etcd_flags("t0", data_dir, listen, f"{scheme}://127.0.0.1:{client}", peer, metrics,
+                                        v2, gateway, tls), "--initial-cluster", f"t0=http://127.0.0.1:{peer}"]
     with open(data_dir.parent / "etcd.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_until(lambda: _healthy(f"http://127.0.0.1:{client}/health") or proc.poll() is not None,
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{metrics}/health") or proc.poll() is not None,
                    30, "etcd to become healthy")
         assert proc.poll() is None, (data_dir.parent / "etcd.log").read_text()[-2000:]
         yield f"127.0.0.1:{client}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop([proc])
 
 
 @contextlib.contextmanager
-def etcd_cluster(root: Path, members: int = 3) -> Iterator[list[tuple[str, subprocess.Popen]]]:
+def etcd_cluster(root: Path, members: int = 3, v2: bool = False) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """``members`` etcd members forming one cluster on loopback: [(client endpoint, process)]."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.fail("etcd is not installed: run `bash .ci/setup` (installs Debian's etcd-server)")
-    ports = [(free_port(), free_port()) for _ in range(members)]
-    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    ports = [(free_port(), free_port(), free_port()) for _ in range(members)]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer, _) in enumerate(ports))
     procs = []
     try:
-        for i, (client, peer) in enumerate(ports):
-            cmd = [binary, "--name", f"m{i}", "--data-dir", str(root / f"m{i}"), "--enable-v2",
-                   "--listen-client-urls", f"http://127.0.0.1:{client}",
-                   "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                   "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        for i, (client, peer, metrics) in enumerate(ports):
+            url = f"http://127.0.0.1:{client}"
+            cmd = [_etcd_binary(), *_etcd_flags(f"m{i}", root / f"m{i}", url, url, peer, metrics, v2, True, None),
                    "--initial-cluster", initial, "--initial-cluster-state", "new",
                    "--initial-cluster-token", root.name]
             with open(root / f"m{i}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
-        for client, _ in ports:
-            wait_until(lambda c=client: _healthy(f"http://127.0.0.1:{c}/health"), 60,
-                       f"etcd member on port {client} to become healthy")
-        yield [(f"127.0.0.1:{client}", p) for (client, _), p in zip(ports, procs, strict=True)]
+        for _, _, metrics in ports:
+            wait_until(lambda m=metrics: _healthy(f"http://127.0.0.1:{m}/health"), 60,
+                       f"etcd member with metrics port {metrics} to become healthy")
+        yield [(f"127.0.0.1:{client}", p) for (client, _, _), p in zip(ports, procs, strict=True)]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs)
+
+
+def etcd_enable_auth(endpoint: str, user: str, password: str, prefix: bytes = b"/torch/elastic/") -> None:
+    """Turn on etcd's authentication: a root user, and ``user`` with read and write on
+    ``prefix`` only (through the v3 gateway, as ``etcdctl`` would)."""
+    import base64
+
+    def post(path: str, body: dict) -> None:
+        req = urllib.request.Request(f"http://{endpoint}/v3/{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200, (path, r.read())
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    post("auth/role/add", {"name": "root"})
+    post("auth/user/add", {"name": "root", "password": "root-" + password})
+    post("auth/user/grant", {"user": "root", "role": "root"})
+    post("auth/role/add", {"name": "job"})
+    post("auth/role/grant", {"name": "job", "perm": {"permType": "READWRITE", "key": b64(prefix),
+                                                       "range_end": b64(end)}})
+    post("auth/user/add", {"name": user, "password": password})
+    post("auth/user/grant", {"user": user, "role": "job"})
+    post("auth/enable", {})

@@ -14,6 +14,7 @@ BENCHES = {
     "buddy": "elastic_harness.bench.buddy",  # per-step cost of FSDP snapshots and buddy copies
     "checkpoint": "elastic_harness.bench.checkpoint",
     "recovery": "elastic_harness.bench.recovery",  # time to recover from faults
+    "rendezvous": "elastic_harness.bench.rendezvous",  # a round on etcd's v3 API vs its v2 API
     "throughput": "elastic_harness.bench.throughput",  # samples/s vs a plain torchrun DDP script
 }
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from elastic_harness.errors import HarnessError
 from elastic_harness.spec import JobSpec
 
-FLAVORS = ("pytorchjob", "plain")
+FLAVORS = ("pytorchjob", "plain", "trainjob")
 
 CONTAINER = "pytorch"  # the training operator finds its container by this name
+TRAINER_CONTAINER = "node"  # Kubeflow Trainer v2's torch plugin finds its container by this name
 JOB_DIR = "/etc/elastic-harness"
 JOB_FILE = f"{JOB_DIR}/job.yaml"
 DATA_DIR = "/mnt/elastic-harness"

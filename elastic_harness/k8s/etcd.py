@@ -1,7 +1,9 @@
-"""A three-member etcd for the etcd / etcd-v2 rendezvous backends.
+"""A three-member etcd for the etcd rendezvous backend (etcd's v3 API: ``launch.etcd_v3``).
 
-torch's etcd backends speak etcd's v2 API (python-etcd), so the members run with
-``--enable-v2`` and the image stays on etcd 3.5. Each member keeps its data on its own
+The image is etcd 3.6 (``deploy.etcd_image``), which has no v2 API, so the rendered etcd
+cannot serve ``rendezvous.backend: etcd-v2`` (``check_backend`` refuses it). The agents'
+client learns every member from the one Service name it is given, and fails over between
+them (``launch.etcd_gateway``). Each member keeps its data on its own
 volume: a member that restarts with an empty data dir cannot rejoin its cluster. The
 volumes are deleted with the StatefulSet, so a re-applied job starts with a fresh etcd
 (etcd remembers finished rendezvous ids for about two hours).
@@ -9,7 +11,8 @@ volumes are deleted with the StatefulSet, so a re-applied job starts with a fres
 TLS and authentication (issue 22): clients and peers speak https, and etcd admits only
 clients with a certificate signed by the job's CA (``--client-cert-auth``). The server and
 peer certificate come from the Secret ``<job>-etcd-tls`` (``tls.crt``, ``tls.key``,
-``ca.crt``: cert-manager's layout; SANs ``*.<job>-etcd``, ``<job>-etcd-client``), the
+``ca.crt``: cert-manager's layout; SANs ``*.<job>-etcd``, ``<job>-etcd-client``; usages
+server and client auth: etcd's v3 JSON gateway dials etcd's own gRPC with it), the
 agents' client certificate from ``<job>-etcd-client-tls``; neither is rendered (the user or
 cert-manager provides them, docs/security.md). Probes read ``/health`` over plain http on
 the separate metrics port, which serves no keys.
@@ -24,6 +27,7 @@ from elastic_harness.k8s.common import (
     ETCD_METRICS_PORT,
     ETCD_PEER_PORT,
     ETCD_TLS_DIR,
+    RenderError,
     Target,
     labels,
     metadata,
@@ -40,8 +44,16 @@ def client_endpoint(target: Target) -> str:
     return f"{target.names.etcd_client}:{ETCD_CLIENT_PORT}"
 
 
+def check_backend(target: Target) -> None:
+    """The rendered etcd has no v2 API: ``etcd-v2`` cannot rendezvous through it."""
+    if target.spec.rendezvous.backend == "etcd-v2":
+        raise RenderError("rendezvous.backend is etcd-v2, but the rendered etcd (3.6 or newer) has no v2 API",
+                          "use rendezvous.backend: etcd (the v3 API): --set rendezvous.backend=etcd")
+
+
 def client_tls_conf(target: Target) -> dict[str, str]:
-    """The rendezvous settings (torch's etcd-v2 keys) for https with the client certificate."""
+    """The rendezvous settings (torch's etcd keys, which ours read too) for https with the
+    client certificate."""
     return {"protocol": "https", "ca_cert": f"{ETCD_CLIENT_TLS_DIR}/ca.crt",
             "ssl_cert": f"{ETCD_CLIENT_TLS_DIR}/tls.crt", "ssl_cert_key": f"{ETCD_CLIENT_TLS_DIR}/tls.key"}
 
@@ -89,7 +101,6 @@ def _args(target: Target) -> list[str]:
         f"--initial-cluster={members}",
         "--initial-cluster-state=new",
         f"--initial-cluster-token={svc}",
-        "--enable-v2=true",
         # clients and peers: https, and only with a certificate signed by the job's CA
         f"--cert-file={tls}/tls.crt", f"--key-file={tls}/tls.key", f"--trusted-ca-file={tls}/ca.crt",
         "--client-cert-auth=true",

@@ -1,20 +1,22 @@
-"""The two flavors: the objects each adds around the shared node pod.
+"""The flavors: the objects each adds around the shared node pod.
 
-``pytorchjob``: the Kubeflow training operator creates the node pods from a PyTorchJob and
-passes the rendezvous to the agent as PET_* variables taken from ``elasticPolicy``.
+``pytorchjob``: the Kubeflow training operator (v1) creates the node pods from a PyTorchJob
+and passes the rendezvous to the agent as PET_* variables taken from ``elasticPolicy``.
 ``plain``: no operator; node pods come from a StatefulSet and rendezvous through an etcd
 rendered alongside, passed to the agent as flags.
+``trainjob``: Kubeflow Trainer v2 (``k8s.trainjob``).
 """
 
 from __future__ import annotations
 
 from elastic_harness.k8s.common import OPERATOR_PORT_NAME, Target, job_id, labels, metadata, obj
-from elastic_harness.k8s.etcd import client_endpoint, client_tls_conf, etcd_objects
+from elastic_harness.k8s.etcd import check_backend, client_endpoint, client_tls_conf, etcd_objects
 from elastic_harness.k8s.pod import agent_args, pod_template
 
 # spec.rendezvous.backend -> the operator's RDZVBackend values (a plain string in the CRD;
-# the operator's Go type lists exactly these three).
-OPERATOR_BACKENDS = {"c10d": "c10d", "etcd": "etcd", "etcd-v2": "etcd-v2"}
+# the operator's Go type lists c10d, etcd and etcd-v2). It passes the value on as
+# PET_RDZV_BACKEND, which the agent reads as the spec's word: etcd is ours, on the v3 API.
+OPERATOR_BACKENDS = {"c10d": "c10d", "etcd": "etcd"}
 
 
 def rendezvous_id(target: Target) -> str:
@@ -27,10 +29,13 @@ def rendezvous_id(target: Target) -> str:
     return job_id(target)
 
 
-def render_plain(target: Target) -> list[dict]:
+def etcd_flags(target: Target) -> dict[str, object]:
+    """The agent's flags for the rendered etcd: the rendezvous and the node range (flags,
+    so that no variable a scheduler injects, such as Trainer's PET_NNODES=N, overrides them)."""
     spec = target.spec
-    flags = {
-        "rdzv-backend": "etcd-v2",
+    check_backend(target)
+    return {
+        "rdzv-backend": "etcd",
         "rdzv-endpoint": client_endpoint(target),
         "rdzv-id": rendezvous_id(target),
         "nnodes": f"{spec.nodes.min}:{spec.nodes.max}",
@@ -38,6 +43,11 @@ def render_plain(target: Target) -> list[dict]:
         "max-restarts": spec.max_restarts,
         "rdzv-conf": ",".join(f"{k}={v}" for k, v in client_tls_conf(target).items()),  # https + client cert
     }
+
+
+def render_plain(target: Target) -> list[dict]:
+    spec = target.spec
+    flags = etcd_flags(target)
     selector = labels(target, "worker")
     service = {
         "clusterIP": "None",
@@ -64,6 +74,7 @@ def render_plain(target: Target) -> list[dict]:
 
 def render_pytorchjob(target: Target) -> list[dict]:
     spec = target.spec
+    check_backend(target)
     backend = OPERATOR_BACKENDS[spec.rendezvous.backend]
     policy: dict = {
         "minReplicas": spec.nodes.min,

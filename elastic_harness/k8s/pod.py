@@ -125,12 +125,13 @@ def pod_security(target: Target) -> dict:
     }
 
 
-def container(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False) -> dict:
+def container(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False,
+              name: str = CONTAINER) -> dict:
     secrets = [{"name": "key", "mountPath": KEY_DIR, "readOnly": True}]
     if etcd_client:
         secrets.append({"name": "etcd-tls", "mountPath": ETCD_CLIENT_TLS_DIR, "readOnly": True})
     return {
-        "name": CONTAINER,
+        "name": name,
         "image": target.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["elastic-harness", "agent"],
@@ -174,21 +175,22 @@ def _volumes(target: Target, etcd_client: bool) -> list[dict]:
     ]
 
 
-def pod_template(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False) -> dict:
+def pod_template(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False,
+                 name: str = CONTAINER, restart: str | None = None) -> dict:
     """The node pod template; the grace period outlasts the agent's drain-and-save.
-    ``etcd_client``: mount the agents' etcd client certificate (etcd backends)."""
+    ``etcd_client``: mount the agents' etcd client certificate (etcd backends); ``name``:
+    the agent's container; ``restart``: the pod's restartPolicy (a Job's pods need one)."""
     check_storage(target)
     check_devices(target)
     spec = target.spec
     grace = spec.timeouts.shutdown_grace + spec.deploy.grace_margin
-    return {
-        "metadata": {"labels": pod_labels(target, "worker")},
-        "spec": {
-            "automountServiceAccountToken": False,  # the agent never calls the API server
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": grace,
-            "securityContext": pod_security(target),
-            "containers": [container(target, args, ports, etcd_client)],
-            "volumes": _volumes(target, etcd_client),
-        },
+    pod = {
+        "automountServiceAccountToken": False,  # the agent never calls the API server
+        "enableServiceLinks": False,
+        **({"restartPolicy": restart} if restart else {}),
+        "terminationGracePeriodSeconds": grace,
+        "securityContext": pod_security(target),
+        "containers": [container(target, args, ports, etcd_client, name)],
+        "volumes": _volumes(target, etcd_client),
     }
+    return {"metadata": {"labels": pod_labels(target, "worker")}, "spec": pod}

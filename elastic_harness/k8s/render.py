@@ -22,6 +22,7 @@ from elastic_harness.k8s.common import (
 )
 from elastic_harness.k8s.flavors import render_plain, render_pytorchjob
 from elastic_harness.k8s.pod import uses_s3
+from elastic_harness.k8s.trainjob import render_trainjob
 from elastic_harness.spec import JobSpec, dump_job
 
 DEFAULT_IMAGE = f"elastic-harness:{__version__}"
@@ -44,7 +45,8 @@ def render(
     if namespace and not _DNS1123_LABEL.match(namespace):
         raise RenderError(f"namespace '{namespace}' is not a valid namespace name", "e.g. ml-jobs")
     target = Target(spec, names_for(spec), image, namespace or None)
-    pods = render_pytorchjob(target) if flavor == "pytorchjob" else render_plain(target)
+    renderers = {"pytorchjob": render_pytorchjob, "plain": render_plain, "trainjob": render_trainjob}
+    pods = renderers[flavor](target)
     return [*_shared(target, script_text), *pods]
 
 

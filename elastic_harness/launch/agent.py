@@ -219,16 +219,23 @@ def _first_failure(err, max_restarts: int, window: int) -> str:
                              f"rank {rank} exit {failure.exitcode}: {msg[:300]}")
 
 
+# Rendezvous failures that fail again however often they are retried: a closed id (a new
+# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job).
+PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured")
+
+
 def rendezvous_exit_code(kind: str) -> int:
-    """Pure: a closed rendezvous id fails again however often it is retried (a new id
-    fixes it); every other rendezvous failure is the infrastructure's, worth a retry."""
-    return EXIT_PERMANENT if kind == "RendezvousClosedError" else EXIT_INFRA
+    """Pure: a mistake (``PERMANENT_RENDEZVOUS_ERRORS``) exits 2; every other rendezvous
+    failure is the infrastructure's, worth a retry."""
+    return EXIT_PERMANENT if kind in PERMANENT_RENDEZVOUS_ERRORS else EXIT_INFRA
 
 
 def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_timeout: int,
                              at_start: bool = False) -> str:
     """Pure: one line saying what a rendezvous failure means for this job (``at_start``:
     before this agent's first rendezvous completed)."""
+    if kind == "EtcdMisconfigured":  # its message is the line, fix included
+        return f"{detail}; nothing was trained" if at_start else detail
     if kind == "RendezvousConnectionError" and at_start:
         return unreachable_backend(opts, detail)
     if kind == "RendezvousTimeoutError":
@@ -247,13 +254,16 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
 def unreachable_backend(opts: NodeOptions, detail: str) -> str:
     """Pure: the line for a rendezvous backend that cannot be used at start-up."""
     detail = " ".join(detail.split())[:200]
-    v2 = "--enable-v2 (torch's etcd rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
+    v2 = "--enable-v2 (torch's etcd-v2 rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
     if opts.rdzv_backend == "c10d":
         fix = ("start the agent that hosts the c10d store (--is-host) first, at that address, or fix "
                "rendezvous.endpoint (--rdzv-endpoint)")
+    elif opts.rdzv_backend == "etcd-v3":
+        fix = ("start etcd there (3.4 or newer: the v3 API), or fix rendezvous.endpoint (--rdzv-endpoint; "
+               "name every member, comma-separated)")
     elif "404" in detail:  # an etcd that answers, without the v2 API
-        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}; "
-                "nothing was trained, re-run once it is up")
+        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}, or use "
+                "rendezvous.backend: etcd (the v3 API); nothing was trained, re-run once it is up")
     else:
         fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
     return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "

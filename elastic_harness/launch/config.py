@@ -24,11 +24,12 @@ from elastic_harness.errors import SpecError
 from elastic_harness.launch import slurm_env
 from elastic_harness.spec import JobSpec
 
-# torch's backend names: "etcd-v2" is the dynamic rendezvous on etcd's v2 API.
-_BACKENDS = {"c10d": "c10d", "etcd": "etcd-v2", "etcd-v2": "etcd-v2"}
+# Backend names in torch's handler registry: "etcd" is ours on etcd's v3 API
+# (``launch.etcd_v3``), "etcd-v2" torch's own on the v2 API.
+_BACKENDS = {"c10d": "c10d", "etcd": "etcd-v3", "etcd-v2": "etcd-v2"}
 # The port an endpoint without one gets, per torch backend: torchrun's c10d default and
 # etcd's client port (what torch's own rendezvous backends assume).
-DEFAULT_PORTS = {"c10d": 29400, "etcd-v2": 2379}
+DEFAULT_PORTS = {"c10d": 29400, "etcd-v3": 2379, "etcd-v2": 2379}
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _rendezvous(spec: JobSpec, pick: _Picker, environ: Mapping[str, str],
         raise SpecError(
             "rendezvous.endpoint", "no endpoint", "pass --rdzv-endpoint HOST:PORT or set it"
         )
-    endpoint = with_port(str(endpoint), DEFAULT_PORTS[backend], source or "rendezvous.endpoint")
+    endpoint = endpoints_with_ports(str(endpoint), backend, source or "rendezvous.endpoint")
     is_host = pick.flags.get("is_host")
     if is_host is None and backend == "c10d":
         is_host = slurm_env.is_store_host(environ, endpoint)
@@ -217,6 +218,16 @@ def with_port(endpoint: str, default_port: int, source: str = "rendezvous.endpoi
     return f"{host}:{int(port)}"
 
 
+def endpoints_with_ports(text: str, backend: str, source: str) -> str:
+    """``with_port`` for each of an etcd's comma-separated members (the client fails over
+    between them); c10d has one store, so one endpoint."""
+    parts = [p for p in (p.strip() for p in text.split(",")) if p]
+    if len(parts) > 1 and backend == "c10d":
+        raise SpecError(source, f"'{text}' names {len(parts)} endpoints, but the c10d store is one",
+                        "name the agent that hosts the store, or use rendezvous.backend: etcd")
+    return ",".join(with_port(p, DEFAULT_PORTS[backend], source) for p in parts or [text])
+
+
 def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
     r = spec.rendezvous
     conf: dict[str, object] = {
@@ -229,11 +240,13 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
         "keep_alive_interval": r.keep_alive_interval,
         "keep_alive_max_attempt": r.keep_alive_max_attempt,
     }
-    if opts.rdzv_backend == "etcd-v2":
-        # torch's etcd-v2 backend reads these keys; paths only, never key material.
+    if opts.rdzv_backend in ("etcd-v3", "etcd-v2"):
+        # torch's etcd-v2 backend reads these keys, and ours (etcd-v3) the same ones plus the
+        # user and the file holding its password; paths only, never key material.
         conf["protocol"] = r.etcd_protocol
         for key, value in (("ca_cert", r.etcd_ca_cert), ("ssl_cert", r.etcd_cert),
-                           ("ssl_cert_key", r.etcd_key)):
+                           ("ssl_cert_key", r.etcd_key), ("user", r.etcd_user),
+                           ("password_file", r.etcd_password_file)):
             if value:
                 conf[key] = value
     if opts.rdzv_backend == "c10d":

@@ -9,9 +9,10 @@ without one success end the agent process with ``os._exit`` (which no blocked ca
 stop); its workers die with it (``PR_SET_PDEATHSIG``), so a node that comes back after a
 partition writes nothing more into the job's checkpoints, and a fresh agent can rejoin.
 
-etcd: torch's client (python-etcd, ``allow_reconnect``) fails over to every member the
-cluster advertises, so one success among all members counts (``etcd_members``); losing the
-member named in the endpoint does not isolate anyone.
+etcd: the client fails over between the members the endpoint names (``launch.etcd_gateway``;
+torch's etcd-v2 client, python-etcd, to every member the cluster advertises), so one success
+among all members counts (``etcd_members`` adds those the cluster advertises); losing the
+member named first in the endpoint does not isolate anyone.
 
 A partition may cut the shared run directory too: the ``isolated`` and ``exit`` events are
 written within ``write_budget_s`` or not at all before the process exits.
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit
+from pathlib import Path
 
 from elastic_harness import exitcodes
 
@@ -55,27 +56,23 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def etcd_members(endpoint: str, protocol: str = "http", ca_cert: str = "", cert: str = "",
-                 key: str = "", timeout: float = 2.0) -> list[str]:
-    """Client endpoints (``HOST:PORT``) every member of the etcd cluster advertises, as
-    python-etcd (torch's client) finds them; [] when etcd cannot be asked right now."""
-    import etcd
-    import urllib3
+def etcd_members(endpoint: str, conf: dict | None = None, timeout: float = 2.0) -> list[str]:
+    """Client endpoints (``HOST:PORT``) every member of the etcd cluster advertises (its v3
+    member list, which etcd-v2 clusters serve too); [] when etcd cannot be asked right now.
+    ``conf``: the rendezvous config (TLS, user; ``launch.config.rdzv_configs``)."""
+    from elastic_harness.launch import etcd_gateway
 
-    host, port = split_endpoint(endpoint)
+    conf = dict(conf or {})
     try:
-        client = etcd.Client(host=host, port=port, protocol=protocol, read_timeout=timeout,
-                             cert=(cert, key) if cert and key else (cert or None),
-                             ca_cert=ca_cert or None, allow_reconnect=True)
-        urls = client.machines
-    except (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError, ValueError):
+        password = Path(conf["password_file"]).read_text().rstrip("\r\n") if conf.get("password_file") else ""
+        settings = etcd_gateway.Settings.from_conf(endpoint, {**conf, "read_timeout": timeout}, password)
+        gateway = etcd_gateway.Gateway(settings)
+        try:
+            return gateway.members()
+        finally:
+            gateway.close()
+    except (etcd_gateway.EtcdError, OSError, ValueError, KeyError):
         return []
-    out = []
-    for url in urls:
-        parts = urlsplit(url)
-        if parts.hostname and parts.port:
-            out.append(f"{parts.hostname}:{parts.port}")
-    return out
 
 
 class IsolationWatchdog:
@@ -154,10 +151,12 @@ def watch(spec, opts, events, node: str) -> IsolationWatchdog | None:
         return None
     members = None
     if opts.rdzv_backend != "c10d":  # etcd: every member the client could fail over to
-        r = spec.rendezvous
+        from elastic_harness.launch.config import rdzv_configs
+
+        conf = rdzv_configs(spec, opts)
 
         def members() -> list[str]:
-            return etcd_members(opts.rdzv_endpoint, r.etcd_protocol, r.etcd_ca_cert, r.etcd_cert, r.etcd_key)
+            return etcd_members(opts.rdzv_endpoint, conf)
 
     act = exit_isolated(events, node, opts.rdzv_endpoint)
     return IsolationWatchdog(opts.rdzv_endpoint, limit, act, members=members).start()

@@ -1,4 +1,4 @@
-"""torch's dynamic rendezvous (c10d, etcd-v2) with a last call decided per round.
+"""torch's dynamic rendezvous (c10d, etcd-v3, etcd-v2) with a last call decided per round.
 
 torch's ``DynamicRendezvousHandler`` closes a round ``last_call`` seconds after ``nodes.min``
 nodes joined it (or at once when ``nodes.max`` did). One value serves two opposite needs:
@@ -97,7 +97,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.launch import liveness
+from elastic_harness.launch import etcd_v3, liveness
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -196,13 +196,15 @@ def _seconds(params: RendezvousParameters, key: str) -> float:
 
 
 def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
-    """Our state backend and store for backend ``name`` (c10d, etcd-v2), with the state sealed
+    """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state sealed
     under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
     from elastic_harness.launch import sealed
 
     seal = sealed.StateSeal(key, params.run_id)
     if name == "c10d":
         return sealed.create_c10d_backend(params, seal)
+    if name == etcd_v3.BACKEND:
+        return etcd_v3.create_backend(params, seal)
     return sealed.create_etcd_backend(params, seal)
 
 
@@ -355,12 +357,13 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
 
 # Our handler in torch's rendezvous handler registry (its public extension point), under
 # names of its own (each is also its backend's ``name``): torch's ``c10d`` and ``etcd-v2``
-# stay torch's.
-REGISTERED = {"c10d": "harness-c10d", "etcd-v2": "harness-etcd-v2"}
+# stay torch's; ``etcd-v3`` (``launch.etcd_v3``) has no torch namesake.
+REGISTERED = {"c10d": "harness-c10d", "etcd-v2": "harness-etcd-v2", etcd_v3.BACKEND: etcd_v3.BACKEND}
 
 
 def register() -> None:
-    """Put ``create_handler`` in torch's registry under ``REGISTERED``'s names (idempotent)."""
+    """Put ``create_handler`` in torch's registry under ``REGISTERED``'s names (idempotent:
+    torch's ``register`` accepts the same creator again)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     for name in REGISTERED.values():
@@ -368,8 +371,8 @@ def register() -> None:
 
 
 def handler_for(params: RendezvousParameters) -> RendezvousHandler:
-    """The agent's handler, made by torch's registry: ours for c10d and etcd-v2 (``register``),
-    torch's own for any other backend."""
+    """The agent's handler, made by torch's registry: ours for c10d, etcd-v3 and etcd-v2
+    (``register``), torch's own for any other backend."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     register()
@@ -382,9 +385,10 @@ def handler_for(params: RendezvousParameters) -> RendezvousHandler:
 
 def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d and etcd-v2 backends (``REGISTERED``'s names too), its state sealed with the job's
-    ``key`` (else the key in the file that the config's ``key_file`` names:
-    ``launch.config.rdzv_configs``); any other backend exactly as torch's registry makes it."""
+    c10d, etcd-v3 (``launch.etcd_v3``) and etcd-v2 backends (``REGISTERED``'s names too), its
+    state sealed with the job's ``key`` (else the key in the file that the config's
+    ``key_file`` names: ``launch.config.rdzv_configs``); any other backend exactly as torch's
+    registry makes it."""
     rdzv.patch_module(method_name, record_event, delay)  # see the module docstring
     backend_name = {v: k for k, v in REGISTERED.items()}.get(params.backend, params.backend)
     if backend_name not in REGISTERED:

@@ -85,10 +85,12 @@ class NodesSpec:
 @dataclass(frozen=True)
 class RendezvousSpec:
     backend: Literal["c10d", "etcd", "etcd-v2"] = doc(
-        "c10d", "Rendezvous backend: c10d (store inside one agent) or etcd (external server)."
+        "c10d", "Rendezvous backend: c10d (store inside one agent), etcd (an etcd 3.4+ server, its "
+        "v3 API), or etcd-v2 (torch's own, for an etcd 3.4/3.5 run with --enable-v2)."
     )
     endpoint: str = doc(
-        "", "HOST:PORT of the rendezvous store; empty = 127.0.0.1 with a free port (local runs)."
+        "", "HOST:PORT of the rendezvous store; etcd: HOST:PORT,HOST:PORT,... of its members (the "
+        "client fails over between them); empty = 127.0.0.1 with a free port (local runs)."
     )
     id: str = doc("", "Rendezvous id; empty = a fresh unique id per submission (recommended).")
     join_timeout: int = doc(120, "Seconds to wait for nodes.min nodes before failing.")
@@ -119,6 +121,10 @@ class RendezvousSpec:
     etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")
     etcd_cert: str = doc("", "etcd https: client certificate path (mutual TLS).")
     etcd_key: str = doc("", "etcd https: client key path (with etcd_cert).")
+    etcd_user: str = doc("", "etcd (v3) authentication: user name, with etcd_password_file.")
+    etcd_password_file: str = doc(
+        "", "etcd (v3) authentication: path of a file holding the user's password (e.g. a mounted Secret)."
+    )
     isolation_timeout: float = doc(
         20.0, "An agent that cannot reach the rendezvous this long stops itself; 0 = never."
     )
@@ -140,10 +146,21 @@ class RendezvousSpec:
         if (self.etcd_ca_cert or self.etcd_cert) and self.etcd_protocol != "https":
             raise SpecError("rendezvous.etcd_protocol", "TLS files given but protocol is http",
                             "set etcd_protocol: https")
-        if self.endpoint and ":" not in self.endpoint:
-            raise SpecError(
-                "rendezvous.endpoint", f"'{self.endpoint}' has no port", "write HOST:PORT"
-            )
+        for endpoint in self.endpoint.split(",") if self.endpoint else []:
+            if ":" not in endpoint:
+                raise SpecError(
+                    "rendezvous.endpoint", f"'{endpoint.strip()}' has no port", "write HOST:PORT"
+                )
+        self._check_auth()
+
+    def _check_auth(self) -> None:
+        if bool(self.etcd_user) != bool(self.etcd_password_file):
+            given, missing = (("etcd_user", "etcd_password_file") if self.etcd_user
+                              else ("etcd_password_file", "etcd_user"))
+            raise SpecError(f"rendezvous.{given}", f"given without {missing}", "set both or neither")
+        if self.etcd_user and self.backend != "etcd":
+            raise SpecError("rendezvous.etcd_user", f"authentication needs backend: etcd (not {self.backend})",
+                            "set rendezvous.backend: etcd (torch's etcd-v2 client has no user and password)")
 
 
 @dataclass(frozen=True)
@@ -389,7 +406,7 @@ class DeploySpec:
         "Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used for s3:// checkpoints.",
     )
     etcd_image: str = doc(
-        "quay.io/coreos/etcd:v3.5.17", "etcd image for the rendezvous; 3.5.x (3.6 has no v2 API)."
+        "quay.io/coreos/etcd:v3.6.14", "etcd image for the rendezvous (its v3 API: etcd 3.4 or newer)."
     )
     run_as_user: int = doc(
         10001, "Non-root UID and GID of every container; k8s/Dockerfile creates this user."

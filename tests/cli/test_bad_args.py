@@ -193,6 +193,8 @@ def bad_arguments(i: SimpleNamespace) -> dict[str, list[list]]:
                              ["--dir", i.missing], ["--out", i.missing / "x.json"], ["--out", i.adir]],
         "bench recovery": [["--repeats", "0"], ["--only", "nope"], ["--dir", i.afile],
                            ["--out", i.missing / "x.json"], ["--faults", "x"], ["--churn-every", "900"]],
+        "bench rendezvous": [["--repeats", "0"], ["--nodes", "0"], ["--rounds", "x"], ["--out", i.missing / "x.json"],
+                             ["--out", i.adir]],
         "bench throughput": [["--repeats", "0"], ["--only", "nope"], ["--dir", i.afile], ["--dir", i.missing],
                              ["--out", i.missing / "x.json"], ["--out", i.adir], ["--steps", "5"],
                              ["--global-batch", "48"], ["--workers", "-1"], ["--image-px", "8"]],

@@ -122,14 +122,14 @@ def test_etcd_rendezvous_survives_losing_node_zero(tmp_path):
 
 
 def test_three_member_etcd_survives_losing_a_member(tmp_path):
-    """Kill one of three etcd members mid-training, then lose a node: the re-rendezvous
-    after the node loss runs on the two remaining members (quorum) and the job finishes.
-    The agents talk to member 0 (one client endpoint; on Kubernetes it is the etcd
-    Service, which routes to live members), so the member killed is another one."""
+    """Kill one of three etcd members (v2 API off: the v3 backend) mid-training, then lose a
+    node: the re-rendezvous after the node loss runs on the two remaining members (quorum)
+    and the job finishes. The member killed is the one the agents talk to (named first in
+    the endpoint): their clients fail over to the next."""
     (tmp_path / "etcd").mkdir()
     run_dir = tmp_path / "run"
     with etcd_cluster(tmp_path / "etcd") as members:
-        endpoint = members[0][0]
+        endpoint = ",".join(e for e, _ in members)
         cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir),
                "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=200",
                "--set", "rendezvous.backend=etcd", "--set", f"rendezvous.endpoint={endpoint}",
@@ -139,7 +139,7 @@ def test_three_member_etcd_survives_losing_a_member(tmp_path):
         try:
             steps = lambda: [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "step"]  # noqa: E731
             wait_until(lambda: len(steps()) >= 20 or proc.poll() is not None, 180, "step 20")
-            killed = members[2][1]
+            killed = members[0][1]
             killed.kill()
             killed.wait()
             out, err = proc.communicate(timeout=240)

@@ -106,6 +106,11 @@ def test_the_exhausted_message_names_the_limit_and_the_fix():
 def test_an_unreachable_backend_at_start_is_explained():
     line = explain_rendezvous_error("RendezvousConnectionError", "refused", opts("etcd-v2"), 60, at_start=True)
     assert "127.0.0.1:1" in line and "--enable-v2" in line and "rendezvous.endpoint" in line
+    line = explain_rendezvous_error("RendezvousConnectionError", "refused", opts("etcd-v3"), 60, at_start=True)
+    assert "127.0.0.1:1" in line and "3.4 or newer" in line and "--enable-v2" not in line
+    line = explain_rendezvous_error("EtcdMisconfigured", "the etcd at x refused user 'u' ...: fix either",
+                                    opts("etcd-v3"), 60, at_start=True)
+    assert line.startswith("the etcd at x refused user") and "nothing was trained" in line
     line = explain_rendezvous_error("RendezvousConnectionError", "refused", opts("c10d"), 60, at_start=True)
     assert "127.0.0.1:1" in line and "--is-host" in line
     line = explain_rendezvous_error("RendezvousConnectionError", "Bad response : 404 page not found\n",
@@ -212,7 +217,7 @@ def test_an_unreachable_etcd_at_start_is_one_line_and_exit_200(tmp_path):
     r = cli("run", str(MLP), "--set", "rendezvous.backend=etcd", "--set", "rendezvous.endpoint=127.0.0.1:1",
             run_dir=tmp_path)
     assert r.code == exitcodes.INFRA, (r.code, r.err)
-    assert "127.0.0.1:1" in r.err and "--enable-v2" in r.err and "Traceback" not in r.err
+    assert "127.0.0.1:1" in r.err and "3.4 or newer" in r.err and "Traceback" not in r.err
     assert not r.kinds("step")
 
 

@@ -1,5 +1,6 @@
 """Kubernetes rendering: golden trees, real validators (kustomize, kubernetes-validate, the
-PyTorchJob CRD schema), and the properties the manifests promise (see k8s/DEPLOY.md)."""
+PyTorchJob, TrainJob, TrainingRuntime and JobSet CRD schemas), and the properties the
+manifests promise (see k8s/DEPLOY.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from elastic_harness import exitcodes
 from elastic_harness.cli import build_parser, main
 from elastic_harness.k8s import FLAVORS, RenderError, manifest_files, render, to_yaml
 from elastic_harness.spec import load_job, parse_job
@@ -22,7 +24,12 @@ from elastic_harness.spec import load_job, parse_job
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 QUICKSTART = "jobs/quickstart.yaml"  # k8s/plain and k8s/pytorchjob are rendered from it
-CRD = REPO / "k8s" / "crds" / "kubeflow.org_pytorchjobs.yaml"  # vendored: see its README
+CRDS = REPO / "k8s" / "crds"  # vendored: see its README
+# (apiVersion, kind) -> the vendored CRD file whose openAPIV3Schema the API server applies
+CRD_FILES = {("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.yaml",
+             ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainer.kubeflow.org_trainjobs.yaml",
+             ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): "trainer.kubeflow.org_trainingruntimes.yaml",
+             ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset.x-k8s.io_jobsets.yaml"}
 KUBE_VERSION = "1.32.0"  # kubectl here is 1.32; kubernetes-validate ships this schema set
 JOBS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jobs").glob("*.yaml"))
 REGEN = "regenerate: elastic-harness k8s render {src} --flavor {flavor} --out k8s/{flavor}"
@@ -32,7 +39,7 @@ SMALL = ("name: demo\ntask: {target: 'elastic_harness.tasks.mlp:MLPRegression'}\
 # variants that exercise every branch of the renderer
 VARIANTS = {
     "c10d": SMALL,
-    "etcd": SMALL + "rendezvous: {backend: etcd-v2}\n",
+    "etcd": SMALL + "rendezvous: {backend: etcd}\n",
     "s3-gpu": SMALL
     + "device: cuda\ncheckpoint: {dir: 's3://bucket/ckpt'}\n"
     + "deploy: {gpus: 2, storage_class: nfs}\n",
@@ -47,13 +54,16 @@ def _source(flavor: str) -> str:
 
 
 def _templates(manifests: list[dict]) -> list[dict]:
-    """Pod templates of StatefulSets and of the PyTorchJob's replicas."""
+    """Pod templates of StatefulSets, of the PyTorchJob's replicas and of the
+    TrainingRuntime's replicated jobs."""
     out = []
     for m in manifests:
         if m["kind"] == "StatefulSet":
             out.append(m["spec"]["template"])
         elif m["kind"] == "PyTorchJob":
             out += [r["template"] for r in m["spec"]["pytorchReplicaSpecs"].values()]
+        elif m["kind"] == "TrainingRuntime":
+            out += [r["template"]["spec"]["template"] for r in m["spec"]["template"]["spec"]["replicatedJobs"]]
     return out
 
 
@@ -94,18 +104,40 @@ def _strict(schema: object) -> object:
     return schema
 
 
-@pytest.fixture(scope="module")
-def crd_validator() -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load(CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+def _crd_validator(api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are megabytes of YAML
+    crd = yaml.load((CRDS / CRD_FILES[(api_version, kind)]).read_text(), Loader=loader)
+    assert crd["spec"]["names"]["kind"] == kind
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == api_version.rsplit("/", 1)[1]]
     return jsonschema.Draft202012Validator(_strict(version["schema"]["openAPIV3Schema"]))
 
 
-def _validate_all(manifests: list[dict], crd_validator) -> None:
+@pytest.fixture(scope="module")
+def crd_validator() -> dict:
+    """(apiVersion, kind) -> a validator of that custom resource."""
+    return {key: _crd_validator(*key) for key in CRD_FILES}
+
+
+def _embedded(runtime: dict) -> list[dict]:
+    """What a TrainingRuntime embeds, as the objects Trainer and JobSet make of it: the
+    JobSet (its template's spec), and each replicated job's batch/v1 Job."""
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+              "metadata": {"name": runtime["metadata"]["name"]}, "spec": runtime["spec"]["template"]["spec"]}
+    jobs = [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{runtime['metadata']['name']}-{r['name']}"},
+             "spec": r["template"]["spec"]} for r in jobset["spec"]["replicatedJobs"]]
+    return [jobset, *jobs]
+
+
+def _validate_all(manifests: list[dict], crd_validator: dict) -> None:
     for m in manifests:
-        if m["apiVersion"].startswith("kubeflow.org/"):
-            crd_validator.validate(m)
+        key = (m["apiVersion"], m["kind"])
+        if key in crd_validator:
+            crd_validator[key].validate(m)
+            for inner in _embedded(m) if m["kind"] == "TrainingRuntime" else []:
+                _validate_all([inner], crd_validator)
         else:
+            assert "." not in m["apiVersion"].split("/")[0] or m["apiVersion"].split("/")[0].endswith(".k8s.io"), \
+                f"{key}: a custom resource without a vendored CRD"
             kubernetes_validate.validate(m, KUBE_VERSION, strict=True)
 
 
@@ -147,8 +179,9 @@ def test_kubernetes_validate_cli_strict(flavor: str) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ERROR" not in out.stdout
-    passed = out.stdout.count("INFO")
-    assert passed == sum("apiVersion: kubeflow.org" not in Path(f).read_text() for f in files)
+    passed = out.stdout.count("INFO")  # custom resources only warn: the CRD tests check them
+    assert passed == sum(not re.search(r"^apiVersion: (\S+\.)?kubeflow\.org/", Path(f).read_text(), re.M)
+                         for f in files)
 
 
 @pytest.mark.parametrize("job", JOBS)
@@ -176,11 +209,36 @@ def test_crd_check_is_live(crd_validator) -> None:
     bad = copy.deepcopy(job)
     bad["spec"]["elasticPolicy"]["minReplicas"] = "two"
     with pytest.raises(jsonschema.ValidationError):
-        crd_validator.validate(bad)
+        _validate_all([bad], crd_validator)
     bad = copy.deepcopy(job)
     bad["spec"]["elasticPolicy"]["minNodes"] = 2
     with pytest.raises(jsonschema.ValidationError):
-        crd_validator.validate(bad)
+        _validate_all([bad], crd_validator)
+
+
+def test_trainjob_crd_checks_are_live(crd_validator) -> None:
+    """Each of the TrainJob's, the TrainingRuntime's, the embedded JobSet's and the
+    embedded Job's schemas rejects what it must (Trainer 2.2 removed ElasticPolicy)."""
+    manifests = render(parse_job(SMALL), "trainjob")
+    job, runtime = _one(manifests, "TrainJob"), _one(manifests, "TrainingRuntime")
+    _validate_all([job, runtime], crd_validator)
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["numNodes"] = "four"
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_all([bad], crd_validator)
+    bad = copy.deepcopy(runtime)
+    bad["spec"]["mlPolicy"]["torch"]["elasticPolicy"] = {"minNodes": 2}
+    with pytest.raises(jsonschema.ValidationError, match="elasticPolicy"):
+        _validate_all([bad], crd_validator)
+    bad = copy.deepcopy(runtime)  # a JobSet field misspelt in the embedded template
+    bad["spec"]["template"]["spec"]["replicatedJobs"][0]["replica"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="replica"):
+        crd_validator[("jobset.x-k8s.io/v1alpha2", "JobSet")].validate(_embedded(bad)[0])
+    bad = copy.deepcopy(runtime)  # a pod field misspelt deep inside: the core schema's check
+    bad["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]["gracePeriod"] = 5
+    with pytest.raises(kubernetes_validate.ValidationError, match="gracePeriod"):
+        kubernetes_validate.validate(_embedded(bad)[1], KUBE_VERSION, strict=True)
 
 
 # -- what the manifests promise -----------------------------------------------------------
@@ -277,7 +335,7 @@ def test_pytorchjob_elastic_policy_from_spec() -> None:
 def test_pytorchjob_with_etcd_renders_etcd() -> None:
     manifests = render(parse_job(VARIANTS["etcd"]), "pytorchjob")
     policy = _one(manifests, "PyTorchJob")["spec"]["elasticPolicy"]
-    assert policy["rdzvBackend"] == "etcd-v2"
+    assert policy["rdzvBackend"] == "etcd"  # PET_RDZV_BACKEND=etcd: ours, on etcd's v3 API
     assert (policy["rdzvHost"], policy["rdzvPort"]) == ("demo-etcd-client", 2379)
     _one(manifests, "Service", "demo-etcd-client")
     assert _one(manifests, "StatefulSet", "demo-etcd")["spec"]["replicas"] == 3
@@ -289,7 +347,7 @@ def test_plain_flags_and_etcd() -> None:
     assert workers["replicas"] == 4 and workers["serviceName"] == "demo-worker"
     assert _one(manifests, "Service", "demo-worker")["spec"]["clusterIP"] == "None"
     flags = _flags(workers["template"]["spec"]["containers"][0])
-    assert flags["--rdzv-backend"] == "etcd-v2"
+    assert flags["--rdzv-backend"] == "etcd"
     assert flags["--rdzv-endpoint"] == "demo-etcd-client:2379"
     assert (flags["--nnodes"], flags["--nproc-per-node"], flags["--rdzv-id"]) == (
         "2:4",
@@ -298,10 +356,61 @@ def test_plain_flags_and_etcd() -> None:
     )
     etcd = _one(manifests, "StatefulSet", "demo-etcd")["spec"]
     args = etcd["template"]["spec"]["containers"][0]["args"]
-    assert etcd["replicas"] == 3 and "--enable-v2=true" in args
+    assert etcd["replicas"] == 3 and not [a for a in args if "enable-v2" in a]
+    image = etcd["template"]["spec"]["containers"][0]["image"]
+    assert tuple(int(n) for n in re.search(r":v(\d+)\.(\d+)", image).groups()) >= (3, 6), image
     assert _one(manifests, "Service", "demo-etcd")["spec"]["clusterIP"] == "None"
     claim = _one(manifests, "PersistentVolumeClaim")["spec"]
     assert claim["accessModes"] == ["ReadWriteMany"]
+
+
+def trainer_env(job: dict, node_rank: int) -> dict[str, str]:
+    """What Kubeflow Trainer v2.3's torch plugin injects into the ``node`` container
+    (pkg/runtime/framework/plugins/torch/torch.go): a static torchrun world."""
+    trainer = job["spec"]["trainer"]
+    name = job["metadata"]["name"]
+    return {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+            "PET_NODE_RANK": str(node_rank), "PET_MASTER_ADDR": f"{name}-node-0-0.{name}", "PET_MASTER_PORT": "29500"}
+
+
+def test_trainjob_runs_our_agent_elastically(tmp_path: Path) -> None:
+    config = pytest.importorskip("elastic_harness.launch.config")
+    spec = parse_job(SMALL + "max_restarts: 5\n")
+    manifests = render(spec, "trainjob")
+    job, runtime = _one(manifests, "TrainJob"), _one(manifests, "TrainingRuntime")
+    assert job["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
+                                         "name": runtime["metadata"]["name"]}
+    assert job["spec"]["trainer"]["numNodes"] == 4 == runtime["spec"]["mlPolicy"]["numNodes"]  # nodes.max pods
+    (replicated,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert replicated["name"] == "node"
+    assert replicated["template"]["metadata"]["labels"] == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    job_spec = replicated["template"]["spec"]
+    assert job_spec["template"]["spec"]["restartPolicy"] == "Never" and job_spec["backoffLimit"] == 5
+    actions = {r["action"]: r for r in job_spec["podFailurePolicy"]["rules"]}
+    assert actions["FailJob"]["onExitCodes"]["values"] == [exitcodes.PERMANENT]
+    assert [exitcodes.PREEMPTED, exitcodes.INFRA] in [r.get("onExitCodes", {}).get("values")
+                                                      for r in job_spec["podFailurePolicy"]["rules"]]
+    c = _node_container(manifests)
+    assert c["name"] == "node" and c["command"] == ["elastic-harness", "agent"]
+    # Trainer's PET_NNODES is one number; the rendered flags keep the node range elastic
+    opts = config.node_options(spec, tmp_path, _agent_flags(c), trainer_env(job, 1))
+    assert (opts.min_nodes, opts.max_nodes, opts.nproc_per_node) == (2, 4, 2)
+    assert (opts.rdzv_backend, opts.rdzv_endpoint, opts.rdzv_id) == ("etcd-v3", "demo-etcd-client:2379", "demo")
+    _one(manifests, "StatefulSet", "demo-etcd")
+
+
+def _agent_flags(container: dict) -> dict:
+    """The rendered flags as ``elastic-harness agent`` parses them (``node_options``' input)."""
+    parser = build_parser()
+    args = vars(parser.parse_args(["agent", *container["args"]]))
+    return {k: v for k, v in args.items() if k in ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint",
+                                                    "rdzv_id", "max_restarts", "rdzv_conf")}
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_etcd_v2_is_refused_where_the_rendered_etcd_has_no_v2_api(flavor: str) -> None:
+    with pytest.raises(RenderError, match="(?s)no v2 API.*rendezvous.backend=etcd"):
+        render(parse_job(SMALL + "rendezvous: {backend: etcd-v2}\n"), flavor)
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -457,7 +566,7 @@ def test_etcd_speaks_tls_and_admits_client_certificates_only(flavor: str) -> Non
     c = _node_container(manifests)
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["etcd-tls"] == "/etc/elastic-harness/etcd-tls" and mounts["key"] == "/etc/elastic-harness/key"
-    if flavor == "plain":
+    if flavor != "pytorchjob":
         environ, flags = {}, {"rdzv_conf": _flags(c)["--rdzv-conf"]}
     else:
         job = _one(manifests, "PyTorchJob")

@@ -1,7 +1,9 @@
 """Run the rendered pods' exact container command and environment as local processes.
 
-Two "pods" of the plain flavor (a worker StatefulSet) start from the rendered command, args
-and env, with the job file from the rendered ConfigMap, against a real local etcd. The only
+Two "pods" of the plain flavor (a worker StatefulSet), or of the trainjob flavor (the
+TrainingRuntime's ``node`` job, with the variables Kubeflow Trainer injects), start from
+the rendered command, args and env, with the job file from the rendered ConfigMap, against
+a real local etcd (3.4, the v2 API off: the agents speak v3). The only
 substitutions are what a cluster provides: the etcd Service name (no DNS here), the mounted
 paths (the job's key Secret included), etcd's TLS (a plain local etcd), and a free endpoint
 port (both pods share one network namespace here).
@@ -19,6 +21,7 @@ import pytest
 from elastic_harness.k8s.render import render
 from elastic_harness.spec import parse_job
 from tests.conftest import REPO, read_jsonl
+from tests.k8s.test_k8s import trainer_env
 from tests.servers import etcd_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -34,9 +37,15 @@ checkpoint: {every_steps: 10}
 
 
 def worker_container(manifests: list[dict]) -> tuple[dict, str]:
+    (cm,) = [m for m in manifests if m["kind"] == "ConfigMap"]
+    runtimes = [m for m in manifests if m["kind"] == "TrainingRuntime"]
+    if runtimes:
+        (replicated,) = runtimes[0]["spec"]["template"]["spec"]["replicatedJobs"]
+        (container,) = [c for c in replicated["template"]["spec"]["template"]["spec"]["containers"]
+                        if c["name"] == "node"]
+        return container, cm["data"]["job.yaml"]
     (sts,) = [m for m in manifests if m["kind"] == "StatefulSet" and m["metadata"]["name"].endswith("-worker")]
     (container,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "pytorch"]
-    (cm,) = [m for m in manifests if m["kind"] == "ConfigMap"]
     return container, cm["data"]["job.yaml"]
 
 
@@ -54,8 +63,10 @@ def localize(container: dict, job_file: str, run_dir: str, etcd: str) -> list[st
     return [sys.executable, "-m", "elastic_harness", "agent", *args]
 
 
-def test_rendered_pods_form_a_group_and_train(tmp_path):
-    container, job_yaml = worker_container(render(parse_job(JOB), "plain"))
+@pytest.mark.parametrize("flavor", ["plain", "trainjob"])
+def test_rendered_pods_form_a_group_and_train(tmp_path, flavor):
+    manifests = render(parse_job(JOB), flavor)
+    container, job_yaml = worker_container(manifests)
     job_file = tmp_path / "job.yaml"
     job_file.write_text(job_yaml)
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
@@ -65,8 +76,8 @@ def test_rendered_pods_form_a_group_and_train(tmp_path):
     run_dir = tmp_path / "runs" / "podtest"
     with etcd_server(tmp_path / "etcd-data") as etcd:
         cmd = localize(container, str(job_file), str(run_dir), etcd)
-        pods = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
+        pods = [subprocess.Popen(cmd, cwd=REPO, env={**env, **injected(manifests, rank)}, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True) for rank in range(2)]
         try:
             codes = [p.wait(timeout=240) for p in pods]
         finally:
@@ -79,3 +90,9 @@ def test_rendered_pods_form_a_group_and_train(tmp_path):
     assert [e["world_size"] for e in events if e["event"] == "rendezvous"] == [2]
     (finish,) = [e for e in events if e["event"] == "finish"]
     assert finish["step"] == 40 and finish["world_size"] == 2
+
+
+def injected(manifests: list[dict], rank: int) -> dict[str, str]:
+    """What the scheduler adds to a pod's environment: Trainer's PET_* for a TrainJob."""
+    jobs = [m for m in manifests if m["kind"] == "TrainJob"]
+    return trainer_env(jobs[0], rank) if jobs else {}

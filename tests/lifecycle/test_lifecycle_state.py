@@ -40,6 +40,7 @@ def test_exit_codes_say_whether_a_retry_can_help():
     assert rendezvous_exit_code("RendezvousTimeoutError") == exitcodes.INFRA  # too few nodes
     assert rendezvous_exit_code("RendezvousConnectionError") == exitcodes.INFRA  # host lost
     assert rendezvous_exit_code("RendezvousClosedError") == exitcodes.PERMANENT  # a new id fixes it
+    assert rendezvous_exit_code("EtcdMisconfigured") == exitcodes.PERMANENT  # etcd refused the job's settings
 
 
 def test_the_hosts_exit_code_follows_what_the_agents_said():

@@ -249,9 +249,19 @@ def test_etcd_tls_settings_reach_torchs_rendezvous_conf():
     spec = parse_job("task: {target: 'a.b:C'}\n"
                      "rendezvous: {backend: etcd, endpoint: 'e:2379', etcd_protocol: https, "
                      "etcd_ca_cert: /tls/ca.pem, etcd_cert: /tls/c.pem, etcd_key: /tls/k.pem}")
-    conf = rdzv_configs(spec, opts("etcd-v2"))
-    assert conf["protocol"] == "https" and conf["ca_cert"] == "/tls/ca.pem"
-    assert (conf["ssl_cert"], conf["ssl_cert_key"]) == ("/tls/c.pem", "/tls/k.pem")
+    for backend in ("etcd-v3", "etcd-v2"):
+        conf = rdzv_configs(spec, opts(backend))
+        assert conf["protocol"] == "https" and conf["ca_cert"] == "/tls/ca.pem"
+        assert (conf["ssl_cert"], conf["ssl_cert_key"]) == ("/tls/c.pem", "/tls/k.pem")
+    auth = parse_job("task: {target: 'a.b:C'}\nrendezvous: {backend: etcd, etcd_user: job, "
+                     "etcd_password_file: /secret/pw}")
+    conf = rdzv_configs(auth, opts("etcd-v3"))
+    assert (conf["user"], conf["password_file"]) == ("job", "/secret/pw"), "a path, never the password"
+    for text, field in (("{backend: etcd, etcd_user: job}", "etcd_user"),
+                        ("{backend: etcd, etcd_password_file: /pw}", "etcd_password_file"),
+                        ("{backend: etcd-v2, etcd_user: job, etcd_password_file: /pw}", "etcd_user")):
+        with pytest.raises(SpecError, match=field):
+            parse_job(f"rendezvous: {text}")
     with pytest.raises(SpecError, match="etcd_protocol"):
         parse_job("rendezvous: {etcd_ca_cert: /tls/ca.pem}")
 

@@ -183,14 +183,15 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
 
 
 def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, caplog, monkeypatch):
-    """The same through a real etcd (v2 API), the forger a plain etcd client."""
+    """The same through a real etcd (v2 API), the forger a plain etcd client (the v3 backend:
+    tests/launch/test_etcd_v3.py)."""
     import etcd
 
     from tests.servers import etcd_server
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     (tmp_path / "etcd").mkdir()
-    with etcd_server(tmp_path / "etcd" / "data") as endpoint:
+    with etcd_server(tmp_path / "etcd" / "data", v2=True) as endpoint:
         pair = [handler(endpoint, "forged-etcd", backend="etcd-v2") for _ in range(2)]
         try:
             assert join(pair) == [2, 2]

@@ -1,0 +1,256 @@
+"""Issue 37: the etcd v3 rendezvous backend, against real etcd servers (Debian's 3.4, its
+v2 API off unless a test says otherwise): compare-and-swap on the mod revision, leases,
+the store, fail-over between members, TLS and authentication, and every refusal as one line.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import pickle
+import threading
+import urllib.request
+from datetime import timedelta
+
+import pytest
+from torch.distributed import DistStoreError
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from elastic_harness.launch import etcd_gateway, etcd_v3, sealed
+from elastic_harness.launch.etcd_gateway import Gateway, Settings
+from elastic_harness.launch.etcd_v3 import EtcdMisconfigured
+from tests.launch.test_rendezvous import join_all
+from tests.servers import etcd_cluster, etcd_enable_auth, etcd_server, free_port, make_tls
+
+pytestmark = pytest.mark.timeout(120)
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    (tmp_path / "etcd").mkdir()
+    with etcd_server(tmp_path / "etcd" / "data") as endpoint:
+        yield endpoint
+
+
+def params(endpoint: str, run_id: str = "r", **conf) -> RendezvousParameters:
+    base = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=5, close_timeout=10,
+                heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, read_timeout=10)
+    return RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, **{**base, **conf})
+
+
+def backend(endpoint: str, run_id: str = "r", **conf):
+    return etcd_v3.create_backend(params(endpoint, run_id, **conf), sealed.StateSeal(KEY, run_id))
+
+
+def raw(endpoint: str, path: str, body: dict) -> dict:
+    """A plain v3 gateway call, as any client that reaches etcd could make."""
+    req = urllib.request.Request(f"http://{endpoint}/v3/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+# --- compare-and-swap, sealing, leases ------------------------------------------------------
+
+
+def test_set_state_is_a_compare_and_swap_on_the_mod_revision(etcd):
+    (a, _), (b, _) = backend(etcd), backend(etcd)
+    assert a.get_state() is None
+    state, token, won = a.set_state(b"first")
+    assert (state, won) == (b"first", True)
+    assert b.set_state(b"second") == (b"first", token, False), "no token: only if the key is absent"
+    state, newer, won = b.set_state(b"second", token)
+    assert (state, won) == (b"second", True) and newer > token
+    assert a.set_state(b"stale", token) == (b"second", newer, False), "an old token loses"
+    assert a.get_state() == (b"second", newer)
+    assert a.set_state(b"x", "not-a-revision") == (b"second", newer, False)
+
+
+def test_the_state_is_sealed_and_a_forgery_is_refused(etcd, tmp_path, caplog):
+    (a, _) = backend(etcd)
+    a.set_state(pickle.dumps({"ours": 1}))
+    a.get_state()  # what every sync does: the state this agent last saw authentic
+    kv = raw(etcd, "kv/range", {"key": base64.b64encode(a.key).decode()})["kvs"][0]
+    stored = base64.b64decode(kv["value"])  # the stored text: base64 of tag + state
+    assert base64.b64decode(stored).endswith(pickle.dumps({"ours": 1})), "state after its tag"
+    stranger = sealed.StateSeal(b"o" * 32, "r")
+    stranger.open(stored)
+    assert stranger.refused == 1, "sealed under the job's key: another key refuses it"
+    assert int(kv["lease"]) > 0, "the state key rides on the agent's lease"
+
+    class Plant:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    forged = base64.b64encode(base64.b64encode(pickle.dumps(Plant()))).decode()
+    raw(etcd, "kv/put", {"key": base64.b64encode(a.key).decode(), "value": forged})
+    with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        state, forged_token = a.get_state()
+    assert pickle.loads(state) == {"ours": 1}, "the last authentic state"
+    assert not (tmp_path / "pwned").exists()
+    assert any("not signed with this job's key" in r.getMessage() for r in caplog.records)
+    assert a.set_state(pickle.dumps({"ours": 2}), forged_token)[2], "the next write replaces it"
+
+
+def test_a_lease_lost_while_stopped_is_granted_anew(etcd):
+    (a, store) = backend(etcd)
+    _, token, _ = a.set_state(b"one")
+    kv = raw(etcd, "kv/range", {"key": base64.b64encode(a.key).decode()})["kvs"][0]
+    raw(etcd, "lease/revoke", {"ID": kv["lease"]})  # as if it lapsed: the key goes with it
+    assert a.get_state() is None
+    state, _, won = a.set_state(b"two")
+    assert (state, won) == (b"two", True)
+    raw(etcd, "lease/revoke", {"ID": raw(etcd, "kv/range", {"key": base64.b64encode(a.key).decode()})["kvs"][0]["lease"]})
+    assert store.add("n", 2) == 2, "the store's writes take a new lease too"
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_the_lease_is_renewed_a_third_into_its_ttl(etcd):
+    now = [0.0]
+    gateway = Gateway(Settings((etcd,)))
+    lease = etcd_v3.Lease(gateway, ttl_s=30, clock=lambda: now[0])
+    first = lease.id()
+    now[0] = 9.0
+    assert lease.id() == first  # not yet due
+    now[0] = 11.0
+    assert lease.id() == first  # renewed: etcd still had it
+    ttl = raw(etcd, "lease/timetolive", {"ID": first})
+    assert int(ttl["TTL"]) > 25
+    raw(etcd, "lease/revoke", {"ID": first})
+    now[0] = 30.0
+    assert lease.id() != first, "a lease etcd no longer has is replaced at its renewal"
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+
+def test_the_store_sets_gets_adds_and_waits(etcd):
+    (_, one), (_, two) = backend(etcd), backend(etcd)
+    one.set("addr", "10.0.0.1")
+    assert two.get("addr") == b"10.0.0.1" and two.check(["addr"]) and not two.check(["addr", "port"])
+    got: list[bytes] = []
+    waiter = threading.Thread(target=lambda: got.append(two.get("port")))
+    waiter.start()
+    one.set("port", b"29500")
+    waiter.join(10)
+    assert got == [b"29500"]
+    counts = []
+    adders = [threading.Thread(target=lambda s=s: counts.append(s.add("n", 1))) for s in (one, two) * 4]
+    for t in adders:
+        t.start()
+    for t in adders:
+        t.join(20)
+    assert sorted(counts) == list(range(1, 9)), "every add is atomic"
+    with pytest.raises(DistStoreError, match="Timeout"):
+        two.wait(["never"], timedelta(milliseconds=200))
+
+
+def test_two_agents_form_a_round_through_torchs_handler(etcd, monkeypatch, tmp_path):
+    """The whole handler (torch's dynamic rendezvous on this backend, made through torch's
+    registry) forms a group of two, and again after both rejoin."""
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from elastic_harness.launch.rendezvous import create_handler
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    (tmp_path / "job.key").write_text(KEY.hex())
+    first = create_handler(params(etcd, "pair"), key=KEY)  # names etcd-v3 in torch's registry
+    second = get_rendezvous_handler(params(etcd, "pair", key_file=str(tmp_path / "job.key")))
+    assert first.get_backend() == second.get_backend() == "etcd-v3"
+    assert type(second) is type(first), "torch's registry builds our handler for etcd-v3"
+    pair = [first, second]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+# --- members ---------------------------------------------------------------------------------
+
+
+def test_a_dead_member_is_skipped_and_the_cluster_teaches_the_rest(tmp_path):
+    with etcd_cluster(tmp_path) as members:
+        (first, p0), (second, _), (third, _) = members
+        dead = f"127.0.0.1:{free_port()}"
+        gateway = Gateway(Settings((dead, first)))
+        assert gateway.call("kv/range", {"key": etcd_gateway.b64("x")}) is not None
+        gateway.learn_members()
+        assert set(gateway.endpoints) == {dead, first, second, third}
+        a = etcd_v3.EtcdV3Backend(gateway, "m", sealed.StateSeal(KEY, "m"), etcd_v3.Lease(gateway))
+        _, token, _ = a.set_state(b"before")
+        p0.kill()
+        p0.wait()
+        assert a.set_state(b"after", token)[2], "the write goes to a live member"
+        assert a.get_state()[0] == b"after"
+
+
+def test_no_member_reachable_is_a_connection_error_worth_a_retry():
+    with pytest.raises(RendezvousConnectionError, match="no etcd member answered"):
+        backend(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}")
+
+
+# --- refusals: one line each, a mistake to fix -------------------------------------------------
+
+
+def test_an_etcd_without_the_v3_api_is_refused(tmp_path):
+    (tmp_path / "e").mkdir()
+    with (etcd_server(tmp_path / "e" / "data", v2=True, gateway=False) as endpoint,
+          pytest.raises(EtcdMisconfigured, match="no etcd v3 API") as e):
+        backend(endpoint)
+    assert "etcd-v2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tls_settings_must_match_the_server(tmp_path):
+    tls = make_tls(tmp_path)
+    (tmp_path / "e").mkdir()
+    with etcd_server(tmp_path / "e" / "data", tls=tls) as endpoint:
+        good = dict(protocol="https", ca_cert=tls.ca, ssl_cert=tls.client_cert, ssl_cert_key=tls.client_key)
+        store = backend(endpoint, **good)[1]
+        store.set("tls", "ok")
+        assert store.get("tls") == b"ok"
+        cases = [({"protocol": "http"}, "speaks https"),
+                 ({**good, "ssl_cert": "", "ssl_cert_key": ""}, "refused the TLS handshake with no client"),
+                 ({**good, "ca_cert": tls.other_ca}, "is not trusted"),
+                 ({**good, "ssl_cert": str(tmp_path / "missing.crt")}, "cannot load rendezvous.etcd_cert")]
+        for conf, words in cases:
+            with pytest.raises(EtcdMisconfigured, match=words):
+                backend(endpoint, **conf)
+
+
+def test_tls_asked_of_a_plain_etcd_is_refused(etcd, tmp_path):
+    tls = make_tls(tmp_path)
+    with pytest.raises(EtcdMisconfigured, match="does not speak TLS"):
+        backend(etcd, protocol="https", ca_cert=tls.ca, ssl_cert=tls.client_cert, ssl_cert_key=tls.client_key)
+
+
+def test_authentication(etcd, tmp_path):
+    password = tmp_path / "password"
+    password.write_text("s3cret\n")
+    with pytest.raises(EtcdMisconfigured, match="authentication off"):
+        backend(etcd, user="job", password_file=str(password))
+    etcd_enable_auth(etcd, "job", "s3cret")
+    state, _, won = backend(etcd, user="job", password_file=str(password))[0].set_state(b"authenticated")
+    assert (state, won) == (b"authenticated", True)
+    with pytest.raises(EtcdMisconfigured, match="requires authentication"):
+        backend(etcd)
+    (tmp_path / "wrong").write_text("guess")
+    with pytest.raises(EtcdMisconfigured, match="refused user 'job'"):
+        backend(etcd, user="job", password_file=str(tmp_path / "wrong"))
+    with pytest.raises(EtcdMisconfigured, match="cannot read rendezvous.etcd_password_file"):
+        backend(etcd, user="job", password_file=str(tmp_path / "missing"))
+
+
+def test_an_expired_token_is_renewed(etcd, tmp_path):
+    (tmp_path / "password").write_text("pw")
+    etcd_enable_auth(etcd, "job", "pw")
+    a, _ = backend(etcd, user="job", password_file=str(tmp_path / "password"))
+    gateway = a._gateway
+    for member in gateway._tokens:
+        gateway._tokens[member] = "expired.1"  # what a member answers after --auth-token-ttl
+    assert a.set_state(b"again")[2]
