@@ -390,6 +390,7 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
     ``key_file`` names: ``launch.config.rdzv_configs``); any other backend exactly as torch's
     registry makes it."""
     rdzv.patch_module(method_name, record_event, delay)  # see the module docstring
+    register()  # a handler torch's registry makes for these names is this one, too
     backend_name = {v: k for k, v in REGISTERED.items()}.get(params.backend, params.backend)
     if backend_name not in REGISTERED:
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler

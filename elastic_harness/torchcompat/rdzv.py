@@ -62,7 +62,8 @@ def _delay() -> list[str]:
 def _state() -> list[str]:
     if _Holder is None:
         return ["dynamic_rendezvous._BackendRendezvousStateHolder"]
-    return [*instance_attrs(_Handler, "_state_holder", "_settings"), *instance_attrs(_Holder, "_cache_duration"),
+    return [*instance_attrs(_Handler, "_state_holder", "_settings"),
+            *instance_attrs(_Holder, "_cache_duration", "_backend"),
             *attrs(_Holder, "state", "sync", label="_BackendRendezvousStateHolder")]
 
 
@@ -116,6 +117,13 @@ def state(handler: Any) -> Any | None:
     """The rendezvous state the handler holds (torch's ``_RendezvousState``), or None."""
     holder = state_holder(handler)
     return None if holder is None else holder.state
+
+
+def state_backend(handler: Any) -> Any | None:
+    """The ``RendezvousBackend`` the handler's state holder reads and writes (benchmarks time
+    it), or None when ``rdzv-state`` is off."""
+    holder = state_holder(handler)
+    return None if holder is None else getattr(holder, "_backend", None)
 
 
 def set_state_cache(handler: Any, seconds: float) -> None:
