@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """``parser.parse_args``, but ``run [FLAGS] train.py [SCRIPT ARGS]`` keeps everything
-    after the script for the script (``args.script_args``), as torchrun does."""
+    """``parser.parse_args``, but ``run``/``submit [FLAGS] train.py [SCRIPT ARGS]`` keeps
+    everything after the script for the script (``args.script_args``), as torchrun does."""
     argv, rest = split_script_args(parser, argv)
     args = parser.parse_args(argv)
     args.script_args = rest
@@ -56,11 +56,11 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
 
 
 def split_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
-    """(``run``'s own arguments up to a ``.py`` script, the script's), or (argv, [])."""
-    if argv[:1] != ["run"]:
+    """(``run``'s or ``submit``'s own arguments up to a ``.py`` script, the script's), or (argv, [])."""
+    if argv[:1] not in (["run"], ["submit"]):
         return argv, []
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    valued = {o for a in sub.choices["run"]._actions if a.nargs != 0 for o in a.option_strings}
+    valued = {o for a in sub.choices[argv[0]]._actions if a.nargs != 0 for o in a.option_strings}
     i = 1
     while i < len(argv):
         token = argv[i]

@@ -1,10 +1,10 @@
 """What this install has: the optional extras.
 
-The core install is small; S3 checkpoints, TensorBoard files, ``report.png`` and torch's
-etcd-v2 rendezvous each need one extra (``pip install 'elastic-harness[EXTRA]'``).
-``require_extra`` checks that the module can be found (without importing it): one
-user-facing line and exit 2. The installed torch is checked by ``torchcompat.host`` (the
-release range and every private name the harness reaches).
+The core install is small; S3 checkpoints, TensorBoard files, ``report.png``, torch's
+etcd-v2 rendezvous and ``bench throughput`` (Pillow) each need one extra
+(``pip install 'elastic-harness[EXTRA]'``). ``require_extra`` checks that the module can be
+found (without importing it): one user-facing line and exit 2. The installed torch is
+checked by ``torchcompat.host`` (the release range and every private name the harness reaches).
 
 Imports nothing of ours but ``errors`` (the spec-facing check takes the spec duck-typed).
 """
@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "metrics.tensorboard: true"),
     "report": ("matplotlib", "report.png"),
     "etcd": ("etcd", "rendezvous.backend: etcd-v2"),
+    "bench": ("PIL", "bench throughput (its images are JPEG files)"),
 }
 
 

@@ -60,7 +60,11 @@ def ensure(path: Path) -> bytes:
     if not path.exists():
         key = secrets.token_bytes(_KEY_BYTES)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise KeyError_(f"cannot create the job's key {path}: {e.strerror or e}",
+                            "name a key file in a directory you can write") from None
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(key.hex() + "\n")

@@ -77,6 +77,7 @@ from pathlib import Path
 
 from elastic_harness.bench import check_out, scratch_dir
 from elastic_harness.bench.tput_stats import cpu_per_step_ms, ratio, spread, steady_rate
+from elastic_harness.deps import require_extra
 from elastic_harness.errors import HarnessError
 
 
@@ -184,6 +185,7 @@ def nproc_of(args: argparse.Namespace, case: str) -> int:
 
 def cmd_throughput(args: argparse.Namespace) -> int:
     check_args(args)
+    require_extra("bench")  # every row's images are JPEGs (Pillow), the streaming rows' costly items too
     check_out(args.out)
     scratch = scratch_dir("eh-throughput-", args.dir)
     load_before = os.getloadavg()

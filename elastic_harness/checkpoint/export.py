@@ -12,6 +12,8 @@ A file that is missing, truncated or not in the format its name says is a ``Chec
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,18 +54,85 @@ def clean_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_model_file(tensors: dict[str, torch.Tensor], path: Path) -> int:
-    """Write ``tensors`` (clean names, CPU) to ``.pt``/``.pth`` or ``.safetensors``; returns bytes."""
-    plain = {k: v.detach().to("cpu").contiguous() for k, v in clean_names(tensors).items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    """Write ``tensors`` (clean names, CPU) to ``.pt``/``.pth`` or ``.safetensors``; returns bytes.
 
-        save_file(_unshared(plain), str(path), metadata={"format": "pt"})
-    elif path.suffix in (".pt", ".pth"):
-        torch.save(plain, path)
-    else:
-        raise CheckpointError(f"cannot tell the format of '{path.name}'", "name it *.pt or *.safetensors")
+    All or nothing: the file is written beside ``path`` under a temporary name and renamed
+    over it when complete, so a failure (a read-only or full disk) leaves no partial file and
+    an existing ``path`` as it was; directories made for it are removed again. A path that
+    cannot be written is a ``CheckpointError`` naming it, checked before anything is written
+    (``check_target``)."""
+    plain = {k: v.detach().to("cpu").contiguous() for k, v in clean_names(tensors).items()}
+    check_target(path)
+    made = _make_parents(path)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(_unshared(plain), str(tmp), metadata={"format": "pt"})
+        else:
+            torch.save(plain, tmp)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, SafetensorError: the same to the user
+        tmp.unlink(missing_ok=True)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise CheckpointError(f"cannot write '{path}': {_reason(e)}",
+                              "pass --to a path in a directory you can write, with room for the model; "
+                              "the checkpoint is untouched") from None
     return path.stat().st_size
+
+
+def check_target(path: Path) -> None:
+    """Refuse a destination that cannot work, before anything is read or written: an unknown
+    suffix, a directory, a parent that is a file, not writable or on a read-only file system."""
+    if path.suffix not in (".pt", ".pth", ".safetensors"):
+        raise CheckpointError(f"cannot tell the format of '{path.name}'", "name it *.pt or *.safetensors")
+    if path.is_dir():
+        raise CheckpointError(f"'{path}' is a directory", "pass --to a file name, e.g. model.pt")
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise CheckpointError(f"cannot write '{path}': '{existing}' is not a directory",
+                              "pass --to a path in a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write '{path}': '{existing}' is {_read_only(existing)}",
+                              "pass --to a path in a directory you can write; the checkpoint is untouched")
+
+
+def _make_parents(path: Path) -> list[Path]:
+    """Create the missing parents of ``path``; returns them, outermost first."""
+    made: list[Path] = []
+    for folder in [p for p in path.absolute().parents if not p.exists()][::-1]:
+        try:
+            folder.mkdir()
+        except OSError as e:
+            for done in reversed(made):
+                done.rmdir()
+            raise CheckpointError(f"cannot create '{folder}': {e.strerror or e}",
+                                  "pass --to a path in a directory you can write") from None
+        made.append(folder)
+    return made
+
+
+def _read_only(folder: Path) -> str:
+    """How to describe a directory this process cannot write."""
+    try:
+        return "on a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "not writable"
+    except OSError:
+        return "not writable"
+
+
+def _reason(e: BaseException) -> str:
+    """One line from an OSError, torch's writer (``... strerror: Read-only file system``) or
+    the safetensors writer (``... I/O error: No space left on device (os error 28) ...``)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    for marker in ("strerror: ", "I/O error: "):
+        if marker in text:
+            return text.split(marker, 1)[1].split(" (os error")[0].strip()
+    return text[:200]
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -165,8 +165,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint import offline
-    from elastic_harness.checkpoint.export import save_model_file
+    from elastic_harness.checkpoint.export import check_target, save_model_file
 
+    check_target(Path(args.to))  # a destination that cannot be written: said before anything is read
     loc = offline.locate(args.dir)
     name = offline.pick(loc, "full", args.step, _key(args, loc, required=True))
     tensors = offline.load_model_tensors(loc.storage.reader(name))

@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve(ref: str | None, root: Path) -> JobRecord:
-    """The record ``ref`` names (module doc)."""
+    """The record ``ref`` names (module doc). When a name or run directory matches several
+    submissions, the newest is taken and a note on stderr says so, and how to pick another."""
     if ref is None:
         found = registry.records(root)
         if not found:
@@ -68,12 +69,24 @@ def resolve(ref: str | None, root: Path) -> JobRecord:
         return _record_of_run_dir(path.resolve(), root)
     if path.exists():
         raise HarnessError(f"'{ref}' is a file, not a job id or run directory", "pass a job id or a run directory")
-    return registry.find(ref, root)
+    record = registry.find(ref, root)
+    if record.id != ref:
+        _say_which(ref, record, [r for r in registry.records(root) if r.name == ref])
+    return record
+
+
+def _say_which(ref: str, record: JobRecord, matches: list[JobRecord]) -> None:
+    """A note (stderr: ``--json`` stays JSON) when ``ref`` matched more than one job."""
+    if len(matches) > 1:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.submitted))
+        print(f"note: {len(matches)} jobs match '{ref}'; this is the newest, {record.id} (submitted {when}); "
+              "name another by its id (elastic-harness list shows them)", file=sys.stderr)
 
 
 def _record_of_run_dir(run_dir: Path, root: Path) -> JobRecord:
     mine = [r for r in registry.records(root) if r.run_dir == str(run_dir)]
     if mine:
+        _say_which(str(run_dir), mine[-1], mine)
         return mine[-1]
     from elastic_harness.events import read_events
     from elastic_harness.lifecycle.local import supervisor_of
@@ -112,9 +125,40 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if record.run_dir and (args.rank is not None or args.node is not None):
         check_log_target(record, args.rank, args.node, root)
     query = LogQuery(follow=args.follow, rank=args.rank, node=args.node, since=since, all=args.all)
+    out = _Counted(sys.stdout)
     with contextlib.suppress(KeyboardInterrupt):  # the way to end `logs -f`
-        scheduler_for(record.scheduler, root).logs(record, query, sys.stdout)
+        scheduler_for(record.scheduler, root).logs(record, query, out)
+    if not out.written:
+        raise _no_logs(record, args)
     return 0
+
+
+class _Counted:
+    """``out``, counting what was written (``logs`` of a job with none says so)."""
+
+    def __init__(self, out) -> None:
+        self.out, self.written = out, 0
+
+    def write(self, text: str) -> int:
+        self.written += len(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _no_logs(record: JobRecord, args: argparse.Namespace) -> HarnessError:
+    """The line for a job without logs (or none matching the filters): where they would be."""
+    which = "".join(f" {flag} {value}" for flag, value in (("--rank", args.rank), ("--node", args.node),
+                                                         ("--since", args.since)) if value is not None)
+    where = (f"nothing in {Path(record.run_dir) / runfiles.LOGS} is this submission's" if record.run_dir
+             else "the scheduler returned none")
+    error = HarnessError(f"job {record.id} has no logs{which and ' for' + which}: {where}",
+                         f"it may not have started (elastic-harness status {record.id}); "
+                         + ("leave out the filters to see every log" if which else
+                            "an older submission of the same name has its own id (elastic-harness list)"))
+    error.exit_code = 1  # nothing found, as grep says it; not a mistake in the arguments
+    return error
 
 
 def check_log_target(record: JobRecord, rank: int | None, node: str | None, root: Path) -> None:

@@ -7,10 +7,11 @@ a ``kustomization.yaml`` (how the repository's ``k8s/plain`` and ``k8s/pytorchjo
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from elastic_harness.commands.jobargs import job_of
 from elastic_harness.k8s import DEFAULT_IMAGE, FLAVORS, RenderError, manifest_files, render, to_yaml
-from elastic_harness.spec import load_job
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    r.add_argument("job", help="Job YAML file.")
+    r.add_argument("job", help="Job YAML file, or a training script (.py): its job as `run` finds it.")
     r.add_argument("--flavor", required=True, choices=FLAVORS, help="pytorchjob or plain.")
     r.add_argument("--image", default=DEFAULT_IMAGE, help=f"Image (default {DEFAULT_IMAGE}).")
     r.add_argument("--namespace", default=None, help="Namespace (default: none set).")
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_render(args: argparse.Namespace) -> int:
-    spec = load_job(args.job, args.overrides)
+    spec = job_of(args.job, args.overrides, note=lambda line: print(line, file=sys.stderr))
     refuse_epochs(spec)
     manifests = render(spec, args.flavor, args.image, args.namespace, script_for_pods(spec, Path(args.job)))
     if args.out is None:
@@ -65,23 +66,28 @@ def refuse_epochs(spec) -> None:
                            "set train.steps (`elastic-harness spec JOB` prints the steps the epochs resolve to)")
 
 
-def script_for_pods(spec, job_path: Path) -> str | None:
-    """A script job's script, to ship in the ConfigMap (the pods' image does not hold it);
-    found as ``run`` finds it (the working directory, then next to the job file)."""
+def script_for_pods(spec, job_path: Path) -> dict[str, str] | None:
+    """A script job's files to ship in the ConfigMap (the pods' image does not hold them):
+    the script, found as ``run`` finds it (the working directory, then next to the job
+    file), and the modules beside it that it imports (``scriptfiles``), each compiled first;
+    path relative to the script's directory -> text, the script first."""
     if not spec.script.path:
         return None
     from elastic_harness.commands.run import resolve_script
     from elastic_harness.errors import HarnessError
+    from elastic_harness.scriptfiles import check_compiles
 
     try:
         path = resolve_script(spec.script.path, job_path)
-        return path.read_text()
     except HarnessError as e:
         raise RenderError(f"{e.message}: the pods get the script from the job's ConfigMap",
                           "run this from the directory script.path is relative to") from None
+    files = check_compiles(path)
+    try:
+        return {rel.as_posix(): (path.parent / rel).read_text(encoding="utf-8") for rel in files}
     except (OSError, UnicodeDecodeError) as e:
-        raise RenderError(f"cannot read script.path '{spec.script.path}': {e}",
-                          "name a readable Python file") from None
+        raise RenderError(f"cannot read the script's files beside '{path}': {e}",
+                          "ship readable UTF-8 Python files, or put them in the image") from None
 
 
 def write_tree(out: Path, files: dict[str, str]) -> None:

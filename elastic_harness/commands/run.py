@@ -15,11 +15,12 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, runfiles
+from elastic_harness import exitcodes, resumepoint, runfiles
 from elastic_harness.chaos.inject import ChaosController
-from elastic_harness.chaos.vocabulary import check_netns, check_targets, parse_fault
+from elastic_harness.chaos.vocabulary import check_netns, check_targets
 from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.cluster import LocalCluster, free_port
+from elastic_harness.commands.jobargs import add_job_arguments, load_with_flags
 from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
@@ -30,7 +31,7 @@ from elastic_harness.netns import NetnsTopology
 from elastic_harness.progress import Progress
 from elastic_harness.rundir import check_paths, prepare
 from elastic_harness.runstate import RunState
-from elastic_harness.spec import load_job, parse_job
+from elastic_harness.scriptfiles import check_compiles
 from elastic_harness.summary import summarize
 from elastic_harness.torchcompat.host import check_and_warn
 
@@ -38,73 +39,22 @@ from elastic_harness.torchcompat.host import check_and_warn
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a job on this machine (CPU/gloo, or GPUs when present)",
                        description="Train a job on this machine: `run JOB.yaml [flags]`, or, like torchrun, "
-                                   "`run [flags] train.py [script args]` for a script with no YAML (the "
-                                   "spec's defaults plus --set; everything after the script is its own).")
-    p.add_argument("job", help="job YAML file, or a training script (.py) run with the spec's defaults")
-    p.add_argument("--run-dir", help="run directory (default runs/<job name>); re-using it resumes")
-    p.add_argument("--fresh", action="store_true", help="start over: move earlier checkpoints aside")
+                                   "`run [flags] train.py [script args]` for a script: its job is the YAML "
+                                   "beside it that names it, else the spec's defaults (plus --set); "
+                                   "everything after the script is its own.")
+    add_job_arguments(p)  # shared with submit (commands.jobargs)
     p.add_argument("--nodes", type=int, help="simulated nodes (agents) to start (default nodes.min)")
-    p.add_argument("--nnodes", metavar="N|MIN:MAX", help="the elastic node range, as torchrun takes it "
-                                                        "(sets nodes.min and nodes.max)")
-    p.add_argument("--nproc-per-node", metavar="N|gpu|cpu|auto",
-                   help="workers per node: a number, gpu (one per GPU), cpu (one per CPU) or auto "
-                        "(GPUs if any, else CPUs), as torchrun takes it")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
-    p.add_argument("--verify", metavar="REF_RUN_DIR",
-                   help="after the run, compare the final model with this run's (see `verify`)")
-    p.add_argument("--netns", action="store_true",
-                   help="give every node its own network namespace and address (root; enables partition)")
-    p.add_argument("--chaos", action="append", default=[], metavar="FAULT",
-                   help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
     p.add_argument("--job-id", help="id of this submission, also its rendezvous id (default: "
                                     "rendezvous.id, else a fresh one; `submit` passes its own)")
     p.set_defaults(func=cmd_run, fast_exit=True)
 
 
-def load_with_flags(args: argparse.Namespace):
-    """The job: its YAML, or for a script (``run train.py [args]``) the spec's defaults; then
-    ``--set``, ``--nnodes`` and ``--nproc-per-node`` over it."""
-    overrides = list(args.set)
-    if args.nnodes is not None:
-        lo, _, hi = str(args.nnodes).partition(":")
-        overrides += [f"nodes.min={lo}", f"nodes.max={hi or lo}"]
-    if args.nproc_per_node is not None:
-        overrides.append(f"nproc_per_node={nproc_count(args.nproc_per_node, '--nproc-per-node')}")
-    if not str(args.job).endswith(".py"):
-        if getattr(args, "script_args", None):
-            raise HarnessError(f"unrecognized arguments: {' '.join(args.script_args)}",
-                               "see elastic-harness run --help")
-        return load_job(args.job, overrides)
-    script = Path(args.job)
-    if not script.is_file():
-        raise HarnessError(f"script '{args.job}' does not exist", "check the path")
-    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in script.stem) or "job"
-    spec = parse_job("", [f"name={name}", f"script.path={script.resolve()}", *overrides], source=str(script))
-    args_of_script = [*spec.script.args, *(getattr(args, "script_args", None) or [])]
-    return dataclasses.replace(spec, script=dataclasses.replace(spec.script, args=args_of_script))
-
-
-def nproc_count(value: str, flag: str) -> int:
-    """``N``, ``gpu``, ``cpu`` or ``auto``, as the agent and torchrun read it (``launch.config``)."""
-    from elastic_harness.launch.config import _nproc
-
-    return _nproc(value, flag, _devices)
-
-
-def _devices(kind: str) -> int:
-    from elastic_harness.launch.config import device_count
-
-    return device_count(kind)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    spec = load_with_flags(args)
+    spec = load_with_flags(args)  # --chaos faults join the spec: workers read them from the resolved spec
     nodes = spec.nodes.min if args.nodes is None else args.nodes  # --nodes 0 is refused, not a default
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
-    # --chaos faults join the spec, so workers (which read the resolved spec) see them too.
-    spec = dataclasses.replace(spec, chaos=[*spec.chaos, *(parse_fault(t) for t in args.chaos)])
     from_epochs = bool(spec.train.epochs)
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
@@ -113,15 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = preflight(spec, Path(args.job))
     if from_epochs:  # train.epochs became train.steps: each fault's step must fall inside
         check_faults(spec, nodes, args.netns)
-    rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
-    # The agents join this submission's locks: by its token, so that another submission that
-    # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
-    holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
-    with prepare(Path(args.run_dir or Path("runs") / spec.name), spec, fresh=args.fresh, holder=holder) as claim:
-        run_dir = claim.path
-        register_run(spec, run_dir, Path(args.job), rdzv_id)
-        code = launch_local(spec, run_dir, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
-                            submission=holder.submission)
+    run_dir = Path(args.run_dir or Path("runs") / spec.name)
+    done = "" if args.fresh else resumepoint.check(spec, run_dir)  # finished: nothing to start
+    if done:
+        print(done)
+        code = 0
+    else:
+        code = _run(spec, args, run_dir, nodes)
     if code == 0 and args.verify:
         from elastic_harness.commands.report import cmd_verify
 
@@ -129,6 +77,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                                    rtol=1e-4, json=False)
         code = cmd_verify(check)
     return code
+
+
+def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
+    rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
+    # The agents join this submission's locks: by its token, so that another submission that
+    # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
+    holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
+    with prepare(run_dir, spec, fresh=args.fresh, holder=holder) as claim:
+        register_run(spec, claim.path, Path(args.job), rdzv_id)
+        return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
+                            submission=holder.submission)
 
 
 def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
@@ -155,7 +114,8 @@ def check_faults(spec, nodes: int, netns: bool) -> None:
 
 
 def preflight(spec, job_path: Path, note=print):
-    """Fail before any agent starts: import and build the task, or find the script.
+    """Fail before any agent starts: import and build the task, or find the script and
+    compile it with the modules beside it that it imports (``scriptfiles``).
 
     A script path is made absolute (relative to the working directory, else to the job
     file's directory) so agents and workers find it wherever they run.
@@ -167,6 +127,7 @@ def preflight(spec, job_path: Path, note=print):
                                "set train.steps = ceil(epochs x dataset size / global_batch_size) "
                                "(docs/script-api.md, Epochs)")
         script = resolve_script(spec.script.path, job_path)
+        check_compiles(script)  # a syntax error is one line here, not a crash loop in every worker
         return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script)))
     from elastic_harness.tasks import load_task
 
@@ -441,10 +402,19 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
-    print(f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
-          f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
+    print(finished_line(summary))
     print(f"model digest {summary['model_digest']}")
     return 0
+
+
+def finished_line(summary: dict) -> str:
+    """Pure: the line a finished run ends with; a run that trained no step says so (no
+    ``loss None -> None``)."""
+    if summary.get("first_loss") is None or summary.get("final_loss") is None:
+        return (f"finished: at step {summary['steps']}, no step trained by this run (the checkpoint it "
+                "resumed from was already at the end; raise train.steps to train more)")
+    return (f"finished: {summary['steps']} steps, loss {summary['first_loss']} -> {summary['final_loss']}, "
+            f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
 
 
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,

@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_harness import runfiles
+from elastic_harness import resumepoint, runfiles
 from elastic_harness.checkpoint import lock
+from elastic_harness.commands import jobargs
+from elastic_harness.commands.jobargs import add_job_arguments
 from elastic_harness.errors import HarnessError, RunDirError
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.lifecycle import registry
@@ -26,18 +28,16 @@ from elastic_harness.lifecycle.schedulers import scheduler_for
 from elastic_harness.lifecycle.slurm_script import C10D_PORT, SlurmOptions
 from elastic_harness.lifecycle.state import ACTIVE
 from elastic_harness.rundir import owner
-from elastic_harness.spec import load_job
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("submit", help="start a job detached (here, on Slurm or on Kubernetes) and print its id")
-    p.add_argument("job", help="job YAML file")
+    p = sub.add_parser("submit", help="start a job detached (here, on Slurm or on Kubernetes) and print its id",
+                       description="Start a job detached: `submit JOB.yaml [flags]`, or `submit [flags] "
+                                   "train.py [script args]` as `run` takes them (commands.jobargs).")
+    add_job_arguments(p)  # shared with run: the job, --set, --nnodes, --nproc-per-node, --chaos, ...
     p.add_argument("--scheduler", choices=SCHEDULERS, default="local", help="where it runs (default local)")
-    p.add_argument("--run-dir", help="run directory (default runs/<job name>); re-using it resumes (local, slurm)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
     p.add_argument("--nodes", help="local: simulated nodes to start (N); slurm, k8s: the elastic range "
                                    "to ask for (N or MIN:MAX, over nodes.min/max)")
-    p.add_argument("--nproc-per-node", type=int, help="override nproc_per_node")
     p.add_argument("--json", action="store_true", help="print the submission as JSON")
     add_slurm_options(p)
     k = p.add_argument_group("k8s")
@@ -67,32 +67,61 @@ def slurm_options(args: argparse.Namespace) -> dict:
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
-    """``--set`` plus the flags that are spec fields (``--nproc-per-node``; ``--nodes`` as a
-    range for the cluster schedulers)."""
-    out = list(args.set)
-    if args.nproc_per_node is not None:
-        out.append(f"nproc_per_node={args.nproc_per_node}")
-    if args.nodes is not None and args.scheduler != "local":
+    """``--set``, ``--nnodes``, ``--nproc-per-node`` (``jobargs``), and ``--nodes`` as a range
+    for the cluster schedulers."""
+    cluster = args.scheduler != "local"
+    out = jobargs.overrides_of(args, count_here=not cluster)
+    if args.nodes is not None and cluster:
         lo, _, hi = args.nodes.partition(":")
         out += [f"nodes.min={lo}", f"nodes.max={hi or lo}"]
     return out
 
 
+# `run` flags a cluster scheduler cannot honour: (attribute, flag, fix). Local submissions pass them
+# to their supervisor, which is a `run`.
+_LOCAL_ONLY = (
+    ("fresh", "--fresh", "submit to a new --run-dir (slurm), or delete the job's volume claim (k8s)"),
+    ("netns", "--netns", "simulated hosts are for jobs on this machine: use --scheduler local"),
+    ("verify", "--verify", "compare afterwards: elastic-harness verify RUN_DIR REF_RUN_DIR"),
+)
+
+
+def refuse_for_cluster(args: argparse.Namespace, spec) -> None:
+    """One line for a ``run`` flag or fault a Slurm or Kubernetes job cannot carry out: no
+    ``run`` supervises it there, so only faults the workers fire themselves (step-keyed)
+    happen."""
+    if args.scheduler == "local":
+        return
+    for attr, flag, fix in _LOCAL_ONLY:
+        if getattr(args, attr):
+            raise HarnessError(f"{flag} is for --scheduler local (its supervisor is a `run`), not "
+                               f"{args.scheduler}", fix)
+    from elastic_harness.chaos.vocabulary import fault_text, fired_by_worker
+
+    hosted = [fault_text(f) for f in spec.chaos if not fired_by_worker(f)]
+    if hosted:
+        raise HarnessError(f"fault {', '.join(hosted)} is fired by a local `run` supervisor, which a "
+                           f"{args.scheduler} job does not have", "use --scheduler local, or faults the "
+                           "workers fire at a step (kill-worker, hang, preempt, kill-node @STEP)")
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     root = registry.state_dir()
     overrides = overrides_of(args)
-    spec = load_job(args.job, overrides)
+    spec = jobargs.load_with_flags(args, note=_note, overrides=overrides)
+    refuse_for_cluster(args, spec)
     options = _options(args, spec)
     sched = scheduler_for(args.scheduler, root)
     sched.check()
     registry.ensure_writable(root)
     run_dir, nodes = None, None
     if args.scheduler != "k8s":
-        from elastic_harness.commands.run import preflight
+        from elastic_harness.commands.run import check_faults, preflight
         from elastic_harness.rundir import check_paths
         from elastic_harness.torchcompat.host import check_and_warn
 
         nodes = _local_nodes(args, spec)
+        check_faults(spec, nodes or spec.nodes.min, args.netns)
         check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
         check_and_warn(spec)  # the torch this host runs the job with (torchcompat.host)
         spec = preflight(spec, Path(args.job))
@@ -100,12 +129,29 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if run_dir.exists() and not run_dir.is_dir():
             raise RunDirError(f"run directory '{run_dir}' is not a directory", "pass --run-dir a directory")
         refuse_if_busy(run_dir, root)
+        done = "" if args.fresh else resumepoint.check(spec, run_dir)
+        if done:  # nothing to train: nothing is submitted
+            print(done, file=sys.stderr)
+            return 0
         _make(run_dir)
     job_id = spec.rendezvous.id or new_rdzv_id(spec.name)
-    record = sched.submit(Submission(spec, Path(args.job).resolve(), job_id, run_dir, overrides, nodes, options))
+    record = sched.submit(Submission(spec, Path(args.job).resolve(), job_id, run_dir, overrides, nodes, options,
+                                     script_args=list(getattr(args, "script_args", None) or []),
+                                     run_flags=run_flags(args)))
     registry.save(record, root)
     _report(record, args.json)
     return 0
+
+
+def run_flags(args: argparse.Namespace) -> list[str]:
+    """The ``run`` flags a local supervisor is given besides the job and its overrides."""
+    out = [x for t in args.chaos for x in ("--chaos", t)]
+    out += ["--fresh"] * args.fresh + ["--netns"] * args.netns
+    return out + (["--verify", str(Path(args.verify).resolve())] if args.verify else [])
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr)  # stdout is the job id (or --json): scripts read it
 
 
 def _make(run_dir: Path) -> None:
@@ -125,7 +171,7 @@ def _options(args: argparse.Namespace, spec) -> dict:
 
         refuse_epochs(spec)
         return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or "",
-                "script_text": script_for_pods(spec, Path(args.job))}
+                "script_files": script_for_pods(spec, Path(args.job))}
     return {}
 
 

@@ -88,6 +88,9 @@ class Target:
     names: Names
     image: str
     namespace: str | None
+    # ConfigMap key -> path under JOB_DIR, when a shipped file lives in a subdirectory (a
+    # package beside the script); empty: every key is its own file name.
+    config_paths: tuple[tuple[str, str], ...] = ()
 
 
 def names_for(spec: JobSpec) -> Names:

@@ -164,7 +164,7 @@ def _volumes(target: Target, etcd_client: bool) -> list[dict]:
     )
     shm = {"medium": "Memory", "sizeLimit": target.spec.deploy.shm_size}
     return [
-        {"name": "job", "configMap": {"name": names.config}},
+        {"name": "job", "configMap": _job_config_volume(target)},
         {"name": "data", **data},
         {"name": "shm", "emptyDir": shm},
         {"name": "tmp", "emptyDir": {}},
@@ -173,6 +173,15 @@ def _volumes(target: Target, etcd_client: bool) -> list[dict]:
         *([{"name": "etcd-tls", "secret": {"secretName": names.etcd_client_tls_secret, "defaultMode": 0o440}}]
           if etcd_client else []),
     ]
+
+
+def _job_config_volume(target: Target) -> dict:
+    """The ConfigMap as files under ``JOB_DIR``; with ``items`` (every key listed, those of
+    a package's files under their subdirectory) when any file is not at the top."""
+    volume: dict = {"name": target.names.config}
+    if target.config_paths:
+        volume["items"] = [{"key": key, "path": path} for key, path in target.config_paths]
+    return volume
 
 
 def pod_template(target: Target, args: list[str], ports: list[dict], etcd_client: bool = False,

@@ -32,45 +32,60 @@ _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 def render(
     spec: JobSpec, flavor: str, image: str = DEFAULT_IMAGE, namespace: str | None = None,
-    script_text: str | None = None,
+    script_files: dict[str, str] | None = None,
 ) -> list[dict]:
     """Every object the job needs, in apply order (config and storage before pods).
 
-    ``script_text``: the text of ``script.path`` (a script job; read by the caller): shipped
-    in the ConfigMap beside job.yaml, whose ``script.path`` then names it there."""
+    ``script_files``: a script job's files (read by the caller, ``scriptfiles``), path
+    relative to the script's directory -> text, the script first: shipped in the ConfigMap
+    beside job.yaml, whose ``script.path`` then names the script there."""
     if flavor not in FLAVORS:
         raise RenderError(f"unknown flavor '{flavor}'", f"choose one of {', '.join(FLAVORS)}")
     if not image or any(c.isspace() for c in image):
         raise RenderError(f"image '{image}' is not an image reference", "e.g. --image repo/x:tag")
     if namespace and not _DNS1123_LABEL.match(namespace):
         raise RenderError(f"namespace '{namespace}' is not a valid namespace name", "e.g. ml-jobs")
-    target = Target(spec, names_for(spec), image, namespace or None)
+    config, paths = job_config(spec, script_files)
+    target = Target(spec, names_for(spec), image, namespace or None, paths)
     renderers = {"pytorchjob": render_pytorchjob, "plain": render_plain, "trainjob": render_trainjob}
     pods = renderers[flavor](target)
-    return [*_shared(target, script_text), *pods]
+    return [*_shared(target, config), *pods]
 
 
 # A ConfigMap holds at most 1 MiB; leave room for job.yaml and the object's own fields.
 SCRIPT_LIMIT = 900 * 1024
 
 
-def job_config(spec: JobSpec, script_text: str | None) -> dict[str, str]:
-    """The ConfigMap's files: job.yaml, and a script job's script next to it (mounted at
-    ``JOB_DIR``), job.yaml's ``script.path`` naming it there."""
-    if not spec.script.path or script_text is None:
-        return {"job.yaml": dump_job(spec)}
-    name = spec.script.path.replace("\\", "/").rsplit("/", 1)[-1]
-    if len(script_text.encode()) > SCRIPT_LIMIT:
-        raise RenderError(f"script '{spec.script.path}' is too large to ship in the job's ConfigMap "
-                          f"(over {SCRIPT_LIMIT // 1024} KiB)",
-                          "put it in the image and set script.path to its absolute path there")
-    shipped = dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=f"{JOB_DIR}/{name}"))
-    return {"job.yaml": dump_job(shipped), name: script_text}
+def job_config(spec: JobSpec, files: dict[str, str] | None) -> tuple[dict[str, str], tuple]:
+    """The ConfigMap's data: job.yaml, and a script job's files beside it (mounted at
+    ``JOB_DIR``; job.yaml's ``script.path`` names the script there); and, when a file lives
+    in a subdirectory (a package), every key's path (``Target.config_paths``).
+
+    A ConfigMap key cannot hold '/': a package's ``pkg/mod.py`` is key ``pkg.mod.py`` (no
+    importable module's file name has a dot before ``.py``, so keys cannot clash)."""
+    if not spec.script.path or not files:
+        return {"job.yaml": dump_job(spec)}, ()
+    size = sum(len(text.encode()) for text in files.values())
+    if size > SCRIPT_LIMIT:
+        biggest = ", ".join(f"{p} ({len(t.encode()) // 1024} KiB)" for p, t in
+                            sorted(files.items(), key=lambda kv: -len(kv[1].encode()))[:3])
+        raise RenderError(f"the script and the modules beside it that it imports ({len(files)} files, "
+                          f"{size // 1024} KiB; largest {biggest}) are too large to ship in the job's "
+                          f"ConfigMap (over {SCRIPT_LIMIT // 1024} KiB)",
+                          "put them in the image and set script.path to the script's absolute path there")
+    keys = {path.replace("/", "."): path for path in files}
+    if len(keys) != len(files) or "job.yaml" in keys:
+        raise RenderError(f"two of the script's files would share a ConfigMap key: {sorted(files)}",
+                          "rename one of them, or put them in the image")
+    script = next(iter(files))
+    shipped = dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=f"{JOB_DIR}/{script}"))
+    data = {"job.yaml": dump_job(shipped), **{key: files[path] for key, path in keys.items()}}
+    nested = any("/" in path for path in files)
+    return data, (tuple((key, keys.get(key, key)) for key in data) if nested else ())
 
 
-def _shared(target: Target, script_text: str | None = None) -> list[dict]:
+def _shared(target: Target, config: dict[str, str]) -> list[dict]:
     """The job file, its storage, who may reach its pods, and how many may be evicted."""
-    config = job_config(target.spec, script_text)
     out = [obj("v1", "ConfigMap", metadata(target, target.names.config), data=config)]
     if not uses_s3(target):
         out.append(_volume_claim(target))

@@ -23,6 +23,8 @@ class Submission:
     overrides: list[str] = field(default_factory=list)  # --set KEY=VALUE, as given
     nodes: int | None = None  # --nodes
     options: dict = field(default_factory=dict)  # scheduler-specific (flags of `submit`)
+    script_args: list[str] = field(default_factory=list)  # after a script (.py) job: the script's own
+    run_flags: list[str] = field(default_factory=list)  # local: more `run` flags (--chaos, --fresh, ...)
 
 
 @dataclass(frozen=True)

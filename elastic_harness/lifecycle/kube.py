@@ -63,7 +63,7 @@ class KubeScheduler:
         o = sub.options
         spec = dataclasses.replace(sub.spec, rendezvous=dataclasses.replace(sub.spec.rendezvous, id=sub.job_id))
         manifests = render(spec, o.get("flavor", "pytorchjob"), o["image"], o.get("namespace") or None,
-                           o.get("script_text"))
+                           o.get("script_files"))
         job = KubeJob(names_for(spec).base, o.get("namespace") or "default", o.get("flavor", "pytorchjob"),
                       self.context())
         self._make_room(job)

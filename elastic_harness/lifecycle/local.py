@@ -74,14 +74,14 @@ def supervisor_of(run_dir: Path, start: dict) -> JobRecord:
 
 
 def run_command(sub: Submission) -> list[str]:
-    """Pure: the supervisor's command line, the user's own flags passed on as given."""
-    cmd = [sys.executable, "-m", "elastic_harness", "run", str(sub.job_file), "--run-dir", str(sub.run_dir),
-           "--job-id", sub.job_id]
+    """Pure: the supervisor's command line, the user's own flags passed on as given; the job
+    last, then a script's own arguments (``run [flags] train.py [args]``)."""
+    cmd = [sys.executable, "-m", "elastic_harness", "run", "--run-dir", str(sub.run_dir), "--job-id", sub.job_id]
     for override in sub.overrides:
         cmd += ["--set", override]
     if sub.nodes is not None:
         cmd += ["--nodes", str(sub.nodes)]
-    return cmd
+    return [*cmd, *sub.run_flags, str(sub.job_file), *sub.script_args]
 
 
 class LocalScheduler:

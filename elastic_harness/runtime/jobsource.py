@@ -9,14 +9,15 @@ Three ways a worker starts (``launch.env``), three sources of its job:
   a YAML the script names (docs/script-api.md); a ``JobSpec`` passed to ``init`` that
   differs from it is refused with one line.
 - by plain torchrun, or as a plain ``python script.py``: the job ``init`` is given (a YAML
-  path, or a ``JobSpec``), else the spec's defaults, with ``overrides`` over either.
+  path, or a ``JobSpec``), else the script's job as ``run train.py`` finds it
+  (``spec.script_job``: the YAML beside it that names it, else the spec's defaults), with
+  ``overrides`` over either.
 
 Torch-free: the entry imports it before the task or the script imports torch.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 from elastic_harness import runfiles
 from elastic_harness.errors import UsageError
 from elastic_harness.launch.env import WorkerEnv
-from elastic_harness.spec import JobSpec, dump_job, load_job, parse_job
+from elastic_harness.spec import JobSpec, dump_job, load_job, parse_job, script_job
 
 _HANDED: tuple[JobSpec, Path] | None = None  # what the entry parsed, for this process's init
 
@@ -56,7 +57,8 @@ def resolve_job(env: WorkerEnv, job: str | Path | JobSpec | None, run_dir: str |
         spec = parse_job(dump_job(job), list(overrides), source=job.name) if overrides else job
     elif job is not None:
         spec = load_job(job, list(overrides))
+    elif sys.argv and sys.argv[0].endswith(".py"):  # the rule `run train.py` follows (spec.script_job)
+        spec = script_job(sys.argv[0], list(overrides))[0]
     else:
-        script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
-        spec = parse_job("", [f"script.path={script}", *overrides] if script else list(overrides))
+        spec = parse_job("", list(overrides))
     return spec, Path(run_dir) if run_dir is not None else Path("runs") / spec.name

@@ -1,6 +1,13 @@
 """Pure job spec: YAML -> frozen, validated ``JobSpec``. Imports only ``errors``."""
 
-from elastic_harness.spec.loader import SpecErrors, describe, dump_job, load_job, parse_job
+from elastic_harness.spec.loader import (
+    SpecErrors,
+    describe,
+    dump_job,
+    load_job,
+    parse_job,
+    script_job,
+)
 from elastic_harness.spec.schema import (
     CheckpointSpec,
     DataSpec,
@@ -38,4 +45,5 @@ __all__ = [
     "dump_job",
     "load_job",
     "parse_job",
+    "script_job",
 ]

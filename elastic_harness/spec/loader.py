@@ -23,26 +23,100 @@ _LIST_ITEMS = {"chaos": FaultSpec}
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader reading numbers as YAML 1.2 does: ``1e-3`` and ``1.0e3`` are
-    floats (YAML 1.1, PyYAML's dialect, wants a dot and a signed exponent, so ``lr: 1e-3``
-    arrived as the string '1e-3'). Everything else is ``safe_load``'s."""
+    """PyYAML's safe loader reading plain scalars as YAML 1.2 (its core schema) does, not as
+    YAML 1.1 (PyYAML's dialect), whose guesses surprise:
+
+    - booleans are ``true``/``false`` only: ``no``, ``yes``, ``on``, ``off`` stay strings
+      (``name: no`` is the name 'no', not False);
+    - floats: ``1e-3`` and ``1.0e3`` are numbers (1.1 wants a dot and a signed exponent);
+    - integers: decimal (``_`` between digits allowed), ``0x``, ``0o``, ``0b``; ``010`` is
+      ten (1.1: octal eight) and ``1:30`` is a string (1.1: ninety, base 60);
+    - dates stay strings (1.1 makes ``2024-01-31`` a date).
+
+    Null, anchors and merge keys are ``safe_load``'s. A key given twice in one mapping is an
+    error (``_no_duplicates``), not the last one silently winning."""
 
 
-_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+_TAG = "tag:yaml.org,2002:"
+_CORE = {  # tag -> (pattern, first characters): YAML 1.2's core schema, read above
+    "bool": (r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    "int": (r"^[-+]?(?:[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+|0b[01_]+)$", "-+0123456789"),
+    "float": (r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?"
+              r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+0123456789."),
+}
+_REPLACED = {_TAG + t for t in (*_CORE, "timestamp")}
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _REPLACED]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _name, (_pattern, _first) in _CORE.items():
+    _Loader.add_implicit_resolver(_TAG + _name, re.compile(_pattern), list(_first))
+
+
+def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    base = {"0x": 16, "0o": 8, "0b": 2}.get(digits[:2], 10)
+    return sign * int(digits if base == 10 else digits[2:], base)
+
+
+_Loader.add_constructor(_TAG + "int", _core_int)
+
+
+class _Dumper(yaml.SafeDumper):
+    """``safe_dump`` that quotes every string either YAML dialect would read as something
+    else: ours (a string '1e3') and YAML 1.1 (a string 'no'), so a dumped job reads back
+    the same here and in other tools."""
+
+
+_Dumper.yaml_implicit_resolvers = {
+    first: [*yaml.SafeDumper.yaml_implicit_resolvers.get(first, []), *_Loader.yaml_implicit_resolvers.get(first, [])]
+    for first in {*yaml.SafeDumper.yaml_implicit_resolvers, *_Loader.yaml_implicit_resolvers}
+}
 
 
 def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    loader = _Loader(text)  # what yaml.load does, with the duplicate check between its steps
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _no_duplicates(node, "", set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _no_duplicates(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """A key given twice in one mapping is a ``SpecError`` naming the key and both lines
+    (PyYAML keeps the last one without a word). Keys merged in with ``<<`` may be overridden."""
+    if id(node) in seen:  # an alias: checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            if key.tag == _TAG + "merge" or not isinstance(key, yaml.ScalarNode):
+                _no_duplicates(value, path, seen)
+                continue
+            where = _join(path, key.value)
+            if key.value in lines:
+                raise SpecError(where, f"given twice, at lines {lines[key.value]} and {key.start_mark.line + 1}",
+                                "keep one of them (YAML would silently use the last)")
+            lines[key.value] = key.start_mark.line + 1
+            _no_duplicates(value, where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _no_duplicates(item, f"{path}[{i}]", seen)
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """Read a job YAML file, apply ``key.path=value`` overrides, validate."""
     p = Path(path)
+    if p.suffix == ".py":
+        raise SpecError("", f"'{path}' is a training script, not a job YAML",
+                        "name its job YAML here; `run`, `submit`, `spec` and `k8s render` also take a "
+                        "script (its job: the YAML beside it, else the defaults)")
     try:
         text = p.read_text()
     except FileNotFoundError:
@@ -52,7 +126,60 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
     return parse_job(text, overrides, source=str(path))
 
 
-def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: str = "") -> JobSpec:
+def script_job(script: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[JobSpec, Path | None, str]:
+    """The job of a training script named without a job file (``run train.py``, or
+    ``eh.init()`` given no job under torchrun or python): one rule for every way it runs.
+
+    The job is the YAML beside the script, of the same name (``train.yaml``, else
+    ``train.yml``), when that file's ``script.path`` names this script (as
+    ``eh.init(Path(__file__).with_suffix(".yaml"))`` reads it); else the spec's defaults, named
+    after the script. Either way ``script.path`` is the script, absolute, and ``overrides``
+    apply on top. Returns (spec, the YAML used or None, a note on a same-named YAML that is
+    not the script's job, else "")."""
+    script = Path(script).absolute()
+    for beside in (script.with_suffix(".yaml"), script.with_suffix(".yml")):
+        if beside.is_file():
+            break
+    else:
+        beside = None
+    named = _names_script(beside, script) if beside is not None else ""
+    if beside is not None and named == "":
+        spec = load_job(beside, overrides)
+        return dataclasses.replace(spec, script=dataclasses.replace(spec.script, path=str(script))), beside, ""
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in script.stem) or "job"
+    spec = parse_job("", [f"name={name}", *overrides], source=str(script), script=str(script))
+    note = f"{beside} beside it is not its job: {named}" if named else ""
+    return spec, None, note
+
+
+def _names_script(job: Path, script: Path) -> str:
+    """"" when the job file ``job`` runs ``script`` (its ``script.path``, relative to the
+    working directory or to the file, is that script), else what it runs instead."""
+    raw = parse_raw(job.read_text(), str(job))
+    target = raw.get("script", {}).get("path") if isinstance(raw.get("script"), dict) else None
+    if not target:
+        task = raw.get("task", {}).get("target", "") if isinstance(raw.get("task"), dict) else ""
+        return f"it runs task.target '{task}'" if task else "it names no script.path"
+    if any(c.is_file() and c.resolve() == script.resolve() for c in (Path(target), job.parent / target)):
+        return ""
+    return f"its script.path is '{target}'"
+
+
+def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: str = "",
+              script: str = "") -> JobSpec:
+    """``text`` (a job's YAML) with ``overrides`` applied, validated; ``script``: a
+    ``script.path`` set as is (a path is not YAML-parsed like an override's value)."""
+    raw = parse_raw(text, source)
+    for item in overrides:
+        apply_override(raw, item)
+    if script:
+        raw.setdefault("script", {})["path"] = script
+    _one_length(raw)
+    return build(JobSpec, raw, "")
+
+
+def parse_raw(text: str, source: str = "") -> dict:
+    """A job's YAML as a mapping, not yet checked against the spec."""
     try:
         raw = _yaml(text)
     except yaml.YAMLError as e:
@@ -63,10 +190,7 @@ def parse_job(text: str, overrides: list[str] | tuple[str, ...] = (), source: st
     if not isinstance(raw, dict):
         raise SpecError("", f"{source or 'job'} must be a mapping of keys, got {type(raw).__name__}",
                         "a job file holds keys such as 'name: my-job' (see 'elastic-harness spec')")
-    for item in overrides:
-        apply_override(raw, item)
-    _one_length(raw)
-    return build(JobSpec, raw, "")
+    return raw
 
 
 def _one_length(raw: dict) -> None:
@@ -166,7 +290,9 @@ def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
-            raise SpecError(path, f"must be true or false, got {value!r}")
+            yaml11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
+            raise SpecError(path, f"must be true or false, got {value!r}",
+                            "write true or false (YAML 1.2: yes/no/on/off are text)" if yaml11 else "")
         return value
     if tp is int:
         if isinstance(value, float) and value.is_integer():  # steps: 1e4
@@ -195,7 +321,7 @@ def to_dict(spec: Any) -> dict:
 
 def dump_job(spec: JobSpec) -> str:
     """The resolved spec as YAML; ``parse_job(dump_job(s)) == s``."""
-    return yaml.safe_dump(to_dict(spec), sort_keys=False)
+    return yaml.dump(to_dict(spec), Dumper=_Dumper, sort_keys=False)
 
 
 def describe(cls: type = JobSpec, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -90,6 +90,20 @@ def test_foreign_checkpoint_is_refused_and_kept(saved_run, overrides, words):
         "the full traceback goes to the run's logs"
 
 
+@pytest.mark.e2e  # real `run`s of a job that trained to its end (issue 33, item 3)
+def test_rerunning_a_finished_job_says_so_and_refuses_a_fault_that_cannot_fire(saved_run):
+    before = tree_digest(saved_run / "checkpoints")
+    events = (saved_run / "events.jsonl").read_text()
+    again = cli("run", str(MLP), "--set", "train.steps=10", run_dir=saved_run, timeout=120)
+    assert again.code == 0, again.err
+    assert "job 'mlp' already finished" in again.out and "nothing was trained" in again.out
+    assert "None" not in again.out + again.err and "run dir:" not in again.out, "nothing started"
+    r = cli("run", str(MLP), "--set", "train.steps=10", "--chaos", "kill-worker:1@5", run_dir=saved_run, timeout=120)
+    assert_clear_error(r, "already finished at step 10", "fault kill-worker:1@5 cannot fire")
+    assert tree_digest(saved_run / "checkpoints") == before
+    assert (saved_run / "events.jsonl").read_text() == events, "no agent started, nothing logged"
+
+
 def test_a_failing_worker_prints_its_traceback_before_it_reports(tmp_path, monkeypatch, capfd):
     """A fatal failure event makes the host stop every agent at once: whatever the worker
     has not written to its log by then is lost. So the traceback is in the log first."""

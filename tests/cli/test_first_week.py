@@ -333,6 +333,6 @@ def test_submit_checks_the_paths_too(cli_here, tmp_path):
 def test_spec_of_a_script_job_checks_the_script_not_an_empty_task(cli_here, monkeypatch):
     monkeypatch.chdir(REPO)
     ok = cli_here("spec", "jobs/ddp_toy.yaml")
-    assert ok.code == 0 and ok.out.splitlines()[-1] == "# valid; script.path 'ddp_toy.py' exists", ok.err
+    assert ok.code == 0 and ok.out.splitlines()[-1] == "# valid; script.path 'ddp_toy.py' exists and compiles", ok.err
     r = cli_here("spec", MLP, "--set", "task.target=tests.tasks:BrokenModel")
     assert_one_line_error(r, "build_model() raised ValueError")

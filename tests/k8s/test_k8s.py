@@ -602,3 +602,66 @@ def test_deploy_notes_build_the_tag_the_manifests_pull() -> None:
     pulled = {tag for flavor in FLAVORS for f in (K8S / flavor).glob("*.yaml")
               for tag in re.findall(r"image: (elastic-harness:\S+)", f.read_text())}
     assert pulled == {DEFAULT_IMAGE}
+
+
+# -- a script job's modules beside it (issue 33, item 5) ------------------------------------
+@pytest.fixture
+def script_dir(tmp_path: Path) -> Path:
+    """A script importing a sibling module (which imports another) and a package beside it,
+    plus a module it never imports."""
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    files = {
+        "train.py": "import sys\nimport helper\nfrom pkg.sub import thing\n\n"
+                    "def main():\n    import json\n    print(helper.VALUE + thing.VALUE)\n\nmain()\n",
+        "helper.py": "from util import BASE\nVALUE = BASE + 1\n",
+        "util.py": "BASE = 40\n",
+        "pkg/__init__.py": "",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/thing.py": "from .deeper import ONE as VALUE\n",
+        "pkg/sub/deeper.py": "ONE = 1\n",
+        "unused.py": "raise SystemExit('never imported')\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_render_ships_the_modules_a_script_imports_from_beside_it(flavor, script_dir, tmp_path, capsys,
+                                                                    crd_validator):
+    assert main(["k8s", "render", str(script_dir / "train.py"), "--flavor", flavor]) == 0
+    manifests = list(yaml.safe_load_all(capsys.readouterr().out))
+    _validate_all(manifests, crd_validator)
+    config = _one(manifests, "ConfigMap")["data"]
+    assert sorted(config) == ["helper.py", "job.yaml", "pkg.__init__.py", "pkg.sub.__init__.py",
+                              "pkg.sub.deeper.py", "pkg.sub.thing.py", "train.py", "util.py"]
+    volumes = [v for t in _templates(manifests) for v in t["spec"]["volumes"] if v["name"] == "job"]
+    assert volumes
+    for volume in volumes:
+        paths = {i["key"]: i["path"] for i in volume["configMap"]["items"]}
+        assert paths.keys() == config.keys() and paths["pkg.sub.thing.py"] == "pkg/sub/thing.py"
+    # The pod's view: the ConfigMap's files where the volume puts them; the script runs there.
+    mounted = tmp_path / "mounted"
+    for key, path in paths.items():
+        (mounted / path).parent.mkdir(parents=True, exist_ok=True)
+        (mounted / path).write_text(config[key])
+    ran = subprocess.run([sys.executable, str(mounted / "train.py")], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert ran.returncode == 0 and ran.stdout.strip() == "42", ran.stderr
+    assert parse_job(config["job.yaml"]).script.path == "/etc/elastic-harness/train.py"
+
+
+def test_a_script_with_only_flat_siblings_needs_no_items(script_dir, capsys):
+    (script_dir / "train.py").write_text("import helper\nprint(helper.VALUE)\n")
+    assert main(["k8s", "render", str(script_dir / "train.py"), "--flavor", "plain"]) == 0
+    manifests = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert sorted(_one(manifests, "ConfigMap")["data"]) == ["helper.py", "job.yaml", "train.py", "util.py"]
+    volumes = [v for t in _templates(manifests) for v in t["spec"]["volumes"] if v["name"] == "job"]
+    assert volumes and all("items" not in v["configMap"] for v in volumes)
+
+
+def test_modules_too_large_for_a_configmap_are_one_line(script_dir, capsys):
+    (script_dir / "util.py").write_text("BASE = 40\n" + "# padding\n" * 100_000)
+    assert main(["k8s", "render", str(script_dir / "train.py"), "--flavor", "plain"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "util.py (976 KiB)" in err and "put them in the image" in err

@@ -75,3 +75,44 @@ def test_run_with_tensorboard_missing_names_the_extra_before_any_agent(tmp_path)
     assert r.returncode == 2, r.stderr
     assert "pip install 'elastic-harness[tensorboard]'" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()  # refused before the run dir was made
+
+
+def test_bench_throughput_without_pillow_names_the_extra(tmp_path):
+    """The core install has no Pillow; the bench's images need it (issue 33, item 2)."""
+    r = _without("PIL", "bench", "throughput", "--repeats", "1", "--dir", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'elastic-harness[bench]'" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == [], "refused before any scratch dir"
+    assert "bench" in PROJECT["optional-dependencies"]["all"][0]
+
+
+# Where each third-party module the package imports comes from: a core dependency or an
+# extra (pyproject.toml). A module missing here is an undeclared dependency.
+PROVIDED_BY = {
+    "torch": "torch", "numpy": "numpy", "yaml": "pyyaml", "fsspec": "fsspec",
+    "prometheus_client": "prometheus_client", "safetensors": "safetensors",
+    "s3fs": "s3fs", "tensorboard": "tensorboard", "matplotlib": "matplotlib", "etcd": "python-etcd",
+    "urllib3": "python-etcd",  # python-etcd's own client library, used beside it (launch/isolation.py)
+    "transformers": "transformers", "datasets": "datasets", "pyarrow": "pyarrow", "PIL": "Pillow",
+}
+
+
+def test_every_third_party_import_is_declared():
+    import ast
+
+    declared = " ".join([*PROJECT["dependencies"],
+                         *(d for name, ds in PROJECT["optional-dependencies"].items() if name != "test" for d in ds)])
+    imported: dict[str, str] = {}
+    for path in (REPO / "elastic_harness").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "elastic_harness":
+                    imported.setdefault(top, str(path.relative_to(REPO)))
+    unknown = {m: where for m, where in imported.items() if m not in PROVIDED_BY}
+    assert unknown == {}, "a third-party import with no declared dependency (add it to pyproject and here)"
+    undeclared = {m: PROVIDED_BY[m] for m in imported if PROVIDED_BY[m] not in declared}
+    assert undeclared == {}

@@ -65,6 +65,8 @@ def ours(package: str) -> set[str]:
                            "elastic_harness.runfiles"}),
     # the parallel layout: pure numbers, validated when built
     ("runtime/topology", {"elastic_harness.errors", "elastic_harness.spec.layout"}),
+    # a script job's own files (what it imports from beside it): read and compiled, shipped
+    ("scriptfiles", {"elastic_harness.errors"}),
 ])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}
@@ -215,3 +217,28 @@ def test_job_source_and_layout_do_not_import_torch(module):
     """The entry parses the job before the task or the script imports torch; the layout is
     numbers, decided without asking torch.distributed anything."""
     assert not {m for m in imports_of(PKG / "runtime" / f"{module}.py") if m.split(".")[0] == "torch"}
+
+
+def test_the_resume_check_reads_no_torch_and_no_pickle():
+    """``run``/``submit`` decide "already finished" before anything starts, from manifests:
+    no torch import (seconds), nothing unpickled (the checkpoint is not trusted yet)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, elastic_harness.resumepoint, elastic_harness.commands.jobargs\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pickle')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "torch" not in out.stdout, out.stdout
+    found = imports_of(PKG / "resumepoint.py")
+    assert not {m for m in found if m.split(".")[0] in ("torch", "pickle")}
+
+
+def test_only_the_spec_loader_reads_yaml():
+    """User YAML is read by one loader (``spec.loader``: YAML 1.2 scalars, keys given twice
+    refused); nothing else calls PyYAML's readers."""
+    readers = ("yaml.load(", "yaml.safe_load", "yaml.full_load", "yaml.unsafe_load", "yaml.load_all",
+               "yaml.compose", "yaml.parse(", "Loader=", "SafeLoader", "yaml.FullLoader", "CLoader")
+    found = sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
+                   if any(r in p.read_text() for r in readers))
+    assert found == ["spec/loader.py"]

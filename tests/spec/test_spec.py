@@ -101,3 +101,58 @@ def test_a_bad_spec_reports_every_problem_at_once():
         assert where in text_out, (where, text_out)
     assert text_out.startswith("job spec error: 7 problems")
     assert e.value.path == "bogus"
+
+
+# ----- YAML 1.2 scalars and keys given twice (issue 33, item 4) ------------------------------
+def test_a_key_given_twice_is_named_with_both_lines():
+    text = "name: x\ntask: {target: 'a.b:C'}\nnproc_per_node: 2\ntrain: {steps: 3}\nnproc_per_node: 4\n"
+    with pytest.raises(SpecError) as e:
+        parse_job(text, source="job.yaml")
+    assert e.value.path == "nproc_per_node"
+    assert "nproc_per_node: given twice, at lines 3 and 5" in str(e.value) and "keep one" in e.value.hint
+    for nested, path in (("train:\n  steps: 3\n  seed: 1\n  steps: 4\n", "train.steps"),
+                         ("train: {steps: 3, steps: 4}\n", "train.steps"),
+                         ("chaos:\n  - {kind: hang, at_step: 2, at_step: 3}\n", "chaos[0].at_step")):
+        with pytest.raises(SpecError, match="given twice") as e:
+            parse_job("name: x\ntask: {target: 'a.b:C'}\n" + nested)
+        assert e.value.path == path
+
+
+def test_a_merge_key_may_be_overridden_once():
+    """A key merged in with ``<<`` and then given is an override, not a duplicate."""
+    from elastic_harness.spec.loader import _yaml
+
+    assert _yaml("b: &b {x: 1, y: 2}\nd: {<<: *b, x: 3}\n")["d"] == {"x": 3, "y": 2}
+
+
+@pytest.mark.parametrize("text, value", [
+    ("no", "no"), ("yes", "yes"), ("on", "on"), ("off", "off"), ("Y", "Y"), ("true", True), ("False", False),
+    ("010", 10), ("0o17", 15), ("0x1f", 31), ("1_000", 1000), ("1:30", "1:30"), ("2024-01-31", "2024-01-31"),
+    ("1e3", 1000.0), (".5", 0.5), ("~", None),
+])
+def test_scalars_read_as_yaml_1_2(text, value):
+    """PyYAML's YAML 1.1 makes ``no`` False, ``010`` eight, ``1:30`` ninety and
+    ``2024-01-31`` a date; the job loader reads them as YAML 1.2 does."""
+    from elastic_harness.spec.loader import _yaml
+
+    got = _yaml(f"v: {text}")["v"]
+    assert got == value and type(got) is type(value)
+
+
+def test_name_no_is_a_name_and_yes_for_a_flag_says_true_or_false():
+    spec = parse_job("name: no\ntask: {target: 'a.b:C', args: {flag: on}}\n")
+    assert spec.name == "no" and spec.task.args == {"flag": "on"}
+    assert parse_job(dump_job(spec)) == spec, "dumped quoted: the name stays a string in any YAML"
+    with pytest.raises(SpecError) as e:
+        parse_job("name: x\ntask: {target: 'a.b:C'}\nmetrics: {tensorboard: yes}\n")
+    assert "metrics.tensorboard: must be true or false, got 'yes'" in str(e.value)
+    assert "yes/no/on/off are text" in e.value.hint
+
+
+@pytest.mark.parametrize("word", ["no", "on", "1e3", "0o17", "1:30", "2024-01-31", "010", "true"])
+def test_dumped_strings_read_back_as_strings_in_both_yaml_dialects(word):
+    import yaml
+
+    text = dump_job(parse_job(f"name: x\ntask: {{target: 'a.b:C', args: {{v: '{word}'}}}}\n"))
+    assert parse_job(text).task.args["v"] == word
+    assert yaml.safe_load(text)["task"]["args"]["v"] == word, "YAML 1.1 readers (kubectl's, PyYAML's) too"
