@@ -44,6 +44,9 @@ def main(work: Path, d2h: Path) -> dict:
     cpu = summary(work / "to_cpu")
     out["gpu_checkpoint_on_cpu_ws2"] = {"finished": bool(cpu.get("finished")), "world_sizes": cpu.get("world_sizes"),
                                         "resumed_from_step": cpu.get("resumed_from_step")}
+    if not d2h.exists():
+        out["snapshot"] = {"skipped": "gpu_check.py did not run (DEVICE=cpu, or it failed: see d2h.log)"}
+        return out
     try:
         raw = json.loads(d2h.read_text())
         out["snapshot"] = {k: v for k, v in raw.items() if k.endswith("GBps") or k in (
