@@ -98,6 +98,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # e.g. `elastic-harness spec | head`
         sys.stderr.close()
         return 0
+    finally:
+        _warn_skipped_events()
+
+
+def _warn_skipped_events() -> None:
+    """Event logs this command read that held lines which are not events: said once each."""
+    if "elastic_harness.events" in sys.modules and not sys.stderr.closed:
+        for note in sys.modules["elastic_harness.events"].skipped_notes():
+            print(f"warning: {note}", file=sys.stderr)
 
 
 if __name__ == "__main__":

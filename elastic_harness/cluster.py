@@ -7,6 +7,11 @@ every worker in a session of its own. Workers die with their agent through
 (``_die_with_host``); a fault that must reach workers alive (freezing a node) signals their
 pids, which the chaos controller learns from ``worker`` events.
 
+Separate hosts (``separate_hosts``, with ``netns``): each node also gets its own pid, UTS
+and mount namespaces (``simhost``), so its pids and host name are its own. Pids the node
+reports (events) are then translated (``host_pid``), and freezing or thawing a node signals
+every process of its namespace.
+
 Call order: ``start()`` once; ``poll()`` repeatedly; ``signal_node`` / ``add_node`` as chaos
 requires; ``stop()`` at the end (safe to call twice).
 """
@@ -24,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_harness import runfiles
+from elastic_harness import pidns, runfiles, simhost
 from elastic_harness.launch.config import agent_environ
 from elastic_harness.netns import NetnsTopology
 
@@ -47,6 +52,8 @@ class Node:
     index: int
     proc: subprocess.Popen
     log_path: Path
+    separate: bool = False  # its own pid namespace: ``proc`` is ``unshare``, its child the init
+    _init: int | None = None
 
     @property
     def pgid(self) -> int:
@@ -54,6 +61,17 @@ class Node:
 
     def returncode(self) -> int | None:
         return self.proc.poll()
+
+    def init(self) -> int | None:
+        """Separate host: its init's pid here (``simhost``; found once), None before it runs."""
+        if self._init is None and self.separate:
+            self._init = pidns.init_of(self.proc.pid)
+        return self._init
+
+
+def host_name(tag: str, index: int) -> str:
+    """Pure: the host name of simulated host ``index`` (unique per run: ``tag``)."""
+    return f"eh{tag}-node{index}"
 
 
 class LocalCluster:
@@ -67,7 +85,11 @@ class LocalCluster:
         backend: str = "c10d",
         extra_args: tuple[str, ...] = (),
         netns: NetnsTopology | None = None,
+        separate_hosts: bool = False,
     ) -> None:
+        if separate_hosts and netns is None:
+            raise AssertionError("separate hosts need their own network namespaces")
+        self.separate_hosts = separate_hosts
         self.job_path, self.run_dir, self.initial = job_path, run_dir, nodes
         self.rdzv_id, self.endpoint, self.backend = rdzv_id, endpoint, backend
         self.extra_args = extra_args
@@ -100,7 +122,11 @@ class LocalCluster:
         else:
             # Its own address: gloo and the agent bind there, not to the shared hostname.
             host = self.netns.hosts.get(index) or self.netns.add_host(index)
-            cmd = self.netns.wrap(index, [*cmd, "--local-addr", host.addr])
+            cmd = [*cmd, "--local-addr", host.addr]
+            if self.separate_hosts:
+                cmd = simhost.command(host_name(self.netns.tag, index), host.addr,
+                                      self.run_dir / runfiles.TMP, cmd)
+            cmd = self.netns.wrap(index, cmd)
             env["GLOO_SOCKET_IFNAME"] = host.ifname
         log_dir = self.run_dir / runfiles.LOGS
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +136,7 @@ class LocalCluster:
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True, preexec_fn=_die_with_host,
             )
-        node = Node(index, proc, log_path)
+        node = Node(index, proc, log_path, separate=self.separate_hosts)
         self.nodes[index] = node
         return node
 
@@ -122,11 +148,41 @@ class LocalCluster:
 
     def signal_node(self, index: int, sig: int) -> None:
         """Send ``sig`` to the node's process group: its agent (workers have their own
-        sessions; a SIGKILL reaches them through their parent-death signal)."""
+        sessions; a SIGKILL reaches them through their parent-death signal). A separate
+        host's init passes other signals on to its agent; SIGSTOP and SIGCONT go to every
+        process of the host, as a host that freezes and thaws."""
         node = self.nodes[index]
-        if node.returncode() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pgid, sig)
+        if node.returncode() is not None:
+            return
+        if node.separate and sig in (signal.SIGSTOP, signal.SIGCONT):
+            for pid in self.host_processes(index):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pgid, sig)
+
+    def agent_pid(self, index: int) -> int:
+        """The process to signal for node ``index``'s agent (here): the agent, or its host's
+        init, which passes the signal on (``simhost``)."""
+        node = self.nodes[index]
+        return (node.init() or node.proc.pid) if node.separate else node.proc.pid
+
+    def host_processes(self, index: int) -> list[int]:
+        """Separate host: every process of node ``index``'s namespace (pids here); else []."""
+        node = self.nodes[index]
+        init = node.init()
+        ns = pidns.namespace(init) if init is not None else None
+        return sorted(pidns.members(ns).values()) if ns is not None else []
+
+    def host_pid(self, index: int, pid: int) -> int | None:
+        """Pid ``pid`` as node ``index`` reported it (in its events), here; None if that
+        process is gone. The same number on a shared host."""
+        node = self.nodes.get(index)
+        if node is None or not node.separate:
+            return pid
+        init = node.init()
+        ns = pidns.namespace(init) if init is not None else None
+        return pidns.members(ns).get(pid) if ns is not None else None
 
     def stop(self, grace_s: float = 40.0) -> None:
         """SIGTERM every live node, wait up to ``grace_s``, then SIGKILL what is left."""

@@ -8,12 +8,16 @@ worker generation). Each event is one ``write()`` of one line on a file opened w
 every field it may carry (each event also has ``COMMON``). A field may be absent (older
 runs, optional values); no other field may appear: ``tests/report/test_event_contract.py`` scans
 every ``emit("kind", ...)`` call in the package and fails on an undocumented kind or field.
-Readers fold the log one way (``runstate``).
+Readers fold the log one way (``runstate``), and read it one way (``EventTail``): a line
+that is not an event (not UTF-8, not JSON, not an object with ``t`` and ``event``, or a field
+readers compute with of the wrong type: ``well_formed``) is skipped and counted, never
+raised; ``skipped_notes`` says so once per log (the CLI prints it after any command).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +48,8 @@ CONTRACT: dict[str, EventKind] = {
         "run_id": "rendezvous id of this submission",
         "run_dir": "host: the run directory",
         "netns": "host: nodes run in their own network namespaces (link faults possible)",
+        "separate_hosts": "host: each node is a simulated host of its own (own pid, UTS and network "
+                          "namespaces: pids in its events are its own)",
         "scheduler": "host: where it was submitted when not started by `run` ('slurm')",
         "node": "agent: its node name",
         "endpoint": "agent: the rendezvous endpoint",
@@ -104,7 +110,6 @@ CONTRACT: dict[str, EventKind] = {
         "blocking_s": "seconds training was blocked",
         "total_s": "seconds until committed",
         "asynchronous": "written in the background",
-        "writer": "who wrote rank 0's shards: process (the low-priority writer process) or thread",
     }),
     "memory": EventKind("rank 0", "the in-memory tier's snapshot interval was set or changed "
                         "(checkpoint.memory_every, memory_budget)", {
@@ -138,7 +143,8 @@ CONTRACT: dict[str, EventKind] = {
     "warning": EventKind("any", "something worth knowing that did not stop the job", {
         "message": "one line",
     }),
-    "failure": EventKind("rank 0 (saves), any rank (fatal), or an agent (hang)", "something failed", {
+    "failure": EventKind("rank 0 (saves), any rank (fatal), or an agent (hang; exit: its worker group failed, "
+                         "the cause first)", "something failed", {
         "message": "one line",
         "rank": "the rank that failed, where known",
         "fatal": "a mistake the user must fix: the host stops and prints it",
@@ -151,10 +157,40 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
         "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
-        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception)",
-        "seconds": "hang: how long the worker had not re-armed its step timer when it was killed",
+        "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception); "
+                 "'node-lost': it stopped a stalled worker because peer nodes are gone (launch.verdict); "
+                 "'exit': an agent saw its worker group fail (which rank exited how, the cause first)",
+        "seconds": "hang, node-lost: how long the worker had not re-armed its step timer when it was killed",
+        "gone": "node-lost: the rendezvous nodes judged gone (dropped from the rendezvous)",
         "state": "hang: its /proc state letter before the kill ('T' stopped, 'D' uninterruptible, 'S' waiting)",
-        "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died)",
+        "peer_lost": "worker exceptions: the message says a peer's connection closed or was reset (a peer died); "
+                     "exit: every rank of this node only lost a peer (the cause is on another node)",
+        "detail": "checkpoint failures: the full error (DCP's names each rank's traceback); the message has one line",
+        "worker_pid": "exit: the process id of the rank that failed first",
+        "exit_code": "exit: its exit code (negative: the signal that ended it)",
+        "signal": "exit: the signal that ended it ('SIGKILL'), None when it exited with a code",
+        "recorded": "exit: it recorded its own error (a worker exception), so its own failure event says more",
+    }),
+    "excluded": EventKind("an agent (launch.exclusion)", "its node failed nodes.exclude_after times within "
+                          "nodes.exclude_window (dropped while alive, or a worker that hung itself): it is kept "
+                          "out of the job, its agent stops (exit 200)", {
+        "node": "the node kept out",
+        "message": "one line: why, and how to change it",
+        "failures": "each failure counted (oldest first)",
+        "window_s": "nodes.exclude_window",
+    }),
+    "spares": EventKind("host", "the hot spares were started, once the group formed (nodes.spares)", {
+        "nodes": "the spares' node names",
+        "world_size": "the group's world size when they started (the one a spare keeps)",
+    }),
+    "stall": EventKind("an agent", "a worker passed its stall bound (runtime.timer): the agent looks for "
+                       "evidence that a peer node is gone (launch.verdict); a node-lost failure follows if "
+                       "it finds some, nothing if the peers are alive", {
+        "node": "the agent's node",
+        "rank": "the stalled worker's global rank",
+        "step": "the job's last completed step",
+        "seconds": "how long the worker had made no progress",
+        "bound_s": "the stall bound it had given (derived from its measured steps)",
     }),
     "quarantine": EventKind("rank 0", "a checkpoint that failed verification or loading was set aside", {
         "step": "its step",
@@ -193,7 +229,8 @@ CONTRACT: dict[str, EventKind] = {
     "workers": EventKind("an agent (launch.elastic)", "a phase of its worker group, for recovery timing", {
         "node": "node name",
         "state": "'failed' (an exit seen; warm starts only), 'stopped' (the group is down; cold "
-                 "starts: also the first sign of a failure) or 'started'",
+                 "starts: also the first sign of a failure), 'broken' (a peer wrote the round broken: its "
+                 "group failed, so this one's workers are stopped at once) or 'started'",
         "restart": "the agent's restart count",
         "warm": "workers are forked from the agent's zygote",
     }),
@@ -232,8 +269,74 @@ class EventLog:
         return record
 
 
+# The fields readers compute with (numbers, string tests, dict access), by the types they
+# assume; None is always allowed (an optional value). Other fields are read with ``get``.
+_INT, _NUM, _STR = (int,), (int, float), (str,)
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "pid": _INT, "step": _INT, "world_size": _INT, "saved_world_size": _INT, "rank": _INT,
+    "local_rank": _INT, "restart": _INT, "resumed_at": _INT, "samples": _INT, "code": _INT,
+    "every": _INT, "nodes": (int, str), "node": (int, str),
+    "loss": _NUM, "step_s": _NUM, "load_s": _NUM, "copy_s": _NUM, "blocking_s": _NUM,
+    "total_s": _NUM, "samples_per_s": _NUM, "eval_s": _NUM, "seconds": _NUM,
+    "message": _STR, "name": _STR, "state": _STR, "who": _STR, "kind": _STR, "source": _STR,
+    "signature": _STR, "cause": _STR, "digest": _STR, "where": _STR,
+    "metrics": (dict,), "phases_s": (dict,),
+}
+# Fields a kind's readers index directly (``e["step"]``): such an event without them is skipped.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "step": ("step",), "finish": ("step",), "eval": ("step",),
+    "drain": ("step",), "checkpoint": ("step",),
+}
+
+
+def well_formed(e: object) -> str:
+    """Pure: why a parsed line is not an event the readers can use ("" when it is one)."""
+    if not isinstance(e, dict):
+        return f"a JSON {type(e).__name__}, not an object"
+    t = e.get("t")
+    if not isinstance(e.get("event"), str) or isinstance(t, bool) or not isinstance(t, (int, float)) \
+            or not math.isfinite(t):
+        return "no 'event' name or 't' time"
+    missing = [f for f in REQUIRED.get(e["event"], ()) if e.get(f) is None]
+    if missing:
+        return f"a '{e['event']}' event without '{missing[0]}'"
+    for name, types in FIELD_TYPES.items():
+        value = e.get(name)
+        if value is not None and not isinstance(value, types):
+            return f"'{name}' is a JSON {type(value).__name__}"
+    return ""
+
+
+def parse_line(line: bytes) -> tuple[dict | None, str]:
+    """Pure: (the event, "") or (None, why the line is not one)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    try:
+        e = json.loads(text)
+    except ValueError:
+        return None, "not JSON"
+    why = well_formed(e)
+    return (None, why) if why else (e, "")
+
+
+# Logs read in this process that held lines which are not events: path -> (count, first reason).
+_SKIPPED: dict[str, tuple[int, str]] = {}
+
+
+def skipped_notes() -> list[str]:
+    """One line per log read in this process that held lines which are not events (said
+    once: the record is cleared)."""
+    notes = [f"{path}: skipped {n} line(s) that are not events ({why}); the rest was read"
+             for path, (n, why) in sorted(_SKIPPED.items())]
+    _SKIPPED.clear()
+    return notes
+
+
 def read_events(path: str | Path) -> list[dict]:
-    """All complete events; a torn last line (writer killed mid-write) is skipped."""
+    """All complete events; a torn last line (writer killed mid-write) is left out, and lines
+    that are not events are skipped and counted (``skipped_notes``)."""
     return EventTail(Path(path), start_at_end=False).read()
 
 
@@ -249,6 +352,9 @@ class EventTail:
         self.path = Path(path)
         self.offset = self.path.stat().st_size if (start_at_end and self.path.exists()) else 0
         self._partial = b""
+        self._line = None if self.offset else 0  # line number of the last complete line (from the start)
+        self.skipped = 0  # lines that were not events (``parse_line``)
+        self.first_skipped = ""  # the first one's line and reason
 
     def read(self, containing: bytes = b"") -> list[dict]:
         """The new complete events; with ``containing``, only lines holding those bytes are
@@ -256,7 +362,7 @@ class EventTail:
         try:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size < self.offset:
-                    self.offset, self._partial = 0, b""
+                    self.offset, self._partial, self._line = 0, b"", 0
                 f.seek(self.offset)
                 data = f.read()
         except (FileNotFoundError, NotADirectoryError):  # not written yet, or no such run dir
@@ -266,10 +372,21 @@ class EventTail:
         self._partial = lines.pop()
         out = []
         for line in lines:
-            if containing and containing not in line:
+            if self._line is not None:
+                self._line += 1
+            if (containing and containing not in line) or not line.strip():
                 continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line torn by a writer killed mid-write
+            e, why = parse_line(line)
+            if e is not None:
+                out.append(e)
+            else:
+                self._skip(why)
         return out
+
+    def _skip(self, why: str) -> None:
+        self.skipped += 1
+        if not self.first_skipped:
+            self.first_skipped = f"line {self._line}: {why}" if self._line is not None else why
+        key = str(self.path)
+        if self.skipped >= _SKIPPED.get(key, (0, ""))[0]:  # the fullest reading of that log
+            _SKIPPED[key] = (self.skipped, f"first: {self.first_skipped}")

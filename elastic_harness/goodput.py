@@ -119,7 +119,7 @@ class GoodputLedger:
             self._marks.append((t, False))
         elif kind == "torchelastic" and str(e.get("name", "")).endswith(RDZV_COMPLETE):
             self._marks.append((t, True))
-        elif kind == "failure" and e.get("cause") == "hang":
+        elif kind == "failure" and e.get("cause") in ("hang", "node-lost"):
             self._hangs.append(t)
         elif kind == "resume":
             g = self._gens.setdefault(e.get("pid", 0), _Gen())

@@ -11,7 +11,8 @@ Where the key lives:
 - ``<run dir>/job.key`` (``KEY_FILE``), 32 random bytes written hex, mode 0600, created
   once per run directory by whichever process prepares it first (``ensure``: ``run``,
   ``agent``, ``submit``), atomically, so concurrent agents agree on one key. Every later
-  submission into the same run directory reuses it: its checkpoints stay loadable.
+  submission into the same run directory reuses it: its checkpoints stay loadable. A key
+  that went missing beside checkpoints it signed is not made anew (``rundir.check_key``).
 - elsewhere, when ``KEY_FILE_VAR`` (``ELASTIC_HARNESS_KEY_FILE``) names a file: a
   Kubernetes Secret mounted into the pod, or a path Slurm's job environment exports. Such a
   file is never created here; it must exist.

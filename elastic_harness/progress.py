@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import TextIO
 
@@ -37,6 +38,10 @@ class Progress:
 
     def update(self, e: dict) -> None:
         self.state.update(e)
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # a field of another shape: not shown
+            self._show(e)
+
+    def _show(self, e: dict) -> None:
         kind = e["event"]
         if kind == "resume":
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
@@ -51,6 +56,10 @@ class Progress:
                 self._line(_describe(e))
         elif kind == "failure" and e.get("fatal"):
             return  # the host prints it once, as the error
+        elif kind == "failure" and (e.get("consecutive") or 0) > 1:
+            return  # failed saves in a row: the first is said; the limit's error says the rest
+        elif kind == "failure" and not _cause_first(e):
+            return  # a symptom, or an error its rank's own failure line already said
         elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
             self._line(_describe(e))
@@ -79,8 +88,9 @@ class Progress:
         width = 24
         bar = "#" * int(pct * width) + "-" * (width - int(pct * width))
         saved = self.state.last_checkpoint_step
-        text = (f"[{bar}] step {e['step']}/{self.total} loss {e['loss']:.4f} "
-                f"{e.get('samples_per_s') or 0:.0f} samples/s world {e['world_size']} "
+        loss = "-" if e.get("loss") is None else f"{e['loss']:.4f}"
+        text = (f"[{bar}] step {e['step']}/{self.total} loss {loss} "
+                f"{e.get('samples_per_s') or 0:.0f} samples/s world {e.get('world_size', '-')} "
                 f"restarts {self.state.restarts}" + (f" saved {saved}" if saved is not None else ""))
         if self.tty:
             self.out.write("\r\033[K" + text)
@@ -98,6 +108,16 @@ class Progress:
             self.out.write("\n")
         if self._saves:
             self._line(_tally(self._saves))
+
+
+def _cause_first(e: dict) -> bool:
+    """Is a ``failure`` event the line to show? A survivor's "connection closed by peer" is a
+    symptom: its agent's account (``cause: exit``) names the rank that died and how, first.
+    That account is shown when no rank's own failure event said it: a rank killed by a signal
+    or exiting without a record, or a node whose ranks only lost peers on another node."""
+    if e.get("cause") == "exit":
+        return not e.get("recorded") or bool(e.get("peer_lost"))
+    return not e.get("peer_lost")
 
 
 def _tally(saves: list[dict]) -> str:

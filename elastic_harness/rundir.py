@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elastic_harness import jobkey, runfiles
-from elastic_harness.checkpoint import layout, lock
-from elastic_harness.checkpoint.storage import LocalStorage, open_storage
+from elastic_harness.checkpoint import integrity, layout, lock
+from elastic_harness.checkpoint.storage import LocalStorage, Storage, open_storage
 from elastic_harness.checkpoint.where import checkpoint_root, inside, is_url
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.spec import JobSpec, dump_job
@@ -53,30 +53,25 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
     ``fresh``, write the resolved spec (unless ``record_spec`` is False: a process handed
     the run directory's own resolved spec by its owner, see ``handed_resolved``), make sure
     the job's key exists (``jobkey``: created in the run dir unless ``key_file`` names one
-    provided from outside, which must exist).
+    provided from outside, which must exist) and that it is the key the checkpoints there
+    were signed with (``check_key``; a missing key is made only where no checkpoint needs it).
     Raises ``RunDirError``/``CheckpointError``/``jobkey.KeyError_``."""
     run_dir = Path(run_dir).resolve()
     _writable(run_dir)
     own_key = run_dir / jobkey.KEY_FILE
-    if key_file is None or Path(key_file) == own_key:
-        jobkey.ensure(own_key)
-    else:
-        jobkey.read(Path(key_file))
+    key_path = own_key if key_file is None else Path(key_file)
+    key = _provided_key(key_path) if key_path != own_key else jobkey.read(own_key) if own_key.exists() else None
     root = checkpoint_root(spec.checkpoint.dir, run_dir)
     leases = [_lease(LocalStorage(run_dir), holder, f"run directory '{run_dir}'", RunDirError, "--run-dir")]
     try:
         if not inside(root, run_dir):
-            store = open_storage(root)
-            try:
-                if not is_url(root):
-                    private_dir(Path(root))
-                store.ensure()
-            except OSError as e:
-                raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
-                                      "set checkpoint.dir to a directory you can write") from None
-            leases.append(_lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir"))
+            leases.append(_outside_checkpoints(root, holder))
         if fresh:
             set_aside_old(run_dir, root, time.strftime("%Y%m%d-%H%M%S", time.localtime(clock())))
+        else:
+            check_key(open_storage(root), key, key_path, run_dir)
+        if key is None:
+            jobkey.ensure(own_key)  # a new run directory: its key, made silently
         if record_spec:
             write_resolved(run_dir, spec)
     except BaseException:
@@ -84,6 +79,55 @@ def prepare(run_dir: Path, spec: JobSpec, fresh: bool = False, *, holder: lock.H
             lease.release()
         raise
     return Claim(run_dir, root, leases)
+
+
+def _outside_checkpoints(root: str, holder: lock.Holder) -> lock.Lease:
+    """A ``checkpoint.dir`` outside the run directory: created (private) and locked, its lease."""
+    store = open_storage(root)
+    try:
+        if not is_url(root):
+            private_dir(Path(root))
+        store.ensure()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir '{root}' cannot be created: {e.strerror or e}",
+                              "set checkpoint.dir to a directory you can write") from None
+    return _lease(store, holder, f"checkpoint.dir '{root}'", CheckpointError, "checkpoint.dir")
+
+
+def _provided_key(path: Path) -> bytes:
+    """The key a job was given from outside (``ELASTIC_HARNESS_KEY_FILE``): it must exist."""
+    try:
+        return jobkey.read(path)
+    except jobkey.KeyError_ as e:
+        raise jobkey.KeyError_(f"{jobkey.KEY_FILE_VAR}: {e.message}",
+                               f"point {jobkey.KEY_FILE_VAR} at the job's key (32 random bytes, hex: "
+                               "`openssl rand -hex 32`), or unset it to use RUN_DIR/job.key") from None
+
+
+def check_key(store: Storage, key: bytes | None, path: Path, run_dir: Path) -> None:
+    """Before a job starts: checkpoints signed with a key it does not have (``key`` None:
+    the run dir's key file is missing) are refused here, naming the file, rather than set
+    aside one by one as forgeries on resume while a new key is made (issue 33)."""
+    try:
+        signed, ours = integrity.signed_steps(store, key)
+    except OSError:
+        return  # unreadable storage: the resume says so in its own words
+    if not signed or ours:
+        return
+    steps = ", ".join(str(layout.parse_step(n)) for n in signed[-4:])
+    trust = f"elastic-harness ckpt trust {run_dir} --step {layout.parse_step(signed[-1])}"
+    if key is None:
+        raise jobkey.KeyError_(
+            f"the run's key {path} is missing, but {len(signed)} checkpoint(s) in {store.root} are signed "
+            f"(steps {steps}): without their key they cannot be told from forgeries; nothing was changed",
+            f"restore {path} (from a backup, or the copy this run dir came from) or point "
+            f"{jobkey.KEY_FILE_VAR} at it; or review one and sign it with a new key: {trust} --key {path}; "
+            "or start over with --fresh (moves them aside)")
+    raise jobkey.KeyError_(
+        f"the {len(signed)} signed checkpoint(s) in {store.root} (steps {steps}) are not signed with the key in "
+        f"{path}: the key was replaced, or {jobkey.KEY_FILE_VAR} names another job's; nothing was changed",
+        f"restore this run's key to {path}; or review one and sign it with this key: {trust}; "
+        "or start over with --fresh (moves them aside)")
 
 
 # Run directories are the job's owner's alone (0700): checkpoints, logs, the key (issue 22).

@@ -1,7 +1,8 @@
 """Shared helpers: run the real CLI in a subprocess, read what a run left behind.
 
-Every subprocess runs in its own session and is killed by process group if a test times
-out, so nothing a test started outlives it.
+Every subprocess runs in its own session, so a terminal's Ctrl-C reaches only pytest: its
+process group is stopped when the test times out and when the wait ends any other way
+(Ctrl-C's KeyboardInterrupt included, ``stop_group``), so nothing a test started outlives it.
 """
 
 from __future__ import annotations
@@ -90,18 +91,38 @@ def cli(*args: str, run_dir: Path | None = None, timeout: float = 240, cwd: Path
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd or REPO, env=full_env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: `run` then stops the nodes it started; SIGKILL if it does not end.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        pytest.fail(f"elastic-harness {' '.join(args)} timed out after {timeout}s\n{out}\n{err}")
+    out, err = communicate_bounded(proc, timeout, f"elastic-harness {' '.join(args)}")
     return Result(proc.returncode, out, err, run_dir)
+
+
+def communicate_bounded(proc: subprocess.Popen, timeout: float, what: str) -> tuple:
+    """``proc.communicate()`` within ``timeout``. Whatever ends the wait early (the timeout,
+    which fails the test; Ctrl-C, which goes on up) stops ``proc``'s group first: it leads a
+    session of its own, so nothing else would, and it would outlive pytest."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = stop_group(proc)
+        pytest.fail(f"{what} timed out after {timeout}s\n{out}\n{err}")
+    except BaseException:
+        stop_group(proc)
+        raise
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> tuple:
+    """SIGTERM the process group ``proc`` leads (`run` then stops the nodes it started);
+    SIGKILL it after ``grace_s``, or at once on another Ctrl-C. Its remaining output."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -194,13 +215,7 @@ def training_in_background(run_dir: Path, *args: str):
             time.sleep(0.2)
         yield first
     finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGTERM)
-        try:
-            first.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+        stop_group(first, grace_s=120)
 
 
 @pytest.fixture(autouse=True)

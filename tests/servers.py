@@ -36,13 +36,24 @@ def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
     The ranks are forked from one forkserver that imported torch and DCP once for the whole
     test session (``spawn`` paid those imports in every rank of every fixture: ~4 CPU
     seconds each); the server forks from a clean single-threaded process, not from pytest,
-    and exits with it."""
+    and exits with it. Ranks still running when the wait ends early are stopped."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
+
+    from elastic_harness.bench.checkpoint import stop_ranks
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_RANK_PRELOAD)
-    mp.start_processes(fn, args=(free_port(), str(root)), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    try:
+        ranks = mp.start_processes(fn, args=(free_port(), str(root)), nprocs=nprocs, join=False,
+                                   start_method="forkserver")
+        while not ranks.join():
+            pass
+    except BaseException:  # a failed rank (torch stopped the others) or Ctrl-C, maybe while the
+        # ranks were still being started: multiprocessing would join them at pytest's exit
+        stop_ranks(multiprocessing.active_children())
+        raise
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 

@@ -9,7 +9,7 @@ of ``--block`` steps rotate through three modes, the same steps on both ranks:
 - ``none``: no snapshot;
 - ``snapshot``: a snapshot after every step, no copy;
 - ``copy``: a snapshot after every step, sent as a buddy copy whenever no copy still moves
-  (agreed in a per-step all-reduce, as ``runtime.hook`` does; every mode pays that reduce).
+  (agreed in the step's vote, ``runtime.vote``, as ``runtime.hook`` does; every mode pays it).
 
 It prints JSON: per mode the median step wall time and the training thread's CPU time per
 step, the extra of ``snapshot`` over ``none`` and of ``copy`` over ``snapshot`` in ms and as
@@ -114,72 +114,97 @@ def summarize(ranks: list[dict], args: argparse.Namespace) -> dict:
 def _rank(rank: int, port: int, root: str, opts: dict) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from elastic_harness.data.sampler import DataState
     from elastic_harness.memtier.host import HostSlots
-    from elastic_harness.memtier.peer import Wire
-    from elastic_harness.memtier.tier import MemoryTier
-    from elastic_harness.runtime.state import TrainState, build_state
-    from elastic_harness.tasks.mlp import MLPRegression
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=dt.timedelta(seconds=60))
     hosts = HostSlots.create(1, slots=4)
     try:
-        group = dist.new_group(backend="gloo")
-        torch.manual_seed(0)
-        model = MLPRegression(samples=1024, dim=16, hidden=opts["hidden"], depth=opts["depth"]).build_model()
-        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        train = TrainState(DataState(0, 1024), world_size=2)
-        state = build_state(model, optim, train)
-        tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2), warn=print,
-                               local_size=1, generation=0x5EED, link_key=b"bench buddy, not secret", link_host="127.0.0.1")
-        tier.restore(state, sharded=True)
-        gen = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(15, 16, generator=gen), torch.randn(15, 1, generator=gen)
-        samples = {k: {m: [] for m in MODES} for k in ("wall", "cpu", "save")}
-        sent = 0
-        warmup = 30
-        for i in range(warmup + opts["steps"]):
-            mode = MODES[(i // opts["block"]) % 3] if i >= warmup else "copy"
-            t0, c0 = time.perf_counter(), time.thread_time()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            busy = torch.tensor([float(loss.detach()), float(tier.busy()), float(tier.moving())],
-                                dtype=torch.float64)
-            work = dist.all_reduce(busy, async_op=True)
-            optim.step()
-            optim.zero_grad()
-            work.wait()
-            train.step += 1
-            train.data = train.data.advance(30)
-            s0 = time.perf_counter()
-            if mode != "none":
-                send = mode == "copy" and busy[1] == 0
-                tier.save(train.step, state, send=send, settled=busy[2] == 0)
-                sent += int(send and i >= warmup)
-            s1 = time.perf_counter()
-            if i >= warmup:
-                samples["wall"][mode].append(s1 - t0)
-                samples["cpu"][mode].append(time.thread_time() - c0)
-                if mode != "none":
-                    samples["save"][mode].append(s1 - s0)
+        model, optim, train, state, tier = _job(rank, hosts, opts)
+        samples, sent = _train(rank, model, optim, train, state, tier, opts)
         tier.settle(30)
         copy_cost = list(tier.link.cost_s) if tier.link else [0.0]
         copy_wall = list(tier.link.wall_s) if tier.link else [0.0]
         parts = _parts(tier, state) if rank == 0 else {}
         dist.barrier()
         tier.close()
-        Path(root, f"rank{rank}.json").write_text(json.dumps({**samples, "copy_cost": copy_cost, "copy_wall": copy_wall,
-                                                               "sent": sent,
+        Path(root, f"rank{rank}.json").write_text(json.dumps({**samples, "copy_cost": copy_cost,
+                                                               "copy_wall": copy_wall, "sent": sent,
                                                                "parts": parts}))
     finally:
         hosts.close()
         dist.destroy_process_group()
+
+
+def _job(rank: int, hosts, opts: dict) -> tuple:
+    """The FSDP2 MLP over both ranks, its optimizer, train position and state, and the
+    memory tier over this rank's slots (buddy copies kept: one rank per node)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from elastic_harness.data.sampler import DataState
+    from elastic_harness.memtier.peer import Wire
+    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.runtime.state import TrainState, build_state
+    from elastic_harness.runtime.topology import Topology
+    from elastic_harness.tasks.mlp import MLPRegression
+
+    group = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = MLPRegression(samples=1024, dim=16, hidden=opts["hidden"], depth=opts["depth"]).build_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train = TrainState(DataState(0, 1024), world_size=2)
+    state = build_state(model, optim, train)
+    tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2), warn=print,
+                           local_size=1, generation=0x5EED, link_key=b"bench buddy, not secret",
+                           link_host="127.0.0.1")
+    tier.restore(state, Topology.build(2, 1, 2, "fsdp", rank=rank))
+    return model, optim, train, state, tier
+
+
+def _train(rank: int, model, optim, train, state, tier, opts: dict) -> tuple[dict, int]:
+    """The warm-up, then the timed steps, the modes rotating in blocks: per mode the wall,
+    training-thread CPU and save seconds of every step, and how many timed steps sent a copy."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic_harness.runtime.vote import StepVote
+
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(15, 16, generator=gen), torch.randn(15, 1, generator=gen)
+    samples = {k: {m: [] for m in MODES} for k in ("wall", "cpu", "save")}
+    sent, warmup = 0, 30
+    for i in range(warmup + opts["steps"]):
+        mode = MODES[(i // opts["block"]) % 3] if i >= warmup else "copy"
+        t0, c0 = time.perf_counter(), time.thread_time()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        # the step's vote, as ``runtime.hook`` starts it: copies busy or moving anywhere
+        totals = StepVote(float(loss.detach()), copies_busy=tier.busy(), copies_moving=tier.moving()).pack()
+        work = dist.all_reduce(totals, async_op=True)
+        optim.step()
+        optim.zero_grad()
+        work.wait()
+        vote = StepVote.unpack(totals)
+        train.step += 1
+        train.data = train.data.advance(30)
+        s0 = time.perf_counter()
+        if mode != "none":
+            send = mode == "copy" and not vote.copies_busy
+            tier.save(train.step, state, send=send, settled=not vote.copies_moving)
+            sent += int(send and i >= warmup)
+        s1 = time.perf_counter()
+        if i >= warmup:
+            samples["wall"][mode].append(s1 - t0)
+            samples["cpu"][mode].append(time.thread_time() - c0)
+            if mode != "none":
+                samples["save"][mode].append(s1 - s0)
+    return samples, sent
 
 
 def _parts(tier, state) -> dict:

@@ -12,12 +12,12 @@ the goals are stated in, and whether each goal was met:
   tensor-parallel split) / same-layout load 2 -> 2                          <= 1.5
 - step-time overhead of training with an async save every N steps          <= 3 %
 
-Beside that overhead, the same run measures two floors (``ckpt_train``): a low-priority
-process writing the same number of raw bytes + fsync every N steps, with ``O_DIRECT`` and
+Beside that overhead, the same run measures two floors (``ckpt_floor``): a low-priority
+thread writing the same number of raw bytes + fsync every N steps, with ``O_DIRECT`` and
 through the page cache, no DCP. ``ratios.async_save_over_floor_direct`` says how far above
 that floor the harness is; ``overhead_spread`` gives the quartiles of each kind's overhead
 over the windows, each window paired with the no-save window of the same round.
-``extra_cpu_s_per_save`` is the CPU each save adds to the ranks and their writer processes;
+``extra_cpu_s_per_save`` is the CPU each save adds to the ranks (all their threads);
 ``machine_s_per_save`` what it adds to the whole machine's time, by kind (user, kernel,
 idle, iowait, steal: on a VM, a durable write also costs host time taken from the VM's CPUs).
 ``--train-only`` skips the save and load measurements.
@@ -123,8 +123,8 @@ def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
 
 
 def stop_ranks(processes: list, grace_s: float = 10.0) -> None:
-    """SIGTERM the bench's rank processes still running (their writer processes die with
-    them), SIGKILL those that outlive ``grace_s``, and reap them all."""
+    """SIGTERM the bench's rank processes still running, SIGKILL those that outlive
+    ``grace_s``, and reap them all."""
     for p in processes:
         if p.is_alive():
             p.terminate()
@@ -150,7 +150,6 @@ _RATIOS = {  # name: (numerator, denominator, minus one)
     "layout_change_load_over_same_layout": ("load_layout_change_2to2", "load_same_layout_2to2", False),
     "step_overhead_async_save": ("step_async_save", "step_no_save", True),
     "step_overhead_sync_save": ("step_sync_save", "step_no_save", True),
-    "step_overhead_async_save_process": ("step_async_save_process", "step_no_save", True),
     "step_overhead_floor_direct": ("step_floor_direct", "step_no_save", True),
     "step_overhead_floor_buffered": ("step_floor_buffered", "step_no_save", True),
     "async_save_over_floor_direct": ("step_async_save", "step_floor_direct", True),
@@ -174,7 +173,7 @@ def ratios_of(med: dict[str, float]) -> dict[str, float]:
 
 
 def extra_cpu(med: dict[str, float], every: int) -> dict[str, float]:
-    """Pure: CPU seconds (both ranks and their writer processes, not kernel threads) each
+    """Pure: CPU seconds (both ranks, all their threads, not kernel threads) each
     save adds, from the medians of CPU per step: less sensitive to others' load than time."""
     base = med.get("cpu_step_no_save")
     return {k[len("cpu_step_"):]: round((v - base) * every, 4) for k, v in med.items()

@@ -97,10 +97,9 @@ def local_tensors(state: dict) -> list[torch.Tensor]:
     return [d.to_local() for part in state.values() for d in part.values()]
 
 
-def make_manager(rank: int, root: Path, group: Any, async_save: bool, events: Events,
-                 writer: str = "thread") -> CheckpointManager:
+def make_manager(rank: int, root: Path, group: Any, async_save: bool, events: Events) -> CheckpointManager:
     storage = LocalStorage(root)
     storage.ensure()
-    policy = CheckpointSpec(keep=2, async_save=async_save, verify="size", writer=writer)
+    policy = CheckpointSpec(keep=2, async_save=async_save, verify="size")
     return CheckpointManager(storage, policy, rank=rank, world_size=2, group=group, events=events,
                              info={"task": "bench", "job": "bench"})

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_harness.bench.ckpt_common import sharded, timed
 from elastic_harness.bench.ckpt_train import save_phase, train_phase
+from elastic_harness.checkpoint.safe_metadata import SafeFileSystemReader as reader
 
 N_MATRICES, COLS = 8, 1024
 
@@ -104,11 +105,11 @@ def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: 
     def one(kind: str) -> None:
         prep()
         if kind == "load_resharded_2to3":
-            t = timed(lambda: dcp.load(more, checkpoint_id=str(src), process_group=world), world)
+            t = timed(lambda: dcp.load(more, storage_reader=reader(src), process_group=world), world)
         elif rank < 2 and kind == "load_same_layout_2to2":
-            t = timed(lambda: dcp.load(same, checkpoint_id=str(src), process_group=g2), g2)
+            t = timed(lambda: dcp.load(same, storage_reader=reader(src), process_group=g2), g2)
         elif rank < 2 and kind == "load_layout_change_2to2":
-            t = timed(lambda: dcp.load(across, checkpoint_id=str(src), process_group=g2), g2)
+            t = timed(lambda: dcp.load(across, storage_reader=reader(src), process_group=g2), g2)
         elif rank < 2:  # the seeds' way: every rank reads the whole file, keeps its part
             t = timed(lambda: _legacy_load(legacy, same), g2)
         else:
@@ -119,6 +120,11 @@ def load_phase(rank: int, full: dict, mesh2: DeviceMesh, mesh3: DeviceMesh, g2: 
     for r in range(repeats):
         for kind in kinds[r % 4:] + kinds[:r % 4]:
             one(kind)
+    _check_loaded(rank, full, more, across)
+
+
+def _check_loaded(rank: int, full: dict, more: dict, across: dict | None) -> None:
+    """The resharded loads returned this rank's part of the saved values."""
     ok = all(torch.equal(more[p][n].to_local(), full[p][n].chunk(3)[rank]) for p in full for n in full[p])
     assert ok, "resharded load returned wrong values"
     ok = rank == 2 or all(torch.equal(across[p][n].to_local(), full[p][n].chunk(2, dim=1)[rank])

@@ -14,20 +14,16 @@ Save measurements (per repeat, interleaved, order rotating):
 
 Training (``step_*``): a DDP MLP whose model + AdamW state is about ``size``; mean step time
 over ``steps`` steps with no saves, with an async save every ``every`` steps (as configured
-by default: bytes written by the background thread; and ``step_async_save_process``:
-written by the writer process, ``checkpoint.writer: process``), with a sync save every
-``every`` steps, and two *floors* (``floor``): every ``every`` steps a writer
-process in ``SCHED_IDLE`` writes as many raw bytes as this rank's share of a save from
-shared memory and fsyncs, with ``O_DIRECT`` straight from that memory (``step_floor_direct``)
-or through the page cache (``step_floor_buffered``): no DCP, no staging copy, no commit. What any design that
-writes those bytes durably on the same cores pays. A window is ``steps / every`` whole intervals of a run that saves
+by default), with a sync save every ``every`` steps, and two *floors* (``ckpt_floor``):
+raw durable writes of this rank's share of a save every ``every`` steps, with ``O_DIRECT``
+(``step_floor_direct``) or through the page cache (``step_floor_buffered``). A window is ``steps / every`` whole intervals of a run that saves
 every ``every`` steps: each starts with its save (of the state the previous step left) and
 gives that save its ``every`` steps to finish in, as every save of a long run has; the
 window ends once the last save has committed, so all of its cost is inside. (Saving at the
 end of each interval instead left the last save's whole write outside any overlap: one
 unoverlapped write per window, which no save of a long run pays.)
 
-Per window, besides its time: the CPU the ranks and their writer processes used
+Per window, besides its time: the CPU the ranks used, all their threads
 (``cpu_<kind>``), and where the whole machine's time went (``machine_<what>_<kind>``, from
 /proc/stat, read by rank 0: user, kernel, idle, iowait, steal), each per step.
 """
@@ -54,41 +50,20 @@ from elastic_harness.bench.ckpt_common import (
     sharded,
     timed,
 )
+from elastic_harness.bench.ckpt_floor import Floor
 from elastic_harness.runtime.state import ModelState, OptimState
 
 
 def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root: Path,
                repeats: int, samples: dict) -> None:
     state = sharded(full, mesh2, rank, 2, fill=True)
-    sync_ev, async_ev = Events(), Events()
-    sync_m = make_manager(rank, root / "sync", ckpt_group, False, sync_ev)
-    async_m = make_manager(rank, root / "async", ckpt_group, True, async_ev)
+    sync_m = make_manager(rank, root / "sync", ckpt_group, False, Events())
+    async_m = make_manager(rank, root / "async", ckpt_group, True, Events())
     step = iter(range(1, 10**9))
-    legacy, scratch = root / "legacy.pt", root / "scratch"
+    scratch = root / "scratch"
     (root / "raw").mkdir(exist_ok=True)
-
-    def baseline() -> None:
-        if rank == 0:
-            with open(legacy, "wb") as f:
-                torch.save(full, f)
-                f.flush()
-                os.fsync(f.fileno())
-        dist.barrier(group=g2)
-
-    def dcp_only() -> None:
-        dcp.save(state, checkpoint_id=str(scratch / str(next(step))), process_group=ckpt_group)
-
-    def async_save() -> None:
-        async_m.save(next(step), state, blocking=False)
-
-    kinds = {
-        "raw_write": lambda: raw_write(root / "raw" / f"rank{rank}.bin", local_tensors(state)),
-        "dcp_sync_save": lambda: sync_m.save(next(step), state, blocking=True),
-        "dcp_only_sync_save": dcp_only,
-        "async_blocking": async_save,
-        "baseline_save": baseline,
-    }
-    async_save()  # warm-ups: the first DCP save plans and allocates the staging buffer
+    kinds = _save_kinds(rank, full, state, root, g2, ckpt_group, step, sync_m, async_m)
+    kinds["async_blocking"]()  # warm-ups: the first DCP save plans and allocates the staging buffer
     async_m.wait()
     sync_m.save(next(step), state, blocking=True)
     names = list(kinds)
@@ -103,6 +78,31 @@ def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root
     dcp.save(state, checkpoint_id=str(root / "load-src"), process_group=ckpt_group)
     async_m.close()
     sync_m.close()
+
+
+def _save_kinds(rank: int, full: dict, state: dict, root: Path, g2: Any, ckpt_group: Any, step: Any,
+                sync_m: Any, async_m: Any) -> dict:
+    """Each save measured, by name (the module doc), as a call; ``step`` numbers the saves."""
+    legacy, scratch = root / "legacy.pt", root / "scratch"
+
+    def baseline() -> None:
+        if rank == 0:
+            with open(legacy, "wb") as f:
+                torch.save(full, f)
+                f.flush()
+                os.fsync(f.fileno())
+        dist.barrier(group=g2)
+
+    def dcp_only() -> None:
+        dcp.save(state, checkpoint_id=str(scratch / str(next(step))), process_group=ckpt_group)
+
+    return {
+        "raw_write": lambda: raw_write(root / "raw" / f"rank{rank}.bin", local_tensors(state)),
+        "dcp_sync_save": lambda: sync_m.save(next(step), state, blocking=True),
+        "dcp_only_sync_save": dcp_only,
+        "async_blocking": lambda: async_m.save(next(step), state, blocking=False),
+        "baseline_save": baseline,
+    }
 
 
 def _model(size: int) -> nn.Module:
@@ -120,45 +120,23 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     width = model.module[0].in_features
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, width, generator=gen), torch.randn(32, width, generator=gen)
-    state = {"model": ModelState(model), "optim": OptimState(model, optim)}
+
+    def train_step() -> None:
+        optim.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+
     managers = {
         "step_async_save": make_manager(rank, root / "train-async", ckpt_group, True, Events()),
         "step_sync_save": make_manager(rank, root / "train-sync", ckpt_group, False, Events()),
-        "step_async_save_process": make_manager(rank, root / "train-process", ckpt_group, True, Events(),
-                                                writer="process"),
     }
-    counter = iter(range(1, 10**9))
     floor = Floor(rank, root / "floor", [p.detach() for p in model.parameters()], world=2)
     runs = {**{k: managers.get(k) for k in ("step_no_save", *managers)},
             "step_floor_direct": floor.saver(direct=True), "step_floor_buffered": floor.saver(direct=False)}
-
-    def window(kind: str) -> float:
-        save = runs[kind]
-        dist.barrier(group=g2)
-        t0, cpu0, machine0 = time.perf_counter(), _cpu(save), machine_times()
-        for i in range(cfg["steps"]):
-            if save is not None and i % cfg["every"] == 0:
-                save.save(next(counter), state, blocking=kind == "step_sync_save")
-            optim.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
-            optim.step()
-        if save is not None:
-            save.wait()
-        if rank == 0:  # machine-wide: one rank's reading covers both
-            for what, secs in machine_times().items():
-                if what in machine0:
-                    samples.setdefault(f"machine_{what}_{kind}", []).append(
-                        (secs - machine0[what]) / cfg["steps"])
-        t = torch.tensor([(time.perf_counter() - t0) / cfg["steps"]], dtype=torch.float64)
-        cpu = torch.tensor([(_cpu(save) - cpu0) / cfg["steps"]], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g2)
-        dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=g2)
-        samples.setdefault("cpu_" + kind, []).append(float(cpu.item()))
-        return float(t.item())
-
-    for _ in range(2):  # warm-ups: plans, staging buffers (and their placement), allocator, writer processes
+    window = _Windows(rank, cfg, g2, {"model": ModelState(model), "optim": OptimState(model, optim)},
+                      train_step, runs, samples)
+    for _ in range(2):  # warm-ups: plans, staging buffers, allocator
         window("step_async_save")
-        window("step_async_save_process")
     window("step_floor_direct")
     for key in [k for k in samples if k.startswith(("cpu_", "machine_"))]:  # the warm-ups': not measurements
         del samples[key]
@@ -171,79 +149,34 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
     floor.close()
 
 
-def _cpu(save: Any) -> float:
-    """CPU seconds used so far by this process and by the writer process ``save`` uses."""
-    proc = getattr(getattr(save, "writer_process", None), "proc", None)
-    return time.process_time() + (_process_cpu(proc.pid) if proc is not None else 0.0)
+class _Windows:
+    """A window of ``cfg["steps"]`` training steps saving every ``cfg["every"]`` the way
+    ``runs[kind]`` does (None: no saves), ended once its last save committed: its mean step
+    time (the slower rank's), and into ``samples`` the ranks' CPU and the machine's time per step."""
 
+    def __init__(self, rank: int, cfg: dict, g2: Any, state: dict, train_step: Any, runs: dict,
+                 samples: dict) -> None:
+        self.rank, self.cfg, self.g2, self.state, self.train_step = rank, cfg, g2, state, train_step
+        self.runs, self.samples = runs, samples
+        self.counter = iter(range(1, 10**9))
 
-def _process_cpu(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-class Floor:
-    """Raw durable writes of one rank's share of the state by a ``SCHED_IDLE`` writer process."""
-
-    def __init__(self, rank: int, root: Path, tensors: list[torch.Tensor], world: int) -> None:
-        from elastic_harness.checkpoint.arena import Arena
-        from elastic_harness.checkpoint.offload import WriterProcess
-        from elastic_harness.checkpoint.scheduling import BackgroundThreads
-
-        root.mkdir(parents=True, exist_ok=True)
-        self.rank, self.root = rank, root
-        self.arena, self.threads = Arena(), BackgroundThreads(lowered=True)
-        flat = torch.cat([t.reshape(-1) for t in tensors])  # weights: 1/3 of the state
-        share = torch.cat([flat, flat, flat]).view(torch.uint8)
-        share = share[: share.numel() // world]
-        self.buf = self.arena.alloc(share.shape, torch.uint8)
-        self.buf.copy_(share)
-        self.proc = WriterProcess(self.arena, self.threads)
-        self.pending = None
-        self.n = 0
-
-    def saver(self, direct: bool) -> Any:
-        floor = self
-
-        class Saver:
-            writer_process = floor.proc
-
-            def save(self, step: int, state: Any, blocking: bool) -> None:
-                floor.save(direct)
-
-            def wait(self) -> None:
-                floor.wait()
-
-        return Saver()
-
-    def save(self, direct: bool) -> None:
-        self.wait()
-        if not self.proc.wait_ready(30):
-            raise RuntimeError("the floor's writer process did not start")
-        self.n += 1
-        path = self.root / f"rank{self.rank}-{self.n}.bin"
-        seg, off = self.arena.locate(self.buf.data_ptr(), self.buf.numel())
-        files = [(str(path), path.name, [(seg, off, self.buf.numel())])]
-        self.pending = self.threads.write(self._write, files, direct)
-
-    def _write(self, files: list, direct: bool) -> None:
-        """In the background thread: write, then drop the file before last (as retention would)."""
-        from elastic_harness.checkpoint.streams import WriteWatch
-
-        self.proc.write(files, True, WriteWatch(), direct)
-        (self.root / f"rank{self.rank}-{self.n - 1}.bin").unlink(missing_ok=True)
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            with self.threads.foreground():
-                self.pending.result()
-            self.pending = None
-
-    def close(self) -> None:
-        self.wait()
-        self.proc.close()
-        self.threads.shutdown()
-        self.arena.close()
+    def __call__(self, kind: str) -> float:
+        save, steps = self.runs[kind], self.cfg["steps"]
+        dist.barrier(group=self.g2)
+        t0, cpu0, machine0 = time.perf_counter(), time.process_time(), machine_times()
+        for i in range(steps):
+            if save is not None and i % self.cfg["every"] == 0:
+                save.save(next(self.counter), self.state, blocking=kind == "step_sync_save")
+            self.train_step()
+        if save is not None:
+            save.wait()
+        if self.rank == 0:  # machine-wide: one rank's reading covers both
+            for what, secs in machine_times().items():
+                if what in machine0:
+                    self.samples.setdefault(f"machine_{what}_{kind}", []).append((secs - machine0[what]) / steps)
+        t = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        cpu = torch.tensor([(time.process_time() - cpu0) / steps], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.g2)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=self.g2)
+        self.samples.setdefault("cpu_" + kind, []).append(float(cpu.item()))
+        return float(t.item())

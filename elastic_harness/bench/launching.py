@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
+import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from elastic_harness import runfiles
@@ -59,3 +63,31 @@ def log_tails(run_dir: Path, lines: int = 30) -> dict[str, list[str]]:
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, sig)
+
+
+def torchrun_command(spec, run_dir: Path, nproc: int, port: int, rdzv_id: str) -> list[str]:
+    """Pure: one plain torchrun agent on our worker entry. ``--log-dir`` is the only flag
+    beyond the comparison's: without it torchelastic makes ``torchelastic_*`` in /tmp."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={rdzv_id}", f"--max-restarts={spec.max_restarts}",
+            f"--log-dir={run_dir / 'logs'}",
+            "-m", "elastic_harness.runtime.entry", str(run_dir / runfiles.RESOLVED_SPEC), str(run_dir)]
+
+
+def torchrun_environ(base: Mapping[str, str], run_dir: Path, node: int) -> dict[str, str]:
+    """Pure: torch's default worker store (not our private one), the node name our fault
+    injector keys on, and torch's caches in the run dir (``launch.scratch``)."""
+    from elastic_harness.launch.scratch import torch_environ
+
+    env = {k: v for k, v in base.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["ELASTIC_HARNESS_NODE"] = str(node)
+    return {**env, **torch_environ(run_dir, env)}
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)

@@ -6,9 +6,21 @@ rendezvous settings, our worker entry ``-m elastic_harness.runtime.entry JOB RUN
 reads each run's ``events.jsonl`` with ``report.timeline``, and prints one JSON object
 with medians, ratios and whether each goal was met:
 
-- kill-node: SIGKILL one of 2 nodes (agent and workers; nodes.min=1), fault to the first
-  completed step after it, harness / torchrun, medians of ``--repeats`` runs     <= 0.03
+- kill-node: SIGKILL one of ``--nodes`` (default 2) nodes (agent and workers;
+  nodes.min=1), fault to the first completed step after it, harness / torchrun, medians of
+  ``--repeats`` runs                                                              <= 0.03
   and steps redone per node loss (mean, durable saves every 50 steps)               <= 1
+  with a row per placement (``bench.nodeloss``): every node on this host (``same_host``,
+  the ratio above) and each node a simulated host of its own (``separate_hosts``: own
+  pid, UTS and network namespaces, as root), each with its phases   separate <= 0.5 s
+- spare: ``--nodes`` nodes and one hot spare (``nodes.spares``); once the spare waits,
+  node 1 is SIGKILLed: fault to the first step, at an unchanged world size        <= 1 s
+- soak: ``--soak-jobs`` fault-free jobs at once for ``--soak-duration`` s, each with a 20 s
+  synchronous save, a slow evaluation and an unannounced pause of one node
+  (``bench.soak_script``): node-lost verdicts, hangs or failures they report       0
+- hang-node: one of ``--nodes`` nodes frozen (SIGSTOP, no connection reset), the same rows
+  and torchrun given the same fault; a launcher still not recovered 240 s after it is
+  stopped there and reported so                                             <= 5 s
 - kill-worker: SIGKILL one rank, same measure, harness / torchrun, median over
   ``--faults`` faults injected at different steps of one long run each (durable
   checkpoints every 50 steps), with the median of each recovery phase
@@ -51,17 +63,23 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import check_out, crash_stats, resize, scratch_dir
-from elastic_harness.bench.launching import _signal_group, _spawn, log_tails, write_job
+from elastic_harness.bench import check_out, crash_stats, nodeloss, resize, scratch_dir
+from elastic_harness.bench.launching import (
+    _signal_group,
+    _spawn,
+    _wait_for_port,
+    log_tails,
+    torchrun_command,
+    torchrun_environ,
+    write_job,
+)
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import EventLog, read_events
 from elastic_harness.report.probe import probe_cost
@@ -80,7 +98,7 @@ PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in eac
 
 
 
-PARTS = ["kill-node", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
+PARTS = ["kill-node", "hang-node", "spare", "soak", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -88,6 +106,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5, help="kill-node runs per launcher; medians reported (default 5)")
     p.add_argument("--faults", type=int, default=20, help="kill-worker faults in the restart run (default 20)")
+    p.add_argument("--soak-duration", type=float, default=600.0,
+                   help="soak: seconds the fault-free jobs run (default 600)")
+    p.add_argument("--soak-jobs", type=int, default=3,
+                   help="soak: jobs at once, each 2 nodes x 1 rank (they load the machine) (default 3)")
+    p.add_argument("--nodes", type=int, default=2,
+                   help="kill-node and hang-node: nodes of 1 rank, node 1 is hit (default 2)")
     p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput fault schedule (default 0)")
     p.add_argument("--scale-up-hidden", type=int, default=256,
@@ -110,6 +134,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_recovery(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.faults < 1 or args.scale_up_hidden < 1:
         raise HarnessError("--repeats, --faults and --scale-up-hidden must be >= 1")
+    if args.soak_duration <= 0 or args.soak_jobs < 1:
+        raise HarnessError("--soak-duration must be positive and --soak-jobs at least 1")
+    if args.nodes < 2:
+        raise HarnessError(f"--nodes {args.nodes}: a node loss needs a survivor", "pass --nodes 2 or more")
     if not 0 < args.churn_replace_after < args.churn_every < args.churn_duration:
         raise HarnessError("the churn needs 0 < --churn-replace-after < --churn-every < --churn-duration",
                            "e.g. --churn-duration 600 --churn-every 120 --churn-replace-after 10")
@@ -119,7 +147,14 @@ def cmd_recovery(args: argparse.Namespace) -> int:
     report: dict = {"bench": "recovery", "settings": _settings(args, parts, scratch)}
     try:
         if "kill-node" in parts:
-            report["kill_node"] = bench_kill_node(scratch, args.repeats, args.parallelism)
+            report["kill_node"] = bench_kill_node(scratch, args.repeats, args.parallelism, args.nodes)
+        if "hang-node" in parts:
+            report["hang_node"] = nodeloss.bench_node_fault(scratch, "hang-node", args.repeats, args.nodes,
+                                                            args.parallelism)
+        if "spare" in parts:
+            report["spare"] = nodeloss.bench_spare(scratch, args.repeats, max(args.nodes, 2))
+        if "soak" in parts:
+            report["soak"] = nodeloss.bench_soak(scratch, args.soak_duration, args.soak_jobs)
         if "kill-worker" in parts:
             report["kill_worker"] = bench_kill_worker(scratch, args.faults)
         if "anytime" in parts:
@@ -149,6 +184,7 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
     duration, interval = (300, 60) if args.long else (120, 20)
     return {
         "parts": parts, "repeats": args.repeats, "parallelism": args.parallelism, "kill_worker_faults": args.faults,
+        "nodes": args.nodes,
         "goodput_mode": ("long" if args.long else "short (use --long for the goal's 1 fault/60 s over 5 min)"),
         "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
         "churn_duration_s": args.churn_duration, "churn_every_s": args.churn_every,
@@ -162,17 +198,33 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
 # --- the three measurements ----------------------------------------------------------------
 
 
-def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp") -> dict:
-    """Kill node 1 of 2 at step 40; harness and torchrun runs alternate."""
-    job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=2, every=NODE_CKPT_EVERY,
-                    parallelism=parallelism)
-    out: dict[str, list] = {"harness": [], "torchrun": []}
+def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes: int = 2) -> dict:
+    """Kill node 1 of ``nodes`` at step 40; harness (same host, and separate hosts where
+    root: ``bench.nodeloss``) and torchrun runs alternate."""
+    job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=nodes,
+                    every=NODE_CKPT_EVERY, parallelism=parallelism)
+    launchers = ["harness", *(["separate_hosts"] if os.geteuid() == 0 else []), "torchrun"]
+    out: dict[str, list] = {name: [] for name in launchers}
     for r in range(repeats):
-        for launcher in ("harness", "torchrun"):
+        for launcher in launchers:
             run_dir = scratch / f"kill-node-{launcher}-{r}"
-            code = launch(launcher, job, run_dir, nodes=2, nproc=1, chaos=["kill-node:1@40"], timeout=420)
-            out[launcher].append(_one_recovery(run_dir, code))
+            load = round(os.getloadavg()[0], 2)
+            if launcher == "separate_hosts":
+                code = nodeloss.harness(job, run_dir, nodes, "kill-node", separate=True)
+            else:
+                code = launch(launcher, job, run_dir, nodes=nodes, nproc=1, chaos=["kill-node:1@40"], timeout=420)
+            out[launcher].append({**_one_recovery(run_dir, code), "load": load,
+                                  "phases": nodeloss.measure(run_dir, code)["phases"],
+                                  # stopped by the bench (no progress for STALL_S, or past 420 s)
+                                  "stopped_at_bound": code is None})
+    separate = out.pop("separate_hosts", None)
     result = _compare(out, GOALS["kill_node_ratio"])
+    result["nodes"] = nodes
+    result["torchrun_stopped_at_bound"] = sum(r["stopped_at_bound"] for r in out["torchrun"])  # never recovered
+    result["rows"] = {"same_host": nodeloss.summarize(out["harness"], out["torchrun"]),
+                      "separate_hosts": (nodeloss.summarize(separate, out["torchrun"]) if separate is not None
+                                         else {"skipped": "needs root (network, pid and UTS namespaces)"})}
+    result["separate_hosts_goal"] = nodeloss.goals("kill-node", result["rows"])
     lost = [r["steps_lost"] for r in out["harness"] if r.get("steps_lost") is not None]
     result["steps_redone_mean"] = round(sum(lost) / len(lost), 2) if lost else None
     result["steps_redone_goal"] = f"mean <= {GOALS['node_steps_redone']} (durable saves every {NODE_CKPT_EVERY})"
@@ -269,19 +321,7 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     rows: dict[str, list] = {"own_only": [], "with_copies": []}
     for r in range(repeats):
         for name, copies in (("own_only", "false"), ("with_copies", "true")):
-            run_dir = scratch / f"buddy-cost-{name}-{r}"
-            code = launch("harness", job, run_dir, nodes=2, nproc=1, chaos=[], timeout=600,
-                          sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}",
-                                f"checkpoint.memory_buddy={copies}"])
-            events = read_events(run_dir / runfiles.EVENTS)
-            probe = probe_cost(events, skip=COST_WARMUP)
-            copy_events = [e for e in events if e["event"] == "buddy"]
-            tier = [e for e in events if e["event"] == "memory" and e.get("copy_s") and e.get("every")]  # not probe-off
-            rows[name].append({"exit": code, "cost": probe.cost if probe else None,
-                               "pairs": probe.pairs if probe else [],
-                               "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
-                               # the tier's last measured figures: snapshot and copy intervals and costs
-                               "tier": tier_before([*tier, {"event": "fault"}]) if tier else None})
+            rows[name].append(_buddy_cost_run(job, scratch / f"buddy-cost-{name}-{r}", copies))
     out: dict = {"parallelism": "fsdp", "nodes": 2, "nproc_per_node": 1, "probe_block_steps": PROBE_BLOCK,
                  "steps": COST_STEPS, "warmup_steps": COST_WARMUP, "memory_every": 1}
     for name, runs in rows.items():
@@ -302,6 +342,21 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     out["goal"] = f"copies_cost <= {GOALS['memory_cost']}"
     out["met"] = out["copies_cost"] is not None and out["copies_cost"] <= GOALS["memory_cost"]
     return out
+
+
+def _buddy_cost_run(job: Path, run_dir: Path, copies: str) -> dict:
+    """One probed run of ``bench_buddy_cost``, buddy copies on (``copies`` "true") or off."""
+    code = launch("harness", job, run_dir, nodes=2, nproc=1, chaos=[], timeout=600,
+                  sets=["checkpoint.memory_every=1", f"checkpoint.memory_probe={PROBE_BLOCK}",
+                        f"checkpoint.memory_buddy={copies}"])
+    events = read_events(run_dir / runfiles.EVENTS)
+    probe = probe_cost(events, skip=COST_WARMUP)
+    copy_events = [e for e in events if e["event"] == "buddy"]
+    tier = [e for e in events if e["event"] == "memory" and e.get("copy_s") and e.get("every")]  # not probe-off
+    return {"exit": code, "cost": probe.cost if probe else None, "pairs": probe.pairs if probe else [],
+            "copy_bytes": copy_events[0]["bytes"] if copy_events else None,
+            # the tier's last measured figures: snapshot and copy intervals and costs
+            "tier": tier_before([*tier, {"event": "fault"}]) if tier else None}
 
 
 def bench_goodput(scratch: Path, long: bool, seed: int) -> dict:
@@ -420,6 +475,14 @@ def goals_met(report: dict, repeats: int) -> dict:
     if "kill_node" in report:
         out["kill_node_ratio"] = report["kill_node"]["met"]
         out["kill_node_steps_redone"] = report["kill_node"].get("steps_redone_met", False)
+        if "separate_hosts_goal" in report["kill_node"]:
+            out["kill_node_separate_hosts"] = report["kill_node"]["separate_hosts_goal"]["met"]
+    if "hang_node" in report:
+        out["hang_node"] = report["hang_node"]["met"]
+    if "spare" in report:
+        out["spare"] = report["spare"]["met"]
+    if "soak" in report:
+        out["soak_no_false_detection"] = report["soak"]["met"]
     for part in ("kill_worker", "anytime"):
         if part in report:
             out.update({f"{part}_{k}": v for k, v in report[part]["met"].items()})
@@ -489,34 +552,6 @@ def _torchrun_nodes(spec, run_dir: Path, nodes: int, nproc: int, port: int, rdzv
     EventLog(run_dir / runfiles.EVENTS).emit("exit", who="host", code=None if stuck else max(codes),
                                             message="stopped by the bench: no progress or timeout" if stuck else "")
     return None if stuck else codes[0]
-
-
-def torchrun_command(spec, run_dir: Path, nproc: int, port: int, rdzv_id: str) -> list[str]:
-    """Pure: one plain torchrun agent on our worker entry. ``--log-dir`` is the only flag
-    beyond the comparison's: without it torchelastic makes ``torchelastic_*`` in /tmp."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes.min}:{spec.nodes.max}",
-            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={rdzv_id}", f"--max-restarts={spec.max_restarts}",
-            f"--log-dir={run_dir / 'logs'}",
-            "-m", "elastic_harness.runtime.entry", str(run_dir / runfiles.RESOLVED_SPEC), str(run_dir)]
-
-
-def torchrun_environ(base: Mapping[str, str], run_dir: Path, node: int) -> dict[str, str]:
-    """Pure: torch's default worker store (not our private one), the node name our fault
-    injector keys on, and torch's caches in the run dir (``launch.scratch``)."""
-    from elastic_harness.launch.scratch import torch_environ
-
-    env = {k: v for k, v in base.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    env["ELASTIC_HARNESS_NODE"] = str(node)
-    return {**env, **torch_environ(run_dir, env)}
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.1)
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interrupt_first: bool = False,

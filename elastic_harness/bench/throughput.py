@@ -48,6 +48,11 @@ compute, optimizer, hook, outside the loop body). Goals:
 To add a row (another data source, another setting), add a ``Row`` to ``ROWS`` and, if
 its sides need more, a branch in ``tput_run.harness_job`` / ``tput_run.plain_command``.
 
+A run that fails (exits non-zero, or leaves too few step stamps) does not end the bench: its
+repeat's pair is left out of every figure of its row and listed in ``failed_pairs`` with the
+failing side's error (``failed_runs`` counts them); goals need ``MIN_REPEATS_FOR_GOALS`` good
+pairs per row. The exit code is 1 only when a row has no good pair at all.
+
 Each run also records the CPU seconds its processes used and, from ``/proc/stat``, how
 many cores other processes kept busy meanwhile (``others_cores_median``): on a shared
 machine that is the load the ratios were measured under. Parallel loading can only help
@@ -208,7 +213,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 0
+    if stream not in ("off", "also"):
+        return 0
+    code = exit_code(report, cases_of(args))
+    for c in cases_of(args):
+        for f in report[c]["failed_pairs"]:
+            print(f"bench throughput: {c} repeat {f['repeat']} left out: " +
+                  "; ".join(f"{s} {f[s]}" for s in SIDES if s in f), file=sys.stderr)
+    return code
 
 
 def _stream_rows(args: argparse.Namespace, scratch: Path) -> dict:
@@ -240,12 +252,18 @@ def measure(args: argparse.Namespace, scratch: Path) -> list[dict]:
     results = []
     for r, case, side in schedule(args.repeats, cases_of(args)):
         run_dir = scratch / f"{case}-{side}-{r}"
-        record = tput_run.launch(side, ROWS[case], args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
-        record.update(repeat=r, case=case, side=side,
-                      samples_per_s=steady_rate(record["stamps"], args.warmup, args.global_batch),
-                      cpu_ms_per_step=cpu_per_step_ms(record["cpu"], args.warmup),
-                      phases_ms={k: _median_ms(v[args.warmup:]) for k, v in record["phases"].items()},
-                      hook_ms=_median_ms(record["hook_s"][args.warmup:]))
+        try:
+            record = tput_run.launch(side, ROWS[case], args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
+            record.update(repeat=r, case=case, side=side,
+                          samples_per_s=steady_rate(record["stamps"], args.warmup, args.global_batch),
+                          cpu_ms_per_step=cpu_per_step_ms(record["cpu"], args.warmup),
+                          phases_ms={k: _median_ms(v[args.warmup:]) for k, v in record["phases"].items()},
+                          hook_ms=_median_ms(record["hook_s"][args.warmup:]))
+        except (HarnessError, ValueError) as e:  # one run failed: its pair is reported, the rest kept
+            why = e.message if isinstance(e, HarnessError) else f"its step stamps cannot be timed: {e}"
+            results.append({"repeat": r, "case": case, "side": side, "failed": why})
+            print(f"bench throughput: {case} {side} repeat {r} FAILED: {why}", file=sys.stderr, flush=True)
+            continue
         for key in ("stamps", "cpu", "hook_s", "phases"):
             del record[key]
         results.append(record)
@@ -266,9 +284,23 @@ def goal(value: float | None, target: float, enough: bool) -> dict:
     return {"value": value, "target": f">= {target}", "met": bool(met and enough)}
 
 
+def failed_pairs(results: list[dict], case: str) -> list[dict]:
+    """Pure: the repeats of ``case`` with a failed side: which side, and what it said."""
+    failed: dict[int, dict] = {}
+    for x in results:
+        if x["case"] == case and x.get("failed"):
+            failed.setdefault(x["repeat"], {"repeat": x["repeat"]})[x["side"]] = x["failed"]
+    return [failed[r] for r in sorted(failed)]
+
+
 def summarize_case(results: list[dict], case: str) -> dict:
-    """Medians per side, their ratio, and the ratio of each repeat's adjacent pair."""
-    runs = {s: sorted((x for x in results if x["case"] == case and x["side"] == s), key=lambda x: x["repeat"])
+    """Medians per side, their ratio, and the ratio of each repeat's adjacent pair, over the
+    good pairs only (a repeat whose harness or plain run failed is left out of all of them
+    and listed in ``failed_pairs``, with the failing side's error)."""
+    failed = failed_pairs(results, case)
+    bad = {f["repeat"] for f in failed}
+    runs = {s: sorted((x for x in results if x["case"] == case and x["side"] == s and x["repeat"] not in bad),
+                      key=lambda x: x["repeat"])
             for s in SIDES}
     rates = {s: [x["samples_per_s"] for x in runs[s]] for s in SIDES}
     med = {s: statistics.median(v) if v else None for s, v in rates.items()}
@@ -292,6 +324,8 @@ def summarize_case(results: list[dict], case: str) -> dict:
         "wall_s_median": {s: _median_of(runs[s], "wall_s") for s in SIDES},
         "others_cores_median": {s: _median_of(runs[s], "others_cores") for s in SIDES},
         "samples_per_s": {s: [_round(v) for v in rates[s]] for s in SIDES},
+        "good_pairs": len(pairs),
+        "failed_pairs": failed,
     }
 
 
@@ -315,8 +349,9 @@ def _round(x: float | None, digits: int = 2) -> float | None:
 
 def summarize(results: list[dict], args: argparse.Namespace, load: tuple, kept: str | None) -> dict:
     cases = cases_of(args)
-    enough = args.repeats >= MIN_REPEATS_FOR_GOALS
     per_case = {c: summarize_case(results, c) for c in cases}
+    enough = args.repeats >= MIN_REPEATS_FOR_GOALS and all(per_case[c]["good_pairs"] >= MIN_REPEATS_FOR_GOALS
+                                                           for c in cases)
     for c in cases:
         per_case[c].update(nproc_per_node=nproc_of(args, c), expected_samples=args.steps * args.global_batch,
                            harness_data_workers=args.workers if ROWS[c].costly else 0, plain_num_workers=0,
@@ -329,8 +364,16 @@ def summarize(results: list[dict], args: argparse.Namespace, load: tuple, kept: 
         **per_case,
         "goals": goals,
         "all_goals_met": all(g["met"] for g in goals.values()),
-        "note": "" if enough else f"goals need --repeats >= {MIN_REPEATS_FOR_GOALS}; marked not met",
+        "note": "" if enough else f"goals need {MIN_REPEATS_FOR_GOALS} good pairs per row (--repeats >= "
+                f"{MIN_REPEATS_FOR_GOALS}, no failed run); marked not met",
+        "failed_runs": sum(len(per_case[c]["failed_pairs"]) for c in cases),
     }
+
+
+def exit_code(report: dict, cases: list[str]) -> int:
+    """Pure: 1 when a row has no good pair (nothing of it was measured), else 0: failed pairs
+    are reported in the JSON (``failed_pairs``) and leave the other pairs' figures standing."""
+    return 1 if any(report[c]["good_pairs"] == 0 for c in cases) else 0
 
 
 def config_of(args: argparse.Namespace, load: tuple, kept: str | None) -> dict:

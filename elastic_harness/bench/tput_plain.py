@@ -42,15 +42,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    if args.hsdp_shard:  # the hsdp row: what a torchrun user writes for HSDP
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world // args.hsdp_shard, args.hsdp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-        model = fully_shard(build_model(args.hidden), mesh=mesh)
-    else:
-        model = DDP(build_model(args.hidden))
+    model = _wrapped(args, world)
     optimizer = build_optimizer(model)
     data = open_images(args.data, args.data_dir)
     sampler = DistributedSampler(data, seed=0, drop_last=True)
@@ -62,12 +54,7 @@ def main() -> None:
         clock.tick()
         for i in range(accumulate):
             x, y = next(batches)
-            if args.hsdp_shard:
-                model.set_requires_gradient_sync(i == accumulate - 1)
-                sync = contextlib.nullcontext()
-            else:
-                sync = contextlib.nullcontext() if i == accumulate - 1 else model.no_sync()
-            with sync:
+            with _sync(model, args, i == accumulate - 1):
                 loss = F.cross_entropy(model(x), y) / accumulate
                 loss.backward()
             clock.count(len(y))
@@ -78,12 +65,36 @@ def main() -> None:
         if rank == 0 and (step + 1) % args.log_every == 0:
             print(f"step {step + 1} loss {loss.item() * accumulate:.4f}", flush=True)
         if rank == 0 and args.save_every and (step + 1) % args.save_every == 0:
-            # what a plain script does (nanoGPT's ckpt.pt): rank 0, synchronous, overwritten
-            torch.save({"model": getattr(model, "module", model).state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1}, Path(args.save_dir) / "ckpt.pt")
+            _save(model, optimizer, step + 1, Path(args.save_dir) / "ckpt.pt")
         clock.mark("hook")
     clock.finish(args.out, side="plain", accumulate=accumulate)
     dist.destroy_process_group()
+
+
+def _wrapped(args, world: int) -> torch.nn.Module:
+    """DDP, or (the hsdp row) FSDP2 on a (replicate, shard) mesh, as a torchrun user writes HSDP."""
+    if not args.hsdp_shard:
+        return DDP(build_model(args.hidden))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world // args.hsdp_shard, args.hsdp_shard),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    return fully_shard(build_model(args.hidden), mesh=mesh)
+
+
+def _sync(model: torch.nn.Module, args, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients all-reduced on a step's last micro-batch only (FSDP2's flag, DDP's ``no_sync``)."""
+    if args.hsdp_shard:
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last else model.no_sync()
+
+
+def _save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, path: Path) -> None:
+    """What a plain script does (nanoGPT's ckpt.pt): rank 0, synchronous, overwritten."""
+    torch.save({"model": getattr(model, "module", model).state_dict(), "optimizer": optimizer.state_dict(),
+                "step": step}, path)
 
 
 if __name__ == "__main__":

@@ -23,30 +23,17 @@ def plain_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, IterableDataset
+    from torch.utils.data import DataLoader
 
     from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer
-    from elastic_harness.data.adapters import tar_stream
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shards = json.loads(Path(args.shards).read_text())
-
-    reader = tar_stream(shards)  # the same tar parsing as the harness side, nothing else
-    decode = decoder(args.data)  # and the same decoding (costly: JPEG decode + augmentation)
-
-    class RankShards(IterableDataset):
-        def __iter__(self):
-            while True:  # epochs, the rank's shards in order
-                for path in shards[rank::world]:
-                    for sample in reader.open(path):
-                        yield decode(sample)
-
     model = DDP(build_model(args.hidden))
     optimizer = build_optimizer(model)
-    batches = iter(DataLoader(RankShards(), batch_size=args.micro_batch, num_workers=0))
+    batches = iter(DataLoader(rank_shards(args, rank, world), batch_size=args.micro_batch, num_workers=0))
     accumulate = args.global_batch // (world * args.micro_batch)
     clock = StepClock(rank, world)
     for _ in range(args.steps):
@@ -60,6 +47,27 @@ def plain_main(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
     clock.finish(args.out, side="plain", accumulate=accumulate)
     dist.destroy_process_group()
+
+
+def rank_shards(args: argparse.Namespace, rank: int, world: int):
+    """An ``IterableDataset`` of this rank's shards (``i % world == rank``), in order, epoch
+    after epoch: the same tar parsing (``tar_stream``) and decoding (``decoder``: costly is
+    JPEG decode + augmentation) as the harness side, nothing else."""
+    from torch.utils.data import IterableDataset
+
+    from elastic_harness.data.adapters import tar_stream
+
+    shards = json.loads(Path(args.shards).read_text())
+    reader, decode = tar_stream(shards), decoder(args.data)
+
+    class RankShards(IterableDataset):
+        def __iter__(self):
+            while True:
+                for path in shards[rank::world]:
+                    for sample in reader.open(path):
+                        yield decode(sample)
+
+    return RankShards()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class ChaosController:
         self.fired: set[int] = set()
         self.step = 0
         self.workers: dict[int, tuple[int, str]] = {}  # rank -> (pid, node), latest generation
-        self.heals: list[tuple[float, int]] = []  # (when, node) for timed partitions
+        self.heals: list[tuple[float, int, str]] = []  # (when, node, kind) for timed partitions and hangs
         self.done: list[dict] = []  # the fault events seen (worker- and host-fired)
         self.joined: set[str] = set()  # every node a worker reported from, in any generation
 
@@ -77,25 +77,35 @@ class ChaosController:
     def tick(self, cluster: LocalCluster) -> None:
         self._take_requests()
         now = self.clock()
-        for when, node in [h for h in self.heals if h[0] <= now]:
-            self.heals.remove((when, node))
-            cluster.netns.heal(node)
+        for when, node, kind in [h for h in self.heals if h[0] <= now]:
+            self.heals.remove((when, node, kind))
             self.events.emit("fault", kind="heal", target=node, step=self.step, node=str(node),
-                             detail=f"link of node {node} up")
+                             detail=self._heal(cluster, node, kind))
         for i in due(self.faults, self.fired, self.step, self.clock() - self.t0):
             f = self.faults[i]
             if not ready(f, self.workers, cluster.nodes):
                 continue  # that rank or node has not started yet; try again later
             self.fired.add(i)
             node, detail = fire(f, cluster, self.workers)
-            if f.kind == "partition" and f.duration:
-                self.heals.append((self.clock() + f.duration, f.target))
+            if f.kind in ("partition", "hang-node") and f.duration:
+                self.heals.append((self.clock() + f.duration, f.target, f.kind))
             self.events.emit("fault", kind=f.kind, target=f.target, step=self.step, node=node, detail=detail)
+
+    def _heal(self, cluster: LocalCluster, node: int, kind: str) -> str:
+        """End a timed fault on ``node``: bring its link up, or thaw it (SIGCONT)."""
+        if kind == "partition":
+            cluster.netns.heal(node)
+            return f"link of node {node} up"
+        cluster.signal_node(node, signal.SIGCONT)
+        for pid, where in self.workers.values():
+            if where == str(node):
+                _signal(_here(cluster, where, pid), signal.SIGCONT)
+        return f"node {node} thawed (SIGCONT)"
 
     def thaw(self, cluster: LocalCluster) -> None:
         """SIGCONT every process a hang froze, so shutdown is not held up by them."""
-        for pid, _ in self.workers.values():
-            _signal(pid, signal.SIGCONT)
+        for pid, node in self.workers.values():
+            _signal(_here(cluster, node, pid), signal.SIGCONT)
         for index in cluster.running():
             cluster.signal_node(index, signal.SIGCONT)
 
@@ -141,22 +151,31 @@ def fire(f: FaultSpec, cluster: LocalCluster, workers: dict[int, tuple[int, str]
 def _send(kind: Kind, target: int, cluster: LocalCluster, workers: dict[int, tuple[int, str]]) -> str:
     sig = kind.signal
     if kind.reaches == "rank":
-        pid = workers[target][0]
-        _signal(pid, sig)
+        pid, node = workers[target]
+        _signal(_here(cluster, node, pid), sig)
         return f"{sig.name} rank {target} (pid {pid})"
     if kind.reaches == "agent":
-        pid = cluster.nodes[target].proc.pid
+        pid = cluster.agent_pid(target)
         _signal(pid, sig)
         return f"{sig.name} node {target}'s agent (pid {pid})"
     cluster.signal_node(target, sig)
     if kind.reaches == "agent-group":
         return f"{sig.name} node {target} (agent, and so its workers)"
+    if cluster.nodes[target].separate:  # signal_node reached every process of that host
+        return f"{sig.name} node {target} (every process of its host)"
     pids = [pid for pid, node in workers.values() if node == str(target)]
     for pid in pids:
         _signal(pid, sig)
     return f"{sig.name} node {target} (agent and workers {pids})"
 
 
-def _signal(pid: int, sig: int) -> None:
+def _here(cluster: LocalCluster, node: str, pid: int) -> int | None:
+    """A worker's pid as its node reported it, in this machine's namespace (``host_pid``)."""
+    return cluster.host_pid(int(node), pid) if node.isdigit() else pid
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)

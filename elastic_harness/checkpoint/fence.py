@@ -2,12 +2,16 @@
 
 ``generation.json`` at the checkpoint root holds a counter and a random token. Each worker
 generation bumps it when it restores (rank 0 writes, every rank reads it back: that read
-also proves all ranks see the same directory). Before committing a checkpoint, purging or
-setting one aside, rank 0 re-reads it: if another generation has bumped it since, this one
-is stale (for example a partitioned node that did not notice the job restarted without it)
-and its commit is refused. What remains between the check and the write is a window of one
-small write; an old generation can at worst commit a checkpoint of its own, complete and
-verified, never remove the new generation's.
+also proves all ranks see the same directory). Before committing a checkpoint, setting one
+aside or removing a stale directory a save is about to reuse, rank 0 re-reads it: if another
+generation has bumped it since, this one is stale (for example a partitioned node that did
+not notice the job restarted without it) and its commit is refused. One read per save: the
+purge that follows a commit relies on the commit's read, and a save's start reads nothing,
+so a stale generation learns it at its next commit (and remembers: it writes nothing more).
+What remains between the check and the write is a window of one small write; an old
+generation can at worst commit a checkpoint of its own, complete and verified, or leave the
+files of one uncommitted save (the new generation's retention removes them), never remove
+the new generation's.
 """
 
 from __future__ import annotations

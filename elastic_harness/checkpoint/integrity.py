@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from elastic_harness import jobkey
-from elastic_harness.checkpoint.layout import MANIFEST, METADATA
+from elastic_harness.checkpoint.layout import MANIFEST, METADATA, scan
 from elastic_harness.checkpoint.streams import CHECKSUM, Crc32
 
 if TYPE_CHECKING:
@@ -178,8 +178,11 @@ def load_manifest(storage: Storage, name: str) -> tuple[dict | None, Verdict]:
 # ----- authenticity --------------------------------------------------------------------------
 SIGNATURE = "signature"
 _CONTEXT = b"checkpoint-manifest"
-UNSIGNED = ("unsigned checkpoint (written before checkpoints were signed, or by another tool); "
-            "if you trust it, sign it with 'elastic-harness ckpt trust DIR'")
+UNSIGNED = ("unsigned checkpoint (not signed with this run's key: written before checkpoints were "
+            "signed, by another tool, or planted by someone who can write the checkpoint directory); if you "
+            "know where it came from, review it with 'elastic-harness ckpt trust RUN_DIR --step N', which shows "
+            "what it holds and asks before it signs, else remove it")
+TRUST_ONE = "'elastic-harness ckpt trust RUN_DIR --step N' reviews one you trust and signs it"
 
 
 def _signed_bytes(manifest: dict) -> bytes:
@@ -201,8 +204,7 @@ def check_signature(manifest: dict, key: bytes) -> Verdict:
         return Verdict(False, UNSIGNED, "unsigned")
     if not isinstance(signature, str) or not jobkey.check_hex(key, _signed_bytes(manifest), signature, _CONTEXT):
         return Verdict(False, "manifest signature does not match this job's key (tampered with, or "
-                              "another job's checkpoint: 'elastic-harness ckpt trust' signs one you trust)",
-                       "forged")
+                              f"another job's checkpoint: {TRUST_ONE})", "forged")
     if not isinstance((manifest.get("files") or {}).get(METADATA, {}).get("sha256"), str):
         return Verdict(False, "signed manifest lists no sha256 of .metadata", "forged")
     return Verdict(True)
@@ -231,16 +233,42 @@ def authenticate(storage: Storage, name: str, manifest: dict, key: bytes | None)
     return Verdict(True)
 
 
-def trust(storage: Storage, name: str, key: bytes) -> Verdict:
+def signed_by(storage: Storage, name: str, key: bytes) -> Verdict:
+    """Is ``name``'s manifest signed with ``key`` (this job's own checkpoint)? Reads only the
+    manifest: what retention and a save of the same step ask."""
+    manifest, verdict = load_manifest(storage, name)
+    return check_signature(manifest, key) if manifest is not None else verdict
+
+
+def signed_steps(storage: Storage, key: bytes | None) -> tuple[list[str], list[str]]:
+    """(complete checkpoints whose manifest carries a signature, oldest first; those of them
+    signed with ``key``). Reads manifests only; ``OSError`` if the root cannot be listed."""
+    signed, ours = [], []
+    for d in scan(storage.listing(), require_manifest=True):
+        manifest = read_manifest(storage, d.name) if d.complete else None
+        if manifest is not None and manifest.get(SIGNATURE):
+            signed.append(d.name)
+            if key is not None and check_signature(manifest, key).ok:
+                ours.append(d.name)
+    return signed, ours
+
+
+def trust(storage: Storage, name: str, key: bytes, reviewed: dict | None = None,
+          metadata_sha256: str | None = None) -> Verdict:
     """Sign ``name`` with ``key`` because the user vouches for it (``ckpt trust``): only a
     checkpoint that passes a full check against its own manifest; ``.metadata``'s sha256
-    is added if missing. Nothing is deserialized."""
+    is added if missing. With ``reviewed`` (the manifest the user was shown) and
+    ``metadata_sha256`` (the ``.metadata`` whose contents were shown), a checkpoint that
+    changed since is refused: what is signed is what was reviewed. Nothing is deserialized."""
     verdict = verify(storage, name, "full")
     if not verdict.ok:
         return verdict
     manifest = read_manifest(storage, name) or {}
     try:
-        manifest["files"][METADATA]["sha256"] = checksum_of(storage, name, METADATA, "sha256")
+        sha = checksum_of(storage, name, METADATA, "sha256")
+        if reviewed is not None and manifest != reviewed or metadata_sha256 not in (None, sha):
+            return Verdict(False, "it changed after it was shown: review it again", "corrupt")
+        manifest["files"][METADATA]["sha256"] = sha
         storage.write_atomic(name, MANIFEST, json.dumps(sign(manifest, key), indent=1).encode())
     except OSError as e:
         return _unreadable(name, e)

@@ -79,16 +79,19 @@ def to_purge(
     keep: int,
     keep_every: int = 0,
     protected: Iterable[int] = (),
+    foreign: Iterable[str] = (),
 ) -> list[StepDir]:
     """Complete checkpoints beyond the newest ``keep``, oldest first.
 
     Never purged: incomplete directories (a save may be writing them; the manager deals
-    with stale ones), milestones (``step % keep_every == 0``), and ``protected`` steps
-    (being loaded or written).
+    with stale ones), milestones (``step % keep_every == 0``), ``protected`` steps (being
+    loaded or written), and ``foreign`` ones (names of checkpoints that are not this job's:
+    unsigned or forged), which are not counted either: a planted directory takes no place
+    of the job's own.
     """
     assert keep >= 2, "the spec guarantees keep >= 2"
-    protected = set(protected)
-    complete = [d for d in dirs if d.complete]
+    protected, foreign = set(protected), set(foreign)
+    complete = [d for d in dirs if d.complete and d.name not in foreign]
     older = complete[:-keep] if len(complete) > keep else []
     return [
         d

@@ -22,12 +22,10 @@ threads that serialise (it cost a third of the write; torch keeps that setting p
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
 copied into host-memory staging buffers (see ``staging``; only what this rank writes, once the
-save plans are cached; shared memory, ``arena``, for a writer process), then DCP
-plans and serialises from that copy in a background thread, which writes and syncs the bytes
-(or, with ``policy.writer == "process"``, a separate writer process does: ``offload``),
-and the commit follows in a second thread (``scheduling``: threads and process yield the CPU
-to training, and are raised back while anyone waits on them). Save plans are cached per
-manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
+save plans are cached), then DCP plans and serialises from that copy in a background thread,
+which writes and syncs the bytes, and the commit follows in a second thread (``scheduling``:
+both threads yield the CPU to training, and are raised back while anyone waits on them).
+Save plans are cached per manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
 group: the background collectives would otherwise interleave with training's and can
 deadlock.
 
@@ -65,12 +63,11 @@ from elastic_harness.checkpoint import (
     fence,
     integrity,
     layout,
-    offload,
     plans,
     quarantine,
 )
-from elastic_harness.checkpoint.arena import Arena
 from elastic_harness.checkpoint.compat import check_compatible
+from elastic_harness.checkpoint.failure_text import detail, one_line
 from elastic_harness.checkpoint.progress import (
     BACKGROUND_POLL_S,
     POLL_S,
@@ -85,7 +82,6 @@ from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
-from elastic_harness.checkpoint.where import is_url
 from elastic_harness.errors import CheckpointError
 from elastic_harness.spec import CheckpointSpec
 
@@ -147,19 +143,12 @@ class CheckpointManager:
         self.threads = BackgroundThreads.here()
         self._plan_key = f"ckpt-{uuid.uuid4().hex}"  # this manager's entries in DCP's plan cache
         self._stager: Any = None
-        self._arena: Arena | None = None
-        self.writer_process: offload.WriterProcess | None = None  # public for benchmarks' CPU accounting
-        if policy.writer == "process" and policy.async_save and offload.available(is_url(storage.root),
-                                                                      torch.cuda.is_available()):
-            self._arena = Arena()
-            try:
-                self.writer_process = offload.WriterProcess(self._arena, self.threads)
-            except OSError as e:  # out of processes or fds: the write thread does it all
-                events.emit("warning", message=f"checkpoint writer process not started ({e!r:.200}); "
-                            "async saves are written by a thread")
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
+        self._fenced = ""  # rank 0: why this generation was found superseded (for good)
         self._failures = 0
+        self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
+        self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
 
     # ----- load ------------------------------------------------------------------------
@@ -189,8 +178,9 @@ class CheckpointManager:
                     raise CheckpointError(
                         f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
                         "(see the quarantine and warning events)",
-                        "unsigned ones (written before checkpoints were signed) load once you vouch for them: "
-                        "'elastic-harness ckpt trust RUN_DIR'; or re-run with --fresh to start over"
+                        "an unsigned one (an older run's, another tool's, or planted) loads only once you have "
+                        "reviewed it with 'elastic-harness ckpt trust RUN_DIR --step N'; or re-run with --fresh "
+                        "to start over"
                         if unsigned else "restore a good copy, or re-run with --fresh to start over",
                     )
                 return None
@@ -253,10 +243,11 @@ class CheckpointManager:
         for s in choice.incomplete:
             self.events.emit("warning", message=f"ignoring incomplete checkpoint {s.name} ({s.reason})")
 
-    def _quarantine(self, name: str, reason: str, kind: str) -> None:
-        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it."""
-        quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
-                             blocked=self._superseded())
+    def _quarantine(self, name: str, reason: str, kind: str, move_unsigned: bool = False) -> str | None:
+        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it
+        (an unsigned one stays, unless ``move_unsigned``); its new name, or None."""
+        return quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
+                                    blocked=self._superseded(), move_unsigned=move_unsigned)
 
     def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> tuple[Loaded | None, str]:
         """Every rank: load ``choice`` into ``state``; ``(None, why)`` on every rank if any failed.
@@ -288,7 +279,7 @@ class CheckpointManager:
             self._busy.discard(choice.step)
         if ok:
             return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0), ""
-        return None, f"{error!r:.300}" if error is not None else "another rank failed to read it"
+        return None, one_line(error) if error is not None else "another rank failed to read it"
 
     def _compatible(self, name: str, state: dict, manifest: dict) -> tuple[CheckpointError | None, BaseException | None]:
         """(why ``name`` belongs to another model or job, why it could not be read)."""
@@ -318,15 +309,7 @@ class CheckpointManager:
                                      self.group, self.world_size)
         action, detail = said[0][0]
         if action != "go":
-            if action == "error":  # rank 0 could not even look at the storage
-                self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
-                self.raise_if_failing()
-            elif self.rank == 0 and action == "skipped":
-                self.events.emit("skipped", step=step, name=name, reason=detail,
-                                 message=f"checkpoint at step {step} not written: {detail}")
-            elif self.rank == 0:
-                self.events.emit("fenced", step=step, name=name, reason=detail,
-                                 message=f"checkpoint at step {step} not written: {detail}")
+            self._not_written(step, name, action, detail)
             return False
         self._busy.add(step)
         writer = self.storage.writer(name)
@@ -335,66 +318,109 @@ class CheckpointManager:
             # What dcp.async_save does, in our write thread: a copy training cannot change
             # (of what this rank writes, when every rank's cached plan still holds).
             agreed = all(same for _, same in said)
-            staged = self._staging().stage(plain, skip if agreed else frozenset())  # agreed: no rank's is None
-            blocked = time.perf_counter() - t0
-            writer = self._offloaded(writer)
-            fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
-                                     planner=plans.planner(self._plan_key))
-            self._pending_watch = (write_watch(writer), name)
-            self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
+            self._start_async(write, writer, plain, skip if agreed else frozenset(), step, name, t0)
             return True
         # Written in a thread so this one can watch progress (and report it) meanwhile.
         with self.threads.foreground():
             fut = self.threads.write(write, state, storage_writer=writer, process_group=self.group,
                                      planner=plans.planner(self._plan_key))
             ok = self._finish(fut, writer, step, name, t0, None, False)
-        if not ok and blocking:
+        if not ok and blocking and self._outcome != "fenced":  # superseded: an event, not an error
             raise CheckpointError(
-                f"the required checkpoint at step {step} could not be written (see the failure "
-                f"event); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
+                f"the required checkpoint at step {step} could not be written ({self._last_failure}; "
+                f"details in events.jsonl); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
+    def _not_written(self, step: int, name: str, action: str, detail: str) -> None:
+        """Rank 0 said ``name`` is not to be written (``_prepare_dir``): an error (it could
+        not look at the storage: a failure), or the ``skipped`` or ``fenced`` event."""
+        message = f"checkpoint at step {step} not written: {detail}"
+        if action == "error":
+            self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
+            self.raise_if_failing()
+        elif self.rank == 0 and action == "skipped":
+            self.events.emit("skipped", step=step, name=name, reason=detail, message=message)
+        elif self.rank == 0:
+            self.events.emit("fenced", step=step, name=name, reason=detail, message=message)
+
+    def _start_async(self, write: Any, writer: Any, plain: dict[str, Any], skip: frozenset, step: int,
+                     name: str, t0: float) -> None:
+        """Stage this rank's part of ``plain`` (less what ``skip`` says another rank writes),
+        then write and commit it in the background."""
+        staged = self._staging().stage(plain, skip)
+        blocked = time.perf_counter() - t0
+        fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
+                                 planner=plans.planner(self._plan_key))
+        self._pending_watch = (write_watch(writer), name)
+        self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
+
     def _staging(self) -> Any:
-        """One reusable host-memory buffer set for async saves (pinned when CUDA is present,
-        in the shared arena when a writer process may write them)."""
+        """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""
         if self._stager is None:
-            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available(), arena=self._arena)
+            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
         return self._stager
 
-    def _offloaded(self, writer: Any) -> Any:
-        """``writer``, routed through the writer process when this save may use it."""
-        if self.writer_process is None:
-            return writer
-        how = offload.choose(True, offload.plain_local_fs(writer), torch.cuda.is_available(), self.writer_process.ready())
-        return offload.route(writer, self.writer_process) if how == offload.PROCESS else writer
-
     def _superseded(self) -> str:
-        """Rank 0: why this generation may no longer change the directory ("" if it may)."""
+        """Rank 0: why this generation may no longer change the directory ("" if it may).
+        Reads the fence until it says so once: a generation never becomes current again."""
+        if self._fenced:
+            return self._fenced
         try:
-            return fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
+            self._fenced = fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
         except OSError as e:
             return f"the generation record cannot be read: {e.strerror or e!r}"
+        return self._fenced
 
     def _prepare_dir(self, name: str) -> tuple[str, str]:
         """Rank 0: may ``name`` be written? Removes a stale incomplete dir of that name.
 
+        Looks at ``name`` alone, and reads the fence only before removing something: a
+        superseded generation learns it at its next commit (``_commit``) and remembers, so
+        at worst one save's files are written in vain, never committed. (DCP itself refuses
+        to write over a ``.metadata``.)
         ("go", ""), ("skipped", why), ("fenced", why) or ("error", why).
         """
-        fenced = self._superseded()
-        if fenced:
-            return "fenced", fenced
+        if self._fenced:
+            return "fenced", self._fenced
         try:
-            listing = self.storage.listing()
-            if name in listing:
-                d = layout.scan({name: listing[name]}, require_manifest=True)[0]
-                if d.complete:
-                    return "skipped", f"a complete checkpoint {name} already exists"
-                self.events.emit("warning", message=f"removing stale incomplete {name}")
-                self.storage.remove(name)
+            present = self._files(name)
+            if present is None:
+                return "go", ""
+            if layout.scan({name: present}, require_manifest=True)[0].complete:
+                return self._complete_in_the_way(name)
+            fenced = self._superseded()
+            if fenced:
+                return "fenced", fenced
+            self.events.emit("warning", message=f"removing stale incomplete {name}")
+            self.storage.remove(name)
         except OSError as e:
-            return "error", f"cannot prepare {self.storage.uri(name)}: {e!r:.300}"
+            return "error", f"cannot prepare {self.storage.uri(name)}: {one_line(e)}"
         return "go", ""
+
+    def _files(self, name: str) -> list[str] | None:
+        """The files in step directory ``name``; None if there is no such directory."""
+        try:
+            return list(self.storage.files(name))
+        except FileNotFoundError:
+            return None
+
+    def _complete_in_the_way(self, name: str) -> tuple[str, str]:
+        """Rank 0: a complete ``name`` where this save would go: this job's (skipped), or one
+        it did not sign, set aside (which reads the fence) so that it takes neither the step's
+        name nor a keep slot."""
+        if self._ours(name):
+            return "skipped", f"a complete checkpoint {name} already exists"
+        verdict = integrity.signed_by(self.storage, name, self.key)
+        if not self._quarantine(name, f"{verdict.reason}; in the way of this job's checkpoint of that step",
+                                verdict.kind, move_unsigned=True):
+            return "skipped", f"{name} is not this job's and could not be set aside"
+        return "go", ""
+
+    def _ours(self, name: str) -> bool:
+        """Rank 0: is ``name`` this job's (signed with its key)? True without a key (tests,
+        benches: everything is trusted there)."""
+        return self.key is None or integrity.signed_by(self.storage, name, self.key).ok
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
                 asynchronous: bool) -> bool:
@@ -413,10 +439,11 @@ class CheckpointManager:
                 blocking_s: float, asynchronous: bool) -> bool:
         """Every rank: rank 0 commits what every rank reported, if all wrote; all learn the outcome."""
         reports: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        mine = (written_files(writer), None if error is None else f"{error!r:.400}")
+        mine = (written_files(writer), None if error is None else self._explain(error))
         dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
         outcome = self._commit(step, name, reports) if self.rank == 0 else None
         status, why = collective.broadcast(outcome, self.group)
+        self._outcome = status
         self._busy.discard(step)
         if status == "fenced":
             if self.rank == 0:
@@ -431,7 +458,6 @@ class CheckpointManager:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
                 total_s=round(time.perf_counter() - t0, 4), asynchronous=asynchronous,
-                writer=offload.PROCESS if offload.routed(writer) else offload.THREAD,
             )
             if asynchronous:  # already in the background thread
                 self._purge(step)
@@ -459,32 +485,41 @@ class CheckpointManager:
             return "failed", (f"files the ranks wrote are not all on {self.storage.uri(name)} ({e}); "
                               "is checkpoint.dir shared by every node?")
         except Exception as e:  # storage errors: a failed save like any other
-            return "failed", f"{e!r:.400}"
+            return "failed", one_line(e)
         return "ok", ""
 
     def _purge(self, committed: int) -> None:
-        """Rank 0, right after ``committed``: retention, then leftovers of crashed saves."""
+        """Rank 0, right after ``committed``: retention, then leftovers of crashed saves.
+
+        The fence is not read again: the commit read it moments ago. A generation that
+        started since is still restoring, from the newest checkpoint, which is kept (keep >= 2),
+        and has written nothing a leftover could be."""
         try:
-            if self._superseded():
-                return  # a newer generation owns retention now
             dirs = layout.scan(self.storage.listing(), require_manifest=True)
             protect = self._busy | {committed}
-            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect)
+            foreign = {d.name for d in dirs if d.complete and not self._ours(d.name)}
+            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect, foreign)
             for d in doomed + stale_incomplete(dirs, committed):
                 if d.step not in protect:
                     self.storage.remove(d.name)
         except OSError as e:  # a purge that fails costs space, not correctness
             self.events.emit("warning", message=f"purging old checkpoints failed: {e!r:.300}")
 
+    def _explain(self, err: BaseException) -> str:
+        """``err`` in one line; the storage's free space names a full disk behind a short write."""
+        return one_line(err, self.storage.free_bytes())
+
     def _on_failure(self, step: int, name: str, err: BaseException | None, asynchronous: bool) -> None:
         self._failures += 1
+        why = self._explain(err) if err is not None else "another rank failed to write"
+        self._last_failure = why
         if self.rank != 0:
             return
-        why = f"{err!r:.400}" if err is not None else "another rank failed to write"
         self.events.emit(
             "failure", step=step, asynchronous=asynchronous, consecutive=self._failures,
             message=f"checkpoint at step {step} failed ({self._failures} in a row, "
             f"limit {MAX_CONSECUTIVE_SAVE_FAILURES}): {why}",
+            detail=detail(err) if err is not None else why,
         )
         with contextlib.suppress(OSError):
             self.storage.remove(name)  # incomplete by definition, and every writer has stopped
@@ -492,7 +527,8 @@ class CheckpointManager:
     def raise_if_failing(self) -> None:
         if self._failures >= MAX_CONSECUTIVE_SAVE_FAILURES:
             raise CheckpointError(
-                f"{self._failures} checkpoint saves in a row failed (see events.jsonl); "
+                f"{self._failures} checkpoint saves in a row failed (last: {self._last_failure}; details in "
+                "events.jsonl); "
                 f"stopping so no more work goes unsaved; checkpoints in {self.storage.root} are intact",
                 _FIX_STORAGE,
             )
@@ -542,10 +578,6 @@ class CheckpointManager:
             pass
         finally:
             self.threads.shutdown()
-            if self.writer_process is not None:
-                self.writer_process.close()
             plans.forget(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
-            if self._arena is not None:
-                self._arena.close()

@@ -36,8 +36,14 @@ MODEL_PREFIX = "model."
 
 
 def load_model_tensors(reader: Any) -> dict[str, torch.Tensor]:
-    """``{parameter name: tensor}`` with clean names (no ``model.``/``module.`` prefixes)."""
-    meta = reader.read_metadata().state_dict_metadata
+    """``{parameter name: tensor}`` with clean names (no ``model.``/``module.`` prefixes).
+    A ``.metadata`` that is not DCP's (``safe_metadata``) is a ``CheckpointError``."""
+    import pickle
+
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(str(e), "nothing was read from it") from None
     flat = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in meta.items()
@@ -169,3 +175,46 @@ def pick(loc: Location, verify_mode: str = "full", step: int | None = None, key:
         f"no usable checkpoint in {loc.storage.root} ({which}); " + ("; ".join(reasons) or "none found"),
         "check the path, or run 'elastic-harness ckpt ls' on it",
     )
+
+
+@dataclass(frozen=True)
+class Review:
+    """What ``ckpt trust`` shows before it signs a checkpoint (``review``)."""
+
+    name: str
+    manifest: dict  # as read: what is signed if the user agrees
+    metadata_sha256: str
+    files: list[tuple[str, int, str]]  # (file, size, "crc32 ..." / "sha256 ..."), checked in full
+    entries: list[tuple[str, str]]  # (state-dict key, "tensor [shape] dtype" or "pickled value")
+
+
+def review(storage: Storage, name: str) -> Review:
+    """``name`` checked in full against its own manifest, and its state-dict entries as
+    ``.metadata`` lists them, read without running code (``safe_metadata``); a
+    ``CheckpointError`` saying why it cannot be vouched for otherwise."""
+    import hashlib
+    import io
+    import pickle
+
+    from elastic_harness.checkpoint.safe_metadata import load
+
+    where = storage.uri(name)
+    verdict = integrity.verify(storage, name, "full")
+    if not verdict.ok:
+        raise CheckpointError(f"{where} cannot be vouched for: {verdict.reason}",
+                              "only a complete checkpoint that matches its own manifest can be signed")
+    manifest = integrity.read_manifest(storage, name) or {}
+    data = storage.read_bytes(name, layout.METADATA)
+    try:
+        meta = load(io.BytesIO(data), f"{where}/{layout.METADATA}")
+    except pickle.UnpicklingError as e:  # safe_metadata.UnsafeMetadata: refused or damaged
+        raise CheckpointError(f"{where} cannot be vouched for: {e}", "nothing was signed") from None
+    sha = hashlib.sha256(data).hexdigest()
+    listed = manifest.get("files") or {}
+    files = [(f, int(w.get("size", 0)), f"sha256 {sha}" if f == layout.METADATA
+              else next((f"{k} {w[k]}" for k in ("crc32", "sha256") if k in w), "-"))
+             for f, w in sorted(listed.items())]
+    entries = [(k, f"tensor {list(m.size)} {str(m.properties.dtype).removeprefix('torch.')}"
+                if isinstance(m, TensorStorageMetadata) else "pickled value (read weights-only)")
+               for k, m in sorted(meta.state_dict_metadata.items())]
+    return Review(name, manifest, sha, files, entries)

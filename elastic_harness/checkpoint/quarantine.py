@@ -9,8 +9,10 @@ when it was left in place, because moving failed or this generation may no longe
 the directory).
 
 A checkpoint without a signature (``unsigned``: one written before checkpoints were signed,
-issue 22) is never loaded but stays where it is, so that ``ckpt trust`` can sign it if the
-user vouches for it; one with a wrong signature (``forged``) is set aside like a corrupt one.
+issue 22, or planted) is never loaded but stays where it is, so that ``ckpt trust`` can sign
+it if the user vouches for it; one with a wrong signature (``forged``) is set aside like a
+corrupt one. Either is moved aside when it holds the name of a step this job is about to
+save (``move_unsigned``): the job's own checkpoint is never given up for it (issue 33).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ def stamp(now: float) -> str:
 
 
 def set_aside(storage: Storage, name: str, reason: str, kind: str, *, events: Any, now: float,
-              blocked: str = "") -> str | None:
-    """Move ``name`` aside unless ``blocked`` says why not; emit the event; the new name or None."""
+              blocked: str = "", move_unsigned: bool = False) -> str | None:
+    """Move ``name`` aside unless ``blocked`` says why not (or it is unsigned, unless
+    ``move_unsigned``); emit the event; the new name or None."""
     new_name = layout.quarantine_name(name, stamp(now))
-    why = blocked or ("unsigned: sign it with 'elastic-harness ckpt trust' if you trust it" if kind == "unsigned" else "")
+    stays = kind == "unsigned" and not move_unsigned
+    why = blocked or ("unsigned: review it with 'elastic-harness ckpt trust RUN_DIR --step N' if you know "
+                      "where it came from" if stays else "")
     if not why:
         try:
             storage.set_aside(name, new_name)

@@ -96,6 +96,8 @@ class FsspecStorage:
     def files(self, name: str) -> dict[str, int]:
         self.fs.invalidate_cache()
         found = self.fs.find(self._p(name), detail=True)
+        if not found and not self.fs.isdir(self._p(name)):  # on object stores: nothing under it
+            raise FileNotFoundError(self.uri(name))
         return {p.rsplit("/", 1)[-1]: int(i["size"]) for p, i in found.items() if i.get("type") != "directory"}
 
     def open_read(self, name: str, filename: str) -> IO[bytes]:
@@ -143,6 +145,9 @@ class FsspecStorage:
             self.fs.rm_file(self._root_path(filename))
         self.fs.invalidate_cache()
 
+    def free_bytes(self) -> int | None:
+        return None  # object stores have no fixed size to report
+
     def writer(self, name: str) -> StorageWriter:
         from elastic_harness.torchcompat.dcp import fsspec_classes
 
@@ -150,7 +155,6 @@ class FsspecStorage:
         return watch_writer(writer(self.uri(name), sync_files=False, overwrite=False))
 
     def reader(self, name: str) -> StorageReader:
-        from elastic_harness.torchcompat.dcp import fsspec_classes
+        from elastic_harness.checkpoint.safe_metadata import fsspec_reader
 
-        _, reader = fsspec_classes()
-        return reader(self.uri(name))
+        return fsspec_reader(self.uri(name))

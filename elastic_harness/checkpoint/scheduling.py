@@ -20,12 +20,8 @@ unprivileged container) or the platform has no such class, the threads stay norm
 (``choose_class``), as before: a lowered thread that training had to wait for could be
 starved by other processes.
 
-The writer process of ``offload`` (one thread) is handled the same way: ``adopt(pid)`` puts it
-in the class of the threads, and ``foreground()`` raises it with them.
-
 Call order: ``BackgroundThreads.here()`` (or ``(lowered)``); ``write``/``commit`` any number of times;
-``adopt`` for each writer process started, ``disown`` before reaping it; ``foreground()`` around every wait on their results;
-``shutdown()`` once.
+``foreground()`` around every wait on their results; ``shutdown()`` once.
 """
 
 from __future__ import annotations
@@ -100,19 +96,6 @@ class BackgroundThreads:
             self._tids.append(tid)
             if self.lowered and not self._waiting:
                 set_class(tid, IDLE)
-
-    def adopt(self, pid: int) -> None:
-        """Treat single-threaded process ``pid`` (the writer process) like the threads."""
-        with self._lock:
-            self._tids.append(pid)
-            if self.lowered:
-                set_class(pid, NORMAL if self._waiting else IDLE)
-
-    def disown(self, pid: int) -> None:
-        """Forget ``pid`` before it is reaped (its number may be reused by anyone)."""
-        with self._lock:
-            if pid in self._tids:
-                self._tids.remove(pid)
 
     def write(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> cf.Future:
         return self._write.submit(fn, *args, **kwargs)

@@ -8,10 +8,6 @@ previous save under the same key (same shape and dtype, else a new one), and reb
 DTensors around their buffers (kept too, while mesh and layout stay the same). Buffers are pinned when CUDA is present, and device-to-host
 copies are issued non-blocking and synchronised once at the end.
 
-Buffers come from the shared ``arena`` when one is given (so that the writer process can
-read them; it may ``relocate`` a buffer between saves, to where the writer can write it
-without a copy), else from ``torch.empty``.
-
 Tensors another rank writes (``skip``: their fully qualified names, as DCP flattens them;
 see ``plans.written_elsewhere``) are not copied: the staged state holds a ``meta`` tensor of
 their shape, which plans like the tensor and has no bytes to write (a buffer kept for one
@@ -25,14 +21,11 @@ may use the buffers at a time: the manager waits for the previous save before st
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
-
-if TYPE_CHECKING:
-    from elastic_harness.checkpoint.arena import Arena
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
@@ -42,8 +35,8 @@ class ReusedBufferStager(AsyncStager):
 
     _synchronize_after_execute = False  # stage() returns only when the copy is complete
 
-    def __init__(self, pin_memory: bool, arena: Arena | None = None) -> None:
-        self.pin_memory, self._arena = pin_memory, arena
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._wrapped: dict[tuple, tuple[tuple, DTensor]] = {}  # DTensors around the buffers
         self._skip: frozenset[str] = frozenset()
@@ -88,25 +81,16 @@ class ReusedBufferStager(AsyncStager):
         return copy.deepcopy(obj)
 
     def _placeholder(self, path: tuple, src: torch.Tensor) -> torch.Tensor:
-        old = self._buffers.pop(path, None)
-        if old is not None and self._arena is not None:
-            self._arena.release(old)
+        self._buffers.pop(path, None)
         return torch.empty(src.shape, dtype=src.dtype, device="meta")
 
     def _into(self, path: tuple, src: torch.Tensor) -> torch.Tensor:
         src = src.detach()
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            if self._arena is not None:
-                if buf is not None:
-                    self._arena.release(buf)
-                buf = self._arena.alloc(src.shape, src.dtype)
-            else:
-                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                                  pin_memory=self.pin_memory and src.device.type == "cuda")
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                              pin_memory=self.pin_memory and src.device.type == "cuda")
             self._buffers[path] = buf
-        elif self._arena is not None and (moved := self._arena.relocate(buf)) is not None:
-            buf = self._buffers[path] = moved
         non_blocking = src.device.type == "cuda" and buf.is_pinned()
         self._copied_from_device |= src.device.type == "cuda"
         buf.copy_(src, non_blocking=non_blocking)

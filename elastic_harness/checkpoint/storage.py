@@ -2,13 +2,15 @@
 
 Call order, per save (see ``manager``):
 
-1. rank 0: ``listing()`` to find stale or existing step directories; ``remove(name)`` of a
-   stale *incomplete* directory with the same name (never a complete one).
+1. rank 0: ``files(name)`` to find an existing step directory of that name; ``remove(name)``
+   of a stale *incomplete* one (never a complete one).
 2. every rank: ``writer(name)`` -> a DCP ``StorageWriter``; DCP writes each rank's shards,
    then rank 0 writes ``.metadata``.
-3. rank 0: ``files(name)`` to check every reported file is there, ``make_durable(name,
-   [".metadata"])``, then ``write_atomic(name, "manifest.json", ...)``: the commit.
-4. rank 0: ``remove(name)`` for each checkpoint the retention policy purges.
+3. rank 0: ``read_root`` of the generation fence, ``files(name)`` to check every reported
+   file is there, ``make_durable(name, [".metadata"])``, then ``write_atomic(name,
+   "manifest.json", ...)``: the commit.
+4. rank 0: ``listing()``, then ``remove(name)`` for each checkpoint the retention policy
+   purges. One listing and one fence read per save.
 
 Per load: rank 0 ``listing()``, ``read_bytes`` of the manifest and ``files(name)``; every
 rank ``open_read`` of its share of the files to verify them, then ``reader(name)``. A
@@ -18,8 +20,9 @@ checkpoint that fails is moved with ``set_aside(name, new_name)``. Small files a
 Object stores have no atomic rename; the commit marker is a single small object written
 last, which is atomic there (``remote.FsspecStorage``).
 
-A checkpoint directory is trusted input: DCP unpickles ``.metadata`` (see
-``docs/checkpoints.md``). Only point the harness at storage that you and your jobs write.
+DCP unpickles ``.metadata``; the readers here read it with an unpickler that admits only
+DCP's metadata types (``safe_metadata``), and a checkpoint is read only once its signed
+manifest says this job wrote it (``integrity``, ``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class Storage(Protocol):
         """``{directory name: [file names]}`` one level below the root; files at the root are left out."""
 
     def files(self, name: str) -> dict[str, int]:
-        """``{file name: size}`` in step directory ``name``."""
+        """``{file name: size}`` in step directory ``name``; ``FileNotFoundError`` if there is
+        no such directory (on object stores: no object under it)."""
 
     def open_read(self, name: str, filename: str) -> IO[bytes]: ...
 
@@ -81,11 +85,16 @@ class Storage(Protocol):
 
     def remove_root(self, filename: str) -> None: ...
 
+    def free_bytes(self) -> int | None:
+        """Bytes a writer may still add under the root where the storage can tell, else None
+        (to name a full disk when a writer only reports a short write)."""
+
     def writer(self, name: str) -> StorageWriter:
         """A fresh DCP ``StorageWriter`` for step directory ``name`` (never overwrites)."""
 
     def reader(self, name: str) -> StorageReader:
-        """A DCP ``StorageReader`` for step directory ``name``."""
+        """A DCP ``StorageReader`` for step directory ``name``, which reads ``.metadata``
+        without running code (``safe_metadata``)."""
 
 
 class LocalStorage:
@@ -170,9 +179,16 @@ class LocalStorage:
         return watch_writer(FileSystemWriter(self.uri(name), sync_files=True, overwrite=False))
 
     def reader(self, name: str) -> StorageReader:
-        from torch.distributed.checkpoint import FileSystemReader
+        from elastic_harness.checkpoint.safe_metadata import SafeFileSystemReader
 
-        return FileSystemReader(self.uri(name))
+        return SafeFileSystemReader(self.uri(name))
+
+    def free_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
 
 def _write_replace(final: Path, data: bytes) -> None:

@@ -15,6 +15,7 @@ BENCHES = {
     "checkpoint": "elastic_harness.bench.checkpoint",
     "recovery": "elastic_harness.bench.recovery",  # time to recover from faults
     "rendezvous": "elastic_harness.bench.rendezvous",  # a round on etcd's v3 API vs its v2 API
+    "rendezvous-scale": "elastic_harness.bench.rdzv_scale",  # rendezvous messages and bytes per round at N
     "throughput": "elastic_harness.bench.throughput",  # samples/s vs a plain torchrun DDP script
 }
 

@@ -5,9 +5,11 @@ job names), a checkpoint root, one ``step-NNNNNNN`` directory, or an ``s3://`` U
 either. Everything here runs in one process, without a process group, on CPU.
 DCP unpickles a checkpoint's ``.metadata``: nothing here reads one whose manifest is not
 signed with the run's key (``job.key`` beside the checkpoints, or ``--key FILE``) unless the
-user says ``--trust``; ``ckpt trust`` signs checkpoints the user vouches for (an older
-run's, written before checkpoints were signed, or another job's), ``ckpt import`` signs
-what it imports. ``ls`` and ``verify`` read no pickle and only report signatures.
+user says ``--trust``; ``ckpt trust`` shows one checkpoint the user vouches for (an older
+run's, written before checkpoints were signed, or another job's) and signs it once
+confirmed, ``ckpt import`` signs what it imports. ``.metadata`` is read by
+``safe_metadata`` (DCP's types only), so even a signed one runs no code. ``ls`` and
+``verify`` read no pickle and only report signatures.
 Modules that import torch (``offline``, ``export``) are imported by the commands that use
 them, so ``--help`` stays fast.
 """
@@ -19,7 +21,6 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from elastic_harness import jobkey
 from elastic_harness.checkpoint import integrity, layout
@@ -28,9 +29,6 @@ from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.errors import CheckpointError
 
-if TYPE_CHECKING:
-    pass
-
 _FILE_SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
@@ -38,6 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ckpt", help="list, verify, export, import and diff checkpoints",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     acts = p.add_subparsers(dest="ckpt_action", metavar="ACTION", required=True)
+    _add_ls_verify_export(acts)
+    _add_trust_import(acts)
+    a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
+    a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
+    a.add_argument("b")
+    _key_flags(a)
+    a.set_defaults(func=cmd_diff)
+
+
+def _add_ls_verify_export(acts: argparse._SubParsersAction) -> None:
+    """The actions that read checkpoints: ``ls``, ``verify``, ``export``."""
     a = acts.add_parser("ls", help="one line per checkpoint: step, world size, size, status")
     a.add_argument("dir")
     a.add_argument("--verify", choices=integrity.VERIFY_MODES, default="size",
@@ -56,10 +65,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--step", type=int, help="which step (default: the newest that verifies)")
     _key_flags(a)
     a.set_defaults(func=cmd_export)
-    a = acts.add_parser("trust", help="sign checkpoints you vouch for with the run's key (an older "
-                                      "run's unsigned ones, another job's)")
-    a.add_argument("dir", help="a run dir, a checkpoint dir or one step dir")
-    a.add_argument("--key", metavar="FILE", help="the key of the run that will load them, created if "
+
+
+def _add_trust_import(acts: argparse._SubParsersAction) -> None:
+    """The actions that bring checkpoints in: ``trust`` (sign one), ``import`` (a legacy file)."""
+    a = acts.add_parser("trust", help="review one checkpoint and sign it with the run's key (an older "
+                                      "run's unsigned one, another job's)")
+    a.add_argument("dir", help="a run dir or checkpoint dir (with --step), or one step dir")
+    a.add_argument("--step", type=int, help="the step of the checkpoint you vouch for (one at a time)")
+    a.add_argument("--yes", action="store_true", help="sign what is shown without asking (needed when "
+                                                      "stdin is not a terminal)")
+    a.add_argument("--key", metavar="FILE", help="the key of the run that will load it, created if "
                                                  "absent (default: the job.key beside the checkpoints)")
     a.set_defaults(func=cmd_trust)
     a = acts.add_parser("import", help="start a run from a legacy single-file checkpoint (weights, "
@@ -73,11 +89,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--epoch", type=int, help="continue at the start of this epoch (this many full "
                                                  "passes over the dataset done)")
     a.set_defaults(func=cmd_import)
-    a = acts.add_parser("diff", help="max abs/rel difference between two checkpoints' models")
-    a.add_argument("a", help="checkpoint location or exported .pt/.safetensors file")
-    a.add_argument("b")
-    _key_flags(a)
-    a.set_defaults(func=cmd_diff)
 
 
 def _key_flags(a: argparse.ArgumentParser) -> None:
@@ -234,25 +245,80 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_trust(args: argparse.Namespace) -> int:
-    """Sign each complete checkpoint at DIR that passes a full check against its manifest."""
+    """Show one checkpoint (a full check against its manifest, its files and checksums, the
+    entries its ``.metadata`` lists, read without running code) and sign it once the user
+    confirms (``--yes``, or y at the prompt). One at a time: signing lets a resume load it."""
     from elastic_harness.checkpoint import offline
 
     loc = offline.locate(args.dir)
+    name = _trust_target(loc, args.step)
     path = Path(args.key) if args.key else loc.key_file
     if path is None:
         raise CheckpointError(f"no job.key beside {loc.storage.root}",
-                              "pass --key RUN_DIR/job.key: the key of the run that will load them")
-    names = [loc.step] if loc.step else [d.name for d in layout.scan(loc.storage.listing()) if d.complete]
-    if not names:
-        raise CheckpointError(f"no complete checkpoint in {loc.storage.root}", "check the path")
+                              "pass --key RUN_DIR/job.key: the key of the run that will load it")
+    if path.is_file() and integrity.signed_by(loc.storage, name, jobkey.read(path)).ok:
+        print(f"{name}: already signed with {path}; nothing to do")
+        return 0
+    shown = offline.review(loc.storage, name)
+    _show(loc.storage.uri(name), shown)
+    if not _confirmed(args.yes, f"sign {name} with {path}, so that a resume loads it? [y/N] "):
+        raise CheckpointError(f"{name} not signed", "re-run with --yes to sign what is shown above")
     key = jobkey.ensure(path) if args.key else jobkey.read(path)  # --key: created if absent (a legacy run)
-    bad = 0
-    for name in names:
-        verdict = integrity.trust(loc.storage, name, key)
-        bad += not verdict.ok
-        print(f"{name}: " + (f"signed with {path} (you vouch for its contents)" if verdict.ok
-                             else f"NOT signed: {verdict.reason}"))
-    return 1 if bad else 0
+    verdict = integrity.trust(loc.storage, name, key, shown.manifest, shown.metadata_sha256)
+    if not verdict.ok:
+        print(f"{name}: NOT signed: {verdict.reason}")
+        return 1
+    print(f"{name}: signed with {path} (you vouch for its contents)")
+    return 0
+
+
+def _trust_target(loc, step: int | None) -> str:
+    """The one step directory ``ckpt trust`` may sign: the step dir named, or ``--step``."""
+    if step is not None and loc.step is not None and layout.parse_step(loc.step) != step:
+        raise CheckpointError(f"{loc.step} is not step {step}", "name the run dir with --step, or the step dir alone")
+    if step is None and loc.step is None:
+        steps = [d.step for d in layout.scan(loc.storage.listing(), require_manifest=True) if d.complete]
+        raise CheckpointError(f"name the checkpoint to vouch for in {loc.storage.root}",
+                              "add --step N (one at a time; it is shown before it is signed)"
+                              + (f"; complete here: steps {', '.join(map(str, steps[-8:]))}" if steps else ""))
+    name = loc.step or layout.step_dirname(step)
+    if name not in loc.storage.listing():
+        raise CheckpointError(f"no checkpoint {name} in {loc.storage.root}", "see 'elastic-harness ckpt ls' for the steps")
+    return name
+
+
+def _show(where: str, shown) -> None:  # noqa: ANN001 - offline.Review (imported lazily)
+    info = {k: shown.manifest.get(k) for k in ("task", "job", "world_size", "step") if shown.manifest.get(k)}
+    print(f"{where}: checked in full against its own manifest"
+          + (f"; it says {', '.join(f'{k} {v}' for k, v in info.items())} (unsigned: a claim)" if info else ""))
+    print(f"  files ({len(shown.files)}, {_human(sum(size for _, size, _ in shown.files))}):")
+    for name, size, digest in shown.files[:_SHOWN]:
+        print(f"    {name:<28} {_human(size):>10}  {digest}")
+    _more(len(shown.files))
+    print(f"  state ({len(shown.entries)} entries, from .metadata read without running code):")
+    for key, what in shown.entries[:_SHOWN]:
+        print(f"    {key:<40} {what}")
+    _more(len(shown.entries))
+
+
+_SHOWN = 40
+
+
+def _more(n: int) -> None:
+    if n > _SHOWN:
+        print(f"    ... and {n - _SHOWN} more")
+
+
+def _confirmed(yes: bool, question: str) -> bool:
+    """``--yes``, or the user typed y on a terminal; never asks a pipe."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        return False
+    try:
+        return input(question).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
 
 
 def import_position(step: int | None, epoch: int | None, dataset_size: int, global_batch: int,

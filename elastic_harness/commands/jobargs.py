@@ -9,7 +9,7 @@ that every flag of ``run`` is one of ``submit``'s too, or is named in ``RUN_ONLY
   (``cli.split_script_args``);
 - ``--set``, ``--nnodes N|MIN:MAX`` and ``--nproc-per-node N|gpu|cpu|auto`` as spec
   overrides; ``--chaos`` faults join the spec's ``chaos`` list;
-- ``--run-dir``, ``--fresh``, ``--netns``, ``--verify``: what ``run`` does with them; a
+- ``--run-dir``, ``--fresh``, ``--netns``, ``--separate-hosts``, ``--verify``: what ``run`` does with them; a
   local ``submit`` passes them to its supervisor (a ``run``), a cluster scheduler refuses
   those it cannot honour (``submit.refuse_for_cluster``).
 
@@ -47,6 +47,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="inject a fault: KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20")
     p.add_argument("--netns", action="store_true",
                    help="give every node its own network namespace and address (root; enables partition)")
+    p.add_argument("--separate-hosts", action="store_true",
+                   help="every node a simulated host of its own: its own network, pid and UTS namespaces "
+                        "and host name (root; implies --netns): no same-host shortcut applies")
     p.add_argument("--verify", metavar="REF_RUN_DIR",
                    help="after the run, compare the final model with this run's (see `verify`)")
 

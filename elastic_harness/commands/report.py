@@ -1,9 +1,10 @@
 """``elastic-harness report RUN_DIR`` and ``elastic-harness verify RUN_DIR REF_RUN_DIR``.
 
-``report`` reads ``RUN_DIR/events.jsonl`` and prints, per injected fault, when it was
+``report`` reads ``RUN_DIR/events.jsonl`` and prints, per injected fault and per failure
+nobody injected (a worker killed from outside, a frozen node, an exception), when it was
 detected, when the rendezvous completed, when the checkpoint was loaded and when the first
-step after it finished, then the goodput and its badput (``report.timeline`` defines each
-term). It draws ``RUN_DIR/report.png``. ``verify`` compares the final models of two runs.
+step after it finished, and the steps lost, then the goodput and its badput
+(``report.timeline`` defines each term). It draws ``RUN_DIR/report.png``. ``verify`` compares the final models of two runs.
 """
 
 from __future__ import annotations
@@ -74,10 +75,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
     return {
         "run_dir": str(run_dir), "invocations": tl.invocations, "generations": tl.generations,
-        "faults": [dataclasses.asdict(f) for f in tl.faults],
+        "faults": [dataclasses.asdict(f) for f in tl.faults], "failures": failure_count(tl.faults),
         "goodput": dataclasses.asdict(tl.goodput), "plot": str(plot_path) if plot_path else None,
         "memory_probe": dataclasses.asdict(tl.probe) if tl.probe else None,
+        "excluded": tl.excluded,
     }
+
+
+def failure_count(rows: list[FaultRow]) -> str:
+    """``3 failures: 1 injected, 2 not; 2 recovered, 9 steps lost``."""
+    injected = sum(r.injected for r in rows)
+    recovered = sum(r.first_step is not None for r in rows)
+    lost = sum(r.steps_lost or 0 for r in rows)
+    return (f"{len(rows)} failure(s): {injected} injected, {len(rows) - injected} not; "
+            f"{recovered} recovered, {lost} step(s) lost")
 
 
 def _headline(tl: Timeline) -> str:
@@ -93,7 +104,8 @@ def _fault_line(f: FaultRow) -> str:
     lost = "-" if f.steps_lost is None else str(f.steps_lost) + (" (drained)" if f.graceful else "")
     if f.source:
         lost += f"  from {f.source}"
-    cells = [str(f.index), f.kind, str(f.target), "-" if f.step is None else str(f.step), f"{f.t:.2f}",
+    cells = [str(f.index), f.kind, "-" if f.target is None else str(f.target), "-" if f.step is None else str(f.step),
+             f"{f.t:.2f}",
              _at(f.detected, f.t), _at(f.rendezvous, f.t), _at(f.loaded, f.t), _at(f.first_step, f.t),
              "-" if f.resumed_from is None else str(f.resumed_from), lost]
     return _row(cells)
@@ -107,12 +119,15 @@ def _row(cells: list[str]) -> str:
 def render(tl: Timeline, run_dir: Path) -> list[str]:
     lines = [f"run dir: {run_dir}  ({tl.invocations} invocation(s), {tl.generations} worker generation(s))"]
     if tl.faults:
-        lines.append("faults (at: seconds since the run started; +s: seconds after the fault)")
+        lines.append(failure_count(tl.faults) + " (at: seconds since the run started; +s: seconds after it)")
         lines.append(_row(["#", "kind", "target", "step", "at", "detected", "rendezvous", "loaded",
                            "first step", "resumed", "steps lost"]))
         lines += [_fault_line(f) for f in tl.faults]
+        lines += [f"  #{f.index} not injected: {f.cause}" for f in tl.faults if not f.injected and f.cause]
     else:
-        lines.append("no faults injected")
+        lines.append("no failures, no faults injected")
+    for out in tl.excluded:
+        lines.append(f"kept out (a bad node): node {out['node']}: {out['message']}")
     g = tl.goodput
     lines.append(_headline(tl))
     for kind in BADPUT_KINDS:
@@ -143,7 +158,8 @@ def final_checkpoint(run_dir: Path):
     if choice.chosen is not None and key is None:
         raise CheckpointError(f"cannot check who wrote the checkpoints of '{run_dir}': it has no job.key "
                               "(a run from before checkpoints were signed)",
-                              f"if you trust them: elastic-harness ckpt trust {run_dir} --key {run_dir}/job.key")
+                              f"if you trust it, review and sign it: elastic-harness ckpt trust {run_dir} "
+                              f"--step {choice.chosen.step} --key {run_dir}/job.key")
     if choice.chosen is not None:
         return storage, choice.chosen.name
     if not choice.complete:

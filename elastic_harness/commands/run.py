@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, resumepoint, runfiles
+from elastic_harness import exitcodes, jobkey, resumepoint, runfiles, spares
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets
 from elastic_harness.checkpoint.lock import Holder
@@ -51,10 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     spec = load_with_flags(args)  # --chaos faults join the spec: workers read them from the resolved spec
+    args.netns = args.netns or args.separate_hosts
     nodes = spec.nodes.min if args.nodes is None else args.nodes  # --nodes 0 is refused, not a default
     if not spec.nodes.min <= nodes <= spec.nodes.max:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
+    spares.check(spec.nodes.spares, nodes, spec.nodes.max)
     from_epochs = bool(spec.train.epochs)
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
@@ -62,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_and_warn(spec)  # the installed torch can run the harness (torchcompat.host)
     spec = preflight(spec, Path(args.job))
     if from_epochs:  # train.epochs became train.steps: each fault's step must fall inside
-        check_faults(spec, nodes, args.netns)
+        check_faults(spec, nodes, args.netns, warn=False)
     run_dir = Path(args.run_dir or Path("runs") / spec.name)
     done = "" if args.fresh else resumepoint.check(spec, run_dir)  # finished: nothing to start
     if done:
@@ -84,33 +86,40 @@ def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
     holder = Holder.this_process(spec.name, rdzv_id, submission=uuid.uuid4().hex)
-    with prepare(run_dir, spec, fresh=args.fresh, holder=holder) as claim:
+    # The key the agents will use (``jobkey.key_path``), checked here, before any launch.
+    given = os.environ.get(jobkey.KEY_FILE_VAR)
+    with prepare(run_dir, spec, fresh=args.fresh, holder=holder, key_file=Path(given) if given else None) as claim:
         register_run(spec, claim.path, Path(args.job), rdzv_id)
         return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
-                            submission=holder.submission)
+                            submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False))
 
 
 def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
     """Put this job in the registry, so ``status`` and ``list`` see it (``lifecycle``). A
     detached job's ``submit`` already did (this process is its supervisor)."""
     from elastic_harness.lifecycle import registry
-    from elastic_harness.lifecycle.local import supervisor_record
+    from elastic_harness.lifecycle.local import Supervisor, supervisor_record
 
     root = registry.state_dir()
     known = registry.load(job_id, root)
-    if known is None or known.pid != os.getpid():
+    if known is None or Supervisor.of(known).pid != os.getpid():
         try:
             registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
         except HarnessError as e:  # training does not depend on the registry: say so and go on
             print(f"warning: {e.message}; `status` and `list` will not show this job", file=sys.stderr)
 
 
-def check_faults(spec, nodes: int, netns: bool) -> None:
-    """Refuse faults this run cannot carry out, before any agent starts."""
+def check_faults(spec, nodes: int, netns: bool, warn: bool = True) -> None:
+    """Refuse faults this run cannot carry out, before any agent starts (and say which
+    hit a spare, once: ``warn``)."""
     check_netns(spec.chaos, netns)
     adds = sum(1 for f in spec.chaos if f.kind == "add-node")
-    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + adds,
+    check_targets(spec.chaos, ranks=spec.nodes.max * spec.nproc_per_node, nodes=nodes + spec.nodes.spares + adds,
                   steps=0 if spec.train.epochs else spec.train.steps)  # epochs: checked once resolved
+    if spec.train.epochs or not warn:
+        return
+    for line in spares.faults_on_spares(spec.chaos, nodes, spec.nodes.spares):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def preflight(spec, job_path: Path, note=print):
@@ -221,14 +230,15 @@ def resolve_script(path: str, job_path: Path) -> Path:
 
 
 def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
-                 submission: str = "") -> int:
+                 submission: str = "", separate_hosts: bool = False) -> int:
     events = EventLog(run_dir / runfiles.EVENTS)
     chaos = ChaosController(faults, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
         endpoint = _endpoint(spec, topology)
-        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission)
+        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission,
+                       separate_hosts)
     finally:
         if topology is not None:
             topology.teardown()
@@ -249,21 +259,23 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None, submission: str = "") -> int:
+            topology: NetnsTopology | None, submission: str = "", separate_hosts: bool = False) -> int:
     tail = EventTail(run_dir / runfiles.EVENTS)
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
-                run_dir=str(run_dir), netns=topology is not None)
+                run_dir=str(run_dir), netns=topology is not None, separate_hosts=separate_hosts)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend, netns=topology,
+                           backend=spec.rendezvous.backend, netns=topology, separate_hosts=separate_hosts,
                            extra_args=("--submission", submission) if submission else ())
     progress = Progress(spec.train.steps)
     fatal, lingering = None, ""
     stop = StopSignal()
+    idle = spares.Spares(spec.nodes.spares, nodes)
     try:
         cluster.start()
-        fatal, lingering = _supervise(cluster, tail, progress, chaos, spec, stop)
-        unjoined = chaos.unjoined(cluster.running()) if progress.state.finished else []
+        fatal, lingering = _supervise(cluster, tail, progress, chaos, spec, stop, idle, events)
+        unjoined = [i for i in chaos.unjoined(cluster.running()) if not idle.is_spare(i)] \
+            if progress.state.finished else []
     finally:
         chaos.thaw(cluster)
         cluster.stop(grace_s=spec.timeouts.shutdown_grace + 10)
@@ -319,7 +331,8 @@ POLL_S = 0.05
 
 
 def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos, spec,
-               stop: StopSignal) -> tuple[str | None, str]:
+               stop: StopSignal, idle: spares.Spares | None = None, events: EventLog | None = None
+               ) -> tuple[str | None, str]:
     """Follow events until every agent exits; returns a fatal message if one was logged, and
     what was cut short: after the last step, every node of the last worker group gets
     ``policy.finish_bound_s`` to exit (a rank may go on working after ``run.close()``); those
@@ -336,7 +349,7 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
     while stop.signum is None:
         for e in tail.read():
             progress.update(e)
-            chaos.observe(e, cluster)
+            _look(e, cluster, chaos, idle, events)
             if e["event"] == "failure" and e.get("fatal"):
                 return e["message"], ""
             if e["event"] == "finish":
@@ -344,20 +357,37 @@ def _supervise(cluster: LocalCluster, tail: EventTail, progress: Progress, chaos
             if e["event"] == "worker":
                 where[int(e.get("rank", -1))], where[-1] = str(e.get("node", "")), str(e.get("world_size", 0))
         chaos.tick(cluster)
+        if idle is not None:
+            idle.watch(cluster.poll(), chaos.joined)
         if all(code is not None for code in cluster.poll().values()):
             for e in tail.read():
                 progress.update(e)
                 chaos.observe(e, cluster)
             return None, ""
-        if finished_at:
-            members = group_members(where)
-            running = [i for i in cluster.running() if not members or str(i) in members]
-            if not running or len(chaos.unjoined(cluster.running())) == len(cluster.running()):
-                return None, ""  # nothing left of the last group, or only nodes that never joined
-            if time.monotonic() - finished_at > bound:
-                return None, cut_short(running, members, bound)
+        lingering = _after_finish(cluster, chaos, where, finished_at, bound) if finished_at else None
+        if lingering is not None:
+            return None, lingering
         time.sleep(POLL_S)
     return None, ""
+
+
+def _look(e: dict, cluster: LocalCluster, chaos, idle: spares.Spares | None, events: EventLog | None) -> None:
+    """What the host's helpers learn from one event: the chaos controller, the spares."""
+    chaos.observe(e, cluster)
+    if idle is not None and events is not None:
+        idle.observe(e, cluster, events)
+
+
+def _after_finish(cluster: LocalCluster, chaos, where: dict[int, str], finished_at: float, bound: float) -> str | None:
+    """After the last step: "" once nothing of the last group runs (or only nodes that never
+    joined), the nodes cut short once ``bound`` passed, else None (wait on)."""
+    members = group_members(where)
+    running = [i for i in cluster.running() if not members or str(i) in members]
+    if not running or len(chaos.unjoined(cluster.running())) == len(cluster.running()):
+        return ""
+    if time.monotonic() - finished_at > bound:
+        return cut_short(running, members, bound)
+    return None
 
 
 def group_members(where: dict[int, str]) -> dict[str, set[int]]:
@@ -395,13 +425,17 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
     code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering)
+                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering,
+                            sessions=state.generations)
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
     (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
+    if message:  # a plain script's success (``outcome``)
+        print(f"finished: {message}")
+        return 0
     print(finished_line(summary))
     print(f"model digest {summary['model_digest']}")
     return 0
@@ -420,10 +454,13 @@ def finished_line(summary: dict) -> str:
 def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
             codes: dict[int, int | None], drained_at: int | None = None,
             agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "",
-            cut_short: str = "") -> tuple[int, str]:
+            cut_short: str = "", sessions: int = -1) -> tuple[int, str]:
     """Pure: the host's exit code and message (``exitcodes``), from what happened
     (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them;
-    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step)."""
+    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step;
+    ``sessions``: worker groups that started the harness's session, ``RunState.generations``).
+    A script that never starts one (a plain torchrun script) has finished when every agent
+    exited 0, its workers having exited 0: then the message says so (the only OK with one)."""
     if fatal:
         return exitcodes.PERMANENT, fatal
     if finished and cut_short:
@@ -434,6 +471,9 @@ def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: in
         return exitcodes.FAILED, superseded
     if permanent:  # a crash loop (or a fatal error): restarting cannot help
         return exitcodes.PERMANENT, permanent
+    if sessions == 0 and stopped_by is None and codes and all(c == 0 for c in codes.values()):
+        return exitcodes.OK, ("the script exited 0 on every rank (it does not use elastic_harness's API, "
+                              "so no steps, checkpoints or resumes were recorded)")
     saved = "no step was drained" if drained_at is None else f"drained and saved at step {drained_at}"
     if stopped_by is not None:
         return 128 + stopped_by, f"job stopped by {signal.Signals(stopped_by).name}; {saved}"

@@ -13,7 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
-from elastic_harness.commands.submit import add_slurm_options, slurm_options
+from elastic_harness.lifecycle.slurm import add_slurm_options, slurm_options
 from elastic_harness.lifecycle.slurm_script import ScriptJob, SlurmOptions, render
 from elastic_harness.spec import load_job
 

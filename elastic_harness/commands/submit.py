@@ -23,9 +23,8 @@ from elastic_harness.commands.jobargs import add_job_arguments
 from elastic_harness.errors import HarnessError, RunDirError
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.lifecycle import registry
-from elastic_harness.lifecycle.api import SCHEDULERS, Submission
-from elastic_harness.lifecycle.schedulers import scheduler_for
-from elastic_harness.lifecycle.slurm_script import C10D_PORT, SlurmOptions
+from elastic_harness.lifecycle.api import Submission
+from elastic_harness.lifecycle.schedulers import SCHEDULERS, scheduler_class, scheduler_for
 from elastic_harness.lifecycle.state import ACTIVE
 from elastic_harness.rundir import owner
 
@@ -35,35 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Start a job detached: `submit JOB.yaml [flags]`, or `submit [flags] "
                                    "train.py [script args]` as `run` takes them (commands.jobargs).")
     add_job_arguments(p)  # shared with run: the job, --set, --nnodes, --nproc-per-node, --chaos, ...
-    p.add_argument("--scheduler", choices=SCHEDULERS, default="local", help="where it runs (default local)")
+    kinds = {name: scheduler_class(name) for name in SCHEDULERS}
+    p.add_argument("--scheduler", choices=list(kinds), default="local", help="where it runs (default local): " +
+                   "; ".join(f"{name}, {cls.description}" for name, cls in kinds.items()))
     p.add_argument("--nodes", help="local: simulated nodes to start (N); slurm, k8s: the elastic range "
                                    "to ask for (N or MIN:MAX, over nodes.min/max)")
     p.add_argument("--json", action="store_true", help="print the submission as JSON")
-    add_slurm_options(p)
-    k = p.add_argument_group("k8s")
-    k.add_argument("--flavor", choices=("pytorchjob", "plain"), default="pytorchjob", help="k8s: manifest flavor")
-    k.add_argument("--image", help="k8s: container image (default: the package's, see k8s render)")
-    k.add_argument("--namespace", help="k8s: namespace (default: default)")
+    for cls in kinds.values():
+        cls.add_options(p)  # each scheduler's own flags
     p.set_defaults(func=cmd_submit)
-
-
-def add_slurm_options(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("slurm")
-    s.add_argument("--partition", default="", help="slurm: partition")
-    s.add_argument("--time", default="", help="slurm: time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)")
-    s.add_argument("--account", default="", help="slurm: account")
-    s.add_argument("--cpus-per-task", type=int, default=0, help="slurm: CPUs per node's agent task")
-    s.add_argument("--rdzv-port", type=int, default=C10D_PORT, help=f"slurm, c10d: store port on the first node (default {C10D_PORT})")
-    s.add_argument("--max-requeues", type=int, default=5, help="slurm: requeues after preemption or infrastructure failures")
-    s.add_argument("--sbatch", action="append", default=[], metavar="--OPTION=VALUE", help="slurm: another #SBATCH option")
-
-
-def slurm_options(args: argparse.Namespace) -> dict:
-    options = dict(partition=args.partition, time=args.time, account=args.account,
-                   cpus_per_task=args.cpus_per_task, rdzv_port=args.rdzv_port,
-                   max_requeues=args.max_requeues, python=sys.executable, extra=list(args.sbatch))
-    SlurmOptions(**options).check()
-    return options
 
 
 def overrides_of(args: argparse.Namespace) -> list[str]:
@@ -82,6 +61,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 _LOCAL_ONLY = (
     ("fresh", "--fresh", "submit to a new --run-dir (slurm), or delete the job's volume claim (k8s)"),
     ("netns", "--netns", "simulated hosts are for jobs on this machine: use --scheduler local"),
+    ("separate_hosts", "--separate-hosts", "simulated hosts are for jobs on this machine: use --scheduler local"),
     ("verify", "--verify", "compare afterwards: elastic-harness verify RUN_DIR REF_RUN_DIR"),
 )
 
@@ -110,18 +90,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     overrides = overrides_of(args)
     spec = jobargs.load_with_flags(args, note=_note, overrides=overrides)
     refuse_for_cluster(args, spec)
-    options = _options(args, spec)
     sched = scheduler_for(args.scheduler, root)
+    options = _options(args, spec, sched)
     sched.check()
     registry.ensure_writable(root)
     run_dir, nodes = None, None
-    if args.scheduler != "k8s":
+    if sched.keeps_run_dir:
         from elastic_harness.commands.run import check_faults, preflight
         from elastic_harness.rundir import check_paths
         from elastic_harness.torchcompat.host import check_and_warn
 
         nodes = _local_nodes(args, spec)
-        check_faults(spec, nodes or spec.nodes.min, args.netns)
+        check_faults(spec, nodes or spec.nodes.min, args.netns or args.separate_hosts)
         check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
         check_and_warn(spec)  # the torch this host runs the job with (torchcompat.host)
         spec = preflight(spec, Path(args.job))
@@ -139,14 +119,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                      script_args=list(getattr(args, "script_args", None) or []),
                                      run_flags=run_flags(args)))
     registry.save(record, root)
-    _report(record, args.json)
+    _report(record, sched, args.json)
     return 0
 
 
 def run_flags(args: argparse.Namespace) -> list[str]:
     """The ``run`` flags a local supervisor is given besides the job and its overrides."""
     out = [x for t in args.chaos for x in ("--chaos", t)]
-    out += ["--fresh"] * args.fresh + ["--netns"] * args.netns
+    out += ["--fresh"] * args.fresh + ["--netns"] * args.netns + ["--separate-hosts"] * args.separate_hosts
     return out + (["--verify", str(Path(args.verify).resolve())] if args.verify else [])
 
 
@@ -162,17 +142,16 @@ def _make(run_dir: Path) -> None:
                           "pass --run-dir to a directory you can write") from None
 
 
-def _options(args: argparse.Namespace, spec) -> dict:
-    if args.scheduler == "slurm":
-        return slurm_options(args)
-    if args.scheduler == "k8s":
+def _options(args: argparse.Namespace, spec, sched) -> dict:
+    """The scheduler's own flags; where the job runs from what is sent (no run directory
+    here: Kubernetes), the spec as written and its script's files go with them."""
+    options = sched.options(args)
+    if not sched.keeps_run_dir:
         from elastic_harness.commands.k8s import refuse_epochs, script_for_pods
-        from elastic_harness.k8s import DEFAULT_IMAGE
 
         refuse_epochs(spec)
-        return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or "",
-                "script_files": script_for_pods(spec, Path(args.job))}
-    return {}
+        options["script_files"] = script_for_pods(spec, Path(args.job))
+    return options
 
 
 def _local_nodes(args: argparse.Namespace, spec) -> int | None:
@@ -205,13 +184,12 @@ def refuse_if_busy(run_dir: Path, root: Path) -> None:
                                    "or pass another --run-dir")
 
 
-def _report(record: registry.JobRecord, as_json: bool) -> None:
+def _report(record: registry.JobRecord, sched, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"id": record.id, "scheduler": record.scheduler, "run_dir": record.run_dir,
-                          "slurm_job": record.slurm_job or None, "k8s": record.k8s or None, "pid": record.pid or None}))
+                          **sched.summary(record)}))
         return
-    where = {"local": f"supervisor pid {record.pid}", "slurm": f"Slurm job {record.slurm_job}",
-             "k8s": f"Kubernetes {record.k8s.get('namespace')}/{record.k8s.get('name')}"}[record.scheduler]
+    where = sched.where(record)
     print(record.id)
     print(f"submitted to {record.scheduler} ({where}{', run dir ' + record.run_dir if record.run_dir else ''})",
           file=sys.stderr)

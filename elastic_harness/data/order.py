@@ -59,7 +59,7 @@ class Layout:
         return sum(self.units) // self.unit
 
     def settings(self) -> tuple:
-        """What a checkpoint must agree on besides the shard list (``stream_digest``)."""
+        """What a checkpoint must agree on besides the shard list (``bind_stream`` digests both)."""
         return (self.unit, self.lanes, self.block, self.shuffle_shards)
 
 
@@ -176,10 +176,6 @@ def check_sizes(lanes: int, global_batch: int, dp_size: int) -> str | None:
         return (f"the stream has {lanes} lanes, fewer than the {dp_size} ranks (each rank reads "
                 f"whole lanes): raise lanes when the stream is first used, or run on <= {lanes} ranks")
     return None
-
-
-def rank_of_lane(lane: int, dp_size: int) -> int:
-    return lane % dp_size
 
 
 def reader_of_lane(lane: int, dp_size: int, readers: int) -> int:

@@ -104,14 +104,6 @@ class EpochOrder:
         return out
 
 
-def step_indices(
-    order: EpochOrder, cursor: int, global_batch: int, dp_size: int, dp_rank: int
-) -> list[int]:
-    """Dataset indices data-parallel rank ``dp_rank`` uses in the step that starts at ``cursor``."""
-    lo, hi = rank_share(global_batch, dp_size, dp_rank)
-    return order.indices(cursor + lo, cursor + hi)
-
-
 def step_plan(
     order: EpochOrder, cursor: int, global_batch: int, dp_size: int, dp_rank: int, micro_batch: int
 ) -> list[list[tuple[int, int]]]:

@@ -125,8 +125,3 @@ class Stream:
 
     def known_units(self) -> list[int] | None:
         return self.lengths if self.pack is None else None
-
-
-def stream_of(open_shard: Callable[[Any], Iterable[Any]], shards: Sequence[Any], **kw: Any) -> Stream:
-    """``Stream(shards, open_shard, **kw)`` with the argument order of ``map``."""
-    return Stream(shards, open_shard, **kw)

@@ -102,12 +102,7 @@ class Witness:
 
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
          on_health: Callable | None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-
     from elastic_harness.launch import watchdog
-    from elastic_harness.launch.rendezvous import group_running
 
     run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -118,45 +113,69 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
-    code, message, launch = EXIT_OK, "", None
     try:
-        # Inside the try: the rendezvous handler is built here, and a backend that cannot
-        # be reached at start-up raises then (a RendezvousConnectionError).
-        witness = Witness(run_dir / runfiles.EVENTS, node, time.time())
-        launch = _launch(spec, opts, node, command, zygote, events, witness)
-        if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
-            timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
-                                                 spec.timeouts.step)
-        if on_health is not None:
-            on_health(launch.agent.health)
-        if zygote is not None and group_running(launch.spec.rdzv_handler):
-            # Join once workers can be forked at once: a node joining a running job makes the
-            # group drain as soon as it waits in the rendezvous, and the whole group would
-            # then wait for these imports (seconds; issue 26: a join's pause). Not when no
-            # group runs yet (the job's start): the first round then overlaps the imports,
-            # and forking the workers waits for them (``Zygote.spawn``).
-            zygote.wait_ready(ZYGOTE_READY_S)
-        launch.run()
-    except SignalException as e:
-        code, message = 128 + int(e.sigval), f"agent received {e.sigval.name}"
-    except ChildFailedError as e:
-        reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
-        if reason:
-            code, message = EXIT_PERMANENT, reason
-        else:
-            code, message = EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
-    except RendezvousError as e:
-        code = rendezvous_exit_code(type(e).__name__)
-        detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
-        message = explain_rendezvous_error(type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
-                                           at_start=launch is None or not launch.agent.formed)
+        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server)
     finally:
-        if timer_server is not None:
+        if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
             timer_server.stop()
         if cutoff is not None:
             cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
     return code
+
+
+def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
+             events: EventLog, timer_server: Any) -> tuple[int, str]:
+    """Run the agent to its end: its exit code and the line saying why (empty when it ended well)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    launch = None
+    try:
+        # Inside the try: the rendezvous handler is built here, and a backend that cannot
+        # be reached at start-up raises then (a RendezvousConnectionError).
+        launch = _started(spec, opts, node, command, zygote, on_health, events, timer_server)
+        launch.run()
+    except SignalException as e:
+        return 128 + int(e.sigval), f"agent received {e.sigval.name}"
+    except ChildFailedError as e:
+        reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
+        if launch.agent.excluded:  # kept out (``launch.exclusion``): the infrastructure's failure
+            return EXIT_INFRA, launch.agent.excluded
+        if reason:
+            return EXIT_PERMANENT, reason
+        return EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
+    except RendezvousError as e:
+        detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
+        return rendezvous_exit_code(type(e).__name__), explain_rendezvous_error(
+            type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
+            at_start=launch is None or not launch.agent.formed)
+    return EXIT_OK, ""
+
+
+def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
+             events: EventLog, timer_server: Any) -> Any:
+    """The launch (``launch.elastic.Launch``), its hang reports and health hooked up, ready to ``run``."""
+    from elastic_harness.launch.rendezvous import group_running
+
+    witness = Witness(Path(opts.run_dir) / runfiles.EVENTS, node, time.time())
+    launch = _launch(spec, opts, node, command, zygote, events, witness)
+    strikes = keep_out(launch.agent, spec, events, node)
+    if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
+        timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
+                                             spec.timeouts.step, strikes)
+        watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
+    if on_health is not None:
+        on_health(launch.agent.health)
+    if zygote is not None and group_running(launch.spec.rdzv_handler):
+        # Join once workers can be forked at once: a node joining a running job makes the
+        # group drain as soon as it waits in the rendezvous, and the whole group would
+        # then wait for these imports (seconds; issue 26: a join's pause). Not when no
+        # group runs yet (the job's start): the first round then overlaps the imports,
+        # and forking the workers waits for them (``Zygote.spawn``).
+        zygote.wait_ready(ZYGOTE_READY_S)
+    return launch
 
 
 def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, events: EventLog,
@@ -172,22 +191,70 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
                   exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
-                  shutdown_grace=t.shutdown_grace)
+                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace)
+
+
+def keep_out(agent, spec: JobSpec, events: EventLog, node: str):
+    """This node's strikes (``launch.exclusion``), given to ``agent``; its ``excluded`` event."""
+    from elastic_harness.launch.exclusion import Strikes
+
+    strikes = Strikes(spec.nodes.exclude_after, spec.nodes.exclude_window)
+    agent.strikes, agent._node_name = strikes, node
+    agent.on_excluded = lambda message: events.emit("excluded", node=node, message=message,
+                                                    failures=list(strikes.reasons),
+                                                    window_s=spec.nodes.exclude_window)
+    return strikes
 
 
 def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
-                  last_step: Callable[[], int], timeout_s: float) -> Callable[[int, float], None]:
+                  last_step: Callable[[], int], timeout_s: float, strikes: Any = None) -> Callable[[int, float], None]:
     """The watchdog's report of a worker it killed (``launch.watchdog``): a ``hang`` failure
-    naming the rank, the job's last completed step and how long the worker was silent.
-    Called on the watchdog's thread."""
+    naming the rank, the job's last completed step and how long the worker was silent; a
+    strike against this node when the worker hung itself (``launch.exclusion``). Called on
+    the watchdog's thread."""
+    from elastic_harness.launch.exclusion import OWN_HANG_STATES
 
     def report(pid: int, silent_s: float, state: str = "") -> None:
         rank = rank_of(pid)
         step = last_step()
+        if strikes is not None and state in OWN_HANG_STATES:
+            strikes.add(f"rank {rank} hung{_STATES.get(state, '')}")
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
                     seconds=round(silent_s, 3), state=state,
                     message=hang_message(who, step, silent_s, timeout_s, state))
+
+    return report
+
+
+def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: Callable[[], int]) -> None:
+    """The step watchdog asks ``launch.stall`` about workers past their stall bound
+    (``launch.watchdog``): a ``stall`` event when it starts looking, a ``node-lost`` failure
+    for each worker it stopped on a verdict."""
+    from elastic_harness.launch.stall import StallJudge
+
+    rank_of = launch.agent.rank_of
+
+    def stall(pid: int, stalled_s: float, bound_s: float) -> None:
+        events.emit("stall", node=node, rank=rank_of(pid), step=last_step(), seconds=round(stalled_s, 3),
+                    bound_s=round(bound_s, 3))
+
+    timer_server.judge = StallJudge(launch.spec.rdzv_handler)
+    timer_server.on_verdict = verdict_reporter(events, node, rank_of, last_step)
+    timer_server.on_stall = stall
+
+
+def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
+                     last_step: Callable[[], int]) -> Callable[[int, float, Any], None]:
+    """A ``node-lost`` failure for each worker the watchdog stopped on a verdict
+    (``launch.verdict``): which nodes are gone and why. Called on the watchdog's thread."""
+
+    def report(pid: int, stalled_s: float, found: Any) -> None:
+        rank = rank_of(pid)
+        events.emit("failure", cause="node-lost", fatal=False, rank=rank, node=node, step=last_step(),
+                    seconds=round(stalled_s, 3), gone=sorted(str(n) for n in found.gone),
+                    message=(f"rank {rank if rank is not None else '?'} stopped: the group cannot go on "
+                             f"({found.reason}); the group restarts without the nodes gone"))
 
     return report
 
@@ -201,6 +268,18 @@ def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: 
     before the kill, which tells the frozen rank from the peers waiting on it."""
     return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
             f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
+
+
+def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
+    """The agent's account of a failed worker group (``launch.elastic.exit_account``): which
+    rank exited how, the cause first. Called on the agent's main thread."""
+
+    def report(a: dict) -> None:
+        events.emit("failure", cause="exit", fatal=False, node=node, rank=a.get("rank"), step=a.get("step"),
+                    worker_pid=a.get("worker_pid"), exit_code=a.get("exit_code"), signal=a.get("signal"),
+                    recorded=a.get("recorded"), peer_lost=a.get("peer_lost"), message=a["message"])
+
+    return report
 
 
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
@@ -225,8 +304,11 @@ PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured")
 
 
 def rendezvous_exit_code(kind: str) -> int:
-    """Pure: a mistake (``PERMANENT_RENDEZVOUS_ERRORS``) exits 2; every other rendezvous
-    failure is the infrastructure's, worth a retry."""
+    """Pure: a mistake (``PERMANENT_RENDEZVOUS_ERRORS``) exits 2; a spare that waited in
+    torch's redundancy list until the job closed is done (torch's graceful exit: 0); every
+    other rendezvous failure is the infrastructure's, worth a retry."""
+    if kind == "RendezvousGracefulExitError":
+        return EXIT_OK
     return EXIT_PERMANENT if kind in PERMANENT_RENDEZVOUS_ERRORS else EXIT_INFRA
 
 
@@ -248,6 +330,8 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
                 "to survive losing any node); re-run to resume with a new rendezvous id")
     if kind == "RendezvousClosedError":
         return f"rendezvous '{opts.rdzv_id}' is closed (that job already finished); use a new id"
+    if kind == "RendezvousGracefulExitError":
+        return "a spare: the job finished without needing this node"
     return f"rendezvous failed: {kind}: {detail[:300]}"
 
 

@@ -1,4 +1,4 @@
-"""torchelastic's agent, with the two behaviours we need changed, and a launcher for it.
+"""torchelastic's agent, with the three behaviours we need changed, and a launcher for it.
 
 ``HarnessAgent`` is torchelastic's ``LocalElasticAgent`` (rendezvous, worker processes,
 monitoring, restarts: all torch's) with three overrides, through ``torchcompat.agent``'s
@@ -17,9 +17,14 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
   highest completed step at each failure, from ``progress()``), and torch's counter is
   refilled accordingly (``policy.budget_refill``, which keeps torch's restart count, the
   attempt number, as it is) or emptied with ``exhausted`` saying why. It also notes when it
-  last ran, so ``health()`` can tell a live agent from a stuck one. When a worker failed
-  because a peer's connection closed, it tells the rendezvous handler (``peer_lost``:
-  ``launch.liveness``), before torch restarts the group.
+  last ran, so ``health()`` can tell a live agent from a stuck one. When the group failed
+  it tells the rendezvous handler (``group_failed``: the round is written broken, so every
+  peer stops its group at once), and when a worker failed because a peer's connection
+  closed, that too (``peer_lost``: ``launch.liveness``), before torch restarts the group.
+  A group still running in a round a peer wrote broken is stopped (SIGKILL: its workers
+  may be blocked in a collective) instead of waiting for the failure to reach it through
+  its collectives, peer by peer (issue 36: node loss flat in the number of nodes); so is a
+  drain for a join that is under way then.
 - ``start_workers``: the process context it makes stops a failed group's survivors within
   ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,9 +82,11 @@ class HarnessAgent(AgentBase):
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
-                 tick: Callable[[], None] | None = None, **kwargs: Any) -> None:
+                 tick: Callable[[], None] | None = None,
+                 on_failure: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._judge = judge
+        self._on_failure = on_failure or (lambda account: None)  # hears ``exit_account`` of a failed group
         self._progress = progress or (lambda: 0)
         self._tick = tick or (lambda: None)  # each monitor pass: keeps the log reader current
         self._window = restart_window
@@ -91,6 +99,11 @@ class HarnessAgent(AgentBase):
         self._zygote = zygote
         self._report = report or (lambda state, restart: None)
         self.stop_reason: str | None = None
+        self._broken = False  # its group was stopped because a peer's failed (``_round_broken``)
+        self.strikes: Any = None  # ``launch.exclusion.Strikes`` of this node, when it may be kept out
+        self.excluded: str | None = None  # why this node is kept out of the job, once it is
+        self.on_excluded: Callable[[str], None] = lambda message: None
+        self._node_name = ""
 
     def health(self) -> tuple[bool, str]:
         """For the agent endpoint's ``/healthz`` (any thread; reads two fields, never blocks)."""
@@ -107,6 +120,7 @@ class HarnessAgent(AgentBase):
             with _processes_from(self._zygote, self._phase):
                 pids = super().start_workers(worker_group)
         self.formed = True
+        self._broken = False
         if self.pcontext is not None:
             bound_failure_close(self.pcontext, failed_stop_grace(self.shutdown_grace))
         self._phase("started")
@@ -129,7 +143,7 @@ class HarnessAgent(AgentBase):
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
-        SIGTERM, and wait up to ``grace_s`` for them to drain and exit; ``shutdown``'s
+        SIGTERM, and wait up to ``grace_s`` for them to drain and exit; ``_shutdown``'s
         SIGTERM then finds nothing left (or stops what did not exit). A SIGTERM to this
         agent meanwhile (preemption) raises here as anywhere in the monitor loop, and the
         workers then get SIGTERM: a stop, saved to storage, if it comes before their drain
@@ -142,11 +156,32 @@ class HarnessAgent(AgentBase):
                 os.kill(pid, JOIN_SIGNAL)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not workers_exited(pcontext):
+            if self._round_broken():  # a peer's group failed meanwhile: nothing left to drain for
+                self._kill_workers()
+                return
             time.sleep(self.worker_group.spec.monitor_interval)
+
+    def _round_broken(self) -> bool:
+        check = getattr(self.worker_group.spec.rdzv_handler, "round_broken", None)
+        return bool(check is not None and check())
+
+    def _kill_workers(self) -> None:
+        """SIGKILL this node's workers: their group cannot finish (a peer's failed), and a
+        worker blocked in a collective handles no other signal."""
+        pcontext = self.pcontext
+        for pid in (pcontext.pids().values() if pcontext is not None else ()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
         self._tick()
+        if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
+            self._broken = True  # once per group
+            self._phase("broken")  # a peer's group failed: ours cannot finish its step
+            if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
+                self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
+            self._kill_workers()
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
         # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
@@ -154,10 +189,13 @@ class HarnessAgent(AgentBase):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed and lost_a_peer(result):
-            tell = getattr(worker_group.spec.rdzv_handler, "peer_lost", None)  # ``rendezvous._Handler``
-            if tell is not None:
-                tell()
+        if failed:
+            self._on_failure({**exit_account(result.failures), "step": self._progress()})
+        handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
+        if failed and crashed(result) and hasattr(handler, "group_failed"):
+            handler.group_failed()
+        if failed and lost_a_peer(result) and hasattr(handler, "peer_lost"):
+            handler.peer_lost()
         if failed and self.stop_reason is None:
             reason = self._judge()
             if reason:
@@ -165,6 +203,11 @@ class HarnessAgent(AgentBase):
                 self.remaining_restarts = 0
             elif not disabled_by_torch:
                 self._settle_budget(result)
+        if failed and self.strikes is not None and self.excluded is None:
+            self.excluded = self.strikes.verdict(self._node_name)
+            if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
+                self.remaining_restarts = 0
+                self.on_excluded(self.excluded)
         return result
 
     def _settle_budget(self, result: RunResult) -> None:
@@ -193,7 +236,7 @@ def workers_exited(pcontext: Any) -> bool:
 def bound_failure_close(pcontext: Any, grace_s: float) -> None:
     """Make ``pcontext.close()`` without a timeout (what torch's and ``WarmContext``'s
     ``_poll`` call when a worker failed, to stop the rest) wait ``grace_s``, not torch's fixed
-    30 s (``policy.failed_stop_grace``). Calls with a timeout (the agent's ``shutdown``:
+    30 s (``policy.failed_stop_grace``). Calls with a timeout (the agent's ``_shutdown``:
     drains, stop requests) keep theirs."""
     close = pcontext.close
 
@@ -201,6 +244,15 @@ def bound_failure_close(pcontext: Any, grace_s: float) -> None:
         close(death_sig, grace_s if timeout is None else timeout)
 
     pcontext.close = bounded
+
+
+DRAINED = 128 + int(signal.SIGTERM)  # a worker that drained and saved (``runtime.session.DRAIN_EXIT``)
+
+
+def crashed(result: RunResult) -> bool:
+    """Pure: did a worker of the failed group end other than by a drain? (Workers that all
+    drained, for a join their peers asked for, left a consistent state: not a broken round.)"""
+    return any(f.exitcode != DRAINED for f in result.failures.values())
 
 
 def lost_a_peer(result: RunResult) -> bool:
@@ -212,6 +264,56 @@ def lost_a_peer(result: RunResult) -> bool:
 def _message(failure: Any) -> str:
     message = failure.message
     return message.get("message", str(message)) if isinstance(message, dict) else str(message)
+
+
+def exit_account(failures: dict[int, Any]) -> dict[str, Any]:
+    """Pure: a failed group's ``failure`` event fields (``cause: exit``), the cause first.
+
+    ``failures``: torchelastic's ``{global rank: ProcessFailure}``, in the order the exits
+    were seen. A rank that only lost a peer (its error says the connection closed: a gloo
+    "Connection closed by peer ... GLHF!") is a symptom, never the cause; the cause is the
+    first other exit: a signal (``rank 1 (pid N) was killed by SIGKILL``), an exit without
+    an error record, or an error the rank recorded. The survivors' symptom comes after."""
+    order = sorted(failures.items(), key=lambda kv: liveness.peer_lost(_message(kv[1])) and _recorded(kv[1]))
+    if not order:
+        return {"cause": "exit", "fatal": False, "message": "the worker group failed"}
+    (rank, first), rest = order[0], order[1:]
+    message = _exit_line(rank, first)
+    if rest:
+        message += "; then " + ", ".join(_exit_line(r, f, short=True) for r, f in rest)
+    return {"cause": "exit", "fatal": False, "rank": rank, "worker_pid": first.pid,
+            "exit_code": first.exitcode, "signal": _signal(first), "recorded": _recorded(first),
+            "peer_lost": liveness.peer_lost(_message(first)) and _recorded(first), "message": message[:500]}
+
+
+def _recorded(failure: Any) -> bool:
+    """Did the worker write its error (torchelastic's error file)?"""
+    return str(getattr(failure, "error_file", "<N/A>")) not in ("<N/A>", "")
+
+
+def _signal(failure: Any) -> str | None:
+    import signal
+
+    code = failure.exitcode
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _exit_line(rank: int, failure: Any, short: bool = False) -> str:
+    who = f"rank {rank}" if short else f"rank {rank} (pid {failure.pid})"
+    sig = _signal(failure)
+    if sig:
+        return f"{who} was killed by {sig}" if not short else f"{who} stopped ({sig})"
+    if not _recorded(failure):
+        return f"{who} exited with code {failure.exitcode} without recording an error"
+    text = " ".join(_message(failure).split())
+    if liveness.peer_lost(text):
+        return f"{who} lost its peers ({text[:120]})"
+    return f"{who} failed: {text[:300 if not short else 120]}"
 
 
 def first_failure(result: RunResult) -> str:
@@ -253,6 +355,7 @@ class Launch:
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
+                 on_failure: Callable[[dict[str, Any]], None] | None = None,
                  shutdown_grace: float = 30.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
@@ -272,7 +375,7 @@ class Launch:
                                   shutdown_grace=shutdown_grace, judge=judge,
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
-                                  exit_barrier_timeout=exit_barrier_s)
+                                  exit_barrier_timeout=exit_barrier_s, on_failure=on_failure)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,
@@ -287,6 +390,8 @@ class Launch:
                 raise ChildFailedError(name=spec.get_entrypoint_name(), failures=result.failures)
             return result.return_values
         except ChildFailedError:
+            # A node kept out (``launch.exclusion``) leaves the rendezvous open: the job goes on.
+            shutdown_rdzv = agent.excluded is None
             raise
         except SignalException:
             # A signalled agent leaves the rendezvous open so the job can go on without it.

@@ -21,18 +21,22 @@ on silence alone. It needs, all at once:
      ``lives`` entry each agent writes next to its keep-alive in the sealed state) and
      that process is gone (no such pid, a zombie, or a pid reused by a process started
      later). A SIGSTOPped or slow agent is a live process: never dropped by this rule;
-   - *another host*: its last keep-alive is older than ``suspect_after_s`` (two keep-alive
-     intervals, at most torch's expiry). Only here does an agent that is alive but stalled
-     risk being dropped early; it then joins the next round as a late agent would (one
-     membership change), since its group had already failed.
+   - *another host, its process gone*: the node's host refused a connection to its
+     agent's beacon (``launch.probe``: the host's kernel answers, nothing listens: the
+     process died). Its ``lives`` entry names the beacon's address;
+   - *another host, silent*: its last keep-alive is older than ``suspect_after_s`` (two
+     keep-alive intervals, at most torch's expiry), and its beacon did not answer either
+     (one that answers is alive: never dropped). Only here does an agent that is alive but
+     stalled risk being dropped early; it then joins the next round as a late agent would
+     (one membership change), since its group had already failed.
 
 A node dropped by the rule is also no longer waited for as a peer of the previous round
 (``rendezvous.PEER_GRACE_S``). Everything else stays torch's: a node without evidence
 against it expires as before.
 
-Call order: ``identity()`` once per agent (its ``lives`` entry); ``peer_lost(message)`` on
-each failure of its group; ``dead_peers(...)`` at each sync of the state (pure), with
-``gone(...)`` answering for nodes of this host.
+Call order: ``identity(beacon)`` once per agent (its ``lives`` entry); ``peer_lost(message)``
+on each failure of its group; ``dead_peers(...)`` at each sync of the state (pure), with
+``gone(...)`` answering for a node (its process here, else its beacon).
 """
 
 from __future__ import annotations
@@ -80,16 +84,30 @@ def dead_peers(*, participants: Collection, heartbeats: Mapping[Any, datetime], 
     return frozenset(dead)
 
 
-def identity() -> str:
-    """This process: ``boot/pid-namespace/pid/start``; ``gone`` compares against it."""
-    return f"{_host()}/{os.getpid()}/{_start_ticks(os.getpid())}"
+def identity(beacon: str = "") -> str:
+    """This process: ``boot/pid-namespace/pid/start``, then ``|HOST:PORT`` of its beacon
+    (``launch.probe``) if it has one; ``gone`` compares against it."""
+    me = f"{_host()}/{os.getpid()}/{_start_ticks(os.getpid())}"
+    return f"{me}|{beacon}" if beacon else me
 
 
-def gone(recorded: str | None, here: str | None = None) -> bool | None:
-    """Is the process ``recorded`` (an ``identity()``) certainly gone? None when it ran on
-    another host or pid namespace, or nothing was recorded: this host cannot tell."""
+def gone(recorded: str | None, here: str | None = None,
+         ask: Callable[[str], str] | None = None) -> bool | None:
+    """Is the process ``recorded`` (an ``identity()``) certainly gone (True), certainly alive
+    (False)? On this host its pid answers; on another, its beacon, through ``ask(address)``
+    (``probe.probe``: refused is gone, an answer alive). None when nothing can tell."""
     if not recorded:
         return None
+    recorded, _, beacon = recorded.partition("|")
+    mine = _gone_here(recorded, here)
+    if mine is not None or not beacon or ask is None:
+        return mine
+    answer = ask(beacon)
+    return True if answer == "gone" else False if answer == "alive" else None
+
+
+def _gone_here(recorded: str, here: str | None) -> bool | None:
+    """``gone`` for a process of this boot and pid namespace; None for any other."""
     parts = recorded.split("/")
     if len(parts) != 4 or "/".join(parts[:2]) != (here or _host()) or not parts[2].isdigit():
         return None

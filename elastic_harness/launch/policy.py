@@ -35,6 +35,7 @@ def stop_reason(events: Iterable[dict], node: str, since: float) -> str | None:
     # resumes where the previous one failed and the same bug then hits one step later.
     attempts: dict[int, set[tuple[str, str, int | None]]] = {}
     messages: dict[tuple[str, str, int | None], str] = {}
+    resumes: dict[tuple[str, str, int | None], set[int | None]] = {}  # where each attempt started
     for e in mine:
         if not e.get("signature"):
             continue
@@ -45,6 +46,7 @@ def stop_reason(events: Iterable[dict], node: str, since: float) -> str | None:
         for key in keys:
             attempts.setdefault(int(e.get("restart", 0)), set()).add(key)
             messages[key] = f"{e.get('message', '')} (at {e.get('where', '?')})"
+            resumes.setdefault(key, set()).add(resumed)
     if len(attempts) < 2:
         return None
     last, before = sorted(attempts)[-1], sorted(attempts)[-2]
@@ -57,9 +59,21 @@ def stop_reason(events: Iterable[dict], node: str, since: float) -> str | None:
     if key[1] == "after":
         where = f"{key[2]} step(s) after resuming, each time"
     else:
-        where = (f"at step {key[2]}, after resuming from the same checkpoint" if key[2] is not None
-                 else "before training started")
+        where = failed_at(key[2], resumes[key])
     return f"crash loop: the workers failed the same way twice {where}: {messages[key]}"
+
+
+def failed_at(step: int | None, resumed: set[int | None]) -> str:
+    """Pure: where the attempts failed, claiming only the start they really had: ``resumed``
+    holds each attempt's ``resumed_at`` (0: a fresh start; None: failed before resuming)."""
+    if step is None or (step == 0 and resumed <= {None}):
+        return "before training started"
+    if resumed == {0}:
+        at = "in the first step" if step == 0 else f"at step {step}"
+        return f"{at}, each time starting fresh (there was no checkpoint to resume from)"
+    if len(resumed) == 1 and None not in resumed:
+        return f"at step {step}, each time after resuming from step {next(iter(resumed))}"
+    return f"at step {step}"
 
 
 def agent_health(group_state: str, monitor_quiet_s: float, bound_s: float) -> tuple[bool, str]:

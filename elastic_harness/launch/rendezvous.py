@@ -21,8 +21,8 @@ about the same moment. torch opens the next round only once every participant of
 one left it (its exit), and an agent joins right after its exit, in the same call; so two
 agents that both exit can each find the new round open and the other one not in it yet,
 and the first would close a group of one. A peer that left is one store round trip from
-joining, so a short grace suffices; a lost peer (removed once its keep-alives expired)
-costs that grace once.
+joining, so a short grace suffices; a lost peer is no longer waited for once it is known
+gone: dropped by ``liveness``/``verdict`` or seen expiring at a read of the state.
 
 The deciding happens where torch reads the value: ``RoundTimeout.last_call`` is read only
 when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``), on the
@@ -48,8 +48,8 @@ No start-up skew at restarts: see ``delay``.
 
 Authenticated state (issue 22): torch pickles the rendezvous state into the c10d store or
 etcd, and unpickles whatever it reads back; both are writable by anyone who reaches them.
-The backends here are torch's with the state sealed under the job's key
-(``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
+The backends here are ours, on torch's public ``RendezvousBackend`` interface, with the
+state sealed under the job's key (``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
 one logged line, and the job carries on with the last authentic state.
 
 A dead node sooner (issue 26): an agent whose workers failed because a peer's connection
@@ -58,11 +58,11 @@ the peers of its last round that are certainly gone (``launch.liveness``: same h
 the agent's process is gone, or another host and silent two keep-alive intervals), as
 torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
 Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
-state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks two
+state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks
 private methods of torch's dynamic rendezvous, the state holder's ``_sanitize`` (run after
-every sync, where torch's own expiry happens) and the executor's ``_keep_alive``
-(``torchcompat.rdzv.hook_handler``); where a torch lacks them, torch's expiry alone drops a
-lost node.
+every sync, where torch's own expiry happens), the executor's ``_keep_alive`` and the join
+operations a later round closes early on (``torchcompat.rdzv``: where a torch lacks them,
+torch's expiry alone drops a lost node and a round waits its last call).
 
 Call order: ``handler_for(params)`` once per agent (torch's registry, which calls
 ``create_handler``); the agent then uses the handler as torch's own.
@@ -97,7 +97,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.launch import etcd_v3, liveness
+from elastic_harness.launch import etcd_v3, liveness, probe, rounds, verdict
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,27 @@ PEER_GRACE_S = 1.0
 # two agents seeing the other in the new round (issue 26). One store read per agent per
 # ``POLL_S`` while it waits or runs.
 POLL_S = 0.25
+
+# Store reads per second a job's running agents make together at most (issue 36: each read is
+# the whole state, ~260 bytes a node; at 1000 nodes and ``POLL_S`` that was 4000 reads and ~1 GB
+# a second on the one store). A group of more than ``STATE_READS_PER_S * POLL_S`` nodes reads
+# the state less often (``poll_for``): a waiting node or a broken round is seen that much later.
+STATE_READS_PER_S = 200.0
+SPARE_POLL_S = 0.05  # a hot spare's reads of the state while it waits (``_Handler._wait_as_spare``)
+
+
+def poll_for(nodes: int) -> float:
+    """Pure: seconds between a running agent's reads of the state in a group of ``nodes``."""
+    return max(POLL_S, nodes / STATE_READS_PER_S)
+
+
+REJOIN_POLL_S = 0.05  # an agent rejoining after a restart: its peers arrive within moments
+
+
+def rejoin_poll(nodes: int) -> float:
+    """Pure: seconds between a rejoining agent's reads of the state (a round after a failure
+    lasts a fraction of a second; the same cap on a job's reads as ``poll_for``, times 4)."""
+    return max(REJOIN_POLL_S, nodes / (4 * STATE_READS_PER_S))
 
 
 def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
@@ -196,12 +217,14 @@ def _seconds(params: RendezvousParameters, key: str) -> float:
 
 
 def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
-    """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state sealed
-    under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
+    """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state
+    sealed under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
     from elastic_harness.launch import sealed
 
-    seal = sealed.StateSeal(key, params.run_id)
-    if name == "c10d":
+    c10d = name == "c10d"  # where the state lives, for the log: a store key, an etcd key
+    where = f"torch.rendezvous.{params.run_id}" if c10d else f"/torch/elastic/rendezvous/{params.run_id}"
+    seal = sealed.StateSeal(key, params.run_id, where=where)
+    if c10d:
         return sealed.create_c10d_backend(params, seal)
     if name == etcd_v3.BACKEND:
         return etcd_v3.create_backend(params, seal)
@@ -217,23 +240,60 @@ class _Handler(DynamicRendezvousHandler):
     _peers: frozenset = frozenset()  # who was in that round
     _evidence = False  # since then, its workers failed because a peer's connection was lost
     _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
+    _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
+    _condemned: frozenset = frozenset()  # peers of its last round ``launch.verdict`` found gone
+    _failed = False  # its workers failed since its last round completed (``group_failed``)
+    _steady_poll: float | None = None  # its state holder's cache while its workers run (``poll_for``)
+    _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
+    _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
 
     def peer_lost(self) -> None:
         """The agent's workers failed because a peer's connection closed (``liveness``);
         the agent's main thread calls it before it restarts the group."""
         self._evidence = True
 
+    def group_failed(self) -> None:
+        """The agent's workers failed (any cause; main thread, before it restarts them): the
+        round is written broken with this agent's next change of the state, so that every
+        peer stops its workers at once instead of waiting for the failure to reach them
+        through their collectives, peer by peer (``round_broken``)."""
+        self._failed = True
+
+    def round_broken(self) -> bool:
+        """Is this agent's last round over while its workers may still run in it? A peer
+        wrote it broken (its group failed), or the round moved on (everyone else left, or
+        this node was dropped). From the last read of the state (the agent reads it every
+        ``POLL_S`` while its workers run); never before a round completed."""
+        state = rdzv.state(self)
+        return state is not None and self._round is not None and (
+            state.round != self._round or getattr(state, "broken", None) == self._round)
+
+    def was_dropped(self) -> bool:
+        """Is this agent no longer a participant of the round it joined last (its peers
+        dropped it, or torch's expiry did), by the last read of the state?"""
+        state = rdzv.state(self)
+        return state is not None and self._round is not None and rdzv.this_node(self) not in state.participants
+
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
+        if self._steady_poll is None:
+            self._steady_poll = rdzv.state_cache(self)  # ``POLL_S`` (``create_handler``), or a caller's
+        if self._formed:  # a restart: the peers rejoin within moments; see them at once
+            _JOIN.poll = rejoin_poll(len(self._peers))
+            rdzv.set_state_cache(self, _JOIN.poll)
         try:
             info = super().next_rendezvous()
         finally:
-            _JOIN.restart = False
+            _JOIN.restart, _JOIN.poll = False, POLL_S
+            rdzv.set_state_cache(self, self._steady_poll)
         self._formed = True
         state = rdzv.state(self)
         if state is None:  # ``rdzv-state`` off: torch's own timeouts, no per-round memory
             return info
+        if poll_for(len(state.participants)) > POLL_S:  # a large group reads less often
+            rdzv.set_state_cache(self, max(self._steady_poll, poll_for(len(state.participants))))
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
+        self._condemned, self._failed = frozenset(), False
         timeout = rdzv.settings(self).timeout
         if isinstance(timeout, RoundTimeout):
             timeout.remember(state.participants)
@@ -242,6 +302,8 @@ class _Handler(DynamicRendezvousHandler):
     def drop_dead(self, state: Any) -> frozenset:
         """Remove from ``state`` (this agent's copy, just synced) the peers ``liveness``
         finds certainly gone, as torch's expiry removes a node; returns them."""
+        if (self._failed or self._evidence or self._condemned) and state.round == self._round and state.complete:
+            state.broken = self._round  # written with this agent's exit from the round (``group_failed``)
         lives = _lives(state)
         for node in [n for n in lives if n not in state.last_heartbeats]:
             del lives[node]  # left or expired: its entry goes with its keep-alive
@@ -249,21 +311,26 @@ class _Handler(DynamicRendezvousHandler):
         dead = liveness.dead_peers(
             participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
             round_=state.round, my_round=self._round, peers=self._peers, me=rdzv.this_node(self),
-            evidence=self._evidence, gone=lambda node: liveness.gone(lives.get(node)),
+            evidence=self._evidence or bool(self._condemned),
+            gone=lambda node: node in self._condemned or liveness.gone(lives.get(node), ask=self._ask),
             now=datetime.now(timezone.utc),
             suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
                                                    settings.keep_alive_max_attempt))
         for node in dead:
-            how = "its agent's process is gone" if liveness.gone(lives.get(node)) else "silent"
+            how = ("its keep-alives and beacon silent while this node's workers stalled (launch.verdict)"
+                   if node in self._condemned
+                   else "its agent's process is gone, and this node's workers lost their connection to a peer"
+                   if liveness.gone(lives.get(node), ask=self._ask)
+                   else "silent, and this node's workers lost their connection to a peer")
             message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
-                       f"without waiting for its keep-alives to expire: {how}, and this node's workers "
-                       "lost their connection to a peer")
+                       f"without waiting for its keep-alives to expire: {how}")
             log.warning(message)
             record_event(
                 name="_Handler.drop_dead", run_id=settings.run_id, message=message,
                 node_state=NodeState.RUNNING)
             for table in (state.last_heartbeats, state.participants, lives):
                 table.pop(node, None)
+            _nodes(state, "gone").add(node)
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
         if dead:
@@ -274,15 +341,146 @@ class _Handler(DynamicRendezvousHandler):
 
     def install_liveness(self) -> Callable[[], None] | None:
         """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
-        agent's identity with each of its keep-alives; returns the undo (None: torch's
-        expiry alone, ``rdzv-fast-path`` is off on this torch)."""
-        self._identity = liveness.identity()
-        me = rdzv.this_node(self) if rdzv.on("rdzv-fast-path") else None
+        agent's identity (and its beacon's address: ``launch.probe``) with each of its
+        keep-alives; returns the undo (None: ``rdzv-fast-path`` is off on this torch, and
+        torch's expiry alone drops a lost node)."""
+        if not rdzv.on("rdzv-fast-path"):
+            return None
+        me = rdzv.this_node(self)
+        self._identity = liveness.identity(_beacon(me.addr))
+        self._ask = probe.Asker()
+        self._gaps = verdict.KeepAliveGaps()
 
         def write_identity(state: Any) -> None:
             _lives(state)[me] = self._identity
 
-        return rdzv.hook_handler(self, lambda state: self.drop_dead(state), write_identity)
+        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity)
+        self._close_rounds_early()
+        return undo
+
+    def _sanitize_and_judge(self, expire: Callable[[], None]) -> None:
+        """At each sync of the state: torch's expiry (``expire``), then ours (``drop_dead``)."""
+        self._read_at = now = datetime.now(timezone.utc)
+        state = rdzv.state(self)
+        beats = state.last_heartbeats
+        self._gaps.observe(beats)
+        settings = rdzv.settings(self)
+        expiry = now - settings.keep_alive_interval * settings.keep_alive_max_attempt
+        expired = [node for node, beat in beats.items() if beat < expiry]
+        expire()  # torch drops those; not peers to wait for either (``RoundTimeout.forget``)
+        if expired:
+            _nodes(state, "gone").update(expired)
+            if isinstance(settings.timeout, RoundTimeout):
+                settings.timeout.forget(expired)
+        self.drop_dead(state)
+
+    def _close_rounds_early(self) -> None:
+        """A later round closes once everyone expected joined it (``launch.rounds``): each
+        join checks, and each completed round records its members for the next one."""
+        settings = rdzv.settings(self)
+
+        def after_add(state: Any) -> None:
+            if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
+                    round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
+                    participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
+                    max_nodes=settings.max_nodes):
+                state.deadline = datetime.now(timezone.utc)
+
+        def after_complete(state: Any) -> None:
+            state.members, state.gone = set(state.participants), set()
+
+        rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
+        self._wait_as_spare()
+
+    def _wait_as_spare(self) -> None:
+        """A hot spare (torch's redundancy list: the round is full) reads the state every
+        ``SPARE_POLL_S`` instead of ``POLL_S``: it takes a lost node's place as soon as
+        the round has room (issue 36; a few spares, a few reads more a second)."""
+
+        def after_spare(state: Any) -> None:
+            _JOIN.poll = SPARE_POLL_S  # this join's thread (``delay``)
+            rdzv.set_state_cache(self, SPARE_POLL_S)
+
+        rdzv.hook_operations(self, add_to_redundancy_list=after_spare)
+
+    def condemn(self, nodes: Any) -> None:
+        """``launch.verdict`` found these peers of the last round gone (any thread): dropped
+        at the next read of the state (``drop_dead``), as if their processes were gone."""
+        self._condemned = self._condemned | frozenset(nodes)
+
+    def peers_now(self, wait_s: float = 0.2) -> tuple[list, dict] | None:
+        """The peers of the last completed round as the last read of the state saw them
+        (``verdict.Peer``), and their beacons' addresses; None before any round or while the
+        state is being read for longer than ``wait_s`` (any thread)."""
+        lock = rdzv.heartbeat_lock(self)
+        if self._round is None or self._gaps is None or lock is None or not lock.acquire(timeout=wait_s):
+            return None
+        try:
+            state, read_at, settings = rdzv.state(self), self._read_at, rdzv.settings(self)
+            interval = settings.keep_alive_interval.total_seconds()
+            expiry = interval * settings.keep_alive_max_attempt
+            ours = state.round == self._round and state.complete
+            lives = _lives(state)
+            peers = []
+            for node in sorted(self._peers - {rdzv.this_node(self)}):
+                beat = state.last_heartbeats.get(node)
+                silent = (read_at - beat).total_seconds() if beat is not None and read_at is not None else None
+                bound = verdict.silence_bound_s(interval, self._gaps.usual(node), expiry)
+                peers.append(verdict.Peer(node, ours and node in state.participants, silent, bound))
+            beacons = {n: lives[n].partition("|")[2] for n in self._peers if "|" in lives.get(n, "")}
+            return peers, beacons
+        finally:
+            lock.release()
+
+
+_BEACONS: list = []  # this process's beacon (one agent per process), kept open for its life
+
+
+def _beacon(addr: str) -> str:
+    """The address of this agent's beacon on ``addr`` (started once), or "" if it cannot
+    listen there (then peers on other hosts wait for its keep-alives, as before)."""
+    if not _BEACONS:
+        try:
+            _BEACONS.append(probe.Beacon(addr).start())
+        except OSError as e:
+            log.warning("no liveness beacon on %s (%s): peers on other hosts will wait for this "
+                        "node's keep-alives to expire if it dies", addr, e)
+            return ""
+    return _BEACONS[0].address
+
+
+class _CountingStore:
+    """A store client that reports each call: ``tally(op, bytes sent, bytes received, lost)``
+    (``lost``: a compare-and-set that found another value). ``bench rendezvous-scale`` only."""
+
+    def __init__(self, store: Any, tally: Callable[[str, int, int, bool], None]) -> None:
+        self._store, self._tally = store, tally
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        self._tally("get", len(key), len(value), False)
+        return value
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        value = self._store.compare_set(key, expected, desired)
+        sent = len(key) + len(expected) + len(desired)
+        self._tally("compare_set", sent, len(value), _as_bytes(value) != _as_bytes(desired))
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def count_store_calls(handler: Any, tally: Callable[[str, int, int, bool], None]) -> None:
+    """Count every store call ``handler``'s c10d backend makes (``bench rendezvous-scale``)."""
+    backend = rdzv.state_backend(handler)
+    if backend is None:
+        raise RuntimeError("this torch keeps its rendezvous backend out of reach (torchcompat: rdzv-state)")
+    backend._store = _CountingStore(backend._store, tally)
 
 
 def group_running(handler: Any) -> bool:
@@ -298,6 +496,16 @@ def group_running(handler: Any) -> bool:
         return True
     state = holder.state
     return bool(state.complete and state.participants)
+
+
+def _nodes(state: Any, name: str) -> set:
+    """A set of nodes our rules keep in the state (``members``, ``gone``: ``launch.rounds``),
+    made if missing; it rides in torch's pickled state object like ``lives``."""
+    nodes = getattr(state, name, None)
+    if nodes is None:
+        nodes = set()
+        setattr(state, name, nodes)
+    return nodes
 
 
 def _lives(state: Any) -> dict:
@@ -326,7 +534,7 @@ def delay(seconds: float | tuple[float, float]) -> None:
             return
         TORCH_DELAY(seconds)
         return
-    TORCH_DELAY(min(seconds, POLL_S))
+    TORCH_DELAY(min(seconds, getattr(_JOIN, "poll", POLL_S)))
 
 
 def method_name(depth: int = 2) -> str:

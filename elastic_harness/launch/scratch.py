@@ -8,8 +8,13 @@ during a run (read in its source, then checked by ``tests/e2e/test_leftovers.py`
 - ``torchinductor_$USER``: ``torch._dynamo`` creates its compile cache when imported, and
   DDP and FSDP import it. ``TORCHINDUCTOR_CACHE_DIR`` moves it (a user's own setting wins).
 - the step watchdog's FIFO (torchelastic's file timer): ``launch.watchdog`` makes it at
-  ``watchdog_fifo``. An agent that is SIGKILLed leaves its FIFO behind; the next agent on
-  the same host removes those whose process is gone (``stale_fifos``).
+  ``watchdog_fifo``, named by a random token, beside a lock file its agent holds locked
+  (``flock``) for its life. An agent that is SIGKILLed leaves both behind; the next agent
+  to start removes those whose lock nobody holds (``stale_fifos``). Not by host name and
+  pid: agents sharing a run dir from different pid namespaces (containers, ``run
+  --separate-hosts``) with the same host name took each other's live FIFOs for stale ones
+  (a pid of one namespace means nothing in another), and a lock is what the kernel
+  releases when its holder dies, wherever it ran.
 - ``torchelastic_*``: torchelastic's log dirs, only made without a log dir
   (``DefaultLogsSpecs()``, ``torchrun`` without ``--log-dir``); the harness always gives
   one (``RUN_DIR/logs``), and so does ``bench recovery`` for the torchrun it compares with.
@@ -32,7 +37,7 @@ from pathlib import Path
 from elastic_harness import runfiles
 
 INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
-_FIFO = re.compile(r"watchdog-(?P<host>.+)-(?P<pid>\d+)\.fifo")
+_FIFO = re.compile(r"watchdog-(?P<token>[0-9a-f]{8,64})\.fifo")
 
 
 def torch_environ(run_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
@@ -42,24 +47,26 @@ def torch_environ(run_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
     return {INDUCTOR_CACHE_VAR: str(Path(run_dir) / runfiles.CACHE / "torchinductor")}
 
 
-def watchdog_fifo(run_dir: Path, host: str, pid: int) -> Path:
-    """The step watchdog FIFO of agent ``pid`` on ``host``: one per agent, in the run dir."""
-    return Path(run_dir) / runfiles.TMP / f"watchdog-{_safe(host)}-{pid}.fifo"
+def watchdog_fifo(run_dir: Path, token: str) -> Path:
+    """The step watchdog FIFO of the agent that drew ``token`` (hex): one per agent, in the
+    run dir; its lock file is ``fifo_lock(fifo)``."""
+    return Path(run_dir) / runfiles.TMP / f"watchdog-{token}.fifo"
 
 
-def stale_fifos(names: Iterable[str], host: str, alive: Callable[[int], bool]) -> list[str]:
-    """Pure: the watchdog FIFOs among ``names`` left by dead agents on ``host``.
+def fifo_lock(fifo: Path) -> Path:
+    """The lock file its agent holds locked while ``fifo`` is in use."""
+    return fifo.with_suffix(".lock")
 
-    Only this host's can be judged (a pid means nothing elsewhere); ``alive(pid)`` answers
-    for this host. Names that are not watchdog FIFOs are never chosen.
-    """
+
+def stale_fifos(names: Iterable[str], held: Callable[[str], bool]) -> list[str]:
+    """Pure: the watchdog FIFOs among ``names`` left by agents that are gone: their lock
+    (``fifo_lock``) is held by nobody (``held(lock name)`` tries it). A FIFO without a lock
+    file is being set up (the lock is made first) or was left by an older version: left
+    alone. Names that are not watchdog FIFOs are never chosen."""
+    present = set(names)
     out = []
-    for name in names:
-        m = _FIFO.fullmatch(name)
-        if m and m["host"] == _safe(host) and not alive(int(m["pid"])):
+    for name in present:
+        lock = name[: -len(".fifo")] + ".lock"
+        if _FIFO.fullmatch(name) and lock in present and not held(lock):
             out.append(name)
     return sorted(out)
-
-
-def _safe(host: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", host) or "host"

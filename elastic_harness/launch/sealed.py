@@ -1,31 +1,30 @@
 """Rendezvous backends of our own (c10d, etcd-v2) with the state authenticated by the job's key.
 
 torch's dynamic rendezvous pickles its state (``_BackendRendezvousStateHolder``) and hands
-the bytes to a ``RendezvousBackend`` (torch's public interface: ``name``, ``get_state``,
-``set_state``), which keeps them under one key of the c10d store or etcd; on every sync it
-reads them back and ``pickle.loads`` them. Anyone who can write that key could make every
-agent run code (issue 22: a forged pickle ran a shell command within 1 s; garbage ended the
-job). So the backends here are ours, on that public interface, not torch's classes:
+the bytes to a backend, which stores them base64-encoded under one key of the c10d store or
+etcd; on every sync it reads them back and ``pickle.loads`` them. Anyone who can write that
+key can make every agent run code (issue 22: a forged pickle ran a shell command within
+1 s; garbage ended the job). The backends here seal what they write and check what they read:
 
-- ``SealedBackend`` keeps the state as base64 text of ``HMAC(key, run id, state) || state``
-  (``jobkey.seal``) in a compare-and-set register that a subclass provides (``read``,
-  ``write``), and checks the tag of every value read back before torch sees it. A value that
-  is not base64 text, or not sealed with this job's key for this rendezvous id, is refused
-  with one logged line (per distinct value, so a forged value that stays put is not logged
-  at every poll) and replaced by the last authentic state this agent saw (before it saw any:
-  no state, ``b""``, from which torch makes a fresh one). The register's token is the value
-  actually stored, so the agent's next write replaces the forged value, and the job goes on.
-  Nothing about the seal depends on the store: a backend for another store (etcd v3, ...)
-  subclasses ``SealedBackend`` with its own ``read``/``write``.
-- ``SealedC10dBackend``: the register is one key of a c10d ``Store`` (torch's key,
-  ``torch.rendezvous.<run id>``), read and written with ``compare_set`` only, so a deleted
-  key reads as no state at once instead of blocking a ``get`` until the store's timeout.
-- ``SealedEtcdBackend``: one key of etcd's v2 API, written with ``prevIndex``/``prevExist``
-  and a TTL (two hours), as torch's etcd-v2 backend does.
+- ``set_state`` stores ``HMAC(key, run id, state) || state`` (``jobkey.seal``);
+- every value read back goes through ``StateSeal.open`` before torch sees it: one that is
+  not sealed with this job's key for this rendezvous id (a forgery, garbage, bytes that are
+  not even UTF-8, another job's state, torch's "no state yet" marker once a state was seen)
+  reads as the last authentic state this agent saw (a fresh, empty state before it saw
+  any: ``torchcompat.rdzv.fresh_state``), with a logged line (rate-limited: ``LOG_EVERY_S``). The token stays the exact
+  value read, so the agent's next write replaces it, and the job goes on (issue 33: the
+  token used to be the raw bytes torch then decoded as UTF-8, and non-UTF-8 bytes ended
+  the agent).
 
-``has_set`` (whether this agent's own write won) is true only for an authentic value equal
-to what it wrote. Each backend's ``name`` is the one ``launch.rendezvous`` registers its
-handler under in torch's rendezvous handler registry (``harness-c10d``, ``harness-etcd-v2``).
+Both backends are ours, written on torch's public backend interface (``RendezvousBackend``:
+``name``, ``get_state``, ``set_state``), no torch class subclassed (issue 35). The c10d one
+(``SealedC10dBackend``): its reads never block on a deleted key and a deleted key is written
+again (issue 33: the agents blocked at the job's end for ``read_timeout`` each). The etcd-v2
+one (``SealedEtcdBackend``): one key of etcd's v2 API, written with ``prevIndex``/``prevExist``
+and a TTL of two hours, as torch's etcd-v2 backend does; etcd tells a missing key apart
+itself. The seal does not depend on the store: etcd v3's backend (``launch.etcd_v3``) uses
+``StateSeal`` the same way. Each backend's ``name`` is the one ``launch.rendezvous``
+registers the handler under in torch's handler registry (``harness-c10d``, ``harness-etcd-v2``).
 
 The c10d store itself: ``create_c10d_backend`` is torch's ``create_backend`` for a TCP
 store, except that the agent hosting the store binds the endpoint's host (``listen``), not
@@ -37,7 +36,9 @@ from __future__ import annotations
 
 import binascii
 import logging
+import time
 from base64 import b64decode, b64encode
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -46,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic_harness import jobkey
@@ -55,162 +56,127 @@ from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
 
-NO_STATE = b""  # what a refused value reads as before any authentic state: torch makes a fresh one
+
+# torch's c10d backend's marker for "no state yet" (a store read blocks on a missing key, so
+# the key is created holding this); the same bytes, so a store torch's backend set up reads alike.
+ABSENT = b"Y2FuaW1hZGFt"
+
+# Seconds between two log lines about refused values: the first is logged at once, then at
+# most one line per window with how many more came (a writer in a loop does not flood the log).
+LOG_EVERY_S = 30.0
 
 
 class StateSeal:
     """Seals state bytes for one rendezvous id and opens what is read back.
 
-    ``open`` never raises for a bad value: it logs once per distinct value and returns the
-    last authentic state (``refused`` counts the refusals, for tests and the log)."""
+    ``open`` never raises: a value that is not this job's (``ABSENT``, a forgery, garbage,
+    another job's state) gives the last authentic state this agent saw, else a fresh one;
+    what is refused is logged (``refused`` counts it). ``where`` names the store key, for the
+    log. ``clock`` is ``time.monotonic`` unless a test passes another."""
 
-    def __init__(self, key: bytes, run_id: str) -> None:
+    def __init__(self, key: bytes, run_id: str, where: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._key, self._context = key, b"rendezvous-state:" + run_id.encode()
-        self._run_id = run_id
+        self.run_id, self.where, self._clock = run_id, where or f"torch.rendezvous.{run_id}", clock
         self._last: bytes | None = None
-        self._logged: bytes | None = None
+        self.last_sealed: bytes | None = None  # the stored form of ``_last`` (base64)
+        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, not logged since)
         self.refused = 0
 
     def close(self, state: bytes) -> bytes:
         return jobkey.seal(self._key, state, self._context)
 
-    def authentic(self, stored: bytes) -> bytes | None:
-        """The state in ``stored`` (the value as kept: base64 text), None if refused."""
-        try:
-            payload = jobkey.unseal(self._key, b64decode(stored, validate=True), self._context)
-        except (binascii.Error, ValueError, TypeError):
-            payload = None
-        if payload is not None:
-            self._last = payload
-            return payload
-        self.refused += 1
-        if stored != self._logged:
-            self._logged = stored
-            log.warning("refused rendezvous state of '%s' not signed with this job's key (%d bytes, "
-                        "forged or corrupt); ignoring it and keeping the last authentic state",
-                        self._run_id, len(stored))
-        return None
-
     def open(self, stored: bytes) -> bytes:
-        """The state in ``stored``, else the last authentic one (else ``NO_STATE``)."""
+        """``stored``: the value as kept in the store (base64 text, or anything at all)."""
         payload = self.authentic(stored)
-        return payload if payload is not None else self.fallback()
+        if payload is not None:
+            self._last, self.last_sealed = payload, bytes(stored)
+            return payload
+        if stored != ABSENT or self._last is not None:  # the marker is no one's once a state was seen
+            self.refused += 1
+            self.warn("refused", f"refused rendezvous state of '{self.run_id}' not signed with this job's key "
+                      f"({len(stored)} bytes, forged or corrupt, in the store key '{self.where}'); "
+                      "ignoring it and keeping the last authentic state")
+        return self.fallback()
+
+    def authentic(self, stored: bytes) -> bytes | None:
+        """The state sealed in ``stored``, or None when it is not this job's (never raises)."""
+        try:
+            return jobkey.unseal(self._key, b64decode(stored, validate=True), self._context)
+        except (binascii.Error, ValueError, TypeError):
+            return None
 
     def fallback(self) -> bytes:
-        """What a refused value reads as: the last authentic state, else ``NO_STATE``."""
-        return self._last if self._last is not None else NO_STATE
+        """The last authentic state, else a fresh one (what a refused value reads as)."""
+        return self._last if self._last is not None else rdzv.fresh_state()
+
+    def warn(self, kind: str, message: str) -> None:
+        """Log ``message`` now, unless a line of this ``kind`` went out within ``LOG_EVERY_S``:
+        then count it, and the next line of that kind after the window says how many more
+        there were (a writer in a loop is named, and does not flood the log)."""
+        now = self._clock()
+        logged_at, unlogged = self._logged.get(kind, (None, 0))
+        if logged_at is not None and now - logged_at < LOG_EVERY_S:
+            self._logged[kind] = (logged_at, unlogged + 1)
+            return
+        if unlogged:
+            message += (f" ({unlogged} more in the last {now - logged_at:.0f} s: a process outside the job "
+                        f"keeps writing '{self.where}', and the agents cannot agree on the rendezvous while "
+                        "it does; find it among the store's connections)")
+        self._logged[kind] = (now, 0)
+        log.warning(message)
 
 
-class SealedBackend(RendezvousBackend):
-    """A ``RendezvousBackend`` over a compare-and-set register, the state sealed (module doc).
+class SealedC10dBackend(RendezvousBackend):
+    """torch's c10d backend (``C10dRendezvousBackend``, same key and protocol) with the state
+    sealed, written on torch's public backend interface.
 
-    Subclasses give ``name`` and two calls on the register, whose values are the stored
-    bytes and whose token is whatever the store compares (it is handed back unchanged):
-    ``read() -> (stored, token) | None`` (None: no state yet), and
-    ``write(stored, token) -> (stored now, token now, won) | None``: replace the value if
-    the register still holds ``token`` (None: if it holds no state)."""
-
-    def __init__(self, seal: StateSeal) -> None:
-        self.seal = seal
-
-    def read(self) -> tuple[bytes, Any] | None:
-        raise NotImplementedError
-
-    def write(self, stored: bytes, token: Any) -> tuple[bytes, Any, bool] | None:
-        raise NotImplementedError
-
-    def get_state(self) -> tuple[bytes, Any] | None:
-        got = self.read()
-        if got is None:
-            return None
-        stored, token = got
-        return self.seal.open(stored), token
-
-    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
-        got = self.write(b64encode(self.seal.close(state)), token)
-        if got is None:
-            return None
-        stored, token, _ = got
-        payload = self.seal.authentic(stored)
-        if payload is None:
-            return self.seal.fallback(), token, False
-        return payload, token, payload == state
-
-
-class SealedC10dBackend(SealedBackend):
-    """The state in one key of a c10d ``Store`` (module doc)."""
-
-    ABSENT = b"<no rendezvous state>"  # never base64: cannot be mistaken for a state
+    The token is the exact value last read from the store, whatever it is: a compare-and-set
+    with it replaces that value, so an agent that read a forgery or garbage overwrites it at
+    its next write, and the agents' writes converge as with torch's own backend. Reading
+    never blocks on a missing key: a read is a compare-and-set that recreates a deleted key
+    from this agent's last authentic state (torch's ``get`` waited ``read_timeout`` for it,
+    and a job whose key was deleted blocked at its end), after a ``check`` that notices the
+    deletion for the log; a write that finds the key deleted (the store then answers with
+    the expected value: see c10d's ``compare_set``) recreates it with the new state."""
 
     def __init__(self, store: Any, run_id: str, seal: StateSeal) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
-        super().__init__(seal)
-        self._store, self._key = store, "torch.rendezvous." + run_id
+        self._store, self._seal = store, seal
+        self._key = "torch.rendezvous." + run_id
+        self._call("compare_set", self._key, "", ABSENT)
 
     @property
     def name(self) -> str:
         return "harness-c10d"
 
-    def _compare_set(self, expected: Any, desired: bytes) -> bytes:
+    def get_state(self) -> tuple[bytes, Token] | None:
+        if not self._call("check", [self._key]):
+            self._deleted()
+        stored = self._call("compare_set", self._key, "", self._seal.last_sealed or ABSENT)
+        return self._seal.open(stored), stored
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token is not None and not isinstance(token, bytes):
+            return *self.get_state(), False  # not a token of ours: it cannot match (as torch)
+        expected, desired = token or ABSENT, b64encode(self._seal.close(state))
+        stored = self._call("compare_set", self._key, expected, desired)
+        if stored == expected != desired:  # the key is gone: the store echoes ``expected``
+            self._deleted()
+            stored = self._call("compare_set", self._key, "", desired)
+        return self._seal.open(stored), stored, stored == desired
+
+    def _deleted(self) -> None:
+        self._seal.warn("deleted", f"the rendezvous state of '{self._seal.run_id}' was deleted from the store "
+                        f"(key '{self._seal.where}'); writing it again from this agent's last authentic state")
+
+    def _call(self, op: str, *args: Any) -> Any:
         try:
-            return self._store.compare_set(self._key, expected, desired)
+            return getattr(self._store, op)(*args)
         except (ValueError, RuntimeError, TimeoutError) as exc:
             raise RendezvousConnectionError(
                 "The connection to the C10d store has failed. See inner exception for details.") from exc
-
-    def read(self) -> tuple[bytes, Any] | None:
-        stored = self._compare_set("", self.ABSENT)  # made absent if missing, read otherwise
-        return None if stored == self.ABSENT else (stored, stored)
-
-    def write(self, stored: bytes, token: Any) -> tuple[bytes, Any, bool] | None:
-        now = self._compare_set(token if isinstance(token, bytes) and token else self.ABSENT, stored)
-        if now == self.ABSENT:
-            return None
-        return now, now, now == stored
-
-
-class SealedEtcdBackend(SealedBackend):
-    """The state in one key of etcd's v2 API (module doc); ``client`` is python-etcd's."""
-
-    TTL_S = 7200
-
-    def __init__(self, client: Any, run_id: str, seal: StateSeal,
-                 key_prefix: str = "/torch/elastic/rendezvous") -> None:
-        super().__init__(seal)
-        self._client, self._key = client, f"{key_prefix}/{run_id}"
-
-    @property
-    def name(self) -> str:
-        return "harness-etcd-v2"
-
-    def read(self) -> tuple[bytes, Any] | None:
-        import etcd
-        import urllib3
-
-        try:
-            result = self._client.read(self._key)
-        except etcd.EtcdKeyNotFound:
-            return None
-        except (etcd.EtcdException, urllib3.exceptions.TimeoutError) as exc:
-            raise RendezvousConnectionError(
-                "The connection to etcd has failed. See inner exception for details.") from exc
-        return str(result.value).encode(), result.modifiedIndex
-
-    def write(self, stored: bytes, token: Any) -> tuple[bytes, Any, bool] | None:
-        import etcd
-        import urllib3
-
-        when = {"prevIndex": token} if isinstance(token, int) and token else {"prevExist": False}
-        try:
-            result = self._client.write(self._key, stored.decode(), self.TTL_S, **when)
-        except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
-            got = self.read()
-            return None if got is None else (*got, False)
-        except (etcd.EtcdException, urllib3.exceptions.TimeoutError) as exc:
-            raise RendezvousConnectionError(
-                "The connection to etcd has failed. See inner exception for details.") from exc
-        return str(result.value).encode(), result.modifiedIndex, True
 
 
 def _c10d_store(params: RendezvousParameters) -> TCPStore:
@@ -243,6 +209,70 @@ def create_c10d_backend(params: RendezvousParameters, seal: StateSeal) -> tuple[
     else:
         store = _c10d_store(params)
     return SealedC10dBackend(store, params.run_id, seal), store
+
+
+class SealedEtcdBackend(RendezvousBackend):
+    """The state in one key of etcd's v2 API (module doc); ``client`` is python-etcd's."""
+
+    TTL_S = 7200
+
+    def __init__(self, client: Any, run_id: str, seal: StateSeal,
+                 key_prefix: str = "/torch/elastic/rendezvous") -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client, self._seal, self._key = client, seal, f"{key_prefix}/{run_id}"
+
+    @property
+    def name(self) -> str:
+        return "harness-etcd-v2"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        got = self._read()
+        return None if got is None else (self._seal.open(got[0]), got[1])
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        stored = b64encode(self._seal.close(state))
+        when = {"prevIndex": token} if isinstance(token, int) and token else {"prevExist": False}
+        try:
+            result = self._etcd(lambda: self._client.write(self._key, stored.decode(), self.TTL_S, **when))
+        except _Lost:  # another agent wrote first (or the key exists): what is there now
+            got = self._read()
+            return None if got is None else (self._seal.open(got[0]), got[1], False)
+        return self._seal.open(_text(result)), result.modifiedIndex, True
+
+    def _read(self) -> tuple[bytes, int] | None:
+        import etcd
+
+        try:
+            result = self._etcd(lambda: self._client.read(self._key))
+        except _Lost:
+            return None
+        except etcd.EtcdKeyNotFound:
+            return None
+        return _text(result), result.modifiedIndex
+
+    @staticmethod
+    def _etcd(call: Callable[[], Any]) -> Any:
+        import etcd
+        import urllib3
+
+        try:
+            return call()
+        except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed) as exc:
+            raise _Lost from exc
+        except etcd.EtcdKeyNotFound:
+            raise
+        except (etcd.EtcdException, urllib3.exceptions.TimeoutError) as exc:
+            raise RendezvousConnectionError(
+                "The connection to etcd has failed. See inner exception for details.") from exc
+
+
+class _Lost(Exception):
+    """An etcd compare-and-swap another agent won."""
+
+
+def _text(result: Any) -> bytes:
+    return str(result.value or "").encode("utf-8", "surrogatepass")
 
 
 def etcd_client(params: RendezvousParameters) -> Any:

@@ -5,6 +5,9 @@ machine, ``lifecycle.local``), ``slurm`` (an sbatch script, ``lifecycle.slurm``)
 (manifests applied with kubectl, ``lifecycle.kube``). The commands ``submit``, ``status``,
 ``list``, ``logs`` and ``stop`` (``commands/submit.py``, ``commands/jobs.py``) are the same for
 all three. The interface is ``api.Scheduler``; ``schedulers.scheduler_for`` picks one.
+Each scheduler owns its flags of ``submit``, its line of ``submit --help`` and its part of
+the job record (``JobRecord.details``): adding one is its module here and one line in
+``schedulers.SCHEDULERS``.
 
 Call order, per job:
 

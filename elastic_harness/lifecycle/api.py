@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from elastic_harness.lifecycle.registry import JobRecord
 from elastic_harness.lifecycle.state import JobStatus
-
-SCHEDULERS = ("local", "slurm", "k8s")
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,25 @@ class LogQuery:
 
 
 class Scheduler(Protocol):
+    """One place jobs run. Besides the calls of the package doc, each owns what is its
+    alone: its name and one line for ``submit --help`` (``description``), its own flags of
+    ``submit`` (``add_options``, then ``options`` reads them into ``Submission.options``),
+    ``JobRecord.details`` (written by its ``submit``, read by the rest), and how a job is
+    named in its terms (``where``, ``summary``). Constructed with the registry's root."""
+
     name: str
+    description: str
+    keeps_run_dir: bool  # the run directory is on storage this machine sees (False: in the cluster)
+
+    @staticmethod
+    def add_options(parser: argparse.ArgumentParser) -> None: ...
+
+    @staticmethod
+    def options(args: argparse.Namespace) -> dict: ...
+
+    def where(self, record: JobRecord) -> str: ...
+
+    def summary(self, record: JobRecord) -> dict: ...
 
     def check(self) -> None: ...
 

@@ -15,10 +15,14 @@ logs live in the run directory on the job's volume, so ``--rank`` is refused her
 
 Every kubectl call goes through ``run`` (``shell.run`` unless a caller passes another):
 the tests pass recorded answers.
+
+A record's details: ``k8s``, the objects (name, namespace, flavor, kubectl context) and the
+agent endpoint's port. Flags: ``--flavor``, ``--image``, ``--namespace``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -39,9 +43,31 @@ Runner = Callable[..., subprocess.CompletedProcess]
 
 class KubeScheduler:
     name = "k8s"
+    description = "manifests applied with kubectl"
+    keeps_run_dir = False  # on the job's volume, in the cluster
 
     def __init__(self, root: Path, run: Runner = shell.run) -> None:
         self.root, self.run = root, run
+
+    @staticmethod
+    def add_options(parser: argparse.ArgumentParser) -> None:
+        k = parser.add_argument_group("k8s")
+        k.add_argument("--flavor", choices=("pytorchjob", "plain"), default="pytorchjob", help="k8s: manifest flavor")
+        k.add_argument("--image", help="k8s: container image (default: the package's, see k8s render)")
+        k.add_argument("--namespace", help="k8s: namespace (default: default)")
+
+    @staticmethod
+    def options(args: argparse.Namespace) -> dict:
+        from elastic_harness.k8s import DEFAULT_IMAGE
+
+        return {"flavor": args.flavor, "image": args.image or DEFAULT_IMAGE, "namespace": args.namespace or ""}
+
+    def where(self, record: JobRecord) -> str:
+        job = _job(record)
+        return f"Kubernetes {job.namespace}/{job.name}"
+
+    def summary(self, record: JobRecord) -> dict:
+        return {"k8s": record.details.get("k8s") or None}
 
     def check(self) -> None:
         shell.need("kubectl", "it is needed for --scheduler k8s",
@@ -74,7 +100,7 @@ class KubeScheduler:
                                "check the cluster and the namespace; `elastic-harness k8s render` shows the manifests")
         return JobRecord(id=sub.job_id, name=spec.name, scheduler="k8s", submitted=time.time(),
                          total_steps=spec.train.steps, job_file=str(sub.job_file),
-                         k8s={**dataclasses.asdict(job), "endpoint_port": spec.deploy.endpoint_port})
+                         details={"k8s": {**dataclasses.asdict(job), "endpoint_port": spec.deploy.endpoint_port}})
 
     def _ensure_key(self, job: KubeJob, name: str) -> None:
         """The job's key Secret, created once (docs/security.md): later submissions reuse it,
@@ -117,7 +143,8 @@ class KubeScheduler:
         job = _job(record)
         p = self._pods(job)
         live = kubectl.workload_liveness(job.workload[0], self._json(kubectl.get_workload(job)), p)
-        prog = self._json(kubectl.progress(job, p.running[0], record.k8s["endpoint_port"])) if p.running else None
+        port = record.details["k8s"]["endpoint_port"]
+        prog = self._json(kubectl.progress(job, p.running[0], port)) if p.running else None
         prog = prog or {}
         state, reason = decide(finished=bool(prog.get("finished")), exit=None,
                                stop=registry.stop_request(record, self.root), live=live,
@@ -157,6 +184,6 @@ class KubeScheduler:
 
 
 def _job(record: JobRecord) -> KubeJob:
-    k = record.k8s
+    k = record.details["k8s"]
     return KubeJob(k["name"], k["namespace"], k["flavor"], k["context"])
 

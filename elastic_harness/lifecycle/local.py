@@ -14,11 +14,13 @@ their parent-death signal. Only a pid that is still the recorded process (same s
 is signalled, never a process found by name.
 
 Liveness is the supervisor's pid (``checkpoint.lock.pid_alive``), checkable only on the
-host it runs on; elsewhere the status says so.
+host it runs on; elsewhere the status says so. A record's details are that process
+(``Supervisor``); no flags of its own.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -26,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -40,16 +43,35 @@ from elastic_harness.lifecycle.registry import JobRecord
 from elastic_harness.lifecycle.state import JobStatus, Liveness, invocation_of
 
 
+@dataclass(frozen=True)
+class Supervisor:
+    """A local job's ``JobRecord.details``: the process that supervises it."""
+
+    host: str = ""  # where it runs
+    pid: int = 0  # a detached `run`, or the `run` itself
+    pid_start: str = ""  # its start time (tells a reused pid apart, see checkpoint.lock)
+    session: bool = False  # it leads its own session (stop --now kills its group)
+
+    @classmethod
+    def of(cls, record: JobRecord) -> Supervisor:
+        d = record.details
+        return cls(str(d.get("host", "")), int(d.get("pid", 0)), str(d.get("pid_start", "")),
+                   bool(d.get("session", False)))
+
+    def alive(self) -> bool:
+        return pid_alive({"pid": self.pid, "pid_start": self.pid_start})
+
+
 def supervisor_log(job_id: str) -> str:
     return f"supervisor-{job_id}.log"
 
 
 def supervisor_record(spec, run_dir: Path, job_file: Path, job_id: str, pid: int, via: str,
                       session: bool = False) -> JobRecord:
+    sup = Supervisor(socket.gethostname(), pid, process_start(pid), session)
     return JobRecord(id=job_id, name=spec.name, scheduler="local", submitted=time.time(),
                      total_steps=spec.train.steps, run_dir=str(run_dir), job_file=str(job_file),
-                     via=via, host=socket.gethostname(), pid=pid, pid_start=process_start(pid),
-                     session=session)
+                     via=via, details=asdict(sup))
 
 
 def supervisor_of(run_dir: Path, start: dict) -> JobRecord:
@@ -67,10 +89,10 @@ def supervisor_of(run_dir: Path, start: dict) -> JobRecord:
     job_id = str(start.get("run_id") or "")
     held = owner(run_dir) or {}
     mine = held.get("rdzv_id") == job_id
+    sup = Supervisor(str(held.get("host", socket.gethostname())), int(held.get("pid", 0)),
+                     str(held.get("pid_start", ""))) if mine else Supervisor(socket.gethostname())
     return JobRecord(id=job_id, name=name, scheduler="local", submitted=float(start.get("t", 0.0)),
-                     total_steps=steps, run_dir=str(run_dir), via="run",
-                     host=str(held.get("host", socket.gethostname()) if mine else socket.gethostname()),
-                     pid=int(held.get("pid", 0)) if mine else 0, pid_start=str(held.get("pid_start", "")) if mine else "")
+                     total_steps=steps, run_dir=str(run_dir), via="run", details=asdict(sup))
 
 
 def run_command(sub: Submission) -> list[str]:
@@ -86,9 +108,25 @@ def run_command(sub: Submission) -> list[str]:
 
 class LocalScheduler:
     name = "local"
+    description = "a detached supervisor on this machine"
+    keeps_run_dir = True
 
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    @staticmethod
+    def add_options(parser: argparse.ArgumentParser) -> None:
+        return None  # --nodes (simulated nodes) is `submit`'s own
+
+    @staticmethod
+    def options(args: argparse.Namespace) -> dict:
+        return {}
+
+    def where(self, record: JobRecord) -> str:
+        return f"supervisor pid {Supervisor.of(record).pid}"
+
+    def summary(self, record: JobRecord) -> dict:
+        return {"pid": Supervisor.of(record).pid or None}
 
     def check(self) -> None:
         return None  # nothing to install: the supervisor is this package
@@ -103,10 +141,11 @@ class LocalScheduler:
                                  via="submit", session=True)
 
     def liveness(self, record: JobRecord) -> Liveness:
-        where = f"supervisor pid {record.pid} on {record.host}"
-        if record.host != socket.gethostname():
+        sup = Supervisor.of(record)
+        where = f"supervisor pid {sup.pid} on {sup.host}"
+        if sup.host != socket.gethostname():
             return Liveness("unknown", detail=f"{where}: cannot be checked from {socket.gethostname()}")
-        if pid_alive({"pid": record.pid, "pid_start": record.pid_start}):
+        if sup.alive():
             return Liveness("running", detail=where)
         last = _last_error(Path(record.run_dir) / runfiles.LOGS / supervisor_log(record.id))
         return Liveness("gone", detail=f"{where} is gone" + (f" ({last})" if last else ""))
@@ -123,16 +162,17 @@ class LocalScheduler:
             reader.follow(out, active=lambda: self.liveness(record).phase == "running")
 
     def stop(self, record: JobRecord, now: bool) -> None:
-        if not pid_alive({"pid": record.pid, "pid_start": record.pid_start}):
+        sup = Supervisor.of(record)
+        if not sup.alive():
             return  # gone meanwhile: nothing of its own left to signal
         if not now:
-            os.kill(record.pid, signal.SIGTERM)
+            os.kill(sup.pid, signal.SIGTERM)
             return
         with contextlib.suppress(ProcessLookupError):
-            if record.session:
-                os.killpg(record.pid, signal.SIGKILL)  # it leads its own session: its group is its own
+            if sup.session:
+                os.killpg(sup.pid, signal.SIGKILL)  # it leads its own session: its group is its own
             else:
-                os.kill(record.pid, signal.SIGKILL)
+                os.kill(sup.pid, signal.SIGKILL)
 
     def leftovers(self, record: JobRecord) -> list[int]:
         """Pids of this submission's agents and workers (from its events) still running."""

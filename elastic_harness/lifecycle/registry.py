@@ -37,30 +37,31 @@ LIFECYCLE_DIR = runfiles.LIFECYCLE  # inside a run dir: stop requests, the Slurm
 
 @dataclass(frozen=True)
 class JobRecord:
-    """What ``status``, ``logs`` and ``stop`` need to find a job again."""
+    """What ``status``, ``logs`` and ``stop`` need to find a job again: what every job has,
+    and ``details``, which its scheduler alone writes and reads (its module says what: the
+    supervisor's pid, the Slurm job id, the Kubernetes objects). Stored as one flat JSON
+    object, the details beside the rest, as records were before they had a field of their own."""
 
     id: str
     name: str
-    scheduler: str  # "local", "slurm" or "k8s"
+    scheduler: str  # a name in ``schedulers.SCHEDULERS``
     submitted: float  # unix seconds
     total_steps: int
     run_dir: str = ""  # local and Slurm jobs ("" for Kubernetes: the run dir is in the cluster)
     job_file: str = ""  # the job YAML as given
     via: str = "submit"  # "submit", or "run" for a job started in a terminal
-    host: str = ""  # local: the host the supervisor runs on
-    pid: int = 0  # local: the supervisor (a detached `run`, or the `run` itself)
-    pid_start: str = ""  # its start time (tells a reused pid apart, see checkpoint.lock)
-    session: bool = False  # local: the supervisor leads its own session (stop --now kills it)
-    slurm_job: str = ""  # Slurm: the job id sbatch gave
-    k8s: dict = field(default_factory=dict)  # Kubernetes: name, namespace, flavor, context
+    details: dict = field(default_factory=dict)  # the scheduler's own
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        common = {k: v for k, v in dataclasses.asdict(self).items() if k != "details"}
+        assert not common.keys() & self.details.keys(), f"a {self.scheduler} detail shadows a common field"
+        return json.dumps({**common, **self.details}, indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> JobRecord:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        common = {f.name for f in dataclasses.fields(cls)} - {"details"}
+        return cls(**{k: v for k, v in data.items() if k in common},
+                   details={k: v for k, v in data.items() if k not in common})
 
 
 def state_dir(environ: Mapping[str, str] | None = None) -> Path:

@@ -14,10 +14,15 @@ is the batch script's, which is the agents' (``exitcodes``).
 shell): they drain and exit 143, and the batch script, seeing the stop request the caller
 left, does not requeue. A job still queued is just cancelled. ``--now``:
 ``scancel --full --signal=KILL``, then ``scancel``.
+
+A record's details: ``slurm_job``, the id sbatch gave. Flags: ``add_options`` (also used by
+``elastic-harness slurm render``).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from pathlib import Path
 from typing import TextIO
@@ -30,7 +35,7 @@ from elastic_harness.lifecycle.api import LogQuery, Submission
 from elastic_harness.lifecycle.logs import LogReader
 from elastic_harness.lifecycle.observe import observe
 from elastic_harness.lifecycle.registry import LIFECYCLE_DIR, JobRecord
-from elastic_harness.lifecycle.slurm_script import ScriptJob, SlurmOptions, render
+from elastic_harness.lifecycle.slurm_script import C10D_PORT, ScriptJob, SlurmOptions, render
 from elastic_harness.lifecycle.state import JobStatus, Liveness
 from elastic_harness.spec import dump_job
 
@@ -93,12 +98,42 @@ def liveness(state: str, exit_text: str = "", reason: str = "") -> Liveness:
     return Liveness("gone", exit_code=code, detail=said)
 
 
+# ----- its flags ------------------------------------------------------------------------------------
+def add_slurm_options(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("slurm")
+    s.add_argument("--partition", default="", help="slurm: partition")
+    s.add_argument("--time", default="", help="slurm: time limit (MINUTES, HH:MM:SS or D-HH:MM:SS)")
+    s.add_argument("--account", default="", help="slurm: account")
+    s.add_argument("--cpus-per-task", type=int, default=0, help="slurm: CPUs per node's agent task")
+    s.add_argument("--rdzv-port", type=int, default=C10D_PORT, help=f"slurm, c10d: store port on the first node (default {C10D_PORT})")
+    s.add_argument("--max-requeues", type=int, default=5, help="slurm: requeues after preemption or infrastructure failures")
+    s.add_argument("--sbatch", action="append", default=[], metavar="--OPTION=VALUE", help="slurm: another #SBATCH option")
+
+
+def slurm_options(args: argparse.Namespace) -> dict:
+    options = dict(partition=args.partition, time=args.time, account=args.account,
+                   cpus_per_task=args.cpus_per_task, rdzv_port=args.rdzv_port,
+                   max_requeues=args.max_requeues, python=sys.executable, extra=list(args.sbatch))
+    SlurmOptions(**options).check()
+    return options
+
+
 # ----- the scheduler ---------------------------------------------------------------------------------
 class SlurmScheduler:
     name = "slurm"
+    description = "an sbatch script on a Slurm cluster"
+    keeps_run_dir = True
+    add_options = staticmethod(add_slurm_options)
+    options = staticmethod(slurm_options)
 
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    def where(self, record: JobRecord) -> str:
+        return f"Slurm job {_job(record)}"
+
+    def summary(self, record: JobRecord) -> dict:
+        return {"slurm_job": _job(record) or None}
 
     def check(self) -> None:
         for command in ("sbatch", "squeue", "scontrol", "scancel"):
@@ -126,10 +161,10 @@ class SlurmScheduler:
             raise HarnessError(message, f"fix the Slurm options; the script is {script}")
         return JobRecord(id=sub.job_id, name=sub.spec.name, scheduler="slurm", submitted=time.time(),
                          total_steps=sub.spec.train.steps, run_dir=str(run_dir),
-                         job_file=str(sub.job_file), slurm_job=slurm_job)
+                         job_file=str(sub.job_file), details={"slurm_job": slurm_job})
 
     def liveness(self, record: JobRecord) -> Liveness:
-        job = record.slurm_job
+        job = _job(record)
         queued = shell.run(["squeue", "--noheader", f"--jobs={job}", "--format=%T|%r|%N"])
         found = parse_squeue(queued.stdout) if queued.returncode == 0 else None
         if found is not None:
@@ -149,13 +184,13 @@ class SlurmScheduler:
 
     def logs(self, record: JobRecord, query: LogQuery, out: TextIO) -> None:
         reader = LogReader(Path(record.run_dir), record.id, query,
-                           extra=[(f"slurm-{record.slurm_job}.out", "batch")])
+                           extra=[(f"slurm-{_job(record)}.out", "batch")])
         reader.dump(out)
         if query.follow:
             reader.follow(out, active=lambda: self.liveness(record).phase in ("queued", "running"))
 
     def stop(self, record: JobRecord, now: bool) -> None:
-        job = record.slurm_job
+        job = _job(record)
         if now:
             shell.run(["scancel", "--full", "--signal=KILL", job])
             result = shell.run(["scancel", job])
@@ -166,6 +201,11 @@ class SlurmScheduler:
         if result.returncode != 0:
             raise HarnessError(f"scancel of Slurm job {job} failed: {shell.first_line(result)}",
                                "check `squeue --jobs " + job + "`; a finished job needs no stop")
+
+
+def _job(record: JobRecord) -> str:
+    """The Slurm job id in ``record.details``."""
+    return str(record.details.get("slurm_job", ""))
 
 
 def _where(live: Liveness, job: str) -> Liveness:

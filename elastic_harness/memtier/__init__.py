@@ -11,8 +11,13 @@ Which tier covers which fault:
 - under DDP (replicated state: each snapshot is the whole job's state), also a node lost or
   a job resized: the survivors restore their own snapshot at the new world size, and ranks
   without one (a node that joined) receive it from one that has it (``peer``).
-- otherwise (FSDP at another world size, every agent new, layouts that disagree) every rank
-  falls back to the newest verified DCP checkpoint on storage (``checkpoint.every_steps``).
+- under 1-D FSDP, a node lost or joined: every old rank's snapshot is still held (its own,
+  or a copy the next node keeps: ``buddy``), resharded in memory (``reshard``).
+- under a mesh, a node lost or joined changes the replicate degree only: each rank reads, or
+  receives from a replica, its coordinate's snapshot (``choose``).
+- otherwise (every agent new, a node lost with the one holding its copies, layouts that
+  disagree) every rank falls back to the newest verified DCP checkpoint on storage
+  (``checkpoint.every_steps``).
 
 Pieces, in call order:
 
@@ -27,6 +32,9 @@ Pieces, in call order:
 - ``choose``: pure: where a generation restores from (memory, peer, storage), from every
   rank's offers (its published snapshots), gathered once.
 - ``peer``: what the ranks exchange, as raw tensors (offers, flags, a snapshot's bytes and
-  its skeleton as JSON): nothing received is unpickled.
+  its skeleton as JSON): nothing received is unpickled; and the rules a job's layout
+  (``runtime.topology``) allows (``restore_rules``).
+- ``buddy``, ``conduit``, ``exchange``, ``reshard``: the buddy copies, and resharding them;
+  ``cadence``: how often a snapshot is taken, within a budget of step time.
 - ``tier``: the worker side: ``MemoryTier.restore`` (collective) and ``save``.
 """

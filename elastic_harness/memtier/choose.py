@@ -18,17 +18,17 @@ computes the same ``Plan`` from them:
   newest one whose pieces, all written by one generation at one world size, cover every rank
   of that world size (``_cover``); the ranks then reshard them in memory (``memtier.reshard``)
   to the new world size. A half-written or half-received copy is unpublished, so never offered.
-- ``memory`` or ``peer``, a mesh whose replicas grew or shrank (``mesh``: the job's shard and
-  tensor degrees, unchanged): each replica holds the same state, rank ``r``'s being that of
-  its coordinate ``r % (shard * tensor)`` in the (shard, tensor) plane (``runtime.topology``
-  numbers ranks row-major, replicate outermost). The step is the newest one whose snapshots,
-  all written by one generation at one world size with these degrees, cover every
-  coordinate with one layout digest each (``_coordinates``); each rank reads its own slot
-  when it holds its coordinate's snapshot, else receives it from a holder of that coordinate
-  (``peer``). A storage checkpoint newer than that step wins (``tier``).
+- ``memory`` or ``peer``, a mesh whose replicas grew or shrank (``mesh``: the degrees of the
+  job's plane, every dimension but the elastic one, unchanged): each replica holds the same
+  state, a rank's being that of its coordinate in the plane (``runtime.topology``'s
+  ``plane`` and ``coordinate``: every offer carries its writer's). The step is the newest one
+  whose snapshots, all written by one generation at one world size with this plane, cover
+  every coordinate with one layout digest each (``_coordinates``); each rank reads its own
+  slot when it holds its coordinate's snapshot, else receives it from a holder of that
+  coordinate (``peer``). A storage checkpoint newer than that step wins (``tier``).
 - ``storage`` otherwise: nobody holds a snapshot, the layouts disagree, the newest step has
-  offers of different layouts, a mesh coordinate no survivor holds, a mesh whose shard or
-  tensor degree changed (DCP reshards), sharded state whose pieces no longer cover every old rank (a
+  offers of different layouts, a mesh coordinate no survivor holds, a mesh whose plane
+  changed (DCP reshards), sharded state whose pieces no longer cover every old rank (a
   node and the node holding its buddy copy both lost), or any doubt.
 
 Never mixes steps: every rank restores the one step chosen, or none does.
@@ -36,6 +36,7 @@ Never mixes steps: every rank restores the one step chosen, or none does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,10 @@ class Offer:
     replicated: bool
     generation: int = 0  # the worker generation that wrote it (0: not known, never a buddy piece)
     buddy: bool = False  # a buddy copy: ``rank``'s snapshot, held by another rank
-    # A mesh layout's snapshot: the writer's shard and tensor degrees (0: not a mesh's);
-    # ``rank % (shard * tensor)`` is its coordinate.
-    shard: int = 0
-    tensor: int = 0
+    # A mesh layout's snapshot: the writer's plane (empty: not a mesh's) and its coordinate there
+    mesh: tuple[int, ...] = ()
+    coordinate: int = 0
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -73,15 +74,16 @@ class Plan:
     generation: int = 0
     providers: tuple[int, ...] = ()
     digests: tuple[bytes, ...] = ()
-    # A mesh's coordinate restore (MEMORY or PEER): the (shard, tensor) degrees, then per new
-    # rank the rank whose own slot it restores from (itself: a holder); ``saved_world_size``,
-    # ``generation`` are the writers', ``digests`` one per coordinate.
+    # A mesh's coordinate restore (MEMORY or PEER): the plane's degrees, then per new rank its
+    # coordinate and the rank whose own slot it restores from (itself: a holder);
+    # ``saved_world_size``, ``generation`` are the writers', ``digests`` one per coordinate.
     mesh: tuple[int, ...] = ()
+    coordinates: tuple[int, ...] = ()
     feeds: tuple[int, ...] = ()
 
     def coordinate(self, rank: int) -> int:
-        """A mesh plan: ``rank``'s coordinate in the (shard, tensor) plane."""
-        return rank % (self.mesh[0] * self.mesh[1])
+        """A mesh plan: ``rank``'s coordinate in the plane."""
+        return self.coordinates[rank]
 
     def senders(self, world_size: int) -> dict[int, int]:
         """``{receiver: sender}``: each rank not holding the step receives it from a holder,
@@ -100,18 +102,18 @@ def offers_of(headers: Sequence[Any], buddy: bool = False) -> list[Offer]:
     """The published snapshots among a rank's slot headers (``slots.Header`` or None): a
     slot being written (or whose writer was killed) is not published. ``buddy``: these are
     its buddy slots (copies of another rank's snapshot)."""
-    return [Offer(h.step, h.world_size, h.rank, h.digest, h.replicated, h.generation, buddy, h.shard, h.tensor)
+    return [Offer(h.step, h.world_size, h.rank, h.digest, h.replicated, h.generation, buddy, h.mesh, h.coordinate)
             for h in headers if h is not None and h.published]
 
 
 def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bool,
-           sharded: bool = True, mesh: tuple[int, int] | None = None) -> Plan:
+           sharded: bool = True, mesh: tuple[int, ...] | None = None, coordinates: Sequence[int] = ()) -> Plan:
     """The plan from every rank's offers (``offers[r]``: rank ``r``'s, ``len == world_size``);
-    ``replicated``: the job's layout now is replicated (``peer.replicated_layout``);
-    ``sharded``: it is 1-D FSDP (``peer.sharded_layout``), the only layout whose pieces are
-    resharded in memory (``BUDDY``); ``mesh``: the (shard, tensor) degrees of the job's mesh
-    layout (``peer.mesh_layout``): its replicas restore by coordinate at any world size.
-    Any other layout at another world size restores from storage, which DCP reshards."""
+    ``replicated``: the job's layout now is replicated (``peer.restore_rules``);
+    ``sharded``: it is 1-D FSDP, the only layout whose pieces are resharded in memory
+    (``BUDDY``); ``mesh``: the degrees of the job's mesh plane, with ``coordinates[r]`` rank
+    ``r``'s coordinate there: its replicas restore by coordinate at any world size. Any
+    other layout at another world size restores from storage, which DCP reshards."""
     if len(offers) != world_size:
         return Plan(STORAGE, reason=f"offers of {len(offers)} ranks, world size {world_size}")
     everyone = offers
@@ -123,7 +125,7 @@ def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bo
     rep = _replicated_step(offers) if replicated else None
     if isinstance(rep, str):  # the newest replicated step is in doubt: not even an older one
         return Plan(STORAGE, reason=rep)
-    coords = _coordinates(offers, world_size, mesh) if mesh and not replicated else None
+    coords = _coordinates(offers, world_size, mesh, coordinates) if mesh and not replicated else None
     if coords is not None and (exact is None or coords.step > exact):
         return coords
     if exact is not None and (rep is None or exact >= rep[0]):
@@ -132,14 +134,20 @@ def choose(offers: Sequence[Sequence[Offer]], *, world_size: int, replicated: bo
         step, digest, holders = rep
         source = MEMORY if len(holders) == world_size else PEER
         return Plan(source, step, holders, digest=digest)
+    return Plan(STORAGE, reason=_storage_reason(everyone, offers, world_size, replicated, mesh, coordinates))
+
+
+def _storage_reason(everyone: Sequence[Sequence[Offer]], own: Sequence[Sequence[Offer]], world_size: int,
+                    replicated: bool, mesh: tuple[int, ...] | None, coordinates: Sequence[int]) -> str:
+    """Why no memory source serves (``everyone``'s offers, ``own`` without the buddy copies)."""
     if not any(everyone):
-        return Plan(STORAGE, reason="no rank holds a snapshot")
+        return "no rank holds a snapshot"
     if mesh and not replicated:
-        return Plan(STORAGE, reason=_coordinates_missing(offers, world_size, mesh))
+        return _coordinates_missing(own, mesh, coordinates)
     if not replicated:
-        return Plan(STORAGE, reason=_uncovered(everyone) or "the state is not replicated (FSDP, or per-rank "
-                    f"entries) and not every rank holds its own snapshot at world size {world_size}")
-    return Plan(STORAGE, reason="no snapshot of a replicated layout")
+        return _uncovered(everyone) or ("the state is not replicated (FSDP, or per-rank entries) and not "
+                                        f"every rank holds its own snapshot at world size {world_size}")
+    return "no snapshot of a replicated layout"
 
 
 def _pieces(offers: Sequence[Sequence[Offer]]) -> dict[tuple[int, int, int], dict[int, list[tuple[int, Offer]]]]:
@@ -208,38 +216,39 @@ def _replicated_step(offers: Sequence[Sequence[Offer]]) -> tuple[int, bytes, tup
     return step, digests.pop(), holders
 
 
-def _by_coordinate(offers: Sequence[Sequence[Offer]], mesh: tuple[int, int]
+def _by_coordinate(offers: Sequence[Sequence[Offer]], mesh: tuple[int, ...], coordinates: Sequence[int]
                    ) -> dict[tuple[int, int, int], dict[int, list[tuple[int, Offer]]]]:
-    """A mesh's own snapshots written at these degrees, by (step, old world size, generation):
+    """A mesh's own snapshots written in this plane, by (step, old world size, generation):
     per coordinate, who holds one (holder, offer). Only a holder of its own coordinate's
-    snapshot counts (a node's local rank ``l`` always has coordinate ``l % (shard * tensor)``,
-    since that product divides the ranks per node), so every sender reads its own slot."""
-    n = mesh[0] * mesh[1]
+    snapshot counts (``coordinates[holder]``: the plane stays within a node, so a node's
+    local ranks keep their coordinates), so every sender reads its own slot."""
+    n = math.prod(mesh)
     out: dict[tuple[int, int, int], dict[int, list[tuple[int, Offer]]]] = {}
     for holder, mine in enumerate(offers):
         for o in mine:
-            if (o.buddy or o.replicated or not o.generation or (o.shard, o.tensor) != tuple(mesh)
-                    or o.world_size % n or not 0 <= o.rank < o.world_size or holder % n != o.rank % n):
+            if (o.buddy or o.replicated or not o.generation or o.mesh != tuple(mesh) or o.world_size % n
+                    or not 0 <= o.rank < o.world_size or coordinates[holder] != o.coordinate):
                 continue
-            out.setdefault((o.step, o.world_size, o.generation), {}).setdefault(o.rank % n, []).append((holder, o))
+            out.setdefault((o.step, o.world_size, o.generation), {}).setdefault(o.coordinate, []).append((holder, o))
     return out
 
 
-def _coordinates(offers: Sequence[Sequence[Offer]], world_size: int, mesh: tuple[int, int]) -> Plan | None:
+def _coordinates(offers: Sequence[Sequence[Offer]], world_size: int, mesh: tuple[int, ...],
+                 coordinates: Sequence[int]) -> Plan | None:
     """MEMORY or PEER for a mesh: the newest (step, old world size, generation) whose snapshots
     cover every coordinate with one layout digest each; each new rank restores its coordinate's
     from its own slot if it holds it, else from a holder of it (the receivers of a coordinate
     spread over its holders in rank order). None if no step is covered."""
-    n = mesh[0] * mesh[1]
-    if n < 1 or world_size % n:
+    n = math.prod(mesh)
+    if n < 1 or world_size % n or len(coordinates) != world_size:
         return None
-    for (step, old, gen), by_coord in sorted(_by_coordinate(offers, mesh).items(), reverse=True):
+    for (step, old, gen), by_coord in sorted(_by_coordinate(offers, mesh, coordinates).items(), reverse=True):
         if len(by_coord) != n or any(len({o.digest for _, o in held}) != 1 for held in by_coord.values()):
             continue  # a coordinate nobody holds, or copies of one that disagree: not this step
         holders = {c: sorted({h for h, _ in held}) for c, held in by_coord.items()}
         feeds, spread = [], dict.fromkeys(range(n), 0)
         for r in range(world_size):
-            c = r % n
+            c = coordinates[r]
             if r in holders[c]:
                 feeds.append(r)
             else:
@@ -248,23 +257,23 @@ def _coordinates(offers: Sequence[Sequence[Offer]], world_size: int, mesh: tuple
         readers = tuple(r for r in range(world_size) if feeds[r] == r)
         return Plan(MEMORY if len(readers) == world_size else PEER, step, readers, saved_world_size=old,
                     generation=gen, digests=tuple(by_coord[c][0][1].digest for c in range(n)),
-                    mesh=tuple(mesh), feeds=tuple(feeds))
+                    mesh=tuple(mesh), coordinates=tuple(coordinates), feeds=tuple(feeds))
     return None
 
 
-def _coordinates_missing(offers: Sequence[Sequence[Offer]], world_size: int, mesh: tuple[int, int]) -> str:
+def _coordinates_missing(offers: Sequence[Sequence[Offer]], mesh: tuple[int, ...], coordinates: Sequence[int]) -> str:
     """Why no mesh step is covered (storage's reason)."""
-    n = mesh[0] * mesh[1]
-    by = _by_coordinate(offers, mesh)
+    n = math.prod(mesh)
+    by = _by_coordinate(offers, mesh, coordinates) if len(coordinates) == len(offers) else {}
     if not any(offers):
         return "no rank holds a snapshot"
     if not by:
-        return (f"no snapshot was written at this mesh's shard and tensor degrees {tuple(mesh)} "
+        return (f"no snapshot was written at this mesh's plane degrees {tuple(mesh)} "
                 "(a layout change: DCP reshards)")
     (step, old, _), by_coord = max(by.items())
     missing = [c for c in range(n) if c not in by_coord]
     if missing:
         return (f"no survivor holds the step-{step} snapshot of mesh coordinate(s) "
-                f"{', '.join(map(str, missing))} (shard x tensor {mesh[0]} x {mesh[1]}, world size {old}): "
+                f"{', '.join(map(str, missing))} (plane {' x '.join(map(str, mesh))}, world size {old}): "
                 "every replica of it was lost")
     return f"the snapshots of step {step} disagree on a coordinate's layout"

@@ -220,55 +220,82 @@ def _accept_source(listening: socket.socket, *, generation: int, source: int, ra
     (``selectors``), so one that connects and says nothing, or too little, holds no one up;
     a hello naming anyone else is dropped at once. At most ``MAX_PENDING`` connections wait
     (the oldest dropped for a newer one); the link's deadline bounds it all."""
-    size = _HELLO.size + NONCE
-    pending: dict[socket.socket, bytearray] = {}
-    sel = selectors.DefaultSelector()
-    listening.setblocking(False)
-    sel.register(listening, selectors.EVENT_READ)
-
-    def drop(conn: socket.socket) -> None:
-        sel.unregister(conn)
-        del pending[conn]
-        conn.close()
-
+    hellos = _Hellos(listening, (_MAGIC, generation, source, rank))
     try:
         while True:
-            for event, _ in sel.select(_left(deadline)):
+            for event, _ in hellos.select(_left(deadline)):
                 conn = event.fileobj
                 if conn is listening:
-                    with contextlib.suppress(BlockingIOError, InterruptedError):
-                        new, _ = listening.accept()
-                        new.setblocking(False)
-                        if len(pending) >= MAX_PENDING:
-                            drop(next(iter(pending)))
-                        pending[new] = bytearray()
-                        sel.register(new, selectors.EVENT_READ)
+                    hellos.accept()
                     continue
-                got = pending.get(conn)
-                if got is None:  # dropped for a newer one in this same round
-                    continue
-                try:
-                    chunk = conn.recv(size - len(got))
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    chunk = b""
-                if not chunk:  # closed before a whole hello
-                    drop(conn)
-                    continue
-                got += chunk
-                if len(got) < size:
-                    continue
-                if _HELLO.unpack(bytes(got[:_HELLO.size])) == (_MAGIC, generation, source, rank):
-                    sel.unregister(conn)
-                    del pending[conn]
-                    conn.setblocking(True)
-                    return conn, bytes(got)
-                drop(conn)  # not our source (a stray connection): wait for the right one
+                hello = hellos.read(conn)
+                if hello is not None:
+                    return conn, hello
     finally:
-        for conn in pending:
+        hellos.close()
+
+
+class _Hellos:
+    """The connections accepted on ``listening``, each read as its bytes come until it said
+    a whole hello: the ``expected`` one's connection is handed over, any other dropped."""
+
+    SIZE = _HELLO.size + NONCE
+
+    def __init__(self, listening: socket.socket, expected: tuple) -> None:
+        self.listening, self.expected = listening, expected
+        self.pending: dict[socket.socket, bytearray] = {}
+        self.sel = selectors.DefaultSelector()
+        listening.setblocking(False)
+        self.sel.register(listening, selectors.EVENT_READ)
+
+    def select(self, timeout: float) -> list:
+        return self.sel.select(timeout)
+
+    def accept(self) -> None:
+        """A new connection, if one is there (the oldest waiting dropped past ``MAX_PENDING``)."""
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            new, _ = self.listening.accept()
+            new.setblocking(False)
+            if len(self.pending) >= MAX_PENDING:
+                self._drop(next(iter(self.pending)))
+            self.pending[new] = bytearray()
+            self.sel.register(new, selectors.EVENT_READ)
+
+    def read(self, conn: socket.socket) -> bytes | None:
+        """What ``conn`` sent now; its whole hello once it is the expected one (``conn`` then
+        blocking, no longer watched), else None."""
+        got = self.pending.get(conn)
+        if got is None:  # dropped for a newer one in this same round
+            return None
+        try:
+            chunk = conn.recv(self.SIZE - len(got))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:  # closed before a whole hello
+            self._drop(conn)
+            return None
+        got += chunk
+        if len(got) < self.SIZE:
+            return None
+        if _HELLO.unpack(bytes(got[:_HELLO.size])) != self.expected:
+            self._drop(conn)  # not our source (a stray connection): wait for the right one
+            return None
+        self.sel.unregister(conn)
+        del self.pending[conn]
+        conn.setblocking(True)
+        return bytes(got)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.sel.unregister(conn)
+        del self.pending[conn]
+        conn.close()
+
+    def close(self) -> None:
+        for conn in self.pending:
             conn.close()
-        sel.close()
+        self.sel.close()
 
 
 def _left(deadline: float) -> float:

@@ -8,10 +8,11 @@ holds only containers, numbers, strings, dtypes and ``TensorRef`` fields: decodi
 builds nothing else, and the receiver then checks it against its own live state
 (``snapshot.misfit``) before any byte is used.
 
-``replicated_layout`` says whether the job's state is a full replica on every rank (DDP),
-the condition for restoring it at another world size or rank (``choose``); ``mesh_layout``
-gives a mesh's shard and tensor degrees, the condition for restoring a replica's state by its
-coordinate at another replicate degree.
+``restore_rules`` reads the job's layout (``runtime.topology``'s value, as it is: ``Layout``
+says what of it the tier reads) into the rules ``choose`` follows: a full replica on every
+rank (DDP) restores at another world size or rank; 1-D FSDP reshards every old rank's
+snapshot; a mesh's replicas restore by their coordinate in its plane at another replicate
+degree. ``portable`` says whether the state lets one rank's snapshot stand for another's.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import json
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from elastic_harness.memtier.choose import Offer
+from elastic_harness.memtier.slots import MAX_PLANE, plane_of
 from elastic_harness.memtier.snapshot import TensorRef, Unsupported
 
 MAX_OFFERS = 4  # slots per rank that take part (the agent makes 2)
-_FIELDS = 12  # step, world size, rank, replicated, digest as 4 int64, generation, buddy, shard, tensor
+# step, world size, rank, replicated, digest as 4 int64, generation, buddy, coordinate, plane
+_FIELDS = 11 + MAX_PLANE
 MAX_SKELETON = 64 << 20  # a JSON skeleton larger than this is refused (a bogus length)
 
 
@@ -41,7 +44,7 @@ class Wire:
     send: Callable[[torch.Tensor, int], None]
     recv: Callable[[torch.Tensor, int], None]
     # A restore's tensor bytes (tag 0, as ``send``/``recv``): post a send or a receive and
-    # return its work (``wait()``), so several pieces are in flight (``send_chunked``).
+    # return its work (``wait()``), so several pieces are in flight (``post_chunked``).
     # None: the blocking ``send``/``recv``, one piece after another.
     post_send: Callable[[torch.Tensor, int], Any] | None = None
     post_recv: Callable[[torch.Tensor, int], Any] | None = None
@@ -93,7 +96,7 @@ def wait_all(works: list[Any]) -> None:
 
 
 def recv_chunked(wire: Wire, data: torch.Tensor, src: int) -> None:
-    """``send_chunked``'s other side: ``data`` (uint8, the size announced) from ``src``."""
+    """``post_chunked``'s other side: ``data`` (uint8, the size announced) from ``src``."""
     if wire.post_recv is None:
         for a, b in pieces(data.numel()):
             wire.recv(data[a:b], src)
@@ -109,33 +112,49 @@ def _per_rank_entries(state_keys: Any) -> bool:
     return any(str(k).startswith(EXTRA_PREFIX) for k in state_keys)
 
 
-def sharded_layout(parallelism: str, state_keys: Any) -> bool:
-    """Is each rank's state its own shard of the job's (FSDP), with no per-rank entries a
-    script registered? The condition for buddy copies and restoring them resharded."""
-    return parallelism == "fsdp" and not _per_rank_entries(state_keys)
+class Layout(Protocol):
+    """What the tier reads of the job's parallel layout (``runtime.topology.Topology``)."""
+
+    kind: str  # "ddp" (replicas), "fsdp" (shards of the elastic dimension) or "mesh"
+    plane: tuple[int, ...]  # the degrees that stay as the elastic dimension resizes
+
+    def coordinate(self, rank: int | None = None) -> int: ...
 
 
-def replicated_layout(parallelism: str, model: Any, state_keys: Any) -> bool:
-    """Is every rank's state the whole job's state, the same on every rank? DDP (the model
-    a ``DistributedDataParallel``, the job's parallelism ``ddp``) and no entries a script
-    registered beyond model, optimizer, scheduler, scaler and train position (an extra entry
-    may be per rank). FSDP, a bare model or anything else: no."""
+def portable(layout: Layout, model: Any, state_keys: Any) -> bool:
+    """May one rank's snapshot stand for another's as ``layout`` says (a replica's for a
+    replica's, old shards resharded)? Not when a script registered entries of its own
+    beyond model, optimizer, scheduler, scaler and train position (they may differ per
+    rank), nor under ``ddp`` with a model that is not a ``DistributedDataParallel`` (nothing
+    keeps a bare model's replicas the same)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from elastic_harness.torchcompat.nn import unwrap_compiled
 
+    if _per_rank_entries(state_keys):
+        return False
     inner = unwrap_compiled(model)
-    return (parallelism == "ddp" and isinstance(inner, DistributedDataParallel)
-            and not _per_rank_entries(state_keys))
+    return layout.kind != "ddp" or isinstance(inner, DistributedDataParallel)
 
 
-def mesh_layout(parallelism: str, degrees: tuple[int, int], state_keys: Any) -> tuple[int, int] | None:
-    """The (shard, tensor) degrees of a mesh layout (``runtime.topology``) with no entries a
-    script registered (an extra entry may be per rank), else None: the condition for a rank
-    restoring a snapshot its coordinate's replica wrote at another replicate degree."""
-    if parallelism != "mesh" or _per_rank_entries(state_keys):
-        return None
-    return (int(degrees[0]), int(degrees[1]))
+@dataclass(frozen=True)
+class Rules:
+    """Which restores across ranks and world sizes a generation may make (``choose``)."""
+
+    replicated: bool = False  # every rank's state is the whole job's (DDP)
+    sharded: bool = False  # each rank's state is its shard of the elastic dimension (1-D FSDP)
+    mesh: tuple[int, ...] | None = None  # a mesh's plane: its replicas restore by coordinate
+    coordinates: tuple[int, ...] = ()  # with ``mesh``: each rank's coordinate in it
+
+
+def restore_rules(layout: Layout | None, world_size: int, portable: bool = True) -> Rules:
+    """The rules of ``layout`` over ``world_size`` ranks (None, or a state that is not
+    ``portable``: none; each rank restores only its own snapshot at the same world size)."""
+    if layout is None or not portable:
+        return Rules()
+    if layout.kind == "mesh" and len(layout.plane) <= MAX_PLANE:
+        return Rules(mesh=tuple(layout.plane), coordinates=tuple(layout.coordinate(r) for r in range(world_size)))
+    return Rules(replicated=layout.kind == "ddp", sharded=layout.kind == "fsdp")
 
 
 # ----- offers as int64 ------------------------------------------------------------------
@@ -147,7 +166,7 @@ def encode_offers(offers: list[Offer]) -> list[int]:
         d = o.digest.ljust(32, b"\0")[:32]
         out += [o.step, o.world_size, o.rank, int(o.replicated),
                 *(int.from_bytes(d[i:i + 8], "little", signed=True) for i in range(0, 32, 8)),
-                o.generation, int(o.buddy), o.shard, o.tensor]
+                o.generation, int(o.buddy), o.coordinate, *o.mesh, *[0] * (MAX_PLANE - len(o.mesh))]
     return out + [0] * (1 + MAX_OFFERS * _FIELDS - len(out))
 
 
@@ -159,7 +178,7 @@ def decode_offers(values: list[int]) -> list[Offer]:
     for i in range(values[0]):
         f = values[1 + i * _FIELDS:1 + (i + 1) * _FIELDS]
         digest = b"".join(v.to_bytes(8, "little", signed=True) for v in f[4:8])
-        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3]), f[8], bool(f[9]), f[10], f[11]))
+        out.append(Offer(f[0], f[1], f[2], digest, bool(f[3]), f[8], bool(f[9]), plane_of(f[11:]), f[10]))
     return out
 
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-MAGIC = b"EHMEM003"  # 003: the skeleton pickled entry by entry; 002: the mesh degrees (slots live
-# within one job run: no older reader)
+MAGIC = b"EHMEM004"  # 004: the plane and coordinate; 003: the skeleton pickled entry by entry (slots
+# live within one job run: no older reader)
 HEADER_SIZE = 4096  # data starts page-aligned
 PUBLISHED_OFFSET = len(MAGIC)  # the byte that publishes a slot
 # magic, published, replicated, step, world size, rank, data len, skeleton len, digest (the
 # replicated byte was padding: a slot written before it existed reads as not replicated), then
-# the generation that wrote it (``Header.generation``), the writer's mesh shard and tensor degrees
-_FORMAT = "<8sBB2xqiiQQ32sqii"
+# the generation that wrote it (``Header.generation``), the writer's coordinate, then its mesh's
+# plane (``MAX_PLANE`` degrees, 0 past the last)
+MAX_PLANE = 4  # the dimensions a plane may have: more than the layout has, so a new one fits
+_FORMAT = f"<8sBB2xqiiQQ32sqi{MAX_PLANE}i"
 _SIZE = struct.calcsize(_FORMAT)
 
 
@@ -37,28 +39,35 @@ class Header:
     # The worker generation that wrote it (its id as an int): a buddy restore takes pieces of
     # one step written by one generation only (``choose``); 0: not known.
     generation: int = 0
-    # A mesh layout's snapshot: the writer's shard and tensor degrees (0: not a mesh's). A
-    # replica of the same coordinate (``rank % (shard * tensor)``) at another replicate degree
-    # may restore from it (``choose``).
-    shard: int = 0
-    tensor: int = 0
+    # A mesh layout's snapshot: the degrees of the writer's plane (``Topology.plane``: what
+    # stays as replicas come and go; empty: not a mesh's) and its coordinate there. A rank of
+    # the same coordinate at another replicate degree may restore from it (``choose``).
+    mesh: tuple[int, ...] = ()
+    coordinate: int = 0
 
     def pack(self) -> bytes:
+        if len(self.mesh) > MAX_PLANE:
+            raise ValueError(f"a plane of {len(self.mesh)} dimensions, at most {MAX_PLANE}")
         return struct.pack(_FORMAT, MAGIC, int(self.published), int(self.replicated), self.step,
                            self.world_size, self.rank, self.data_len, self.skeleton_len, self.digest,
-                           self.generation, self.shard, self.tensor)
+                           self.generation, self.coordinate, *self.mesh, *[0] * (MAX_PLANE - len(self.mesh)))
 
     @classmethod
     def unpack(cls, raw: bytes) -> Header | None:
         """The header in ``raw``, or None for an empty or foreign slot."""
         if len(raw) < _SIZE:
             return None
-        magic, published, replicated, step, world, rank, data_len, skel_len, digest, gen, shard, tensor = \
+        magic, published, replicated, step, world, rank, data_len, skel_len, digest, gen, coordinate, *plane = \
             struct.unpack_from(_FORMAT, raw)
         if magic != MAGIC:
             return None
-        return cls(bool(published), step, world, rank, data_len, skel_len, digest, bool(replicated), gen, shard,
-                   tensor)
+        return cls(bool(published), step, world, rank, data_len, skel_len, digest, bool(replicated), gen,
+                   plane_of(plane), coordinate)
+
+
+def plane_of(degrees: list[int]) -> tuple[int, ...]:
+    """A plane as stored (``MAX_PLANE`` degrees, 0 past the last): its degrees."""
+    return tuple(d for d in degrees if d > 0)
 
 
 def next_slot(last: int | None, slots: int) -> int:

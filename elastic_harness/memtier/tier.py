@@ -1,6 +1,6 @@
 """The worker's side of the in-memory tier: save a snapshot, restore the newest usable one.
 
-Call order (every rank of a generation, same order): ``restore(state, replicated=...)`` once,
+Call order (every rank of a generation, same order): ``restore(state, layout)`` once,
 before training and before any storage restore (it is collective, over ``wire``: the
 checkpoint group); then ``save(step, state)`` after the steps ``cadence`` names (no
 collective; each rank writes its own slot). ``close()`` at the end.
@@ -10,9 +10,9 @@ follows ``choose``: every rank reads the snapshot it wrote itself at this world 
 worker crash); or, when the state is replicated (DDP), the newest step any rank holds, at
 any world size: its holders read their own slot, the other ranks receive it from a holder
 (``peer``: its tensor bytes into their own slot, its skeleton as JSON; nothing received is
-unpickled); or, under a mesh whose replicas grew or shrank, the same per coordinate of the
-(shard, tensor) plane (a rank receives its coordinate's snapshot from a replica holding
-it; a storage checkpoint newer than that step wins); or storage, and then every rank's slots are unpublished (they belong to a
+unpickled); or, under a mesh whose replicas grew or shrank, the same per coordinate of its
+plane (a rank receives its coordinate's snapshot from a replica holding it; a storage
+checkpoint newer than that step wins); or storage, and then every rank's slots are unpublished (they belong to a
 lineage this generation does not continue). A rank that cannot open its slots takes part
 with none, so the ranks always agree. Nothing calls the live state's ``state_dict()``
 before the ranks agreed on a step (for an optimizer without state, that call runs a zero
@@ -92,8 +92,9 @@ class MemoryTier:
         self._unsettled: int | None = None
         self._waiting = 0  # snapshots in a row that found a copy moving somewhere (``buddy.stuck``)
         self._views = [snapshot.Views() for _ in regions]
-        self.replicated = False  # snapshots are marked replicated (``restore`` learns it)
-        self.mesh: tuple[int, int] | None = None  # and with their mesh degrees (``restore`` too)
+        # What the job's layout allows (``restore`` learns it): snapshots saved from then on are
+        # marked replicated, or carry their mesh plane and coordinate.
+        self.rules = peer.Rules()
         self.plan: Plan | None = None  # the last restore's
 
     @classmethod
@@ -121,21 +122,21 @@ class MemoryTier:
         return cls(own, rank=rank, world_size=world_size, wire=wire, warn=warn, buddy_regions=spare,
                    local_size=local_size, generation=generation, link_key=link_key, link_host=link_host)
 
-    def restore(self, state: dict[str, Any], *, replicated: bool = False, sharded: bool = False,
-                durable: Callable[[], int | None] = lambda: None,
-                mesh: tuple[int, int] | None = None) -> Restored | None:
+    def restore(self, state: dict[str, Any], layout: peer.Layout | None = None, *, portable: bool = True,
+                durable: Callable[[], int | None] = lambda: None) -> Restored | None:
         """Collective: fill ``state`` from memory (own, a peer's, or resharded from own
-        snapshots and buddy copies, ``choose``), or None. ``replicated``: the job's state is a
-        full replica on every rank (``peer.replicated_layout``); snapshots saved from now on
-        are marked so. ``sharded``: each rank holds its own shard (``peer.sharded_layout``):
-        buddy copies are kept from now on, when the job spans nodes. ``durable``: collective,
+        snapshots and buddy copies, ``choose``), or None. ``layout``: the job's
+        (``runtime.topology``), read by ``peer.restore_rules``: under ``ddp`` snapshots saved
+        from now on are marked replicated; under ``fsdp`` buddy copies are kept from now on,
+        when the job spans nodes; under a mesh snapshots carry its plane and coordinate, and
+        replicas restore by coordinate. None, or a state not ``portable`` (``peer.portable``):
+        each rank only restores its own snapshot at this world size. ``durable``: collective,
         the newest complete checkpoint's step (a buddy or mesh coordinate restore older than it
-        is not used). ``mesh``: the job's mesh (shard, tensor) degrees (``peer.mesh_layout``):
-        snapshots saved from now on carry them, and replicas restore by coordinate."""
+        is not used)."""
         t0 = time.perf_counter()
-        self.replicated, self.mesh = replicated, mesh
-        restored = self._restore(state, replicated, sharded, durable, t0)
-        if self.link_key is not None and buddy.active(self.world_size, self.local_size, sharded):
+        self.rules = peer.restore_rules(layout, self.world_size, portable)
+        restored = self._restore(state, durable, t0)
+        if self.link_key is not None and buddy.active(self.world_size, self.local_size, self.rules.sharded):
             self.link = self._link()  # collective, as every input to the condition is the job's
         return restored
 
@@ -152,42 +153,49 @@ class MemoryTier:
         return BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size, local_size=self.local_size,
                          generation=self.generation, conduit=conduit, warn=self._warn)
 
-    def _restore(self, state: dict[str, Any], replicated: bool, sharded: bool, durable: Callable[[], int | None],
-                 t0: float) -> Restored | None:
-        headers = self._headers()
-        copies = self._headers(self.buddy_regions)
-        mine = offers_of(headers) + offers_of(copies, buddy=True)
-        everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(mine))]
-        if not sharded:  # copies only ever restore sharded state
-            everyone = [[o for o in offers if not o.buddy] for offers in everyone]
-        plan = self.plan = choose(everyone, world_size=self.world_size, replicated=replicated, sharded=sharded,
-                                  mesh=self.mesh)
-        if plan.source == BUDDY or plan.mesh:
-            older = buddy.older_than_storage(plan.step, durable(), "buddy copies" if plan.source == BUDDY
-                                             else "mesh replicas' snapshots")
-            if older is None and plan.source == BUDDY:
-                return self._restore_buddy(plan, state, everyone, headers, copies, t0)
-            if older is not None:
-                plan = self.plan = Plan(STORAGE, reason=older)
+    def _restore(self, state: dict[str, Any], durable: Callable[[], int | None], t0: float) -> Restored | None:
+        plan, everyone, headers, copies = self._plan(durable)
+        if plan.source == BUDDY:
+            return self._restore_buddy(plan, state, everyone, headers, copies, t0)
         if plan.source == STORAGE:
             if self.rank == 0 and any(everyone):
                 self._warn(f"the in-memory tier cannot restore this generation ({plan.reason}); "
                            "restoring from storage")
             self._unpublish_all()
             return None
+        return self._restore_held(plan, state, headers, t0)
+
+    def _plan(self, durable: Callable[[], int | None]) -> tuple[Plan, list, list, list]:
+        """Collective: the plan every rank computes from every rank's offers, gathered once
+        (a buddy or mesh plan older than the newest complete checkpoint gives way to storage),
+        with the offers and this rank's own and buddy slots' headers."""
+        headers = self._headers()
+        copies = self._headers(self.buddy_regions)
+        mine = offers_of(headers) + offers_of(copies, buddy=True)
+        everyone = [peer.decode_offers(v) for v in self.wire.gather(peer.encode_offers(mine))]
+        rules = self.rules
+        if not rules.sharded:  # copies only ever restore sharded state
+            everyone = [[o for o in offers if not o.buddy] for offers in everyone]
+        plan = choose(everyone, world_size=self.world_size, replicated=rules.replicated,
+                      sharded=rules.sharded, mesh=rules.mesh, coordinates=rules.coordinates)
+        if plan.source == BUDDY or plan.mesh:
+            older = buddy.older_than_storage(plan.step, durable(), "buddy copies" if plan.source == BUDDY
+                                             else "mesh replicas' snapshots")
+            if older is not None:
+                plan = Plan(STORAGE, reason=older)
+        self.plan = plan
+        return plan, everyone, headers, copies
+
+    def _restore_held(self, plan: Plan, state: dict[str, Any], headers: list, t0: float) -> Restored | None:
+        """MEMORY or PEER: each rank reads the plan's snapshot from its own slot, or receives
+        it from a holder, once the layouts are agreed; then every rank loads it."""
         laps = _Laps(t0)
         laps("offers")
         slot = self._slot_for(plan, headers)
         senders = plan.senders(self.world_size)
         trees, expect = self._expected(plan, state) if self.rank in senders else (None, None)
-        if senders:  # the layout is agreed before a byte moves
-            mismatch = self._failing(isinstance(expect, str))
-            if mismatch:
-                self._warn(f"rank {self.rank}: not receiving step {plan.step} from a peer: rank(s) {mismatch} "
-                           f"have another layout{f' ({expect})' if isinstance(expect, str) else ''}; "
-                           "restoring from storage")
-                self._unpublish_all()
-                return None
+        if senders and not self._layouts_agree(plan, expect):  # before a byte moves
+            return None
         laps("layout")
         got, problem, trees = self._exchange(plan, slot, senders, expect, state, trees)
         failed = self._failing(problem is not None)
@@ -197,18 +205,35 @@ class MemoryTier:
                 self._warn(f"rank {self.rank}: receiving step {plan.step} from a peer failed ({problem})")
             self._unpublish_all()
             return None
-        error = self._load(state, *got, trees=trees)
-        failed = self._failing(error is not None)
-        if failed:
-            self._unpublish_all()
-            raise RuntimeError(f"restoring step {plan.step} from memory failed on rank(s) {failed} "
-                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
-                               "the next restart restores from storage")
+        self._agree_loaded(self._load(state, *got, trees=trees), plan.step, "memory")
         laps("load")
         self._last = self._keep(plan, slot, got)
         laps("keep")
         return Restored(plan.step, time.perf_counter() - t0, plan.source, tuple(sorted(set(senders.values()))),
                         len(senders), plan.saved_world_size or None, phases=laps.done())
+
+    def _layouts_agree(self, plan: Plan, expect: int | str | None) -> bool:
+        """Collective: does every receiver's state take the snapshot (``_expected``)? If not,
+        every rank falls back to storage."""
+        mismatch = self._failing(isinstance(expect, str))
+        if not mismatch:
+            return True
+        self._warn(f"rank {self.rank}: not receiving step {plan.step} from a peer: rank(s) {mismatch} "
+                   f"have another layout{f' ({expect})' if isinstance(expect, str) else ''}; "
+                   "restoring from storage")
+        self._unpublish_all()
+        return False
+
+    def _agree_loaded(self, error: str | None, step: int, source: str) -> None:
+        """Collective, once loading began: if it failed on any rank, every rank stops (its
+        state may be half-filled), every slot unpublished first so the next restart restores
+        from storage."""
+        failed = self._failing(error is not None)
+        if failed:
+            self._unpublish_all()
+            raise RuntimeError(f"restoring step {step} from {source} failed on rank(s) {failed} "
+                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
+                               "the next restart restores from storage")
 
     def _failing(self, bad: bool) -> list[int]:
         """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
@@ -220,6 +245,29 @@ class MemoryTier:
         the ranks without it (one piece at a time, in an order every rank follows); then each
         rank reshards them into its state (``reshard``)."""
         moves = buddy.moves(plan, everyone, self.world_size)
+        pieces, problem = self._read_pieces(plan, headers, copies)
+        moved = self._move_pieces(moves, pieces)  # every rank takes part, whatever it read
+        problem = problem or moved
+        failed = self._failing(problem is not None)
+        if failed:  # nothing was loaded yet: every rank falls back to storage
+            self._warn(f"rank {self.rank}: restoring step {plan.step} from buddy copies failed on rank(s) "
+                       f"{failed}{f' ({problem})' if problem else ''}; restoring from storage")
+            self._unpublish_all()
+            return None
+        error = None
+        try:
+            reshard.restore(state, [pieces[r][:3] for r in range(plan.saved_world_size)], rank=self.rank,
+                            world_size=self.world_size)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
+            error = f"{e!r:.300}"
+        self._agree_loaded(error, plan.step, "buddy copies")
+        self._last = None  # the own slots hold the old layout's snapshots: written over from now on
+        return Restored(plan.step, time.perf_counter() - t0, BUDDY, tuple(sorted({s for _, s, _ in moves})),
+                        len(moves), plan.saved_world_size)
+
+    def _read_pieces(self, plan: Plan, headers: list, copies: list) -> tuple[dict[int, tuple], str | None]:
+        """The old ranks' snapshots this rank holds (own or buddy copies), by old rank, and the
+        first problem reading them."""
         pieces: dict[int, tuple] = {}
         problem = None
         for r in range(plan.saved_world_size):
@@ -227,8 +275,14 @@ class MemoryTier:
             if local is not None:
                 try:
                     pieces[r] = local()
-                except Exception as e:  # noqa: BLE001 - agreed on by every rank below
+                except Exception as e:  # noqa: BLE001 - agreed on by every rank
                     problem = problem or f"reading old rank {r}'s snapshot: {e!r:.200}"
+        return pieces, problem
+
+    def _move_pieces(self, moves: list[tuple[int, int, int]], pieces: dict[int, tuple]) -> str | None:
+        """Send and receive the pieces ``moves`` name, in their order (every rank follows it);
+        received ones go into ``pieces``. The first problem receiving, or None."""
+        problem = None
         for r, sender, receiver in moves:
             if self.rank == sender:
                 self._send_piece(receiver, pieces.get(r))
@@ -238,27 +292,7 @@ class MemoryTier:
                     problem = problem or why
                 else:
                     pieces[r] = got
-        failed = self._failing(problem is not None)
-        if failed:  # nothing was loaded yet: every rank falls back to storage
-            self._warn(f"rank {self.rank}: restoring step {plan.step} from buddy copies failed on rank(s) "
-                       f"{failed}{f' ({problem})' if problem else ''}; restoring from storage")
-            self._unpublish_all()
-            return None
-        error = None
-        try:
-            reshard.restore(state, [(pieces[r][0], pieces[r][1], pieces[r][2])
-                                    for r in range(plan.saved_world_size)], rank=self.rank, world_size=self.world_size)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, which then all stop
-            error = f"{e!r:.300}"
-        failed = self._failing(error is not None)
-        if failed:
-            self._unpublish_all()
-            raise RuntimeError(f"restoring step {plan.step} from buddy copies failed on rank(s) {failed} "
-                               f"({f'rank {self.rank}: {error}' if error else 'see their warnings'}); "
-                               "the next restart restores from storage")
-        self._last = None  # the own slots hold the old layout's snapshots: written over from now on
-        return Restored(plan.step, time.perf_counter() - t0, BUDDY, tuple(sorted({s for _, s, _ in moves})),
-                        len(moves), plan.saved_world_size)
+        return problem
 
     def _piece_here(self, plan: Plan, r: int, headers: list, copies: list) -> Callable[[], tuple] | None:
         """How to read old rank ``r``'s snapshot of the plan from this rank's slots: (skeleton,
@@ -434,10 +468,10 @@ class MemoryTier:
         if base != HEADER_SIZE:
             return None  # it went into a buffer
         data[base + data_len:base + data_len + len(local)].copy_(torch.frombuffer(bytearray(local), dtype=torch.uint8))
-        if plan.mesh:  # its coordinate's snapshot, as old rank ``c`` wrote it (replicas are interchangeable)
+        if plan.mesh:  # its coordinate's snapshot, as if old rank ``c`` wrote it (replicas are interchangeable)
             c = plan.coordinate(self.rank)
             header = Header(True, plan.step, plan.saved_world_size, c, data_len, len(local), plan.digests[c],
-                            generation=plan.generation, shard=plan.mesh[0], tensor=plan.mesh[1])
+                            generation=plan.generation, mesh=plan.mesh, coordinate=c)
         else:
             header = Header(True, plan.step, self.world_size, self.rank, data_len, len(local), plan.digest,
                             replicated=True)
@@ -477,6 +511,24 @@ class MemoryTier:
         self.copy_s = 0.0
         if not self.regions:
             return False
+        slot = buddy.writable(self._last, len(self.regions), self._kept_for_copies(settled))
+        if slot is None or (self.link is not None and self.link.sending(slot)):
+            return False
+        written = self._write(slot, step, state)
+        if written is None:
+            return False
+        self._last = slot
+        if send and self.link is not None and not self.link.broken:
+            self._unsettled = slot
+            t0 = time.perf_counter()
+            self._send_copy(slot, *written)
+            self.copy_s = time.perf_counter() - t0
+        return True
+
+    def _kept_for_copies(self, settled: bool) -> set[int]:
+        """The own slots the buddy copies still need (the newest settled copy's, the one in
+        flight), once this step's all-reduce said whether copies moved (``settled``). Copies
+        stuck for ``buddy.STUCK_SNAPSHOTS`` snapshots stop for the generation."""
         if self.link is not None:
             self._waiting = 0 if settled else self._waiting + 1
             if buddy.stuck(self._waiting):
@@ -488,33 +540,31 @@ class MemoryTier:
             self._copied, self._unsettled = self._unsettled, None
             if self.link is not None:
                 self.link.settled()
-        kept = {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
-        slot = buddy.writable(self._last, len(self.regions), kept)
-        if slot is None or (self.link is not None and self.link.sending(slot)):
-            return False
+        return {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
+
+    def _write(self, slot: int, step: int, state: dict[str, Any]
+               ) -> tuple[torch.Tensor, Header, snapshot.Capture] | None:
+        """Capture ``state`` into own ``slot`` and publish it: its bytes, header and capture;
+        None when that failed (then the tier is off for this worker)."""
         region = self.regions[slot]
+        rules = self.rules
         try:
             cap = snapshot.capture(state)
             # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
             data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
             snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
             header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
-                            cap.digest, replicated=self.replicated and not cap.sharded, generation=self.generation,
-                            shard=self.mesh[0] if self.mesh else 0, tensor=self.mesh[1] if self.mesh else 0)
+                            cap.digest, replicated=rules.replicated and not cap.sharded,
+                            generation=self.generation, mesh=rules.mesh or (),
+                            coordinate=rules.coordinates[self.rank] if rules.mesh else 0)
             region.publish(header)
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
                        "the tier is off for this worker, restarts restore from storage")
             self._unpublish_all()
             self.close()
-            return False
-        self._last = slot
-        if send and self.link is not None and not self.link.broken:
-            self._unsettled = slot
-            t0 = time.perf_counter()
-            self._send_copy(slot, data, header, cap)
-            self.copy_s = time.perf_counter() - t0
-        return True
+            return None
+        return data, header, cap
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
         # our own pickled skeleton, just written: sent as JSON, for a holder that never unpickles
@@ -575,8 +625,8 @@ class MemoryTier:
 def _of_coordinate(h: Header, plan: Plan, c: int) -> bool:
     """Is ``h`` a snapshot of coordinate ``c`` that a mesh plan restores?"""
     return (h.step == plan.step and h.generation == plan.generation and h.world_size == plan.saved_world_size
-            and (h.shard, h.tensor) == tuple(plan.mesh) and h.rank % (h.shard * h.tensor) == c
-            and h.digest == plan.digests[c] and not h.replicated)
+            and h.mesh == tuple(plan.mesh) and h.coordinate == c and h.digest == plan.digests[c]
+            and not h.replicated)
 
 
 class _Laps:

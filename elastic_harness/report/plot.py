@@ -42,7 +42,7 @@ def figure(tl: Timeline, title: str = ""):
     if tl.points:
         loss_ax.legend(loc="upper right", fontsize=8)
     g = tl.goodput
-    label_ax.set_title(title or f"goodput {g.goodput:.1%} of {g.wall_s:.0f} s; {len(tl.faults)} fault(s)")
+    label_ax.set_title(title or f"goodput {g.goodput:.1%} of {g.wall_s:.0f} s; {len(tl.faults)} failure(s)")
     size_ax.set_xlabel("seconds since the run started")
     return fig
 

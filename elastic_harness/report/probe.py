@@ -40,7 +40,7 @@ def probe_cost(events: Sequence[dict], skip: int = 1) -> ProbeCost | None:
         kind = e["event"]
         if kind not in ("step", "memory"):
             continue
-        g = gens.setdefault(e["pid"], {"every": 0, "first": None})
+        g = gens.setdefault(e.get("pid", 0), {"every": 0, "first": None})
         if kind == "memory":
             g["every"] = int(e.get("every") or 0)
             continue
@@ -51,7 +51,7 @@ def probe_cost(events: Sequence[dict], skip: int = 1) -> ProbeCost | None:
             g["first"] = step
         if step - g["first"] < skip:
             continue
-        key = (e["pid"], g["every"] > 0)
+        key = (e.get("pid", 0), g["every"] > 0)
         if blocks and blocks[-1][:2] == key:
             blocks[-1][2].append(float(e["step_s"]))
         else:

@@ -8,12 +8,21 @@ A fault row follows one ``fault`` event: the first sign of the agents reacting a
 (``is_reaction``), the next rendezvous completion, the next ``resume`` and the first step
 of that generation; steps lost are the last step completed before the fault minus the step
 resumed from (0 when the job drained and saved).
+
+Failures nobody injected (a worker killed from outside, a frozen node the watchdog ended, an
+exception) get a row too (``injected`` False): one per agent account of a failed worker
+group or watchdog kill (``failure`` events with ``cause`` ``exit`` or ``hang``) that no
+earlier row explains, i.e. whose recovery (the next ``resume``) no injected fault or earlier
+failure already leads to (several agents' accounts of one failure are one row). Its time is
+the first ``failure`` event after the last step before it; ``detected`` is the agent's
+account; ``kind`` says how the first rank ended (``SIGKILL``, ``hang``, ``exit 1``, ``lost
+peer`` when the cause was on another node).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elastic_harness.goodput import BADPUT_KINDS, RDZV_COMPLETE, Goodput
 from elastic_harness.report.probe import ProbeCost, probe_cost
@@ -60,6 +69,8 @@ class FaultRow:
     world_size_before: int | None
     world_size_after: int | None
     source: str | None = None  # where the state came from (``resume``): memory, peer, buddy or storage
+    injected: bool = True  # a chaos fault (``fault`` event); False: a failure nobody injected
+    cause: str | None = None  # not injected: the agent's account (which rank ended how)
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,7 @@ class Timeline:
     points: list[StepPoint]
     evals: list[EvalPoint] = field(default_factory=list)
     probe: ProbeCost | None = None  # the in-memory tier's cost, when the run probed it
+    excluded: list[dict] = field(default_factory=list)  # nodes kept out (``excluded`` events): node, message
 
 
 def build(events: Sequence[dict]) -> Timeline:
@@ -108,6 +120,8 @@ def build(events: Sequence[dict]) -> Timeline:
         points=step_points(invocations, gens, t0),
         evals=eval_points(events, t0),
         probe=probe_cost(events),
+        excluded=[{"node": e.get("node"), "message": e.get("message", "")} for e in events
+                  if e.get("event") == "excluded"],
     )
 
 
@@ -153,7 +167,7 @@ def _first(events: Sequence[dict], after: float, pred) -> dict | None:
 
 def is_reaction(e: dict) -> bool:
     """An event showing the agents reacting to a fault."""
-    if e["event"] == "drain" or (e["event"] == "failure" and e.get("cause") == "hang"):
+    if e["event"] == "drain" or (e["event"] == "failure" and e.get("cause") in ("hang", "node-lost")):
         return True
     if e["event"] != "torchelastic":
         return False
@@ -171,12 +185,46 @@ def _step_before(inv: Sequence[dict], fault: dict) -> int | None:
 
 
 def fault_rows(invocations: Sequence[Sequence[dict]], t0: float) -> list[FaultRow]:
-    """One row per ``fault`` event; later invocations count (a drain resumes in the next)."""
+    """One row per ``fault`` event (later invocations count: a drain resumes in the next),
+    and one per failure nobody injected (module doc), in time order."""
     flat = [e for inv in invocations for e in inv]
     rows = []
     for n, (i, f) in enumerate((i, e) for i, inv in enumerate(invocations) for e in inv if e["event"] == "fault"):
         rows.append(_fault_row(n, i, f, invocations[i], flat, t0))
-    return rows
+    claimed = {_recovery_of(flat, f["t"]) for inv in invocations for f in inv if f["event"] == "fault"}
+    for i, inv in enumerate(invocations):
+        for e in inv:
+            if e["event"] != "failure" or e.get("cause") not in ("exit", "hang", "node-lost"):
+                continue
+            key = _recovery_of(flat, e["t"])
+            if key in claimed:
+                continue  # an injected fault's, or an earlier account of the same failure
+            claimed.add(key)
+            rows.append(_failure_row(i, e, inv, flat, t0))
+    rows.sort(key=lambda r: r.t)
+    return [replace(r, index=n) for n, r in enumerate(rows)]
+
+
+def _recovery_of(flat: Sequence[dict], t: float) -> tuple[float, int] | None:
+    """The ``resume`` that recovers from something at time ``t`` (None: the run ended first)."""
+    resume = _first(flat, t, lambda e: e["event"] == "resume")
+    return (resume["t"], resume.get("pid", 0)) if resume else None
+
+
+def _failure_row(i: int, account: dict, inv: Sequence[dict], flat: Sequence[dict], t0: float) -> FaultRow:
+    """A failure nobody injected, from its agent's account (``cause`` exit, hang or node-lost)."""
+    before = [e for e in inv if e["event"] == "step" and e["t"] <= account["t"]]
+    last_step_t = before[-1]["t"] if before else float("-inf")
+    first_sign = _first(flat, last_step_t, lambda e: e["event"] == "failure")
+    t = min(account["t"], first_sign["t"]) if first_sign else account["t"]
+    kind = ("hang" if account.get("cause") == "hang" else "node lost" if account.get("cause") == "node-lost"
+            else account.get("signal")
+            or ("lost peer" if account.get("peer_lost") else f"exit {account.get('exit_code', '?')}"))
+    row = _fault_row(0, i, {**account, "t": t, "kind": kind, "target": account.get("rank")}, inv, flat, t0)
+    step = max([account.get("step") or 0] + ([int(before[-1]["step"])] if before else []))
+    lost = max(0, step - row.resumed_from) if row.resumed_from is not None else None
+    return replace(row, detected=round(account["t"] - t0, 4), step=step, steps_lost=lost, injected=False,
+                   cause=account.get("message"))
 
 
 def _fault_row(n: int, i: int, f: dict, inv: Sequence[dict], flat: Sequence[dict], t0: float) -> FaultRow:

@@ -14,10 +14,13 @@ stream), ``ids`` (map-style: the index; stream: ``[shard, offset in the shard]``
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,36 +29,121 @@ import torch
 
 
 def content_hash(item: Any) -> str:
-    """A short digest of a sample's content (tensors, arrays, bytes, str, numbers, nested)."""
+    """A short digest of a sample's content: whatever a dataset item can hold (module doc of
+    ``_feed``). The same content gives the same digest in every process and run (no memory
+    addresses, no ``hash()`` salt, no dependence on strides or contiguity); a different
+    dtype, shape or container type gives another."""
     h = hashlib.blake2b(digest_size=8)
-    _feed(h, item)
+    _feed(h, item, set())
     return h.hexdigest()
 
 
-def _feed(h: Any, x: Any) -> None:
-    if isinstance(x, torch.Tensor):
-        t = x.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(x, np.ndarray):
-        a = np.ascontiguousarray(x)
-        h.update(f"A{a.dtype}{a.shape}".encode())
-        h.update(a.tobytes())
-    elif isinstance(x, (bytes, bytearray, memoryview)):
-        h.update(b"B")
-        h.update(bytes(x))
-    elif isinstance(x, dict):
-        h.update(b"D")
-        for k in sorted(x, key=str):
-            h.update(str(k).encode() + b"=")
-            _feed(h, x[k])
-    elif isinstance(x, (list, tuple)):
-        h.update(b"L")
-        for v in x:
-            _feed(h, v)
-            h.update(b",")
+def _put(h: Any, tag: bytes, *parts: bytes) -> None:
+    """A tagged, length-prefixed record: no two different sequences of records share bytes."""
+    h.update(tag)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+
+
+def _feed(h: Any, x: Any, path: set[int]) -> None:
+    """Feed ``x``: None, bool, int, float, complex, str, bytes, tensors of any dtype, layout
+    and shape (0-dim, non-contiguous, conjugate or negative views, sparse), numpy arrays and
+    scalars, mappings (key order ignored), lists, tuples, namedtuples, sets, dataclasses,
+    objects with ``__array__`` (a PIL image), and, for anything else, its type and ``repr``
+    (memory addresses masked). ``path``: containers being fed (a cycle is fed as a mark)."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, bytearray, memoryview)):
+        _scalar(h, x)
+    elif isinstance(x, torch.Tensor):
+        _tensor(h, x)
+    elif isinstance(x, (np.ndarray, np.generic)):
+        _array(h, np.asarray(x))
+    elif id(x) in path:
+        h.update(b"C")  # a container that holds itself
     else:
-        h.update(f"{type(x).__name__}:{x!r};".encode())
+        path.add(id(x))
+        try:
+            _container(h, x, path)
+        finally:
+            path.discard(id(x))
+
+
+def _scalar(h: Any, x: Any) -> None:
+    if x is None:
+        h.update(b"N")
+    elif isinstance(x, bool):
+        h.update(b"b1" if x else b"b0")
+    elif isinstance(x, int):
+        _put(h, b"i", str(int(x)).encode())
+    elif isinstance(x, float):
+        _put(h, b"f", float(x).hex().encode())  # exact: 0.1 and 0.1 + 1e-17 differ
+    elif isinstance(x, complex):
+        _put(h, b"c", x.real.hex().encode(), x.imag.hex().encode())
+    elif isinstance(x, str):
+        _put(h, b"s", x.encode("utf-8", "surrogatepass"))
+    else:
+        _put(h, b"y", bytes(x))
+
+
+def _tensor(h: Any, t: torch.Tensor) -> None:
+    """dtype, shape, then the elements' bytes in logical (row-major) order."""
+    t = t.detach()
+    header = f"{t.dtype}|{tuple(t.shape)}".encode()
+    try:
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        if t.is_quantized:
+            t = t.dequantize()
+        flat = t.cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)  # 0-dim: one element
+        _put(h, b"T", header, flat.view(torch.uint8).numpy().tobytes())
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):  # an exotic subclass or layout
+        _put(h, b"T?", header, repr(t.tolist()).encode())
+
+
+def _array(h: Any, a: np.ndarray) -> None:
+    dtype = str(a.dtype.descr) if a.dtype.fields else a.dtype.str
+    header = f"{dtype}|{a.shape}".encode()
+    if a.dtype.hasobject:  # its bytes are pointers: feed the elements
+        _put(h, b"O", header)
+        for v in a.ravel(order="C"):
+            _feed(h, v, set())
+        return
+    _put(h, b"A", header, a.tobytes(order="C"))
+
+
+def _container(h: Any, x: Any, path: set[int]) -> None:
+    if isinstance(x, Mapping):
+        # keys in the order of their own digests: any key types, stable across processes
+        pairs = sorted(((content_hash(k), k) for k in x), key=lambda p: p[0])
+        _put(h, b"D", str(len(pairs)).encode())
+        for _, k in pairs:
+            _feed(h, k, path)
+            _feed(h, x[k], path)
+    elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        _put(h, b"n", type(x).__name__.encode(), ",".join(map(str, x._fields)).encode())
+        for v in x:
+            _feed(h, v, path)
+    elif isinstance(x, (list, tuple)):
+        _put(h, b"l" if isinstance(x, list) else b"t", str(len(x)).encode())
+        for v in x:
+            _feed(h, v, path)
+    elif isinstance(x, (set, frozenset)):
+        _put(h, b"S", *sorted(content_hash(v).encode() for v in x))
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        _put(h, b"o", _type_name(x).encode())
+        _container(h, {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}, path)
+    elif hasattr(x, "__array__") or hasattr(x, "__array_interface__"):  # a PIL image, ...
+        _put(h, b"o", _type_name(x).encode())
+        _array(h, np.asarray(x))
+    else:
+        _put(h, b"r", _type_name(x).encode(), _ADDRESS.sub(" at 0x?", repr(x)).encode("utf-8", "surrogatepass"))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _type_name(x: Any) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
 def record_samples(path: Path, generation: str, step: int, rank: int, world_size: int,

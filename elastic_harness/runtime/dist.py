@@ -88,11 +88,35 @@ def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
         wait_for_listener(env.master_addr, env.master_port, timeout.total_seconds())
         return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                              is_master=False, timeout=timeout, multi_tenant=True)
+    if env.master_port in _SERVED:  # a script's: served before the script ran (``serve_for_script``)
+        return _SERVED[env.master_port]
     # Rank 0 serves on MASTER_ADDR only (the node's --local-addr, 127.0.0.1 in a local run),
     # not on every interface as TCPStore would: see ``elastic_harness.listen``.
     sock = listener(env.master_addr, env.master_port)
     return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
                          timeout=timeout, multi_tenant=True, master_listen_fd=sock.detach())
+
+
+_SERVED: dict[int, dist.TCPStore] = {}  # port -> rank 0's store, kept for the process's life
+
+
+def serve_for_script(env: WorkerEnv, timeout_s: float) -> None:
+    """Rank 0 of a script our agent started: serve this generation's store on MASTER_ADDR
+    before the script runs (issue 33). A plain torchrun-style script calls
+    ``init_process_group`` itself, and torch's ``env://`` then makes rank 0's ``TCPStore``
+    listen on every interface; but it asks for a multi-tenant store, which reuses a server
+    this process already runs on that port. So the server is this one, bound as the
+    harness's own (``elastic_harness.listen``: 127.0.0.1 in a local run), and the script's
+    ``init_process_group`` joins it unchanged. A script on the harness's API gets the same
+    store from ``init`` (``_store``). Not for the agent's shared store (torchrun's default,
+    where every rank is a client) nor for ranks other than 0. Limit: an ``init_method`` of
+    the script's own (another port, ``tcp://``, ``file://``) is the script's business."""
+    if not env.launched or env.agent_store or env.rank != 0 or env.master_port in _SERVED:
+        return
+    sock = listener(env.master_addr, env.master_port)
+    _SERVED[env.master_port] = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=True, wait_for_workers=False,
+        timeout=dt.timedelta(seconds=timeout_s), multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.005) -> bool:

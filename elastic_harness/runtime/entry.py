@@ -49,6 +49,25 @@ def run_script(path: str, args: list[str]) -> int:
     return 0
 
 
+def run_job(job_path: str, run_dir: str) -> int:
+    """The job's one parse in this process, handed down: the user's script, or the task loop."""
+    from elastic_harness.runtime import jobsource
+    from elastic_harness.spec import load_job
+
+    spec = load_job(job_path)
+    jobsource.hand_over(spec, run_dir)  # the script's init() takes it from there
+    if spec.script.path:
+        from elastic_harness.launch.env import WorkerEnv
+        from elastic_harness.runtime.dist import serve_for_script
+
+        # rank 0's store on MASTER_ADDR, also for a script's own init_process_group
+        serve_for_script(WorkerEnv.from_environ(standalone_ok=True), spec.timeouts.process_group)
+        return run_script(spec.script.path, [str(a) for a in spec.script.args])
+    from elastic_harness.runtime.worker import main as task_main
+
+    return task_main(spec, run_dir)
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -57,16 +76,7 @@ def main(argv: list[str]) -> int:
     @record
     def guarded() -> int:
         try:
-            from elastic_harness.runtime import jobsource
-            from elastic_harness.spec import load_job
-
-            spec = load_job(job_path)  # the one parse of the job in this process
-            jobsource.hand_over(spec, run_dir)  # the script's init() takes it from there
-            if spec.script.path:
-                return run_script(spec.script.path, [str(a) for a in spec.script.args])
-            from elastic_harness.runtime.worker import main as task_main
-
-            return task_main(spec, run_dir)
+            return run_job(job_path, run_dir)
         except (SystemExit, KeyboardInterrupt):
             raise
         except BaseException as e:

@@ -6,11 +6,11 @@ parts: nothing here reaches back into the ``Run``). In order, for each step:
 1. the step's time goes to the snapshot cadence (``memtier.cadence``; the snapshot itself
    is not part of it);
 2. persistent buffers are set to rank 0's copy (``runtime.buffers``);
-3. the counters advance (step, data cursor) and the step's one all-reduce is collected:
-   [loss sum, drain requested, time-based save due, snapshot interval, buddy copies busy (moving
-   or held back), stop requested, buddy copies moving]. ``share_totals``
-   starts it without waiting when ``step.batches()`` ends (``runtime.step``), so it
-   completes while the optimizer steps;
+3. the counters advance (step, data cursor) and the step's one all-reduce is collected: the
+   ranks' ``StepVote`` (``runtime.vote``: loss, drain and stop requests, a time-based save
+   due, the snapshot interval, buddy copies busy or moving). ``start_vote`` starts it
+   without waiting when ``step.batches()`` ends (``runtime.step``), so it completes while
+   the optimizer steps;
 4. metrics (every ``train.log_every`` and at the last step);
 5. a durable save if one is due (periodic, by time, the final one, a drain), preceded by the
    cross-rank comparison of an unwrapped model (``ReplicaCheck``), then the in-memory
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from elastic_harness.runtime.state import TrainState
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.timer import ProgressWatchdog
 from elastic_harness.runtime.topology import Topology
+from elastic_harness.runtime.vote import StepVote
 from elastic_harness.spec import JobSpec
 
 
@@ -75,39 +76,70 @@ class ReplicaCheck:
             raise unwrapped_error(self.model, step, differ)
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What the steps train and a save holds (``Run.register``'s objects)."""
+
+    state: dict[str, Any]  # what a checkpoint or snapshot holds (``runtime.state.build_state``)
+    train: TrainState  # the position in it: step, data cursor
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: Any = None
+    buffers: BufferSync | None = None  # persistent buffers set to rank 0's copy every step
+    replicas: ReplicaCheck | None = None  # an unwrapped model, compared before the first save
+
+
+@dataclass(frozen=True)
+class Keeping:
+    """Where the state is kept: storage checkpoints, and the in-memory tier with its cadence."""
+
+    ckpt: CheckpointManager
+    memory: MemoryTier | None
+    cadence: Cadence
+    join_in_memory: bool = False  # memory covers a join's restore (``resume.memory_covers_join``)
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What reaches the loop from outside it: drain and stop requests, the step watchdog, the
+    job's scheduled faults."""
+
+    drain_requested: Callable[[], bool]
+    # A drain is a stop (storage save) unless every rank's request was a join's only; None:
+    # every drain is a stop (a caller that knows no join signal).
+    stop_requested: Callable[[], bool] | None = None
+    watchdog: ProgressWatchdog | None = None
+    faults: WorkerFaults | None = None
+
+    def stop(self) -> bool:
+        return (self.stop_requested or self.drain_requested)()
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """Where a step is told: the event log (rank 0 narrates) and the metrics."""
+
+    events: Any
+    metrics: Metrics | None
+    restart: int = 0  # the agent's restart count, in every step's metrics
+
+
 class StepHook:
-    """What ``Step`` calls (``runtime.step.Owner``): ``share_totals`` when its micro-batches
+    """What ``Step`` calls (``runtime.step.Owner``): ``start_vote`` when its micro-batches
     end, ``after_step`` from ``done``. Also what a step reads of its run (``spec``,
     ``dp_size``, ``model``, ``optimizer``, ``scaler``).
 
     ``topology`` (``runtime.topology``) says who this process is: ``rank`` and
     ``world_size`` are processes (the events' fields), ``dp_size`` the data-parallel degree
-    the loss is scaled by."""
+    the loss is scaled by. The other parts are built once by the run (``Run.steps``)."""
 
-    def __init__(self, spec: JobSpec, train: TrainState, state: dict[str, Any], *,
-                 model: nn.Module | None, optimizer: torch.optim.Optimizer | None, scaler: Any,
-                 topology: Topology, restart: int, events: Any, metrics: Metrics,
-                 ckpt: CheckpointManager, memory: MemoryTier | None, cadence: Cadence,
-                 drain_requested: Callable[[], bool], watchdog: ProgressWatchdog, faults: WorkerFaults,
-                 replicas: ReplicaCheck | None = None, buffers: BufferSync | None = None,
-                 sample_log: Path | None = None, stop_requested: Callable[[], bool] | None = None,
-                 join_in_memory: bool = False) -> None:
-        self.spec, self.train, self.state = spec, train, state
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+    def __init__(self, spec: JobSpec, topology: Topology, trained: Trained, keeping: Keeping,
+                 signals: Signals, reporting: Reporting) -> None:
+        self.spec, self.topology = spec, topology
+        self.trained, self.keeping, self.signals, self.reporting = trained, keeping, signals, reporting
+        self.model, self.optimizer, self.scaler = trained.model, trained.optimizer, trained.scaler
         self.rank, self.world_size, self.dp_size = topology.rank, topology.world_size, topology.dp_degree
-        # the ranks of a tensor group each count the same samples' loss: the reported mean
-        # divides them out
-        self.tensor = topology.tensor
-        self.restart = restart
-        self.events, self.metrics, self.ckpt = events, metrics, ckpt
-        self.memory, self.cadence = memory, cadence
-        self.drain_requested = drain_requested
-        # A drain is a stop (storage save) unless every rank's request was a join's only.
-        self.stop_requested = stop_requested or drain_requested
-        self.join_in_memory = join_in_memory  # ``resume.memory_covers_join``
-        self.watchdog, self.faults = watchdog, faults
-        self.replicas, self.buffers = replicas, buffers
-        self.sample_log = sample_log  # samples/rank-R.jsonl when train.record_samples
+        self.memory, self.cadence = keeping.memory, keeping.cadence  # read at every step
         now = time.monotonic()
         self.last_save = self.last_done = self.period_start = now
         self.snapshot_s = 0.0  # the last hook's in-memory snapshot (not part of a step's time)
@@ -116,10 +148,9 @@ class StepHook:
         self.last_loss: float | None = None
 
     # ----- what Step calls -----------------------------------------------------------------
-    def share_totals(self, step: Step) -> None:
-        """Start the step's one all-reduce, [loss sum, drain requested, time-based save due,
-        in-memory snapshot interval] (rank 0 decides the last two: clocks and timings differ),
-        without waiting for it (``Step.batches``).
+    def start_vote(self, step: Step) -> None:
+        """Start the step's one all-reduce, the ranks' ``StepVote``, without waiting for it
+        (``Step.batches``).
 
         Waiting for it in the step hook made every step meet its peers twice (the gradient
         all-reduce, then this): whatever the ranks drifted apart during the optimizer step
@@ -129,98 +160,118 @@ class StepHook:
         """
         if step.shared is not None:
             return
-        flag = float(self.rank == 0 and save_due_by_time(self.spec.checkpoint.every_seconds,
-                                                         time.monotonic() - self.last_save))
-        k = float(self.cadence.proposal(step.number) if self.rank == 0 and self.memory is not None else 0)
-        # Buddy copies moving, or (rank 0) not due yet within the tier's budget (``buddy.due``).
-        busy = float(self.memory is not None and (
-            self.memory.busy(step.number, self.cadence.medians()[1], self.spec.checkpoint.memory_budget)
-            if self.rank == 0 else self.memory.busy()))
-        # Copies moving (not merely held): none anywhere means the last one is complete on every
-        # rank, and the own snapshots it needs may move on (``MemoryTier.save``'s ``settled``).
-        moving = float(self.memory is not None and self.memory.moving())
-        totals = torch.tensor([float(step.loss_sum), float(self.drain_requested()), flag, k, busy,
-                               float(self.stop_requested()), moving], dtype=torch.float64)
+        totals = self._my_vote(step).pack()
         work = dist.all_reduce(totals, async_op=True)
         step.shared = (totals, work, step.loss_sum.clone(), step.samples)
 
+    def _my_vote(self, step: Step) -> StepVote:
+        """This rank's say; rank 0 decides what clocks and timings decide (they differ)."""
+        main, memory, ckpt = self.rank == 0, self.memory, self.spec.checkpoint
+        return StepVote(
+            loss_sum=float(step.loss_sum), drain=self.signals.drain_requested(), stop=self.signals.stop(),
+            save_due=main and save_due_by_time(ckpt.every_seconds, time.monotonic() - self.last_save),
+            snapshot_every=self.cadence.proposal(step.number) if main and memory is not None else 0,
+            # Buddy copies moving, or (rank 0) not due yet within the tier's budget (``buddy.due``).
+            copies_busy=memory is not None and (memory.busy(step.number, self.cadence.medians()[1],
+                                                            ckpt.memory_budget) if main else memory.busy()),
+            # Copies moving (not merely held): none anywhere means the last one is complete on every
+            # rank, and the own snapshots it needs may move on (``MemoryTier.save``'s ``settled``).
+            copies_moving=memory is not None and memory.moving())
+
     def after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
         """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
-        spec, train = self.spec, self.train
-        # The whole step, hook included, less the snapshot (``memtier.cadence``'s budget).
-        now = time.monotonic()
-        self.cadence.step_took(now - self.period_start - self.snapshot_s)
-        self.period_start, self.snapshot_s = now, 0.0
-        if self.buffers is not None:
-            self.buffers.sync()
+        train = self.trained.train
+        self._time_step()
+        if self.trained.buffers is not None:
+            self.trained.buffers.sync()
         train.step += 1
-        train.data = train.data.advance(spec.train.global_batch_size)
-        totals = self._collect_totals(step)
-        now = time.monotonic()
-        loss = float(totals[0]) / (spec.train.global_batch_size * self.tensor)
-        self.last_loss = loss
-        final = train.step == spec.train.steps
-        if train.step % spec.train.log_every == 0 or final:
-            self.metrics.step(train.step, loss=loss, world_size=self.world_size,
-                              samples=train.data.cursor, step_s=now - self.last_done,
-                              global_batch=spec.train.global_batch_size,
-                              restart=self.restart, lr=step.lr, extra=user_metrics)
-        self.last_done = now
-        drain = totals[1] > 0
-        # Drained only because a node joins (no rank was asked to stop): the state may stay in memory.
-        in_memory = drain and not final and totals[5] == 0 and self._join_snapshot(train.step, settled=totals[6] == 0)
-        blocking = (drain and not in_memory) or (final and spec.checkpoint.save_final)
-        periodic = save_due_by_steps(spec.checkpoint.every_steps, train.step) or totals[2] > 0
-        self._maybe_save(train.step, blocking=blocking, periodic=periodic)
-        if not in_memory:
-            self._snapshot(train.step, int(totals[3]), forced=blocking or periodic, copies_busy=totals[4] > 0,
-                           copies_settled=totals[6] == 0)
-        if drain and not final:
+        train.data = train.data.advance(self.spec.train.global_batch_size)
+        vote = self._collect_vote(step)
+        final = train.step == self.spec.train.steps
+        self._report(step, vote, final, user_metrics)
+        in_memory = self._keep(train.step, vote, final=final)
+        if vote.drain and not final:
             if self.memory is not None:
-                self.memory.settle(spec.timeouts.process_group)
-            self.events.emit("drain", step=train.step, world_size=self.world_size,
-                             saved="memory" if in_memory else "storage")
+                self.memory.settle(self.spec.timeouts.process_group)
+            self.reporting.events.emit("drain", step=train.step, world_size=self.world_size,
+                                       saved="memory" if in_memory else "storage")
             step.drained = True
             return
-        self.faults.after_step(train.step)
+        self.signals.faults.after_step(train.step)
 
     # ----- the end ---------------------------------------------------------------------------
     def finish(self) -> None:
         """After the last step: wait for the save, digest the model, ``finish``."""
-        if self.replicas is not None and self.replicas.pending:
-            self.replicas.check(self.train.step)  # no save compared them: the digest must not hide it
-        self.ckpt.wait()
+        replicas, train = self.trained.replicas, self.trained.train
+        if replicas is not None and replicas.pending:
+            replicas.check(train.step)  # no save compared them: the digest must not hide it
+        self.keeping.ckpt.wait()
         if self.memory is not None:
             self.memory.settle(self.spec.timeouts.process_group)
         digest = model_digest(self.model)
-        self.events.emit("finish", step=self.train.step,
-                         loss=None if self.last_loss is None else round(self.last_loss, 6),
-                         digest=digest, samples=self.train.data.cursor, world_size=self.world_size)
+        self.reporting.events.emit("finish", step=train.step,
+                                   loss=None if self.last_loss is None else round(self.last_loss, 6),
+                                   digest=digest, samples=train.data.cursor, world_size=self.world_size)
 
     # ----- the parts -------------------------------------------------------------------------
-    def _collect_totals(self, step: Step) -> torch.Tensor:
-        """The step's reduced totals; a loss counted after they were started (a backward
-        after the loop) is reduced now. Whether that happened depends on the script's
-        structure (calls, not values), so every rank makes the same extra call."""
-        self.share_totals(step)  # a loop that never finished step.batches(): start it here
+    def _time_step(self) -> None:
+        """The whole step, hook included, less the snapshot (``memtier.cadence``'s budget)."""
+        now = time.monotonic()
+        self.cadence.step_took(now - self.period_start - self.snapshot_s)
+        self.period_start, self.snapshot_s = now, 0.0
+
+    def _collect_vote(self, step: Step) -> StepVote:
+        """The step's reduced vote; a loss counted after it was started (a backward after the
+        loop) is reduced now. Whether that happened depends on the script's structure
+        (calls, not values), so every rank makes the same extra call."""
+        self.start_vote(step)  # a loop that never finished step.batches(): start it here
         totals, work, loss_then, samples_then = step.shared
         work.wait()
+        vote = StepVote.unpack(totals)
         if step.samples != samples_then:
             late = step.loss_sum - loss_then
             dist.all_reduce(late)
-            totals[0] += late
-        return totals
+            vote = replace(vote, loss_sum=vote.loss_sum + float(late))
+        return vote
+
+    def _report(self, step: Step, vote: StepVote, final: bool, user_metrics: dict[str, float]) -> None:
+        """The step's metrics (every ``train.log_every`` and at the last step). The ranks of a
+        tensor group each count the same samples' loss: the reported mean divides them out."""
+        spec, train, now = self.spec, self.trained.train, time.monotonic()
+        self.last_loss = vote.loss_sum / (spec.train.global_batch_size * self.topology.ranks_per_share)
+        if train.step % spec.train.log_every == 0 or final:
+            self.reporting.metrics.step(train.step, loss=self.last_loss, world_size=self.world_size,
+                                        samples=train.data.cursor, step_s=now - self.last_done,
+                                        global_batch=spec.train.global_batch_size,
+                                        restart=self.reporting.restart, lr=step.lr, extra=user_metrics)
+        self.last_done = now
+
+    def _keep(self, step: int, vote: StepVote, *, final: bool) -> bool:
+        """A durable save if one is due, then the in-memory snapshot if due; True when a
+        drain only for a node joining (no rank was asked to stop) kept the state in memory
+        instead of storage."""
+        spec = self.spec
+        in_memory = (vote.drain and not final and not vote.stop
+                     and self._join_snapshot(step, settled=not vote.copies_moving))
+        blocking = (vote.drain and not in_memory) or (final and spec.checkpoint.save_final)
+        periodic = save_due_by_steps(spec.checkpoint.every_steps, step) or vote.save_due
+        self._maybe_save(step, blocking=blocking, periodic=periodic)
+        if not in_memory:
+            self._snapshot(step, vote.snapshot_every, forced=blocking or periodic, copies_busy=vote.copies_busy,
+                           copies_settled=not vote.copies_moving)
+        return in_memory
 
     def _maybe_save(self, step: int, *, blocking: bool, periodic: bool) -> None:
         if step == self.last_saved_step or not (blocking or periodic):
             return
-        if self.replicas is not None and self.replicas.pending:
-            self.replicas.check(step)
+        replicas, watchdog = self.trained.replicas, self.signals.watchdog
+        if replicas is not None and replicas.pending:
+            replicas.check(step)
         # A save may wait for the previous one or write synchronously: a longer budget.
-        self.watchdog.arm(extra_s=self.spec.timeouts.process_group)
-        if self.ckpt.save(step, self.state, blocking=blocking):
+        watchdog.arm(extra_s=self.spec.timeouts.process_group)
+        if self.keeping.ckpt.save(step, self.trained.state, blocking=blocking):
             self.last_save, self.last_saved_step = time.monotonic(), step
-        self.watchdog.arm()
+        watchdog.arm()
 
     def _join_snapshot(self, step: int, settled: bool = False) -> bool:
         """Collective (every rank, at a drain no rank was asked to stop for): a forced
@@ -229,9 +280,9 @@ class StepHook:
         every rank; any rank without it (layout, the tier off or failing, its slot still being
         sent) makes every rank save to storage as before. ``settled``: as ``MemoryTier.save``'s."""
         ok = False
-        if self.join_in_memory and self.memory is not None:
+        if self.keeping.join_in_memory and self.memory is not None:
             t0 = time.monotonic()
-            ok = self.memory.save(step, self.state, send=False, settled=settled)
+            ok = self.memory.save(step, self.trained.state, send=False, settled=settled)
             self.snapshot_s = time.monotonic() - t0
             if ok:
                 self.cadence.taken(step)
@@ -250,26 +301,34 @@ class StepHook:
             return
         changed = self.cadence.agree(k)
         if self.rank == 0:
-            copy_s, step_s = self.cadence.medians()
-            copies = self.memory.copy_every(step_s, self.spec.checkpoint.memory_budget)
-            if changed or (copies is not None and copies[0] != self.copy_every):
-                # Buddy copies: every ``copy_every`` steps at most (also when only that changed).
-                self.copy_every = None if copies is None else copies[0]
-                self.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5), step_s=round(step_s, 5),
-                                 copy_every=self.copy_every,
-                                 copy_cost_s=None if copies is None else round(copies[1], 5))
+            self._report_cadence(step, k, changed)
         if not self.cadence.due(step, forced):
             return
         t0 = time.monotonic()
-        saved = self.memory.save(step, self.state, send=not copies_busy, settled=copies_settled)
+        saved = self.memory.save(step, self.trained.state, send=not copies_busy, settled=copies_settled)
         self.snapshot_s = time.monotonic() - t0  # left out of the step's time, copy included
         # The snapshot interval's budget is the own snapshot's; a copy's start has its own
         # (``memtier.buddy.hold``, over ``BuddyLink.copy_cost_s``).
         self.cadence.snapshot_took(self.snapshot_s - self.memory.copy_s)
         if saved:
             self.cadence.taken(step)
+        self._report_copies()
+
+    def _report_cadence(self, step: int, k: int, changed: bool) -> None:
+        """Rank 0: the ``memory`` event when the snapshot interval, or the buddy copies' own
+        (every ``copy_every`` steps at most), changed."""
+        copy_s, step_s = self.cadence.medians()
+        copies = self.memory.copy_every(step_s, self.spec.checkpoint.memory_budget)
+        if changed or (copies is not None and copies[0] != self.copy_every):
+            self.copy_every = None if copies is None else copies[0]
+            self.reporting.events.emit("memory", step=step, every=k, copy_s=round(copy_s, 5),
+                                       step_s=round(step_s, 5), copy_every=self.copy_every,
+                                       copy_cost_s=None if copies is None else round(copies[1], 5))
+
+    def _report_copies(self) -> None:
+        """Rank 0, once a generation: the memory the buddy copies take (``buddy`` event)."""
         link = self.memory.link
         if link is not None and link.announce and self.rank == 0 and link.held is not None:
-            link.announce = False  # said once a generation: the memory the copies take
-            self.events.emit("buddy", step=link.held[0], bytes=link.held[1], of_rank=link.source,
-                             slots=len(self.memory.buddy_regions))
+            link.announce = False
+            self.reporting.events.emit("buddy", step=link.held[0], bytes=link.held[1], of_rank=link.source,
+                                       slots=len(self.memory.buddy_regions))

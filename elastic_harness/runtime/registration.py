@@ -106,6 +106,46 @@ def check_schedulers(optimizer: torch.optim.Optimizer, registered: list[Any]) ->
         )
 
 
+def short_schedule(registered: list[Any], step: int, steps: int) -> tuple[str, int, int, int] | None:
+    """Pure: ``(name, total_steps, projected count, the most train.steps it allows)`` of a
+    restored scheduler that would raise before the job's ``steps`` updates are done, or None.
+
+    ``OneCycleLR`` saves its ``total_steps`` with its position: a job resumed with a larger
+    ``train.steps`` keeps the old total and raises ("Tried to step N times") once past it,
+    on every restart. Its own count at ``step`` updates (``last_epoch``) says how often the
+    script steps it per update, so a schedule stepped per epoch is not taken for a short one."""
+    if step <= 0:
+        return None
+    parts = [p for s in registered for p in (s, *(getattr(s, "_schedulers", ()) if _chained(s) else ()))]
+    for part in parts:
+        total, count = getattr(part, "total_steps", None), getattr(part, "last_epoch", None)
+        if not (isinstance(total, int) and isinstance(count, int) and count > 0):
+            continue
+        projected = -(-count * steps // step)  # its count after the job's last update (ceil)
+        if projected > total:
+            return type(part).__name__, total, projected, total * step // count
+    return None
+
+
+def _chained(s: Any) -> bool:
+    """A ``ChainedScheduler`` steps its parts together (a ``SequentialLR`` restarts each)."""
+    from torch.optim.lr_scheduler import ChainedScheduler
+
+    return isinstance(s, ChainedScheduler)
+
+
+def short_schedule_error(found: tuple[str, int, int, int], step: int, steps: int) -> UsageError:
+    name, total, projected, most = found
+    return UsageError(
+        f"the LR scheduler ({name}) restored at step {step} was built for total_steps={total}, but "
+        f"train.steps={steps} would step it {projected} times: {name} keeps the total it was saved with "
+        f"and raises once past it",
+        f"keep train.steps at most {most} for this run, or build the "
+        "schedule from run.spec.train.steps as a LambdaLR (its length is not saved; docs/script-api.md), "
+        "or start a new run (--fresh)",
+    )
+
+
 def check_registration(model: Any, optimizer: Any, scheduler: Any, extra: dict) -> None:
     """Refuse what cannot be checkpointed correctly, with the fix (pure checks)."""
     if not isinstance(model, nn.Module):

@@ -29,7 +29,7 @@ from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
-from elastic_harness.memtier.peer import mesh_layout, replicated_layout, sharded_layout
+from elastic_harness.memtier.peer import portable
 from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
 from elastic_harness.runtime.metrics import Metrics
@@ -39,34 +39,29 @@ from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec
 
 
-def restore(state: dict[str, Any], model: nn.Module | None, *, parallelism: str,
-            memory: MemoryTier | None, ckpt: CheckpointManager,
-            degrees: tuple[int, int] = (1, 1)) -> Restored | Loaded | None:
+def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topology,
+            memory: MemoryTier | None, ckpt: CheckpointManager) -> Restored | Loaded | None:
     """Every rank: fill ``state`` from memory, else from storage; what restored it, or None.
-    ``degrees``: the layout's shard and tensor degrees (a mesh's replicas restore by them)."""
+    The memory tier reads the layout itself (``memtier.peer.restore_rules``)."""
     ckpt.join()  # every generation enters the fence, whichever tier restores it
     if memory is not None:
-        restored = memory.restore(state, replicated=replicated_layout(parallelism, model, state),
-                                  sharded=sharded_layout(parallelism, state), durable=ckpt.newest_complete,
-                                  mesh=mesh_layout(parallelism, degrees, state))
+        restored = memory.restore(state, topology, portable=portable(topology, model, state),
+                                  durable=ckpt.newest_complete)
         if restored is not None:
             return restored
     return ckpt.restore(state)
 
 
 def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state: dict[str, Any], *,
-                       parallelism: str) -> bool:
+                       topology: Topology) -> bool:
     """Can a generation that drains only because a node joins leave its state in memory
     alone (a forced snapshot, no storage write)? With the tier on and a layout that
     ``restore`` rebuilds from the old ranks' snapshots at any world size: replicated (DDP,
     the joiner receives it from a peer), 1-D FSDP (every old rank's own snapshot is still
     held: resharded in memory) or a mesh (HSDP/TP: a join changes only the replicate degree,
-    and the joiner's ranks receive their (shard, tensor) coordinate's snapshot from a
-    replica). Anything else (the tier off, a script's per-rank entries) saves the drain to
-    storage."""
-    return memory is not None and (replicated_layout(parallelism, model, state)
-                                   or sharded_layout(parallelism, state)
-                                   or mesh_layout(parallelism, (1, 1), state) is not None)
+    and the joiner's ranks receive their coordinate's snapshot from a replica): every layout, when its state is ``portable``. Anything else (the tier off, a
+    script's per-rank entries, a bare model under ddp) saves the drain to storage."""
+    return memory is not None and portable(topology, model, state)
 
 
 def announce(found: Restored | Loaded | None, train: TrainState, *, seed: int, events: Any,

@@ -86,12 +86,27 @@ from elastic_harness.runtime import failures, precision
 from elastic_harness.runtime.audit import record_samples
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.faults import WorkerFaults
-from elastic_harness.runtime.hook import ReplicaCheck, StepHook, save_due_by_steps, save_due_by_time
+from elastic_harness.runtime.hook import (
+    Keeping,
+    ReplicaCheck,
+    Reporting,
+    Signals,
+    StepHook,
+    Trained,
+    save_due_by_steps,
+    save_due_by_time,
+)
 from elastic_harness.runtime.jobsource import resolve_job
-from elastic_harness.runtime.loader import to_device
+from elastic_harness.runtime.loader import StepLoader, StreamLoader, to_device
 from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
-from elastic_harness.runtime.registration import check_registration, check_schedulers, distributed
+from elastic_harness.runtime.registration import (
+    check_registration,
+    check_schedulers,
+    distributed,
+    short_schedule,
+    short_schedule_error,
+)
 from elastic_harness.runtime.resume import announce, bind_data, memory_covers_join, restore
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
@@ -259,17 +274,16 @@ class Run:
         # re-arms it while bytes move (a big save or load is slow, not stuck).
         self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
         key = jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file}))
-        self.ckpt = CheckpointManager(
-            open_storage(checkpoint_root(spec.checkpoint.dir, self.run_dir)), spec.checkpoint,
-            rank=self.rank, world_size=self.world_size, group=groups.ckpt, events=self.events,
-            info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
-            on_progress=lambda: self.watchdog.arm(extra_s=spec.timeouts.process_group),
-            key=key,
-            optional_keys=TrainState.OPTIONAL_KEYS,
-        )
+        self.ckpt = _checkpoints(spec, self.run_dir, self.topology, groups.ckpt, self.events, self.watchdog, key)
         self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation, key)
         self.cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget,
                                spec.checkpoint.memory_probe)
+        self._start_registry()
+        self._start_loop()
+
+    def _start_registry(self) -> None:
+        """Nothing registered yet: ``register`` names the model, optimizer and the rest."""
+        spec = self.spec
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: Any = precision.grad_scaler(spec.train.precision, self.device)
@@ -281,12 +295,22 @@ class Run:
         self._resumed = False
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._buffers: BufferSync | None = None
+
+    def _start_loop(self) -> None:
+        """No loop yet; failures recorded on the way out, ``close`` at the interpreter's exit."""
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does.
         self._previous_hook = sys.excepthook
-        if not env.by_harness:
+        if not self.env.by_harness:
             sys.excepthook = self._excepthook
-        atexit.register(self.close)
+        # The loop (``steps``): the open one, the step it yielded last, whether the job's last
+        # step was done in this process, where the script left a loop early (a break).
+        self._loop: Iterator[Step] | None = None
+        self._yielded: Step | None = None
+        self._loop_done = False
+        self._left_loop_at: int | None = None
+        self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
+        atexit.register(self._close_at_exit)
 
     # ----- properties ----------------------------------------------------------------
     @property
@@ -349,9 +373,11 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(self.optimizer, self._registered)  # one built after register()
         self._resumed = True
-        found = restore(self._state, self.model, parallelism=self.topology.kind,
-                        memory=self.memory, ckpt=self.ckpt, degrees=(self.topology.shard, self.topology.tensor))
+        found = restore(self._state, self.model, topology=self.topology, memory=self.memory, ckpt=self.ckpt)
         self._resumed_at = found.step if found is not None else 0
+        short = short_schedule(self._registered, self._train.step, self.spec.train.steps)
+        if short is not None:  # before "resumed from": it would raise past its total every restart
+            raise short_schedule_error(short, self._train.step, self.spec.train.steps)
         return announce(found, self._train, seed=self.spec.train.seed, events=self.events,
                         metrics=self.metrics, world_size=self.world_size, before_saying=before_saying)
 
@@ -362,46 +388,44 @@ class Run:
 
         ``dataset``: a map-style dataset (``len`` and ``[i]``) or a sharded stream (a
         ``elastic_harness.data.Stream``, a Hugging Face streaming dataset, an
-        ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``)."""
-        source = source_of(dataset)
-        spec, train = self.spec, self._train
-        watchdog = self.watchdog
+        ``IterableDataset`` with ``shards`` and ``open_shard``; ``data.adapters``).
 
-        def bind() -> Any:
-            return bind_data(source, train, spec, self.topology, device=self.device, collate_fn=collate_fn,
-                             group=self.groups.ckpt, cache_dir=self.run_dir / "data",
-                             on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
+        One loop runs the whole job (every epoch). Called again after the script left a loop
+        early (a ``break`` after ``step.done()``), it continues with the next step, from the
+        same data position; after the job's last step, or from inside a loop body, it raises
+        ``UsageError`` (docs/your-script.md)."""
+        self._check_new_loop()
+        self._loop = self._run_loop(dataset, collate_fn)
+        return self._loop
 
-        bound: list = []  # the data is checked before "resumed from ..." is said
-        self.resume(before_saying=lambda: bound.append(bind()))
-        loader = bound[0] if bound else bind()  # the script called resume() itself earlier
-        faults = WorkerFaults(spec.chaos, rank=self.rank, node=self.env.node,
-                              local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
-                              events=self.log, agent=self.env.agent_pid or os.getppid())
-        hook = StepHook(spec, train, self._state, model=self.model, optimizer=self.optimizer,
-                        scaler=self.scaler, topology=self.topology,
-                        restart=self.env.restart_count, events=self.events, metrics=self.metrics,
-                        ckpt=self.ckpt, memory=self.memory, cadence=self.cadence,
-                        drain_requested=lambda: self.drain.requested, watchdog=watchdog,
-                        stop_requested=lambda: self.drain.stop,
-                        join_in_memory=memory_covers_join(self.memory, self.model, self._state,
-                                                          parallelism=self.topology.kind),
-                        faults=faults, replicas=self._replicas, buffers=self._buffers,
-                        sample_log=self._sample_log())
+    def _check_new_loop(self) -> None:
+        """Refuse a loop that would silently train nothing, or two loops at once; end the
+        loop the script left (its loader processes stop)."""
+        if self._loop_done:
+            raise UsageError(
+                f"run.steps() was called again after all train.steps={self.spec.train.steps} updates were "
+                "done: one run.steps() loop runs the whole job, every epoch, so this one has nothing to train",
+                "loop over run.steps() once (derive an epoch from step.number, docs/script-api.md); to train "
+                "longer, raise train.steps and run the job again: it resumes")
+        step = self._yielded
+        if self._loop is not None and step is not None and not step.finished and not step.drained \
+                and _suspended(self._loop):
+            raise UsageError(f"run.steps() was called inside the loop body of step {step.number}",
+                             "finish the step with step.done() and leave the loop before starting another")
+        if self._loop is not None:
+            self._loop.close()  # a loop the script left early: its loader stops here
+
+    def _run_loop(self, dataset: Any, collate_fn: Callable | None) -> Iterator[Step]:
+        spec, train, watchdog = self.spec, self._train, self.watchdog
+        loader = self._bound_loader(source_of(dataset), collate_fn)
+        hook = self._step_hook()
+        sample_log = self._sample_log()
         self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
                 watchdog.arm()
-                plan, batches = loader.next_step()
-                seed_everything(step_seed(spec.train.seed, train.step, self.rank))
-                step = Step(hook, train.step + 1, plan, batches, lr=None)
-                if hook.sample_log is not None:
-                    # Before the step's compute, not in its hook: a step whose gradients were
-                    # reduced then has every rank's line, even when a node dies right after
-                    # (its peers may restore that step from memory).
-                    record_samples(hook.sample_log, self.generation, step.number, self.rank,
-                                   self.world_size, plan, loader.meta,
-                                   dp_rank=self.topology.dp_rank(), dp_size=self.topology.dp_degree)
+                step = self._next_step(hook, loader, sample_log)
+                self._yielded = step
                 yield step
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
@@ -410,9 +434,54 @@ class Run:
                     raise SystemExit(DRAIN_EXIT)
             watchdog.disarm()
             hook.finish()
+            self._loop_done = True
+        except GeneratorExit:  # the script left the loop (a break): a later steps() goes on
+            self._left_loop_at = train.step
+            raise
         finally:
             watchdog.disarm()
             loader.close()
+
+    def _bound_loader(self, source: Any, collate_fn: Callable | None) -> StepLoader | StreamLoader:
+        """Resume (if the script did not), the data checked against the restored position
+        before "resumed from ..." is said, and the loader of each step's share."""
+        spec, watchdog = self.spec, self.watchdog
+
+        def bind() -> Any:
+            return bind_data(source, self._train, spec, self.topology, device=self.device, collate_fn=collate_fn,
+                             group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+                             on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
+
+        bound: list = []
+        self.resume(before_saying=lambda: bound.append(bind()))
+        return bound[0] if bound else bind()  # the script called resume() itself earlier
+
+    def _step_hook(self) -> StepHook:
+        """What every ``step.done()`` runs (``runtime.hook``), built from this run's parts."""
+        faults = WorkerFaults(self.spec.chaos, rank=self.rank, node=self.env.node,
+                              local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
+                              events=self.log, agent=self.env.agent_pid or os.getppid())
+        covered = memory_covers_join(self.memory, self.model, self._state, topology=self.topology)
+        return StepHook(
+            self.spec, self.topology,
+            Trained(self._state, self._train, self.model, self.optimizer, self.scaler, self._buffers, self._replicas),
+            Keeping(self.ckpt, self.memory, self.cadence, join_in_memory=covered),
+            Signals(lambda: self.drain.requested, lambda: self.drain.stop, self.watchdog, faults),
+            Reporting(self.events, self.metrics, self.env.restart_count))
+
+    def _next_step(self, hook: StepHook, loader: Any, sample_log: Path | None) -> Step:
+        """The next step: its share of the data, its seed, and (``train.record_samples``) its
+        line in the sample log, written before the step's compute, not in its hook: a step
+        whose gradients were reduced then has every rank's line, even when a node dies right
+        after (its peers may restore that step from memory)."""
+        train = self._train
+        plan, batches = loader.next_step()
+        seed_everything(step_seed(self.spec.train.seed, train.step, self.rank))
+        step = Step(hook, train.step + 1, plan, batches)
+        if sample_log is not None:
+            record_samples(sample_log, self.generation, step.number, self.rank, self.world_size, plan,
+                           loader.meta, dp_rank=self.topology.dp_rank(), dp_size=self.topology.dp_degree)
+        return step
 
     def _sample_log(self) -> Path | None:
         if not self.spec.train.record_samples:
@@ -435,16 +504,32 @@ class Run:
         was_training = model.training if model is not None else False
         if model is not None:
             model.eval()
+        budget = self.spec.timeouts.process_group  # each batch: one budget (a phase: runtime.timer)
+
+        def to_here(batch: Any) -> Any:
+            self.watchdog.arm(extra_s=budget)
+            return to_device(batch, self.device)
+
         try:
-            with torch.no_grad(), self.autocast():
-                sums, count = ev.run_eval(dataset, _guarded(fn), batches, collate_fn or default_collate,
-                                          lambda b: to_device(b, self.device))
+            with torch.no_grad(), self.autocast(), self.watchdog.phase(budget):
+                sums, count = ev.run_eval(dataset, _guarded(fn), batches, collate_fn or default_collate, to_here)
+                metrics = ev.reduce_metrics(sums, count)
         finally:
             if model is not None:
                 model.train(was_training)
-        metrics = ev.reduce_metrics(sums, count)
         self.metrics.evaluation(self._train.step, metrics, time.perf_counter() - t0)
         return metrics
+
+    def phase(self, name: str, seconds: float | None = None) -> typing.ContextManager[None]:
+        """Announce work in the loop where steps stop for a while (a long evaluation of your
+        own, a pause to write samples): inside the block, no step is expected for up to
+        ``seconds`` (default ``timeouts.process_group``) beyond ``timeouts.step``, so the
+        agent does not take this rank's silence for a peer's loss (``runtime.timer``).
+        ``name`` says what it is, for you; the harness announces its own phases (saves,
+        ``run.evaluate``, checkpoint loads)."""
+        if not name:
+            raise UsageError("run.phase() needs a name", "e.g. with run.phase('generate samples', 300):")
+        return self.watchdog.phase(self.spec.timeouts.process_group if seconds is None else float(seconds))
 
     # ----- the end -----------------------------------------------------------------------
     def close(self) -> None:
@@ -452,6 +537,9 @@ class Run:
         if self.closed:
             return
         self.closed = True
+        if self._loop is not None:
+            self._loop.close()  # a loop the script left (a break): its loader stops
+        self._say_unfinished()
         try:
             self.ckpt.close()
             self.metrics.close()
@@ -468,7 +556,23 @@ class Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._quiet_close = self._quiet_close or exc[0] is not None
         self.close()
+
+    def _close_at_exit(self) -> None:
+        self._quiet_close = True  # the interpreter is ending, perhaps on an exception
+        self.close()
+
+    def _say_unfinished(self) -> None:
+        """A script that left its loop early and closed the run: say so (rank 0), so the job's
+        end does not read as a failure without a reason."""
+        at, steps = self._left_loop_at, self.spec.train.steps
+        if self._quiet_close or self._loop_done or at is None or at >= steps:
+            return
+        self.events.emit("warning", message=(
+            f"the script left its run.steps() loop after step {at} of train.steps={steps} and closed the "
+            f"run: the job is not finished ({steps - at} steps were not trained); running the job again "
+            "continues from its last checkpoint"))
 
     def record_failure(self, exc: BaseException) -> None:
         failures.record(self.log, exc, rank=self.rank, step=self._train.step, node=self.env.node,
@@ -503,6 +607,20 @@ class Run:
                          restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
 
 
+def _checkpoints(spec: JobSpec, run_dir: Path, topology: Topology, group: Any, events: Any,
+                 watchdog: ProgressWatchdog, key: bytes) -> CheckpointManager:
+    """The job's storage checkpoints, every rank's part in them (DCP over ``group``); checkpoint
+    I/O re-arms the step watchdog while bytes move (a big save or load is slow, not stuck)."""
+    return CheckpointManager(
+        open_storage(checkpoint_root(spec.checkpoint.dir, run_dir)), spec.checkpoint,
+        rank=topology.rank, world_size=topology.world_size, group=group, events=events,
+        info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
+        on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group),
+        key=key,
+        optional_keys=TrainState.OPTIONAL_KEYS,
+    )
+
+
 def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
                  log: EventLog, generation: str, key: bytes) -> MemoryTier | None:
     """The in-memory tier when our agent runs this worker and the job wants it. The same on
@@ -519,6 +637,13 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, topology: Topology, group: Any,
                            local_size=env.local_world_size, generation=int(generation, 16),
                            link_key=key if spec.checkpoint.memory_buddy else None,
                            link_host=local_address(env.master_addr))
+
+
+def _suspended(loop: Iterator[Step]) -> bool:
+    """Is ``loop`` (a generator) paused at a ``yield``, i.e. the script is in its body?"""
+    import inspect
+
+    return inspect.getgeneratorstate(loop) == inspect.GEN_SUSPENDED  # type: ignore[arg-type]
 
 
 def job_identity(spec: JobSpec) -> str:

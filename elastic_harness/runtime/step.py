@@ -41,7 +41,7 @@ class Owner(Protocol):
     optimizer: torch.optim.Optimizer | None
     scaler: Any
 
-    def share_totals(self, step: Step) -> None: ...
+    def start_vote(self, step: Step) -> None: ...
 
     def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
@@ -56,18 +56,18 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
 
 
 class Step:
-    def __init__(self, hook: Owner, number: int, plan: list, batches: list, lr: float | None) -> None:
+    def __init__(self, hook: Owner, number: int, plan: list, batches: list) -> None:
         self.hook = hook
         self.number = number  # this step's number once done (1 = the first update)
         self.plan = plan
         self._batches = batches
-        self.lr = lr  # the LR this update uses (read at the first scale(), before it steps)
+        self.lr: float | None = None  # the LR this update uses (read at the first scale(), before it steps)
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.samples = 0
         self.backwards = 0
         self.finished = False
         self.drained = False
-        self.shared: Any = None  # the step's totals all-reduce, once launched (StepHook.share_totals)
+        self.shared: Any = None  # the step's vote all-reduce, once launched (``StepHook.start_vote``)
 
     @property
     def is_last(self) -> bool:
@@ -83,8 +83,8 @@ class Step:
         """This rank's micro-batches, in order; gradient sync only on the last one.
 
         When the loop over them ends (every micro-batch's backward done, the ranks just
-        met in the last gradient all-reduce), the step's own all-reduce (loss, drain,
-        time-based save) starts without waiting: it completes while the optimizer steps,
+        met in the last gradient all-reduce), the step's own all-reduce (its vote:
+        ``runtime.vote``) starts without waiting: it completes while the optimizer steps,
         and ``done`` collects it. A loop left early (``break``, an exception) does not
         start it; ``done`` then runs it itself.
         """
@@ -99,7 +99,7 @@ class Step:
         finally:
             if model is not None:
                 set_grad_sync(model, True)
-        self.hook.share_totals(self)
+        self.hook.start_vote(self)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to differentiate: the micro-batch's share of the global-batch mean.

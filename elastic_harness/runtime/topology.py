@@ -125,11 +125,26 @@ class Topology:
         r, s, _ = self.coords(rank)
         return r * self.shard + s
 
-    def dp_group(self, rank: int | None = None) -> tuple[int, ...]:
-        """The ranks that read the other shares with ``rank`` (same tensor coordinate):
-        the group gradients are averaged over."""
-        _, _, t = self.coords(rank)
-        return tuple(self.rank_at(r, s, t) for r in range(self.replicate) for s in range(self.shard))
+    @property
+    def ranks_per_share(self) -> int:
+        """How many ranks read each share (a tensor group): each counts the same samples' loss."""
+        return self.world_size // self.dp_degree
+
+    # ----- what stays while the elastic dimension resizes -------------------------------
+    @property
+    def plane(self) -> tuple[int, ...]:
+        """The degrees of every dimension but the elastic one, outer to inner: what a join or
+        a node loss leaves as it was (a mesh's shard and tensor degrees)."""
+        return tuple(d for dim, d in zip(DIMS, self.shape, strict=True) if dim != self.elastic)
+
+    def coordinate(self, rank: int | None = None) -> int:
+        """``rank``'s place in the ``plane`` (row-major): the ranks of one coordinate, one per
+        elastic index, hold the same part of the state (a mesh's replicas)."""
+        at, out = self.coords(rank), 0
+        for dim, degree, c in zip(DIMS, self.shape, at, strict=True):
+            if dim != self.elastic:
+                out = out * degree + c
+        return out
 
     def _rank(self, rank: int | None) -> int:
         rank = self.rank if rank is None else rank

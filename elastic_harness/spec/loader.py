@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from elastic_harness.errors import SpecError, SpecErrors  # noqa: F401 - SpecErrors: re-exported
-from elastic_harness.spec.schema import FaultSpec, JobSpec
+from elastic_harness.spec.schema import REMOVED, FaultSpec, JobSpec
 
 _LIST_ITEMS = {"chaos": FaultSpec}
 
@@ -238,11 +238,9 @@ def build(cls: type, raw: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     problems: list[SpecError] = []
-    for key in raw:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
-            hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
-            problems.append(SpecError(_join(path, str(key)), "unknown key", hint))
+    for key, value in raw.items():
+        if key not in fields and (problem := _not_a_field(_join(path, str(key)), value, fields)):
+            problems.append(problem)
     kwargs = {}
     for name, value in raw.items():
         if name not in fields:
@@ -256,13 +254,25 @@ def build(cls: type, raw: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
+def _not_a_field(dotted: str, value: Any, fields: dict) -> SpecError | None:
+    """Why key ``dotted`` is refused: a key removed in an earlier release (None when its value
+    asks for what happens now), or an unknown key with the closest valid name."""
+    gone = REMOVED.get(dotted)
+    if gone is not None:
+        if value in gone.still_meant:
+            return None
+        return SpecError(dotted, f"{value!r} was removed in {gone.version}: {gone.why}", gone.instead)
+    close = difflib.get_close_matches(dotted.rsplit(".", 1)[-1], fields, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(fields)}"
+    return SpecError(dotted, "unknown key", hint)
+
+
 def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
     if tp is Any:  # a field that reads its own shapes (``parallelism``: spec.layout)
         return value
     if dataclasses.is_dataclass(tp):
         return build(tp, value if value is not None else {}, path)
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
+    if typing.get_origin(tp) is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
@@ -270,45 +280,63 @@ def _convert(tp: Any, value: Any, path: str, name: str) -> Any:
             raise SpecError(path, f"'{value}' is not one of {list(choices)}", hint)
         return value
     if tp is list:
-        if not isinstance(value, list):
-            raise SpecError(path, f"must be a list, got {type(value).__name__}")
-        item_cls = _LIST_ITEMS.get(name)
-        if item_cls is None:
-            return list(value)
-        items, problems = [], []
-        for i, v in enumerate(value):
-            try:
-                items.append(build(item_cls, v, f"{path}[{i}]"))
-            except SpecError as e:
-                problems.extend(getattr(e, "errors", [e]))
-        if problems:
-            raise problems[0] if len(problems) == 1 else SpecErrors(problems)
-        return items
+        return _convert_list(value, path, name)
     if tp is dict:
         if not isinstance(value, dict):
             raise SpecError(path, f"must be a mapping, got {type(value).__name__}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            yaml11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
-            raise SpecError(path, f"must be true or false, got {value!r}",
-                            "write true or false (YAML 1.2: yes/no/on/off are text)" if yaml11 else "")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():  # steps: 1e4
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(path, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(path, f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise SpecError(path, f"must be a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, path)
     raise AssertionError(f"unsupported spec type {tp} at {path}")
+
+
+def _convert_list(value: Any, path: str, name: str) -> list:
+    """A list field; one of specs (``_LIST_ITEMS``) builds each, every problem reported at once."""
+    if not isinstance(value, list):
+        raise SpecError(path, f"must be a list, got {type(value).__name__}")
+    item_cls = _LIST_ITEMS.get(name)
+    if item_cls is None:
+        return list(value)
+    items, problems = [], []
+    for i, v in enumerate(value):
+        try:
+            items.append(build(item_cls, v, f"{path}[{i}]"))
+        except SpecError as e:
+            problems.extend(getattr(e, "errors", [e]))
+    if problems:
+        raise problems[0] if len(problems) == 1 else SpecErrors(problems)
+    return items
+
+
+def _to_bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        yaml11 = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n")
+        raise SpecError(path, f"must be true or false, got {value!r}",
+                        "write true or false (YAML 1.2: yes/no/on/off are text)" if yaml11 else "")
+    return value
+
+
+def _to_int(value: Any, path: str) -> int:
+    if isinstance(value, float) and value.is_integer():  # steps: 1e4
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(path, f"must be an integer, got {value!r}")
+    return value
+
+
+def _to_float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(path, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _to_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise SpecError(path, f"must be a string, got {value!r}")
+    return value
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def _join(path: str, key: str) -> str:

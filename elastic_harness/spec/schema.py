@@ -31,6 +31,26 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class Removed:
+    """A key this schema had once. ``still_meant``: values that ask for what happens now
+    (every resolved spec of that release records the default, so those are dropped
+    silently); any other value is refused with what to use instead."""
+
+    version: str
+    still_meant: tuple
+    why: str
+    instead: str
+
+
+REMOVED: dict[str, Removed] = {  # dotted key -> what became of it
+    "checkpoint.writer": Removed(
+        "0.3", ("thread",),
+        "the writer process cost more step time than the default thread (+13.7% vs +11.3%, docs/benchmarks-history.md)",
+        "delete the key: async saves are written by a background thread of each worker"),
+}
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     target: str = doc(
         "",
@@ -72,13 +92,34 @@ class ScriptSpec:
 class NodesSpec:
     min: int = doc(1, "Fewest nodes (elastic agents) the job trains on.")
     max: int = doc(1, "Most nodes; extra nodes wait until a membership change admits them.")
+    spares: int = doc(
+        0,
+        "Hot spares: agents beyond nodes.max that join the rendezvous and stay idle (torch's "
+        "redundancy list) until a node is lost; one then takes its place at the same world size "
+        "(no reshard). `run` starts them once the group formed; at most nodes.max.",
+    )
+    exclude_after: int = doc(
+        2,
+        "A node judged gone (dropped from the rendezvous while its agent lived: frozen, cut off) "
+        "or whose worker hung this many times within exclude_window seconds is kept out: its "
+        "agent stops (exit 200) and `report` names it; 0 = never.",
+    )
+    exclude_window: float = doc(600.0, "Seconds over which nodes.exclude_after counts a node's failures.")
 
     def __post_init__(self) -> None:
         _positive("nodes.min", self.min)
         _positive("nodes.max", self.max)
+        _positive("nodes.spares", self.spares, allow_zero=True)
+        _positive("nodes.exclude_after", self.exclude_after, allow_zero=True)
+        _positive("nodes.exclude_window", self.exclude_window)
         if self.min > self.max:
             raise SpecError(
                 "nodes", f"min ({self.min}) is greater than max ({self.max})", "set min <= max"
+            )
+        if self.spares > self.max:
+            raise SpecError(
+                "nodes.spares", f"{self.spares} spares for a job of at most {self.max} nodes: more "
+                "than it can ever hold in its place at once", f"set nodes.spares to at most {self.max}"
             )
 
 
@@ -273,11 +314,6 @@ class CheckpointSpec:
     async_save: bool = doc(
         True, "Write in the background after staging to host memory (one save in flight)."
     )
-    writer: Literal["thread", "process"] = doc(
-        "thread", "Who writes an async save's bytes on CPU jobs with local storage: a background "
-        "thread of the worker, or a separate idle-priority writer process (O_DIRECT from the "
-        "staging memory). The thread cost 2-3 points less step time on 2 busy cores (README)."
-    )
     verify: Literal["full", "size", "none"] = doc(
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."
     )
@@ -357,7 +393,9 @@ class FaultSpec:
     target: int = doc(0, "Global rank (kill-worker, hang) or node index (others).")
     at_step: int = doc(0, "Fire when the job first completes this step; 0 = use at_seconds.")
     at_seconds: float = doc(0.0, "Fire this many seconds after the job started.")
-    duration: float = doc(0.0, "partition: seconds until the link comes back; 0 = never.")
+    duration: float = doc(
+        0.0, "partition: seconds until the link comes back; hang-node: until the node is thawed; 0 = never."
+    )
 
     def __post_init__(self) -> None:
         _positive("chaos[].target", self.target, allow_zero=True)

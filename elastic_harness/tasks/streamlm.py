@@ -40,6 +40,7 @@ from elastic_harness.data import (
     parquet_stream,
     tar_stream,
 )
+from elastic_harness.data.read import DataError
 from elastic_harness.tasks.charlm import TinyGPT
 
 EOD = 0
@@ -106,14 +107,28 @@ def build_corpus(data_dir: str, shards: int, max_docs: int, fmt: str) -> list[st
     fs, root = fsspec.core.url_to_fs(data_dir)
     names = [f"{data_dir.rstrip('/')}/shard-{i:03d}.{SUFFIX[fmt]}" for i in range(shards)]
     if all(fs.exists(fsspec.core.url_to_fs(n)[1]) for n in names):
-        return names
-    fs.makedirs(root, exist_ok=True)
-    for name, docs in zip(names, shard_docs(stdlib_documents(max_docs), shards), strict=True):
-        path = fsspec.core.url_to_fs(name)[1]
-        tmp = f"{path}.tmp{os.getpid()}"
-        fs.pipe_file(tmp, shard_bytes(docs, fmt))
-        fs.mv(tmp, path)
+        return names  # nothing is written: a read-only data_dir that holds the corpus is fine
+    try:
+        fs.makedirs(root, exist_ok=True)
+        for name, docs in zip(names, shard_docs(stdlib_documents(max_docs), shards), strict=True):
+            path = fsspec.core.url_to_fs(name)[1]
+            tmp = f"{path}.tmp{os.getpid()}"
+            fs.pipe_file(tmp, shard_bytes(docs, fmt))
+            fs.mv(tmp, path)
+    except OSError as e:  # read-only, no permission, full: the same on every restart
+        raise not_writable(data_dir, names, e) from None
     return names
+
+
+def not_writable(data_dir: str, names: list[str], e: OSError) -> DataError:
+    """The one line for a corpus that cannot be built where the job says (not retried: a
+    restart would fail the same way)."""
+    first, last = names[0].rsplit("/", 1)[-1], names[-1].rsplit("/", 1)[-1]
+    return DataError(
+        f"data_dir '{data_dir}' cannot be written ({e.strerror or type(e).__name__}): the corpus is "
+        f"built there on first use ({len(names)} shards, {first} .. {last}) and only read afterwards",
+        "make it writable for the first run, or point data_dir at a writable directory, or at one "
+        "that already holds those shards; the checkpoints are untouched")
 
 
 def ids_of(sample: Any) -> Any:

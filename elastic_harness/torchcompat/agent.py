@@ -61,7 +61,7 @@ def _warm() -> list[str]:
          "a hung worker is not killed: it waits for its process group's timeout (torch's own "
          "timer server would kill the agent with it)")
 def _reap() -> list[str]:
-    return attrs(FileTimerServer, "_reap_worker")
+    return [*attrs(FileTimerServer, "_reap_worker"), *instance_attrs(FileTimerServer, "_timers")]
 
 
 @feature("event-bridge", "torchelastic events in events.jsonl",
@@ -159,13 +159,18 @@ class ContextBase(PContext):
 
 class TimerServerBase(FileTimerServer):
     """torchelastic's ``FileTimerServer`` with ``reap_worker(pid, signal) -> bool`` public
-    (called where torch reaps; only run where ``watchdog-reap`` is on)."""
+    (called where torch reaps) and its timer table readable (``timers``); only run where
+    ``watchdog-reap`` is on."""
 
     def _reap_worker(self, worker_pid: int, signal: int) -> bool:
         return self.reap_worker(worker_pid, signal)
 
     def reap_worker(self, worker_pid: int, signal: int) -> bool:
         return super()._reap_worker(worker_pid, signal)
+
+    def timers(self) -> dict:
+        """The armed timers: ``{(worker pid, scope id): request}`` (torch's table, read only)."""
+        return self._timers
 
 
 @contextlib.contextmanager

@@ -7,12 +7,18 @@ torch has no hook for what ``launch.rendezvous`` adds to its ``DynamicRendezvous
 - ``rdzv-events``: the module's ``get_method_name`` and ``construct_and_record_rdzv_event``
   replaced (the same events, microseconds instead of 20-30 ms each);
 - ``rdzv-delay``: the module's ``_delay`` replaced (no start-up skew at a restart, 0.25 s polls);
-- ``rdzv-state``: the handler's state holder read (per-round last call, 0.25 s state cache,
-  "is a group running?");
+- ``rdzv-state``: the handler's state holder read and its cache duration set (per-round last
+  call, the state polls of issue 26 and 36, "is a group running?", "is my round broken?");
 - ``rdzv-fast-path``: the holder's ``_sanitize`` and the executor's ``_keep_alive`` wrapped
   per handler (a lost node dropped on evidence, each agent's identity written with its
-  keep-alive), and torch's ``_remove_participant_epilogue`` called;
-- ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store.
+  keep-alive, the keep-alive gaps the stall verdict reads), torch's
+  ``_remove_participant_epilogue`` called, the handler's heartbeat lock taken;
+- ``rdzv-early-close``: the executor's join operations wrapped (a later round closes once
+  everyone expected joined; a hot spare polls faster: issue 36);
+- ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store;
+- ``rdzv-sealed-state`` (required): torch's empty ``_RendezvousState``, what a refused
+  (forged, corrupt) rendezvous value reads as before an authentic one was seen: the sealed
+  state (``launch.sealed``) is a security feature, never switched off.
 
 Module patches (``patch_module``) are applied by the agent's ``create_handler`` only, kept
 in ``PATCHED`` and undone by ``undo_module_patches``; handler hooks (``hook_handler``)
@@ -21,6 +27,7 @@ return their own undo. Tests undo both (tests/conftest.py).
 
 from __future__ import annotations
 
+import pickle
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -62,7 +69,7 @@ def _delay() -> list[str]:
 def _state() -> list[str]:
     if _Holder is None:
         return ["dynamic_rendezvous._BackendRendezvousStateHolder"]
-    return [*instance_attrs(_Handler, "_state_holder", "_settings"),
+    return [*instance_attrs(_Handler, "_state_holder", "_settings", "_this_node"),
             *instance_attrs(_Holder, "_cache_duration", "_backend"),
             *attrs(_Holder, "state", "sync", label="_BackendRendezvousStateHolder")]
 
@@ -75,8 +82,32 @@ def _fast_path() -> list[str]:
     return [*_state(), *attrs(_Holder, "_sanitize", label="_BackendRendezvousStateHolder"),
             *attrs(_Executor, "_keep_alive", label="_DistributedRendezvousOpExecutor"),
             *instance_attrs(_Executor, "_state"),
-            *instance_attrs(_Handler, "_op_executor", "_this_node"),
+            *instance_attrs(_Handler, "_op_executor", "_heartbeat_lock"),
+            *attrs(_Handler, "_stop_heartbeats", label="DynamicRendezvousHandler"),
             *attrs(_dr, "_remove_participant_epilogue", label="dynamic_rendezvous")]
+
+
+_OPERATIONS = ("_add_to_participants", "_mark_rendezvous_complete", "_add_to_redundancy_list")
+
+
+@feature("rdzv-early-close", "early round close",
+         "a later round waits its last call even when everyone expected has joined, and a hot "
+         "spare reads the state every 0.25 s")
+def _early_close() -> list[str]:
+    if _Executor is None:
+        return ["dynamic_rendezvous._DistributedRendezvousOpExecutor"]
+    return [*_fast_path(), *attrs(_Executor, *_OPERATIONS, label="_DistributedRendezvousOpExecutor")]
+
+
+@feature("rdzv-sealed-state", "sealed rendezvous state",
+         "nothing: a forged or corrupt state must read as a fresh one", required=True)
+def _sealed_state() -> list[str]:
+    return attrs(_dr, "_RendezvousState", label="dynamic_rendezvous")
+
+
+def fresh_state() -> bytes:
+    """torch's empty rendezvous state, pickled (what its state holder starts from)."""
+    return pickle.dumps(_dr._RendezvousState())
 
 
 @feature("rdzv-host-guess", "c10d store host guess",
@@ -126,11 +157,24 @@ def state_backend(handler: Any) -> Any | None:
     return None if holder is None else getattr(holder, "_backend", None)
 
 
-def set_state_cache(handler: Any, seconds: float) -> None:
-    """How old a copy of the state the handler serves instead of reading it (torch: 1 s)."""
+def state_cache(handler: Any) -> float | None:
+    """How old a copy of the state the handler serves instead of reading it (torch: 1 s);
+    None when ``rdzv-state`` is off."""
     holder = state_holder(handler)
-    if holder is not None:
+    return None if holder is None else holder._cache_duration
+
+
+def set_state_cache(handler: Any, seconds: float | None) -> None:
+    """Set that age (nothing when ``rdzv-state`` is off or ``seconds`` is None)."""
+    holder = state_holder(handler)
+    if holder is not None and seconds is not None:
         holder._cache_duration = seconds
+
+
+def heartbeat_lock(handler: Any) -> Any | None:
+    """The lock torch holds while the handler reads or writes the state (keep-alives
+    included), None when ``rdzv-fast-path`` is off."""
+    return handler._heartbeat_lock if on("rdzv-fast-path") else None
 
 
 def settings(handler: Any) -> Any:
@@ -142,35 +186,65 @@ def this_node(handler: Any) -> Any:
     return handler._this_node
 
 
+def stop_heartbeats(handler: Any) -> None:
+    """Stop the handler's keep-alive thread, as a node that died would (benchmarks)."""
+    handler._stop_heartbeats()
+
+
 def remove_participant_epilogue(state: Any, settings: Any) -> None:
     """What torch does after removing a participant (a new round when a group shrank)."""
     _REMOVE_EPILOGUE(state, settings)
 
 
-def hook_handler(handler: Any, after_sync: Callable[[Any], None],
+def hook_handler(handler: Any, sanitize: Callable[[Callable[[], None]], None],
                  with_keep_alive: Callable[[Any], None]) -> Callable[[], None] | None:
-    """Run ``after_sync(state)`` after torch's expiry at each sync of the handler's state, and
-    ``with_keep_alive(state)`` after each keep-alive it writes. None (nothing hooked) when
-    ``rdzv-fast-path`` is off; else the undo."""
+    """At each sync of the handler's state, call ``sanitize(expire)`` where torch calls its
+    expiry (``expire`` is torch's, to call from it), and ``with_keep_alive(state)`` after each
+    keep-alive the handler writes. None (nothing hooked) when ``rdzv-fast-path`` is off;
+    else the undo."""
     if not on("rdzv-fast-path"):
         return None
     holder, executor = handler._state_holder, handler._op_executor
     expire, keep_alive = holder._sanitize, executor._keep_alive
 
-    def sanitize() -> None:
-        expire()
-        after_sync(holder.state)
+    def ours() -> None:
+        sanitize(expire)
 
     def keep_alive_and_more() -> None:
         keep_alive()
         with_keep_alive(executor._state)
 
-    holder._sanitize, executor._keep_alive = sanitize, keep_alive_and_more
+    holder._sanitize, executor._keep_alive = ours, keep_alive_and_more
 
     def undo() -> None:
         del holder._sanitize, executor._keep_alive  # the class's methods again
 
     return undo
+
+
+def hook_operations(handler: Any, **after: Callable[[Any], None]) -> Callable[[], None] | None:
+    """After torch's join operation NAME (``add_to_participants``, ``mark_rendezvous_complete``,
+    ``add_to_redundancy_list``) runs in the handler's executor, call ``after[NAME](state)``.
+    None (nothing hooked) when ``rdzv-early-close`` is off; else the undo."""
+    if not on("rdzv-early-close"):
+        return None
+    executor = handler._op_executor
+    names = [f"_{name}" for name in after]
+    for name, then in zip(names, after.values(), strict=True):
+        executor.__dict__[name] = _then(getattr(executor, name), then, executor)
+
+    def undo() -> None:
+        for name in names:
+            executor.__dict__.pop(name, None)
+
+    return undo
+
+
+def _then(operation: Callable[[], None], then: Callable[[Any], None], executor: Any) -> Callable[[], None]:
+    def wrapped() -> None:
+        operation()
+        then(executor._state)
+    return wrapped
 
 
 def matches_this_host(host: str) -> bool:

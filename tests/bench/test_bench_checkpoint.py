@@ -48,3 +48,19 @@ def test_cpu_line_sums_user_kernel_and_steal_columns():
     t = parse_cpu_line("cpu  100 10 20 300 4 5 6 7 0 0", ticks_per_s=100)
     assert t == {"user": 1.1, "kernel": pytest.approx(0.31), "idle": 3.0, "iowait": 0.04, "steal": 0.07}
     assert parse_cpu_line("cpu 1 2 3 4", 1)["steal"] == 0  # kernels before steal accounting
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_floor_writes_exactly_the_bytes_and_their_crc(tmp_path, direct):
+    import mmap
+    import zlib
+
+    from elastic_harness.bench.ckpt_floor import ALIGN, CHUNK, write_durably
+
+    size = CHUNK + 5000  # two chunks, the last one padded to whole blocks
+    buf = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    buf[:size] = payload
+    crc = write_durably(tmp_path / "f.bin", memoryview(buf), size, direct)
+    assert (tmp_path / "f.bin").read_bytes() == payload
+    assert crc == zlib.crc32(payload)

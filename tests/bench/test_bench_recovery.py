@@ -142,3 +142,44 @@ def test_kill_node_runs_report_the_tier_intervals_in_force_at_the_fault():
     assert tier_before(events) == {"snapshot_every": 2, "copy_every": 1, "snapshot_ms": 0.7, "copy_cost_ms": 1.1,
                                    "step_ms": 20.0}
     assert tier_before(events[:2]) is None  # no fault
+
+
+def test_node_fault_rows_need_root_for_separate_hosts():
+    from elastic_harness.bench import nodeloss
+
+    assert nodeloss.rows_for(True) == ["same_host", "separate_hosts"]
+    assert nodeloss.rows_for(False) == ["same_host"]
+
+
+def test_a_node_fault_row_reports_runs_stopped_at_the_bound():
+    from elastic_harness.bench import nodeloss
+
+    ok = {"recovered": True, "recovery_s": 2.0, "phases": {"detect": 1.0, "rendezvous": 0.5}}
+    stuck = {"recovered": False, "recovery_s": None, "phases": None, "stopped_at_bound_s": 240.0}
+    row = nodeloss.summarize([ok, {**ok, "recovery_s": 4.0}], [stuck, {**ok, "recovery_s": 60.0}])
+    assert row["median_s"] == 3.0 and row["ratio_to_torchrun"] == 0.05 and row["recovered"] == 2
+    theirs = nodeloss.summarize([stuck, {**ok, "recovery_s": 60.0}], [])
+    assert theirs["stopped_at_bound"] == 1 and theirs["recovered"] == 1 and theirs["ratio_to_torchrun"] is None
+    assert row["phases_median_s"]["detect"] == 1.0
+
+
+def test_node_fault_goals():
+    from elastic_harness.bench import nodeloss
+
+    rows = {"same_host": {"median_s": 3.0}, "separate_hosts": {"median_s": 4.0}}
+    assert nodeloss.goals("hang-node", rows)["met"]
+    assert not nodeloss.goals("hang-node", {**rows, "separate_hosts": {"median_s": None}})["met"]
+    assert not nodeloss.goals("kill-node", rows)["met"]
+    assert nodeloss.goals("kill-node", {"separate_hosts": {"median_s": 0.3}})["met"]
+    assert not nodeloss.goals("kill-node", {"separate_hosts": {"skipped": "needs root"}})["met"]
+
+
+def test_a_soak_counts_every_verdict_hang_or_failure_as_a_false_detection():
+    from elastic_harness.bench import nodeloss
+
+    events = [{"event": "step", "step": 10}, {"event": "stall", "node": "0"}, {"event": "eval", "step": 10},
+              {"event": "rendezvous"}, {"event": "step", "step": 11}]
+    clean = nodeloss.soak_counts(events)
+    assert clean["false_detections"] == 0 and clean["stalls_looked_at"] == 1 and clean["steps"] == 11
+    bad = nodeloss.soak_counts([*events, {"event": "failure", "cause": "node-lost"}, {"event": "failure"}])
+    assert (bad["node_lost"], bad["worker_failures"], bad["false_detections"]) == (1, 1, 2)

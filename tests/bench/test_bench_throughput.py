@@ -239,3 +239,36 @@ def test_the_hsdp_row_is_opt_in_and_both_sides_get_the_same_mesh(tmp_path):
     plain = tput_run.plain_command(args, row, tmp_path, tmp_path / "o.json", 4, tmp_path, 10)
     assert plain[plain.index("--hsdp-shard") + 1] == "2"
     assert "--hsdp-shard" not in tput_run.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path, 2, tmp_path, 10)
+
+
+def test_a_failed_run_is_reported_with_its_pair_and_the_rest_is_kept(tmp_path, monkeypatch, capsys):
+    """Issue 33: one plain run exiting 1 at repeat 4 threw the whole 6-minute bench away."""
+    from elastic_harness.bench import tput_data
+
+    def launch(side, row, args, data_dir, run_dir, nproc, log_every):
+        if (side, run_dir.name) == ("plain", "cheap-plain-3"):
+            raise HarnessError("the plain run (cheap row) exited 1; it said: RuntimeError: boom", "re-run")
+        rate = 100.0 if side == "plain" else 98.0
+        stamps = [i * args.global_batch / rate for i in range(args.steps)]
+        return {"stamps": stamps, "cpu": [0.01 * i for i in range(args.steps)], "hook_s": [0.001] * args.steps,
+                "phases": {}, "samples": args.steps * args.global_batch, "world_size": 2, "wall_s": 1.0}
+
+    monkeypatch.setattr(tput_run, "launch", launch)
+    monkeypatch.setattr(tput_data, "write_images", lambda *a: None)
+    args = bench_args(repeats=6, only=["cheap"])
+    results = tp.measure(args, tmp_path)
+    assert len(results) == 12 and [x for x in results if x.get("failed")] == [
+        {"repeat": 3, "case": "cheap", "side": "plain",
+         "failed": "the plain run (cheap row) exited 1; it said: RuntimeError: boom"}]
+    assert "cheap plain repeat 3 FAILED: the plain run (cheap row) exited 1" in capsys.readouterr().err
+    report = tp.summarize(results, args, load=((0, 0, 0), (0, 0, 0)), kept=None)
+    c = report["cheap"]
+    assert c["good_pairs"] == 5 and c["paired_ratios"] == [0.98] * 5 and c["ratio"] == 0.98
+    assert c["failed_pairs"] == [{"repeat": 3, "plain": "the plain run (cheap row) exited 1; it said: RuntimeError: boom"}]
+    assert len(c["samples_per_s"]["harness"]) == 5  # repeat 3's harness run is left out with its pair
+    assert report["goals"]["cheap_harness_over_plain>=0.97"]["met"] and report["failed_runs"] == 1
+    assert tp.exit_code(report, ["cheap"]) == 0
+    results = [x if x["side"] == "harness" else {**x, "failed": "exited 1"} for x in results]
+    none = tp.summarize(results, args, load=((0, 0, 0), (0, 0, 0)), kept=None)
+    assert none["cheap"]["good_pairs"] == 0 and none["cheap"]["ratio"] is None
+    assert tp.exit_code(none, ["cheap"]) == 1 and not none["all_goals_met"]

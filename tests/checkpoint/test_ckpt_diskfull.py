@@ -33,6 +33,17 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+def assert_clean_terminal(err: str) -> None:
+    """Issue 33: three 461-character ``CheckpointException(... FrameSummary ...)`` lines came
+    before the clean message. Now: at most the first failed save, in one short line, then the
+    error naming the cause."""
+    assert "FrameSummary" not in err and "CheckpointException" not in err, err
+    failed = [line for line in err.splitlines() if line.startswith("failure:")]
+    assert len(failed) <= 1 and all(len(line) < 200 for line in failed), failed
+    (error,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "No space left on device" in error and len(error) < 400, error
+
+
 def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path, small_disk):
     ckpts = small_disk / "ckpts"
     sets = ["--set", f"checkpoint.dir={ckpts}", "--set", "checkpoint.every_steps=10", "--set", "train.steps=60"]
@@ -40,9 +51,11 @@ def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path
     r = cli("run", str(MLP), *sets, run_dir=run_dir, timeout=180)
     assert r.code == 2, (r.code, r.err)
     assert "3 checkpoint saves in a row failed" in r.err and "Traceback" not in r.err
-    failures = [e for e in r.kinds("failure") if not e.get("fatal")]
+    assert_clean_terminal(r.err)
+    failures = [e for e in r.kinds("failure") if e.get("consecutive")]  # the saves' (not the agent's account)
     assert [f["step"] for f in failures] == [20, 30, 40]
     assert all("No space left on device" in f["message"] for f in failures), [f["message"] for f in failures]
+    assert all("CheckpointException" in f["detail"] for f in failures)  # the details are in the log
     assert all(f["asynchronous"] for f in failures)  # periodic saves are async by default
     assert [c["step"] for c in r.kinds("checkpoint")] == [10]
     assert max(e["step"] for e in r.kinds("step")) < 60  # stopped, did not train on unsaved
@@ -56,5 +69,6 @@ def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path
     assert again.code == 2, again.err
     assert again.kinds("resume")[-1]["step"] == 10
     assert "the required checkpoint at step 15 could not be written" in again.err
+    assert_clean_terminal(again.err)
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-0000010"]
     assert Path(ckpts / "step-0000010" / "manifest.json").exists()

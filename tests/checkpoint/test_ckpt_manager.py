@@ -78,6 +78,25 @@ class Wrapped:
         return reader
 
 
+class Counting(Wrapped):
+    """A real LocalStorage that counts full listings of the root and reads of the generation
+    fence (the per-save storage round trips that cost most on object stores)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.listings = self.fence_reads = 0
+
+    def listing(self):
+        self.listings += 1
+        return self.inner.listing()
+
+    def read_root(self, filename):
+        from elastic_harness.checkpoint.fence import GENERATION_FILE
+
+        self.fence_reads += filename == GENERATION_FILE
+        return self.inner.read_root(filename)
+
+
 def _state(value: float, mesh=None) -> dict:
     model = {f"w{i}": torch.full((256, 64), value) for i in range(4)}
     if mesh is not None:
@@ -297,6 +316,44 @@ def scenario_fence(rank, root, group) -> dict:
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
 
 
+def scenario_fenced_before_its_first_save(rank, root, group) -> dict:
+    """A newer generation started before the old one's next (blocking) save: refused at the
+    commit, an event and not an error, and what it wrote goes with the new one's retention."""
+    from elastic_harness.errors import CheckpointError
+
+    old, old_events = _manager(rank, root, group, async_save=False)
+    old.restore(_state(0.0))
+    new, _ = _manager(rank, root, group, async_save=False)
+    new.restore(_state(0.0))
+    try:
+        refused = old.save(3, _state(3.0), blocking=True)
+    except CheckpointError as e:
+        refused = str(e)
+    committed = new.save(4, _state(4.0), blocking=True)
+    new.wait()
+    old.close()
+    new.close()
+    return {"refused": refused, "committed": committed, "dirs": _dirs(root),
+            "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
+
+
+def scenario_round_trips_per_save(rank, root, group) -> dict:
+    """Issue 34: a save (sync or async, with retention purging) lists the root once and reads
+    the fence once, on rank 0; the other ranks do neither."""
+    storage = Counting(root)
+    mgr, events = _manager(rank, root, group, storage, keep=2)
+    mgr.restore(_state(0.0))
+    counts = {}
+    for kind, steps in (("sync", (1, 2, 3)), ("async", (4, 5, 6))):
+        storage.listings = storage.fence_reads = 0
+        for s in steps:
+            assert mgr.save(s, _state(float(s)), blocking=kind == "sync")
+            mgr.wait()
+        counts[kind] = (storage.listings, storage.fence_reads)
+    mgr.close()
+    return {"counts": counts, "dirs": _dirs(root)}
+
+
 def scenario_split_verification_and_progress(rank, root, group) -> dict:
     """Verification is shared by the ranks in small rounds; on_progress fires while bytes move."""
     ticks = {"n": 0}
@@ -395,7 +452,8 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
 SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_nothing_usable,
              scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
              scenario_metadata_unreadable_on_one_rank, scenario_not_shared,
-             scenario_commit_needs_every_reported_file, scenario_fence,
+             scenario_commit_needs_every_reported_file, scenario_fence, scenario_fenced_before_its_first_save,
+             scenario_round_trips_per_save,
              scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed]
 
 
@@ -510,6 +568,21 @@ def test_a_superseded_generation_cannot_commit(seen):
     assert a["manifests"] == ["step-0000007"] and "step-0000005" not in a["dirs"]
 
 
+def test_a_generation_superseded_before_a_blocking_save_is_fenced_not_failed(seen):
+    a, b = (r["scenario_fenced_before_its_first_save"] for r in seen)
+    assert a["refused"] is b["refused"] is False
+    assert a["committed"] is b["committed"] is True
+    assert a["events"] == [["fenced", 3]]
+    assert a["dirs"] == ["step-0000004"]
+
+
+def test_a_save_lists_the_root_once_and_reads_the_fence_once(seen):
+    a, b = (r["scenario_round_trips_per_save"] for r in seen)
+    assert a["counts"] == {"sync": [3, 3], "async": [3, 3]}  # (listings, fence reads) for 3 saves
+    assert b["counts"] == {"sync": [0, 0], "async": [0, 0]}
+    assert a["dirs"] == ["step-0000005", "step-0000006"]  # retention still purged
+
+
 def test_verification_is_split_over_ranks_and_progress_is_reported(seen):
     a, b = (r["scenario_split_verification_and_progress"] for r in seen)
     for r in (a, b):
@@ -526,3 +599,54 @@ def test_a_stuck_async_write_is_abandoned_but_its_directory_left_alone(seen):
         assert r["present_while_stuck"] and r["present_after"] and not r["manifest"]
         assert r["quiet"]  # once released, the writer stopped instead of writing on
         assert "checkpoint" not in r["events"]
+
+
+def test_a_failed_save_is_one_short_line_naming_each_ranks_cause():
+    """Issue 33: DCP's CheckpointException repr (each rank's FrameSummary list, 461
+    characters) was the terminal's failure line; now each cause once, with its ranks."""
+    import io
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from elastic_harness.checkpoint.failure_text import detail, one_line
+    from elastic_harness.progress import Progress
+
+    def wrapped(e):
+        try:
+            raise e
+        except OSError as caught:
+            return caught, traceback.extract_tb(caught.__traceback__)
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    err = CheckpointException("failed", {0: wrapped(full), 1: wrapped(OSError(errno.ENOSPC, "No space left on device")),
+                                         2: wrapped(PermissionError(errno.EACCES, "Permission denied"))})
+    assert len(repr(err)) > 300 and "FrameSummary" in repr(err)
+    line = one_line(err)
+    assert line == ("ranks 0,1: OSError: [Errno 28] No space left on device; "
+                    "rank 2: PermissionError: [Errno 13] Permission denied")
+    assert "Traceback" in detail(err)
+    assert one_line(ValueError("bad\nsecond line")) == "ValueError: bad" and one_line(KeyError()) == "KeyError"
+    out = io.StringIO()
+    progress = Progress(60, out=out)
+    for n in (1, 2, 3):  # a streak of failed saves: the first is said, the limit's error says the rest
+        progress.update({"t": float(n), "event": "failure", "consecutive": n, "message": f"checkpoint failed {n}"})
+    assert out.getvalue().splitlines() == ["failure: checkpoint failed 1"]
+
+
+def test_a_short_write_on_a_full_disk_is_named_as_the_full_disk():
+    """On a full disk one rank's write raises ENOSPC while torch's file writer on another
+    reports only a position mismatch; with the storage (almost) out of space both are the full
+    disk, one cause. With space left the writer's own words stay: it is not guessed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from elastic_harness.checkpoint.failure_text import one_line
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    err = CheckpointException("failed", {0: (OSError(errno.ENOSPC, "No space left on device"), []),
+                                         1: (short, [])})
+    assert one_line(err, free_bytes=0) == "ranks 0,1: OSError: [Errno 28] No space left on device"
+    assert one_line(short, free_bytes=4096) == "OSError: [Errno 28] No space left on device"
+    assert "unexpected pos" in one_line(err, free_bytes=10 << 30)
+    assert "unexpected pos" in one_line(short)  # a storage that cannot tell: nothing guessed
+

@@ -127,5 +127,7 @@ def test_lock_fence_and_quarantine_on_s3(s3_env, monkeypatch):
     listing = storage.listing()
     assert "step-0000001" not in listing and layout.MANIFEST in listing["step-0000001.bad-test"]
     assert layout.scan(listing) == [] and layout.parse_quarantined("step-0000001.bad-test") == 1
+    with pytest.raises(FileNotFoundError):  # as on a local disk: a save's start tells "none" from "empty"
+        storage.files("step-0000001")
     keys = client(s3_env).find(f"{BUCKET}/lock-test")
     assert f"{BUCKET}/lock-test/{fence.GENERATION_FILE}" in keys and not any("/step-0000001/" in k for k in keys)

@@ -34,6 +34,8 @@ def assert_clear_error(r, *words):
     [
         ("name: x\ntrain: {steps: 3\n  bad: [\n", ["not valid YAML at line"]),
         ("name: x\ntrian: {steps: 3}\n", ["trian: unknown key", "did you mean 'train'"]),
+        ("name: x\ncheckpoint: {writer: process}\n", ["checkpoint.writer: 'process' was removed in 0.3",
+                                                      "fix: delete the key"]),
         ("name: x\ntrain: {steps: -1}\n", ["train.steps: must be > 0"]),
         ("name: x\nnodes: {min: 2, max: 1}\n", ["min (2) is greater than max (1)"]),
         ("name: x\ntask: {target: 'no_such_pkg.mod:Task'}\n", ["cannot import module 'no_such_pkg.mod'"]),

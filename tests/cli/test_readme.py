@@ -81,3 +81,36 @@ def test_readme_is_a_newcomers_page():
     for row in table:
         goal_text, measured, met = [c.strip() for c in row.strip("|").split("|")]
         assert len(measured.split()) == 1 and met in ("yes", "no"), row
+
+
+def test_the_docs_say_what_the_code_does_with_streams():
+    """Issue 33: script-api.md said an IterableDataset "is not supported yet" (streaming.md
+    supports one with shards), and streaming.md's Limits said ``ckpt import`` does not work
+    for a streaming task (it does: tests/checkpoint/test_ckpt_import_stream.py)."""
+    import torch
+
+    from elastic_harness.data import Stream
+    from elastic_harness.data.adapters import source_of
+    from elastic_harness.errors import UsageError
+
+    class Sharded(torch.utils.data.IterableDataset):
+        shards = ["a", "b"]
+
+        def open_shard(self, shard):
+            yield shard
+
+        def __iter__(self):
+            raise AssertionError("read through open_shard")
+
+    class Bare(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield 1
+
+    assert isinstance(source_of(Sharded()), Stream)
+    with pytest.raises(UsageError, match="exposes no shards"):
+        source_of(Bare())
+    api = (REPO / "docs" / "script-api.md").read_text()
+    assert "not supported yet" not in api
+    assert "`IterableDataset` that exposes its `shards`" in api and "`open_shard(shard)`" in api
+    limits = (REPO / "docs" / "streaming.md").read_text().split("## Limits", 1)[1]
+    assert "does not work yet" not in limits and "`ckpt import` into a task that streams starts" in limits

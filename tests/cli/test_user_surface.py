@@ -169,7 +169,7 @@ def state(tmp_path, monkeypatch) -> Path:
 def _job(state: Path, run_dir: Path, i: int) -> JobRecord:
     run_dir.mkdir(parents=True, exist_ok=True)
     rec = JobRecord(id=f"mlp-{i:04d}", name="mlp", scheduler="local", submitted=1000.0 + i, total_steps=60,
-                    run_dir=str(run_dir), pid=1, host="elsewhere")
+                    run_dir=str(run_dir), details={"pid": 1, "host": "elsewhere"})
     registry.save(rec, state)
     return rec
 

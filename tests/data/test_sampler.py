@@ -13,8 +13,13 @@ from elastic_harness.data.sampler import (
     micro_batches,
     rank_share,
     split,
-    step_indices,
+    step_plan,
 )
+
+
+def step_pairs(order, cursor, global_batch, world, rank):
+    """(stream position, dataset index) of every sample ``rank`` reads in the step at ``cursor``."""
+    return [pair for micro in step_plan(order, cursor, global_batch, world, rank, 2) for pair in micro]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -37,7 +42,7 @@ def test_each_epoch_used_exactly_once_at_fixed_world(world):
     seen: list[int] = []
     for _ in range(3 * n // G + 1):
         for r in range(world):
-            seen += step_indices(order, state.cursor, G, world, r)
+            seen += [idx for _, idx in step_pairs(order, state.cursor, G, world, r)]
         state = state.advance(G)
     for epoch in range(3):
         assert sorted(seen[epoch * n:(epoch + 1) * n]) == list(range(n))
@@ -57,10 +62,8 @@ def test_random_resize_sequences_cover_each_epoch_once(trial):
         if rng.random() < 0.3:
             world, order = rng.randint(1, 5), EpochOrder(trial, n)  # a restart at a new size
         for r in range(world):
-            lo, hi = rank_share(G, world, r)
-            for offset, idx in enumerate(step_indices(order, state.cursor, G, world, r)):
-                epoch = (state.cursor + lo + offset) // n
-                per_epoch.setdefault(epoch, Counter())[idx] += 1
+            for position, idx in step_pairs(order, state.cursor, G, world, r):
+                per_epoch.setdefault(position // n, Counter())[idx] += 1
         state = state.advance(G)
     full_epochs = state.cursor // n
     for e in range(full_epochs):

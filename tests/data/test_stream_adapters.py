@@ -241,3 +241,21 @@ def test_bench_stream_shards_read_back_as_written(tmp_path):
     assert [stream.units(i) for i in range(2)] == [5, 5]
     x, y = decode(next(stream.samples(1, 4)))
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and 0 <= y < 10
+
+
+def test_a_corpus_that_cannot_be_built_where_the_job_says_is_a_data_error(tmp_path):
+    """Not an OSError that a restart repeats (a crash loop): one line naming the fix."""
+    from elastic_harness.data.read import DataError
+    from elastic_harness.tasks.streamlm import build_corpus
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(DataError, match="cannot be written") as e:
+        build_corpus(str(blocker / "corpus"), 2, 4, "jsonl")
+    assert "shard-000.jsonl .. shard-001.jsonl" in e.value.message and "writable" in e.value.hint
+    names = build_corpus(str(tmp_path / "ok"), 2, 4, "jsonl")  # built once, then only read
+    (tmp_path / "ok").chmod(0o555)
+    try:
+        assert build_corpus(str(tmp_path / "ok"), 2, 4, "jsonl") == names
+    finally:
+        (tmp_path / "ok").chmod(0o755)

@@ -129,3 +129,29 @@ def test_shards_on_the_s3_compatible_server(reference, s3_env, tmp_path):  # noq
     assert r.code == 0, r.err
     assert r.summary["model_digest"] == reference.summary["model_digest"]
     content_audit(tmp_path, EPOCH, G, STEPS, reference=reference.run_dir, packed=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only mount (root only: permission bits do not stop root; skipped, saying why)."""
+    import subprocess
+
+    mnt = tmp_path / "read-only"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_read_only_data_dir_without_the_corpus_is_one_line_not_a_crash_loop(tmp_path, read_only):
+    """Issue 33: it crash-looped 'after resuming from the same checkpoint' with no checkpoint."""
+    r = cli("run", str(JOB), *args(read_only / "corpus"), run_dir=tmp_path / "run")
+    line = assert_clear_error(r, f"data_dir '{read_only / 'corpus'}' cannot be written", "Read-only file system",
+                              "shard-000.jsonl .. shard-005.jsonl")
+    assert "crash loop" not in r.err and "checkpoint to resume" not in r.err and "failure:" not in r.err, r.err
+    assert line.startswith("error: data_dir")
+    assert len([e for e in r.kinds("worker") if e["rank"] == 0]) == 1  # not restarted

@@ -97,7 +97,11 @@ def test_step_dir_without_metadata_is_ignored(tmp_path):
 def test_rerun_of_finished_job_changes_nothing(tmp_path):
     first = cli("run", str(MLP), "--set", "train.steps=10", run_dir=tmp_path)
     assert first.code == 0, first.err
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "checkpoints").rglob("*")) if p.is_file()}
+    log = (tmp_path / "events.jsonl").read_bytes()
     again = cli("run", str(MLP), "--set", "train.steps=10", run_dir=tmp_path)
     assert again.code == 0, again.err
+    assert "already finished" in again.out + again.err  # said, not a silent no-op
     assert again.summary["model_digest"] == first.summary["model_digest"]
-    assert again.kinds("checkpoint")[-1:] == [] or again.summary["checkpoints_written"] == 0
+    after = {p: p.read_bytes() for p in sorted((tmp_path / "checkpoints").rglob("*")) if p.is_file()}
+    assert after == before and (tmp_path / "events.jsonl").read_bytes() == log, "nothing started, nothing written"

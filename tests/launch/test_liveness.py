@@ -121,13 +121,14 @@ def test_identity_tells_a_live_process_from_an_exited_one():
     assert liveness.gone(f"{boot}/{ns}/0/1") is None and liveness.gone(f"{boot}/{ns}/x/1") is None
 
 
-def agent(endpoint: str, run_id: str):
+def agent(endpoint: str, run_id: str, **overrides):
     """Ours, with torch's expiry (60 s) far beyond the join timeout (40 s)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     conf = dict(join_timeout=40, last_call_timeout=1, close_timeout=10, heartbeat_timeout=5,
                 keep_alive_interval=1, keep_alive_max_attempt=60, is_host=False, read_timeout=30,
                 start_last_call_timeout=15)
+    conf.update(overrides)
     return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf), key=TEST_KEY)
 
 
@@ -208,3 +209,46 @@ def test_a_workers_failure_event_says_when_it_lost_a_peer(tmp_path):
             failures.record(log, e, rank=0, step=3)
     lost = [e["peer_lost"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure"]
     assert lost == [True, False]
+
+
+def exited(rank, pid, code, message=None):
+    f = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file="<N/A>")
+    if message is not None:  # it wrote its error file
+        f.error_file, f.message = f"/errors/{rank}.json", {"message": message}
+    return f
+
+
+def test_a_failed_groups_account_says_the_cause_first():
+    """Issue 33: the demo's failure line quoted the survivor's gloo error ("... GLHF!"),
+    not that rank 1 was killed. The agent's account names the rank that died and how first;
+    a survivor that only lost its peer comes after, whatever order the exits were seen in."""
+    import io
+
+    from elastic_harness.launch.elastic import exit_account
+    from elastic_harness.progress import Progress
+
+    killed = exit_account({0: exited(0, 500, 1, GLOO_RESET), 1: exited(1, 501, -9)})
+    assert killed["message"].startswith("rank 1 (pid 501) was killed by SIGKILL; then rank 0 lost its peers (")
+    assert (killed["rank"], killed["worker_pid"], killed["signal"], killed["exit_code"]) == (1, 501, "SIGKILL", -9)
+    assert not killed["recorded"] and not killed["peer_lost"] and killed["cause"] == "exit"
+    stopped = exit_account({1: exited(1, 501, -9), 0: exited(0, 500, -15)})
+    assert stopped["message"] == "rank 1 (pid 501) was killed by SIGKILL; then rank 0 stopped (SIGTERM)"
+    silent = exit_account({3: exited(3, 9, 7)})
+    assert silent["message"] == "rank 3 (pid 9) exited with code 7 without recording an error"
+    own = exit_account({0: exited(0, 5, 1, "ValueError: bad sample")})
+    assert own["recorded"] and own["message"] == "rank 0 (pid 5) failed: ValueError: bad sample"
+    elsewhere = exit_account({2: exited(2, 8, 1, GLOO_RESET)})  # a node whose peer died on another node
+    assert elsewhere["peer_lost"] and elsewhere["message"].startswith("rank 2 (pid 8) lost its peers")
+
+    out = io.StringIO()
+    progress = Progress(40, out=out)
+    for e in [{"t": 1.0, "event": "failure", "rank": 0, "peer_lost": True, "message": GLOO_RESET},  # a symptom
+              {"t": 2.0, "event": "failure", **killed},
+              {"t": 3.0, "event": "failure", "rank": 0, "message": "ValueError: bad sample", "peer_lost": False},
+              {"t": 4.0, "event": "failure", **own},  # its rank's own line said it
+              {"t": 5.0, "event": "failure", **elsewhere}]:
+        progress.update(e)
+    lines = out.getvalue().splitlines()
+    assert [line.split(";")[0] for line in lines] == [
+        "failure: rank 1 (pid 501) was killed by SIGKILL", "failure: ValueError: bad sample",
+        f"failure: {elsewhere['message']}"]

@@ -3,7 +3,8 @@ nodes (real agents with their workers), one SIGKILLed or SIGSTOPped mid-run.
 
 The SIGKILLed node is dropped by the new rule (its agent's process is gone and the
 survivor's worker lost its connection to it); the SIGSTOPped one is alive, its peers see a
-timeout rather than a closed connection, and only torch's keep-alive expiry may drop it.
+timeout rather than a closed connection: never dropped as a gone process, only as a silent
+one (``launch.verdict``) or by torch's keep-alive expiry.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def test_a_killed_node_is_dropped_by_the_survivor_without_waiting(tmp_path):
     audit(tmp_path, 1024, 30, 80)
 
 
-def test_a_frozen_node_is_left_to_torchs_expiry(tmp_path):
+def test_a_frozen_node_is_never_taken_for_a_gone_process(tmp_path):
+    """Its agent's process lives: the pid rule never drops it. The silence rule does (issue
+    36: keep-alives and beacon silent while the survivor's group stalls, ``launch.verdict``)."""
     r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80",
             "--set", "timeouts.step=5", "--set", "timeouts.shutdown_grace=5",
             "--chaos", "hang-node:1@30", run_dir=tmp_path)
     assert r.code == 0, r.err
     assert [f["kind"] for f in r.kinds("fault")] == ["hang-node"]
     assert r.kinds("rendezvous")[-1]["world_size"] == 1
-    assert drops(r) == [], "a SIGSTOPped (live) node was dropped by the new rule"
+    assert not [d for d in drops(r) if "process is gone" in d], "a SIGSTOPped (live) process was taken for gone"
+    assert all("launch.verdict" in d for d in drops(r)), drops(r)
     audit(tmp_path, 1024, 30, 80)

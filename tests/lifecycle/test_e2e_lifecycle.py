@@ -8,6 +8,7 @@ Every job a test submits is killed at teardown if it is still active.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -126,6 +127,12 @@ def test_interrupt_submit_survive_the_terminal_stop_resubmit_and_finish(mlp_refe
     pids = {e["pid"] for e in events_of_job(run_dir, killed)
             if e["event"] == "worker" or (e["event"] == "start" and e.get("who") == "agent")}
     assert len(pids) == 3, "an agent and two workers"
+    # Hold the workers still (SIGSTOP, by the pids this job recorded) so the job cannot finish
+    # its last steps while `stop --now` starts up on a loaded machine; SIGKILL still ends them.
+    for e in events_of_job(run_dir, killed):
+        if e["event"] == "worker":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(e["pid"], signal.SIGSTOP)
     now = cli("stop", "--now", killed, timeout=120)
     assert now.code == 0, now.err
     assert now.out.strip() == f"{killed} stopped: killed on request (stop --now)"

@@ -120,7 +120,7 @@ def test_submit_applies_with_a_fresh_rendezvous_id_and_replaces_a_finished_job(t
     manifests = list(yaml.safe_load_all(run.calls[-1][1]))
     job = next(m for m in manifests if m and m["kind"] == "PyTorchJob")
     assert job["spec"]["elasticPolicy"]["rdzvId"] == "demo-0123456789ab", "not the job name: a failed id stays closed"
-    assert record.k8s == {"name": "demo", "namespace": "ml", "flavor": "pytorchjob", "context": "prod",
+    assert record.details["k8s"] == {"name": "demo", "namespace": "ml", "flavor": "pytorchjob", "context": "prod",
                           "endpoint_port": SPEC.deploy.endpoint_port}
 
 
@@ -141,8 +141,8 @@ def test_submit_refuses_while_the_job_runs_and_without_a_context(tmp_path):
 
 def test_status_reads_the_job_its_pods_and_the_agent_progress(tmp_path):
     record = registry.JobRecord(id="demo-1", name="demo", scheduler="k8s", submitted=1.0, total_steps=100,
-                                k8s={"name": "demo", "namespace": "ml", "flavor": "pytorchjob", "context": "prod",
-                                     "endpoint_port": 8080})
+                                details={"k8s": {"name": "demo", "namespace": "ml", "flavor": "pytorchjob",
+                                                 "context": "prod", "endpoint_port": 8080}})
     run = Recorded({"proxy/progress": PROGRESS, "get pytorchjob": pytorchjob(("Created", ""), ("Running", "")),
                     "get pods": {"items": [pod(0), pod(1, restarts=1, last_exit=143)]}})
     st = KubeScheduler(tmp_path, run).status(record)

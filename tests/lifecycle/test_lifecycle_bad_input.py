@@ -35,7 +35,7 @@ def finished_job(state, run_dir) -> JobRecord:
               {"t": 3.0, "event": "exit", "pid": 1, "who": "host", "code": 0, "message": ""}]
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     rec = JobRecord(id="mlp-done", name="mlp", scheduler="local", submitted=1.0, total_steps=60,
-                    run_dir=str(run_dir), pid=1, host="elsewhere")
+                    run_dir=str(run_dir), details={"pid": 1, "host": "elsewhere"})
     registry.save(rec, state)
     return rec
 
@@ -112,8 +112,8 @@ def test_a_run_dir_owned_by_a_live_job_is_refused_by_name(cli_here, state, tmp_p
         lease.release()
     # Submitted, not yet holding the lock (a local supervisor starting, a queued Slurm job):
     pending = JobRecord(id="mlp-queued", name="mlp", scheduler="local", submitted=time.time(), total_steps=60,
-                        run_dir=str(run_dir), host=os.uname().nodename, pid=os.getpid(),
-                        pid_start=process_start(os.getpid()))
+                        run_dir=str(run_dir), details={"host": os.uname().nodename, "pid": os.getpid(),
+                                                       "pid_start": process_start(os.getpid())})
     registry.save(pending, state)
     r = cli_here("submit", MLP, "--run-dir", run_dir)
     assert_one_line_error(r, "belongs to job mlp-queued, which is pending", "elastic-harness stop mlp-queued")
@@ -129,7 +129,8 @@ def test_a_supervisor_that_died_is_reported_not_running(cli_here, state, tmp_pat
     (run_dir / "events.jsonl").write_text(json.dumps({"t": 1.0, "event": "start", "pid": proc.pid, "who": "host",
                                                       "run_id": "mlp-gone"}) + "\n")
     registry.save(JobRecord(id="mlp-gone", name="mlp", scheduler="local", submitted=1.0, total_steps=60,
-                            run_dir=str(run_dir), host=os.uname().nodename, pid=proc.pid, pid_start="1"), state)
+                            run_dir=str(run_dir), details={"host": os.uname().nodename, "pid": proc.pid,
+                                                           "pid_start": "1"}), state)
     r = cli_here("status", "mlp-gone", "--json")
     st = json.loads(r.out)
     assert (r.code, st["state"]) == (0, "failed")

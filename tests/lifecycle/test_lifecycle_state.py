@@ -58,6 +58,17 @@ def test_the_hosts_exit_code_follows_what_the_agents_said():
     assert outcome(**base, codes={0: 1})[0] == exitcodes.FAILED
 
 
+def test_a_plain_script_that_exited_0_everywhere_has_finished():
+    """Issue 33: a torchrun-style script (no harness session, so no ``finish`` event) that
+    exited 0 on every rank was reported as "job failed: agents exited with {0: 0}", exit 1."""
+    base = dict(finished=False, fatal=None, permanent="", stopped_by=None)
+    code, message = outcome(**base, codes={0: 0, 1: 0}, sessions=0)
+    assert code == exitcodes.OK and "exited 0 on every rank" in message
+    assert outcome(**base, codes={0: 0, 1: 1}, sessions=0)[0] == exitcodes.FAILED
+    assert outcome(**base, codes={0: 0}, sessions=1)[0] == exitcodes.FAILED, "a session that did not finish"
+    assert outcome(**{**base, "stopped_by": signal.SIGTERM}, codes={0: 0}, sessions=0)[0] == 128 + signal.SIGTERM
+
+
 GONE, RUNNING, QUEUED = Liveness("gone", detail="pid 5 is gone"), Liveness("running"), Liveness("queued")
 
 

@@ -19,10 +19,14 @@ from torch import nn
 from elastic_harness.checkpoint.entries import EXTRA_PREFIX
 from elastic_harness.launch.elastic import JOIN_SIGNAL, workers_exited
 from elastic_harness.runtime import session
-from elastic_harness.runtime.hook import StepHook
+from elastic_harness.runtime.hook import Keeping, Reporting, Signals, StepHook, Trained
 from elastic_harness.runtime.resume import memory_covers_join
+from elastic_harness.runtime.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)
+
+DDP, FSDP = Topology.build(4, 2, 2, "ddp"), Topology.build(4, 2, 2, "fsdp")
+MESH = Topology.build(4, 2, 2, {"shard": 2, "tensor": 1})
 
 
 def test_the_join_signal_drains_without_stopping_and_any_sigterm_makes_it_a_stop():
@@ -59,10 +63,9 @@ def one_rank():
 def hook(memory, covered: bool) -> StepHook:
     taken = []
     cadence = SimpleNamespace(taken=taken.append)
-    h = StepHook(None, None, {"x": 1}, model=None, optimizer=None, scaler=None,
-                 topology=SimpleNamespace(rank=0, world_size=1, dp_degree=1, tensor=1), restart=0,
-                 events=None, metrics=None, ckpt=None, memory=memory, cadence=cadence,
-                 drain_requested=lambda: True, watchdog=None, faults=None, join_in_memory=covered)
+    h = StepHook(None, SimpleNamespace(rank=0, world_size=1, dp_degree=1, ranks_per_share=1),
+                 Trained({"x": 1}, None), Keeping(None, memory, cadence, join_in_memory=covered),
+                 Signals(lambda: True), Reporting(None, None))
     h.taken = taken
     return h
 
@@ -82,20 +85,20 @@ def test_a_join_drain_stays_in_memory_only_when_every_rank_snapshotted(one_rank)
 
 def test_a_stop_is_what_the_drain_flag_says_unless_told_apart():
     """Built without ``stop_requested`` (a caller that knows no join signal), every drain is a stop."""
-    assert hook(None, covered=True).stop_requested() is True
+    assert hook(None, covered=True).signals.stop() is True
 
 
 def test_ddp_fsdp_and_mesh_layouts_restore_a_join_from_memory():
     tier = object()
     plain = nn.Linear(2, 2)
     state = {"model": 1, "optimizer": 2, "train": 3}
-    assert memory_covers_join(tier, plain, state, parallelism="fsdp")
-    assert not memory_covers_join(tier, plain, state, parallelism="ddp"), "a bare model is not a DDP replica"
-    assert memory_covers_join(tier, plain, state, parallelism="mesh"), "HSDP/TP: a replica sends each coordinate"
-    assert not memory_covers_join(tier, plain, {**state, f"{EXTRA_PREFIX}rng": torch.zeros(1)}, parallelism="mesh")
-    assert not memory_covers_join(None, plain, state, parallelism="fsdp"), "the tier off: storage"
+    assert memory_covers_join(tier, plain, state, topology=FSDP)
+    assert not memory_covers_join(tier, plain, state, topology=DDP), "a bare model is not a DDP replica"
+    assert memory_covers_join(tier, plain, state, topology=MESH), "HSDP/TP: a replica sends each coordinate"
+    assert not memory_covers_join(tier, plain, {**state, f"{EXTRA_PREFIX}rng": torch.zeros(1)}, topology=MESH)
+    assert not memory_covers_join(None, plain, state, topology=FSDP), "the tier off: storage"
     extra = {**state, f"{EXTRA_PREFIX}rng": torch.zeros(1)}
-    assert not memory_covers_join(tier, plain, extra, parallelism="fsdp"), "per-rank entries: storage"
+    assert not memory_covers_join(tier, plain, extra, topology=FSDP), "per-rank entries: storage"
 
 
 def test_the_agent_sees_drained_workers_without_reaping_them_as_failures():

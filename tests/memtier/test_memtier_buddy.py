@@ -18,6 +18,7 @@ from elastic_harness.memtier.peer import (
 )
 from elastic_harness.memtier.slots import Header
 from elastic_harness.memtier.snapshot import TensorRef, Unsupported
+from elastic_harness.runtime.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -278,7 +279,7 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
         def restore(rank):
             tier = MemoryTier(regions[rank][:2], rank=rank, world_size=2, wire=net.wire(rank), warn=print,
                               buddy_regions=regions[rank][2:], local_size=1, generation=GEN + 1)
-            results[rank] = tier.restore(fresh[rank][0], sharded=True)
+            results[rank] = tier.restore(fresh[rank][0], Topology.build(2, 1, 2, "fsdp", rank=rank))
 
         threads = [threading.Thread(target=restore, args=(r,)) for r in range(2)]
         for t in threads:

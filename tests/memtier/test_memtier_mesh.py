@@ -17,8 +17,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from elastic_harness.memtier import buddy, snapshot
 from elastic_harness.memtier.choose import MEMORY, PEER, STORAGE, Offer, choose, offers_of
-from elastic_harness.memtier.peer import decode_offers, encode_offers, mesh_layout
+from elastic_harness.memtier.peer import decode_offers, encode_offers, portable, restore_rules
 from elastic_harness.memtier.slots import Header
+from elastic_harness.runtime.topology import Topology
 from tests.servers import spawn_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,12 +29,20 @@ GEN, NEXT_GEN = 0xABC, 0xDEF
 HSDP = (2, 1)  # shard 2, tensor 1: one replica per node of 2 processes
 
 
+def layout(world, mesh=HSDP, rank=0):
+    """A mesh job's layout: ``mesh`` (shard, tensor) within each node of ``shard x tensor`` ranks."""
+    n = mesh[0] * mesh[1]
+    return Topology.build(world, n, world // n, {"shard": mesh[0], "tensor": mesh[1]}, rank=rank)
+
+
 def snap(step, world, rank, gen=GEN, digest=D, mesh=HSDP):
-    return Offer(step, world, rank, digest, False, gen, shard=mesh[0], tensor=mesh[1])
+    return Offer(step, world, rank, digest, False, gen, mesh=mesh, coordinate=layout(world, mesh).coordinate(rank))
 
 
 def plan_of(offers, world, mesh=HSDP):
-    return choose(offers, world_size=world, replicated=False, sharded=False, mesh=mesh)
+    rules = restore_rules(layout(world, mesh), world)
+    return choose(offers, world_size=world, replicated=False, sharded=False, mesh=rules.mesh,
+                  coordinates=rules.coordinates)
 
 
 # ----- the decision ---------------------------------------------------------------------------
@@ -110,15 +119,16 @@ def test_a_storage_checkpoint_newer_than_the_covered_step_wins():
 # ----- what carries the mesh ------------------------------------------------------------------
 
 def test_headers_and_offers_carry_the_writers_mesh_degrees():
-    h = Header(True, 12, 4, 3, 100, 10, D, generation=GEN, shard=2, tensor=1)
+    h = Header(True, 12, 4, 3, 100, 10, D, generation=GEN, mesh=(2, 1), coordinate=1)
     back = Header.unpack(h.pack())
     assert back == h
     (o,) = offers_of([back])
-    assert (o.shard, o.tensor, o.generation) == (2, 1, GEN)
+    assert (o.mesh, o.coordinate, o.generation) == ((2, 1), 1, GEN)
     assert decode_offers(encode_offers([o])) == [o]
-    assert mesh_layout("mesh", (2, 1), ["model", "optim", "train"]) == (2, 1)
-    assert mesh_layout("mesh", (2, 1), ["model", "extra.rng"]) is None  # per-rank entries: no
-    assert mesh_layout("fsdp", (4, 1), ["model"]) is None
+    hsdp = layout(4)
+    assert restore_rules(hsdp, 4, portable(hsdp, None, ["model", "optim", "train"])).mesh == (2, 1)
+    assert restore_rules(hsdp, 4, portable(hsdp, None, ["model", "extra.rng"])).mesh is None  # per-rank entries: no
+    assert restore_rules(Topology.build(4, 2, 2, "fsdp"), 4).mesh is None
 
 
 def test_an_hsdp_shard_fits_its_1d_twin_and_nothing_else():
@@ -152,15 +162,15 @@ def test_a_survivors_snapshot_restores_unless_storage_holds_a_newer_step(tmp_pat
         wire = Wire(lambda values: [values], lambda t, dst: None, lambda t, src: None)
         state, model, _ = _state()
         saver = MemoryTier(regions, rank=1, world_size=2, wire=wire, warn=print, generation=GEN)
-        saver.mesh = (1, 1)
+        saver.rules = restore_rules(layout(2, (1, 1), rank=1), 2)
         assert saver.save(3, state)
         warned: list[str] = []
         fresh, fresh_model, _ = _state(steps=0)
         tier = MemoryTier(regions, rank=0, world_size=1, wire=wire, warn=warned.append, generation=NEXT_GEN)
-        assert tier.restore(fresh, mesh=(1, 1), durable=lambda: 5) is None
+        assert tier.restore(fresh, layout(1, (1, 1)), durable=lambda: 5) is None
         assert "older than the checkpoint of step 5" in warned[0] and fresh["train"].step == 0
         assert saver.save(3, state)  # the fallback unpublished the slots: write it again
-        got = tier.restore(fresh, mesh=(1, 1), durable=lambda: 3)
+        got = tier.restore(fresh, layout(1, (1, 1)), durable=lambda: 3)
         assert (got.source, got.step, got.saved_world_size, got.senders) == (MEMORY, 3, 2, ())
         assert fresh["train"].step == 3
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True))
@@ -205,7 +215,7 @@ def _hsdp_rank(rank: int, port: int, root: str) -> None:
         state = build_state(model, optim, train)
         tier = MemoryTier.open(phase["slots"][rank], 0, rank=rank, world_size=world, wire=Wire.of(group, world),
                                warn=print, generation=phase["generation"])
-        got = tier.restore(state, mesh=mesh_layout("mesh", (1, 1), state))
+        got = tier.restore(state, layout(world, (1, 1), rank=rank))
         out["restored"] = None if got is None else [got.source, got.step, got.saved_world_size]
         out["tensors"] = _leaves(model, optim)
         for i in range(phase["train"]):

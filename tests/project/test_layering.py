@@ -65,6 +65,15 @@ def ours(package: str) -> set[str]:
                            "elastic_harness.runfiles"}),
     # the parallel layout: pure numbers, validated when built
     ("runtime/topology", {"elastic_harness.errors", "elastic_harness.spec.layout"}),
+    # a simulated host's init and its pids seen from the machine: standard library only
+    ("simhost", set()),
+    ("pidns", set()),
+    # a peer's beacon: sockets only, on every agent
+    ("launch/probe", {"elastic_harness.listen"}),
+    # the verdicts on nodes and rounds: pure decisions over evidence
+    ("launch/verdict", set()),
+    ("launch/rounds", set()),
+    ("launch/exclusion", set()),
     # a script job's own files (what it imports from beside it): read and compiled, shipped
     ("scriptfiles", {"elastic_harness.errors"}),
 ])

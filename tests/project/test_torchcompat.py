@@ -224,7 +224,7 @@ def test_rounds_form_and_a_lost_node_goes_without_torchs_rendezvous_internals(st
     from elastic_harness.launch import rendezvous
     from elastic_harness.torchcompat import rdzv
 
-    for key in ("rdzv-events", "rdzv-delay", "rdzv-state", "rdzv-fast-path"):
+    for key in ("rdzv-events", "rdzv-delay", "rdzv-state", "rdzv-fast-path", "rdzv-early-close"):
         force_off(monkeypatch, key)
     theirs = (dr.get_method_name, dr._delay)
     pair = [handler(store, "bare") for _ in range(2)]

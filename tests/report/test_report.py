@@ -66,6 +66,54 @@ def test_fault_row_times_in_order_and_steps_lost():
     assert (f.world_size_before, f.world_size_after, f.load_s) == (2, 2, 0.3)
 
 
+def account(t, pid, rank, message, **fields):
+    """An agent's account of a failed worker group (``launch.elastic.exit_account``)."""
+    return ev(t, "failure", pid, cause="exit", fatal=False, rank=rank, message=message, **fields)
+
+
+def outside_failures_run() -> list[dict]:
+    """Nothing injected but the last: rank 1 SIGKILLed from outside after step 10 (both
+    agents give an account), a frozen rank 0 killed by the watchdog after step 20, then an
+    injected kill-worker after step 30 (its agent's account belongs to that fault's row)."""
+    events = [ev(0.0, "start", 99, who="host"), ev(1.0, "resume", 10, fresh=True, step=0, world_size=2)]
+    events += steps(10, 1, 10, 1.0, 0.1)
+    events += [ev(2.05, "failure", 10, rank=0, peer_lost=True, message="RuntimeError: Connection reset by peer"),
+               account(2.1, 5, 1, "rank 1 (pid 11) was killed by SIGKILL; then rank 0 stopped (SIGTERM)",
+                       signal="SIGKILL", recorded=False, step=10),
+               account(2.12, 6, 2, "rank 2 (pid 12) lost its peers (Connection reset by peer)", peer_lost=True,
+                       recorded=True, step=10),
+               ev(3.0, "resume", 20, step=8, world_size=2, source="storage")]
+    events += steps(20, 9, 20, 3.0, 0.1)
+    events += [ev(9.0, "failure", 5, cause="hang", rank=0, step=20, message="rank 0 hung (it was stopped by a signal)"),
+               account(9.1, 5, 0, "rank 0 (pid 20) was killed by SIGKILL", signal="SIGKILL", recorded=False, step=20),
+               ev(10.0, "resume", 30, step=20, world_size=2, source="memory")]
+    events += steps(30, 21, 30, 10.0, 0.1)
+    events += [ev(11.05, "fault", 31, kind="kill-worker", target=1, step=30, rank=1),
+               account(11.1, 5, 1, "rank 1 (pid 31) was killed by SIGKILL", signal="SIGKILL", recorded=False, step=30),
+               ev(12.0, "resume", 40, step=25, world_size=2, source="storage")]
+    events += steps(40, 26, 40, 12.0, 0.1)
+    return events + [ev(14.0, "finish", 40, step=40), ev(14.5, "exit", 99, who="host", code=0)]
+
+
+def test_every_failure_recovered_from_has_a_row_injected_or_not():
+    """Issue 33: ``report`` said "no faults injected" after 37 external SIGKILLs and a
+    SIGSTOP: it listed injected faults only."""
+    from elastic_harness.commands.report import failure_count
+
+    tl = build(outside_failures_run())
+    rows = [(f.index, f.kind, f.target, f.step, f.resumed_from, f.steps_lost, f.injected, f.source) for f in tl.faults]
+    assert rows == [(0, "SIGKILL", 1, 10, 8, 2, False, "storage"),   # both agents' accounts: one row
+                    (1, "hang", 0, 20, 20, 0, False, "memory"),       # the watchdog's kill and its account: one
+                    (2, "kill-worker", 1, 30, 25, 5, True, "storage")]  # the injected one's account is its own
+    killed = tl.faults[0]
+    assert killed.t == pytest.approx(2.05) and killed.detected == pytest.approx(2.1)  # the first sign, then the account
+    assert killed.first_step == pytest.approx(3.1) and killed.cause.startswith("rank 1 (pid 11) was killed by SIGKILL")
+    assert failure_count(tl.faults) == "3 failure(s): 1 injected, 2 not; 3 recovered, 7 step(s) lost"
+    text = "\n".join(render(tl, __import__("pathlib").Path("run")))
+    assert "no faults injected" not in text and "3 failure(s): 1 injected, 2 not" in text
+    assert "#0 not injected: rank 1 (pid 11) was killed by SIGKILL" in text
+
+
 def test_goodput_arithmetic_adds_up_to_wall_time():
     g = build(killed_worker_run()).goodput
     expected = {
@@ -164,6 +212,68 @@ def test_report_and_verify_need_a_run_dir(tmp_path, capsys):
     assert "no complete checkpoint" in err and "fix:" in err and "Traceback" not in err
 
 
+def not_events() -> list[bytes]:
+    """Lines a log may hold that are not events: bytes, other JSON, and every field readers
+    compute with in another shape."""
+    from elastic_harness.events import FIELD_TYPES
+
+    lines = [b"\xff\xfe not utf-8 \xc3\x28", b"{not json", b"[1, 2]", b"\"text\"", b"42", b"null",
+             b'{"event": "step", "step": 3}', b'{"t": "soon", "event": "step", "step": 3}',
+             b'{"t": 12.0, "event": 7}', b'{"t": NaN, "event": "step", "step": 3}',
+             b'{"t": 12.0, "event": "finish"}', b'{"t": 12.0, "event": "step", "step": null, "loss": 1}']
+    for kind in ("step", "resume", "failure", "torchelastic", "finish", "eval", "memory", "checkpoint",
+                 "exit", "rendezvous", "worker", "drain", "fault", "start"):
+        for name in FIELD_TYPES:
+            for wrong in ([1], {"a": 1}, "x", 1.5):
+                e = {"t": 12.0, "event": kind, "pid": 10, "step": 3, name: wrong}
+                from elastic_harness.events import well_formed
+
+                if well_formed(e):
+                    lines.append(json.dumps(e).encode())
+    return lines
+
+
+def test_lines_that_are_not_events_are_skipped_counted_and_said_once(tmp_path, capsys):
+    """Issue 33: one line of invalid UTF-8, or valid JSON of the wrong shape, crashed
+    ``report``, ``status`` and the end of ``run``. Readers skip it, count it, say so once."""
+    from elastic_harness.events import read_events, skipped_notes
+    from elastic_harness.lifecycle.state import JobStatus, Liveness, status_from_events
+    from elastic_harness.progress import Progress
+    from elastic_harness.runstate import fold
+    from elastic_harness.summary import summarize
+
+    good = killed_worker_run()
+    bad = not_events()
+    assert len(bad) > 300
+    log = tmp_path / "events.jsonl"
+    with log.open("wb") as f:
+        for i, e in enumerate(good):
+            f.write(json.dumps(e).encode() + b"\n")
+            if i == 20:
+                f.write(b"\n".join(bad) + b"\n")
+    skipped_notes()
+    events = read_events(log)
+    assert events == good
+    (note,) = skipped_notes()
+    assert f"skipped {len(bad)} line(s) that are not events (first: line 22: not UTF-8)" in note
+    assert skipped_notes() == []  # said once
+    # What reads the log through the reader: the summary, the report's timeline, the
+    # terminal's progress, a job's status.
+    assert summarize(events)["steps"] == 30 and fold(events).finished
+    assert build(events).faults
+    with (tmp_path / "progress.txt").open("w") as out:
+        progress = Progress(30, out=out)
+        for e in events:
+            progress.update(e)
+    base = JobStatus(id="j", name="n", scheduler="local", state="pending", run_dir=str(tmp_path), total_steps=30)
+    status_from_events(base, events, Liveness("gone", 0), None, 20.0)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--no-plot"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and err.count("warning:") == 1 and "skipped" in err, err
+    assert "goodput" in out
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_report_and_verify_on_a_killed_worker_run(mlp_reference, tmp_path):
@@ -229,3 +339,74 @@ def test_plot_keeps_fault_labels_off_the_data_and_draws_a_smoothed_loss(tmp_path
     assert [t.get_text().split(":")[0] for t in label_ax.texts] == ["kill-worker"]
     styles = [(line.get_linestyle(), line.get_marker()) for line in loss_ax.get_lines()]
     assert ("-", "None") in styles and ("None", ".") in styles  # a line over the points
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_log_line_that_is_not_an_event_does_not_fail_a_run_report_or_status(tmp_path):
+    """Issue 33: a run that trained fine exited 1 at its end (``summary.json`` stale), and
+    ``report``/``status`` gave a traceback, for one line of invalid UTF-8 in its log."""
+    from tests.conftest import JOBS
+
+    toy, run_dir = JOBS / "ddp_toy.yaml", tmp_path / "toy"
+    first = cli("run", str(toy), "--set", "train.steps=10", run_dir=run_dir)
+    assert first.code == 0, first.err
+    with (run_dir / "events.jsonl").open("ab") as f:
+        f.write(b'\xff\xfe{"t": 1}\n[1, 2]\n{"t": 1.0, "event": "step", "step": "ten"}\n')
+    again = cli("run", str(toy), "--set", "train.steps=20", run_dir=run_dir)
+    assert again.code == 0, again.err
+    assert again.summary["finished"] and again.summary["steps"] == 20
+    assert again.err.count("skipped 3 line(s) that are not events (first: line") == 1, again.err
+    for command in (["report", str(run_dir), "--no-plot"], ["status", str(run_dir)]):
+        r = cli(*command, timeout=120)
+        assert r.code == 0 and "Traceback" not in r.err, (command, r.err)
+        assert r.err.count("warning:") == 1 and "not UTF-8" in r.err, (command, r.err)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_worker_killed_from_outside_is_a_row_of_the_report(tmp_path):
+    """Issue 33: failures nobody injected were missing from ``report``. A worker SIGKILLed by
+    this test (not by chaos) is detected, recovered, and its steps lost counted."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from elastic_harness.events import read_events
+    from tests.conftest import JOBS, REPO
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_harness", "run", str(JOBS / "ddp_toy.yaml"),
+                             "--set", "train.steps=4000", "--set", "checkpoint.every_steps=500",
+                             "--set", "checkpoint.memory_every=0", "--run-dir", str(run_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        victim = None
+        while victim is None and proc.poll() is None:  # until the first generation stepped past 600
+            events = read_events(run_dir / "events.jsonl")
+            workers = [e for e in events if e["event"] == "worker" and e.get("rank") == 1]
+            if workers and any(e["event"] == "step" and e["step"] >= 600 for e in events):
+                victim = workers[0]["pid"]
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.05)  # the job's end, or the next look at its log
+        assert victim is not None, "the job ended before the test could kill a worker"
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert f"failure: rank 1 (pid {victim}) was killed by SIGKILL" in err
+    rep = cli("report", str(run_dir), "--json", "--no-plot", timeout=120)
+    assert rep.code == 0, rep.err
+    data = json.loads(rep.out)
+    (row,) = data["faults"]
+    assert (row["kind"], row["target"], row["injected"], row["source"]) == ("SIGKILL", 1, False, "storage")
+    assert row["step"] >= 600 and row["resumed_from"] % 500 == 0 and 500 <= row["resumed_from"] <= row["step"]
+    assert row["steps_lost"] == row["step"] - row["resumed_from"]
+    assert row["t"] <= row["detected"] < row["loaded"] < row["first_step"]
+    assert data["failures"].startswith("1 failure(s): 0 injected, 1 not; 1 recovered")

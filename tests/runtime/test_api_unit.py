@@ -52,6 +52,21 @@ def test_the_same_error_the_same_steps_after_each_resume_is_a_crash_loop():
     assert reason and "crash loop" in reason and "1 step(s) after resuming" in reason
 
 
+@pytest.mark.parametrize("step, resumed, says, never", [
+    (0, None, "before training started", "resuming"),            # failed building its data
+    (0, 0, "in the first step, each time starting fresh (there was no checkpoint", "after resuming"),
+    (7, 0, "at step 7, each time starting fresh", "after resuming"),
+    (7, 5, "at step 7, each time after resuming from step 5", "fresh"),
+])
+def test_a_crash_loop_names_only_the_start_each_attempt_had(step, resumed, says, never):
+    """Issue 33: a crash loop at step 0 said "after resuming from the same checkpoint" when
+    there was none."""
+    events = [failure(r, step=step, **({} if resumed is None else {"resumed_at": resumed})) for r in (0, 1)]
+    reason = stop_reason(events, "n0", since=0.0)
+    assert reason and says in reason and never not in reason, reason
+    assert "same checkpoint" not in reason
+
+
 def test_the_agent_judges_the_failures_logged_since_it_started(tmp_path):
     from elastic_harness.events import EventLog
     from elastic_harness.launch.agent import Witness
@@ -267,3 +282,36 @@ def test_a_rank_waits_for_rank_zeros_store_to_listen_before_connecting():
         assert not wait_for_listener("127.0.0.1", port, timeout_s=0.05)
         sock.listen()
         assert wait_for_listener("127.0.0.1", port, timeout_s=5)
+
+
+def test_a_restored_schedule_shorter_than_the_job_is_found_before_it_raises():
+    """OneCycleLR keeps its saved total; stepped per update it would raise past it (issue 33).
+    Its own count says how often it is stepped: one stepped per epoch is not short."""
+    from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR, OneCycleLR, SequentialLR
+
+    from elastic_harness.runtime.registration import short_schedule, short_schedule_error
+
+    def stepped(s, n):
+        for _ in range(n):
+            s.optimizer.step()
+            s.step()
+        return s
+
+    def opt():
+        return torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+
+    per_update = stepped(OneCycleLR(opt(), 0.1, total_steps=40), 40)
+    assert short_schedule([per_update], 40, 40) is None
+    assert short_schedule([None, per_update], 40, 60) == ("OneCycleLR", 40, 60, 40)
+    e = short_schedule_error(short_schedule([per_update], 40, 60), 40, 60)
+    assert "total_steps=40" in e.message and "train.steps at most 40" in e.hint and "LambdaLR" in e.hint
+    per_epoch = stepped(OneCycleLR(opt(), 0.1, total_steps=5), 2)  # 2 epochs of 10 updates, of 50
+    assert short_schedule([per_epoch], 20, 50) is None
+    assert short_schedule([per_epoch], 20, 60) == ("OneCycleLR", 5, 6, 50)
+    o = opt()
+    chained = stepped(ChainedScheduler([OneCycleLR(o, 0.1, total_steps=10), ExponentialLR(o, 0.9)]), 10)
+    assert short_schedule([chained], 10, 11)[0] == "OneCycleLR"
+    o = opt()  # a later phase of a SequentialLR starts its own count at its milestone
+    seq = stepped(SequentialLR(o, [ExponentialLR(o, 0.9), OneCycleLR(o, 0.1, total_steps=10)], milestones=[5]), 10)
+    assert short_schedule([seq], 10, 15) is None
+    assert short_schedule([per_update], 0, 60) is None  # a fresh start: nothing restored

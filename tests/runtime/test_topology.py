@@ -18,7 +18,7 @@ def test_ddp_replicates_over_the_whole_world_and_follows_the_nodes():
     assert t.shape == (8, 1, 1) and t.elastic == "replicate" and t.kind == "ddp"
     assert (t.dp_degree, t.dp_rank()) == (8, 5)
     assert t.group("replicate") == tuple(range(8)) and t.group("tensor") == (5,)
-    assert t.dp_group() == tuple(range(8))
+    assert (t.plane, t.coordinate(), t.ranks_per_share) == ((1, 1), 0, 1)  # every rank a whole replica
 
 
 def test_fsdp_shards_over_the_whole_world_and_reshards_on_resize():
@@ -26,6 +26,7 @@ def test_fsdp_shards_over_the_whole_world_and_reshards_on_resize():
     assert t.shape == (1, 6, 1) and t.elastic == "shard" and t.kind == "fsdp"
     assert (t.dp_degree, t.dp_rank()) == (6, 4)
     assert t.group("shard") == tuple(range(6)) and t.group("replicate") == (4,)
+    assert (t.plane, t.coordinate()) == ((1, 1), 0)  # the shards resize: nothing stays put
 
 
 def test_world_8_nproc_4_hsdp_with_tensor_parallelism():
@@ -36,7 +37,11 @@ def test_world_8_nproc_4_hsdp_with_tensor_parallelism():
     assert t.groups("replicate") == ((0, 4), (1, 5), (2, 6), (3, 7))  # across the two nodes
     assert t.dp_degree == 4
     assert [t.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tensor group shares samples
-    assert t.dp_group(0) == (0, 2, 4, 6) and t.dp_group(7) == (1, 3, 5, 7)
+    # the ranks averaging gradients with rank 0 (tensor coordinate 0) read the four shares
+    assert [t.dp_rank(r) for r in range(8) if t.coords(r)[2] == 0] == [0, 1, 2, 3]
+    assert t.ranks_per_share == 2
+    # what stays as replicas come and go: the (shard, tensor) plane, the same coordinate on each node
+    assert t.plane == (2, 2) and [t.coordinate(r) for r in range(8)] == [0, 1, 2, 3] * 2
     assert [t.coords(r) for r in (0, 3, 6)] == [(0, 0, 0), (0, 1, 1), (1, 1, 0)]
     for r in range(8):
         assert t.rank_at(*t.coords(r)) == r

@@ -182,6 +182,82 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
             h._stop_heartbeats()
 
 
+def test_non_utf8_bytes_in_the_rendezvous_key_are_refused_and_overwritten(store, caplog):
+    """Issue 33: bytes that are not even UTF-8 ended the agent (torch decoded the token, the
+    raw value read back, as UTF-8). Now they read as the last authentic state, the next
+    write replaces them, and the agents form their next round."""
+    import torch.distributed as dist
+
+    from elastic_harness.launch import sealed
+
+    pair = [handler(f"127.0.0.1:{store.port}", "garbage") for _ in range(2)]
+    try:
+        assert join(pair) == [2, 2]
+        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        forger.set("torch.rendezvous.garbage", b"\xff\xfe\x80 not a state")
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+            for h in pair:
+                h._state_holder.sync()
+                assert h._state_holder.state.participants, "the last authentic state, not an empty one"
+            assert join(pair) == [2, 2], "a restart after the garbage forms the group again"
+        stored = forger.get("torch.rendezvous.garbage")
+        assert sealed.StateSeal(KEY, "garbage").authentic(stored) is not None, "overwritten by the agents"
+        lines = [r.getMessage() for r in caplog.records if "not signed with this job's key" in r.getMessage()]
+        assert lines and all("'torch.rendezvous.garbage'" in line for line in lines), lines
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, caplog):
+    """Issue 33: a deleted key made every read block for ``read_timeout`` (torch's store
+    ``get`` waits for the key), and the job's end with it. Reads and writes now go on at
+    once, the key is written again, and a rendezvous closed after a deletion reads closed."""
+    import time
+
+    import torch.distributed as dist
+
+    pair = [handler(f"127.0.0.1:{store.port}", "deleted") for _ in range(2)]
+    for h in pair:
+        h._state_holder._cache_duration = 0  # every sync reads the store
+    key = "torch.rendezvous.deleted"
+    try:
+        assert join(pair) == [2, 2]
+        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+            forger.delete_key(key)
+            t0 = time.monotonic()
+            pair[1]._state_holder.sync()  # a read: took read_timeout (30 s here), then raised
+            assert time.monotonic() - t0 < 10 and forger.check([key]), "written again from the last state"
+            assert pair[1]._state_holder.state.participants
+            forger.delete_key(key)
+            pair[0].set_closed()  # what an agent's shutdown does at the job's end
+            assert pair[1].is_closed(), "the closing state survives the deletion"
+        assert any("was deleted from the store" in r.getMessage() and key in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+def test_a_writer_in_a_loop_is_named_without_flooding_the_log(caplog):
+    """One line at the first refusal, then at most one per ``LOG_EVERY_S`` saying how many
+    more came and that something outside the job keeps writing the key."""
+    from elastic_harness.launch import sealed
+
+    now = [0.0]
+    seal = sealed.StateSeal(KEY, "loop", clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        for i in range(50):
+            now[0] = i * 0.1
+            seal.open(b"\xff%d" % i)
+        now[0] = sealed.LOG_EVERY_S + 1
+        seal.open(b"\xffagain")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and seal.refused == 51, lines
+    assert "49 more" in lines[1] and "keeps writing 'torch.rendezvous.loop'" in lines[1]
+
+
 def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, caplog, monkeypatch):
     """The same through a real etcd (v2 API), the forger a plain etcd client (the v3 backend:
     tests/launch/test_etcd_v3.py)."""
@@ -218,10 +294,11 @@ def test_another_jobs_key_cannot_join(store):
     seal = sealed.StateSeal(KEY, "r")
     stranger = sealed.StateSeal(b"o" * 32, "r")
     fresh = seal.open(base64.b64encode(stranger.close(pickle.dumps({"evil": 1}))))
-    assert fresh == sealed.NO_STATE == b"" and seal.refused == 1  # torch makes a fresh state of it
+    assert type(pickle.loads(fresh)).__name__ == "_RendezvousState" and seal.refused == 1
     good = seal.open(base64.b64encode(seal.close(b"ours")))
     assert good == b"ours"
     assert seal.open(b"garbage") == b"ours", "after a refusal: the last authentic state"
+    assert seal.open(b"\xff\xfe") == b"ours" and seal.open(sealed.ABSENT) == b"ours", "not UTF-8; the empty marker"
 
 
 def test_rendezvous_store_host_binds_only_the_endpoint_host(monkeypatch):
@@ -395,6 +472,69 @@ def test_a_provided_key_file_must_exist(tmp_path):
     assert not (tmp_path / "run" / jobkey.KEY_FILE).exists(), "no key of its own beside a provided one"
 
 
+def _signed_run(run_dir):
+    """A run dir whose key signed a checkpoint (step 5); its listing."""
+    from elastic_harness.checkpoint.export import save_single_process
+    from elastic_harness.checkpoint.storage import LocalStorage
+
+    storage = LocalStorage(run_dir / "checkpoints")
+    storage.ensure()
+    key = jobkey.ensure(run_dir / jobkey.KEY_FILE)
+    save_single_process(storage, "step-0000005", {"model": {"w": __import__("torch").ones(3)}}, {"step": 5}, key=key)
+    return storage, sorted(storage.listing())
+
+
+def test_a_missing_or_replaced_key_is_named_and_nothing_is_set_aside(cli_here, tmp_path):
+    """Issue 33: with job.key gone, a new key was made silently and every good checkpoint
+    set aside as forged on resume. Now the run is refused before anything starts (exit 2),
+    naming the file and the fix, with the checkpoints and the run dir as they were."""
+    from tests.conftest import MLP
+
+    run_dir = tmp_path / "run"
+    storage, before = _signed_run(run_dir)
+    (run_dir / jobkey.KEY_FILE).unlink()
+    r = cli_here("run", MLP, "--run-dir", run_dir)
+    assert r.code == 2 and f"{run_dir / jobkey.KEY_FILE} is missing" in r.err, r.err
+    assert "ckpt trust" in r.err and "--step 5" in r.err and "--fresh" in r.err and "Traceback" not in r.err
+    assert not (run_dir / jobkey.KEY_FILE).exists() and sorted(storage.listing()) == before
+    jobkey.ensure(run_dir / jobkey.KEY_FILE)  # another key than the one that signed them
+    r = cli_here("run", MLP, "--run-dir", run_dir)
+    assert r.code == 2 and "are not signed with the key in" in r.err and sorted(storage.listing()) == before, r.err
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5, "--yes")  # the fix it names: review, re-sign
+    assert r.code == 0, r.err
+
+
+def test_a_fresh_run_dir_still_makes_its_key_and_fresh_starts_over(tmp_path):
+    from elastic_harness.checkpoint.lock import Holder
+    from elastic_harness.rundir import prepare
+    from elastic_harness.spec import parse_job
+
+    spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])
+    with prepare(tmp_path / "new", spec, holder=Holder.this_process("job", "a")):
+        assert (tmp_path / "new" / jobkey.KEY_FILE).is_file()
+    run_dir = tmp_path / "run"
+    _signed_run(run_dir)
+    (run_dir / jobkey.KEY_FILE).unlink()
+    with prepare(run_dir, spec, fresh=True, holder=Holder.this_process("job", "b")):
+        assert (run_dir / jobkey.KEY_FILE).is_file(), "--fresh moved the checkpoints aside: a new key"
+
+
+@pytest.mark.parametrize("bad", ["missing", "short", "directory"])
+def test_a_bad_provided_key_file_is_one_line_before_any_launch(cli_here, tmp_path, monkeypatch, bad):
+    """Issue 33: a bad ELASTIC_HARNESS_KEY_FILE gave "agents exited with {0: 2}", exit 1."""
+    from tests.conftest import MLP
+
+    path = tmp_path / "key"
+    if bad == "short":
+        path.write_text("abcd\n")
+    elif bad == "directory":
+        path.mkdir()
+    monkeypatch.setenv(jobkey.KEY_FILE_VAR, str(path))
+    r = cli_here("run", MLP, "--run-dir", tmp_path / "run")
+    assert r.code == 2 and jobkey.KEY_FILE_VAR in r.err and str(path) in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 2 and "Traceback" not in r.err  # the line and its fix
+
+
 def test_ckpt_commands_check_signatures_and_trust_signs(cli_here, tmp_path):
     """An unsigned (legacy) checkpoint: verify says so, export refuses it with the fix named,
     ``ckpt trust`` signs it, then both accept it; a copy away from its key needs --key/--trust."""
@@ -416,7 +556,11 @@ def test_ckpt_commands_check_signatures_and_trust_signs(cli_here, tmp_path):
     r = cli_here("ckpt", "export", run_dir, "--to", tmp_path / "m.pt")
     assert r.code == 2 and "unsigned checkpoint" in r.err and "ckpt trust" in r.err
     assert not (tmp_path / "m.pt").exists()
-    r = cli_here("ckpt", "trust", run_dir)
+    r = cli_here("ckpt", "trust", run_dir)  # no bulk signing: one named step at a time
+    assert r.code == 2 and "--step" in r.err and cli_here("ckpt", "verify", run_dir).code == 1
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5)  # shown, but nobody said yes (no terminal)
+    assert r.code == 2 and "model.w" in r.out and "--yes" in r.err and cli_here("ckpt", "verify", run_dir).code == 1
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5, "--yes")
     assert r.code == 0 and "step-0000005: signed with" in r.out
     assert cli_here("ckpt", "verify", run_dir).code == 0
     assert cli_here("ckpt", "export", run_dir, "--to", tmp_path / "m.pt").code == 0
@@ -448,7 +592,7 @@ def test_a_legacy_run_is_never_read_silently(cli_here, tmp_path):
     save_single_process(storage, "step-0000003", {"model": {"w": torch.ones(2)}}, {"step": 3})
     r = cli_here("verify", run_dir, run_dir)
     assert r.code == 2 and "no job.key" in r.err and "ckpt trust" in r.err
-    r = cli_here("ckpt", "trust", run_dir, "--key", run_dir / "job.key")
+    r = cli_here("ckpt", "trust", run_dir, "--step", 3, "--yes", "--key", run_dir / "job.key")
     assert r.code == 0 and stat.S_IMODE(os.stat(run_dir / "job.key").st_mode) == 0o600
     r = cli_here("verify", run_dir, run_dir)
     assert r.code == 0, r.err

@@ -103,6 +103,22 @@ def test_a_bad_spec_reports_every_problem_at_once():
     assert e.value.path == "bogus"
 
 
+def test_a_removed_key_says_when_and_what_instead_not_unknown_key():
+    """``checkpoint.writer`` went in 0.3 (issue 34): ``process`` is refused with one line that
+    says so and what to use; ``thread``, what it did by default and what happens now (every
+    0.2 resolved spec records it), still loads."""
+    task = "task: {target: 'a.b:C'}\n"
+    with pytest.raises(SpecError) as e:
+        parse_job(task + "checkpoint: {writer: process}\n")
+    assert e.value.path == "checkpoint.writer"
+    assert "removed in 0.3" in str(e.value) and "unknown key" not in str(e.value)
+    assert "background thread" in e.value.hint and "delete the key" in e.value.hint
+    old = parse_job(task + "checkpoint: {writer: thread, keep: 4}\n")
+    assert old.checkpoint.keep == 4 and not hasattr(old.checkpoint, "writer")
+    with pytest.raises(SpecError, match="removed in 0.3"):
+        parse_job(task, ["checkpoint.writer=process"])
+
+
 # ----- YAML 1.2 scalars and keys given twice (issue 33, item 4) ------------------------------
 def test_a_key_given_twice_is_named_with_both_lines():
     text = "name: x\ntask: {target: 'a.b:C'}\nnproc_per_node: 2\ntrain: {steps: 3}\nnproc_per_node: 4\n"

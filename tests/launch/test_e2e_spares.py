@@ -1,0 +1,78 @@
+"""Hot spares and bad nodes, end to end (issue 36, item 4): real agents on this machine.
+
+A spare waits in torch's redundancy list; when a node is lost it takes its place, and the
+job goes on at the same world size (the spare's rank restores from a peer's memory). A
+node dropped twice while alive (frozen, then thawed: ``hang-node`` with a duration) is kept
+out: its agent stops with 200, the job finishes without it, and ``report`` names it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from elastic_harness import exitcodes
+from tests.conftest import MLP, REPO, Result, cli, read_jsonl
+from tests.e2e.test_e2e_cluster import HEAVY
+from tests.servers import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+
+
+def in_redundancy_list(events: list[dict], node: str) -> bool:
+    return any(e["event"] == "torchelastic" and e.get("node") == node and "redundancy list" in (e.get("message") or "")
+               for e in events)
+
+
+def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir), "--nodes", "2",
+           "--set", "nodes.min=1", "--set", "nodes.max=2", "--set", "nodes.spares=1", "--nproc-per-node", "1",
+           "--set", "train.steps=4000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        events = lambda: read_jsonl(run_dir / "events.jsonl")  # noqa: E731
+        wait_until(lambda: in_redundancy_list(events(), "2") or proc.poll() is not None, 240,
+                   "the spare (node 2) to wait in the redundancy list")
+        assert cli("chaos", str(run_dir), "kill-node:1", timeout=30).code == 0
+        out, err = proc.communicate(timeout=360)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    r = Result(proc.returncode, out, err, run_dir)
+    assert r.code == 0, r.err
+    (spares,) = r.kinds("spares")
+    assert spares["nodes"] == ["2"]
+    (fault,) = r.kinds("fault")
+    sizes = [g["world_size"] for g in r.kinds("rendezvous")]
+    assert sizes == [2, 2], "the spare took node 1's place: no smaller world, no reshard"
+    after = [e for e in r.kinds("worker") if e["t"] > fault["t"]]
+    assert {e["node"] for e in after} == {"0", "2"}
+    resumed = r.kinds("resume")[-1]
+    assert resumed["source"] == "peer" and resumed["world_size"] == 2, resumed
+
+
+def test_a_node_dropped_twice_while_alive_is_kept_out_and_named(tmp_path):
+    job = yaml.safe_load(MLP.read_text())
+    job["chaos"] = [{"kind": "hang-node", "target": 1, "at_step": 30, "duration": 8},
+                    {"kind": "hang-node", "target": 1, "at_step": 700, "duration": 8}]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    r = cli("run", str(path), "--nodes", "2", "--set", "nodes.min=1", "--set", "nodes.max=2", *HEAVY,
+            "--set", "train.steps=1200", "--set", "train.record_samples=false", run_dir=tmp_path / "run",
+            timeout=420)
+    assert r.code == 0, r.err
+    (out,) = r.kinds("excluded")
+    assert out["node"] == "1" and len(out["failures"]) == 2 and "dropped" in out["failures"][0]
+    exits = {e["node"]: e["code"] for e in r.kinds("exit") if e.get("who") == "agent"}
+    assert exits["1"] == exitcodes.INFRA and exits["0"] == 0
+    assert [g["world_size"] for g in r.kinds("rendezvous")][-1] == 1
+    report = cli("report", str(tmp_path / "run"), "--no-plot")
+    assert "kept out (a bad node): node 1" in report.out

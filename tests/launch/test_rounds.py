@@ -1,0 +1,145 @@
+"""Node loss flat in the number of nodes (issue 36, item 2): real rounds of our handlers.
+
+torch's handlers (ours, from ``create_handler``) in threads of this process against a real
+c10d ``TCPStore``, as in ``test_rendezvous``. The later-round last call is a minute here and
+torch's keep-alive expiry a minute too: a round that closes in seconds closed because
+everyone expected was in (``launch.rounds``), not because a timeout ran out.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from elastic_harness.launch import rounds
+from elastic_harness.launch.rendezvous import create_handler
+from tests.launch.test_liveness import exited_identity
+from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(45)
+
+
+def agent(endpoint: str, run_id: str, max_nodes: int):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    conf = dict(join_timeout=90, last_call_timeout=60, close_timeout=10, heartbeat_timeout=5,
+                keep_alive_interval=1, keep_alive_max_attempt=60, is_host=False, read_timeout=30,
+                start_last_call_timeout=15)
+    return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, max_nodes, **conf), key=TEST_KEY)
+
+
+@pytest.mark.parametrize(("kw", "closes"), [
+    ({}, True),
+    ({"participants": {"a"}}, False),  # b, a member of the last round, is not in yet
+    ({"gone": set()}, False),  # c was not known gone: it may still come
+    ({"waiting": {"d"}}, False),  # d waits to join: the round must hold it
+    ({"waiting": {"d"}, "participants": {"a", "b", "d"}}, True),
+    ({"round_": 0}, False),  # the start of a submission has its own last call
+    ({"members": set()}, False),
+    ({"spares": {"s"}, "max_nodes": 3}, False),  # a spare has not taken c's place yet
+    ({"spares": {"s"}, "max_nodes": 3, "participants": {"a", "b", "s"}}, True),
+    ({"spares": {"s", "t"}, "max_nodes": 3, "participants": {"a", "b", "s"}}, True),  # room for one
+    ({"spares": {"s"}, "max_nodes": 2}, True),  # no room: the spare stays one
+])
+def test_a_round_closes_when_every_member_not_gone_and_every_waiting_node_joined(kw, closes):
+    args = {"round_": 3, "members": {"a", "b", "c"}, "gone": {"c"}, "participants": {"a", "b"},
+            "waiting": set(), **kw}
+    assert rounds.everyone_in(**args) is closes
+
+
+def test_survivors_of_three_form_the_next_round_without_its_last_call(store):  # noqa: F811
+    """Node c dies; a and b (whose workers lost it) restart: the round closes once both are
+    in, not a minute later."""
+    nodes = [agent(store, "three", 3) for _ in range(3)]
+    nodes[2]._identity = exited_identity()
+    try:
+        assert join_all(nodes, [0.0, 0.0, 0.0]) == [3, 3, 3]
+        nodes[2]._stop_heartbeats()  # killed
+        for n in nodes[:2]:
+            n.group_failed()
+            n.peer_lost()
+        assert join_all(nodes[:2], [0.0, 0.3]) == [2, 2]
+    finally:
+        close(nodes)
+
+
+def test_a_failed_group_writes_its_round_broken_for_every_peer(store):  # noqa: F811
+    pair = [agent(store, "broken", 2) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        assert not pair[0].round_broken() and not pair[1].round_broken()
+        pair[0].group_failed()
+        rejoined: dict = {}
+        again = threading.Thread(target=lambda: rejoined.update(info=pair[0].next_rendezvous()))
+        again.start()  # its exit from the round writes it broken; then it waits for the next
+        deadline = threading.Event()
+        for _ in range(100):  # node 1 reads the state as its agent does while its workers run
+            pair[1].num_nodes_waiting()
+            if pair[1].round_broken():
+                break
+            deadline.wait(0.1)
+        assert pair[1].round_broken(), "node 1 never learned that its round is over"
+        assert pair[1].next_rendezvous().world_size == 2
+        again.join(30)
+        assert rejoined["info"].world_size == 2
+        assert not pair[1].round_broken(), "the new round is not broken"
+    finally:
+        close(pair)
+
+
+def test_only_a_crash_breaks_the_round_not_workers_that_drained():
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+
+    from elastic_harness.launch.elastic import DRAINED, crashed
+    from elastic_harness.runtime.session import DRAIN_EXIT
+
+    def failed(*codes: int) -> RunResult:
+        return RunResult(state=WorkerState.FAILED, failures={
+            r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="<N/A>") for r, c in enumerate(codes)})
+
+    assert DRAINED == DRAIN_EXIT
+    assert not crashed(failed(DRAIN_EXIT, DRAIN_EXIT)), "a drain for a join its peers asked for"
+    assert crashed(failed(-9)) and crashed(failed(DRAIN_EXIT, 1))
+
+
+def test_a_large_group_reads_the_state_less_often():
+    from elastic_harness.launch.rendezvous import POLL_S, poll_for
+
+    assert poll_for(2) == poll_for(16) == POLL_S
+    assert poll_for(1000) == 5.0, "1000 agents read the state 200 times a second together, not 4000"
+    from elastic_harness.launch.rendezvous import REJOIN_POLL_S, rejoin_poll
+
+    assert rejoin_poll(8) == REJOIN_POLL_S and rejoin_poll(1000) == 1.25
+
+
+def test_a_spare_waits_reading_often_and_ends_cleanly_when_the_job_closes(store):  # noqa: F811
+    from elastic_harness.launch.agent import rendezvous_exit_code
+    from elastic_harness.launch.rendezvous import SPARE_POLL_S
+
+    active, spare = agent(store, "spare", 1), agent(store, "spare", 1)
+    try:
+        assert join_all([active], [0.0]) == [1]
+        outcome: dict = {}
+
+        def wait() -> None:
+            try:
+                spare.next_rendezvous()
+            except Exception as e:  # noqa: BLE001 - the outcome under test
+                outcome["error"] = e
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        for _ in range(100):
+            if spare._state_holder._cache_duration == SPARE_POLL_S:
+                break
+            threading.Event().wait(0.1)
+        assert spare._state_holder._cache_duration == SPARE_POLL_S, "a spare reads the state often"
+        assert spare._this_node in spare._state_holder.state.redundancy_list
+        active.shutdown()  # the job finished without needing the spare
+        waiting.join(30)
+        kind = type(outcome.get("error")).__name__
+        assert kind == "RendezvousGracefulExitError" and rendezvous_exit_code(kind) == 0
+    finally:
+        close([active, spare])
