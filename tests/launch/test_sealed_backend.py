@@ -126,3 +126,18 @@ def test_a_deleted_state_key_reads_as_no_state_without_waiting_for_it(store):
         assert h._state_holder.state.round == 0  # no state: a fresh one
     finally:
         h._stop_heartbeats()
+
+
+def test_a_forgery_before_any_authentic_state_reads_as_a_fresh_state(store):
+    """Garbage under the key before any agent wrote: it reads as torch's fresh state (a
+    pickled empty ``_RendezvousState``: torch cannot unpickle an empty value), and the first
+    round forms over it."""
+    import torch.distributed as dist
+
+    dist.TCPStore("127.0.0.1", store.port, is_master=False).set("torch.rendezvous.early", b"!!garbage!!")
+    pair = [handler(store.port, "early") for _ in range(2)]
+    try:
+        assert join(pair) == [2, 2]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
