@@ -39,6 +39,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if path:
         shutil.rmtree(path, ignore_errors=True)
 
+@pytest.fixture(autouse=True)
+def _undo_torch_patches():
+    """The patches ``torchcompat`` makes to torch's modules (an agent's ``create_handler``
+    makes them in its own process) are undone after each test that made them."""
+    yield
+    rdzv = sys.modules.get("elastic_harness.torchcompat.rdzv")
+    if rdzv is not None:
+        rdzv.undo_module_patches()
+
+
 REPO = Path(__file__).resolve().parents[1]
 JOBS = REPO / "jobs"
 MLP = JOBS / "mlp.yaml"

@@ -90,6 +90,7 @@ def measure(n: int, idle_s: float) -> dict:
     import torch.distributed as dist
 
     from elastic_harness.launch import rendezvous
+    from elastic_harness.torchcompat import rdzv
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_id, key, tally = f"scale-{uuid.uuid4().hex[:8]}", uuid.uuid4().bytes * 2, Tally()
@@ -104,17 +105,17 @@ def measure(n: int, idle_s: float) -> dict:
         _idle(handlers, idle_s)
         tally.phase = "node_loss"
         lost = handlers[-1]
-        lost._stop_heartbeats()
+        rdzv.stop_heartbeats(lost)
         survivors = handlers[:-1]
         for h in survivors:  # as its peers' agents decide when it dies (here all in one process)
             h.group_failed()
-            h.condemn([lost._this_node])
+            h.condemn([rdzv.this_node(lost)])
         t0 = time.monotonic()
         _all(survivors)
         loss_s = time.monotonic() - t0
     finally:
         for h in handlers:
-            h._stop_heartbeats()
+            rdzv.stop_heartbeats(h)
         del server
     keep = tally.calls.get("keep_alive", {})
     per_s = {k: round(v / idle_s, 1) for k, v in keep.items()}

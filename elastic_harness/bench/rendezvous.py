@@ -161,7 +161,12 @@ def _round(handlers: list) -> float:
 def _time_backend(handler) -> dict:
     """Count the seconds and calls inside this handler's backend (its ``get_state`` and
     ``set_state``, whichever thread calls them)."""
-    backend = handler._state_holder._backend
+    from elastic_harness.torchcompat.rdzv import state_backend
+
+    backend = state_backend(handler)
+    if backend is None:
+        raise HarnessError("this torch keeps its rendezvous backend out of reach (torchcompat: rdzv-state)",
+                           "run bench rendezvous with a torch that has it (docs/torch-versions.md)")
     clock = {"seconds": 0.0, "calls": 0}
     lock = threading.Lock()
 

@@ -22,10 +22,10 @@ _FIX = "it belongs to another model or config: use a new --run-dir or --fresh"
 
 def flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
     """``{dotted key: global shape}`` as DCP flattens it (None for non-tensors)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from elastic_harness.checkpoint.plans import flatten
 
     plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
-    flat, _ = flatten_state_dict(plain)
+    flat = flatten(plain)
     return {k: tuple(v.shape) if hasattr(v, "shape") else None for k, v in flat.items()}
 
 

@@ -1,12 +1,15 @@
 """Save plans cached per checkpoint manager, so a periodic save does not plan from scratch.
 
 Every DCP save plans what each rank writes: local plans, gathered on the coordinator,
-deduplicated into a global plan, scattered back. With ``enable_plan_caching`` a rank whose
-local plan equals the previous save's sends an empty plan and reuses the cached final plan,
-and the coordinator reuses the cached global plan and metadata; a changed plan is planned
-again. torch keeps that cache in class-level dicts keyed by ``_cached_plans_key`` (the
-class name by default), so two managers in one process (the bench has several) would share
-entries: each manager gets its own key, and ``forget`` drops its entries on close.
+deduplicated into a global plan, scattered back. Here, as with torch's own
+``enable_plan_caching``, a rank whose local plan equals the previous save's sends an empty
+plan (``SavePlan([], usable=False)``) and reuses its cached final plan, and the coordinator
+reuses the cached global plan and metadata; a changed plan is planned again. The cache is
+ours (``PlanCache``, one per manager key) and the planner a ``DefaultSavePlanner`` subclass
+overriding DCP's public planner methods: torch keeps its own cache in class-level dicts
+keyed by a private attribute, which a release may rename (issue 35). Our plans compare equal
+when their items write the same index with the same tensor metadata (chunk, size, dtype and
+the other properties): a little stricter than torch's comparison, which ignores the dtype.
 
 The cached plans also say, before a save, which of this rank's plain tensors another rank
 will write (DDP replicas: DCP has each written once): ``written_elsewhere`` returns them
@@ -22,23 +25,80 @@ save's state dict); ``forget(key)`` once, when the manager closes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from elastic_harness.deps import require_torch
 from elastic_harness.errors import CheckpointError
 
-_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
-           "_cached_final_save_plan")
+UNCHANGED = SavePlan([], usable=False)  # "same as the cached plan", as torch's caching sends it
+
+
+@dataclass
+class PlanCache:
+    """One manager's plans from its last save: this rank's local and final plans; on the
+    coordinator, every rank's local plan, the global plan and the metadata."""
+
+    local: SavePlan | None = None
+    final: SavePlan | None = None
+    all_local: list[SavePlan] | None = None
+    global_plan: list[SavePlan] | None = None
+    metadata: Any = None
+    pending: SavePlan | None = None  # this save's local plan, kept once the save planned whole
+
+
+_CACHES: dict[str, PlanCache] = {}
+
+
+def same_plan(a: SavePlan, b: SavePlan) -> bool:
+    """Pure: do two save plans write the same items (index, type, tensor metadata)?"""
+    def items(p: SavePlan) -> list[tuple]:
+        return [(i.type, i.index.fqn, i.index.offset, i.index.index, i.tensor_data) for i in p.items]
+    return a.usable == b.usable and items(a) == items(b)
 
 
 class _Planner(DefaultSavePlanner):
+    def __init__(self, cache: PlanCache) -> None:
+        super().__init__()  # torch's own caching stays off: the cache is ``cache``
+        self.cache = cache
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if self.cache.local is not None and same_plan(plan, self.cache.local):
+            return UNCHANGED
+        self.cache.pending = plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
+        c = self.cache
+        if c.all_local is None or len(c.all_local) != len(all_plans):
+            global_plan, metadata = super().create_global_plan(all_plans)
+            c.all_local, c.global_plan, c.metadata = all_plans, global_plan, metadata
+            return global_plan, metadata
+        if not any(p.usable for p in all_plans):  # no rank's plan changed: scatter nothing
+            self.global_plan, self.metadata = c.global_plan, c.metadata
+            return [UNCHANGED] * len(all_plans), c.metadata
+        merged = [old if not new.usable else new for old, new in zip(c.all_local, all_plans, strict=True)]
+        global_plan, metadata = super().create_global_plan(merged)
+        delta = [UNCHANGED if same_plan(old, new) else new
+                 for old, new in zip(c.global_plan, global_plan, strict=True)]
+        c.all_local, c.global_plan, c.metadata = merged, global_plan, metadata
+        return delta, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        c = self.cache
+        if new_plan.usable:
+            c.final = new_plan
+        elif c.final is None:
+            raise CheckpointError("a save plan came back 'unchanged' but this rank has none cached",
+                                  "nothing to do: the next save plans again")
+        if c.pending is not None:  # the whole save planned: this rank's plan is the cached one
+            c.local, c.pending = c.pending, None
+        return super().finish_plan(c.final if not new_plan.usable else new_plan)
+
     def resolve_data(self, write_item: WriteItem) -> Any:
         data = super().resolve_data(write_item)
         if isinstance(data, torch.Tensor) and data.is_meta:
@@ -50,30 +110,40 @@ class _Planner(DefaultSavePlanner):
 
 
 def planner(key: str) -> DefaultSavePlanner:
-    require_torch("DefaultSavePlanner._cached_plans_key")
-    p = _Planner(enable_plan_caching=True)
-    p._cached_plans_key = key
-    return p
+    return _Planner(_CACHES.setdefault(key, PlanCache()))
+
+
+def flatten(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` flattened to DCP's dotted keys, as DCP's default planner flattens it."""
+    p = DefaultSavePlanner()
+    p.set_up_planner(state)
+    return p.state_dict
+
+
+def local_plan(state: dict[str, Any]) -> tuple[SavePlan, dict[str, Any]]:
+    """The local plan DCP's default planner makes for ``state`` (not as the coordinator),
+    and the flattened state."""
+    p = DefaultSavePlanner()
+    p.set_up_planner(state)
+    return p.create_local_plan(), p.state_dict
 
 
 def written_elsewhere(key: str, state: dict[str, Any]) -> frozenset[str] | None:
     """The fully qualified names of the plain tensors in ``state`` that the cached plans have
     another rank write, or None if ``state`` does not plan as the cached local plan."""
-    cached, final = SavePlanner._cached_save_plan.get(key), SavePlanner._cached_final_save_plan.get(key)
-    if cached is None or final is None:
+    c = _CACHES.get(key)
+    if c is None or c.local is None or c.final is None:
         return None
     try:  # never raise here: the ranks are about to agree, and DCP reports what is wrong itself
-        flat, _ = flatten_state_dict(state)
-        same = _compare_save_plans(create_default_local_save_plan(flat, False), cached)
+        plan, flat = local_plan(state)
     except Exception:  # noqa: BLE001 - e.g. a duplicated flattened key: stage everything
         return None
-    if not same:
+    if not same_plan(plan, c.local):
         return None
-    mine = {item.index.fqn for item in final.items}
-    return frozenset(item.index.fqn for item in cached.items if item.type == WriteItemType.TENSOR
+    mine = {item.index.fqn for item in c.final.items}
+    return frozenset(item.index.fqn for item in c.local.items if item.type == WriteItemType.TENSOR
                      and item.index.fqn not in mine and type(flat.get(item.index.fqn)) in (torch.Tensor, torch.nn.Parameter))
 
 
 def forget(key: str) -> None:
-    for name in _CACHES:
-        getattr(SavePlanner, name, {}).pop(key, None)
+    _CACHES.pop(key, None)

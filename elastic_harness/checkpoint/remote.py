@@ -149,9 +149,10 @@ class FsspecStorage:
         return None  # object stores have no fixed size to report
 
     def writer(self, name: str) -> StorageWriter:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from elastic_harness.torchcompat.dcp import fsspec_classes
 
-        return watch_writer(FsspecWriter(self.uri(name), sync_files=False, overwrite=False))
+        writer, _ = fsspec_classes()
+        return watch_writer(writer(self.uri(name), sync_files=False, overwrite=False))
 
     def reader(self, name: str) -> StorageReader:
         from elastic_harness.checkpoint.safe_metadata import fsspec_reader

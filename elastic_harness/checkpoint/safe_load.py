@@ -65,8 +65,16 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         loaded = load_item(fqn, value)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            set_at(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def set_at(root: object, path: tuple, value: object) -> None:
+    """Put ``value`` at ``path`` (DCP's flattening path: dict keys and list indices) inside
+    ``root``, the nested state being loaded into, which holds every container on the way
+    (the plan was made from it)."""
+    container = root
+    for key in path[:-1]:
+        container = container[key]
+    container[path[-1]] = value

@@ -149,9 +149,11 @@ class SafeFileSystemReader(FileSystemReader):
 
 def fsspec_reader(path: str) -> FileSystemReader:
     """DCP's fsspec reader (``s3://`` and other URLs); ``.metadata`` read by ``load``."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from elastic_harness.torchcompat.dcp import fsspec_classes
 
-    class SafeFsspecReader(FsspecReader):
+    _, reader = fsspec_classes()
+
+    class SafeFsspecReader(reader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             return _read_metadata(self, kwargs.get("rank"))
 

@@ -34,6 +34,7 @@ from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
 from elastic_harness.rundir import handed_resolved, prepare
 from elastic_harness.spec import load_job
+from elastic_harness.torchcompat.host import check_and_warn, check_release
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +86,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     spec = load_job(args.job, args.set)  # the one parse of the job in this process
     require_spec_extras(spec)
+    check_release()  # a torch below the range, before anything (the rest: ``_serve_with``)
     run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
     # Given the run dir's resolved spec (by `run`, its owner): the workers read that file,
     # so this agent neither rewrites it nor runs another job over it.
@@ -130,6 +132,10 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_i
 
 def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, zygote) -> int:
     from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
+
+    # The build and every private name: here, while the zygote imports torch (no start-up
+    # cost); a refusal stops the zygote (``_serve``) before any rendezvous or worker.
+    check_and_warn(spec)
 
     endpoint = None
     if args.endpoint_port is not None:

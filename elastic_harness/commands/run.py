@@ -33,6 +33,7 @@ from elastic_harness.rundir import check_paths, prepare
 from elastic_harness.runstate import RunState
 from elastic_harness.scriptfiles import check_compiles
 from elastic_harness.summary import summarize
+from elastic_harness.torchcompat.host import check_and_warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
     require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
+    check_and_warn(spec)  # the installed torch can run the harness (torchcompat.host)
     spec = preflight(spec, Path(args.job))
     if from_epochs:  # train.epochs became train.steps: each fault's step must fall inside
         check_faults(spec, nodes, args.netns, warn=False)

@@ -98,10 +98,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if sched.keeps_run_dir:
         from elastic_harness.commands.run import check_faults, preflight
         from elastic_harness.rundir import check_paths
+        from elastic_harness.torchcompat.host import check_and_warn
 
         nodes = _local_nodes(args, spec)
         check_faults(spec, nodes or spec.nodes.min, args.netns or args.separate_hosts)
         check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
+        check_and_warn(spec)  # the torch this host runs the job with (torchcompat.host)
         spec = preflight(spec, Path(args.job))
         run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
         if run_dir.exists() and not run_dir.is_dir():

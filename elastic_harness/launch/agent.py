@@ -116,7 +116,8 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     try:
         code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server)
     finally:
-        timer_server.stop()
+        if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
+            timer_server.stop()
         if cutoff is not None:
             cutoff.stop()
     events.emit("exit", who="agent", node=node, code=code, message=message)
@@ -161,9 +162,10 @@ def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
     witness = Witness(Path(opts.run_dir) / runfiles.EVENTS, node, time.time())
     launch = _launch(spec, opts, node, command, zygote, events, witness)
     strikes = keep_out(launch.agent, spec, events, node)
-    timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
-                                         spec.timeouts.step, strikes)
-    watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
+    if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
+        timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
+                                             spec.timeouts.step, strikes)
+        watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
     if on_health is not None:
         on_health(launch.agent.health)
     if zygote is not None and group_running(launch.spec.rdzv_handler):
@@ -189,7 +191,7 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
                   exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
-                  on_failure=exit_reporter(events, node))
+                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace)
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):

@@ -50,9 +50,12 @@ def _fields(p: dict) -> dict:
 
 def install(events: EventLog, node: str) -> str:
     """Register the bridge; returns the handler name for ``LaunchConfig.event_log_handler``."""
-    from torch.distributed.elastic.events import handlers
+    from elastic_harness.torchcompat.agent import register_event_handler
 
     bridge = EventBridge(events, node)
-    handlers._log_handlers[HANDLER_NAME] = bridge
-    handlers._log_handlers["dynamic_rendezvous"] = bridge
+    # torchelastic has no public way to add one; where this torch's table cannot be reached,
+    # its own "null" destination (no events from torch in events.jsonl).
+    if register_event_handler(HANDLER_NAME, bridge) is None:
+        return "null"
+    register_event_handler("dynamic_rendezvous", bridge)
     return HANDLER_NAME

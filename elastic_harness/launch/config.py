@@ -267,8 +267,8 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
     if not opts.rdzv_id:
         raise AssertionError("callers must give every submission its own rendezvous id")
     logs = DefaultLogsSpecs(log_dir=str(opts.run_dir / runfiles.LOGS), redirects=Std.ALL)
-    # torch is pinned to 2.13.0 (elastic_harness.deps), whose LaunchConfig has every field
-    # used here, shutdown_timeout included (launch/elastic.py reads it back).
+    # Only fields every supported torch has (2.11's has no shutdown_timeout): the shutdown
+    # grace goes to the agent itself (``Launch(shutdown_grace=)``, torchcompat.agent).
     return LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
@@ -283,7 +283,6 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
         monitor_interval=spec.timeouts.monitor_interval,
         start_method="spawn",
         local_addr=opts.local_addr,
-        shutdown_timeout=spec.timeouts.shutdown_grace,
     )
 
 

@@ -1,15 +1,16 @@
 """torchelastic's agent, with the three behaviours we need changed, and a launcher for it.
 
 ``HarnessAgent`` is torchelastic's ``LocalElasticAgent`` (rendezvous, worker processes,
-monitoring, restarts: all torch's) with three overrides:
+monitoring, restarts: all torch's) with three overrides, through ``torchcompat.agent``'s
+``AgentBase`` (torch's underscored hooks and state under public names):
 
-- ``_stop_workers``: torch stops the worker group for a restart or a membership change
+- ``stop_workers``: torch stops the worker group for a restart or a membership change
   with a fixed 30 s grace; a drain that saves a large state needs
-  ``timeouts.shutdown_grace`` (the launch config's shutdown timeout, which torch already
-  uses when the agent itself is signalled). For a membership change (the group healthy)
+  ``timeouts.shutdown_grace`` (``AgentBase.shutdown_grace``, which the agent also uses when
+  it is itself signalled). For a membership change (the group healthy)
   the workers first get ``JOIN_SIGNAL``, not SIGTERM: a drain for a join, which keeps the
   state in memory where that covers the next restore (``runtime.hook``).
-- ``_monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
+- ``monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
   error or crash loop?) and, if it gives a reason, spend no more restarts. Otherwise it
   settles the restart budget: torch's ``max_restarts`` counts every failure of the agent's
   life; here only failures without progress count (``policy.restarts_left`` over the job's
@@ -24,12 +25,13 @@ monitoring, restarts: all torch's) with three overrides:
   may be blocked in a collective) instead of waiting for the failure to reach it through
   its collectives, peer by peer (issue 36: node loss flat in the number of nodes); so is a
   drain for a join that is under way then.
-- ``_start_workers``: the process context it makes stops a failed group's survivors within
+- ``start_workers``: the process context it makes stops a failed group's survivors within
   ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
   then calls its module-level ``start_processes``, which has no parameter for the kind of
-  process context; for the duration of that call it is ``warm_processes`` instead (the
-  agent's main thread is the only caller), which returns a ``WarmContext``.
+  process context; for the duration of that call it is ``warm_processes`` instead
+  (``torchcompat.agent.processes_from``; where a torch has no such function, workers start
+  cold), which returns a ``WarmContext``.
 
 ``report(state, restart)`` hears the worker group's phases, for the recovery breakdown:
 ``failed`` (a worker's exit was seen; warm starts only), ``stopped`` (the rest of the group
@@ -52,10 +54,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -71,13 +71,14 @@ from elastic_harness.launch.policy import (
 )
 from elastic_harness.launch.warm import WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
+from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
 Report = Callable[[str, int], None]
 # What a worker takes for "drain, a node joins" (``runtime.session.Drain``); not imported
 # from there: the agent does not import the worker side.
 
 
-class HarnessAgent(LocalElasticAgent):
+class HarnessAgent(AgentBase):
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
@@ -89,7 +90,7 @@ class HarnessAgent(LocalElasticAgent):
         self._progress = progress or (lambda: 0)
         self._tick = tick or (lambda: None)  # each monitor pass: keeps the log reader current
         self._window = restart_window
-        self._budget = self._worker_group.spec.max_restarts  # the user's, before any refill
+        self._budget = self.worker_group.spec.max_restarts  # the user's, before any refill
         self._failure_steps: list[int] = []
         self.exhausted: str | None = None  # why the restart budget ran out, when it did
         self.formed = False  # a rendezvous completed and workers were started
@@ -106,39 +107,39 @@ class HarnessAgent(LocalElasticAgent):
 
     def health(self) -> tuple[bool, str]:
         """For the agent endpoint's ``/healthz`` (any thread; reads two fields, never blocks)."""
-        state = self._worker_group.state.name
+        state = self.worker_group.state.name
         return agent_health(state, time.monotonic() - self._last_monitor, self._quiet_bound_s)
 
     def _phase(self, state: str) -> None:
-        self._report(state, self._worker_group.spec.max_restarts - self._remaining_restarts)
+        self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts)
 
-    def _start_workers(self, worker_group: Any) -> dict[int, int]:
+    def start_workers(self, worker_group: Any) -> dict[int, int]:
         if self._zygote is None:
-            pids = super()._start_workers(worker_group)
+            pids = super().start_workers(worker_group)
         else:
             with _processes_from(self._zygote, self._phase):
-                pids = super()._start_workers(worker_group)
+                pids = super().start_workers(worker_group)
         self.formed = True
         self._broken = False
-        if self._pcontext is not None:
-            bound_failure_close(self._pcontext, failed_stop_grace(self._shutdown_timeout))
+        if self.pcontext is not None:
+            bound_failure_close(self.pcontext, failed_stop_grace(self.shutdown_grace))
         self._phase("started")
         return pids
 
     def rank_of(self, pid: int) -> int | None:
         """The global rank of this agent's worker ``pid`` (None if it is not one of them)."""
-        pids = self._pcontext.pids() if self._pcontext is not None else {}
-        for worker in self._worker_group.workers:
+        pids = self.pcontext.pids() if self.pcontext is not None else {}
+        for worker in self.worker_group.workers:
             if pids.get(worker.local_rank) == pid:
                 return worker.global_rank
         return None
 
-    def _stop_workers(self, worker_group: Any) -> None:
+    def stop_workers(self, worker_group: Any) -> None:
         if worker_group.state == WorkerState.HEALTHY:
             # torch stops a healthy group only for a membership change (a node waits to
             # join): the workers drain for a join, which may keep their state in memory.
-            self._drain_for_join(self._shutdown_timeout)
-        self._shutdown(timeout=self._shutdown_timeout)
+            self._drain_for_join(self.shutdown_grace)
+        self.shutdown(timeout=self.shutdown_grace)
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
@@ -147,7 +148,7 @@ class HarnessAgent(LocalElasticAgent):
         agent meanwhile (preemption) raises here as anywhere in the monitor loop, and the
         workers then get SIGTERM: a stop, saved to storage, if it comes before their drain
         step."""
-        pcontext = self._pcontext
+        pcontext = self.pcontext
         if pcontext is None:
             return
         for pid in pcontext.pids().values():
@@ -158,21 +159,21 @@ class HarnessAgent(LocalElasticAgent):
             if self._round_broken():  # a peer's group failed meanwhile: nothing left to drain for
                 self._kill_workers()
                 return
-            time.sleep(self._worker_group.spec.monitor_interval)
+            time.sleep(self.worker_group.spec.monitor_interval)
 
     def _round_broken(self) -> bool:
-        check = getattr(self._worker_group.spec.rdzv_handler, "round_broken", None)
+        check = getattr(self.worker_group.spec.rdzv_handler, "round_broken", None)
         return bool(check is not None and check())
 
     def _kill_workers(self) -> None:
         """SIGKILL this node's workers: their group cannot finish (a peer's failed), and a
         worker blocked in a collective handles no other signal."""
-        pcontext = self._pcontext
+        pcontext = self.pcontext
         for pid in (pcontext.pids().values() if pcontext is not None else ()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _monitor_workers(self, worker_group: Any) -> RunResult:
+    def monitor_workers(self, worker_group: Any) -> RunResult:
         self._last_monitor = time.monotonic()
         self._tick()
         if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
@@ -181,10 +182,10 @@ class HarnessAgent(LocalElasticAgent):
             if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
                 self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
             self._kill_workers()
-        before = self._remaining_restarts
-        result = super()._monitor_workers(worker_group)
+        before = self.remaining_restarts
+        result = super().monitor_workers(worker_group)
         # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
-        disabled_by_torch = before > 0 and self._remaining_restarts == 0
+        disabled_by_torch = before > 0 and self.remaining_restarts == 0
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
@@ -199,13 +200,13 @@ class HarnessAgent(LocalElasticAgent):
             reason = self._judge()
             if reason:
                 self.stop_reason = reason
-                self._remaining_restarts = 0
+                self.remaining_restarts = 0
             elif not disabled_by_torch:
                 self._settle_budget(result)
         if failed and self.strikes is not None and self.excluded is None:
             self.excluded = self.strikes.verdict(self._node_name)
             if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
-                self._remaining_restarts = 0
+                self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
         return result
 
@@ -213,13 +214,13 @@ class HarnessAgent(LocalElasticAgent):
         """One failure seen: refill torch's counter for the restarts left, or empty it."""
         self._failure_steps.append(self._progress())
         left = restarts_left(self._failure_steps, self._budget, self._window)
-        spec = self._worker_group.spec
+        spec = self.worker_group.spec
         if left < 0:
             counted = self._budget - left
             self.exhausted = exhausted_message(counted, self._budget, self._window, first_failure(result))
-            self._remaining_restarts = 0
+            self.remaining_restarts = 0
             return
-        spec.max_restarts, self._remaining_restarts = budget_refill(spec.max_restarts, self._remaining_restarts, left)
+        spec.max_restarts, self.remaining_restarts = budget_refill(spec.max_restarts, self.remaining_restarts, left)
 
 
 def workers_exited(pcontext: Any) -> bool:
@@ -326,10 +327,10 @@ def first_failure(result: RunResult) -> str:
 @contextlib.contextmanager
 def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[None]:
     """torchelastic's ``start_processes``, answered by ``zygote`` while this block runs."""
-    cold = local_agent.start_processes
 
     def warm_processes(name: str, entrypoint: Any, args: dict[int, tuple], envs: dict[int, dict[str, str]],
-                       logs_specs: Any, log_line_prefixes: dict[int, str] | None = None, **rest: Any) -> Any:
+                       logs_specs: Any, log_line_prefixes: dict[int, str] | None = None, *,
+                       cold: Callable[..., Any], **rest: Any) -> Any:
         if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
             return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
                         log_line_prefixes=log_line_prefixes, **rest)
@@ -341,11 +342,8 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[No
             raise
         return context
 
-    local_agent.start_processes = warm_processes
-    try:
+    with processes_from(warm_processes):
         yield
-    finally:
-        local_agent.start_processes = cold
 
 
 class Launch:
@@ -357,7 +355,8 @@ class Launch:
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
-                 on_failure: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_failure: Callable[[dict[str, Any]], None] | None = None,
+                 shutdown_grace: float = 30.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -366,14 +365,14 @@ class Launch:
         self.config = config
         self.spec = WorkerSpec(
             role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-            args=tuple(args), rdzv_handler=rendezvous.create_handler(params),
+            args=tuple(args), rdzv_handler=rendezvous.handler_for(params),
             max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
             master_addr=None, master_port=None, local_addr=config.local_addr,
             event_log_handler=config.event_log_handler,
         )
         self.agent = HarnessAgent(spec=self.spec, logs_specs=config.logs_specs,
                                   start_method=config.start_method,
-                                  shutdown_timeout=config.shutdown_timeout, judge=judge,
+                                  shutdown_grace=shutdown_grace, judge=judge,
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
                                   exit_barrier_timeout=exit_barrier_s, on_failure=on_failure)

@@ -29,9 +29,10 @@ when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``),
 executor's freshly synced state, which is the state holder's. ``create_handler`` builds
 torch's handler exactly as torch's own c10d/etcd-v2 creators do, with that timeout.
 
-Limits: the state is read through the handler's ``_state_holder`` (torch 2.x keeps it
-there); keep-alive expiry compares the writer's and the reader's wall clocks, so clock skew
-between hosts adds to (or eats into) ``keep_alive_interval * keep_alive_max_attempt``.
+Limits: the state is read through the handler's state holder (``torchcompat.rdzv``: where a
+torch lacks it, every round waits the start last call); keep-alive expiry compares the
+writer's and the reader's wall clocks, so clock skew between hosts adds to (or eats into)
+``keep_alive_interval * keep_alive_max_attempt``.
 
 Events without ``inspect.stack()``: every rendezvous operation records an event (the report
 reads them, through ``bridge``), named after the method and file that recorded it, which
@@ -40,14 +41,15 @@ and searches ``sys.modules`` for each: 20-30 ms per event with torch loaded, 100
 each restart's rendezvous on a 2-core machine, most of the time it took. torch skips it
 only when nobody listens. ``create_handler`` replaces both lookups in torch's
 ``dynamic_rendezvous`` module with ``method_name`` and ``record_event``, which read the same
-frames directly: the same events, in microseconds.
+frames directly: the same events, in microseconds (``torchcompat.rdzv.patch_module``: only in
+the agent's process, undone by tests).
 
 No start-up skew at restarts: see ``delay``.
 
 Authenticated state (issue 22): torch pickles the rendezvous state into the c10d store or
 etcd, and unpickles whatever it reads back; both are writable by anyone who reaches them.
-The backends here are torch's with the state sealed under the job's key
-(``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
+The backends here are ours, on torch's public ``RendezvousBackend`` interface, with the
+state sealed under the job's key (``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
 one logged line, and the job carries on with the last authentic state.
 
 A dead node sooner (issue 26): an agent whose workers failed because a peer's connection
@@ -56,12 +58,14 @@ the peers of its last round that are certainly gone (``launch.liveness``: same h
 the agent's process is gone, or another host and silent two keep-alive intervals), as
 torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
 Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
-state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks two
-private methods of torch 2.x's dynamic rendezvous, the state holder's ``_sanitize`` (run
-after every sync, where torch's own expiry happens) and the executor's ``_keep_alive``.
+state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks
+private methods of torch's dynamic rendezvous, the state holder's ``_sanitize`` (run after
+every sync, where torch's own expiry happens), the executor's ``_keep_alive`` and the join
+operations a later round closes early on (``torchcompat.rdzv``: where a torch lacks them,
+torch's expiry alone drops a lost node and a round waits its last call).
 
-Call order: ``create_handler(params)`` once per agent, instead of torch's registry; the
-agent then uses the handler as torch's own.
+Call order: ``handler_for(params)`` once per agent (torch's registry, which calls
+``create_handler``); the agent then uses the handler as torch's own.
 """
 
 from __future__ import annotations
@@ -86,8 +90,6 @@ from torch.distributed.elastic.events import (
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
-    dynamic_rendezvous,
-    rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -95,8 +97,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.deps import require_torch
 from elastic_harness.launch import etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,7 @@ class RoundTimeout(RendezvousTimeout):
         if start_last_call <= 0:
             raise ValueError(f"start_last_call ({start_last_call}) must be positive")
         self.start_last_call = timedelta(seconds=start_last_call)
+        self.later_last_call = timedelta(seconds=last_call)  # torch's copy is private to it
         self._state: Callable[[], Any] = lambda: None
         self._peers: frozenset = frozenset()  # the participants of this agent's last round
 
@@ -192,12 +195,12 @@ class RoundTimeout(RendezvousTimeout):
     def last_call(self) -> timedelta:
         state = self._state()
         if state is None:
-            return self._last_call
+            return self.later_last_call
         others = len(state.wait_list) + len(state.redundancy_list)
         missing = len(self._peers - set(state.participants))
         return timedelta(seconds=last_call_s(state.round, others, missing,
                                              start_s=self.start_last_call.total_seconds(),
-                                             later_s=self._last_call.total_seconds()))
+                                             later_s=self.later_last_call.total_seconds()))
 
 
 def timeout_from(params: RendezvousParameters) -> RoundTimeout:
@@ -213,18 +216,17 @@ def _seconds(params: RendezvousParameters, key: str) -> float:
     return float(params.get(key, _DEFAULTS[key]))
 
 
-def _backend(params: RendezvousParameters, key: bytes) -> tuple[Any, Any]:
-    """torch's state backend and store for ``params.backend`` (what its own creators build),
-    with the state sealed under ``key`` and a c10d store bound to one address
-    (``launch.sealed``)."""
+def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
+    """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state
+    sealed under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
     from elastic_harness.launch import sealed
 
-    c10d = params.backend == "c10d"  # where the state lives, for the log: a store key, an etcd key
+    c10d = name == "c10d"  # where the state lives, for the log: a store key, an etcd key
     where = f"torch.rendezvous.{params.run_id}" if c10d else f"/torch/elastic/rendezvous/{params.run_id}"
     seal = sealed.StateSeal(key, params.run_id, where=where)
     if c10d:
         return sealed.create_c10d_backend(params, seal)
-    if params.backend == etcd_v3.BACKEND:
+    if name == etcd_v3.BACKEND:
         return etcd_v3.create_backend(params, seal)
     return sealed.create_etcd_backend(params, seal)
 
@@ -262,33 +264,37 @@ class _Handler(DynamicRendezvousHandler):
         wrote it broken (its group failed), or the round moved on (everyone else left, or
         this node was dropped). From the last read of the state (the agent reads it every
         ``POLL_S`` while its workers run); never before a round completed."""
-        state = self._state_holder.state
-        return self._round is not None and (state.round != self._round or getattr(state, "broken", None) == self._round)
+        state = rdzv.state(self)
+        return state is not None and self._round is not None and (
+            state.round != self._round or getattr(state, "broken", None) == self._round)
 
     def was_dropped(self) -> bool:
         """Is this agent no longer a participant of the round it joined last (its peers
         dropped it, or torch's expiry did), by the last read of the state?"""
-        return self._round is not None and self._this_node not in self._state_holder.state.participants
+        state = rdzv.state(self)
+        return state is not None and self._round is not None and rdzv.this_node(self) not in state.participants
 
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
-        holder = self._state_holder
         if self._steady_poll is None:
-            self._steady_poll = holder._cache_duration  # ``POLL_S`` (``create_handler``), or a caller's
+            self._steady_poll = rdzv.state_cache(self)  # ``POLL_S`` (``create_handler``), or a caller's
         if self._formed:  # a restart: the peers rejoin within moments; see them at once
-            holder._cache_duration = _JOIN.poll = rejoin_poll(len(self._peers))
+            _JOIN.poll = rejoin_poll(len(self._peers))
+            rdzv.set_state_cache(self, _JOIN.poll)
         try:
             info = super().next_rendezvous()
         finally:
             _JOIN.restart, _JOIN.poll = False, POLL_S
-            holder._cache_duration = self._steady_poll
+            rdzv.set_state_cache(self, self._steady_poll)
         self._formed = True
-        state = holder.state
+        state = rdzv.state(self)
+        if state is None:  # ``rdzv-state`` off: torch's own timeouts, no per-round memory
+            return info
         if poll_for(len(state.participants)) > POLL_S:  # a large group reads less often
-            holder._cache_duration = max(self._steady_poll, poll_for(len(state.participants)))
+            rdzv.set_state_cache(self, max(self._steady_poll, poll_for(len(state.participants))))
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
         self._condemned, self._failed = frozenset(), False
-        timeout = self._settings.timeout
+        timeout = rdzv.settings(self).timeout
         if isinstance(timeout, RoundTimeout):
             timeout.remember(state.participants)
         return info
@@ -301,10 +307,10 @@ class _Handler(DynamicRendezvousHandler):
         lives = _lives(state)
         for node in [n for n in lives if n not in state.last_heartbeats]:
             del lives[node]  # left or expired: its entry goes with its keep-alive
-        settings = self._settings
+        settings = rdzv.settings(self)
         dead = liveness.dead_peers(
             participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
-            round_=state.round, my_round=self._round, peers=self._peers, me=self._this_node,
+            round_=state.round, my_round=self._round, peers=self._peers, me=rdzv.this_node(self),
             evidence=self._evidence or bool(self._condemned),
             gone=lambda node: node in self._condemned or liveness.gone(lives.get(node), ask=self._ask),
             now=datetime.now(timezone.utc),
@@ -319,7 +325,7 @@ class _Handler(DynamicRendezvousHandler):
             message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
                        f"without waiting for its keep-alives to expire: {how}")
             log.warning(message)
-            dynamic_rendezvous.construct_and_record_rdzv_event(
+            record_event(
                 name="_Handler.drop_dead", run_id=settings.run_id, message=message,
                 node_state=NodeState.RUNNING)
             for table in (state.last_heartbeats, state.participants, lives):
@@ -328,76 +334,74 @@ class _Handler(DynamicRendezvousHandler):
             state.wait_list.discard(node)
             state.redundancy_list.discard(node)
         if dead:
-            dynamic_rendezvous._remove_participant_epilogue(state, settings)
+            rdzv.remove_participant_epilogue(state, settings)
             if isinstance(settings.timeout, RoundTimeout):
                 settings.timeout.forget(dead)
         return dead
 
-    def install_liveness(self) -> None:
+    def install_liveness(self) -> Callable[[], None] | None:
         """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
-        agent's identity (and its beacon's address: ``launch.probe``) with each of its keep-alives."""
-        self._identity = liveness.identity(_beacon(self._this_node.addr))
+        agent's identity (and its beacon's address: ``launch.probe``) with each of its
+        keep-alives; returns the undo (None: ``rdzv-fast-path`` is off on this torch, and
+        torch's expiry alone drops a lost node)."""
+        if not rdzv.on("rdzv-fast-path"):
+            return None
+        me = rdzv.this_node(self)
+        self._identity = liveness.identity(_beacon(me.addr))
         self._ask = probe.Asker()
         self._gaps = verdict.KeepAliveGaps()
-        holder, executor = self._state_holder, self._op_executor
-        expire, keep_alive = holder._sanitize, executor._keep_alive
 
-        def sanitize() -> None:
-            self._read_at = now = datetime.now(timezone.utc)
-            beats = holder.state.last_heartbeats
-            self._gaps.observe(beats)
-            settings = self._settings
-            expiry = now - settings.keep_alive_interval * settings.keep_alive_max_attempt
-            expired = [node for node, beat in beats.items() if beat < expiry]
-            expire()  # torch drops those; not peers to wait for either (``RoundTimeout.forget``)
-            if expired:
-                _nodes(holder.state, "gone").update(expired)
-                if isinstance(settings.timeout, RoundTimeout):
-                    settings.timeout.forget(expired)
-            self.drop_dead(holder.state)
+        def write_identity(state: Any) -> None:
+            _lives(state)[me] = self._identity
 
-        def keep_alive_with_identity() -> None:
-            keep_alive()
-            _lives(executor._state)[self._this_node] = self._identity
+        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity)
+        self._close_rounds_early()
+        return undo
 
-        holder._sanitize = sanitize
-        executor._keep_alive = keep_alive_with_identity
-        self._close_rounds_early(executor)
+    def _sanitize_and_judge(self, expire: Callable[[], None]) -> None:
+        """At each sync of the state: torch's expiry (``expire``), then ours (``drop_dead``)."""
+        self._read_at = now = datetime.now(timezone.utc)
+        state = rdzv.state(self)
+        beats = state.last_heartbeats
+        self._gaps.observe(beats)
+        settings = rdzv.settings(self)
+        expiry = now - settings.keep_alive_interval * settings.keep_alive_max_attempt
+        expired = [node for node, beat in beats.items() if beat < expiry]
+        expire()  # torch drops those; not peers to wait for either (``RoundTimeout.forget``)
+        if expired:
+            _nodes(state, "gone").update(expired)
+            if isinstance(settings.timeout, RoundTimeout):
+                settings.timeout.forget(expired)
+        self.drop_dead(state)
 
-    def _close_rounds_early(self, executor: Any) -> None:
+    def _close_rounds_early(self) -> None:
         """A later round closes once everyone expected joined it (``launch.rounds``): each
         join checks, and each completed round records its members for the next one."""
-        add, complete, settings = executor._add_to_participants, executor._mark_rendezvous_complete, self._settings
+        settings = rdzv.settings(self)
 
-        def add_to_participants() -> None:
-            add()
-            state = executor._state
+        def after_add(state: Any) -> None:
             if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
                     round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
                     participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
                     max_nodes=settings.max_nodes):
                 state.deadline = datetime.now(timezone.utc)
 
-        def mark_complete() -> None:
-            complete()
-            state = executor._state
+        def after_complete(state: Any) -> None:
             state.members, state.gone = set(state.participants), set()
 
-        executor._add_to_participants = add_to_participants
-        executor._mark_rendezvous_complete = mark_complete
-        self._wait_as_spare(executor)
+        rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
+        self._wait_as_spare()
 
-    def _wait_as_spare(self, executor: Any) -> None:
+    def _wait_as_spare(self) -> None:
         """A hot spare (torch's redundancy list: the round is full) reads the state every
         ``SPARE_POLL_S`` instead of ``POLL_S``: it takes a lost node's place as soon as
         the round has room (issue 36; a few spares, a few reads more a second)."""
-        holder, add = self._state_holder, executor._add_to_redundancy_list
 
-        def add_to_redundancy_list() -> None:
-            add()
-            holder._cache_duration = _JOIN.poll = SPARE_POLL_S  # this join's thread (``delay``)
+        def after_spare(state: Any) -> None:
+            _JOIN.poll = SPARE_POLL_S  # this join's thread (``delay``)
+            rdzv.set_state_cache(self, SPARE_POLL_S)
 
-        executor._add_to_redundancy_list = add_to_redundancy_list
+        rdzv.hook_operations(self, add_to_redundancy_list=after_spare)
 
     def condemn(self, nodes: Any) -> None:
         """``launch.verdict`` found these peers of the last round gone (any thread): dropped
@@ -408,16 +412,17 @@ class _Handler(DynamicRendezvousHandler):
         """The peers of the last completed round as the last read of the state saw them
         (``verdict.Peer``), and their beacons' addresses; None before any round or while the
         state is being read for longer than ``wait_s`` (any thread)."""
-        if self._round is None or not self._heartbeat_lock.acquire(timeout=wait_s):
+        lock = rdzv.heartbeat_lock(self)
+        if self._round is None or self._gaps is None or lock is None or not lock.acquire(timeout=wait_s):
             return None
         try:
-            state, read_at, settings = self._state_holder.state, self._read_at, self._settings
+            state, read_at, settings = rdzv.state(self), self._read_at, rdzv.settings(self)
             interval = settings.keep_alive_interval.total_seconds()
             expiry = interval * settings.keep_alive_max_attempt
             ours = state.round == self._round and state.complete
             lives = _lives(state)
             peers = []
-            for node in sorted(self._peers - {self._this_node}):
+            for node in sorted(self._peers - {rdzv.this_node(self)}):
                 beat = state.last_heartbeats.get(node)
                 silent = (read_at - beat).total_seconds() if beat is not None and read_at is not None else None
                 bound = verdict.silence_bound_s(interval, self._gaps.usual(node), expiry)
@@ -425,7 +430,7 @@ class _Handler(DynamicRendezvousHandler):
             beacons = {n: lives[n].partition("|")[2] for n in self._peers if "|" in lives.get(n, "")}
             return peers, beacons
         finally:
-            self._heartbeat_lock.release()
+            lock.release()
 
 
 _BEACONS: list = []  # this process's beacon (one agent per process), kept open for its life
@@ -472,7 +477,9 @@ def _as_bytes(value: Any) -> bytes:
 
 def count_store_calls(handler: Any, tally: Callable[[str, int, int, bool], None]) -> None:
     """Count every store call ``handler``'s c10d backend makes (``bench rendezvous-scale``)."""
-    backend = handler._state_holder._backend
+    backend = rdzv.state_backend(handler)
+    if backend is None:
+        raise RuntimeError("this torch keeps its rendezvous backend out of reach (torchcompat: rdzv-state)")
     backend._store = _CountingStore(backend._store, tally)
 
 
@@ -480,7 +487,7 @@ def group_running(handler: Any) -> bool:
     """Does the rendezvous hold a formed group, so that this agent's join makes it drain?
     (A completed round with participants, read from the backend.) True when it cannot
     tell (another handler, or the read fails): the caller then waits as if it did."""
-    holder = getattr(handler, "_state_holder", None)
+    holder = rdzv.state_holder(handler)
     if holder is None:
         return True
     try:
@@ -510,8 +517,8 @@ def _lives(state: Any) -> dict:
     return lives
 
 
-TORCH_METHOD_NAME = dynamic_rendezvous.get_method_name  # torch's own, kept for comparison
-TORCH_DELAY = dynamic_rendezvous._delay
+TORCH_METHOD_NAME = rdzv.TORCH_GET_METHOD_NAME  # torch's own, kept for comparison
+TORCH_DELAY = rdzv.TORCH_DELAY
 _JOIN = threading.local()  # ``restart``: the handler joining on this thread was in a group
 
 
@@ -556,24 +563,44 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
     record_rdzv_event(event)
 
 
-def register_backends() -> None:
-    """Name our etcd v3 backend in torch's rendezvous handler registry: a handler made by
-    torch's registry for ``etcd-v3`` is ``create_handler``'s (torch's ``register`` accepts the
-    same creator again)."""
-    rendezvous_handler_registry.register(etcd_v3.BACKEND, create_handler)
+# Our handler in torch's rendezvous handler registry (its public extension point), under
+# names of its own (each is also its backend's ``name``): torch's ``c10d`` and ``etcd-v2``
+# stay torch's; ``etcd-v3`` (``launch.etcd_v3``) has no torch namesake.
+REGISTERED = {"c10d": "harness-c10d", "etcd-v2": "harness-etcd-v2", etcd_v3.BACKEND: etcd_v3.BACKEND}
+
+
+def register() -> None:
+    """Put ``create_handler`` in torch's registry under ``REGISTERED``'s names (idempotent:
+    torch's ``register`` accepts the same creator again)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    for name in REGISTERED.values():
+        rendezvous_handler_registry.register(name, create_handler)
+
+
+def handler_for(params: RendezvousParameters) -> RendezvousHandler:
+    """The agent's handler, made by torch's registry: ours for c10d, etcd-v3 and etcd-v2
+    (``register``), torch's own for any other backend."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    register()
+    name = REGISTERED.get(params.backend, params.backend)
+    ours = RendezvousParameters(backend=name, endpoint=params.endpoint, run_id=params.run_id,
+                                min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+                                local_addr=params.local_addr, **params.config)
+    return rendezvous_handler_registry.create_handler(ours)
 
 
 def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d, etcd-v3 (``launch.etcd_v3``) and etcd-v2 backends, its state sealed with the job's ``key`` (else the key in the
-    file that the config's ``key_file`` names: ``launch.config.rdzv_configs``); any other
-    backend exactly as torch's registry makes it."""
-    require_torch("dynamic_rendezvous.get_method_name, construct_and_record_rdzv_event and _delay")
-    dynamic_rendezvous.get_method_name = method_name  # see the module docstring
-    dynamic_rendezvous.construct_and_record_rdzv_event = record_event
-    dynamic_rendezvous._delay = delay
-    register_backends()
-    if params.backend not in ("c10d", "etcd-v2", etcd_v3.BACKEND):
+    c10d, etcd-v3 (``launch.etcd_v3``) and etcd-v2 backends (``REGISTERED``'s names too), its
+    state sealed with the job's ``key`` (else the key in the file that the config's
+    ``key_file`` names: ``launch.config.rdzv_configs``); any other backend exactly as torch's
+    registry makes it."""
+    rdzv.patch_module(method_name, record_event, delay)  # see the module docstring
+    register()  # a handler torch's registry makes for these names is this one, too
+    backend_name = {v: k for k, v in REGISTERED.items()}.get(params.backend, params.backend)
+    if backend_name not in REGISTERED:
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         return get_rendezvous_handler(params)
@@ -581,15 +608,26 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
         if not params.get("key_file"):
             raise ValueError("the rendezvous needs the job's key (key_file in its config)")
         key = jobkey.read(Path(params.get("key_file")))
-    backend, store = _backend(params, key)
-    timeout = timeout_from(params)
+    backend, store = _backend(params, backend_name, key)
+    timeout = timeout_from(params) if rdzv.on("rdzv-state") else torch_timeout(params)
     handler = _Handler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=int(_seconds(params, "keep_alive_interval")),
         keep_alive_max_attempt=int(params.get("keep_alive_max_attempt", 3)),
     )
-    holder = handler._state_holder  # the state torch's join operation is changing
-    holder._cache_duration = POLL_S  # see ``POLL_S``
-    timeout.follow(lambda: holder.state)
+    holder = rdzv.state_holder(handler)  # the state torch's join operation is changing
+    if holder is not None:
+        rdzv.set_state_cache(handler, POLL_S)  # see ``POLL_S``
+        timeout.follow(lambda: holder.state)
     handler.install_liveness()
     return handler
+
+
+def torch_timeout(params: RendezvousParameters) -> RendezvousTimeout:
+    """torch's own timeouts, for a torch whose rendezvous state cannot be read
+    (``rdzv-state`` off): every round waits the start last call, the safe one at start-up."""
+    return RendezvousTimeout(join=timedelta(seconds=_seconds(params, "join_timeout")),
+                             last_call=timedelta(seconds=float(params.get(
+                                 "start_last_call_timeout", _seconds(params, "last_call_timeout")))),
+                             close=timedelta(seconds=_seconds(params, "close_timeout")),
+                             heartbeat=timedelta(seconds=_seconds(params, "heartbeat_timeout")))

@@ -1,4 +1,4 @@
-"""torch's rendezvous backends (c10d, etcd-v2) with the state authenticated by the job's key.
+"""Rendezvous backends of our own (c10d, etcd-v2) with the state authenticated by the job's key.
 
 torch's dynamic rendezvous pickles its state (``_BackendRendezvousStateHolder``) and hands
 the bytes to a backend, which stores them base64-encoded under one key of the c10d store or
@@ -11,50 +11,48 @@ key can make every agent run code (issue 22: a forged pickle ran a shell command
   not sealed with this job's key for this rendezvous id (a forgery, garbage, bytes that are
   not even UTF-8, another job's state, torch's "no state yet" marker once a state was seen)
   reads as the last authentic state this agent saw (a fresh, empty state before it saw
-  any), with a logged line (rate-limited: ``LOG_EVERY_S``). The token stays the exact
+  any: ``torchcompat.rdzv.fresh_state``), with a logged line (rate-limited: ``LOG_EVERY_S``). The token stays the exact
   value read, so the agent's next write replaces it, and the job goes on (issue 33: the
   token used to be the raw bytes torch then decoded as UTF-8, and non-UTF-8 bytes ended
   the agent).
 
-The c10d backend is written on torch's public backend interface (``SealedC10dBackend``):
-its reads never block on a deleted key and a deleted key is written again (issue 33: the
-agents blocked at the job's end for ``read_timeout`` each). The etcd-v2 backend is torch's
-class with those two steps added; etcd tells a missing key apart itself.
+Both backends are ours, written on torch's public backend interface (``RendezvousBackend``:
+``name``, ``get_state``, ``set_state``), no torch class subclassed (issue 35). The c10d one
+(``SealedC10dBackend``): its reads never block on a deleted key and a deleted key is written
+again (issue 33: the agents blocked at the job's end for ``read_timeout`` each). The etcd-v2
+one (``SealedEtcdBackend``): one key of etcd's v2 API, written with ``prevIndex``/``prevExist``
+and a TTL of two hours, as torch's etcd-v2 backend does; etcd tells a missing key apart
+itself. The seal does not depend on the store: etcd v3's backend (``launch.etcd_v3``) uses
+``StateSeal`` the same way. Each backend's ``name`` is the one ``launch.rendezvous``
+registers the handler under in torch's handler registry (``harness-c10d``, ``harness-etcd-v2``).
 
 The c10d store itself: ``create_c10d_backend`` is torch's ``create_backend`` for a TCP
 store, except that the agent hosting the store binds the endpoint's host (``listen``), not
 every interface: ``127.0.0.1`` for a local run, the address the job gave its nodes
-elsewhere. A file store (``store_type=file``) is torch's.
+elsewhere. A file store (``store_type=file``) is torch's ``FileStore`` at the endpoint's path.
 """
 
 from __future__ import annotations
 
 import binascii
 import logging
-import pickle
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import TCPStore
+from torch.distributed import FileStore, TCPStore
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    RendezvousBackend,
-    Token,
-    _RendezvousState,
-)
-from torch.distributed.elastic.rendezvous.utils import (
-    _matches_machine_hostname,
-    parse_rendezvous_endpoint,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic_harness import jobkey
 from elastic_harness.listen import listener
+from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +108,7 @@ class StateSeal:
 
     def fallback(self) -> bytes:
         """The last authentic state, else a fresh one (what a refused value reads as)."""
-        return self._last if self._last is not None else pickle.dumps(_RendezvousState())
+        return self._last if self._last is not None else rdzv.fresh_state()
 
     def warn(self, kind: str, message: str) -> None:
         """Log ``message`` now, unless a line of this ``kind`` went out within ``LOG_EVERY_S``:
@@ -151,7 +149,7 @@ class SealedC10dBackend(RendezvousBackend):
 
     @property
     def name(self) -> str:
-        return "c10d"
+        return "harness-c10d"
 
     def get_state(self) -> tuple[bytes, Token] | None:
         if not self._call("check", [self._key]):
@@ -185,7 +183,7 @@ def _c10d_store(params: RendezvousParameters) -> TCPStore:
     """torch's ``_create_tcp_store``, the server bound to the endpoint's host (module doc)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     configured = params.get_as_bool("is_host")
-    is_host = configured if configured is not None else _matches_machine_hostname(host)
+    is_host = configured if configured is not None else rdzv.matches_this_host(host)
     read_timeout = params.get_as_int("read_timeout", 60) or 60
     timeout = timedelta(seconds=read_timeout)
     # As torch: a guessed host that cannot serve (another agent on this machine does) joins.
@@ -205,30 +203,104 @@ def _c10d_store(params: RendezvousParameters) -> TCPStore:
 
 def create_c10d_backend(params: RendezvousParameters, seal: StateSeal) -> tuple[Any, Any]:
     if params.get("store_type", "tcp").strip().lower() == "file":
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import _create_file_store
-
-        store: Any = _create_file_store(params)
+        if not params.endpoint:
+            raise ValueError("a file store (store_type=file) needs the endpoint to name its file")
+        store: Any = FileStore(params.endpoint)
     else:
         store = _c10d_store(params)
     return SealedC10dBackend(store, params.run_id, seal), store
 
 
+class SealedEtcdBackend(RendezvousBackend):
+    """The state in one key of etcd's v2 API (module doc); ``client`` is python-etcd's."""
+
+    TTL_S = 7200
+
+    def __init__(self, client: Any, run_id: str, seal: StateSeal,
+                 key_prefix: str = "/torch/elastic/rendezvous") -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client, self._seal, self._key = client, seal, f"{key_prefix}/{run_id}"
+
+    @property
+    def name(self) -> str:
+        return "harness-etcd-v2"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        got = self._read()
+        return None if got is None else (self._seal.open(got[0]), got[1])
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        stored = b64encode(self._seal.close(state))
+        when = {"prevIndex": token} if isinstance(token, int) and token else {"prevExist": False}
+        try:
+            result = self._etcd(lambda: self._client.write(self._key, stored.decode(), self.TTL_S, **when))
+        except _Lost:  # another agent wrote first (or the key exists): what is there now
+            got = self._read()
+            return None if got is None else (self._seal.open(got[0]), got[1], False)
+        return self._seal.open(_text(result)), result.modifiedIndex, True
+
+    def _read(self) -> tuple[bytes, int] | None:
+        import etcd
+
+        try:
+            result = self._etcd(lambda: self._client.read(self._key))
+        except _Lost:
+            return None
+        except etcd.EtcdKeyNotFound:
+            return None
+        return _text(result), result.modifiedIndex
+
+    @staticmethod
+    def _etcd(call: Callable[[], Any]) -> Any:
+        import etcd
+        import urllib3
+
+        try:
+            return call()
+        except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed) as exc:
+            raise _Lost from exc
+        except etcd.EtcdKeyNotFound:
+            raise
+        except (etcd.EtcdException, urllib3.exceptions.TimeoutError) as exc:
+            raise RendezvousConnectionError(
+                "The connection to etcd has failed. See inner exception for details.") from exc
+
+
+class _Lost(Exception):
+    """An etcd compare-and-swap another agent won."""
+
+
+def _text(result: Any) -> bytes:
+    return str(result.value or "").encode("utf-8", "surrogatepass")
+
+
+def etcd_client(params: RendezvousParameters) -> Any:
+    """python-etcd's client for the endpoint, as the config asks (``launch.config``, torch's
+    keys): ``protocol`` (http or https), ``ca_cert``, ``ssl_cert`` and ``ssl_cert_key``
+    (a client certificate), ``read_timeout`` seconds."""
+    import etcd
+    import urllib3
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=2379)
+    read_timeout = params.get_as_int("read_timeout", 60) or 60
+    protocol = (params.get("protocol") or "http").strip().lower()
+    if protocol not in ("http", "https"):
+        raise ValueError(f"etcd protocol '{protocol}' is neither http nor https")
+    cert = params.get("ssl_cert")
+    if cert and params.get("ssl_cert_key"):
+        cert = (cert, params.get("ssl_cert_key"))
+    try:
+        return etcd.Client(host, port, read_timeout=read_timeout, protocol=protocol, cert=cert,
+                           ca_cert=params.get("ca_cert"), allow_reconnect=True)
+    except (etcd.EtcdException, urllib3.exceptions.TimeoutError) as exc:
+        raise RendezvousConnectionError(
+            "The connection to etcd has failed. See inner exception for details.") from exc
+
+
 def create_etcd_backend(params: RendezvousParameters, seal: StateSeal) -> tuple[Any, Any]:
-    """torch's etcd-v2 ``create_backend`` (its client: protocol and certificates from the
-    config, ``launch.config.rdzv_configs``), with the state sealed."""
-    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import (
-        EtcdRendezvousBackend,
-        _create_etcd_client,
-    )
+    """The etcd-v2 backend and torch's ``EtcdStore`` over the same client (module doc)."""
     from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
-    class SealedEtcdBackend(EtcdRendezvousBackend):
-        def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
-            return super().set_state(seal.close(state), token)
-
-        def _decode_state(self, result: Any) -> tuple[bytes, Any]:
-            return seal.open(str(result.value or "").encode("utf-8", "surrogatepass")), result.modifiedIndex
-
-    client = _create_etcd_client(params)
-    backend = SealedEtcdBackend(client, params.run_id, key_prefix="/torch/elastic/rendezvous")
-    return backend, EtcdStore(client, "/torch/elastic/store")
+    client = etcd_client(params)
+    return SealedEtcdBackend(client, params.run_id, seal), EtcdStore(client, "/torch/elastic/store")

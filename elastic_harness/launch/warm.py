@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.api import PContext, ProcessFailure, RunProcsResult
+from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
 
 from elastic_harness.launch.zygote import STOP_WAIT_S, Zygote, ZygoteLost
+from elastic_harness.torchcompat.agent import ContextBase
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,9 @@ def warm_invocation(entrypoint: Any, args: Sequence[str]) -> tuple[str, list[str
     return rest[1], rest[2:], unbuffered
 
 
-class WarmContext(PContext):
-    """torchelastic's view of one worker group forked by the zygote (see ``PContext``)."""
+class WarmContext(ContextBase):
+    """torchelastic's view of one worker group forked by the zygote (see ``PContext``,
+    whose hooks ``torchcompat.agent.ContextBase`` names)."""
 
     def __init__(self, name: str, zygote: Zygote, args: dict[int, tuple], envs: dict[int, dict[str, str]],
                  logs_specs: Any, log_line_prefixes: dict[int, str] | None = None,
@@ -79,7 +81,7 @@ class WarmContext(PContext):
         self._pids: dict[int, int] = {}
         self._failures: dict[int, ProcessFailure] = {}
 
-    def _start(self) -> None:
+    def start_processes(self) -> None:
         for local_rank in range(self.nprocs):
             invocation = warm_invocation(self.entrypoint, [str(a) for a in self.args[local_rank]])
             if invocation is None:
@@ -98,7 +100,7 @@ class WarmContext(PContext):
             codes.update({lr: -signal.SIGKILL for lr in self._pids if lr not in codes})
         return codes
 
-    def _poll(self) -> RunProcsResult | None:
+    def poll_processes(self) -> RunProcsResult | None:
         codes = self._codes()
         self._note_failures(codes)
         if len(codes) < self.nprocs and not self._failures:
@@ -122,7 +124,7 @@ class WarmContext(PContext):
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
 
-    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+    def close_processes(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         """``death_sig`` to the workers still running, SIGKILL after ``timeout`` s."""
         if not self._wait_for_all(death_sig, timeout):
             log.warning("workers did not stop within %s s of %s; killing them", timeout, death_sig.name)

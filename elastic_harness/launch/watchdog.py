@@ -38,15 +38,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.timer import FileTimerServer
-
 from elastic_harness.launch.scratch import fifo_lock, stale_fifos, watchdog_fifo
+from elastic_harness.torchcompat import probe
+from elastic_harness.torchcompat.agent import TimerServerBase
 
 TIMER_FILE_VAR = "TORCHELASTIC_TIMER_FILE"
 STALL_SCOPE = "elastic-harness-stall"  # ``runtime.timer.STALL_SCOPE`` (the agent imports no worker code)
 
 
-class WorkerOnlyTimerServer(FileTimerServer):
+class WorkerOnlyTimerServer(TimerServerBase):
     def __init__(self, fifo: Path, run_id: str, private_dir: str | None = None, lock_fd: int | None = None) -> None:
         super().__init__(file_path=str(fifo), run_id=run_id, max_interval=0.1, daemon=True)
         self._fifo, self._private_dir, self._lock_fd = fifo, private_dir, lock_fd
@@ -76,7 +76,7 @@ class WorkerOnlyTimerServer(FileTimerServer):
             if found:
                 for p in stalled:  # with the deadline that kills (the stall one has no signal)
                     self._verdicts[p] = found
-                    expired[p] = stalled[p] + [r for (q, _), r in self._timers.items() if q == p and r.signal > 0]
+                    expired[p] = stalled[p] + [r for (q, _), r in self.timers().items() if q == p and r.signal > 0]
         return expired
 
     def register_timers(self, timer_requests: list) -> None:
@@ -86,11 +86,11 @@ class WorkerOnlyTimerServer(FileTimerServer):
                 self._armed[request.worker_pid] = now
         super().register_timers(timer_requests)
 
-    def _reap_worker(self, worker_pid: int, signal: int) -> bool:
+    def reap_worker(self, worker_pid: int, signal: int) -> bool:
         if worker_pid == os.getpid():
             return True  # the worker was reaped; the agent lives on to restart the group
         state = process_state(worker_pid)  # before the kill: was it stopped, or waiting?
-        reaped = super()._reap_worker(worker_pid, signal)
+        reaped = super().reap_worker(worker_pid, signal)
         armed = self._armed.pop(worker_pid, None)
         found = self._verdicts.pop(worker_pid, None)
         silent = time.time() - armed if armed is not None else 0.0
@@ -125,7 +125,12 @@ def process_state(pid: int) -> str:
         return ""
 
 
-def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer:
+def start(run_id: str, run_dir: Path) -> WorkerOnlyTimerServer | None:
+    """The started server, or None where ``watchdog-reap`` is off: torch's server would
+    SIGKILL the agent itself after a worker, so the watchdog is not run at all (a hung
+    worker then waits for its process group's timeout; said once by ``probe.on``)."""
+    if not probe.on("watchdog-reap"):
+        return None
     fifo = watchdog_fifo(run_dir, os.urandom(8).hex())
     lock_fd = None
     try:

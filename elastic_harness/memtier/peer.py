@@ -129,9 +129,11 @@ def portable(layout: Layout, model: Any, state_keys: Any) -> bool:
     keeps a bare model's replicas the same)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from elastic_harness.torchcompat.nn import unwrap_compiled
+
     if _per_rank_entries(state_keys):
         return False
-    inner = getattr(model, "_orig_mod", model)
+    inner = unwrap_compiled(model)
     return layout.kind != "ddp" or isinstance(inner, DistributedDataParallel)
 
 

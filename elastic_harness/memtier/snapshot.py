@@ -34,6 +34,8 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate
 
+from elastic_harness.torchcompat.nn import copy_all
+
 ALIGN = 64
 
 
@@ -217,7 +219,7 @@ def write(cap: Capture, data: torch.Tensor, base: int, views: Views) -> None:
     targets = views.of(cap, data, base)  # one per tensor with bytes, as ``cap.sources``
     if cap.sources and cap.cpu:
         with torch.no_grad():  # one call into C++ for every tensor (a loop of copy_ cost ~2 us each)
-            torch._foreach_copy_(targets, cap.sources)
+            copy_all(targets, cap.sources)
     else:
         for view, t in zip(targets, cap.sources, strict=True):
             view.copy_(t.detach())

@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from elastic_harness.torchcompat.nn import non_persistent_buffers
 
 
 def persistent_buffers(model: nn.Module) -> list[torch.Tensor]:
     """Buffers that are part of the state dict (non-persistent ones are recomputed)."""
     out = []
     for module in model.modules():
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip = non_persistent_buffers(module)
         out += [b for name, b in module.named_buffers(recurse=False) if name not in skip and b is not None]
     return out
 
@@ -44,7 +45,7 @@ class BufferSync:
         """Every rank: overwrite each buffer with rank 0's copy (one broadcast per dtype).
         ``group`` None: every process (the data-parallel group under ``ddp``/``fsdp``)."""
         for tensors in self.groups.values():
-            flat = _flatten_dense_tensors(tensors)
+            flat = torch.cat([t.reshape(-1) for t in tensors])
             dist.broadcast(flat, src=0, group=group)
-            for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-                t.copy_(synced)
+            for t, synced in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                t.copy_(synced.view_as(t))

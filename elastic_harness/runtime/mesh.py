@@ -26,6 +26,7 @@ from torch import nn
 
 from elastic_harness.errors import TaskError
 from elastic_harness.runtime.topology import Topology
+from elastic_harness.torchcompat.nn import flatten_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")  # Topology.DIMS, outer to inner
 DP = "dp"  # the flattened data-parallel dimension
@@ -33,11 +34,11 @@ DP = "dp"  # the flattened data-parallel dimension
 
 def build_mesh(topology: Topology, device_type: str) -> Any:
     """The 3-D ``DeviceMesh`` of ``topology`` (ranks row-major, as ``Topology`` numbers them),
-    with the flattened ``dp`` mesh registered on it."""
+    with the flattened ``dp`` mesh registered on it (where this torch can: ``torchcompat.nn``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, topology.shape, mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten(DP)  # torch has no public name for this yet (2.13)
+    flatten_mesh(mesh["dp_replicate", "dp_shard"], DP)  # torch has no public name for this yet (2.15)
     return mesh
 
 

@@ -29,6 +29,12 @@ import torch
 from torch import nn
 
 from elastic_harness.errors import UsageError
+from elastic_harness.torchcompat.nn import (
+    replicate_applied,
+    scheduler_built_over,
+    scheduler_parts,
+    unwrap_compiled,
+)
 
 
 def parameters_digest(model: nn.Module) -> str:
@@ -63,29 +69,24 @@ def distributed(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
-    inner = getattr(model, "_orig_mod", model)
+    inner = unwrap_compiled(model)
     if isinstance(inner, (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)):
         return True
-    try:  # composable DDP (``replicate``) records itself in a private registry
-        from torch.distributed._composable.contract import _get_registry
-
-        if "replicate" in (_get_registry(inner) or {}):
-            return True
-    except ImportError:  # not there: such a model is compared like a bare one (still certain)
-        pass
+    if replicate_applied(inner):  # composable DDP records itself in a private registry
+        return True
     return any(isinstance(p, DTensor) for p in inner.parameters())
 
 
 def unregistered_schedulers(optimizer: torch.optim.Optimizer, registered: list[Any]) -> list[Any]:
     """LR schedulers over ``optimizer`` that are neither in ``registered`` nor held by one
     that is (``SequentialLR``/``ChainedScheduler`` save their parts)."""
-    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+    if not scheduler_built_over(optimizer):
         return []  # no scheduler was ever built over it (module doc)
     from torch.optim.lr_scheduler import LRScheduler
 
     known = {id(s) for s in registered}
     for s in registered:
-        known.update(id(part) for part in getattr(s, "_schedulers", ()) or ())
+        known.update(id(part) for part in scheduler_parts(s))
     def search() -> list[Any]:
         return [r for r in gc.get_referrers(optimizer) if isinstance(r, LRScheduler)
                 and getattr(r, "optimizer", None) is optimizer and id(r) not in known]

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-_CUDA_BUILT = torch.cuda._is_compiled()  # fixed for the process (and its forks)
+from elastic_harness.torchcompat.nn import cuda_in_bad_fork
+
+_CUDA_BUILT = torch.backends.cuda.is_built()  # fixed for the process (and its forks)
 
 
 def seed_torch(seed: int) -> None:
@@ -30,5 +32,5 @@ def seed_torch(seed: int) -> None:
     if not _CUDA_BUILT:
         return
     cuda = torch.cuda
-    if cuda.is_initialized() or (not cuda._is_in_bad_fork() and cuda.is_available()):
+    if cuda.is_initialized() or (not cuda_in_bad_fork() and cuda.is_available()):
         cuda.manual_seed_all(seed)

@@ -29,6 +29,7 @@ from torch import nn
 
 from elastic_harness.errors import UsageError
 from elastic_harness.spec import JobSpec
+from elastic_harness.torchcompat.nn import unwrap_compiled
 
 
 class Owner(Protocol):
@@ -47,7 +48,7 @@ class Owner(Protocol):
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     """Let the next backward all-reduce gradients (or only accumulate them locally)."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    model = unwrap_compiled(model)  # torch.compile's wrapper
     if hasattr(model, "require_backward_grad_sync"):  # DDP (what no_sync() toggles)
         model.require_backward_grad_sync = enabled
     elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2

@@ -146,8 +146,8 @@ def _client(timer_file: str):
             lines = "".join(json.dumps({"version": 1, "pid": pid, "scope_id": scope, "expiration_time": t,
                                         "signal": sig}) + "\n"
                             for scope, t, sig in ((SCOPE, progress, int(signal.SIGKILL)), (STALL_SCOPE, stall, 0)))
-            try:
-                file = self._open_non_blocking()
+            try:  # as torch's client opens the FIFO: non-blocking, so a missing server raises
+                file = os.fdopen(os.open(timer_file, os.O_WRONLY | os.O_NONBLOCK), "wt")
             except Exception as e:
                 raise BrokenPipeError("the agent's step watchdog is not available") from e
             with file:

@@ -35,6 +35,8 @@ import os
 import signal
 import sys
 
+from elastic_harness.torchcompat.modules import DYNAMO  # torch-free
+
 # What every worker imports before its first step; the user's task or script modules are
 # not imported here (their import may start threads, which must not be forked).
 PRELOAD = (
@@ -42,7 +44,7 @@ PRELOAD = (
     "torch.distributed",
     "torch.distributed.checkpoint",
     "torch.nn.parallel",
-    "torch._dynamo",  # DDP and FSDP import it when they wrap a model: seconds
+    DYNAMO,  # DDP and FSDP import it when they wrap a model: seconds
     "torch.utils.tensorboard",
     "numpy",
     "numpy.random",
@@ -73,7 +75,7 @@ def die_with_parent(expected_parent: int) -> None:
 
 
 # Preloaded only where the extra that provides it is installed (the core install lacks it).
-OPTIONAL = {"torch.utils.tensorboard": "tensorboard"}
+OPTIONAL = {"torch.utils.tensorboard": "tensorboard", DYNAMO: DYNAMO}  # DYNAMO: private to torch
 TENSORBOARD = "torch.utils.tensorboard"
 
 

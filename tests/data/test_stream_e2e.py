@@ -57,6 +57,7 @@ def reference(corpus, tmp_path_factory):
     return r
 
 
+@pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_packed_jsonl_killed_mid_shard_is_bit_identical(reference, corpus, tmp_path):
     r = cli("run", str(JOB), *args(corpus / "jsonl"), "--chaos", "kill-worker:1@16", run_dir=tmp_path)
     assert r.code == 0, r.err

@@ -85,12 +85,12 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     for step in (20, 40, 60, 80):  # four failures, each after 20 steps of progress
         high[0] = step
         agent._settle_budget(failed)
-        assert agent.exhausted is None and agent._remaining_restarts > 0, step
-        agent._remaining_restarts -= 1  # what torch does before restarting
-        attempts.append(spec.max_restarts - agent._remaining_restarts)
+        assert agent.exhausted is None and agent.remaining_restarts > 0, step
+        agent.remaining_restarts -= 1  # what torch does before restarting
+        attempts.append(spec.max_restarts - agent.remaining_restarts)
     assert attempts == [1, 2, 3, 4]  # torch's restart count goes on counting
     agent._settle_budget(failed)  # no progress since the last one: 2 within the window > 1
-    assert agent._remaining_restarts == 0
+    assert agent.remaining_restarts == 0
     assert "max_restarts=1" in agent.exhausted and "rank 0 exit -9" in agent.exhausted
 
 

@@ -24,6 +24,7 @@ def drops(r) -> list[str]:
     return [e["message"] for e in r.kinds("torchelastic") if DROPPED in (e.get("message") or "")]
 
 
+@pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_a_killed_node_is_dropped_by_the_survivor_without_waiting(tmp_path):
     r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80",
             "--chaos", "kill-node:1@30", run_dir=tmp_path)

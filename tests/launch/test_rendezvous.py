@@ -81,7 +81,7 @@ def test_spec_reaches_the_handler_config(tmp_path):
     assert conf["start_last_call_timeout"] == 20 and conf["keep_alive_max_attempt"] == 4
     params = SimpleNamespace(get=lambda k, d=None: conf.get(k, d))
     t = timeout_from(params)  # type: ignore[arg-type]
-    assert (t.start_last_call.total_seconds(), t._last_call.total_seconds()) == (20.0, 2.0)
+    assert (t.start_last_call.total_seconds(), t.later_last_call.total_seconds()) == (20.0, 2.0)
 
 
 # --- real rounds --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from tests.e2e.test_e2e_core import STEPS, G, N
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
+@pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_worker_crashes_restore_from_memory_bit_identical(mlp_reference, tmp_path):
     faults = ["kill-worker:1@25", "kill-worker:0@33", "kill-worker:1@47"]
     r = cli("run", str(MLP), *[a for f in faults for a in ("--chaos", f)],

@@ -1,5 +1,5 @@
-"""The install: torch pinned where its private functions are patched, small core, extras that
-answer with one line naming themselves."""
+"""The install: torch in the proven range (torchcompat), small core, extras that answer with one
+line naming themselves."""
 
 from __future__ import annotations
 
@@ -23,21 +23,11 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 SMALL = "name: d\ntask: {target: elastic_harness.tasks.mlp:MLPRegression}\ntrain: {steps: 2}\n"
 
 
-def test_torch_pin_and_version_guard_agree():
-    assert f"torch=={deps.TORCH_VERSION}" in PROJECT["dependencies"]
-    deps.require_torch("x", version=f"{deps.TORCH_VERSION}+cpu")  # the local tag is a build
-    with pytest.raises(deps.TorchVersionError, match=r"torch 2\.14\.0 is installed: pip install 'torch==2\.13\.0'"):
-        deps.require_torch("dynamic_rendezvous._delay", version="2.14.0")
+def test_torch_range_is_the_one_the_host_checks():
+    """pyproject.toml's torch requirement is ``torchcompat.release.RANGE``."""
+    from elastic_harness.torchcompat import release
 
-
-def test_rendezvous_patch_is_guarded():
-    """create_handler checks the version before it replaces torch's private functions."""
-    import inspect
-
-    from elastic_harness.launch import rendezvous
-
-    src = inspect.getsource(rendezvous.create_handler)
-    assert src.index("require_torch(") < src.index("dynamic_rendezvous.get_method_name =")
+    assert f"torch{release.RANGE}" in PROJECT["dependencies"]
 
 
 def test_core_install_is_small_and_all_covers_every_extra():

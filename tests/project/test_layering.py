@@ -47,8 +47,10 @@ def ours(package: str) -> set[str]:
     ("goodput", set()),
     ("runstate", {"elastic_harness.goodput"}),
     ("events", set()),
-    # what this install has (torch version, extras): one home, imports only the errors
+    # what this install has (extras): one home, imports only the errors
     ("deps", {"elastic_harness.errors"}),
+    # the one boundary to torch's internals: below everything, so every layer may use it
+    ("torchcompat", {"elastic_harness.errors", "elastic_harness.torchcompat"}),
     # the fault vocabulary: data and pure decisions over the spec
     ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
     # where a generation restores from (memory, a peer, storage): a pure function of the offers

@@ -241,10 +241,10 @@ def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
 
     spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint="true")
     agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
-                         shutdown_timeout=77, judge=lambda: None)
+                         shutdown_grace=77, judge=lambda: None)
     seen = []
-    agent._shutdown = lambda death_sig=None, timeout=30: seen.append(timeout)
-    agent._stop_workers(agent._worker_group)
+    agent.shutdown = lambda death_sig=None, timeout=30: seen.append(timeout)
+    agent.stop_workers(agent.worker_group)
     assert seen == [77]
     assert agent.health()[0]
 

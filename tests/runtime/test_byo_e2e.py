@@ -44,6 +44,7 @@ def events_of(run_dir, kind):
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == kind]
 
 
+@pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_seed_script_killed_under_plain_torchrun_ends_bit_identical(tmp_path):
     ref = cli("run", str(TOY), *TOY_STEPS, "--set", "train.record_samples=true", run_dir=tmp_path / "ref")
     assert ref.code == 0, ref.err

@@ -61,6 +61,7 @@ def test_tp_fsdp_killed_worker_is_bit_identical_at_equal_layout(tp_reference, tm
     assert exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
 
 
+@pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_stop_at_shard2_tensor2_resume_at_shard4_and_at_replicate2_shard2(tp_reference, tmp_path):
     first = cli("run", str(JOB), *COMMON, *TP, "--set", "train.steps=6", run_dir=tmp_path)
     assert first.code == 0, first.err

@@ -1,0 +1,143 @@
+"""Our rendezvous state backends (``launch.sealed``): torch's public ``RendezvousBackend``
+interface, the state sealed, made through torch's handler registry (no torch backend class
+subclassed); real c10d rounds show garbage and a deleted key never end or stall an agent."""
+
+from __future__ import annotations
+
+import base64
+import threading
+
+import pytest
+
+from elastic_harness.launch import sealed
+
+pytestmark = pytest.mark.timeout(120)
+KEY = b"k" * 32
+
+
+def test_a_value_of_another_rendezvous_id_or_key_is_refused():
+    ours, other_id, other_key = (sealed.StateSeal(KEY, "r"), sealed.StateSeal(KEY, "q"),
+                                 sealed.StateSeal(b"o" * 32, "r"))
+    for stranger in (other_id, other_key):
+        assert ours.authentic(base64.b64encode(stranger.close(b"x"))) is None
+    import pickle
+
+    fresh = ours.open(b"\xff\xfe not even text")
+    assert type(pickle.loads(fresh)).__name__ == "_RendezvousState"
+
+
+def test_both_backends_are_ours_on_torchs_public_interface():
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
+
+    for ours in (sealed.SealedC10dBackend, sealed.SealedEtcdBackend):
+        assert issubclass(ours, RendezvousBackend)
+        assert not issubclass(ours, (C10dRendezvousBackend, EtcdRendezvousBackend))
+
+
+# --- real c10d rounds -------------------------------------------------------------------------
+
+@pytest.fixture
+def store(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+
+
+def handler(port: int, run_id: str, read_timeout: int = 30):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_harness.launch.rendezvous import create_handler
+
+    conf = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=3, close_timeout=10,
+                heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, is_host=False,
+                read_timeout=read_timeout)
+    return create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 2, **conf), key=KEY)
+
+
+def join(handlers) -> list[int]:
+    sizes, errors = [0] * len(handlers), []
+
+    def one(i: int) -> None:
+        try:
+            sizes[i] = handlers[i].next_rendezvous().world_size
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return sizes
+
+
+def test_the_agent_gets_our_backend_through_torchs_registry(store, tmp_path):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from elastic_harness import jobkey
+    from elastic_harness.launch.rendezvous import handler_for
+
+    jobkey.ensure(tmp_path / "job.key")
+    params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", "registry", 1, 1, is_host=False,
+                                  key_file=str(tmp_path / "job.key"), join_timeout=30)
+    h = handler_for(params)
+    try:
+        assert h.get_backend() == "harness-c10d"
+        assert isinstance(h._backend_name, str) and not isinstance(getattr(h, "_backend", None), C10dRendezvousBackend)
+        assert join([h]) == [1]
+    finally:
+        h._stop_heartbeats()
+
+
+def test_bytes_that_are_not_even_text_do_not_end_an_agent(store):
+    """Non-UTF-8 bytes under the rendezvous key (issue 33's attack): refused, the next
+    write replaces them, and the group forms its next round."""
+    import torch.distributed as dist
+
+    pair = [handler(store.port, "utf8") for _ in range(2)]
+    try:
+        assert join(pair) == [2, 2]
+        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        forger.set("torch.rendezvous.utf8", b"\xff\xfe\x00\x80 not text")
+        for h in pair:
+            h._state_holder.sync()
+        assert join(pair) == [2, 2]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
+
+
+def test_a_deleted_state_key_reads_as_no_state_without_waiting_for_it(store):
+    """torch's backend ``get``s the key, which blocks until it exists (the store's read
+    timeout: 300 s here, past this test's bound); ours reads it with ``compare_set``."""
+    import torch.distributed as dist
+
+    h = handler(store.port, "deleted", read_timeout=300)
+    try:
+        assert join([h]) == [1]
+        dist.TCPStore("127.0.0.1", store.port, is_master=False).delete_key("torch.rendezvous.deleted")
+        h._state_holder.sync()
+        assert h._state_holder.state.round == 0  # no state: a fresh one
+    finally:
+        h._stop_heartbeats()
+
+
+def test_a_forgery_before_any_authentic_state_reads_as_a_fresh_state(store):
+    """Garbage under the key before any agent wrote: it reads as torch's fresh state (a
+    pickled empty ``_RendezvousState``: torch cannot unpickle an empty value), and the first
+    round forms over it."""
+    import torch.distributed as dist
+
+    dist.TCPStore("127.0.0.1", store.port, is_master=False).set("torch.rendezvous.early", b"!!garbage!!")
+    pair = [handler(store.port, "early") for _ in range(2)]
+    try:
+        assert join(pair) == [2, 2]
+    finally:
+        for h in pair:
+            h._stop_heartbeats()
