@@ -157,6 +157,8 @@ CONTRACT: dict[str, EventKind] = {
         "restart": "worker exceptions: torchelastic's restart count of that node's agent",
         "generation": "worker exceptions: id of the worker generation, when it formed",
         "resumed_at": "worker exceptions: the step this attempt resumed from (None before it resumed)",
+        "kept": "worker exceptions: the step this rank kept in its agent's memory on its way down "
+                "(checkpoint.memory_on_failure; None when it kept none)",
         "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception); "
                  "'node-lost': it stopped a stalled worker because peer nodes are gone (launch.verdict); "
                  "'exit': an agent saw its worker group fail (which rank exited how, the cause first)",

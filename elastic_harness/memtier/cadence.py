@@ -43,6 +43,12 @@ OVER = 1.1  # raised once over budget by a tenth
 SKIP_STEPS = 1  # the generation's first step
 SKIP_COPIES = 2  # the first snapshot into each of the two slots
 MIN_COPIES = 4  # measured copies before the interval moves off memory_every (two per slot)
+# Where a failing rank keeps its own last step (``MemoryTier.keep_armed``: DDP, a state that
+# changes only in the optimizer's step), the periodic snapshots are the fallback for failures
+# no rank survives to report: they spend this share of the budget, arming after every step
+# at most the rest (else no arming, and the snapshots spend all of it, as without).
+COVERED_SHARE = 1 / 3
+REARM_EVERY = 16  # steps: arming that costs too much is still timed this often
 
 
 def interval(copy_s: float, step_s: float, budget: float, least: int) -> int:
@@ -79,9 +85,13 @@ def snapshot_due(k: int, step: int, last: int, forced: bool) -> bool:
 
 class Cadence:
     def __init__(self, every: int, budget: float, probe: int = 0) -> None:
-        self.every, self.budget, self.probe = every, budget, probe
+        self.every, self.probe = every, probe
+        self._budget = budget  # the job's (``budget``: what the periodic snapshots spend)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._copies: deque[float] = deque(maxlen=WINDOW)
+        self._arms: deque[float] = deque(maxlen=WINDOW)
+        self._covered = False  # failing ranks can keep their last step (``cover``)
+        self._cheap_arm = True  # arming fits its share of the budget (``arm_took``)
         self._last = 0
         self._current: int | None = None  # this rank's proposal
         self._agreed = 0  # the interval all ranks use (``agree``)
@@ -122,6 +132,36 @@ class Cadence:
             if need > current * OVER or need * HYSTERESIS < current - 1:
                 self._current = want
         return self._current if probe_on(step, self.probe) else 0
+
+    def cover(self, covered: bool) -> None:
+        """Can failing ranks keep their own last step (``resume.memory_covers_failure``)?"""
+        self._covered = covered
+
+    def arm_took(self, seconds: float) -> None:
+        """An arm took ``seconds``: does arming still fit the budget's share the periodic
+        snapshots leave it (medians; yes until measured)?"""
+        self._arms.append(seconds)
+        if len(self._arms) >= MIN_COPIES and self._steps:
+            limit = (1 - COVERED_SHARE) * self._budget * statistics.median(self._steps)
+            self._cheap_arm = statistics.median(self._arms) <= limit
+
+    def arming(self, step: int) -> bool:
+        """Arm the tier after ``step`` (``MemoryTier.arm``)? Where failing ranks can keep
+        their step, while arming fits its share of the budget (``arm_took``), and every
+        ``REARM_EVERY`` steps regardless, to keep measuring it."""
+        return self._covered and (self._cheap_arm or step % REARM_EVERY == 0)
+
+    @property
+    def budget(self) -> float:
+        """The share of step time the periodic snapshots spend: ``COVERED_SHARE`` of the
+        job's while failing ranks keep their own step (arming within budget), else all of it."""
+        return self._budget * (COVERED_SHARE if self._covered and self._cheap_arm else 1.0)
+
+    @property
+    def active(self) -> bool:
+        """Is the tier on at the interval last agreed (off before the first step's agreement
+        and in a probe's off block)?"""
+        return self._agreed > 0
 
     def start(self, step: int) -> None:
         """The generation starts from ``step`` (restored or 0): the next snapshot counts from it."""

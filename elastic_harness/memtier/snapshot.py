@@ -61,6 +61,10 @@ class Capture:
     sources: list[torch.Tensor]  # the tensors with bytes to copy, in order
     cpu: bool  # every one of them is in host memory: one fused copy
     sharded: bool = False  # some tensor is a DTensor (a shard): never a replicated snapshot
+    # Each source's version counter when captured (``intact``): autograd bumps it at every
+    # in-place change (an optimizer step, a ``copy_``), so bytes written later are still the
+    # captured state's while every counter is unchanged.
+    versions: tuple[int, ...] = ()
 
 
 def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +114,15 @@ def capture_trees(trees: dict[str, Any]) -> Capture:
         _Pickler(buf, found).dump(tree)
         parts[key] = buf.getvalue()
     return Capture(pack(parts), parts, found.tensors, found.cursor, _digest(tuple(found.layout)),
-                   found.sources, found.cpu, found.sharded)
+                   found.sources, found.cpu, found.sharded, tuple(t._version for t in found.sources))
+
+
+def intact(cap: Capture) -> bool:
+    """Does every tensor still hold the bytes it held when ``cap`` was taken? (No in-place
+    change since, by the version counters autograd keeps. A change made through ``.data``
+    bypasses them: a script that does that between steps turns ``memory_on_failure`` off.)"""
+    return len(cap.versions) == len(cap.sources) and all(
+        t._version == v for t, v in zip(cap.sources, cap.versions, strict=True))
 
 
 def pack(parts: dict[str, bytes]) -> bytes:

@@ -3,7 +3,10 @@
 Call order (every rank of a generation, same order): ``restore(state, layout)`` once,
 before training and before any storage restore (it is collective, over ``wire``: the
 checkpoint group); then ``save(step, state)`` after the steps ``cadence`` names (no
-collective; each rank writes its own slot). ``close()`` at the end.
+collective; each rank writes its own slot). Where a failing rank keeps its last step
+(``memory_on_failure``): ``arm(step, state)`` after every step, ``disarm()`` when the state
+starts to change (the optimizer's step), ``keep_armed()`` on the way down after a failure.
+``close()`` at the end.
 
 ``restore`` gathers every rank's offers (the published snapshots in its slots) once and
 follows ``choose``: every rank reads the snapshot it wrote itself at this world size (a
@@ -96,6 +99,10 @@ class MemoryTier:
         # marked replicated, or carry their mesh plane and coordinate.
         self.rules = peer.Rules()
         self.plan: Plan | None = None  # the last restore's
+        # ``arm``: (step, capture) a failing rank keeps on its way down (``keep_armed``);
+        # ``_newest``: the step of the newest snapshot this rank published.
+        self._armed: tuple[int, snapshot.Capture] | None = None
+        self._newest: int | None = None
 
     @classmethod
     def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, wire: peer.Wire,
@@ -517,7 +524,7 @@ class MemoryTier:
         written = self._write(slot, step, state)
         if written is None:
             return False
-        self._last = slot
+        self._last, self._newest = slot, step
         if send and self.link is not None and not self.link.broken:
             self._unsettled = slot
             t0 = time.perf_counter()
@@ -542,22 +549,51 @@ class MemoryTier:
                 self.link.settled()
         return {s for s in (self._copied, self._unsettled) if s is not None} if self.link is not None else set()
 
+    def arm(self, step: int, state: dict[str, Any]) -> None:
+        """Take ``step``'s capture (its tensors by reference, every plain value pickled now)
+        for ``keep_armed``: the step hook arms after each step, once the step counter moved;
+        the optimizer's next step disarms (``disarm``). A snapshot of the same step then
+        writes this capture instead of taking another."""
+        self._armed = None
+        if self.regions:
+            with contextlib.suppress(snapshot.Unsupported, RuntimeError):  # the next save says why
+                self._armed = (step, snapshot.capture(state))
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def keep_armed(self) -> int | None:
+        """On a failing rank's way down: publish the armed step's snapshot, if every tensor
+        still holds that step's bytes (``snapshot.intact``); that step (also when it was
+        already published), or None. Never raises: the failure being reported must win."""
+        armed, self._armed = self._armed, None
+        if armed is None or not self.regions or not snapshot.intact(armed[1]):
+            return None
+        step, cap = armed
+        if step == self._newest:
+            return step
+        slot = buddy.writable(self._last, len(self.regions), set())
+        try:
+            if slot is None:
+                return None
+            self._put(slot, step, cap)  # only the slot written is unpublished if this fails
+        except Exception:  # noqa: BLE001 - on the way down after another failure
+            return None
+        self._last, self._newest = slot, step
+        return step
+
     def _write(self, slot: int, step: int, state: dict[str, Any]
                ) -> tuple[torch.Tensor, Header, snapshot.Capture] | None:
-        """Capture ``state`` into own ``slot`` and publish it: its bytes, header and capture;
-        None when that failed (then the tier is off for this worker)."""
-        region = self.regions[slot]
-        rules = self.rules
+        """Capture ``state`` (or take the armed capture of ``step``, its tensors untouched
+        since) into own ``slot`` and publish it: its bytes, header and capture; None when that
+        failed (then the tier is off for this worker)."""
+        armed = self._armed
         try:
-            cap = snapshot.capture(state)
-            # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
-            data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
-            snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
-            header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
-                            cap.digest, replicated=rules.replicated and not cap.sharded,
-                            generation=self.generation, mesh=rules.mesh or (),
-                            coordinate=rules.coordinates[self.rank] if rules.mesh else 0)
-            region.publish(header)
+            if armed is not None and armed[0] == step and snapshot.intact(armed[1]):
+                cap = armed[1]
+            else:
+                cap = snapshot.capture(state)
+            data, header = self._put(slot, step, cap)
         except (OSError, snapshot.Unsupported, RuntimeError) as e:
             self._warn(f"rank {self.rank}: in-memory checkpoint at step {step} failed ({e!r:.200}); "
                        "the tier is off for this worker, restarts restore from storage")
@@ -565,6 +601,19 @@ class MemoryTier:
             self.close()
             return None
         return data, header, cap
+
+    def _put(self, slot: int, step: int, cap: snapshot.Capture) -> tuple[torch.Tensor, Header]:
+        """Write ``cap`` as ``step`` into own ``slot`` and publish it (its bytes and header)."""
+        region, rules = self.regions[slot], self.rules
+        # Room to spare: the skeleton (plain values such as a learning rate) may grow a little.
+        data = region.begin(HEADER_SIZE + cap.data_len + len(cap.skeleton) + SLACK, pin=not cap.cpu)
+        snapshot.write(cap, data, HEADER_SIZE, self._views[slot])
+        header = Header(True, step, self.world_size, self.rank, cap.data_len, len(cap.skeleton),
+                        cap.digest, replicated=rules.replicated and not cap.sharded,
+                        generation=self.generation, mesh=rules.mesh or (),
+                        coordinate=rules.coordinates[self.rank] if rules.mesh else 0)
+        region.publish(header)
+        return data, header
 
     def _send_copy(self, slot: int, data: torch.Tensor, header: Header, cap: snapshot.Capture) -> None:
         # our own pickled skeleton, just written: sent as JSON, for a holder that never unpickles
@@ -582,7 +631,7 @@ class MemoryTier:
         copy not fully received stays unpublished)."""
         if self.link is not None:
             self.link.stop()
-        self.link = None
+        self.link, self._armed = None, None
         for region in self.regions + self.buddy_regions:
             region.close()
         self.regions, self.buddy_regions = [], []
@@ -619,7 +668,7 @@ class MemoryTier:
         for region in self.regions + self.buddy_regions:
             with contextlib.suppress(OSError):
                 region.unpublish()
-        self._last = self._copied = self._unsettled = None
+        self._last = self._copied = self._unsettled = self._newest = self._armed = None
 
 
 def _of_coordinate(h: Header, plan: Plan, c: int) -> bool:

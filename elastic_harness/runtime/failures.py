@@ -36,8 +36,10 @@ def peer_lost(exc: BaseException) -> bool:
 
 
 def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node: str = "",
-           restart: int = 0, generation: str = "", resumed_at: int | None = None) -> None:
-    """Emit a ``failure`` event for ``exc`` (never raises: it runs on the way down)."""
+           restart: int = 0, generation: str = "", resumed_at: int | None = None,
+           kept: int | None = None) -> None:
+    """Emit a ``failure`` event for ``exc`` (never raises: it runs on the way down); ``kept``:
+    the step this rank kept in its agent's memory on its way down (``memory_on_failure``)."""
     try:
         if isinstance(exc, HarnessError):
             events.emit("failure", fatal=True, message=str(exc), rank=rank, step=step, node=node,
@@ -46,7 +48,7 @@ def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node
         d = describe(exc)
         events.emit("failure", fatal=False, message=d["message"], where=d["where"],
                     signature=d["signature"], rank=rank, step=step, node=node, restart=restart,
-                    generation=generation, resumed_at=resumed_at, peer_lost=peer_lost(exc))
+                    generation=generation, resumed_at=resumed_at, peer_lost=peer_lost(exc), kept=kept)
     except Exception:  # noqa: BLE001 - the original exception must win
         pass
 

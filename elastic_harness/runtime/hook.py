@@ -6,7 +6,10 @@ parts: nothing here reaches back into the ``Run``). In order, for each step:
 1. the step's time goes to the snapshot cadence (``memtier.cadence``; the snapshot itself
    is not part of it);
 2. persistent buffers are set to rank 0's copy (``runtime.buffers``);
-3. the counters advance (step, data cursor) and the step's one all-reduce is collected: the
+3. the counters advance (step, data cursor); where a failing rank keeps its last step
+   (``memory_on_failure``), the in-memory tier is armed with this step (``MemoryTier.arm``:
+   the state's tensors by reference, its plain values pickled) until the optimizer's next
+   step disarms it; the step's one all-reduce is collected: the
    ranks' ``StepVote`` (``runtime.vote``: loss, drain and stop requests, a time-based save
    due, the snapshot interval, buddy copies busy or moving). ``start_vote`` starts it
    without waiting when ``step.batches()`` ends (``runtime.step``), so it completes while
@@ -97,6 +100,8 @@ class Keeping:
     memory: MemoryTier | None
     cadence: Cadence
     join_in_memory: bool = False  # memory covers a join's restore (``resume.memory_covers_join``)
+    # A failing rank keeps its last step (``resume.memory_covers_failure``): armed every step
+    on_failure: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,12 @@ class StepHook:
         self.copy_every: int | None = None  # buddy copies' interval last reported (rank 0)
         self.last_saved_step = -1
         self.last_loss: float | None = None
+        self._disarm = None  # the optimizer's step pre-hook that disarms the tier (``close``)
+        if keeping.on_failure and self.memory is not None:
+            keeping.cadence.cover(True)
+            if self.optimizer is not None:
+                memory = self.memory
+                self._disarm = self.optimizer.register_step_pre_hook(lambda *_: memory.disarm())
 
     # ----- what Step calls -----------------------------------------------------------------
     def start_vote(self, step: Step) -> None:
@@ -186,6 +197,10 @@ class StepHook:
             self.trained.buffers.sync()
         train.step += 1
         train.data = train.data.advance(self.spec.train.global_batch_size)
+        if self._disarm is not None and self.cadence.active and self.cadence.arming(train.step):
+            t0 = time.monotonic()  # (not in a probe's off block)
+            self.memory.arm(train.step, self.trained.state)  # kept if this rank fails before its next step
+            self.cadence.arm_took(time.monotonic() - t0)
         vote = self._collect_vote(step)
         final = train.step == self.spec.train.steps
         self._report(step, vote, final, user_metrics)
@@ -212,6 +227,14 @@ class StepHook:
         self.reporting.events.emit("finish", step=train.step,
                                    loss=None if self.last_loss is None else round(self.last_loss, 6),
                                    digest=digest, samples=train.data.cursor, world_size=self.world_size)
+
+    def close(self) -> None:
+        """The loop ended: the optimizer's steps no longer concern this hook."""
+        if self._disarm is not None:
+            self._disarm.remove()
+            self._disarm = None
+        if self.memory is not None:
+            self.memory.disarm()
 
     # ----- the parts -------------------------------------------------------------------------
     def _time_step(self) -> None:

@@ -64,6 +64,20 @@ def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state
     return memory is not None and portable(topology, model, state)
 
 
+def memory_covers_failure(memory: MemoryTier | None, model: nn.Module | None, world_size: int,
+                          on_failure: bool) -> bool:
+    """Can a failing rank keep the step it last completed (``MemoryTier.arm``/``keep_armed``,
+    ``checkpoint.memory_on_failure``)? Where another rank survives to keep it (world size
+    above 1), the restored layout is replicated (DDP: any rank's snapshot restores every
+    rank; ``peer.restore_rules``) and the state changes only in the optimizer's step, which
+    disarms it: a model without persistent buffers (BatchNorm's running statistics change
+    in every forward pass)."""
+    if not on_failure or memory is None or model is None or world_size < 2 or not memory.rules.replicated:
+        return False
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return all(name in params for name in model.state_dict(keep_vars=True))
+
+
 def announce(found: Restored | Loaded | None, train: TrainState, *, seed: int, events: Any,
              metrics: Metrics, world_size: int, before_saying: Callable[[], None] | None = None) -> int:
     """Check a restore from storage against the job, run ``before_saying`` (binding the data:

@@ -107,7 +107,13 @@ from elastic_harness.runtime.registration import (
     short_schedule,
     short_schedule_error,
 )
-from elastic_harness.runtime.resume import announce, bind_data, memory_covers_join, restore
+from elastic_harness.runtime.resume import (
+    announce,
+    bind_data,
+    memory_covers_failure,
+    memory_covers_join,
+    restore,
+)
 from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.step import Step
@@ -260,6 +266,7 @@ class Run:
         # A mesh layout's DeviceMesh (runtime.mesh), built here on every rank: building is collective.
         self.mesh: Any = build_mesh(self.topology, self.device.type) if self.topology.kind == "mesh" else None
         self.closed = False
+        self._kept: int | None = None  # the step kept in memory on a failure (``_keep_on_failure``)
         log = EventLog(self.run_dir / runfiles.EVENTS)
         self.log = log  # every rank may report a failure
         self.events = log if self.rank == 0 else NullLog()  # rank 0 narrates
@@ -440,6 +447,7 @@ class Run:
             raise
         finally:
             watchdog.disarm()
+            hook.close()
             loader.close()
 
     def _bound_loader(self, source: Any, collate_fn: Callable | None) -> StepLoader | StreamLoader:
@@ -462,10 +470,12 @@ class Run:
                               local_rank=self.local_rank, marker_dir=self.run_dir / runfiles.CHAOS,
                               events=self.log, agent=self.env.agent_pid or os.getppid())
         covered = memory_covers_join(self.memory, self.model, self._state, topology=self.topology)
+        on_failure = memory_covers_failure(self.memory, self.model, self.world_size,
+                                           self.spec.checkpoint.memory_on_failure)
         return StepHook(
             self.spec, self.topology,
             Trained(self._state, self._train, self.model, self.optimizer, self.scaler, self._buffers, self._replicas),
-            Keeping(self.ckpt, self.memory, self.cadence, join_in_memory=covered),
+            Keeping(self.ckpt, self.memory, self.cadence, join_in_memory=covered, on_failure=on_failure),
             Signals(lambda: self.drain.requested, lambda: self.drain.stop, self.watchdog, faults),
             Reporting(self.events, self.metrics, self.env.restart_count))
 
@@ -537,6 +547,7 @@ class Run:
         if self.closed:
             return
         self.closed = True
+        self._keep_on_failure()  # closed on the way down after an exception: first of all
         if self._loop is not None:
             self._loop.close()  # a loop the script left (a break): its loader stops
         self._say_unfinished()
@@ -557,6 +568,8 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self._quiet_close = self._quiet_close or exc[0] is not None
+        if isinstance(exc[1], BaseException) and not self.closed:
+            self._keep_on_failure(exc[1])
         self.close()
 
     def _close_at_exit(self) -> None:
@@ -575,9 +588,21 @@ class Run:
             "continues from its last checkpoint"))
 
     def record_failure(self, exc: BaseException) -> None:
+        """On the way down: the ``failure`` event, after keeping the last completed step in
+        memory (``_keep_on_failure``)."""
+        self._keep_on_failure(exc)
         failures.record(self.log, exc, rank=self.rank, step=self._train.step, node=self.env.node,
                         restart=self.env.restart_count, generation=self.generation,
-                        resumed_at=self._resumed_at)
+                        resumed_at=self._resumed_at, kept=self._kept)
+
+    def _keep_on_failure(self, exc: BaseException | None = None) -> None:
+        """An exception ends this worker (``exc``, or the one propagating through ``close``,
+        called from a script's ``finally``): keep the step the tier was armed with
+        (``checkpoint.memory_on_failure``: its state untouched since), once, before anything
+        closes; not for a drain's exit or a loop the script left."""
+        exc = exc if exc is not None else sys.exc_info()[1]
+        if self._kept is None and self.memory is not None and isinstance(exc, Exception):
+            self._kept = self.memory.keep_armed()
 
     def _excepthook(self, kind: type, exc: BaseException, tb: Any) -> None:
         """Plain torchrun/python: record the failure; a user's mistake is one line, exit 2."""

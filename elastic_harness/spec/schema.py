@@ -333,6 +333,13 @@ class CheckpointSpec:
         "share of step time (measured while training; a crash then redoes fewer steps than the "
         "interval chosen); 0 = exactly every memory_every steps."
     )
+    memory_on_failure: bool = doc(
+        True, "Under DDP, a rank that fails, or whose peer failed, first keeps the step it last "
+        "completed in its agent's memory, when its state has not changed since (the failure came "
+        "before its next optimizer step): the restart redoes no step, and the periodic snapshots, "
+        "a fallback then, spend a third of memory_budget. Not for a model with persistent buffers "
+        "(BatchNorm's running statistics change in the forward pass): those snapshot as before."
+    )
     memory_probe: int = doc(
         0, "Measure what the in-memory tier costs this job: snapshots are off during every "
         "second block of this many steps (from step 1: on, off, on, ...), and `elastic-harness "
