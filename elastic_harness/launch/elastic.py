@@ -311,8 +311,8 @@ def _exit_line(rank: int, failure: Any, short: bool = False) -> str:
     if not _recorded(failure):
         return f"{who} exited with code {failure.exitcode} without recording an error"
     text = " ".join(_message(failure).split())
-    if liveness.peer_lost(text):
-        return f"{who} lost its peers ({text[:120]})"
+    if liveness.peer_lost(text):  # after the cause, the symptom's text (gloo's "... GLHF!") adds nothing
+        return f"{who} lost its peers" if short else f"{who} lost its peers ({text[:120]})"
     return f"{who} failed: {text[:300 if not short else 120]}"
 
 

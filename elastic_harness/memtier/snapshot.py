@@ -34,6 +34,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate
 
+from elastic_harness.torchcompat import nn as compat_nn
 from elastic_harness.torchcompat.nn import copy_all
 
 ALIGN = 64
@@ -114,15 +115,14 @@ def capture_trees(trees: dict[str, Any]) -> Capture:
         _Pickler(buf, found).dump(tree)
         parts[key] = buf.getvalue()
     return Capture(pack(parts), parts, found.tensors, found.cursor, _digest(tuple(found.layout)),
-                   found.sources, found.cpu, found.sharded, tuple(t._version for t in found.sources))
+                   found.sources, found.cpu, found.sharded, compat_nn.versions(found.sources) or ())
 
 
 def intact(cap: Capture) -> bool:
     """Does every tensor still hold the bytes it held when ``cap`` was taken? (No in-place
     change since, by the version counters autograd keeps. A change made through ``.data``
     bypasses them: a script that does that between steps turns ``memory_on_failure`` off.)"""
-    return len(cap.versions) == len(cap.sources) and all(
-        t._version == v for t, v in zip(cap.sources, cap.versions, strict=True))
+    return len(cap.versions) == len(cap.sources) and compat_nn.versions(cap.sources) == cap.versions
 
 
 def pack(parts: dict[str, bytes]) -> bytes:

@@ -13,6 +13,8 @@ Each has a fallback that keeps the run correct, only slower or less checked:
   buffers are broadcast with the persistent ones (one more broadcast per step);
 - ``compiled-unwrap`` (``torch.compile``'s ``_orig_mod``): off, a compiled model is looked
   at as its wrapper (grad-sync toggles and the peer-copy check see no DDP inside);
+- ``tensor-versions`` (``Tensor._version``, autograd's in-place counter): off, a failing rank
+  does not keep its last step in memory (``checkpoint.memory_on_failure`` does nothing);
 - ``lr-scheduler-check`` (``optimizer.step._wrapped_by_lr_sched``, ``SequentialLR``'s
   ``_schedulers``): off, an unregistered LR scheduler is not detected.
 """
@@ -72,6 +74,12 @@ def _buffers() -> list[str]:
     return [] if hasattr(nn.Module(), "_non_persistent_buffers_set") else ["nn.Module._non_persistent_buffers_set"]
 
 
+@feature("tensor-versions", "in-place change counters",
+         "a failing rank does not keep its last step in memory (checkpoint.memory_on_failure is off)")
+def _versions() -> list[str]:
+    return [] if hasattr(torch.zeros(1), "_version") else ["Tensor._version"]
+
+
 @feature("compiled-unwrap", "torch.compile unwrap",
          "a compiled model is looked at as its wrapper (its DDP or FSDP inside is not seen)")
 def _compiled() -> list[str]:
@@ -114,6 +122,12 @@ def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -
 def non_persistent_buffers(module_: nn.Module) -> set[str]:
     """Names of ``module_``'s own buffers that are not in its state dict."""
     return set(getattr(module_, "_non_persistent_buffers_set", ())) if on("buffer-persistence") else set()
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """Each tensor's in-place change counter (autograd's; a change through ``.data`` is not
+    counted), or None where ``tensor-versions`` is off."""
+    return tuple(t._version for t in tensors) if on("tensor-versions") else None
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:

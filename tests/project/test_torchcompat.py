@@ -302,3 +302,17 @@ def test_run_refuses_a_torch_missing_a_required_private_name(tmp_path):
                "del LocalElasticAgent._start_workers\n")
     r = cli_in(tmp_path, ["run", str(MLP), "--run-dir", str(run)], prelude)
     assert_refused(r, run, before, "LocalElasticAgent._start_workers", "elastic agent", release.RANGE)
+
+
+def test_without_version_counters_a_capture_is_never_intact(monkeypatch):
+    """``tensor-versions`` off: a failing rank keeps nothing (memory_on_failure does nothing),
+    rather than trusting tensors it cannot tell unchanged."""
+    from elastic_harness.memtier import snapshot
+
+    state = {"w": torch.ones(4)}
+    assert snapshot.intact(snapshot.capture(state))
+    cap = snapshot.capture(state)
+    state["w"].add_(1)
+    assert not snapshot.intact(cap)
+    force_off(monkeypatch, "tensor-versions")
+    assert not snapshot.intact(snapshot.capture({"w": torch.ones(4)}))
