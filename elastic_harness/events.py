@@ -198,7 +198,7 @@ CONTRACT: dict[str, EventKind] = {
         "step": "its step",
         "name": "its directory name",
         "reason": "why it failed",
-        "kind": "'corrupt', 'unreadable', 'unloadable', 'forged' (signature wrong) or 'unsigned' (none; left in place)",
+        "kind": "'corrupt', 'unreadable', 'unloadable', 'forged' (signature wrong) or 'unsigned' (none; left in place unless it blocks this job's own save at that step)",
         "moved_to": "where it was moved (URI), or None if it was left in place",
         "message": "one line",
     }),
