@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -170,11 +171,23 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+EXCEPTION_LINE = re.compile(r"\b\w*(Error|Exception)\b: ")
+
+
 def last_line(log: Path) -> str:
-    """The last ``error:`` line of a side's output (our CLI's), else its last line."""
+    """What a failed side said, in one line (``said``)."""
     try:
-        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+        return said(log.read_text(errors="replace"))
     except OSError:
         return "(no log)"
+
+
+def said(text: str) -> str:
+    """Pure: the last ``error:`` line of a side's output (our CLI's), else its last exception
+    line other than torchrun's summary (``ChildFailedError``, whose banner of ``=`` says
+    nothing), else its last line that is not a banner."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
     errors = [x for x in lines if x.startswith("error:")]
-    return (errors or lines or ["(empty log)"])[-1][:300]
+    raised = [x for x in lines if EXCEPTION_LINE.search(x) and "ChildFailedError" not in x]
+    plain = [x for x in lines if x.strip("=-_ ")]
+    return (errors or raised or plain or ["(empty log)"])[-1][:300]

@@ -272,3 +272,17 @@ def test_a_failed_run_is_reported_with_its_pair_and_the_rest_is_kept(tmp_path, m
     none = tp.summarize(results, args, load=((0, 0, 0), (0, 0, 0)), kept=None)
     assert none["cheap"]["good_pairs"] == 0 and none["cheap"]["ratio"] is None
     assert tp.exit_code(none, ["cheap"]) == 1 and not none["all_goals_met"]
+
+
+def test_a_failed_side_is_named_by_its_error_not_torchruns_banner():
+    from elastic_harness.bench.tput_run import said
+
+    torchrun = ("[rank1]: Traceback (most recent call last):\n"
+                "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4000\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                "============================================================\n"
+                "tput_plain.py FAILED\n------------------------------------------------------------\n"
+                "============================================================\n")
+    assert said(torchrun) == "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4000"
+    assert said("step 10\nerror: data_dir is not readable\n  fix: ...\n") == "error: data_dir is not readable"
+    assert said("step 10\n=====\n") == "step 10" and said("") == "(empty log)"
