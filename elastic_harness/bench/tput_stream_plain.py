@@ -46,6 +46,8 @@ def plain_main(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
     clock.finish(args.out, side="plain", accumulate=accumulate)
+    dist.barrier()  # a clean end, as in tput_plain: every rank done, DDP's reducer gone first
+    del model, optimizer
     dist.destroy_process_group()
 
 
