@@ -2,12 +2,20 @@
 
 Each benchmark is a module under ``elastic_harness.bench`` exposing ``register(subparsers)``
 (one subparser setting ``func``). Add one by adding a line to ``BENCHES``.
+
+A bench stopped by SIGTERM or SIGHUP (a CI runner's timeout, ``kill``, a closed terminal)
+ends as one stopped by Ctrl-C does: its runs are stopped and its scratch directory removed
+(each bench's ``finally``), exit 128 + the signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
+import signal
+from collections.abc import Callable, Iterator
 
 # name -> module, in --help order
 BENCHES = {
@@ -26,3 +34,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     kinds = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for module_name in BENCHES.values():
         importlib.import_module(module_name).register(kinds)
+    for bench in kinds.choices.values():
+        bench.set_defaults(func=_stoppable(bench.get_default("func")))
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stoppable(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        with _exit_on(STOP_SIGNALS):
+            return func(args)
+
+    return run
+
+
+@contextlib.contextmanager
+def _exit_on(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """While the block runs, each of ``signals`` raises ``SystemExit(128 + signal)`` in the
+    main thread, so ``finally`` blocks run; the handlers before are put back after."""
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in signals:
+        signal.signal(sig, leave)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
