@@ -112,6 +112,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         done = "" if args.fresh else resumepoint.check(spec, run_dir)
         if done:  # nothing to train: nothing is submitted
             print(done, file=sys.stderr)
+            if args.json:  # a script reading stdout gets an answer, not an empty line
+                print(json.dumps({"id": None, "submitted": False, "finished": True, "run_dir": str(run_dir)}))
             return 0
         _make(run_dir)
     job_id = spec.rendezvous.id or new_rdzv_id(spec.name)

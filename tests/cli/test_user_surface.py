@@ -125,6 +125,16 @@ def test_a_finished_job_says_so_and_starts_nothing(cli_here, imported):
     assert _digest(imported) == before
 
 
+def test_submit_json_of_a_finished_job_answers_in_json(cli_here, imported, tmp_path, monkeypatch):
+    """A script reading ``submit --json`` gets an object saying nothing was submitted, not
+    an empty stdout; the note goes to stderr as without --json."""
+    monkeypatch.setenv(registry.STATE_VAR, str(tmp_path / "state"))
+    r = cli_here("submit", MLP, "--run-dir", imported, "--set", "train.steps=10", "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out) == {"id": None, "submitted": False, "finished": True, "run_dir": str(imported)}
+    assert "already finished" in r.err
+
+
 @pytest.mark.parametrize("chaos, steps, words", [
     ("kill-worker:1@5", 10, ["already finished at step 10", "fault kill-worker:1@5 cannot fire", "--fresh"]),
     ("kill-worker:1@30s", 10, ["already finished at step 10", "kill-worker:1@30s cannot fire"]),
