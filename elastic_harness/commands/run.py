@@ -490,7 +490,8 @@ def _error(code: int, message: str, run_dir: Path, from_agent: bool) -> HarnessE
     kind = exitcodes.kind(code)
     if kind == "permanent":
         hint = f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the last checkpoint"
-        return HarnessError(message, hint if from_agent else "")
+        own_fix = "\n  fix: " in message  # a HarnessError raised in a worker or agent already says it
+        return HarnessError(message, hint if from_agent and not own_fix else "")
     if kind == "preempted":
         error: HarnessError = Preempted(message, resume_hint)
     else:

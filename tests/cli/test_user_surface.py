@@ -369,3 +369,14 @@ def test_errno_names_are_what_the_export_message_says():
                                 "Read-only file system")) == "Read-only file system"
     assert _reason(Exception('Error while serializing: I/O error: No space left on device (os error 28) at '
                              'path "/x/.tmp"')) == "No space left on device"
+
+
+def test_an_agents_own_fix_is_not_followed_by_a_second_one(tmp_path):
+    """An exit-2 error from an agent or worker that names its fix (a HarnessError) is shown
+    with that fix alone; one without gets the generic pointer to the logs."""
+    from elastic_harness.commands.run import _error
+
+    own = _error(2, "etcd refused the job's credentials\n  fix: check rendezvous.etcd_user", tmp_path, True)
+    assert str(own).count("fix:") == 1 and "etcd_user" in str(own)
+    bare = _error(2, "ValueError: bad sample", tmp_path, True)
+    assert str(bare).count("fix:") == 1 and "full traceback" in str(bare)
