@@ -111,8 +111,10 @@ def agent(endpoint: str, run_id: str, ours: bool, later_s: int = 1, start_s: int
     return create_handler(params, key=TEST_KEY) if ours else get_rendezvous_handler(params)
 
 
-def join_all(handlers, skews: list[float]) -> list[int]:
-    """Each handler joins the next round after its skew (seconds); their world sizes."""
+def join_all(handlers, skews: list[float] | None = None) -> list[int]:
+    """Each handler joins the next round after its skew (seconds; default none), from a
+    thread of its own; their world sizes. Any handler's error fails the test."""
+    skews = skews or [0.0] * len(handlers)
     sizes: list[int] = [0] * len(handlers)
     errors: list[BaseException] = []
     started = threading.Barrier(len(handlers))

@@ -5,11 +5,11 @@ subclassed); real c10d rounds show garbage and a deleted key never end or stall 
 from __future__ import annotations
 
 import base64
-import threading
 
 import pytest
 
 from elastic_harness.launch import sealed
+from tests.launch.test_rendezvous import join_all
 
 pytestmark = pytest.mark.timeout(120)
 KEY = b"k" * 32
@@ -58,24 +58,6 @@ def handler(port: int, run_id: str, read_timeout: int = 30):
     return create_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", run_id, 1, 2, **conf), key=KEY)
 
 
-def join(handlers) -> list[int]:
-    sizes, errors = [0] * len(handlers), []
-
-    def one(i: int) -> None:
-        try:
-            sizes[i] = handlers[i].next_rendezvous().world_size
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return sizes
-
-
 def test_the_agent_gets_our_backend_through_torchs_registry(store, tmp_path):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
@@ -90,7 +72,7 @@ def test_the_agent_gets_our_backend_through_torchs_registry(store, tmp_path):
     try:
         assert h.get_backend() == "harness-c10d"
         assert isinstance(h._backend_name, str) and not isinstance(getattr(h, "_backend", None), C10dRendezvousBackend)
-        assert join([h]) == [1]
+        assert join_all([h]) == [1]
     finally:
         h._stop_heartbeats()
 
@@ -102,12 +84,12 @@ def test_bytes_that_are_not_even_text_do_not_end_an_agent(store):
 
     pair = [handler(store.port, "utf8") for _ in range(2)]
     try:
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         forger.set("torch.rendezvous.utf8", b"\xff\xfe\x00\x80 not text")
         for h in pair:
             h._state_holder.sync()
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
     finally:
         for h in pair:
             h._stop_heartbeats()
@@ -120,7 +102,7 @@ def test_a_deleted_state_key_reads_as_no_state_without_waiting_for_it(store):
 
     h = handler(store.port, "deleted", read_timeout=300)
     try:
-        assert join([h]) == [1]
+        assert join_all([h]) == [1]
         dist.TCPStore("127.0.0.1", store.port, is_master=False).delete_key("torch.rendezvous.deleted")
         h._state_holder.sync()
         assert h._state_holder.state.round == 0  # no state: a fresh one
@@ -137,7 +119,7 @@ def test_a_forgery_before_any_authentic_state_reads_as_a_fresh_state(store):
     dist.TCPStore("127.0.0.1", store.port, is_master=False).set("torch.rendezvous.early", b"!!garbage!!")
     pair = [handler(store.port, "early") for _ in range(2)]
     try:
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
     finally:
         for h in pair:
             h._stop_heartbeats()

@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 from elastic_harness.torchcompat import host, probe, release
 from elastic_harness.torchcompat.host import TorchUnsupported
 from tests.conftest import MLP, REPO
+from tests.launch.test_rendezvous import join_all
 
 pytestmark = pytest.mark.timeout(120)
 KEY = b"k" * 32
@@ -174,24 +174,6 @@ def handler(endpoint: str, run_id: str):
     return create_handler(RendezvousParameters("c10d", endpoint, run_id, 1, 2, **conf), key=KEY)
 
 
-def join(handlers) -> list[int]:
-    sizes, errors = [0] * len(handlers), []
-
-    def one(i: int) -> None:
-        try:
-            sizes[i] = handlers[i].next_rendezvous().world_size
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return sizes
-
-
 def test_module_patches_and_handler_hooks_are_undone(store):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
@@ -233,7 +215,7 @@ def test_rounds_form_and_a_lost_node_goes_without_torchs_rendezvous_internals(st
         timeout = rdzv.settings(pair[0]).timeout
         assert type(timeout) is dr.RendezvousTimeout and timeout.last_call.total_seconds() == 3
         assert "_sanitize" not in vars(pair[0]._state_holder)  # no hook
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
         assert rendezvous.group_running(pair[0]) is True  # cannot tell: as if a group ran
         pair[1]._stop_heartbeats()  # node 1 is gone: no keep-alives, no goodbye
         assert pair[0].next_rendezvous().world_size == 1
