@@ -12,23 +12,11 @@ from torch import nn
 
 from elastic_harness.memtier import snapshot
 from elastic_harness.memtier.cadence import Cadence
-from elastic_harness.memtier.host import HostSlots, slot_paths
 from elastic_harness.memtier.peer import Rules
-from elastic_harness.memtier.region import Region
 from elastic_harness.runtime.resume import memory_covers_failure
 from tests.memtier.test_memtier import OK, _held, _published, _state, _tier, _train_step
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def slots():
-    host = HostSlots.create(1)
-    regions = [Region(p) for p in slot_paths(host.describe(), 0)]
-    yield regions
-    for r in regions:
-        r.close()
-    host.close()
 
 
 def test_a_failing_rank_keeps_the_step_it_was_armed_with(slots):

@@ -14,7 +14,7 @@ from elastic_harness.data.sampler import DataState
 from elastic_harness.memtier import snapshot
 from elastic_harness.memtier.cadence import WINDOW, Cadence, interval, probe_on, snapshot_due
 from elastic_harness.memtier.choose import MEMORY, Offer, choose, offers_of
-from elastic_harness.memtier.host import HostSlots, describe, slot_paths
+from elastic_harness.memtier.host import describe, slot_paths
 from elastic_harness.memtier.peer import Wire, encode_offers
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
@@ -183,14 +183,7 @@ def test_workers_find_their_slots_in_the_agents_description():
 
 # ----- slots in real memory files --------------------------------------------------------
 
-@pytest.fixture
-def slots():
-    host = HostSlots.create(1)
-    regions = [Region(p) for p in slot_paths(host.describe(), 0)]
-    yield regions
-    for r in regions:
-        r.close()
-    host.close()
+# (the ``slots`` fixture: tests/memtier/conftest.py)
 
 
 def _state(hidden: int = 8, steps: int = 3):
