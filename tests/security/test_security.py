@@ -148,11 +148,6 @@ def handler(endpoint: str, run_id: str, key: bytes = KEY, backend: str = "c10d")
     return create_handler(RendezvousParameters(backend, endpoint, run_id, 1, 2, **conf), key=key)
 
 
-def join(handlers) -> list[int]:
-    """Every handler joins the next round at once; their world sizes."""
-    return join_all(handlers, [0.0] * len(handlers))
-
-
 def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path, caplog):
     """A pickle written to the rendezvous key by a store client: never unpickled (its file
     is not created), one line logged, and the agents form their next round as before."""
@@ -161,7 +156,7 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
     endpoint = f"127.0.0.1:{store.port}"
     pair = [handler(endpoint, "forged") for _ in range(2)]
     try:
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
         planted = tmp_path / "pwned"
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         forger.set("torch.rendezvous.forged", base64.b64encode(pickle.dumps(Plant(planted))))
@@ -169,14 +164,14 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
             for h in pair:
                 h._state_holder.sync()  # what every poll and heartbeat does
                 h._state_holder.sync()  # the same forged value again: not logged twice
-            assert join(pair) == [2, 2], "a restart after the forgery forms the group again"
+            assert join_all(pair) == [2, 2], "a restart after the forgery forms the group again"
         assert not planted.exists(), "the forged pickle ran"
         refusals = [r for r in caplog.records if "not signed with this job's key" in r.getMessage()]
         assert 1 <= len(refusals) <= 2  # one line per agent that read it (each logs it once)
         forger.set("torch.rendezvous.forged", b"!!not base64!!")  # garbage ended the job before
         for h in pair:
             h._state_holder.sync()
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
     finally:
         for h in pair:
             h._stop_heartbeats()
@@ -192,14 +187,14 @@ def test_non_utf8_bytes_in_the_rendezvous_key_are_refused_and_overwritten(store,
 
     pair = [handler(f"127.0.0.1:{store.port}", "garbage") for _ in range(2)]
     try:
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         forger.set("torch.rendezvous.garbage", b"\xff\xfe\x80 not a state")
         with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
             for h in pair:
                 h._state_holder.sync()
                 assert h._state_holder.state.participants, "the last authentic state, not an empty one"
-            assert join(pair) == [2, 2], "a restart after the garbage forms the group again"
+            assert join_all(pair) == [2, 2], "a restart after the garbage forms the group again"
         stored = forger.get("torch.rendezvous.garbage")
         assert sealed.StateSeal(KEY, "garbage").authentic(stored) is not None, "overwritten by the agents"
         lines = [r.getMessage() for r in caplog.records if "not signed with this job's key" in r.getMessage()]
@@ -222,7 +217,7 @@ def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, c
         h._state_holder._cache_duration = 0  # every sync reads the store
     key = "torch.rendezvous.deleted"
     try:
-        assert join(pair) == [2, 2]
+        assert join_all(pair) == [2, 2]
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
             forger.delete_key(key)
@@ -270,7 +265,7 @@ def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, c
     with etcd_server(tmp_path / "etcd" / "data", v2=True) as endpoint:
         pair = [handler(endpoint, "forged-etcd", backend="etcd-v2") for _ in range(2)]
         try:
-            assert join(pair) == [2, 2]
+            assert join_all(pair) == [2, 2]
             planted = tmp_path / "pwned"
             host, port = endpoint.rsplit(":", 1)
             forger = etcd.Client(host=host, port=int(port))
@@ -279,7 +274,7 @@ def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, c
             with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
                 for h in pair:
                     h._state_holder.sync()
-                assert join(pair) == [2, 2]
+                assert join_all(pair) == [2, 2]
             assert not planted.exists(), "the forged pickle ran"
             assert any("not signed with this job's key" in r.getMessage() for r in caplog.records)
         finally:
