@@ -272,6 +272,10 @@ class Gateway:
             raise _Unreachable(f"TLS connection closed: {e}") from None
         except OSError as e:
             conn.close()
+            # a plain-http server may reset the connection on a ClientHello rather than close it
+            if self._tls is not None and isinstance(e, ConnectionResetError) and speaks_plain_http(host, port):
+                raise EtcdRefused(tls_refusal(endpoint, ssl.SSLError("wrong version number"),
+                                              self.settings)) from None
             raise _Unreachable(str(e) or type(e).__name__) from None
         conn.sock.settimeout(self.settings.timeout)
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -254,3 +254,40 @@ def test_an_expired_token_is_renewed(etcd, tmp_path):
     for member in gateway._tokens:
         gateway._tokens[member] = "expired.1"  # what a member answers after --auth-token-ttl
     assert a.set_state(b"again")[2]
+
+
+def test_tls_asked_of_a_plain_server_that_resets_the_handshake_is_refused(tmp_path):
+    """A plain-http member may answer a ClientHello with a connection reset rather than a
+    close (seen once in a few hundred runs against etcd 3.4): that too is "does not speak
+    TLS", exit 2, not an unreachable member. A server that does exactly that, every time."""
+    import socket
+    import struct
+
+    tls = make_tls(tmp_path)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                first = conn.recv(4096)
+                if first[:1] == b"\x16":  # a TLS handshake record: reset it
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                else:
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(EtcdMisconfigured, match="does not speak TLS"):
+            backend(f"127.0.0.1:{port}", protocol="https", ca_cert=tls.ca, ssl_cert=tls.client_cert,
+                    ssl_cert_key=tls.client_key)
+    finally:
+        stop.set()
+        listener.close()
+        server.join(10)
