@@ -146,8 +146,15 @@ class EtcdV3Backend(RendezvousBackend):
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Any] | None:
+        """The state; a key deleted after this agent saw an authentic state (by hand, or a
+        lease that ended) is written again from it, create-only, so that it never reads as a
+        fresh rendezvous (a closed one reopened)."""
         kvs = _call(self._gateway, "kv/range", {"key": b64(self.key)}).get("kvs")
-        return self._decode(kvs[0]) if kvs else None
+        if kvs or self._seal.last_sealed is None:
+            return self._decode(kvs[0]) if kvs else None
+        self._seal.deleted()
+        restored = self.set_state(self._seal.fallback())
+        return None if restored is None else restored[:2]
 
     def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
         if token is not None:
@@ -158,8 +165,8 @@ class EtcdV3Backend(RendezvousBackend):
                 return (*current, False) if current is not None else None
         stored = base64.b64encode(self._seal.close(state))  # the stored text, as v2 and c10d keep it
         reply = _with_lease(self._lease, lambda lease: self._swap(stored, token, lease))
-        if reply.get("succeeded"):
-            return state, int(reply["header"]["revision"]), True
+        if reply.get("succeeded"):  # opened as read back: this agent's last authentic state
+            return self._seal.open(stored), int(reply["header"]["revision"]), True
         kvs = reply["responses"][0]["response_range"].get("kvs")
         return (*self._decode(kvs[0]), False) if kvs else None
 

@@ -106,6 +106,12 @@ class StateSeal:
         except (binascii.Error, ValueError, TypeError):
             return None
 
+    def deleted(self) -> None:
+        """Log (rate-limited, ``warn``) that the state's key was found deleted; the backend
+        writes it again from ``last_sealed``."""
+        self.warn("deleted", f"the rendezvous state of '{self.run_id}' was deleted from the store "
+                  f"(key '{self.where}'); writing it again from this agent's last authentic state")
+
     def fallback(self) -> bytes:
         """The last authentic state, else a fresh one (what a refused value reads as)."""
         return self._last if self._last is not None else rdzv.fresh_state()
@@ -153,7 +159,7 @@ class SealedC10dBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         if not self._call("check", [self._key]):
-            self._deleted()
+            self._seal.deleted()
         stored = self._call("compare_set", self._key, "", self._seal.last_sealed or ABSENT)
         return self._seal.open(stored), stored
 
@@ -163,13 +169,9 @@ class SealedC10dBackend(RendezvousBackend):
         expected, desired = token or ABSENT, b64encode(self._seal.close(state))
         stored = self._call("compare_set", self._key, expected, desired)
         if stored == expected != desired:  # the key is gone: the store echoes ``expected``
-            self._deleted()
+            self._seal.deleted()
             stored = self._call("compare_set", self._key, "", desired)
         return self._seal.open(stored), stored, stored == desired
-
-    def _deleted(self) -> None:
-        self._seal.warn("deleted", f"the rendezvous state of '{self._seal.run_id}' was deleted from the store "
-                        f"(key '{self._seal.where}'); writing it again from this agent's last authentic state")
 
     def _call(self, op: str, *args: Any) -> Any:
         try:
@@ -227,7 +229,14 @@ class SealedEtcdBackend(RendezvousBackend):
         return "harness-etcd-v2"
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        """The state; a key deleted after this agent saw an authentic state is written again
+        from it (as ``SealedC10dBackend``: a deleted key must not read as a fresh rendezvous)."""
         got = self._read()
+        if got is None and self._seal.last_sealed is not None:
+            self._seal.deleted()
+            last = self._seal.fallback()
+            restored = self.set_state(last)  # create-only: another agent's rewrite wins
+            return None if restored is None else restored[:2]
         return None if got is None else (self._seal.open(got[0]), got[1])
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:

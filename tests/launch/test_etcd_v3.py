@@ -100,8 +100,9 @@ def test_a_lease_lost_while_stopped_is_granted_anew(etcd):
     _, token, _ = a.set_state(b"one")
     kv = raw(etcd, "kv/range", {"key": base64.b64encode(a.key).decode()})["kvs"][0]
     raw(etcd, "lease/revoke", {"ID": kv["lease"]})  # as if it lapsed: the key goes with it
-    assert a.get_state() is None
-    state, _, won = a.set_state(b"two")
+    state, token = a.get_state()  # written back from the last authentic state, on a new lease
+    assert state == b"one"
+    state, _, won = a.set_state(b"two", token)
     assert (state, won) == (b"two", True)
     raw(etcd, "lease/revoke", {"ID": raw(etcd, "kv/range", {"key": base64.b64encode(a.key).decode()})["kvs"][0]["lease"]})
     assert store.add("n", 2) == 2, "the store's writes take a new lease too"
@@ -291,3 +292,20 @@ def test_tls_asked_of_a_plain_server_that_resets_the_handshake_is_refused(tmp_pa
         stop.set()
         listener.close()
         server.join(10)
+
+
+def test_a_deleted_state_key_is_written_again_from_the_last_authentic_state(etcd, caplog):
+    """Deleting the key (by hand, or a writer's lease that ended) must not read as a fresh
+    rendezvous: a closed one would reopen. An agent that saw the state writes it back,
+    create-only, and says so; one that never saw a state still reads none."""
+    (a, _), (b, _) = backend(etcd, "deleted"), backend(etcd, "deleted")
+    closed = pickle.dumps({"closed": True})
+    a.set_state(closed)
+    key = base64.b64encode(a.key).decode()
+    raw(etcd, "kv/deleterange", {"key": key})
+    assert b.get_state() is None, "b never saw a state: nothing to restore"
+    with caplog.at_level(logging.WARNING):
+        state, token = a.get_state()
+    assert state == closed and "was deleted from the store" in caplog.text
+    assert raw(etcd, "kv/range", {"key": key}).get("kvs"), "the key is back"
+    assert b.get_state() == (closed, token)

@@ -277,6 +277,10 @@ def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, c
                 assert join_all(pair) == [2, 2]
             assert not planted.exists(), "the forged pickle ran"
             assert any("not signed with this job's key" in r.getMessage() for r in caplog.records)
+            forger.delete("/torch/elastic/rendezvous/forged-etcd")  # deleted: not a fresh rendezvous
+            pair[0]._state_holder._backend.get_state()  # a sync's read (the holder may serve its cache)
+            assert forger.read("/torch/elastic/rendezvous/forged-etcd").value, "written back"
+            assert join_all(pair) == [2, 2]
         finally:
             for h in pair:
                 h._stop_heartbeats()
