@@ -242,3 +242,19 @@ def etcd_enable_auth(endpoint: str, user: str, password: str, prefix: bytes = b"
     post("auth/user/add", {"name": user, "password": password})
     post("auth/user/grant", {"user": user, "role": "job"})
     post("auth/enable", {})
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``path`` (made here) with ``options`` (``ro``, ``size=64k``: a
+    read-only or a small disk that root cannot write past), unmounted after; the test is
+    skipped, saying why, where mounting is not allowed (not root / no CAP_SYS_ADMIN)."""
+    path.mkdir(exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True, timeout=30)

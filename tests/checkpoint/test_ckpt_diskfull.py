@@ -8,29 +8,21 @@ the job with CheckpointError; a failed final (blocking) save stops it at once.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import MLP, cli
+from tests.servers import tmpfs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
     # 64 pages: one MLP checkpoint (~36 pages) fits, a second one does not
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small-disk", "size=256k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def assert_clean_terminal(err: str) -> None:

@@ -10,7 +10,6 @@ import contextlib
 import errno
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from elastic_harness.lifecycle import registry
 from elastic_harness.lifecycle.registry import JobRecord
 from tests.cli.test_bad_args import assert_one_line_error
 from tests.conftest import JOBS, MLP
+from tests.servers import tmpfs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,14 +63,8 @@ def read_only_dir(path: Path):
         finally:
             path.chmod(0o755)
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
-                             capture_output=True, timeout=30)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(path, "ro,size=64k"):
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], capture_output=True, timeout=30)
 
 
 @pytest.mark.parametrize("name", ["model.pt", "model.safetensors", "sub/model.pt"])

@@ -134,17 +134,10 @@ def test_shards_on_the_s3_compatible_server(reference, s3_env, tmp_path):  # noq
 @pytest.fixture
 def read_only(tmp_path):
     """A read-only mount (root only: permission bits do not stop root; skipped, saying why)."""
-    import subprocess
+    from tests.servers import tmpfs
 
-    mnt = tmp_path / "read-only"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "read-only", "ro,size=64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_read_only_data_dir_without_the_corpus_is_one_line_not_a_crash_loop(tmp_path, read_only):
