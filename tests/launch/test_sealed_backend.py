@@ -77,24 +77,6 @@ def test_the_agent_gets_our_backend_through_torchs_registry(store, tmp_path):
         h._stop_heartbeats()
 
 
-def test_bytes_that_are_not_even_text_do_not_end_an_agent(store):
-    """Non-UTF-8 bytes under the rendezvous key (issue 33's attack): refused, the next
-    write replaces them, and the group forms its next round."""
-    import torch.distributed as dist
-
-    pair = [handler(store.port, "utf8") for _ in range(2)]
-    try:
-        assert join_all(pair) == [2, 2]
-        forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        forger.set("torch.rendezvous.utf8", b"\xff\xfe\x00\x80 not text")
-        for h in pair:
-            h._state_holder.sync()
-        assert join_all(pair) == [2, 2]
-    finally:
-        for h in pair:
-            h._stop_heartbeats()
-
-
 def test_a_deleted_state_key_reads_as_no_state_without_waiting_for_it(store):
     """torch's backend ``get``s the key, which blocks until it exists (the store's read
     timeout: 300 s here, past this test's bound); ours reads it with ``compare_set``."""
