@@ -578,9 +578,12 @@ class Run:
 
     def _say_unfinished(self) -> None:
         """A script that left its loop early and closed the run: say so (rank 0), so the job's
-        end does not read as a failure without a reason."""
+        end does not read as a failure without a reason. Not when the loop ended for a reason
+        that is said elsewhere: an exception on its way through ``close`` (a script's
+        ``finally``, the task loop's), or a drain or stop the agent asked for."""
         at, steps = self._left_loop_at, self.spec.train.steps
-        if self._quiet_close or self._loop_done or at is None or at >= steps:
+        failing = sys.exc_info()[1] is not None
+        if self._quiet_close or failing or self.drain.requested or self._loop_done or at is None or at >= steps:
             return
         self.events.emit("warning", message=(
             f"the script left its run.steps() loop after step {at} of train.steps={steps} and closed the "

@@ -315,3 +315,29 @@ def test_a_restored_schedule_shorter_than_the_job_is_found_before_it_raises():
     seq = stepped(SequentialLR(o, [ExponentialLR(o, 0.9), OneCycleLR(o, 0.1, total_steps=10)], milestones=[5]), 10)
     assert short_schedule([seq], 10, 15) is None
     assert short_schedule([per_update], 0, 60) is None  # a fresh start: nothing restored
+
+
+def test_leaving_the_loop_is_said_only_when_nothing_else_explains_it():
+    """The quickstart's demo printed "the script left its run.steps() loop after step 120
+    ... not finished" for the survivor of a killed rank: its loop ended because of the
+    failure (an exception through ``close``) or a stop its agent asked for, both said
+    elsewhere. A script's own early exit is still said."""
+    from types import SimpleNamespace
+
+    from elastic_harness.runtime.session import Run
+
+    said = []
+
+    def run(requested=False):
+        return SimpleNamespace(_left_loop_at=120, spec=SimpleNamespace(train=SimpleNamespace(steps=400)),
+                               _quiet_close=False, _loop_done=False, drain=SimpleNamespace(requested=requested),
+                               events=SimpleNamespace(emit=lambda kind, **f: said.append(f["message"])))
+
+    Run._say_unfinished(run())
+    assert len(said) == 1 and "left its run.steps() loop after step 120" in said[0]
+    try:
+        raise ConnectionError("Connection closed by peer")
+    except ConnectionError:
+        Run._say_unfinished(run())
+    Run._say_unfinished(run(requested=True))
+    assert len(said) == 1
