@@ -35,9 +35,21 @@ from elastic_harness.netns import NetnsTopology
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the OS has free now. The sockets stay bound until all are
+    picked: ports taken one by one and released each time can repeat, and a server given the
+    same port twice (an etcd member's client and metrics ports) dies after it started."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _die_with_host() -> None:

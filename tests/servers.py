@@ -6,7 +6,6 @@ import contextlib
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -16,12 +15,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from elastic_harness.cluster import free_port, free_ports
 
 # What every rank of ``spawn_ranks`` imports anyway (the forkserver imports it once).
 _RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
@@ -179,7 +173,7 @@ def etcd_server(data_dir: Path, listen_all: bool = False, v2: bool = False, gate
 
     ``listen_all``: also listen on this machine's other addresses (network namespaces reach
     it through their bridge); the endpoint returned is still the loopback one."""
-    client, peer, metrics = free_port(), free_port(), free_port()
+    client, peer, metrics = free_ports(3)
     scheme = "https" if tls else "http"
     listen = f"{scheme}://{'0.0.0.0' if listen_all else '127.0.0.1'}:{client}"
     cmd = [_etcd_binary(), *_etcd_flags("t0", data_dir, listen, f"{scheme}://127.0.0.1:{client}", peer, metrics,
@@ -198,7 +192,8 @@ def etcd_server(data_dir: Path, listen_all: bool = False, v2: bool = False, gate
 @contextlib.contextmanager
 def etcd_cluster(root: Path, members: int = 3, v2: bool = False) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """``members`` etcd members forming one cluster on loopback: [(client endpoint, process)]."""
-    ports = [(free_port(), free_port(), free_port()) for _ in range(members)]
+    flat = free_ports(3 * members)
+    ports = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
     initial = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer, _) in enumerate(ports))
     procs = []
     try:

@@ -36,15 +36,16 @@ from pathlib import Path
 import pytest
 
 from elastic_harness.netns import NetnsTopology
-from tests.servers import free_port, wait_until
+from tests.servers import free_ports, wait_until
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "nsenter", "unshare")
 
 
 def _conf(root: Path, controller: str, nodes: list[str]) -> str:
+    ctld_port, slurmd_port = free_ports(2)
     return "\n".join([
-        "ClusterName=eh-test", f"SlurmctldHost={controller}", f"SlurmctldPort={free_port()}",
-        f"SlurmdPort={free_port()}", "AuthType=auth/munge", "CredType=cred/munge",
+        "ClusterName=eh-test", f"SlurmctldHost={controller}", f"SlurmctldPort={ctld_port}",
+        f"SlurmdPort={slurmd_port}", "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={root}/munge.sock,cred_expire=5", "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool-%n",
         f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",

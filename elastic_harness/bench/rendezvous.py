@@ -188,13 +188,13 @@ def _time_backend(handler) -> dict:
 @contextlib.contextmanager
 def local_etcd(scratch: Path) -> Iterator[tuple[str, str]]:
     """An etcd on loopback serving both APIs, data in ``scratch``; (endpoint, version)."""
-    from elastic_harness.cluster import free_port
+    from elastic_harness.cluster import free_ports
 
     binary = shutil.which("etcd")
     if binary is None:
         raise HarnessError("bench rendezvous needs the etcd server on PATH",
                            "install it (Debian: apt-get install etcd-server), any 3.4 or 3.5")
-    client, peer, metrics = free_port(), free_port(), free_port()
+    client, peer, metrics = free_ports(3)
     url, purl = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     cmd = [binary, "--name", "bench", "--data-dir", str(scratch / "etcd"), "--enable-v2=true",
            "--listen-client-urls", url, "--advertise-client-urls", url, "--listen-peer-urls", purl,

@@ -22,7 +22,14 @@ from elastic_harness.launch import etcd_gateway, etcd_v3, sealed
 from elastic_harness.launch.etcd_gateway import Gateway, Settings
 from elastic_harness.launch.etcd_v3 import EtcdMisconfigured
 from tests.launch.test_rendezvous import join_all
-from tests.servers import etcd_cluster, etcd_enable_auth, etcd_server, free_port, make_tls
+from tests.servers import (
+    etcd_cluster,
+    etcd_enable_auth,
+    etcd_server,
+    free_port,
+    free_ports,
+    make_tls,
+)
 
 pytestmark = pytest.mark.timeout(120)
 KEY = b"k" * 32
@@ -193,7 +200,7 @@ def test_a_dead_member_is_skipped_and_the_cluster_teaches_the_rest(tmp_path):
 
 def test_no_member_reachable_is_a_connection_error_worth_a_retry():
     with pytest.raises(RendezvousConnectionError, match="no etcd member answered"):
-        backend(f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}")
+        backend(",".join(f"127.0.0.1:{port}" for port in free_ports(2)))
 
 
 # --- refusals: one line each, a mistake to fix -------------------------------------------------

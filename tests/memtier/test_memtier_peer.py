@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.topology import Topology
+from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -253,12 +253,6 @@ def test_fsdp_snapshots_at_another_world_size_fall_back_and_are_cleared(nodes):
 
 # ----- two real processes over gloo ----------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, described: str, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -304,7 +298,7 @@ def _rank(rank: int, port: int, described: str, out: str) -> None:
 def test_two_processes_a_rank_without_slots_receives_over_gloo(tmp_path):
     host = HostSlots.create(1)
     try:
-        mp.start_processes(_rank, args=(_free_port(), host.describe(), str(tmp_path)), nprocs=2,
+        mp.start_processes(_rank, args=(free_port(), host.describe(), str(tmp_path)), nprocs=2,
                            start_method="spawn")
         got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     finally:
