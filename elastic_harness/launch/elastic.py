@@ -59,6 +59,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, Wo
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.env import JOIN_SIGNAL
@@ -346,6 +347,20 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[No
         yield
 
 
+def closes_rendezvous(error: BaseException | None, *, excluded: bool) -> bool:
+    """Pure: does this agent's end close the job's rendezvous, ending every node's part?
+    Yes when the job is over for all: it finished (``error`` None), its workers failed past
+    the restart budget, or this agent met an error of its own. No when the others can go on
+    without this node: it was signalled (preempted), kept out (``launch.exclusion``), or it
+    lost its connection to the rendezvous store (the others may still reach the store, and
+    a close would end them too; torch's agent closes it there)."""
+    if error is None:
+        return True
+    if isinstance(error, ChildFailedError):
+        return not excluded
+    return not isinstance(error, (SignalException, RendezvousConnectionError))
+
+
 class Launch:
     """One node's agent for ``config``; ``run()`` once. ``agent.stop_reason`` says why it
     stopped restarting, when it did."""
@@ -381,7 +396,7 @@ class Launch:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,
         ``SignalException``, rendezvous errors)."""
         config, agent, spec = self.config, self.agent, self.spec
-        shutdown_rdzv = True
+        error: BaseException | None = None
         try:
             metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
             result = agent.run()
@@ -389,18 +404,13 @@ class Launch:
             if result.is_failed():
                 raise ChildFailedError(name=spec.get_entrypoint_name(), failures=result.failures)
             return result.return_values
-        except ChildFailedError:
-            # A node kept out (``launch.exclusion``) leaves the rendezvous open: the job goes on.
-            shutdown_rdzv = agent.excluded is None
+        except ChildFailedError as e:
+            error = e
             raise
-        except SignalException:
-            # A signalled agent leaves the rendezvous open so the job can go on without it.
-            shutdown_rdzv = False
-            events.record(agent.get_event_failed(), config.event_log_handler)
-            raise
-        except Exception:
+        except BaseException as e:
+            error = e
             events.record(agent.get_event_failed(), config.event_log_handler)
             raise
         finally:
-            if shutdown_rdzv:
+            if closes_rendezvous(error, excluded=agent.excluded is not None):
                 spec.rdzv_handler.shutdown()

@@ -15,7 +15,10 @@ Keys and values travel base64-encoded (the gateway's JSON for ``bytes``); 64-bit
 Members: ``Gateway.call`` asks the member that answered last, among those the job named and
 those the cluster advertises (``learn_members``); when it cannot be reached (a
 refused or timed-out connection, a 5xx, or etcd's own "unavailable"), each other member in
-turn, once. Only when none answers does it raise ``EtcdUnavailable`` (the infrastructure's
+turn, once. A member that answered "unavailable" (a leader election, a quorum being
+restored) is asked again, all of them in turn, until ``Settings.timeout`` has passed since the
+call began: losing the member that led the cluster is not the job's failure. Only then, or at
+once when no member answered at all, does it raise ``EtcdUnavailable`` (the infrastructure's
 failure: worth a retry). An answer that says the job's settings are wrong raises
 ``EtcdRefused`` with one line naming the fix: no v3 API at that address (an etcd older than
 3.4, or one serving only v2, or not etcd), https asked of a plain-http etcd or the reverse,
@@ -40,10 +43,13 @@ import json
 import socket
 import ssl
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 2.0  # a member that does not accept a connection this fast is skipped
+UNAVAILABLE_PAUSE_S = 0.1  # between two rounds of the members while one says it is unavailable
 
 
 class EtcdError(Exception):
@@ -120,15 +126,22 @@ def tls_context(settings: Settings) -> ssl.SSLContext:
 
 
 class _Unreachable(Exception):
-    """This member cannot answer now: try the next one."""
+    """This member cannot answer now: try the next one. ``answered``: it said so itself
+    (a 5xx, etcd's "unavailable"), so the cluster is there and may serve again in moments."""
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class Gateway:
     """A client of one etcd cluster's v3 JSON gateway (module doc). Thread-safe: each thread
     keeps its own connections."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.settings = settings
+        self._clock, self._sleep = clock, sleep
         self._tls = tls_context(settings) if settings.protocol == "https" else None
         self._local = threading.local()
         self._current = 0  # the member that answered last
@@ -137,18 +150,31 @@ class Gateway:
 
     def call(self, path: str, body: dict) -> dict:
         """POST ``/v3/<path>`` with ``body``; the reply's JSON (module doc: members, errors)."""
+        deadline = self._clock() + self.settings.timeout
+        while True:
+            reply, failures, answered = self._one_pass(path, body)
+            if reply is not None:
+                return reply
+            if not answered or self._clock() + UNAVAILABLE_PAUSE_S > deadline:
+                raise EtcdUnavailable("no etcd member answered (" + "; ".join(failures) + ")")
+            self._sleep(UNAVAILABLE_PAUSE_S)  # an election, a quorum coming back: ask again
+
+    def _one_pass(self, path: str, body: dict) -> tuple[dict | None, list[str], bool]:
+        """Each member once, the one that answered last first: (reply or None, each failure,
+        whether any member answered that it is unavailable for now)."""
         endpoints = list(self.endpoints)
-        failures = []
+        failures, answered = [], False
         for i in range(len(endpoints)):
             index = (self._current + i) % len(endpoints)
             try:
                 reply = self._call_member(endpoints[index], path, body)
             except _Unreachable as e:
                 failures.append(f"{endpoints[index]}: {e}")
+                answered = answered or e.answered
                 continue
             self._current = index
-            return reply
-        raise EtcdUnavailable("no etcd member answered (" + "; ".join(failures) + ")")
+            return reply, failures, answered
+        return None, failures, answered
 
     def members(self) -> list[str]:
         """``HOST:PORT`` of every client URL the cluster's members advertise."""
@@ -206,7 +232,7 @@ class Gateway:
             return reply
         code, message = reply.get("code"), str(reply.get("message") or reply.get("_text", ""))[:200]
         if status >= 500 or code in (4, 14):  # etcd unavailable, timed out, no leader
-            raise _Unreachable(f"HTTP {status}: {message}")
+            raise _Unreachable(f"HTTP {status}: {message}", answered=True)
         refusal = refusal_for(endpoint, status, code, message, self.settings)
         if refusal:
             raise EtcdRefused(refusal)

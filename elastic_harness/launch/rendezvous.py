@@ -75,6 +75,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -91,6 +92,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousParameters,
 )
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
@@ -216,6 +218,13 @@ def _seconds(params: RendezvousParameters, key: str) -> float:
     return float(params.get(key, _DEFAULTS[key]))
 
 
+def _expiry_s(handler: Any) -> float:
+    """Seconds after which the peers of ``handler``'s node take it for dead when its
+    keep-alives stop (torch's rule)."""
+    settings = rdzv.settings(handler)
+    return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
+
+
 def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
     """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state
     sealed under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
@@ -246,6 +255,7 @@ class _Handler(DynamicRendezvousHandler):
     _steady_poll: float | None = None  # its state holder's cache while its workers run (``poll_for``)
     _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
     _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
+    _unreadable_since: float | None = None  # monotonic time its reads of the state began failing
 
     def peer_lost(self) -> None:
         """The agent's workers failed because a peer's connection closed (``liveness``);
@@ -273,6 +283,31 @@ class _Handler(DynamicRendezvousHandler):
         dropped it, or torch's expiry did), by the last read of the state?"""
         state = rdzv.state(self)
         return state is not None and self._round is not None and rdzv.this_node(self) not in state.participants
+
+    def num_nodes_waiting(self) -> int:
+        """torch's, asked by the agent every monitor interval while its workers run; a
+        rendezvous store that cannot be read for now (an etcd member lost, its cluster
+        electing a leader) is not a reason to end a healthy group. torch's agent would let
+        the error end this agent, and with it close the rendezvous for every node. So it
+        counts as no node waiting, with one warning, until the store has been unreadable for
+        as long as the peers take to expire this node (``keep_alive_interval *
+        keep_alive_max_attempt``): then the error goes up as before."""
+        try:
+            waiting = super().num_nodes_waiting()
+        except RendezvousConnectionError as e:
+            now = time.monotonic()
+            if self._unreadable_since is None:
+                self._unreadable_since = now
+                log.warning("Cannot read the rendezvous state (%s); the workers go on while it "
+                            "recovers, for up to %.0f s", e, _expiry_s(self))
+            if now - self._unreadable_since > _expiry_s(self):
+                raise
+            return 0
+        if self._unreadable_since is not None:
+            log.warning("The rendezvous state can be read again after %.1f s",
+                        time.monotonic() - self._unreadable_since)
+            self._unreadable_since = None
+        return waiting
 
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call

@@ -9,6 +9,7 @@ import base64
 import json
 import logging
 import pickle
+import subprocess
 import threading
 import urllib.request
 from datetime import timedelta
@@ -29,6 +30,7 @@ from tests.servers import (
     free_port,
     free_ports,
     make_tls,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -179,6 +181,31 @@ def test_two_agents_form_a_round_through_torchs_handler(etcd, monkeypatch, tmp_p
             h._stop_heartbeats()
 
 
+def test_a_store_unreadable_for_a_moment_does_not_end_a_running_group(tmp_path, monkeypatch, caplog):
+    """A running agent asks torch's handler every monitor interval whether a node waits.
+    While the store cannot be read, that is "none" with one warning, until the peers would
+    have expired this node (keep-alive interval x attempts); then the error goes up. torch's
+    own handler raises at the first failed read, and its agent then closes the rendezvous
+    for every node."""
+    from elastic_harness.launch.rendezvous import create_handler
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with etcd_cluster(tmp_path, members=1) as [(endpoint, proc)]:
+        handler = create_handler(params(endpoint, "alone", start_last_call_timeout=0.2, keep_alive_interval=1,
+                                        keep_alive_max_attempt=2), key=KEY)
+        try:
+            assert handler.next_rendezvous().world_size == 1
+            proc.kill()
+            proc.wait()
+            with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.rendezvous"):
+                wait_until(lambda: handler.num_nodes_waiting() == 0 and "Cannot read the rendezvous state" in caplog.text,
+                           30, "the warning of a state that cannot be read")
+                with pytest.raises(RendezvousConnectionError):
+                    wait_until(lambda: handler.num_nodes_waiting() < 0, 30, "the error, after the expiry bound")
+        finally:
+            handler._stop_heartbeats()
+
+
 # --- members ---------------------------------------------------------------------------------
 
 
@@ -196,6 +223,32 @@ def test_a_dead_member_is_skipped_and_the_cluster_teaches_the_rest(tmp_path):
         p0.wait()
         assert a.set_state(b"after", token)[2], "the write goes to a live member"
         assert a.get_state()[0] == b"after"
+
+
+def test_a_cluster_without_quorum_for_a_moment_is_waited_for(tmp_path):
+    """Two of three members down: the last one answers "unavailable" (no quorum). The call
+    asks again until its timeout, so a member back meanwhile serves it (stop 38's second
+    CI failure: an agent's read while the cluster lost a member ended the job)."""
+    with etcd_cluster(tmp_path) as members:
+        (first, _), (_, p1), (_, p2) = members
+        for p in (p1, p2):
+            p.kill()
+            p.wait()
+        restarted = []
+
+        def sleep(seconds: float) -> None:  # the gateway pauses only after "unavailable"
+            if not restarted:
+                restarted.append(subprocess.Popen(p1.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                  start_new_session=True))
+
+        gateway = Gateway(Settings((first,), timeout=60), sleep=sleep)
+        try:
+            assert gateway.call("kv/put", {"key": etcd_gateway.b64("x"), "value": etcd_gateway.b64("1")}) is not None
+            assert restarted, "the first answer was 'unavailable', and the call asked again"
+        finally:
+            for p in restarted:
+                p.terminate()
+                p.wait()
 
 
 def test_no_member_reachable_is_a_connection_error_worth_a_retry():

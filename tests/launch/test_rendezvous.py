@@ -279,3 +279,26 @@ def test_rendezvous_events_match_torchs_own(monkeypatch):
     assert ours == torch_events
     assert torch_events[0]["name"] == "test_rendezvous.py:_add_to_participants"
     assert "ValueError: boom" in torch_events[1]["error_trace"]
+
+
+def test_only_an_end_that_ends_the_job_closes_its_rendezvous():
+    """Closing the rendezvous ends every node's part. A finished job, a spent restart budget
+    or an agent's own error close it; a signalled agent, a node kept out, or an agent that
+    lost its connection to the store leave it open for the others."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    from elastic_harness.launch.elastic import closes_rendezvous
+
+    failed = ChildFailedError("worker", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")})
+    assert closes_rendezvous(None, excluded=False)
+    assert closes_rendezvous(failed, excluded=False)
+    assert not closes_rendezvous(failed, excluded=True)
+    assert closes_rendezvous(RuntimeError("a bug"), excluded=False)
+    assert closes_rendezvous(RendezvousTimeoutError("too few nodes"), excluded=False)
+    assert not closes_rendezvous(SignalException("SIGTERM", 15), excluded=False)
+    assert not closes_rendezvous(RendezvousConnectionError("etcd gone"), excluded=False)
