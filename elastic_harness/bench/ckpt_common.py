@@ -71,28 +71,6 @@ def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
     os.close(fd)
 
 
-# /proc/stat's first line: cpu user nice system idle iowait irq softirq steal ...
-_STAT_FIELDS = {"user": (0, 1), "kernel": (2, 5, 6), "idle": (3,), "iowait": (4,), "steal": (7,)}
-
-
-def parse_cpu_line(line: str, ticks_per_s: float) -> dict[str, float]:
-    """Pure: seconds each kind of time took on all CPUs, from /proc/stat's ``cpu`` line.
-    ``steal``: time the hypervisor ran something else on this VM's CPUs."""
-    values = [int(v) for v in line.split()[1:9]]
-    values += [0] * (8 - len(values))  # old kernels end before steal
-    return {kind: sum(values[i] for i in at) / ticks_per_s for kind, at in _STAT_FIELDS.items()}
-
-
-def machine_times() -> dict[str, float]:
-    """``parse_cpu_line`` of this machine now; empty where there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            line = f.readline()
-    except OSError:
-        return {}
-    return parse_cpu_line(line, os.sysconf("SC_CLK_TCK")) if line.startswith("cpu ") else {}
-
-
 def local_tensors(state: dict) -> list[torch.Tensor]:
     return [d.to_local() for part in state.values() for d in part.values()]
 

@@ -44,13 +44,13 @@ from torch import nn
 from elastic_harness.bench.ckpt_common import (
     Events,
     local_tensors,
-    machine_times,
     make_manager,
     raw_write,
     sharded,
     timed,
 )
 from elastic_harness.bench.ckpt_floor import Floor
+from elastic_harness.bench.cpuwindow import machine_times
 from elastic_harness.runtime.state import ModelState, OptimState
 
 

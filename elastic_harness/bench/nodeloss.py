@@ -14,7 +14,9 @@
   (``recovered: false``, ``stopped_at_bound_s``) instead of a time.
 
 Every row also says the machine's load when it ran (``os.getloadavg``): figures from a busy
-machine are indicative only.
+machine are indicative only; and each run how busy every CPU was from the fault to the first
+step after it (``cpu_busy``, ``bench.cpuwindow``): near 1, the recovery waited for CPU (N
+simulated nodes restarting on a few cores), not for the protocol.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import crash_stats
+from elastic_harness.bench import cpuwindow, crash_stats
 from elastic_harness.bench.launching import (
     _signal_group,
     _spawn,
@@ -63,17 +65,28 @@ def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, paralle
         for name in [*rows, "torchrun"]:
             run_dir = scratch / f"{kind}-{nodes}-{name}-{r}"
             load = os.getloadavg()[0]
-            if name == "torchrun":
-                result = torchrun_fault(job, run_dir, nodes, kind)
-            else:
-                code = harness(job, run_dir, nodes, kind, separate=name == "separate_hosts")
-                result = measure(run_dir, code)
+            with cpuwindow.Sampler() as cpu:
+                if name == "torchrun":
+                    result = torchrun_fault(job, run_dir, nodes, kind)
+                else:
+                    code = harness(job, run_dir, nodes, kind, separate=name == "separate_hosts")
+                    result = measure(run_dir, code)
+            result["cpu_busy"] = _cpu_busy(run_dir, result, cpu.samples)
             runs[name].append({**result, "load": round(load, 2)})
     out = {"fault": f"{kind}:1@{FAULT_STEP}", "nodes": nodes, "nproc_per_node": 1, "repeats": repeats,
            "rows": {name: summarize(v, runs["torchrun"]) for name, v in runs.items()}}
     if os.geteuid() != 0:
         out["rows"]["separate_hosts"] = {"skipped": "needs root (network, pid and UTS namespaces)"}
     return {**out, **goals(kind, out["rows"])}
+
+
+def _cpu_busy(run_dir: Path, result: dict, samples: list) -> float | None:
+    """The machine's busy CPU fraction from the fault to the first step after it
+    (``cpuwindow``: near 1, the recovery waited for CPU, not for the protocol)."""
+    fault = next((e for e in read_events(run_dir / runfiles.EVENTS) if e["event"] == "fault"), None)
+    if fault is None or result.get("recovery_s") is None:
+        return None
+    return cpuwindow.busy_fraction(samples, fault["t"], fault["t"] + result["recovery_s"])
 
 
 def _one_rank_per_node(job: Path) -> Path:
@@ -88,6 +101,7 @@ def summarize(runs: list[dict], torchrun: list[dict]) -> dict:
     theirs = crash_stats.median_of([r.get("recovery_s") for r in torchrun])
     phases = crash_stats.median_breakdown([r["phases"] for r in runs if r.get("phases")])
     return {"median_s": med, "phases_median_s": phases,
+            "cpu_busy_median": crash_stats.median_of([r.get("cpu_busy") for r in runs]),
             "ratio_to_torchrun": round(med / theirs, 4) if med is not None and theirs else None,
             "recovered": sum(bool(r.get("recovered", r.get("recovery_s") is not None)) for r in runs), "of": len(runs),
             "stopped_at_bound": sum(bool(r.get("stopped_at_bound_s") or r.get("stopped_at_bound")) for r in runs),

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from elastic_harness.bench.cpuwindow import machine_times
 from elastic_harness.errors import HarnessError
 
 HERE = Path(__file__).resolve().parent
@@ -115,13 +116,10 @@ def launch(side: str, row: Any, args: argparse.Namespace, data_dir: Path, run_di
 
 
 def machine_busy_s() -> float | None:
-    """CPU seconds all cores spent busy since boot (Linux ``/proc/stat``), else None."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    """CPU seconds all cores spent busy since boot (Linux ``/proc/stat``: all but idle and
+    iowait), else None."""
+    t = machine_times()
+    return t["user"] + t["kernel"] + t["steal"] if t else None
 
 
 def children_cpu_s() -> float:

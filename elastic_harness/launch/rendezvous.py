@@ -122,17 +122,24 @@ PEER_GRACE_S = 1.0
 # ``POLL_S`` while it waits or runs.
 POLL_S = 0.25
 
+# Seconds between a running agent's reads of the state: how late it sees that a peer's group
+# failed (``_Handler.round_broken``: it then stops its own workers at once). Without that, the
+# failure reaches a worker through its collectives, one worker's exit after another (50-150 ms
+# a hop); at 0.25 s the last survivor of an 8-node group still saw it 0.17 s after the first
+# (issue 36, item 2). One read costs an agent well under a millisecond.
+RUNNING_POLL_S = 0.1
+
 # Store reads per second a job's running agents make together at most (issue 36: each read is
 # the whole state, ~260 bytes a node; at 1000 nodes and ``POLL_S`` that was 4000 reads and ~1 GB
-# a second on the one store). A group of more than ``STATE_READS_PER_S * POLL_S`` nodes reads
-# the state less often (``poll_for``): a waiting node or a broken round is seen that much later.
+# a second on the one store). A group of more than ``STATE_READS_PER_S * RUNNING_POLL_S`` nodes
+# reads the state less often (``poll_for``): a waiting node or a broken round is seen that much later.
 STATE_READS_PER_S = 200.0
 SPARE_POLL_S = 0.05  # a hot spare's reads of the state while it waits (``_Handler._wait_as_spare``)
 
 
 def poll_for(nodes: int) -> float:
     """Pure: seconds between a running agent's reads of the state in a group of ``nodes``."""
-    return max(POLL_S, nodes / STATE_READS_PER_S)
+    return max(RUNNING_POLL_S, nodes / STATE_READS_PER_S)
 
 
 REJOIN_POLL_S = 0.05  # an agent rejoining after a restart: its peers arrive within moments
@@ -325,8 +332,7 @@ class _Handler(DynamicRendezvousHandler):
         state = rdzv.state(self)
         if state is None:  # ``rdzv-state`` off: torch's own timeouts, no per-round memory
             return info
-        if poll_for(len(state.participants)) > POLL_S:  # a large group reads less often
-            rdzv.set_state_cache(self, max(self._steady_poll, poll_for(len(state.participants))))
+        rdzv.set_state_cache(self, poll_for(len(state.participants)))  # a large group reads less often
         self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
         self._condemned, self._failed = frozenset(), False
         timeout = rdzv.settings(self).timeout
@@ -415,7 +421,10 @@ class _Handler(DynamicRendezvousHandler):
         settings = rdzv.settings(self)
 
         def after_add(state: Any) -> None:
-            if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
+            if state.complete:
+                return
+            self._admit_waiting(state)
+            if len(state.participants) >= settings.min_nodes and rounds.everyone_in(
                     round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
                     participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
                     max_nodes=settings.max_nodes):
@@ -426,6 +435,24 @@ class _Handler(DynamicRendezvousHandler):
 
         rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
         self._wait_as_spare()
+
+    def _admit_waiting(self, state: Any) -> None:
+        """Add every agent of the wait list to the open round with this one (``rounds``:
+        joining all at once), with torch's bookkeeping of an add: the last call starts when
+        ``nodes.min`` are in, the round closes at once when ``nodes.max`` are."""
+        settings = rdzv.settings(self)
+        before = len(state.participants)
+        for node in rounds.admitted(participants=state.participants, waiting=state.wait_list,
+                                    max_nodes=settings.max_nodes):
+            state.wait_list.discard(node)
+            state.participants[node] = 0
+        if len(state.participants) == before:
+            return
+        now = datetime.now(timezone.utc)
+        if before < settings.min_nodes <= len(state.participants):
+            state.deadline = now + settings.timeout.last_call
+        if len(state.participants) >= settings.max_nodes:
+            state.deadline = now
 
     def _wait_as_spare(self) -> None:
         """A hot spare (torch's redundancy list: the round is full) reads the state every

@@ -15,11 +15,27 @@ have not expired yet).
 
 Not for round 0: no round completed before it (the start of a submission has its own last
 call, ``start_last_call_timeout``).
+
+Joining all at once (``admitted``): torch lets each agent of the wait list add itself to the
+new round, one compare-and-swap each, each after its next read of the state: after a node
+loss at 8 nodes the survivors joined 8-20 ms apart, and at 1,000 nodes that would be 1,000
+writes in a row on one key. The first agent to join an open round adds every waiting agent
+with itself, in its own write: they asked for exactly that, and their keep-alives are in the
+state. Each of them then finds itself a participant and waits for the round to close.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+
+
+def admitted(*, participants: Collection, waiting: Collection, max_nodes: int) -> list:
+    """Pure: the waiting agents to add to an open round with the one joining it now
+    (``participants``, itself included), as many as the round has room for, in a fixed
+    order so that every agent would choose alike."""
+    room = max_nodes - len(participants) if max_nodes else len(waiting)
+    candidates = sorted((n for n in waiting if n not in participants), key=repr)
+    return candidates[:max(room, 0)]
 
 
 def everyone_in(*, round_: int, members: Collection, gone: Collection, participants: Collection,

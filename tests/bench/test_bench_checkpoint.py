@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_harness.bench.checkpoint import extra_cpu, machine_per_save, ratios_of, spread
-from elastic_harness.bench.ckpt_common import parse_cpu_line
+from elastic_harness.bench.cpuwindow import parse_cpu_line
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -105,9 +105,9 @@ def test_only_a_crash_breaks_the_round_not_workers_that_drained():
 
 
 def test_a_large_group_reads_the_state_less_often():
-    from elastic_harness.launch.rendezvous import POLL_S, poll_for
+    from elastic_harness.launch.rendezvous import RUNNING_POLL_S, poll_for
 
-    assert poll_for(2) == poll_for(16) == POLL_S
+    assert poll_for(2) == poll_for(16) == RUNNING_POLL_S
     assert poll_for(1000) == 5.0, "1000 agents read the state 200 times a second together, not 4000"
     from elastic_harness.launch.rendezvous import REJOIN_POLL_S, rejoin_poll
 
@@ -143,3 +143,12 @@ def test_a_spare_waits_reading_often_and_ends_cleanly_when_the_job_closes(store)
         assert kind == "RendezvousGracefulExitError" and rendezvous_exit_code(kind) == 0
     finally:
         close([active, spare])
+
+
+def test_the_first_agent_of_an_open_round_admits_every_waiting_agent_with_itself():
+    from elastic_harness.launch.rounds import admitted
+
+    assert admitted(participants={"a"}, waiting={"c", "b"}, max_nodes=8) == ["b", "c"]
+    assert admitted(participants={"a"}, waiting={"d", "c", "b"}, max_nodes=3) == ["b", "c"], "no more than the room"
+    assert admitted(participants={"a", "b"}, waiting={"b"}, max_nodes=3) == []
+    assert admitted(participants={"a", "b", "c"}, waiting={"d"}, max_nodes=3) == [], "a full round admits nobody"

@@ -213,11 +213,11 @@ def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, c
     import torch.distributed as dist
 
     pair = [handler(f"127.0.0.1:{store.port}", "deleted") for _ in range(2)]
-    for h in pair:
-        h._state_holder._cache_duration = 0  # every sync reads the store
     key = "torch.rendezvous.deleted"
     try:
         assert join_all(pair) == [2, 2]
+        for h in pair:
+            h._state_holder._cache_duration = 0  # every sync reads the store (a join sets its own)
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
             forger.delete_key(key)
