@@ -71,7 +71,7 @@ def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, paralle
                 else:
                     code = harness(job, run_dir, nodes, kind, separate=name == "separate_hosts")
                     result = measure(run_dir, code)
-            result["cpu_busy"] = _cpu_busy(run_dir, result, cpu.samples)
+            result["cpu_busy"] = cpu_busy(run_dir, result.get("recovery_s"), cpu.samples)
             runs[name].append({**result, "load": round(load, 2)})
     out = {"fault": f"{kind}:1@{FAULT_STEP}", "nodes": nodes, "nproc_per_node": 1, "repeats": repeats,
            "rows": {name: summarize(v, runs["torchrun"]) for name, v in runs.items()}}
@@ -80,13 +80,13 @@ def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, paralle
     return {**out, **goals(kind, out["rows"])}
 
 
-def _cpu_busy(run_dir: Path, result: dict, samples: list) -> float | None:
+def cpu_busy(run_dir: Path, recovery_s: float | None, samples: list) -> float | None:
     """The machine's busy CPU fraction from the fault to the first step after it
     (``cpuwindow``: near 1, the recovery waited for CPU, not for the protocol)."""
     fault = next((e for e in read_events(run_dir / runfiles.EVENTS) if e["event"] == "fault"), None)
-    if fault is None or result.get("recovery_s") is None:
+    if fault is None or recovery_s is None:
         return None
-    return cpuwindow.busy_fraction(samples, fault["t"], fault["t"] + result["recovery_s"])
+    return cpuwindow.busy_fraction(samples, fault["t"], fault["t"] + recovery_s)
 
 
 def _one_rank_per_node(job: Path) -> Path:

@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import check_out, crash_stats, nodeloss, resize, scratch_dir
+from elastic_harness.bench import check_out, cpuwindow, crash_stats, nodeloss, resize, scratch_dir
 from elastic_harness.bench.launching import (
     _signal_group,
     _spawn,
@@ -209,11 +209,14 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
         for launcher in launchers:
             run_dir = scratch / f"kill-node-{launcher}-{r}"
             load = round(os.getloadavg()[0], 2)
-            if launcher == "separate_hosts":
-                code = nodeloss.harness(job, run_dir, nodes, "kill-node", separate=True)
-            else:
-                code = launch(launcher, job, run_dir, nodes=nodes, nproc=1, chaos=["kill-node:1@40"], timeout=420)
-            out[launcher].append({**_one_recovery(run_dir, code), "load": load,
+            with cpuwindow.Sampler() as cpu:
+                if launcher == "separate_hosts":
+                    code = nodeloss.harness(job, run_dir, nodes, "kill-node", separate=True)
+                else:
+                    code = launch(launcher, job, run_dir, nodes=nodes, nproc=1, chaos=["kill-node:1@40"], timeout=420)
+            recovery = _one_recovery(run_dir, code)
+            out[launcher].append({**recovery, "load": load,
+                                  "cpu_busy": nodeloss.cpu_busy(run_dir, recovery.get("recovery_s"), cpu.samples),
                                   "phases": nodeloss.measure(run_dir, code)["phases"],
                                   # stopped by the bench (no progress for STALL_S, or past 420 s)
                                   "stopped_at_bound": code is None})
