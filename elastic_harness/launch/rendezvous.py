@@ -259,7 +259,7 @@ class _Handler(DynamicRendezvousHandler):
     _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
     _condemned: frozenset = frozenset()  # peers of its last round ``launch.verdict`` found gone
     _failed = False  # its workers failed since its last round completed (``group_failed``)
-    _steady_poll: float | None = None  # its state holder's cache while its workers run (``poll_for``)
+    _steady_poll: float | None = None  # its state holder's cache outside a join (``POLL_S``; ``poll_for`` once formed)
     _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
     _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
     _unreadable_since: float | None = None  # monotonic time its reads of the state began failing
