@@ -213,9 +213,10 @@ def _redirect(fd: int, path: str | None) -> None:
 def run_module(module: str, argv: list[str]) -> int:
     """``python -m module argv`` in this process: exit code as the interpreter would give it,
     after the ``atexit`` handlers (``os._exit`` follows, which would skip them)."""
-    import atexit
     import runpy
     import traceback
+
+    from elastic_harness.procexit import run_exit_callbacks
 
     sys.argv = [module, *argv]
     code = 0
@@ -227,7 +228,7 @@ def run_module(module: str, argv: list[str]) -> int:
         traceback.print_exc()
         code = 1
     finally:
-        atexit._run_exitfuncs()  # noqa: SLF001 - the interpreter's own exit step
+        run_exit_callbacks()  # the interpreter's own exit step, less torch's teardown
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()

@@ -172,3 +172,25 @@ def test_dumped_strings_read_back_as_strings_in_both_yaml_dialects(word):
     text = dump_job(parse_job(f"name: x\ntask: {{target: 'a.b:C', args: {{v: '{word}'}}}}\n"))
     assert parse_job(text).task.args["v"] == word
     assert yaml.safe_load(text)["task"]["args"]["v"] == word, "YAML 1.1 readers (kubectl's, PyYAML's) too"
+
+
+DIALECT = """
+name: no
+a: 010
+b: 1e3
+c: 1:30
+d: 2024-01-31
+e: 0x1f
+f: [on, off, yes, True, .inf, ~]
+g: &anchor {h: 1_000}
+i: {<<: *anchor, j: -0b101}
+"""
+
+
+@pytest.mark.parametrize("job", [*sorted(JOBS.glob("*.yaml")), "dialect"], ids=lambda p: getattr(p, "name", p))
+def test_libyaml_loader_reads_every_job_as_the_python_loader_does(job):
+    from elastic_harness.spec import loader
+
+    text = DIALECT if job == "dialect" else job.read_text()
+    assert loader._load(loader._FastLoader, text) == loader._load(loader._Loader, text)
+    assert "CParser" in [c.__name__ for c in loader._FastLoader.__mro__]  # the fast path is in use
