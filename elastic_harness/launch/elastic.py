@@ -24,7 +24,10 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
   A group still running in a round a peer wrote broken is stopped (SIGKILL: its workers
   may be blocked in a collective) instead of waiting for the failure to reach it through
   its collectives, peer by peer (issue 36: node loss flat in the number of nodes); so is a
-  drain for a join that is under way then.
+  drain for a join that is under way then. Between two passes it waits for news rather
+  than sleeping (``await_news``): a worker's exit report from the zygote, or a ``nudge``
+  from the rendezvous handler, ends the wait at once; torch's own loop only sleeps
+  ``MONITOR_TICK_S``.
 - ``start_workers``: the process context it makes stops a failed group's survivors within
   ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -75,6 +79,12 @@ from elastic_harness.launch.zygote import Zygote
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
 Report = Callable[[str, int], None]
+
+# torch's own sleep between two passes of its monitor loop (``WorkerSpec.monitor_interval``).
+# The agent's interval (``timeouts.monitor_interval``) is waited out in ``monitor_workers``
+# instead, where a worker's exit report from the zygote, or a ``nudge`` (the rendezvous
+# handler: a peer's group failed), ends the wait at once (``HarnessAgent.await_news``).
+MONITOR_TICK_S = 0.001
 # What a worker takes for "drain, a node joins" (``runtime.session.Drain``); not imported
 # from there: the agent does not import the worker side.
 
@@ -84,8 +94,14 @@ class HarnessAgent(AgentBase):
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None,
-                 on_failure: Callable[[dict[str, Any]], None] | None = None, **kwargs: Any) -> None:
+                 on_failure: Callable[[dict[str, Any]], None] | None = None,
+                 monitor_interval: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
+        self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._judge = judge
         self._on_failure = on_failure or (lambda account: None)  # hears ``exit_account`` of a failed group
         self._progress = progress or (lambda: 0)
@@ -105,6 +121,31 @@ class HarnessAgent(AgentBase):
         self.excluded: str | None = None  # why this node is kept out of the job, once it is
         self.on_excluded: Callable[[str], None] = lambda message: None
         self._node_name = ""
+
+    def nudge(self) -> None:
+        """End the current wait between monitor passes now (any thread; never blocks): the
+        rendezvous changed in a way that may concern the running group."""
+        with contextlib.suppress(BlockingIOError, OSError):  # a nudge already pending is enough
+            os.write(self._wake_w, b"!")
+
+    def await_news(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for something to look at: an exit report from the zygote
+        (when it runs this group's workers) or a ``nudge``; whether a nudge came. torch's
+        loop sleeps a fixed monitor interval between passes; a worker that exited just after
+        one pass was noticed half an interval later on average, on every node a failure
+        reaches."""
+        fds = [self._wake_r]
+        if self._zygote is not None and isinstance(self.pcontext, WarmContext):
+            fd = self._zygote.fileno()
+            if fd is not None:
+                fds.append(fd)
+        ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
+        if self._wake_r not in ready:
+            return False
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 64):
+                pass
+        return True
 
     def health(self) -> tuple[bool, str]:
         """For the agent endpoint's ``/healthz`` (any thread; reads two fields, never blocks)."""
@@ -160,7 +201,7 @@ class HarnessAgent(AgentBase):
             if self._round_broken():  # a peer's group failed meanwhile: nothing left to drain for
                 self._kill_workers()
                 return
-            time.sleep(self.worker_group.spec.monitor_interval)
+            time.sleep(self.monitor_interval)
 
     def _round_broken(self) -> bool:
         check = getattr(self.worker_group.spec.rdzv_handler, "round_broken", None)
@@ -175,16 +216,15 @@ class HarnessAgent(AgentBase):
                 os.kill(pid, signal.SIGKILL)
 
     def monitor_workers(self, worker_group: Any) -> RunResult:
+        self._wait_between_passes(worker_group)
         self._last_monitor = time.monotonic()
         self._tick()
         if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
-            self._broken = True  # once per group
-            self._phase("broken")  # a peer's group failed: ours cannot finish its step
-            if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
-                self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
-            self._kill_workers()
+            self._stop_broken_group(worker_group)
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
+        if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
+            getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
         # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
         disabled_by_torch = before > 0 and self.remaining_restarts == 0
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
@@ -210,6 +250,22 @@ class HarnessAgent(AgentBase):
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
         return result
+
+    def _wait_between_passes(self, worker_group: Any) -> None:
+        """The monitor interval, less torch's tick, or until news (``await_news``); after a
+        nudge, the rendezvous state is read again, so that ``_round_broken`` is current."""
+        if self.await_news(self.monitor_interval - worker_group.spec.monitor_interval):
+            refresh = getattr(worker_group.spec.rdzv_handler, "refresh", None)
+            if refresh is not None:
+                refresh()
+
+    def _stop_broken_group(self, worker_group: Any) -> None:
+        """A peer's group failed: ours cannot finish its step. Once per group."""
+        self._broken = True
+        self._phase("broken")
+        if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
+            self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
+        self._kill_workers()
 
     def _settle_budget(self, result: RunResult) -> None:
         """One failure seen: refill torch's counter for the restarts left, or empty it."""
@@ -381,7 +437,7 @@ class Launch:
         self.spec = WorkerSpec(
             role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
             args=tuple(args), rdzv_handler=rendezvous.handler_for(params),
-            max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+            max_restarts=config.max_restarts, monitor_interval=MONITOR_TICK_S,
             master_addr=None, master_port=None, local_addr=config.local_addr,
             event_log_handler=config.event_log_handler,
         )
@@ -390,7 +446,11 @@ class Launch:
                                   shutdown_grace=shutdown_grace, judge=judge,
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
-                                  exit_barrier_timeout=exit_barrier_s, on_failure=on_failure)
+                                  exit_barrier_timeout=exit_barrier_s, on_failure=on_failure,
+                                  monitor_interval=config.monitor_interval)
+        on_change = getattr(self.spec.rdzv_handler, "on_change", None)
+        if on_change is not None:  # a peer's write ends the agent's wait between monitor passes
+            on_change(self.agent.nudge)
 
     def run(self) -> dict[int, Any]:
         """Run to the end; raises what ``launch_agent`` raises (``ChildFailedError``,

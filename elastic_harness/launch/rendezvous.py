@@ -99,7 +99,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.launch import etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.launch import changes, etcd_v3, liveness, probe, rounds, verdict
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -316,8 +316,61 @@ class _Handler(DynamicRendezvousHandler):
             self._unreadable_since = None
         return waiting
 
+    def wait_for_change(self, timeout: float) -> None:
+        """The join's poll (``delay``): until the state changes after this thread's last read
+        of it, or ``timeout`` s (``launch.changes``: c10d stores; else a sleep); after a
+        change, the next sync reads the state instead of serving its cache."""
+        backend = rdzv.state_backend(self)
+        waiter = getattr(backend, "wait_for_change", None)
+        if waiter is None:
+            TORCH_DELAY(timeout)
+            return
+        if waiter(timeout):
+            rdzv.expire_state_cache(self)
+
+    def on_change(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback()`` (on another thread) after each change of the state another
+        agent writes, with this handler's cache expired, so that its next sync reads the
+        change (``refresh``); False where the store pushes no changes (``launch.changes``)."""
+        changes = getattr(rdzv.state_backend(self), "changes", None)
+        if changes is None:
+            return False
+
+        def changed() -> None:
+            rdzv.expire_state_cache(self)
+            callback()
+
+        changes.listen(changed)
+        return True
+
+    def stop_changes(self) -> None:
+        """This agent needs no more word of changes (its workers are done): its signal's
+        thread ends (``launch.changes``: before the store's host may go)."""
+        changes = getattr(rdzv.state_backend(self), "changes", None)
+        if changes is not None:
+            changes.close()
+
+    def shutdown(self) -> bool:
+        try:
+            return super().shutdown()
+        finally:
+            self.stop_changes()
+
+    def refresh(self) -> None:
+        """Read the state now, unless its cache is still fresh (after ``on_change``'s call:
+        it is not). What ``round_broken`` and ``was_dropped`` then say is current."""
+        lock, holder = rdzv.heartbeat_lock(self), rdzv.state_holder(self)
+        if lock is None or holder is None:
+            return
+        try:
+            with lock:
+                holder.sync()
+        except RendezvousConnectionError:
+            pass  # ``num_nodes_waiting``, next in torch's loop, says how long that may last
+
     def next_rendezvous(self) -> Any:
         _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
+        _JOIN.wait = self.wait_for_change
         if self._steady_poll is None:
             self._steady_poll = rdzv.state_cache(self)  # ``POLL_S`` (``create_handler``), or a caller's
         if self._formed:  # a restart: the peers rejoin within moments; see them at once
@@ -326,7 +379,7 @@ class _Handler(DynamicRendezvousHandler):
         try:
             info = super().next_rendezvous()
         finally:
-            _JOIN.restart, _JOIN.poll = False, POLL_S
+            _JOIN.restart, _JOIN.poll, _JOIN.wait = False, POLL_S, None
             rdzv.set_state_cache(self, self._steady_poll)
         self._formed = True
         state = rdzv.state(self)
@@ -395,7 +448,7 @@ class _Handler(DynamicRendezvousHandler):
         def write_identity(state: Any) -> None:
             _lives(state)[me] = self._identity
 
-        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity)
+        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity, keep_alive_scope=changes.quiet)
         self._close_rounds_early()
         return undo
 
@@ -596,7 +649,12 @@ def delay(seconds: float | tuple[float, float]) -> None:
             return
         TORCH_DELAY(seconds)
         return
-    TORCH_DELAY(min(seconds, getattr(_JOIN, "poll", POLL_S)))
+    seconds = min(seconds, getattr(_JOIN, "poll", POLL_S))
+    wait = getattr(_JOIN, "wait", None)  # the joining handler's: woken by a change (``launch.changes``)
+    if wait is None:
+        TORCH_DELAY(seconds)
+        return
+    wait(seconds)
 
 
 def method_name(depth: int = 2) -> str:

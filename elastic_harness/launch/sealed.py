@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import binascii
 import logging
+import threading
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic_harness import jobkey
+from elastic_harness.launch.changes import ChangeSignal
 from elastic_harness.listen import listener
 from elastic_harness.torchcompat import rdzv
 
@@ -146,18 +148,35 @@ class SealedC10dBackend(RendezvousBackend):
     deletion for the log; a write that finds the key deleted (the store then answers with
     the expected value: see c10d's ``compare_set``) recreates it with the new state."""
 
-    def __init__(self, store: Any, run_id: str, seal: StateSeal) -> None:
+    def __init__(self, store: Any, run_id: str, seal: StateSeal,
+                 connect: Callable[[], Any] | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._store, self._seal = store, seal
         self._key = "torch.rendezvous." + run_id
+        # Word of each change pushed to every agent (``launch.changes``); a file store polls.
+        self.changes = ChangeSignal(store, self._key, connect) if connect is not None else None
+        self._seen = threading.local()  # per thread: the change count before its last read
         self._call("compare_set", self._key, "", ABSENT)
 
     @property
     def name(self) -> str:
         return "harness-c10d"
 
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block until the state changes after this thread last read or wrote it, or for
+        ``timeout`` s; whether it changed (``launch.changes``; without a signal: a sleep)."""
+        if self.changes is None:
+            time.sleep(timeout)
+            return False
+        return self.changes.wait_beyond(getattr(self._seen, "version", 0), timeout)
+
+    def _note_version(self) -> None:
+        if self.changes is not None:
+            self._seen.version = self.changes.version
+
     def get_state(self) -> tuple[bytes, Token] | None:
+        self._note_version()
         if not self._call("check", [self._key]):
             self._seal.deleted()
         stored = self._call("compare_set", self._key, "", self._seal.last_sealed or ABSENT)
@@ -167,10 +186,13 @@ class SealedC10dBackend(RendezvousBackend):
         if token is not None and not isinstance(token, bytes):
             return *self.get_state(), False  # not a token of ours: it cannot match (as torch)
         expected, desired = token or ABSENT, b64encode(self._seal.close(state))
+        self._note_version()
         stored = self._call("compare_set", self._key, expected, desired)
         if stored == expected != desired:  # the key is gone: the store echoes ``expected``
             self._seal.deleted()
             stored = self._call("compare_set", self._key, "", desired)
+        if stored == desired and self.changes is not None:
+            self.changes.announce()
         return self._seal.open(stored), stored, stored == desired
 
     def _call(self, op: str, *args: Any) -> Any:
@@ -179,6 +201,13 @@ class SealedC10dBackend(RendezvousBackend):
         except (ValueError, RuntimeError, TimeoutError) as exc:
             raise RendezvousConnectionError(
                 "The connection to the C10d store has failed. See inner exception for details.") from exc
+
+
+def _c10d_client(params: RendezvousParameters) -> TCPStore:
+    """One more client of the c10d store (``launch.changes``' waiting thread)."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
 
 
 def _c10d_store(params: RendezvousParameters) -> TCPStore:
@@ -208,9 +237,9 @@ def create_c10d_backend(params: RendezvousParameters, seal: StateSeal) -> tuple[
         if not params.endpoint:
             raise ValueError("a file store (store_type=file) needs the endpoint to name its file")
         store: Any = FileStore(params.endpoint)
-    else:
-        store = _c10d_store(params)
-    return SealedC10dBackend(store, params.run_id, seal), store
+        return SealedC10dBackend(store, params.run_id, seal), store
+    store = _c10d_store(params)
+    return SealedC10dBackend(store, params.run_id, seal, connect=lambda: _c10d_client(params)), store
 
 
 class SealedEtcdBackend(RendezvousBackend):

@@ -104,6 +104,10 @@ class Zygote:
             pass
         return self.exits
 
+    def fileno(self) -> int | None:
+        """The socket the zygote reports on (readable when a report waits), None when gone."""
+        return None if self._sock is None else self._sock.fileno()
+
     def lost(self) -> bool:
         return self._sock is None or self._proc is None or self._proc.poll() is not None
 

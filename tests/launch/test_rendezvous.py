@@ -139,6 +139,7 @@ def join_all(handlers, skews: list[float] | None = None) -> list[int]:
 def close(handlers) -> None:
     for h in handlers:
         h._stop_heartbeats()
+        getattr(h, "stop_changes", lambda: None)()  # before the store goes (``launch.changes``)
 
 
 def test_agents_starting_together_always_form_one_group(store):
@@ -216,6 +217,47 @@ def test_survivor_of_a_lost_node_closes_the_next_round_alone(store):
     try:
         info = pair[0].next_rendezvous()
         assert info.world_size == 1 and pair[0]._state_holder.state.round == 1
+    finally:
+        close(pair)
+
+
+def test_a_peer_that_breaks_the_round_wakes_a_running_agent_at_once(store):
+    """Node 1's workers failed: its join of the next round writes round 0 broken, and node
+    0's agent, running its workers, hears of it from the store (``on_change``) instead of
+    its next poll; a ``refresh`` then reads the broken round, and both form round 1."""
+    pair = [agent(store, "push", ours=True) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        running, failing = pair
+        assert not running.round_broken()
+        heard = threading.Event()
+        assert running.on_change(heard.set)
+        failing.group_failed()
+        rejoin = threading.Thread(target=lambda: setattr(rejoin, "info", failing.next_rendezvous()))
+        rejoin.start()
+        assert heard.wait(20)
+        running.refresh()
+        assert running.round_broken()
+        info = running.next_rendezvous()
+        rejoin.join(30)
+        assert info.world_size == 2 and rejoin.info.world_size == 2
+    finally:
+        close(pair)
+
+
+def test_a_waiting_agent_sees_its_round_complete_when_it_is_written(store, monkeypatch):
+    """A join's poll is a wait for the next change (``delay`` -> ``wait_for_change``), not a
+    sleep: with the poll made 60 s long, two agents still form their group."""
+    from elastic_harness.launch import rendezvous
+
+    monkeypatch.setattr(rendezvous, "POLL_S", 60.0)
+    monkeypatch.setattr(rendezvous, "TORCH_DELAY",  # the start-up skew (a range) stays torch's sleep
+                        lambda s: None if isinstance(s, tuple) else pytest.fail(f"slept {s} s, not waited"))
+    pair = [agent(store, "wake", ours=True) for _ in range(2)]
+    try:
+        for h in pair:
+            rendezvous.rdzv.set_state_cache(h, 60.0)
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
     finally:
         close(pair)
 

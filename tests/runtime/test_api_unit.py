@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
@@ -341,3 +342,35 @@ def test_leaving_the_loop_is_said_only_when_nothing_else_explains_it():
         Run._say_unfinished(run())
     Run._say_unfinished(run(requested=True))
     assert len(said) == 1
+
+
+def test_the_agent_waits_for_news_between_monitor_passes(tmp_path):
+    """torch's own loop only ticks (``MONITOR_TICK_S``); the agent waits out its monitor
+    interval in ``monitor_workers``, and a ``nudge`` (the rendezvous changed) ends the wait."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    from elastic_harness.launch.elastic import MONITOR_TICK_S, HarnessAgent
+
+    class NoRendezvous(RendezvousHandler):
+        def get_backend(self): return "none"
+        def next_rendezvous(self): raise AssertionError("not used")
+        def is_closed(self): return False
+        def set_closed(self): pass
+        def num_nodes_waiting(self): return 0
+        def get_run_id(self): return "t"
+        def shutdown(self): return True
+
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint="true",
+                      monitor_interval=MONITOR_TICK_S)
+    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), judge=lambda: None,
+                         monitor_interval=600.0)
+    assert agent.monitor_interval == 600.0
+    assert not agent.await_news(0.05)  # nothing happened: the whole (short) wait
+    threading.Thread(target=agent.nudge).start()
+    assert agent.await_news(120)  # ends at the nudge, long before the timeout would
+    agent.nudge()
+    agent.nudge()  # nudges that pile up are one
+    assert agent.await_news(120)
+    assert not agent.await_news(0.05)

@@ -1,0 +1,212 @@
+"""Word that the rendezvous state changed, pushed through the c10d store instead of polled.
+
+torch's agents learn of a change to the rendezvous state by reading it again: a waiting
+agent every second (``launch.rendezvous``: ``POLL_S``, ``rejoin_poll``), a running one every
+time its monitor loop asks ``num_nodes_waiting`` (``poll_for``). After a node loss, each
+survivor learnt that a peer's group failed, and later that the next round was complete, up
+to one poll after the write that said so; at 8 nodes the last survivor saw the round broken
+90 ms after the first, and the completed round 15-45 ms after it was written (issue 36,
+item 2). ``ChangeSignal`` makes each such write wake every agent instead:
+
+- a writer, after a state write that changes the rendezvous (a join, a leave, a completed
+  or broken round), counts it (``store.add(COUNTER, 1)`` gives ``n``) and sets the key
+  ``COUNTER.n`` (``announce``);
+- each agent runs one thread, on a store client of its own, that waits for the next key
+  (``store.wait``; the store answers the moment the key is set) and then tells everyone
+  interested in this process: ``wait_beyond`` returns in the joining thread, and each
+  ``listen`` callback runs (the agent's monitor loop ends its wait; ``HarnessAgent.nudge``).
+
+Who reads also reads the version first (``version``, a number in memory): a change counted
+after that is waited for, none is missed between a read and the wait that follows it. A
+wait whose key never comes (a write from an agent without a signal, a quiet write) ends
+at its poll, as before.
+
+Quiet writes: keep-alives (every ``keep_alive_interval`` from every node) change nothing
+another agent waits for, and a key per keep-alive would pile up in the store (a thousand
+nodes: 200 a second). Each keep-alive torch's timer sends runs ``quiet``; its writes are not
+counted. The keys of counted writes stay in the store (a few per node and round; nothing is
+read from them, so nothing is trusted: a process that forges one wakes the agents for one
+read of the sealed state).
+
+c10d TCP stores only (``connect`` opens the thread's own client): etcd's backends and a file
+store keep their polls. One thread per agent, started at its first use, ended by ``close``
+or when the store goes away (then every wait is a plain sleep again). Its wait lasts
+``WAIT_S``: torch's store client logs two lines at each timeout, so the wait never times
+out in practice, and ``close`` ends it by announcing one change (every agent reads the
+state once more). A process must not end with the thread inside the store's wait: one that
+hosts the store then aborts ("terminate called without an active exception"), and a thread
+whose store went away logs a C++ trace. So the agent closes its signal once its workers
+succeeded, before torch's exit barrier lets the store's host go (``launch.elastic``), its
+handler's ``shutdown`` closes it, and whatever is left open is closed at the interpreter's
+exit (``close_all``, each within ``RELEASE_S``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# How long the thread's one wait lasts before it asks again. torch's store client logs two
+# lines when a wait times out; a day between them keeps the agents' logs clean.
+WAIT_S = 86400.0
+RELEASE_S = 1.0  # how long ``close`` waits for the thread to leave its wait
+READY_S = 5.0  # how long a first reader waits for the thread to learn the count it starts from
+
+_QUIET = threading.local()
+_OPEN: weakref.WeakSet[ChangeSignal] = weakref.WeakSet()
+
+
+class ChangeSignal:
+    """The change count of one rendezvous state (``key``) in a c10d store (module doc).
+
+    ``store``: the agent's own store client (writes); ``connect()``: a new client to the same
+    store, for the waiting thread (a wait blocks its client)."""
+
+    def __init__(self, store: Any, key: str, connect: Callable[[], Any]) -> None:
+        self._store, self._counter, self._connect = store, f"{key}.changes", connect
+        self._cond = threading.Condition()
+        self._version = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()  # the thread knows the count: no change is missed from then on
+        self._stopped = False
+        self.failed: str | None = None  # why the thread ended, when it did
+
+    # ----- writers ---------------------------------------------------------------------
+    def announce(self) -> None:
+        """Count a state write that changed the rendezvous and wake every waiting agent;
+        nothing from a thread inside ``quiet``. Never raises: a store that cannot take
+        the count leaves the others to their polls."""
+        if not getattr(_QUIET, "on", False):
+            self._count()
+
+    def _count(self) -> None:
+        try:
+            n = self._store.add(self._counter, 1)
+            self._store.set(f"{self._counter}.{n}", b"")
+        except (RuntimeError, ValueError, TimeoutError) as e:
+            log.debug("could not announce a rendezvous change: %s", e)
+
+    # ----- readers ---------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Changes seen so far (starts the thread): read it before reading the state."""
+        self._start()
+        return self._version
+
+    def wait_beyond(self, seen: int, timeout: float) -> bool:
+        """Block until a change after ``seen`` (a ``version``) or ``timeout`` s; whether one
+        came. A signal whose thread ended sleeps the whole ``timeout``."""
+        self._start()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._cond.wait_for(lambda: self._version > seen or self._stopped, timeout) and self._version > seen:
+                return True
+        left = deadline - time.monotonic()
+        if left > 0:  # the thread ended: the caller's poll, as without a signal
+            time.sleep(left)
+        return False
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on the signal's thread: keep it short) after each change."""
+        with self._cond:
+            self._listeners.append(callback)
+        self._start()
+
+    def close(self) -> None:
+        """Stop waking anyone and end the thread (module doc: one change announced, waited
+        for at most ``RELEASE_S``); safe to call twice."""
+        with self._cond:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        release = threading.Thread(target=self._count, name="rendezvous-changes-release", daemon=True)
+        release.start()  # a store that cannot be reached keeps the announcing thread, not the caller
+        release.join(RELEASE_S)
+        thread.join(RELEASE_S)
+
+    # ----- the thread ------------------------------------------------------------------
+    def _start(self) -> None:
+        """Start the thread (once) and wait until it knows the current count, so that a
+        change announced after a caller's first ``version`` is one it waits for."""
+        with self._cond:
+            if self._thread is not None or self._stopped:
+                thread = None
+            else:
+                thread = self._thread = threading.Thread(target=self._run, name="rendezvous-changes", daemon=True)
+                _OPEN.add(self)
+        if thread is not None:
+            thread.start()
+        self._ready.wait(READY_S)
+
+    def _run(self) -> None:
+        try:
+            client = self._connect()
+            n = int(client.add(self._counter, 0))
+            with self._cond:
+                self._version = n
+            self._ready.set()
+            while not self._stopped:
+                with contextlib.suppress(TimeoutError):
+                    self._wait(client, f"{self._counter}.{n + 1}")
+                    n = max(n + 1, int(client.add(self._counter, 0)))
+                    self._changed(n)
+        except Exception as e:  # noqa: BLE001 - the store went away (the job's end): polls again
+            self.failed = f"{type(e).__name__}: {e}"
+            log.debug("rendezvous change signal stopped: %s", self.failed)
+        finally:
+            self._ready.set()
+            with self._cond:
+                self._stopped = True
+                self._cond.notify_all()
+
+    @staticmethod
+    def _wait(client: Any, key: str) -> None:
+        try:
+            client.wait([key], timedelta(seconds=WAIT_S))
+        except RuntimeError as e:  # torch's DistStoreError for a timeout, and for a lost store
+            if "timeout" in str(e).lower():
+                raise TimeoutError(str(e)) from None
+            raise
+
+    def _changed(self, n: int) -> None:
+        with self._cond:
+            self._version = n
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one listener's fault is not the others'
+                log.exception("a rendezvous change listener failed")
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every signal whose thread runs (module doc)."""
+    for signal in list(_OPEN):
+        signal.close()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """State writes from the calling thread are not announced while this lasts (a keep-alive)."""
+    before = getattr(_QUIET, "on", False)
+    _QUIET.on = True
+    try:
+        yield
+    finally:
+        _QUIET.on = before
