@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from typing import TextIO
 
@@ -13,6 +14,9 @@ from elastic_harness.runstate import RunState
 SLOW_SAVE_S = 1.0
 # A new in-memory snapshot interval is printed once it held this many steps.
 SETTLE_STEPS = 50
+# The rendezvous' own line when it drops a lost node (``launch.rendezvous._Handler.drop_dead``):
+# the node's name is torch's ``ADDR_PID_LOCALID`` of its agent, the reason follows the colon.
+_DROPPED = re.compile(r"Dropping node '(?P<name>[^']*?_(?P<pid>\d+)_\d+)' .*?: (?P<why>.*)$")
 
 
 class Progress:
@@ -35,6 +39,9 @@ class Progress:
         self._every_shown: int | None = None  # the snapshot interval last printed
         self._every_pending: dict | None = None  # a new one, printed once it settled
         self._saves: list[dict] = []
+        self._agents: dict[int, str] = {}  # agent pid -> its node, from the agents' own events
+        self._dropped: set[str] = set()  # nodes whose loss was said (torch's node names)
+        self._symptom_said = False  # since the last restore, a node's "lost its peers" was said
 
     def update(self, e: dict) -> None:
         self.state.update(e)
@@ -43,7 +50,12 @@ class Progress:
 
     def _show(self, e: dict) -> None:
         kind = e["event"]
-        if kind == "resume":
+        if kind in ("workers", "torchelastic") and e.get("node") is not None:
+            self._agents[int(e["pid"])] = str(e["node"])
+        if kind == "torchelastic":
+            self._node_dropped(e)
+        elif kind == "resume":
+            self._symptom_said = False
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
             self._settle(e["step"])
@@ -60,9 +72,24 @@ class Progress:
             return  # failed saves in a row: the first is said; the limit's error says the rest
         elif kind == "failure" and not _cause_first(e):
             return  # a symptom, or an error its rank's own failure line already said
+        elif kind == "failure" and e.get("cause") == "exit" and e.get("peer_lost"):
+            if not self._symptom_said:  # every survivor of a lost node says the same: once
+                self._symptom_said = True
+                self._line(_describe(e))
         elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
             self._line(_describe(e))
+
+    def _node_dropped(self, e: dict) -> None:
+        """"node 1 is gone (its agent's process is gone, ...)", once per node: the rendezvous
+        dropped it without waiting for its keep-alives (a node loss has no agent left to say
+        so itself; its peers' "lost its peers" is the symptom)."""
+        found = _DROPPED.search(str(e.get("message", "")))
+        if not found or found["name"] in self._dropped:
+            return
+        self._dropped.add(found["name"])
+        who = self._agents.get(int(found["pid"]))
+        self._line(f"node {who if who is not None else found['name']} is gone ({found['why'].rstrip('.')})")
 
     def _memory(self, e: dict) -> None:
         """The snapshot interval once measured, then only when it settles on another value

@@ -252,3 +252,35 @@ def test_a_failed_groups_account_says_the_cause_first():
     assert [line.split(";")[0] for line in lines] == [
         "failure: rank 1 (pid 501) was killed by SIGKILL", "failure: ValueError: bad sample",
         f"failure: {elsewhere['message']}"]
+
+
+def test_a_lost_node_is_one_line_and_its_survivors_symptom_another():
+    """Node 1 of 8 killed, agent and all: every survivor's agent accounts "lost its peers"
+    and several may drop the node; the terminal says the node is gone once, by its node
+    number, and the survivors' symptom once per restart."""
+    import io
+
+    from elastic_harness.launch.elastic import exit_account
+    from elastic_harness.progress import Progress
+
+    survivor = exit_account({2: exited(2, 8, 1, GLOO_RESET)})
+    drop = ("Dropping node '127.0.0.1_4301_0' from round 0 of the rendezvous 'r' without waiting for its "
+            "keep-alives to expire: its agent's process is gone, and this node's workers lost their "
+            "connection to a peer")
+    events = [{"event": "workers", "pid": 4301, "node": "1", "state": "started"},
+              {"event": "workers", "pid": 4302, "node": "2", "state": "started"},
+              {"event": "failure", **survivor, "node": "2"},
+              {"event": "torchelastic", "pid": 4302, "node": "2", "message": drop},
+              {"event": "failure", **survivor, "node": "0"},
+              {"event": "torchelastic", "pid": 4300, "node": "0", "message": drop},
+              {"event": "resume", "message": "restored from memory at step 40"},
+              {"event": "failure", **survivor, "node": "3"}]  # the next generation's loss: said again
+    out = io.StringIO()
+    progress = Progress(40, out=out)
+    for e in events:
+        progress.update(e)
+    assert out.getvalue().splitlines() == [
+        f"failure: {survivor['message']}",
+        "node 1 is gone (its agent's process is gone, and this node's workers lost their connection to a peer)",
+        "restored from memory at step 40",
+        f"failure: {survivor['message']}"]
