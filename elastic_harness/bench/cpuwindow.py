@@ -72,12 +72,25 @@ class Sampler:
             self._stop.wait(INTERVAL_S)
 
 
-def busy_fraction(samples: Sequence[tuple[float, float, float]], t0: float, t1: float) -> float | None:
-    """Pure: the fraction of all CPU time that was busy between ``t0`` and ``t1`` (the
-    samples just outside the window bound it); None without samples around it."""
+def _window(samples: Sequence[tuple[float, float, float]], t0: float, t1: float) -> tuple[float, float] | None:
+    """(busy CPU s, all CPU s) between the samples just outside ``t0``..``t1``."""
     before = [s for s in samples if s[0] <= t0]
     after = [s for s in samples if s[0] >= t1]
     if not before or not after:
         return None
     (_, b0, a0), (_, b1, a1) = before[-1], after[0]
-    return round((b1 - b0) / (a1 - a0), 3) if a1 > a0 else None
+    return b1 - b0, a1 - a0
+
+
+def busy_fraction(samples: Sequence[tuple[float, float, float]], t0: float, t1: float) -> float | None:
+    """Pure: the fraction of all CPU time that was busy between ``t0`` and ``t1`` (the
+    samples just outside the window bound it); None without samples around it."""
+    got = _window(samples, t0, t1)
+    return round(got[0] / got[1], 3) if got and got[1] > 0 else None
+
+
+def busy_seconds(samples: Sequence[tuple[float, float, float]], t0: float, t1: float) -> float | None:
+    """Pure: CPU seconds spent busy, on all CPUs together, between ``t0`` and ``t1`` (as
+    ``busy_fraction``, bounded by the samples just outside; 10 ms ticks)."""
+    got = _window(samples, t0, t1)
+    return round(got[0], 3) if got else None

@@ -16,7 +16,8 @@
 Every row also says the machine's load when it ran (``os.getloadavg``): figures from a busy
 machine are indicative only; and each run how busy every CPU was from the fault to the first
 step after it (``cpu_busy``, ``bench.cpuwindow``): near 1, the recovery waited for CPU (N
-simulated nodes restarting on a few cores), not for the protocol.
+simulated nodes restarting on a few cores), not for the protocol; and how many CPU seconds
+every process together spent in that window (``cpu_s``: at N nodes, N-1 of them restart).
 """
 
 from __future__ import annotations
@@ -67,26 +68,16 @@ def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, paralle
             load = os.getloadavg()[0]
             with cpuwindow.Sampler() as cpu:
                 if name == "torchrun":
-                    result = torchrun_fault(job, run_dir, nodes, kind)
+                    result = torchrun_fault(job, run_dir, nodes, kind, samples=cpu.samples)
                 else:
                     code = harness(job, run_dir, nodes, kind, separate=name == "separate_hosts")
-                    result = measure(run_dir, code)
-            result["cpu_busy"] = cpu_busy(run_dir, result.get("recovery_s"), cpu.samples)
+                    result = measure(run_dir, code, samples=cpu.samples)
             runs[name].append({**result, "load": round(load, 2)})
     out = {"fault": f"{kind}:1@{FAULT_STEP}", "nodes": nodes, "nproc_per_node": 1, "repeats": repeats,
            "rows": {name: summarize(v, runs["torchrun"]) for name, v in runs.items()}}
     if os.geteuid() != 0:
         out["rows"]["separate_hosts"] = {"skipped": "needs root (network, pid and UTS namespaces)"}
     return {**out, **goals(kind, out["rows"])}
-
-
-def cpu_busy(run_dir: Path, recovery_s: float | None, samples: list) -> float | None:
-    """The machine's busy CPU fraction from the fault to the first step after it
-    (``cpuwindow``: near 1, the recovery waited for CPU, not for the protocol)."""
-    fault = next((e for e in read_events(run_dir / runfiles.EVENTS) if e["event"] == "fault"), None)
-    if fault is None or recovery_s is None:
-        return None
-    return cpuwindow.busy_fraction(samples, fault["t"], fault["t"] + recovery_s)
 
 
 def _one_rank_per_node(job: Path) -> Path:
@@ -102,6 +93,7 @@ def summarize(runs: list[dict], torchrun: list[dict]) -> dict:
     phases = crash_stats.median_breakdown([r["phases"] for r in runs if r.get("phases")])
     return {"median_s": med, "phases_median_s": phases,
             "cpu_busy_median": crash_stats.median_of([r.get("cpu_busy") for r in runs]),
+            "cpu_s_median": crash_stats.median_of([r.get("cpu_s") for r in runs]),
             "ratio_to_torchrun": round(med / theirs, 4) if med is not None and theirs else None,
             "recovered": sum(bool(r.get("recovered", r.get("recovery_s") is not None)) for r in runs), "of": len(runs),
             "stopped_at_bound": sum(bool(r.get("stopped_at_bound_s") or r.get("stopped_at_bound")) for r in runs),
@@ -119,14 +111,21 @@ def goals(kind: str, rows: dict) -> dict:
             "met": sep is not None and sep <= GOAL_SEPARATE_S}
 
 
-def measure(run_dir: Path, code: int | None, bound_hit: float | None = None) -> dict:
-    """One run's recovery from its first fault: time, phases, steps lost (``report``'s)."""
+def measure(run_dir: Path, code: int | None, bound_hit: float | None = None,
+            samples: list | None = None) -> dict:
+    """One run's recovery from its first fault: time, phases, steps lost (``report``'s); with
+    ``samples`` (``cpuwindow.Sampler``'s, around the run) also how busy the machine's CPUs
+    were from the fault to the first step after it: ``cpu_busy`` (near 1: the recovery waited
+    for CPU, not for the protocol) and ``cpu_s`` (busy CPU seconds, every process together)."""
     events = read_events(run_dir / runfiles.EVENTS)
     faults = build(events).faults
     row = faults[0] if faults else None
     fault = next((e for e in events if e["event"] == "fault"), None)
     recovered = row is not None and row.recovery_s is not None and not bound_hit
-    return {"exit": code, "fired": row is not None, "recovered": recovered,
+    window = (fault["t"], fault["t"] + row.recovery_s) if recovered and fault and samples is not None else None
+    return {"cpu_busy": cpuwindow.busy_fraction(samples, *window) if window else None,
+            "cpu_s": cpuwindow.busy_seconds(samples, *window) if window else None,
+            "exit": code, "fired": row is not None, "recovered": recovered,
             "recovery_s": row.recovery_s if recovered else None,
             "phases": crash_stats.breakdown(events, fault) if recovered and fault else None,
             "world_size_after": row.world_size_after if row else None,
@@ -163,7 +162,8 @@ def harness(job: Path, run_dir: Path, nodes: int, kind: str, separate: bool, set
 # --- torchrun, with the fault fired from here ---------------------------------------------------
 
 
-def torchrun_fault(job: Path, run_dir: Path, nodes: int, kind: str, bound_s: float = HANG_BOUND_S) -> dict:
+def torchrun_fault(job: Path, run_dir: Path, nodes: int, kind: str, bound_s: float = HANG_BOUND_S,
+                   samples: list | None = None) -> dict:
     """Plain torchrun nodes (``recovery.run_torchrun``'s), ``kind`` fired on node 1 by this
     bench at step ``FAULT_STEP``; stopped once it recovered, or ``bound_s`` after the fault."""
     from elastic_harness.chaos.vocabulary import parse_fault
@@ -196,7 +196,7 @@ def torchrun_fault(job: Path, run_dir: Path, nodes: int, kind: str, bound_s: flo
                 p.wait()
         codes = [p.returncode for p in procs]
     EventLog(path / runfiles.EVENTS).emit("exit", who="host", code=None, message="stopped by the bench")
-    return measure(path, max(codes), bound_hit)
+    return measure(path, max(codes), bound_hit, samples)
 
 
 def _follow(run_dir: Path, procs: list[subprocess.Popen], kind: str, bound_s: float,

@@ -215,9 +215,9 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
                 else:
                     code = launch(launcher, job, run_dir, nodes=nodes, nproc=1, chaos=["kill-node:1@40"], timeout=420)
             recovery = _one_recovery(run_dir, code)
-            out[launcher].append({**recovery, "load": load,
-                                  "cpu_busy": nodeloss.cpu_busy(run_dir, recovery.get("recovery_s"), cpu.samples),
-                                  "phases": nodeloss.measure(run_dir, code)["phases"],
+            measured = nodeloss.measure(run_dir, code, samples=cpu.samples)
+            out[launcher].append({**recovery, "load": load, "cpu_busy": measured["cpu_busy"],
+                                  "cpu_s": measured["cpu_s"], "phases": measured["phases"],
                                   # stopped by the bench (no progress for STALL_S, or past 420 s)
                                   "stopped_at_bound": code is None})
     separate = out.pop("separate_hosts", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_harness.bench.cpuwindow import Sampler, busy_fraction
+from elastic_harness.bench.cpuwindow import Sampler, busy_fraction, busy_seconds
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -15,6 +15,9 @@ def test_the_window_is_bounded_by_the_samples_just_outside_it():
     assert busy_fraction(samples, 0.5, 2.5) == round(2.6 / 6.0, 3)
     assert busy_fraction(samples, -1.0, 1.0) is None, "no sample before the window"
     assert busy_fraction(samples, 2.5, 9.0) is None, "none after it"
+    assert busy_seconds(samples, 1.2, 1.8) == 2.0  # busy CPU seconds, every CPU together
+    assert busy_seconds(samples, 0.5, 2.5) == 2.6
+    assert busy_seconds(samples, 2.5, 9.0) is None
 
 
 def test_a_busy_loop_shows_as_busy():
