@@ -113,9 +113,11 @@ def measure(n: int, idle_s: float) -> dict:
         t0 = time.monotonic()
         _all(survivors)
         loss_s = time.monotonic() - t0
+        tally.phase = "closing"  # the handlers' goodbyes (``stop_changes``) are no round's
     finally:
         for h in handlers:
             rdzv.stop_heartbeats(h)
+            h.stop_changes()  # before the store goes (``launch.changes``)
         del server
     keep = tally.calls.get("keep_alive", {})
     per_s = {k: round(v / idle_s, 1) for k, v in keep.items()}

@@ -18,15 +18,20 @@ item 2). ``ChangeSignal`` makes each such write wake every agent instead:
 
 Who reads also reads the version first (``version``, a number in memory): a change counted
 after that is waited for, none is missed between a read and the wait that follows it. A
-wait whose key never comes (a write from an agent without a signal, a quiet write) ends
+wait whose key never comes (a write from an agent without a signal, a write not counted) ends
 at its poll, as before.
 
-Quiet writes: keep-alives (every ``keep_alive_interval`` from every node) change nothing
-another agent waits for, and a key per keep-alive would pile up in the store (a thousand
-nodes: 200 a second). Each keep-alive torch's timer sends runs ``quiet``; its writes are not
-counted. The keys of counted writes stay in the store (a few per node and round; nothing is
-read from them, so nothing is trusted: a process that forges one wakes the agents for one
-read of the sealed state).
+Which writes count: each count wakes every agent, so a round in which each of N agents
+counts its own write would cost N^2 wake-ups (millions at 1000 nodes), and a key per
+keep-alive (every ``keep_alive_interval`` from every node) would pile up in the store. The
+writer asks first (``SealedC10dBackend.worth_announcing``, the handler's: does the write
+change what another agent acts on? ``launch.rendezvous.shape``): a keep-alive, a join or a
+leave, one more node on a wait list that has one, are not counted; the round broken,
+reopened, completed or closed, the first node waiting, a spare more or less are. A round
+after a node loss then costs a handful of counts, whatever N.
+The keys of counted writes stay in the store (a few per round; nothing is read from them,
+so nothing is trusted: a process that forges one wakes the agents for one read of the
+sealed state).
 
 c10d TCP stores only (``connect`` opens the thread's own client): etcd's backends and a file
 store keep their polls. One thread per agent, started at its first use, ended by ``close``
@@ -49,7 +54,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +66,6 @@ WAIT_S = 86400.0
 RELEASE_S = 1.0  # how long ``close`` waits for the thread to leave its wait
 READY_S = 5.0  # how long a first reader waits for the thread to learn the count it starts from
 
-_QUIET = threading.local()
 _OPEN: weakref.WeakSet[ChangeSignal] = weakref.WeakSet()
 
 
@@ -81,15 +85,17 @@ class ChangeSignal:
         self._stopped = False
         self.failed: str | None = None  # why the thread ended, when it did
 
+    def route_calls(self, wrap: Callable[[Any], Any]) -> None:
+        """Make every store call go through ``wrap(client)``: the writer's, and the thread's
+        when it connects after this (``bench rendezvous-scale`` counts them)."""
+        connect = self._connect
+        self._store = wrap(self._store)
+        self._connect = lambda: wrap(connect())
+
     # ----- writers ---------------------------------------------------------------------
     def announce(self) -> None:
-        """Count a state write that changed the rendezvous and wake every waiting agent;
-        nothing from a thread inside ``quiet``. Never raises: a store that cannot take
-        the count leaves the others to their polls."""
-        if not getattr(_QUIET, "on", False):
-            self._count()
-
-    def _count(self) -> None:
+        """Count a state write that changed the rendezvous and wake every waiting agent.
+        Never raises: a store that cannot take the count leaves the others to their polls."""
         try:
             n = self._store.add(self._counter, 1)
             self._store.set(f"{self._counter}.{n}", b"")
@@ -133,7 +139,7 @@ class ChangeSignal:
             thread = self._thread
         if thread is None or not thread.is_alive():
             return
-        release = threading.Thread(target=self._count, name="rendezvous-changes-release", daemon=True)
+        release = threading.Thread(target=self.announce, name="rendezvous-changes-release", daemon=True)
         release.start()  # a store that cannot be reached keeps the announcing thread, not the caller
         release.join(RELEASE_S)
         thread.join(RELEASE_S)
@@ -200,13 +206,3 @@ def close_all() -> None:
     for signal in list(_OPEN):
         signal.close()
 
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """State writes from the calling thread are not announced while this lasts (a keep-alive)."""
-    before = getattr(_QUIET, "on", False)
-    _QUIET.on = True
-    try:
-        yield
-    finally:
-        _QUIET.on = before

@@ -99,7 +99,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.launch import changes, etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.launch import etcd_v3, liveness, probe, rounds, verdict
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,19 @@ SPARE_POLL_S = 0.05  # a hot spare's reads of the state while it waits (``_Handl
 def poll_for(nodes: int) -> float:
     """Pure: seconds between a running agent's reads of the state in a group of ``nodes``."""
     return max(RUNNING_POLL_S, nodes / STATE_READS_PER_S)
+
+
+# Reads of the state a job's agents make together at most when woken by a change
+# (``launch.changes``): every counted write wakes every agent, and in a round after a node
+# loss each survivor's leave is such a write, so N agents would read N times each (N^2: a
+# million reads of a 260 KB state at 1000 nodes). An agent woken within ``wake_gap`` of its
+# last read reads when that gap is over: 8 ms at 8 nodes, a second at 1000.
+WAKE_READS_PER_S = 1000.0
+
+
+def wake_gap(nodes: int) -> float:
+    """Pure: the least seconds between an agent's reads of the state that a change woke."""
+    return nodes / WAKE_READS_PER_S
 
 
 REJOIN_POLL_S = 0.05  # an agent rejoining after a restart: its peers arrive within moments
@@ -263,6 +276,8 @@ class _Handler(DynamicRendezvousHandler):
     _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
     _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
     _unreadable_since: float | None = None  # monotonic time its reads of the state began failing
+    _synced_at = 0.0  # monotonic time it last read (or wrote) the state
+    _synced_shape: tuple | None = None  # ``shape`` of the state it last read or wrote
 
     def peer_lost(self) -> None:
         """The agent's workers failed because a peer's connection closed (``liveness``);
@@ -325,23 +340,37 @@ class _Handler(DynamicRendezvousHandler):
         if waiter is None:
             TORCH_DELAY(timeout)
             return
+        deadline = time.monotonic() + timeout
         if waiter(timeout):
+            early = min(self._read_due(), deadline) - time.monotonic()
+            if early > 0:  # the job's read budget (``wake_gap``)
+                time.sleep(early)
             rdzv.expire_state_cache(self)
 
     def on_change(self, callback: Callable[[], None]) -> bool:
-        """Call ``callback()`` (on another thread) after each change of the state another
-        agent writes, with this handler's cache expired, so that its next sync reads the
-        change (``refresh``); False where the store pushes no changes (``launch.changes``)."""
+        """Call ``callback()`` (on another thread) after each counted change of the state
+        (``launch.changes``); the caller then reads it with ``refresh``. False where the
+        store pushes no changes."""
         changes = getattr(rdzv.state_backend(self), "changes", None)
         if changes is None:
             return False
-
-        def changed() -> None:
-            rdzv.expire_state_cache(self)
-            callback()
-
-        changes.listen(changed)
+        changes.listen(callback)
         return True
+
+    def worth_announcing(self) -> bool:
+        """Does the write under way change what another agent acts on (``shape``)? The
+        backend counts only those (``launch.changes``): a keep-alive, a join or a leave,
+        another node added to a wait list that has one, are not; the first node waiting, a
+        round broken, reopened, completed or closed, a spare more or less are."""
+        state = rdzv.state(self)
+        return state is None or shape(state) != self._synced_shape
+
+    def _read_due(self) -> float:
+        """When this agent may read the state again after a change woke it (``wake_gap``
+        after its last read, for the agents the state lists)."""
+        state = rdzv.state(self)
+        nodes = 1 if state is None else len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
+        return self._synced_at + wake_gap(nodes)
 
     def stop_changes(self) -> None:
         """This agent needs no more word of changes (its workers are done): its signal's
@@ -357,11 +386,16 @@ class _Handler(DynamicRendezvousHandler):
             self.stop_changes()
 
     def refresh(self) -> None:
-        """Read the state now, unless its cache is still fresh (after ``on_change``'s call:
-        it is not). What ``round_broken`` and ``was_dropped`` then say is current."""
+        """Read the state (a change was heard): once this agent's read is due (``wake_gap``
+        after its last one, which may have come just before the change). What
+        ``round_broken`` and ``was_dropped`` then say is current."""
         lock, holder = rdzv.heartbeat_lock(self), rdzv.state_holder(self)
         if lock is None or holder is None:
             return
+        early = self._read_due() - time.monotonic()
+        if early > 0:
+            time.sleep(early)
+        rdzv.expire_state_cache(self)
         try:
             with lock:
                 holder.sync()
@@ -448,13 +482,15 @@ class _Handler(DynamicRendezvousHandler):
         def write_identity(state: Any) -> None:
             _lives(state)[me] = self._identity
 
-        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity, keep_alive_scope=changes.quiet)
+        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity)
         self._close_rounds_early()
         return undo
 
     def _sanitize_and_judge(self, expire: Callable[[], None]) -> None:
         """At each sync of the state: torch's expiry (``expire``), then ours (``drop_dead``)."""
+        self._synced_at = time.monotonic()
         self._read_at = now = datetime.now(timezone.utc)
+        self._synced_shape = shape(rdzv.state(self))
         state = rdzv.state(self)
         beats = state.last_heartbeats
         self._gaps.observe(beats)
@@ -576,6 +612,24 @@ class _CountingStore:
         self._tally("get", len(key), len(value), False)
         return value
 
+    def check(self, keys: list[str]) -> bool:
+        found = self._store.check(keys)
+        self._tally("check", sum(len(k) for k in keys), 1, False)
+        return found
+
+    def add(self, key: str, amount: int) -> int:
+        value = self._store.add(key, amount)
+        self._tally("add", len(key) + 8, 8, False)
+        return value
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(key, value)
+        self._tally("set", len(key) + len(value), 0, False)
+
+    def wait(self, keys: list[str], *timeout: Any) -> None:
+        self._store.wait(keys, *timeout)  # a change counted (``launch.changes``): the reply wakes
+        self._tally("wait", sum(len(k) for k in keys), 1, False)
+
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         value = self._store.compare_set(key, expected, desired)
         sent = len(key) + len(expected) + len(desired)
@@ -596,6 +650,8 @@ def count_store_calls(handler: Any, tally: Callable[[str, int, int, bool], None]
     if backend is None:
         raise RuntimeError("this torch keeps its rendezvous backend out of reach (torchcompat: rdzv-state)")
     backend._store = _CountingStore(backend._store, tally)
+    if getattr(backend, "changes", None) is not None:  # its thread's waits, each change's count
+        backend.changes.route_calls(lambda store: _CountingStore(store, tally))
 
 
 def group_running(handler: Any) -> bool:
@@ -621,6 +677,18 @@ def _nodes(state: Any, name: str) -> set:
         nodes = set()
         setattr(state, name, nodes)
     return nodes
+
+
+def shape(state: Any) -> tuple | None:
+    """Pure: what of the rendezvous state other agents act on (``_Handler.worth_announcing``):
+    the round, whether it is complete, closed or broken, whether anyone waits, the spares.
+    Not the participants: a join or a leave concerns the others only through one of those
+    (the round closing, or opening once everyone left); a round's last call is checked at
+    each poll, as before."""
+    if state is None:
+        return None
+    return (state.round, state.complete, state.closed, getattr(state, "broken", None), bool(state.wait_list),
+            len(state.redundancy_list))
 
 
 def _lives(state: Any) -> dict:
@@ -740,6 +808,8 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
         rdzv.set_state_cache(handler, POLL_S)  # see ``POLL_S``
         timeout.follow(lambda: holder.state)
     handler.install_liveness()
+    if holder is not None and hasattr(backend, "worth_announcing"):
+        backend.worth_announcing = handler.worth_announcing  # counted changes only (``launch.changes``)
     return handler
 
 

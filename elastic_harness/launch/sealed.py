@@ -156,6 +156,9 @@ class SealedC10dBackend(RendezvousBackend):
         self._key = "torch.rendezvous." + run_id
         # Word of each change pushed to every agent (``launch.changes``); a file store polls.
         self.changes = ChangeSignal(store, self._key, connect) if connect is not None else None
+        # Is the write under way one to announce? The handler's ``worth_announcing`` says;
+        # without it (a torch without ``rdzv-state``) nobody listens, and nothing is counted.
+        self.worth_announcing: Callable[[], bool] = lambda: False
         self._seen = threading.local()  # per thread: the change count before its last read
         self._call("compare_set", self._key, "", ABSENT)
 
@@ -186,12 +189,13 @@ class SealedC10dBackend(RendezvousBackend):
         if token is not None and not isinstance(token, bytes):
             return *self.get_state(), False  # not a token of ours: it cannot match (as torch)
         expected, desired = token or ABSENT, b64encode(self._seal.close(state))
+        worth = self.changes is not None and self.worth_announcing()
         self._note_version()
         stored = self._call("compare_set", self._key, expected, desired)
         if stored == expected != desired:  # the key is gone: the store echoes ``expected``
             self._seal.deleted()
             stored = self._call("compare_set", self._key, "", desired)
-        if stored == desired and self.changes is not None:
+        if stored == desired and worth:
             self.changes.announce()
         return self._seal.open(stored), stored, stored == desired
 

@@ -27,7 +27,6 @@ return their own undo. Tests undo both (tests/conftest.py).
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import socket
 from collections.abc import Callable
@@ -84,7 +83,7 @@ def _fast_path() -> list[str]:
             *attrs(_Executor, "_keep_alive", label="_DistributedRendezvousOpExecutor"),
             *instance_attrs(_Executor, "_state"),
             *instance_attrs(_Handler, "_op_executor", "_heartbeat_lock"),
-            *attrs(_Handler, "_stop_heartbeats", "_keep_alive", label="DynamicRendezvousHandler"),
+            *attrs(_Handler, "_stop_heartbeats", label="DynamicRendezvousHandler"),
             *attrs(_dr, "_remove_participant_epilogue", label="dynamic_rendezvous")]
 
 
@@ -206,24 +205,15 @@ def remove_participant_epilogue(state: Any, settings: Any) -> None:
 
 
 def hook_handler(handler: Any, sanitize: Callable[[Callable[[], None]], None],
-                 with_keep_alive: Callable[[Any], None],
-                 keep_alive_scope: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], None] | None:
+                 with_keep_alive: Callable[[Any], None]) -> Callable[[], None] | None:
     """At each sync of the handler's state, call ``sanitize(expire)`` where torch calls its
     expiry (``expire`` is torch's, to call from it), and ``with_keep_alive(state)`` after each
-    keep-alive the handler writes; each keep-alive its timer sends (read, change, write) runs
-    inside ``keep_alive_scope()``. None (nothing hooked) when ``rdzv-fast-path`` is off;
+    keep-alive the handler writes. None (nothing hooked) when ``rdzv-fast-path`` is off;
     else the undo."""
     if not on("rdzv-fast-path"):
         return None
     holder, executor = handler._state_holder, handler._op_executor
     expire, keep_alive = holder._sanitize, executor._keep_alive
-    timer_keep_alive = handler._keep_alive
-
-    def scoped_keep_alive() -> None:
-        with keep_alive_scope():
-            timer_keep_alive()
-
-    handler._keep_alive = scoped_keep_alive
 
     def ours() -> None:
         sanitize(expire)
@@ -235,7 +225,7 @@ def hook_handler(handler: Any, sanitize: Callable[[Callable[[], None]], None],
     holder._sanitize, executor._keep_alive = ours, keep_alive_and_more
 
     def undo() -> None:
-        del holder._sanitize, executor._keep_alive, handler._keep_alive  # the class's methods again
+        del holder._sanitize, executor._keep_alive  # the class's methods again
 
     return undo
 
