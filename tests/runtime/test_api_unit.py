@@ -222,14 +222,9 @@ def test_agent_health_verdicts():
     assert not ok and "silent for 61s" in why
 
 
-def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
-    """Restarts and membership changes stop workers through ``_stop_workers``: a drain that
-    saves a big state gets ``timeouts.shutdown_grace``, not torchelastic's fixed 30 s."""
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+def no_rendezvous():
+    """A rendezvous handler for an agent that never joins one (its other parts are tested)."""
     from torch.distributed.elastic.rendezvous import RendezvousHandler
-
-    from elastic_harness.launch.elastic import HarnessAgent
 
     class NoRendezvous(RendezvousHandler):
         def get_backend(self): return "none"
@@ -240,7 +235,18 @@ def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
         def get_run_id(self): return "t"
         def shutdown(self): return True
 
-    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint="true")
+    return NoRendezvous()
+
+
+def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
+    """Restarts and membership changes stop workers through ``_stop_workers``: a drain that
+    saves a big state gets ``timeouts.shutdown_grace``, not torchelastic's fixed 30 s."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elastic_harness.launch.elastic import HarnessAgent
+
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=no_rendezvous(), entrypoint="true")
     agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
                          shutdown_grace=77, judge=lambda: None)
     seen = []
@@ -349,20 +355,10 @@ def test_the_agent_waits_for_news_between_monitor_passes(tmp_path):
     interval in ``monitor_workers``, and a ``nudge`` (the rendezvous changed) ends the wait."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.rendezvous import RendezvousHandler
 
     from elastic_harness.launch.elastic import MONITOR_TICK_S, HarnessAgent
 
-    class NoRendezvous(RendezvousHandler):
-        def get_backend(self): return "none"
-        def next_rendezvous(self): raise AssertionError("not used")
-        def is_closed(self): return False
-        def set_closed(self): pass
-        def num_nodes_waiting(self): return 0
-        def get_run_id(self): return "t"
-        def shutdown(self): return True
-
-    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint="true",
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=no_rendezvous(), entrypoint="true",
                       monitor_interval=MONITOR_TICK_S)
     agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), judge=lambda: None,
                          monitor_interval=600.0)
