@@ -39,7 +39,7 @@ class Progress:
         self._every_shown: int | None = None  # the snapshot interval last printed
         self._every_pending: dict | None = None  # a new one, printed once it settled
         self._saves: list[dict] = []
-        self._agents: dict[int, str] = {}  # agent pid -> its node, from the agents' own events
+        self._agents: dict[int, set[str]] = {}  # agent pid -> its node(s), from the agents' own events
         self._dropped: set[str] = set()  # nodes whose loss was said (torch's node names)
         self._symptom_said = False  # since the last restore, a node's "lost its peers" was said
 
@@ -51,7 +51,7 @@ class Progress:
     def _show(self, e: dict) -> None:
         kind = e["event"]
         if kind in ("workers", "torchelastic") and e.get("node") is not None:
-            self._agents[int(e["pid"])] = str(e["node"])
+            self._agents.setdefault(int(e["pid"]), set()).add(str(e["node"]))
         if kind == "torchelastic":
             self._node_dropped(e)
         elif kind == "resume":
@@ -88,8 +88,9 @@ class Progress:
         if not found or found["name"] in self._dropped:
             return
         self._dropped.add(found["name"])
-        who = self._agents.get(int(found["pid"]))
-        self._line(f"node {who if who is not None else found['name']} is gone ({found['why'].rstrip('.')})")
+        nodes = self._agents.get(int(found["pid"]), set())  # simulated hosts may share pids: then torch's name
+        who = next(iter(nodes)) if len(nodes) == 1 else found["name"]
+        self._line(f"node {who} is gone ({found['why'].rstrip('.')})")
 
     def _memory(self, e: dict) -> None:
         """The snapshot interval once measured, then only when it settles on another value

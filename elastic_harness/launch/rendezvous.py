@@ -143,10 +143,9 @@ def poll_for(nodes: int) -> float:
 
 
 # Reads of the state a job's agents make together at most when woken by a change
-# (``launch.changes``): every counted write wakes every agent, and in a round after a node
-# loss each survivor's leave is such a write, so N agents would read N times each (N^2: a
-# million reads of a 260 KB state at 1000 nodes). An agent woken within ``wake_gap`` of its
-# last read reads when that gap is over: 8 ms at 8 nodes, a second at 1000.
+# (``launch.changes``): every counted write wakes every agent at once, and each then reads
+# the whole state (260 KB at 1000 nodes). An agent woken within ``wake_gap`` of its last
+# read reads when that gap is over: 8 ms at 8 nodes, a second at 1000.
 WAKE_READS_PER_S = 1000.0
 
 

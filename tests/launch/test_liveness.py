@@ -284,3 +284,10 @@ def test_a_lost_node_is_one_line_and_its_survivors_symptom_another():
         "node 1 is gone (its agent's process is gone, and this node's workers lost their connection to a peer)",
         "restored from memory at step 40",
         f"failure: {survivor['message']}"]
+    # Nodes in pid namespaces of their own (``--separate-hosts``) may share an agent pid:
+    # then torch's name for the node, not a wrong number.
+    progress = Progress(40, out=(out := io.StringIO()))
+    for e in [{"event": "workers", "pid": 7, "node": "1"}, {"event": "workers", "pid": 7, "node": "2"},
+              {"event": "torchelastic", "pid": 9, "node": "0", "message": drop.replace("_4301_", "_7_")}]:
+        progress.update(e)
+    assert out.getvalue().startswith("node 127.0.0.1_7_0 is gone (")
