@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 # What torchelastic records as the error file of a worker that wrote none (its ``<N/A>``).
 NO_ERROR_FILE = "<N/A>"
 
+# Seconds the rest of a failed group get to end on their own before they are stopped: a rank
+# whose peer died fails in its next collective and, on its way down, keeps the step it
+# completed in memory (``checkpoint.memory_on_failure``); a SIGTERM sent the moment the first
+# exit is reported (the agent waits for reports, not a fixed interval) can come before that.
+# The wait ends as soon as every worker has exited.
+SURVIVOR_GRACE_S = 0.05
+
 
 def process_failure(local_rank: int, pid: int, exitcode: int, error_file: str) -> ProcessFailure:
     """torchelastic's ``ProcessFailure`` for a worker that ended, read from its error file when
@@ -107,6 +114,7 @@ class WarmContext(ContextBase):
             return None
         if self._failures:
             self._phase("failed")
+            self._await_exits(SURVIVOR_GRACE_S)
         self.close()  # a failure ends the group: stop the rest
         if self._failures:
             self._phase("stopped")
@@ -115,6 +123,15 @@ class WarmContext(ContextBase):
         if not result.is_failed():
             result.return_values = dict.fromkeys(range(self.nprocs))
         return result
+
+    def _await_exits(self, grace_s: float) -> None:
+        """Until every worker has exited (the zygote's reports) or ``grace_s`` passed."""
+        deadline = time.monotonic() + grace_s
+        while len(self._codes()) < self.nprocs and not self.zygote.lost():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.zygote.poll(timeout=left)
 
     def _note_failures(self, codes: dict[int, int]) -> None:
         for lr, code in codes.items():

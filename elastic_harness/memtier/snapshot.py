@@ -216,13 +216,14 @@ class Views:
 
     def __init__(self) -> None:
         self._key: tuple = ()
+        self._data: torch.Tensor | None = None  # held, not its id(): a freed tensor's id is reused
         self._views: list[torch.Tensor] = []
 
     def of(self, cap: Capture, data: torch.Tensor, base: int) -> list[torch.Tensor]:
-        key = (cap.digest, id(data), base)
-        if key != self._key:
+        key = (cap.digest, base)
+        if key != self._key or data is not self._data:
             self._views = [_typed(data, base, ref) for ref, _ in cap.tensors if ref[1]]
-            self._key = key
+            self._key, self._data = key, data
         return self._views
 
 

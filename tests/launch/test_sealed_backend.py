@@ -75,6 +75,7 @@ def test_the_agent_gets_our_backend_through_torchs_registry(store, tmp_path):
         assert join_all([h]) == [1]
     finally:
         h._stop_heartbeats()
+        getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 def test_a_deleted_state_key_reads_as_no_state_without_waiting_for_it(store):
@@ -90,6 +91,7 @@ def test_a_deleted_state_key_reads_as_no_state_without_waiting_for_it(store):
         assert h._state_holder.state.round == 0  # no state: a fresh one
     finally:
         h._stop_heartbeats()
+        getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 def test_a_forgery_before_any_authentic_state_reads_as_a_fresh_state(store):
@@ -105,3 +107,4 @@ def test_a_forgery_before_any_authentic_state_reads_as_a_fresh_state(store):
     finally:
         for h in pair:
             h._stop_heartbeats()
+            getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes

@@ -192,6 +192,7 @@ def test_module_patches_and_handler_hooks_are_undone(store):
         assert "_sanitize" not in vars(holder)  # torch's method again
     finally:
         h._stop_heartbeats()
+        getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
     rdzv.undo_module_patches()
     assert (dr.get_method_name, dr.construct_and_record_rdzv_event, dr._delay) == theirs
 
@@ -222,6 +223,7 @@ def test_rounds_form_and_a_lost_node_goes_without_torchs_rendezvous_internals(st
     finally:
         for h in pair:
             h._stop_heartbeats()
+            getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 # --- the CLI refuses before anything is launched ------------------------------------------------

@@ -175,6 +175,7 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
     finally:
         for h in pair:
             h._stop_heartbeats()
+            getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 def test_non_utf8_bytes_in_the_rendezvous_key_are_refused_and_overwritten(store, caplog):
@@ -202,6 +203,7 @@ def test_non_utf8_bytes_in_the_rendezvous_key_are_refused_and_overwritten(store,
     finally:
         for h in pair:
             h._stop_heartbeats()
+            getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, caplog):
@@ -233,6 +235,7 @@ def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, c
     finally:
         for h in pair:
             h._stop_heartbeats()
+            getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 def test_a_writer_in_a_loop_is_named_without_flooding_the_log(caplog):
@@ -284,6 +287,7 @@ def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, c
         finally:
             for h in pair:
                 h._stop_heartbeats()
+                getattr(h, "stop_changes", lambda: None)()  # its change thread, before the store goes
 
 
 def test_another_jobs_key_cannot_join(store):
