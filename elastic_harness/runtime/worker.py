@@ -24,6 +24,7 @@ from elastic_harness.errors import TaskError
 from elastic_harness.runtime.lr import lr_at
 from elastic_harness.runtime.mesh import parallelize
 from elastic_harness.runtime.parallel import wrap
+from elastic_harness.runtime.seeding import seed_torch
 from elastic_harness.runtime.session import Run, init
 from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec, OptimizerSpec
@@ -33,7 +34,7 @@ from elastic_harness.tasks import load_task
 def build_model(task: Any, spec: JobSpec, device: torch.device, topology: Topology,
                 mesh: Any = None) -> nn.Module:
     """The task's model, built on the seeded RNG, wrapped for this layout, maybe compiled."""
-    torch.manual_seed(spec.train.seed)  # identical initial weights on every rank and restart
+    seed_torch(spec.train.seed)  # identical initial weights on every rank and restart (seeding)
     if topology.kind == "mesh":  # the task's tensor-parallel plan, then FSDP2/HSDP (runtime.mesh)
         model = parallelize(task.build_model().to(device), mesh, task, topology, spec.task.target)
         return torch.compile(model) if spec.train.compile else model

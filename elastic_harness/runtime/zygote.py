@@ -55,6 +55,7 @@ PRELOAD = (
     # execution) when it was imported already, then executes it a second time. It imports
     # nothing heavy of its own.
     "elastic_harness.memtier.tier",
+    "encodings.idna",  # the first host name lookup (the store, gloo) imports this codec
 )
 MAX_MESSAGE = 1 << 20
 
@@ -96,6 +97,9 @@ def preload(modules: tuple[str, ...] = PRELOAD) -> int:
         if name in OPTIONAL and not has_module(OPTIONAL[name]):
             continue
         importlib.import_module(name)
+    loader = sys.modules.get("elastic_harness.spec.loader")
+    if loader is not None:  # every worker reads its job: the schema's types, resolved once here
+        loader.prepare()
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import typing
 from pathlib import Path
@@ -253,8 +254,7 @@ def build(cls: type, raw: Any, path: str) -> Any:
     cross-field rule (``__post_init__``) is checked once the values it reads are sound."""
     if not isinstance(raw, dict):
         raise SpecError(path, f"must be a mapping, got {type(raw).__name__} ({raw!r})")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    fields, hints = shape_of(cls)
     problems: list[SpecError] = []
     for key, value in raw.items():
         if key not in fields and (problem := _not_a_field(_join(path, str(key)), value, fields)):
@@ -270,6 +270,25 @@ def build(cls: type, raw: Any, path: str) -> Any:
     if problems:
         raise problems[0] if len(problems) == 1 else SpecErrors(problems)
     return cls(**kwargs)
+
+
+@functools.cache
+def shape_of(cls: type) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
+    """A dataclass's fields and its resolved field types: the same for every job, and
+    ``typing.get_type_hints`` compiles each annotation string anew on every call (a few ms
+    of every worker's start; ``prepare``)."""
+    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
+
+
+def prepare(cls: type = JobSpec) -> None:
+    """Resolve the field types of ``cls`` and of every dataclass inside it now, so that a
+    process forked after this (the zygote's workers) parses its job without doing it."""
+    for tp in shape_of(cls)[1].values():
+        for inner in (tp, *typing.get_args(tp)):
+            if dataclasses.is_dataclass(inner) and isinstance(inner, type):
+                prepare(inner)
+    for item in _LIST_ITEMS.values():
+        shape_of(item)
 
 
 def _not_a_field(dotted: str, value: Any, fields: dict) -> SpecError | None:

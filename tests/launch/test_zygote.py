@@ -162,6 +162,11 @@ def preloaded_entry(tmp_path_factory) -> subprocess.CompletedProcess:
         sys.modules['tensorboard'] = None  # the core install has no tensorboard
         from elastic_harness.runtime import zygote
         print(zygote.preload(), flush=True)
+        import typing
+        from pathlib import Path
+        from elastic_harness.spec import loader
+        typing.get_type_hints = None  # resolved by the preload (spec.loader.prepare) or this fails
+        print(len([loader.load_job(p) for p in sorted(Path({str(REPO / "jobs")!r}).glob("*.yaml"))]), flush=True)
         sys.exit(zygote.run_module({module!r}, [{str(tmp / "none.yaml")!r}, {str(tmp)!r}]))
     """)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
@@ -183,6 +188,13 @@ def test_the_zygote_preloads_without_the_optional_extras(preloaded_entry):
     printed = preloaded_entry.stdout.strip().splitlines()
     assert printed and printed[0].isdigit(), preloaded_entry.stderr[-2000:]
     assert int(printed[0]) >= 1
+
+
+def test_the_zygote_resolves_the_job_schema_before_its_forks_read_a_job(preloaded_entry):
+    """After the preload a fork parses any shipped job without resolving a type annotation
+    (the fixture removes ``typing.get_type_hints``): that work is done once, not per worker."""
+    printed = preloaded_entry.stdout.strip().splitlines()
+    assert len(printed) >= 2 and int(printed[1]) >= 5, preloaded_entry.stderr[-2000:]
 
 
 def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():

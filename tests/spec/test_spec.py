@@ -194,3 +194,22 @@ def test_libyaml_loader_reads_every_job_as_the_python_loader_does(job):
     text = DIALECT if job == "dialect" else job.read_text()
     assert loader._load(loader._FastLoader, text) == loader._load(loader._Loader, text)
     assert "CParser" in [c.__name__ for c in loader._FastLoader.__mro__]  # the fast path is in use
+
+
+def test_prepare_resolves_every_schema_type_a_job_reads(monkeypatch):
+    """``prepare`` (the zygote runs it before forking workers) resolves the field types of
+    the whole schema, so a worker reading any shipped job never resolves one again (each
+    resolution compiles the annotation strings: milliseconds of every worker's start)."""
+    import typing
+
+    from elastic_harness.spec import loader
+
+    loader.shape_of.cache_clear()
+    loader.prepare()
+
+    def resolve_again(*a, **k):
+        raise AssertionError(f"resolved {a[0]} after prepare()")
+
+    monkeypatch.setattr(typing, "get_type_hints", resolve_again)
+    for job in sorted(JOBS.glob("*.yaml")):
+        assert load_job(job).name, job
