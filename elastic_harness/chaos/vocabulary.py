@@ -19,8 +19,10 @@ How (``Kind.how``): ``signal`` sends ``Kind.signal`` to ``Kind.reaches``:
 
 - ``rank``: the rank's own process;
 - ``agent``: the node's agent process only (it forwards SIGTERM to its workers);
-- ``agent-group``: the agent's process group; the workers die with the agent (they carry
-  ``PR_SET_PDEATHSIG``), so a worker firing such a fault signals its parent, the agent;
+- ``agent-group``: the agent's process group and its workers. A worker firing such a fault
+  signals the agent, every process under it and itself, in that order
+  (``runtime.faults.node_processes``); the workers also carry ``PR_SET_PDEATHSIG``, which
+  would end them one parent's exit later;
 - ``node``: the agent's process group and every worker of the node: torchelastic starts
   workers in their own sessions and a SIGSTOP passes to no one.
 

@@ -35,10 +35,10 @@ from elastic_harness.launch.isolation import (
     exit_isolated,
     isolated_for,
 )
-from elastic_harness.runtime.faults import recipient
+from elastic_harness.runtime.faults import WorkerFaults, children_of, node_processes, recipient
 from elastic_harness.spec import FaultSpec
 from tests.conftest import MLP
-from tests.servers import etcd_cluster, free_port
+from tests.servers import etcd_cluster, free_port, wait_until
 
 
 def test_parse_fault_forms():
@@ -118,6 +118,68 @@ def test_who_a_fault_reaches():
     assert ready(FaultSpec("add-node", at_seconds=1), {}, nodes={0})
     requested = fire_now(FaultSpec("kill-worker", 1, at_step=40))
     assert requested.at_seconds == FIRE_NOW_S and not fired_by_worker(requested)
+
+
+def test_a_node_kill_lists_the_agent_then_everything_under_it_then_the_firing_worker():
+    tree = {40: [41, 99], 41: [50, 51], 50: [], 51: [], 99: []}  # agent 40, zygote 41, workers 50, 51
+    assert node_processes(40, 50, tree.__getitem__) == [40, 41, 99, 51, 50]
+    assert node_processes(40, 50, lambda _pid: []) == [40, 50]  # no listing: PDEATHSIG does the rest
+
+
+def test_a_worker_fired_node_kill_ends_the_whole_node_at_once(tmp_path, monkeypatch):
+    """``kill-node`` fired by a node's worker SIGKILLs its agent, the processes under it and
+    itself, not only the agent (the rest used to follow one parent's exit at a time)."""
+    import os
+    import subprocess
+    import sys
+
+    from elastic_harness.runtime import faults as faults_module
+
+    # A stand-in node: an "agent" with a "zygote" child, which has a "worker" child.
+    agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                              "'import subprocess, sys; subprocess.run([\"sleep\", \"120\"])'])"],
+                             start_new_session=True)
+    try:
+        wait_until(lambda: len(_descendants(agent.pid)) == 2, 30, "the stand-in node's processes")
+        zygote, sleeper = _descendants(agent.pid)
+        firing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        faults = WorkerFaults([FaultSpec("kill-node", 1, at_step=3)], rank=1, node="1", local_rank=0,
+                              marker_dir=tmp_path / "chaos", events=EventLog(tmp_path / "events.jsonl"),
+                              agent=agent.pid)
+        ends = node_processes(agent.pid, firing.pid, children_of)
+        assert ends == [agent.pid, zygote, sleeper, firing.pid]
+        faults.after_step(2)  # not yet
+        assert agent.poll() is None
+        pids = {agent.pid, zygote, sleeper}
+        assert faults_module.own_proc()  # this machine's /proc numbers processes as we do
+        monkeypatch.setattr(faults_module, "own_proc", lambda: True)
+        monkeypatch.setattr(os, "getpid", lambda: firing.pid)  # the firing worker: SIGKILLs itself last
+        faults.after_step(3)
+        monkeypatch.undo()
+        assert agent.wait(30) == -signal.SIGKILL and firing.wait(30) == -signal.SIGKILL
+        wait_until(lambda: not any(_alive(p) for p in pids), 30, "every process of the node to end")
+        event = read_events(tmp_path / "events.jsonl")[-1]
+        assert event["detail"] == f"SIGKILL node 1's agent and its workers (pid {agent.pid})"
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)  # its session: only what this test started
+        agent.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    out, queue = [], [pid]
+    while queue:
+        for child in children_of(queue.pop(0)):
+            out.append(child)
+            queue.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_run_refuses_a_malformed_fault_before_starting_anything(tmp_path, capsys):
