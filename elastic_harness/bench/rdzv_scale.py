@@ -89,14 +89,14 @@ def measure(n: int, idle_s: float) -> dict:
     """One ``N``: form, idle, lose a node (module doc)."""
     import torch.distributed as dist
 
-    from elastic_harness.launch import rendezvous
+    from elastic_harness.bench import store_calls
     from elastic_harness.torchcompat import rdzv
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     run_id, key, tally = f"scale-{uuid.uuid4().hex[:8]}", uuid.uuid4().bytes * 2, Tally()
     handlers = [_handler(server.port, run_id, n, key) for _ in range(n)]
     for h in handlers:
-        rendezvous.count_store_calls(h, tally)
+        store_calls.count_store_calls(h, tally)
     try:
         t0 = time.monotonic()
         _all(handlers)

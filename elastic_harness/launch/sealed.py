@@ -30,6 +30,16 @@ The c10d store itself: ``create_c10d_backend`` is torch's ``create_backend`` for
 store, except that the agent hosting the store binds the endpoint's host (``listen``), not
 every interface: ``127.0.0.1`` for a local run, the address the job gave its nodes
 elsewhere. A file store (``store_type=file``) is torch's ``FileStore`` at the endpoint's path.
+
+Changes are pushed on a TCP store (``launch.changes``). After a write that the handler marks
+as worth announcing (``worth_announcing``, set by ``launch.rendezvous``: the round broken,
+reopened, completed or closed, the first node waiting, the spares), the backend adds one to
+a change count in the store; ``wait_for_change`` blocks until the count passes the one this
+thread saw at its last read or write. A joining agent's poll and a running agent's monitor
+wait end there instead of at a fixed interval. The count carries no state: a woken agent
+reads and opens the sealed state as before, so a forged count costs a read and nothing more.
+A file store has no signal: ``wait_for_change`` answers None and the handler sleeps as torch
+does.
 """
 
 from __future__ import annotations
@@ -166,12 +176,12 @@ class SealedC10dBackend(RendezvousBackend):
     def name(self) -> str:
         return "harness-c10d"
 
-    def wait_for_change(self, timeout: float) -> bool:
+    def wait_for_change(self, timeout: float) -> bool | None:
         """Block until the state changes after this thread last read or wrote it, or for
-        ``timeout`` s; whether it changed (``launch.changes``; without a signal: a sleep)."""
+        ``timeout`` s; whether it changed (``launch.changes``). None at once without a
+        signal (a file store): the caller waits its own way."""
         if self.changes is None:
-            time.sleep(timeout)
-            return False
+            return None
         return self.changes.wait_beyond(getattr(self._seen, "version", 0), timeout)
 
     def _note_version(self) -> None:

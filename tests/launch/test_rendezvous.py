@@ -348,3 +348,25 @@ def test_only_an_end_that_ends_the_job_closes_its_rendezvous():
     assert closes_rendezvous(RendezvousTimeoutError("too few nodes"), excluded=False)
     assert not closes_rendezvous(SignalException("SIGTERM", 15), excluded=False)
     assert not closes_rendezvous(RendezvousConnectionError("etcd gone"), excluded=False)
+
+
+def test_a_file_store_has_no_change_signal_and_its_join_sleeps_as_torchs(tmp_path, monkeypatch):
+    """A file store cannot push a change: its backend says so (None, at once) and the
+    handler's poll is torch's sleep of the poll interval, decided in the handler only."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_harness.launch import rendezvous
+
+    slept: list = []
+    monkeypatch.setattr(rendezvous, "TORCH_DELAY", slept.append)
+    params = RendezvousParameters("c10d", str(tmp_path / "store"), "file-poll", 1, 2, store_type="file",
+                                  join_timeout=30, read_timeout=30)
+    h = create_handler(params, key=TEST_KEY)
+    try:
+        backend = rendezvous.rdzv.state_backend(h)
+        assert backend.changes is None
+        assert backend.wait_for_change(30.0) is None  # no 30 s block
+        h.wait_for_change(0.25)
+        assert slept == [0.25]
+    finally:
+        h.shutdown()
