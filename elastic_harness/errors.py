@@ -76,3 +76,11 @@ class Preempted(ClusterError):
     """The job was stopped by a signal after draining; re-running resumes it."""
 
     exit_code = 143
+
+
+def os_reason(e: OSError) -> str:
+    """The system's words for ``e`` ("Permission denied"), or the exception itself when it
+    has none. (Messages used to put ``e.strerror or e!r`` in an f-string, and ``!r`` applies
+    to the whole expression: the words came out quoted.)"""
+    return e.strerror or repr(e)
+

@@ -23,7 +23,7 @@ from elastic_harness import jobkey, runfiles
 from elastic_harness.checkpoint import integrity, layout, lock
 from elastic_harness.checkpoint.storage import LocalStorage, Storage, open_storage
 from elastic_harness.checkpoint.where import checkpoint_root, inside, is_url
-from elastic_harness.errors import CheckpointError, RunDirError
+from elastic_harness.errors import CheckpointError, RunDirError, os_reason
 from elastic_harness.spec import JobSpec, dump_job
 
 
@@ -199,7 +199,7 @@ def _lease(store, holder: lock.Holder, what: str, error: type, flag: str) -> loc
         raise error(f"{what} is in use by {e}",
                     f"wait for that job to finish or stop it, or use another {flag}") from None
     except OSError as e:
-        raise error(f"cannot lock {what}: {e.strerror or e!r}", "fix its permissions or storage") from None
+        raise error(f"cannot lock {what}: {os_reason(e)}", "fix its permissions or storage") from None
 
 
 def owner(run_dir: Path) -> dict | None:

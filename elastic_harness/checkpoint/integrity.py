@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_harness import jobkey
 from elastic_harness.checkpoint.layout import MANIFEST, METADATA, scan
 from elastic_harness.checkpoint.streams import CHECKSUM, Crc32
+from elastic_harness.errors import os_reason
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -82,7 +83,7 @@ def _covered(filename: str) -> bool:
 
 
 def _unreadable(filename: str, e: OSError) -> Verdict:
-    return Verdict(False, f"{filename} is unreadable ({e.strerror or e!r})", "unreadable")
+    return Verdict(False, f"{filename} is unreadable ({os_reason(e)})", "unreadable")
 
 
 def checksum_of(storage: Storage, name: str, filename: str, kind: str = CHECKSUM) -> str:

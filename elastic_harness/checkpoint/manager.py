@@ -82,7 +82,7 @@ from elastic_harness.checkpoint.scheduling import BackgroundThreads
 from elastic_harness.checkpoint.staging import ReusedBufferStager
 from elastic_harness.checkpoint.storage import Storage
 from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
-from elastic_harness.errors import CheckpointError
+from elastic_harness.errors import CheckpointError, os_reason
 from elastic_harness.spec import CheckpointSpec
 
 # DCP's CheckpointException derives from BaseException: name it explicitly.
@@ -223,7 +223,7 @@ class CheckpointManager:
             try:
                 listing = self.storage.listing()
             except OSError as e:
-                listing = f"cannot list {self.storage.root}: {e.strerror or e!r}"
+                listing = f"cannot list {self.storage.root}: {os_reason(e)}"
         listing = collective.broadcast(listing, self.group)
         if isinstance(listing, str):
             raise CheckpointError(listing, _FIX_STORAGE)
@@ -369,7 +369,7 @@ class CheckpointManager:
         try:
             self._fenced = fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
         except OSError as e:
-            return f"the generation record cannot be read: {e.strerror or e!r}"
+            return f"the generation record cannot be read: {os_reason(e)}"
         return self._fenced
 
     def _prepare_dir(self, name: str) -> tuple[str, str]:

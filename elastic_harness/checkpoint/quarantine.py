@@ -23,6 +23,7 @@ from typing import Any
 
 from elastic_harness.checkpoint import layout
 from elastic_harness.checkpoint.storage import Storage
+from elastic_harness.errors import os_reason
 
 
 def stamp(now: float) -> str:
@@ -42,7 +43,7 @@ def set_aside(storage: Storage, name: str, reason: str, kind: str, *, events: An
         try:
             storage.set_aside(name, new_name)
         except OSError as e:
-            why = f"moving it aside failed: {e.strerror or e!r}"
+            why = f"moving it aside failed: {os_reason(e)}"
     events.emit(
         "quarantine", step=layout.parse_step(name), name=name, reason=reason, kind=kind,
         moved_to=None if why else storage.uri(new_name),

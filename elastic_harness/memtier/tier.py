@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from elastic_harness.errors import os_reason
 from elastic_harness.memtier import buddy, peer, reshard, snapshot
 from elastic_harness.memtier.choose import BUDDY, MEMORY, PEER, STORAGE, Plan, choose, offers_of
 from elastic_harness.memtier.conduit import Conduit
@@ -119,7 +120,7 @@ class MemoryTier:
             for region in regions:
                 region.close()
             regions = []
-            warn(f"rank {rank}: cannot open its in-memory checkpoint slots ({e.strerror or e!r}); "
+            warn(f"rank {rank}: cannot open its in-memory checkpoint slots ({os_reason(e)}); "
                  "restarts restore from storage")
         own, spare = regions[:SLOTS_PER_RANK], regions[SLOTS_PER_RANK:]
         if link_key is None:
