@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from elastic_harness.checkpoint import fence, integrity
 from elastic_harness.checkpoint.storage import Storage
-from elastic_harness.errors import CheckpointError
+from elastic_harness.errors import CheckpointError, os_reason
 
 ROUND_BYTES = 256 << 20
 
@@ -49,23 +49,56 @@ def all_ok(ok: bool, group: Any) -> bool:
     return all_min(int(ok), group) == 1
 
 
+def broadcast_ints(values: list[int], group: Any) -> list[int]:
+    """Rank 0's ``values`` (64-bit integers; every rank passes as many) on every rank: one
+    tensor broadcast, where ``broadcast`` of an object is two and a pickle."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(t, group=group, group_src=0)
+    return t.tolist()
+
+
+def generation_ints(g: fence.Generation | None) -> list[int]:
+    """Pure: a generation as three integers (its number, its 128-bit token in two halves);
+    ``[-1, 0, 0]`` for none."""
+    if g is None:
+        return [-1, 0, 0]
+    raw = bytes.fromhex(g.token)
+    return [g.number, int.from_bytes(raw[:8], "big", signed=True), int.from_bytes(raw[8:], "big", signed=True)]
+
+
+def generation_of(ints: list[int]) -> fence.Generation | None:
+    """Pure: ``generation_ints`` read back."""
+    number, high, low = ints
+    if number < 0:
+        return None
+    return fence.Generation(number, (high.to_bytes(8, "big", signed=True) + low.to_bytes(8, "big", signed=True)).hex())
+
+
 def join_generation(storage: Storage, job: str, *, rank: int, world_size: int, group: Any) -> fence.Generation:
     """Rank 0 bumps the generation; every rank reads it back. Raises ``CheckpointError`` on
-    every rank if rank 0 cannot write it or any rank does not see what rank 0 wrote."""
-    mine: Any = None
+    every rank if rank 0 cannot write it or any rank does not see what rank 0 wrote.
+
+    Two tensor collectives when all is well (the generation, whether every rank saw it);
+    the words of a failure travel in a third, only then: every worker of every restart
+    passes here, all of them at once."""
+    mine: fence.Generation | None = None
+    failed = ""
     if rank == 0:
         try:
             storage.ensure()
             mine = fence.bump(storage, job)
         except OSError as e:
-            mine = f"cannot write {storage.root}/{fence.GENERATION_FILE}: {e.strerror or e!r}"
-    mine = broadcast(mine, group)
-    if isinstance(mine, str):
-        raise CheckpointError(mine, "fix the permissions of checkpoint.dir, or point it at writable storage")
+            failed = f"cannot write {storage.root}/{fence.GENERATION_FILE}: {os_reason(e)}"
+    mine = generation_of(broadcast_ints(generation_ints(mine), group))
+    if mine is None:
+        raise CheckpointError(broadcast(failed, group),
+                              "fix the permissions of checkpoint.dir, or point it at writable storage")
     try:
         seen = fence.read(storage) == mine
     except OSError:
         seen = False
+    if all_ok(seen, group):
+        return mine
     views = all_gather((seen, socket.gethostname()), group, world_size)
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
     if blind:
@@ -90,7 +123,7 @@ def _head(storage: Storage, name: str, mode: str, key: bytes | None) -> tuple[di
     try:
         return manifest, integrity.check_sizes(manifest, storage.files(name))
     except OSError as e:
-        return None, integrity.Verdict(False, f"{name} cannot be listed ({e.strerror or e!r})", "unreadable")
+        return None, integrity.Verdict(False, f"{name} cannot be listed ({os_reason(e)})", "unreadable")
 
 
 def agreed_verdict(storage: Storage, name: str, mode: str, *, rank: int, world_size: int, group: Any,

@@ -52,11 +52,11 @@ from __future__ import annotations
 import atexit
 import os
 import random
+import secrets
 import signal
 import sys
 import time
 import typing
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_harness import jobkey, runfiles
+from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
@@ -619,10 +620,10 @@ class Run:
         os._exit(exc.exit_code)  # the interpreter would exit 1; a mistake to fix is 2
 
     def _agree_generation(self) -> str:
-        """A fresh id for this worker generation, the same on every rank (for audits)."""
-        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(box, group=self.groups.ckpt, group_src=0)
-        return box[0]
+        """A fresh id for this worker generation (12 hex digits), the same on every rank (for
+        audits): rank 0's random 48 bits, in one tensor broadcast."""
+        drawn = secrets.randbits(48) if self.rank == 0 else 0
+        return f"{collective.broadcast_ints([drawn], self.groups.ckpt)[0]:012x}"
 
     def _announce(self, pg_init_s: float) -> None:
         env, top = self.env, self.topology

@@ -276,6 +276,29 @@ def scenario_not_shared(rank, root, group) -> dict:
     return _restore(rank, root / f"rank{rank}", group)
 
 
+def scenario_join(rank, root, group) -> dict:
+    """Two generations join in turn: every rank gets rank 0's, as written; then rank 0 cannot
+    write the file, and every rank raises with rank 0's words."""
+    from elastic_harness.checkpoint import collective, fence
+    from elastic_harness.errors import CheckpointError
+
+    storage = Wrapped(root)
+    joined = [collective.join_generation(storage, "j", rank=rank, world_size=2, group=group) for _ in range(2)]
+    on_disk = fence.read(storage.inner)
+
+    def refuse(name, data):
+        raise PermissionError(errno.EACCES, "Permission denied", name)
+
+    storage.write_root = refuse
+    try:
+        collective.join_generation(storage, "j", rank=rank, world_size=2, group=group)
+        error = ""
+    except CheckpointError as e:
+        error = str(e)
+    return {"joined": [[g.number, g.token] for g in joined], "on_disk": [on_disk.number, on_disk.token],
+            "error": error}
+
+
 def scenario_commit_needs_every_reported_file(rank, root, group) -> dict:
     """Rank 0 cannot see rank 1's shard: the save is not committed (no manifest blesses it)."""
     storage = Wrapped(root, hide=lambda f: f.startswith("__1_"))
@@ -451,7 +474,7 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
 
 SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_nothing_usable,
              scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
-             scenario_metadata_unreadable_on_one_rank, scenario_not_shared,
+             scenario_metadata_unreadable_on_one_rank, scenario_not_shared, scenario_join,
              scenario_commit_needs_every_reported_file, scenario_fence, scenario_fenced_before_its_first_save,
              scenario_round_trips_per_save,
              scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed]
@@ -549,6 +572,14 @@ def test_ranks_that_do_not_share_the_directory_are_refused(seen):
     for r in seen:
         err = r["scenario_not_shared"]["error"]
         assert "rank 1 on" in err and "cannot see the checkpoint directory" in err and "fix:" in err
+
+
+def test_every_rank_joins_the_generation_rank_0_wrote_or_raises_its_error(seen):
+    a, b = (r["scenario_join"] for r in seen)
+    assert a["joined"] == b["joined"] and [n for n, _ in a["joined"]] == [1, 2]
+    assert a["joined"][-1] == a["on_disk"] == b["on_disk"] and len(a["on_disk"][1]) == 32
+    for r in (a, b):
+        assert "cannot write" in r["error"] and "generation.json: Permission denied" in r["error"]
 
 
 def test_commit_requires_every_file_the_ranks_reported(seen):
@@ -650,3 +681,13 @@ def test_a_short_write_on_a_full_disk_is_named_as_the_full_disk():
     assert "unexpected pos" in one_line(err, free_bytes=10 << 30)
     assert "unexpected pos" in one_line(short)  # a storage that cannot tell: nothing guessed
 
+
+
+def test_a_generation_travels_as_three_integers_and_back():
+    from elastic_harness.checkpoint.collective import generation_ints, generation_of
+    from elastic_harness.checkpoint.fence import Generation
+
+    for token in ("f" * 32, "0" * 32, "80" + "0" * 14 + "7f" + "f" * 14):
+        g = Generation(7, token)
+        assert generation_of(generation_ints(g)) == g
+    assert generation_of(generation_ints(None)) is None
