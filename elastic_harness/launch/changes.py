@@ -33,8 +33,11 @@ The keys of counted writes stay in the store (a few per round; nothing is read f
 so nothing is trusted: a process that forges one wakes the agents for one read of the
 sealed state).
 
-c10d TCP stores only (``connect`` opens the thread's own client): etcd's backends and a file
-store keep their polls. One thread per agent, started at its first use, ended by ``close``
+Carriers: a c10d TCP store (``ChangeSignal``: ``connect`` opens the thread's own client) and
+etcd's v3 API (``launch.etcd_v3.EtcdChanges``: the counted write puts a change key in its
+own transaction, and the thread watches that key); etcd-v2 and a file store keep their
+polls. Backends of either kind share ``Announcing`` (the per-thread version, the join's
+wait). One thread per agent, started at its first use, ended by ``close``
 or when the store goes away (then every wait is a plain sleep again). Its wait lasts
 ``WAIT_S``: torch's store client logs two lines at each timeout, so the wait never times
 out in practice, and ``close`` ends it by announcing one change (every agent reads the
@@ -66,17 +69,17 @@ WAIT_S = 86400.0
 RELEASE_S = 1.0  # how long ``close`` waits for the thread to leave its wait
 READY_S = 5.0  # how long a first reader waits for the thread to learn the count it starts from
 
-_OPEN: weakref.WeakSet[ChangeSignal] = weakref.WeakSet()
+_OPEN: weakref.WeakSet[PushedChanges] = weakref.WeakSet()
 
 
-class ChangeSignal:
-    """The change count of one rendezvous state (``key``) in a c10d store (module doc).
+class PushedChanges:
+    """Word of each change to one rendezvous state, pushed to this process by a thread (module
+    doc): the version, the waits and the listeners, whatever carries the word. A carrier
+    implements ``_follow`` (in the thread: ``_begin(n)`` once it knows the version to start
+    from, ``_changed(n)`` at each change; returning or raising ends the word) and
+    ``_release`` (unblock ``_follow`` for ``close``)."""
 
-    ``store``: the agent's own store client (writes); ``connect()``: a new client to the same
-    store, for the waiting thread (a wait blocks its client)."""
-
-    def __init__(self, store: Any, key: str, connect: Callable[[], Any]) -> None:
-        self._store, self._counter, self._connect = store, f"{key}.changes", connect
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._version = 0
         self._listeners: list[Callable[[], None]] = []
@@ -84,23 +87,6 @@ class ChangeSignal:
         self._ready = threading.Event()  # the thread knows the count: no change is missed from then on
         self._stopped = False
         self.failed: str | None = None  # why the thread ended, when it did
-
-    def route_calls(self, wrap: Callable[[Any], Any]) -> None:
-        """Make every store call go through ``wrap(client)``: the writer's, and the thread's
-        when it connects after this (``bench rendezvous-scale`` counts them)."""
-        connect = self._connect
-        self._store = wrap(self._store)
-        self._connect = lambda: wrap(connect())
-
-    # ----- writers ---------------------------------------------------------------------
-    def announce(self) -> None:
-        """Count a state write that changed the rendezvous and wake every waiting agent.
-        Never raises: a store that cannot take the count leaves the others to their polls."""
-        try:
-            n = self._store.add(self._counter, 1)
-            self._store.set(f"{self._counter}.{n}", b"")
-        except (RuntimeError, ValueError, TimeoutError) as e:
-            log.debug("could not announce a rendezvous change: %s", e)
 
     # ----- readers ---------------------------------------------------------------------
     @property
@@ -129,8 +115,8 @@ class ChangeSignal:
         self._start()
 
     def close(self) -> None:
-        """Stop waking anyone and end the thread (module doc: one change announced, waited
-        for at most ``RELEASE_S``); safe to call twice."""
+        """Stop waking anyone and end the thread (``_release``, waited for at most
+        ``RELEASE_S``); safe to call twice."""
         with self._cond:
             if self._stopped:
                 return
@@ -139,9 +125,7 @@ class ChangeSignal:
             thread = self._thread
         if thread is None or not thread.is_alive():
             return
-        release = threading.Thread(target=self.announce, name="rendezvous-changes-release", daemon=True)
-        release.start()  # a store that cannot be reached keeps the announcing thread, not the caller
-        release.join(RELEASE_S)
+        self._release()
         thread.join(RELEASE_S)
 
     # ----- the thread ------------------------------------------------------------------
@@ -160,17 +144,8 @@ class ChangeSignal:
 
     def _run(self) -> None:
         try:
-            client = self._connect()
-            n = int(client.add(self._counter, 0))
-            with self._cond:
-                self._version = n
-            self._ready.set()
-            while not self._stopped:
-                with contextlib.suppress(TimeoutError):
-                    self._wait(client, f"{self._counter}.{n + 1}")
-                    n = max(n + 1, int(client.add(self._counter, 0)))
-                    self._changed(n)
-        except Exception as e:  # noqa: BLE001 - the store went away (the job's end): polls again
+            self._follow()
+        except Exception as e:  # noqa: BLE001 - the carrier went away (the job's end): polls again
             self.failed = f"{type(e).__name__}: {e}"
             log.debug("rendezvous change signal stopped: %s", self.failed)
         finally:
@@ -179,14 +154,16 @@ class ChangeSignal:
                 self._stopped = True
                 self._cond.notify_all()
 
-    @staticmethod
-    def _wait(client: Any, key: str) -> None:
-        try:
-            client.wait([key], timedelta(seconds=WAIT_S))
-        except RuntimeError as e:  # torch's DistStoreError for a timeout, and for a lost store
-            if "timeout" in str(e).lower():
-                raise TimeoutError(str(e)) from None
-            raise
+    def _follow(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _begin(self, n: int) -> None:
+        with self._cond:
+            self._version = n
+        self._ready.set()
 
     def _changed(self, n: int) -> None:
         with self._cond:
@@ -198,6 +175,87 @@ class ChangeSignal:
                 callback()
             except Exception:  # noqa: BLE001 - one listener's fault is not the others'
                 log.exception("a rendezvous change listener failed")
+
+
+class ChangeSignal(PushedChanges):
+    """The change count of one rendezvous state (``key``) in a c10d store (module doc).
+
+    ``store``: the agent's own store client (writes); ``connect()``: a new client to the same
+    store, for the waiting thread (a wait blocks its client)."""
+
+    def __init__(self, store: Any, key: str, connect: Callable[[], Any]) -> None:
+        super().__init__()
+        self._store, self._counter, self._connect = store, f"{key}.changes", connect
+
+    def route_calls(self, wrap: Callable[[Any], Any]) -> None:
+        """Make every store call go through ``wrap(client)``: the writer's, and the thread's
+        when it connects after this (``bench rendezvous-scale`` counts them)."""
+        connect = self._connect
+        self._store = wrap(self._store)
+        self._connect = lambda: wrap(connect())
+
+    def announce(self) -> None:
+        """Count a state write that changed the rendezvous and wake every waiting agent.
+        Never raises: a store that cannot take the count leaves the others to their polls."""
+        try:
+            n = self._store.add(self._counter, 1)
+            self._store.set(f"{self._counter}.{n}", b"")
+        except (RuntimeError, ValueError, TimeoutError) as e:
+            log.debug("could not announce a rendezvous change: %s", e)
+
+    def _follow(self) -> None:
+        client = self._connect()
+        n = int(client.add(self._counter, 0))
+        self._begin(n)
+        while not self._stopped:
+            with contextlib.suppress(TimeoutError):
+                self._wait(client, f"{self._counter}.{n + 1}")
+                n = max(n + 1, int(client.add(self._counter, 0)))
+                self._changed(n)
+
+    def _release(self) -> None:
+        """One change announced: the thread's wait ends (module doc)."""
+        release = threading.Thread(target=self.announce, name="rendezvous-changes-release", daemon=True)
+        release.start()  # a store that cannot be reached keeps the announcing thread, not the caller
+        release.join(RELEASE_S)
+
+    @staticmethod
+    def _wait(client: Any, key: str) -> None:
+        try:
+            client.wait([key], timedelta(seconds=WAIT_S))
+        except RuntimeError as e:  # torch's DistStoreError for a timeout, and for a lost store
+            if "timeout" in str(e).lower():
+                raise TimeoutError(str(e)) from None
+            raise
+
+
+class Announcing:
+    """A rendezvous backend whose changes may be pushed (mixin): ``changes`` (a
+    ``PushedChanges``, or None where nothing pushes), ``worth_announcing`` (set by the
+    handler: is the write under way one to announce?), and the join's wait for a change
+    after this thread's last read or write of the state."""
+
+    changes: PushedChanges | None = None
+
+    def _init_announcing(self, changes: PushedChanges | None) -> None:
+        self.changes = changes
+        # Without the handler's judgement (a torch without ``rdzv-state``) nobody listens,
+        # and nothing is announced.
+        self.worth_announcing: Callable[[], bool] = lambda: False
+        self._seen = threading.local()  # per thread: the version before its last read or write
+
+    def wait_for_change(self, timeout: float) -> bool | None:
+        """Block until the state changes after this thread last read or wrote it, or for
+        ``timeout`` s; whether it changed. None at once without a signal: the caller waits
+        its own way."""
+        if self.changes is None:
+            return None
+        return self.changes.wait_beyond(getattr(self._seen, "version", 0), timeout)
+
+    def _note_version(self) -> None:
+        """Call before each read or write of the state."""
+        if self.changes is not None:
+            self._seen.version = self.changes.version
 
 
 @atexit.register

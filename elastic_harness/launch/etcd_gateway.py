@@ -38,13 +38,14 @@ reads what is there. This module imports no torch: the isolation watchdog uses i
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -197,6 +198,40 @@ class Gateway:
             return
         self.endpoints = list(dict.fromkeys([*self.endpoints, *found]))
 
+    def watch(self, key: bytes, start_revision: int) -> Watch:
+        """Watch ``key`` from ``start_revision`` on the first member that takes it (the one
+        that answered last first); ``EtcdUnavailable`` when none does."""
+        body = {"create_request": {"key": b64(key), "start_revision": str(start_revision)}}
+        failures = []
+        for i in range(len(self.endpoints)):
+            endpoint = self.endpoints[(self._current + i) % len(self.endpoints)]
+            try:
+                return self._open_watch(endpoint, body)
+            except _Unreachable as e:
+                failures.append(f"{endpoint}: {e}")
+        raise EtcdUnavailable("no etcd member took the watch (" + "; ".join(failures) + ")")
+
+    def _open_watch(self, endpoint: str, body: dict) -> Watch:
+        if self.settings.user and endpoint not in self._tokens:
+            self._tokens[endpoint] = self._authenticate(endpoint)
+        conn = self._open(endpoint)
+        headers = {"Content-Type": "application/json"}
+        if self._tokens.get(endpoint):
+            headers["Authorization"] = self._tokens[endpoint]
+        try:
+            conn.request("POST", "/v3/watch", json.dumps(body).encode(), headers)
+            response = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise _Unreachable(str(e) or type(e).__name__) from None
+        if response.status != 200:
+            reply = _parse(response.read())
+            conn.close()
+            self._judge(endpoint, response.status, reply)
+            raise _Unreachable(f"HTTP {response.status}")
+        conn.sock.settimeout(None)  # a watch waits as long as nothing changes
+        return Watch(conn, response)
+
     def close(self) -> None:
         """Close this thread's connections."""
         for conn in getattr(self._local, "conns", {}).values():
@@ -281,6 +316,11 @@ class Gateway:
         conn = conns.get(endpoint)
         if conn is not None and conn.sock is not None:
             return conn, False
+        conns[endpoint] = conn = self._open(endpoint)
+        return conn, True
+
+    def _open(self, endpoint: str) -> http.client.HTTPConnection:
+        """A new connection to ``endpoint``, connected (errors: ``_connection``'s)."""
         host, port = split_host_port(endpoint)
         if self._tls is not None:
             conn = http.client.HTTPSConnection(host, port, timeout=CONNECT_TIMEOUT_S, context=self._tls)
@@ -305,8 +345,45 @@ class Gateway:
             raise _Unreachable(str(e) or type(e).__name__) from None
         conn.sock.settimeout(self.settings.timeout)
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conns[endpoint] = conn
-        return conn, True
+        return conn
+
+
+class Watch:
+    """One key watched through the gateway's ``/v3/watch`` stream (``Gateway.watch``).
+
+    ``revisions()`` yields the mod revision of each put of the key, from the revision the
+    watch started at, until the stream ends (the member went away, ``close``); a delete is
+    not yielded. The stream's connection is its own, with no read timeout: a watch waits
+    for as long as nothing changes. ``close`` (from any thread) shuts its socket, which ends
+    a blocked ``revisions()``."""
+
+    def __init__(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        self._conn, self._response = conn, response
+        self._closed = False
+
+    def revisions(self) -> Iterator[int]:
+        try:
+            while not self._closed:
+                try:
+                    line = self._response.readline()
+                    result = json.loads(line).get("result") or {} if line else None
+                except (OSError, ValueError, AttributeError, http.client.HTTPException):
+                    return  # the stream ended or was shut (``close``)
+                if result is None or result.get("canceled"):
+                    return
+                for event in result.get("events") or []:
+                    if event.get("type", "PUT") == "PUT":
+                        yield int(event["kv"]["mod_revision"])
+        finally:
+            self._conn.close()
+
+    def close(self) -> None:
+        """End the stream: its socket is shut here, and closed by the reader on its way out."""
+        self._closed = True
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def speaks_tls(host: str, port: int) -> bool:

@@ -19,6 +19,10 @@ else, as with its own c10d and etcd-v2 backends (``launch.rendezvous`` builds it
   with it: etcd v2's TTL, which torch's etcd-v2 backend sets to two hours, the same here.
   Which nodes are alive stays torch's own decision, from the keep-alive times in the state.
 
+- Changes pushed (``EtcdChanges``, ``launch.changes``): a write the handler judges worth
+  announcing also puts ``<state key>.changes`` in its transaction; each agent watches that
+  key, so its join's poll and its monitor wait end at the change.
+
 ``EtcdV3Store`` is the ``torch.distributed.Store`` the handler hands to the agent (the
 master address of each round, the exit barrier): keys under ``/torch/elastic/store/``,
 ``get``/``wait`` poll (5 ms, doubling to 100 ms) until the keys exist or the store's timeout.
@@ -49,12 +53,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
+from elastic_harness.launch.changes import Announcing, PushedChanges
 from elastic_harness.launch.etcd_gateway import (
     EtcdError,
     EtcdRefused,
     EtcdUnavailable,
     Gateway,
     Settings,
+    Watch,
     b64,
     unb64,
 )
@@ -62,6 +68,7 @@ from elastic_harness.launch.etcd_gateway import (
 BACKEND = "etcd-v3"  # the name in torch's handler registry and in RendezvousParameters
 STATE_PREFIX = "/torch/elastic/rendezvous"  # as torch's etcd-v2 backend
 STORE_PREFIX = "/torch/elastic/store/"
+CHANGES_SUFFIX = b".changes"  # the key each counted change puts (``EtcdChanges``)
 STATE_TTL_S = 7200  # torch's etcd-v2 backend keeps the state this long after its last write
 _NOT_FOUND = 5  # etcd's gRPC code for a lease it no longer has
 _POLL_FIRST_S, _POLL_MAX_S = 0.005, 0.1
@@ -130,16 +137,46 @@ def _with_lease(lease: Lease, write: Callable[[str], dict]) -> dict:
     raise AssertionError("unreachable")
 
 
-class EtcdV3Backend(RendezvousBackend):
+class EtcdChanges(PushedChanges):
+    """Word of the rendezvous' counted changes from etcd (``launch.changes``): a write worth
+    announcing also puts the change key in its transaction (``EtcdV3Backend._swap``), and one
+    thread per agent watches that key (``etcd_gateway.Watch``); the version is the key's mod
+    revision. The watch starts right after the revision its first read saw, so no change
+    between the read and the watch is missed. A watch that ends (its member went away)
+    leaves the agent to its polls."""
+
+    def __init__(self, gateway: Gateway, key: bytes) -> None:
+        super().__init__()
+        self._gateway, self.key = gateway, key
+        self._watch: Watch | None = None
+
+    def _follow(self) -> None:
+        reply = self._gateway.call("kv/range", {"key": b64(self.key)})
+        kvs = reply.get("kvs")
+        self._watch = self._gateway.watch(self.key, int(reply["header"]["revision"]) + 1)
+        self._begin(int(kvs[0]["mod_revision"]) if kvs else 0)
+        if self._stopped:  # closed while the watch was opening
+            self._watch.close()
+        for revision in self._watch.revisions():
+            self._changed(revision)
+
+    def _release(self) -> None:
+        watch = self._watch
+        if watch is not None:
+            watch.close()
+
+
+class EtcdV3Backend(Announcing, RendezvousBackend):
     """torch's rendezvous state in one etcd key (module doc). ``seal``: a
     ``launch.sealed.StateSeal`` (``close`` state -> sealed bytes, ``open`` stored text ->
-    state bytes, never raising)."""
+    state bytes, never raising). Its counted changes are pushed (``EtcdChanges``)."""
 
     def __init__(self, gateway: Gateway, run_id: str, seal: Any, lease: Lease) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._gateway, self._seal, self._lease = gateway, seal, lease
         self.key = f"{STATE_PREFIX}/{run_id}".encode()
+        self._init_announcing(EtcdChanges(gateway, self.key + CHANGES_SUFFIX))
 
     @property
     def name(self) -> str:
@@ -149,6 +186,7 @@ class EtcdV3Backend(RendezvousBackend):
         """The state; a key deleted after this agent saw an authentic state (by hand, or a
         lease that ended) is written again from it, create-only, so that it never reads as a
         fresh rendezvous (a closed one reopened)."""
+        self._note_version()
         kvs = _call(self._gateway, "kv/range", {"key": b64(self.key)}).get("kvs")
         if kvs or self._seal.last_sealed is None:
             return self._decode(kvs[0]) if kvs else None
@@ -164,19 +202,24 @@ class EtcdV3Backend(RendezvousBackend):
                 current = self.get_state()
                 return (*current, False) if current is not None else None
         stored = base64.b64encode(self._seal.close(state))  # the stored text, as v2 and c10d keep it
-        reply = _with_lease(self._lease, lambda lease: self._swap(stored, token, lease))
+        announce = self.worth_announcing()
+        self._note_version()
+        reply = _with_lease(self._lease, lambda lease: self._swap(stored, token, lease, announce))
         if reply.get("succeeded"):  # opened as read back: this agent's last authentic state
             return self._seal.open(stored), int(reply["header"]["revision"]), True
         kvs = reply["responses"][0]["response_range"].get("kvs")
         return (*self._decode(kvs[0]), False) if kvs else None
 
-    def _swap(self, stored: bytes, token: int | None, lease: str) -> dict:
+    def _swap(self, stored: bytes, token: int | None, lease: str, announce: bool = False) -> dict:
+        """The compare-and-swap (module doc); ``announce``: the change key is put in the same
+        transaction, and every agent's watch of it wakes (``EtcdChanges``)."""
         key = b64(self.key)
         compare = ({"key": key, "target": "CREATE", "create_revision": "0", "result": "EQUAL"} if token is None
                    else {"key": key, "target": "MOD", "mod_revision": str(token), "result": "EQUAL"})
-        txn = {"compare": [compare],
-               "success": [{"request_put": {"key": key, "value": b64(stored), "lease": lease}}],
-               "failure": [{"request_range": {"key": key}}]}
+        success = [{"request_put": {"key": key, "value": b64(stored), "lease": lease}}]
+        if announce:
+            success.append({"request_put": {"key": b64(self.key + CHANGES_SUFFIX), "value": "", "lease": lease}})
+        txn = {"compare": [compare], "success": success, "failure": [{"request_range": {"key": key}}]}
         return self._gateway.call("kv/txn", txn)
 
     def _decode(self, kv: dict) -> tuple[bytes, int]:

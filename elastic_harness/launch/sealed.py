@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import binascii
 import logging
-import threading
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable
@@ -62,7 +61,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic_harness import jobkey
-from elastic_harness.launch.changes import ChangeSignal
+from elastic_harness.launch.changes import Announcing, ChangeSignal
 from elastic_harness.listen import listener
 from elastic_harness.torchcompat import rdzv
 
@@ -145,7 +144,7 @@ class StateSeal:
         log.warning(message)
 
 
-class SealedC10dBackend(RendezvousBackend):
+class SealedC10dBackend(Announcing, RendezvousBackend):
     """torch's c10d backend (``C10dRendezvousBackend``, same key and protocol) with the state
     sealed, written on torch's public backend interface.
 
@@ -165,28 +164,12 @@ class SealedC10dBackend(RendezvousBackend):
         self._store, self._seal = store, seal
         self._key = "torch.rendezvous." + run_id
         # Word of each change pushed to every agent (``launch.changes``); a file store polls.
-        self.changes = ChangeSignal(store, self._key, connect) if connect is not None else None
-        # Is the write under way one to announce? The handler's ``worth_announcing`` says;
-        # without it (a torch without ``rdzv-state``) nobody listens, and nothing is counted.
-        self.worth_announcing: Callable[[], bool] = lambda: False
-        self._seen = threading.local()  # per thread: the change count before its last read
+        self._init_announcing(ChangeSignal(store, self._key, connect) if connect is not None else None)
         self._call("compare_set", self._key, "", ABSENT)
 
     @property
     def name(self) -> str:
         return "harness-c10d"
-
-    def wait_for_change(self, timeout: float) -> bool | None:
-        """Block until the state changes after this thread last read or wrote it, or for
-        ``timeout`` s; whether it changed (``launch.changes``). None at once without a
-        signal (a file store): the caller waits its own way."""
-        if self.changes is None:
-            return None
-        return self.changes.wait_beyond(getattr(self._seen, "version", 0), timeout)
-
-    def _note_version(self) -> None:
-        if self.changes is not None:
-            self._seen.version = self.changes.version
 
     def get_state(self) -> tuple[bytes, Token] | None:
         self._note_version()

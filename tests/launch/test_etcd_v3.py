@@ -22,7 +22,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from elastic_harness.launch import etcd_gateway, etcd_v3, sealed
 from elastic_harness.launch.etcd_gateway import Gateway, Settings
 from elastic_harness.launch.etcd_v3 import EtcdMisconfigured
-from tests.launch.test_rendezvous import join_all
+from tests.launch.test_rendezvous import (
+    a_broken_round_wakes_a_running_agent,
+    a_waiting_agent_is_woken_by_the_round_it_waits_for,
+    join_all,
+)
 from tests.servers import (
     etcd_cluster,
     etcd_enable_auth,
@@ -179,6 +183,41 @@ def test_two_agents_form_a_round_through_torchs_handler(etcd, monkeypatch, tmp_p
     finally:
         for h in pair:
             h._stop_heartbeats()
+
+
+def test_a_watch_yields_each_put_of_its_key_and_ends_when_closed(etcd):
+    g = Gateway(Settings(endpoints=(etcd,)))
+    key = etcd_gateway.b64(b"/w")
+    start = int(g.call("kv/range", {"key": key})["header"]["revision"]) + 1
+    watch = g.watch(b"/w", start)
+    seen: list[int] = []
+    reader = threading.Thread(target=lambda: seen.extend(watch.revisions()))
+    reader.start()
+    puts = [int(g.call("kv/put", {"key": key, "value": ""})["header"]["revision"]) for _ in range(3)]
+    g.call("kv/deleterange", {"key": key})  # not a put: not yielded
+    puts.append(int(g.call("kv/put", {"key": key, "value": ""})["header"]["revision"]))
+    wait_until(lambda: len(seen) == 4, 30, "the watch to see the four puts")
+    watch.close()  # from another thread: the blocked read ends
+    reader.join(10)
+    assert not reader.is_alive() and seen == puts
+
+
+def etcd_agent(endpoint: str, run_id: str):
+    from elastic_harness.launch.rendezvous import create_handler
+
+    return create_handler(params(endpoint, run_id), key=KEY)
+
+
+def test_etcd_pushes_a_broken_round_to_a_running_agent(etcd, monkeypatch):
+    """As with a c10d store (``test_rendezvous``): the write that breaks the round also puts
+    the change key, and the running agent's watch wakes it, not its next poll."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    a_broken_round_wakes_a_running_agent([etcd_agent(etcd, "push") for _ in range(2)])
+
+
+def test_etcd_wakes_a_waiting_agent_when_its_round_completes(etcd, monkeypatch):
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    a_waiting_agent_is_woken_by_the_round_it_waits_for(lambda: etcd_agent(etcd, "wake"), monkeypatch)
 
 
 def test_a_store_unreadable_for_a_moment_does_not_end_a_running_group(tmp_path, monkeypatch, caplog):

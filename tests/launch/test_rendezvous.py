@@ -225,7 +225,12 @@ def test_a_peer_that_breaks_the_round_wakes_a_running_agent_at_once(store):
     """Node 1's workers failed: its join of the next round writes round 0 broken, and node
     0's agent, running its workers, hears of it from the store (``on_change``) instead of
     its next poll; a ``refresh`` then reads the broken round, and both form round 1."""
-    pair = [agent(store, "push", ours=True) for _ in range(2)]
+    a_broken_round_wakes_a_running_agent([agent(store, "push", ours=True) for _ in range(2)])
+
+
+def a_broken_round_wakes_a_running_agent(pair) -> None:
+    """The check of the test above, for any backend that pushes its changes (the etcd v3
+    one's test too); closes ``pair``."""
     try:
         assert join_all(pair, [0.0, 0.0]) == [2, 2]
         running, failing = pair
@@ -252,12 +257,17 @@ def test_a_peer_that_breaks_the_round_wakes_a_running_agent_at_once(store):
 def test_a_waiting_agent_sees_its_round_complete_when_it_is_written(store, monkeypatch):
     """A join's poll is a wait for the next change (``delay`` -> ``wait_for_change``), not a
     sleep: with the poll made 60 s long, two agents still form their group."""
+    a_waiting_agent_is_woken_by_the_round_it_waits_for(lambda: agent(store, "wake", ours=True), monkeypatch)
+
+
+def a_waiting_agent_is_woken_by_the_round_it_waits_for(make_agent, monkeypatch) -> None:
+    """The check of the test above, for any backend that pushes its changes."""
     from elastic_harness.launch import rendezvous
 
     monkeypatch.setattr(rendezvous, "POLL_S", 60.0)
     monkeypatch.setattr(rendezvous, "TORCH_DELAY",  # the start-up skew (a range) stays torch's sleep
                         lambda s: None if isinstance(s, tuple) else pytest.fail(f"slept {s} s, not waited"))
-    pair = [agent(store, "wake", ours=True) for _ in range(2)]
+    pair = [make_agent() for _ in range(2)]
     try:
         for h in pair:
             rendezvous.rdzv.set_state_cache(h, 60.0)
