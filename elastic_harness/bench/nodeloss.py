@@ -62,8 +62,12 @@ def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, paralle
     job = _one_rank_per_node(job)
     rows = rows_for(os.geteuid() == 0)
     runs: dict[str, list] = {name: [] for name in [*rows, "torchrun"]}
+    skipped = 0
     for r in range(repeats):
         for name in [*rows, "torchrun"]:
+            if name == "torchrun" and gave_up(runs["torchrun"]):
+                skipped += 1
+                continue
             run_dir = scratch / f"{kind}-{nodes}-{name}-{r}"
             load = os.getloadavg()[0]
             with cpuwindow.Sampler() as cpu:
@@ -74,10 +78,25 @@ def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, paralle
                     result = measure(run_dir, code, samples=cpu.samples)
             runs[name].append({**result, "load": round(load, 2)})
     out = {"fault": f"{kind}:1@{FAULT_STEP}", "nodes": nodes, "nproc_per_node": 1, "repeats": repeats,
-           "rows": {name: summarize(v, runs["torchrun"]) for name, v in runs.items()}}
+           "rows": {name: summarize(v, runs["torchrun"]) for name, v in runs.items()},
+           **skipped_note(skipped)}
     if os.geteuid() != 0:
         out["rows"]["separate_hosts"] = {"skipped": "needs root (network, pid and UTS namespaces)"}
     return {**out, **goals(kind, out["rows"])}
+
+
+def gave_up(torchrun_runs: list[dict]) -> bool:
+    """Pure: did a torchrun repeat already run into the bench's bound without recovering? Its
+    later repeats at this size are skipped: each would wait out the same bound (minutes)."""
+    return any(r.get("stopped_at_bound") or r.get("stopped_at_bound_s") for r in torchrun_runs)
+
+
+def skipped_note(skipped: int) -> dict:
+    """Pure: what the JSON says of torchrun repeats skipped after one gave up (``gave_up``)."""
+    if not skipped:
+        return {}
+    return {"torchrun_repeats_skipped": skipped,
+            "torchrun_skipped_why": "an earlier repeat did not recover before the bound; each would wait it out again"}
 
 
 def _one_rank_per_node(job: Path) -> Path:

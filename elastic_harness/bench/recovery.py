@@ -205,8 +205,12 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
                     every=NODE_CKPT_EVERY, parallelism=parallelism)
     launchers = ["harness", *(["separate_hosts"] if os.geteuid() == 0 else []), "torchrun"]
     out: dict[str, list] = {name: [] for name in launchers}
+    skipped = 0
     for r in range(repeats):
         for launcher in launchers:
+            if launcher == "torchrun" and nodeloss.gave_up(out["torchrun"]):
+                skipped += 1
+                continue
             run_dir = scratch / f"kill-node-{launcher}-{r}"
             load = round(os.getloadavg()[0], 2)
             with cpuwindow.Sampler() as cpu:
@@ -224,6 +228,7 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
     result = _compare(out, GOALS["kill_node_ratio"])
     result["nodes"] = nodes
     result["torchrun_stopped_at_bound"] = sum(r["stopped_at_bound"] for r in out["torchrun"])  # never recovered
+    result.update(nodeloss.skipped_note(skipped))
     result["rows"] = {"same_host": nodeloss.summarize(out["harness"], out["torchrun"]),
                       "separate_hosts": (nodeloss.summarize(separate, out["torchrun"]) if separate is not None
                                          else {"skipped": "needs root (network, pid and UTS namespaces)"})}

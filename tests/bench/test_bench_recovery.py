@@ -163,6 +163,45 @@ def test_a_node_fault_row_reports_runs_stopped_at_the_bound():
     assert row["phases_median_s"]["detect"] == 1.0
 
 
+def test_torchrun_repeats_after_one_that_gave_up_are_skipped(tmp_path, monkeypatch):
+    """A torchrun repeat that ran into the bound (420 s at 4 and 8 nodes) is not run again:
+    the JSON says how many were skipped and why. The runs are stand-ins: the loop is tested."""
+    from elastic_harness.bench import nodeloss
+
+    ran: list[str] = []
+
+    def torchrun(job, run_dir, nodes, kind, samples=None):
+        ran.append(run_dir.name)
+        return {"recovered": False, "recovery_s": None, "phases": None, "stopped_at_bound_s": 420.0}
+
+    monkeypatch.setattr(nodeloss, "harness", lambda *a, **k: 0)
+    monkeypatch.setattr(nodeloss, "measure", lambda *a, **k: {"recovered": True, "recovery_s": 0.1, "phases": None})
+    monkeypatch.setattr(nodeloss, "torchrun_fault", torchrun)
+    out = nodeloss.bench_node_fault(tmp_path, "kill-node", 3, 4)
+    assert ran == ["kill-node-4-torchrun-0"]
+    assert out["torchrun_repeats_skipped"] == 2 and "bound" in out["torchrun_skipped_why"]
+    assert not nodeloss.gave_up([{"recovered": True, "stopped_at_bound": False}])
+    assert nodeloss.skipped_note(0) == {}
+
+
+def test_the_kill_node_bench_skips_torchrun_repeats_after_one_gave_up(tmp_path, monkeypatch):
+    from elastic_harness.bench import nodeloss, recovery
+
+    launched: list[str] = []
+
+    def launch(launcher, job, run_dir, **_):
+        launched.append(launcher)
+        return None if launcher == "torchrun" else 0  # None: stopped by the bench at its bound
+
+    monkeypatch.setattr(recovery, "launch", launch)
+    monkeypatch.setattr(nodeloss, "harness", lambda *a, **k: 0)
+    monkeypatch.setattr(recovery, "_one_recovery", lambda run_dir, code: {"recovery_s": 0.1 if code == 0 else None})
+    monkeypatch.setattr(nodeloss, "measure", lambda *a, **k: {"cpu_busy": None, "cpu_s": None, "phases": None})
+    out = recovery.bench_kill_node(tmp_path, 3, nodes=4)
+    assert launched.count("torchrun") == 1 and launched.count("harness") == 3
+    assert out["torchrun_stopped_at_bound"] == 1 and out["torchrun_repeats_skipped"] == 2
+
+
 def test_node_fault_goals():
     from elastic_harness.bench import nodeloss
 
