@@ -6,6 +6,7 @@ the store, fail-over between members, TLS and authentication, and every refusal 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import pickle
@@ -389,8 +390,11 @@ def test_tls_asked_of_a_plain_server_that_resets_the_handshake_is_refused(tmp_pa
                     ssl_cert_key=tls.client_key)
     finally:
         stop.set()
+        with contextlib.suppress(OSError):  # a close alone does not end a blocked accept()
+            listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         server.join(10)
+        assert not server.is_alive()
 
 
 def test_a_deleted_state_key_is_written_again_from_the_last_authentic_state(etcd, caplog):
