@@ -332,13 +332,13 @@ class _Handler(DynamicRendezvousHandler):
 
     def wait_for_change(self, timeout: float) -> None:
         """The join's poll (``delay``): until the state changes after this thread's last read
-        of it, or ``timeout`` s (``launch.changes``: c10d stores; else a sleep); after a
+        of it, or ``timeout`` s (``launch.changes``: c10d and etcd v3; else a sleep); after a
         change, the next sync reads the state instead of serving its cache."""
         backend = rdzv.state_backend(self)
         waiter = getattr(backend, "wait_for_change", None)
         deadline = time.monotonic() + timeout
         changed = waiter(timeout) if waiter is not None else None
-        if changed is None:  # no signal to wait on (etcd, a file store): torch's sleep
+        if changed is None:  # no signal to wait on (etcd-v2, a file store): torch's sleep
             TORCH_DELAY(timeout)
             return
         if changed:
@@ -350,7 +350,7 @@ class _Handler(DynamicRendezvousHandler):
     def on_change(self, callback: Callable[[], None]) -> bool:
         """Call ``callback()`` (on another thread) after each counted change of the state
         (``launch.changes``); the caller then reads it with ``refresh``. False where the
-        store pushes no changes."""
+        backend pushes no changes (etcd-v2, a file store)."""
         changes = getattr(rdzv.state_backend(self), "changes", None)
         if changes is None:
             return False
