@@ -30,7 +30,8 @@ from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
 from elastic_harness.memtier.peer import portable
-from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
+from elastic_harness.memtier.restore import Restored, restored_message
+from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.state import TrainState
