@@ -26,7 +26,6 @@ WAITING_CLASSES: dict[str, str] = {
                                                "changed elsewhere: its split lands after that",
     "launch/rendezvous.py:_Handler": "becomes pure rules over our own state plus a handler that applies them "
                                      "(the launch/ split)",
-    "runtime/session.py:Run": "its collaborators are built in one place (runtime.build), its loop apart",
 }
 
 # "path:qualified name": functions over PARAMS, each with its reason, as above.
