@@ -9,6 +9,7 @@ classes count on their own). Parameters: every name a caller can pass, ``*args``
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,7 @@ def parameters(args: ast.arguments, method: bool) -> int:
     return len(names) + (args.vararg is not None) + (args.kwarg is not None)
 
 
+@functools.cache  # one walk of the package for both tests
 def over_the_limits() -> tuple[set[str], set[str]]:
     big, long = set(), set()
     for path in sorted(PKG.rglob("*.py")):
