@@ -513,7 +513,7 @@ class _Handler(DynamicRendezvousHandler):
             if state.complete:
                 return
             self._admit_waiting(state)
-            if len(state.participants) >= settings.min_nodes and rounds.everyone_in(
+            if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
                     round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
                     participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
                     max_nodes=settings.max_nodes):
@@ -521,27 +521,35 @@ class _Handler(DynamicRendezvousHandler):
 
         def after_complete(state: Any) -> None:
             state.members, state.gone = set(state.participants), set()
+            for node in rounds.stay_spares(participants=state.participants, waiting=state.wait_list,
+                                           max_nodes=settings.max_nodes):
+                state.wait_list.discard(node)
+                state.redundancy_list.add(node)
 
         rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
+        me = rdzv.this_node(self)
+        rdzv.guard_join(self, lambda state: rounds.join_as(
+            node=me, participants=state.participants, max_nodes=settings.max_nodes,
+            members=_nodes(state, "members"), gone=_nodes(state, "gone")))
         self._wait_as_spare()
 
     def _admit_waiting(self, state: Any) -> None:
         """Add every agent of the wait list to the open round with this one (``rounds``:
         joining all at once), with torch's bookkeeping of an add: the last call starts when
-        ``nodes.min`` are in, the round closes at once when ``nodes.max`` are."""
+        ``nodes.min`` are in, the round is complete at once when ``nodes.max`` are."""
         settings = rdzv.settings(self)
         before = len(state.participants)
         for node in rounds.admitted(participants=state.participants, waiting=state.wait_list,
-                                    max_nodes=settings.max_nodes):
+                                    max_nodes=settings.max_nodes, members=_nodes(state, "members"),
+                                    gone=_nodes(state, "gone")):
             state.wait_list.discard(node)
             state.participants[node] = 0
         if len(state.participants) == before:
             return
-        now = datetime.now(timezone.utc)
         if before < settings.min_nodes <= len(state.participants):
-            state.deadline = now + settings.timeout.last_call
-        if len(state.participants) >= settings.max_nodes:
-            state.deadline = now
+            state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+        if rounds.full(state.participants, settings.max_nodes):
+            rdzv.mark_complete(self)  # in this write: no one else's join can overfill it
 
     def _wait_as_spare(self) -> None:
         """A hot spare (torch's redundancy list: the round is full) reads the state every
