@@ -34,10 +34,12 @@ elsewhere. A file store (``store_type=file``) is torch's ``FileStore`` at the en
 Changes are pushed on a TCP store (``launch.changes``). After a write that the handler marks
 as worth announcing (``worth_announcing``, set by ``launch.rendezvous``: the round broken,
 reopened, completed or closed, the first node waiting, the spares), the backend adds one to
-a change count in the store; ``wait_for_change`` blocks until the count passes the one this
+a change count in the store (sealed too, and by compare-and-set: never the store's ``add``);
+``wait_for_change`` blocks until the count passes the one this
 thread saw at its last read or write. A joining agent's poll and a running agent's monitor
 wait end there instead of at a fixed interval. The count carries no state: a woken agent
-reads and opens the sealed state as before, so a forged count costs a read and nothing more.
+reads and opens the sealed state as before, so a forged count costs a read and nothing more
+(and is rewritten at the next change).
 A file store has no signal: ``wait_for_change`` answers None and the handler sleeps as torch
 does.
 """
@@ -87,7 +89,7 @@ class StateSeal:
 
     def __init__(self, key: bytes, run_id: str, where: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._key, self._context = key, b"rendezvous-state:" + run_id.encode()
+        self.job_key, self._key, self._context = key, key, b"rendezvous-state:" + run_id.encode()
         self.run_id, self.where, self._clock = run_id, where or f"torch.rendezvous.{run_id}", clock
         self._last: bytes | None = None
         self.last_sealed: bytes | None = None  # the stored form of ``_last`` (base64)
@@ -164,7 +166,8 @@ class SealedC10dBackend(Announcing, RendezvousBackend):
         self._store, self._seal = store, seal
         self._key = "torch.rendezvous." + run_id
         # Word of each change pushed to every agent (``launch.changes``); a file store polls.
-        self._init_announcing(ChangeSignal(store, self._key, connect) if connect is not None else None)
+        self._init_announcing(ChangeSignal(store, self._key, connect, seal.job_key, seal.warn)
+                              if connect is not None else None)
         self._call("compare_set", self._key, "", ABSENT)
 
     @property
