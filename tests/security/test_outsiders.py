@@ -7,6 +7,7 @@ c10d ``TCPStore`` (or a real etcd), the forger a plain client of the same store.
 
 from __future__ import annotations
 
+import base64
 import logging
 
 import pytest
@@ -57,3 +58,77 @@ def test_a_change_count_opens_only_as_this_jobs_for_this_rendezvous():
     assert Counts(b"o" * 32, "torch.rendezvous.a").open(counts.close(7)) is None, "another job's key"
     for bad in (b"", b"7", b"9" * 23, b"\xff\x00garbage", b"7.ab.", counts.close(7).replace(b"7.", b"8.", 1)):
         assert counts.open(bad) is None, bad
+
+
+# --- a refused read is never the base of a write; an older state written back is refused ---
+
+def c10d_backend(port: int, run_id: str):
+    import torch.distributed as dist
+
+    from elastic_harness.launch import sealed
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    return sealed.SealedC10dBackend(client, run_id, sealed.StateSeal(KEY, run_id))
+
+
+def test_etcd_a_refused_read_is_never_the_base_of_a_write(tmp_path, caplog):
+    """a saw S1; b wrote S2 on it; an outsider put garbage over S2. a's read is refused: its
+    base is S2, the newest value of the key's history it may use (it used to be a's own S1,
+    with the garbage's revision as token, so a's next write erased b's S2 for good)."""
+    from tests.launch.test_etcd_v3 import backend, raw
+    from tests.servers import etcd_server
+
+    (tmp_path / "etcd").mkdir()
+    with etcd_server(tmp_path / "etcd" / "data") as etcd:
+        (a, _), (b, _) = backend(etcd, "base"), backend(etcd, "base")
+        _, token, _ = a.set_state(b"S1")
+        assert b.get_state()[0] == b"S1"
+        b.set_state(b"S2", b.get_state()[1])
+        key = base64.b64encode(a.key).decode()
+        for i in range(5):  # a short burst
+            raw(etcd, "kv/put", {"key": key, "value": base64.b64encode(b"garbage %d" % i).decode()})
+        with caplog.at_level(logging.WARNING):
+            state, token = a.get_state()
+        assert state == b"S2", "the base of a's next write is b's S2, not a's own S1"
+        assert "not signed with this job's key" in caplog.text
+        assert a.set_state(b"S3 on S2", token)[2], "a's write replaces the garbage"
+        assert b.get_state()[0] == b"S3 on S2"
+
+
+def test_etcd_an_older_state_written_back_is_refused_and_said(tmp_path, caplog):
+    """A sealed state of this job captured earlier and written back (a replay) was taken as
+    current, without a word: a round stalled 121 s. Now it is refused with one line, and the
+    agent goes on from the newest state (the history's, here its own)."""
+    from tests.launch.test_etcd_v3 import backend, raw
+    from tests.servers import etcd_server
+
+    (tmp_path / "etcd").mkdir()
+    with etcd_server(tmp_path / "etcd" / "data") as etcd:
+        (a, _), (b, _) = backend(etcd, "replay"), backend(etcd, "replay")
+        key = base64.b64encode(a.key).decode()
+        _, token, _ = a.set_state(b"round 1")
+        old = raw(etcd, "kv/range", {"key": key})["kvs"][0]["value"]
+        a.set_state(b"round 2", token)
+        assert b.get_state()[0] == b"round 2"
+        raw(etcd, "kv/put", {"key": key, "value": old})  # the outsider writes round 1 back
+        with caplog.at_level(logging.WARNING):
+            assert a.get_state()[0] == b"round 2" and b.get_state()[0] == b"round 2"
+        assert "refused an older rendezvous state of 'replay'" in caplog.text
+
+
+def test_c10d_a_state_written_from_a_refused_read_does_not_erase_a_newer_one(store, caplog):  # noqa: F811
+    """c10d keeps no history: a, which refused garbage, writes from its own older S1; b,
+    which wrote S2 on S1, refuses a's write as older than what it saw and writes S2 back
+    (its next write), and a takes it: the newest state wins, not the last writer."""
+    a, b = c10d_backend(store.port, "c10d-base"), c10d_backend(store.port, "c10d-base")
+    _, token, _ = a.set_state(b"S1")
+    _, token, _ = b.set_state(b"S2", b.get_state()[1])
+    store.set("torch.rendezvous.c10d-base", b"garbage")
+    state, token = a.get_state()
+    assert state == b"S1"  # all a has: the store holds nothing else
+    assert a.set_state(b"S1 again", token)[2]
+    with caplog.at_level(logging.WARNING):
+        state, token = b.get_state()
+    assert state == b"S2" and "refused an older rendezvous state" in caplog.text
+    assert b.set_state(b"S2 kept", token)[2]
+    assert a.get_state()[0] == b"S2 kept", "a takes the newer state"
