@@ -39,6 +39,19 @@ class Claim:
         for lease in reversed(self.leases):
             lease.release()
 
+    def lost(self, now: bool = False) -> str:
+        """Why this submission no longer holds its locks ("" while it does): another live
+        job took one over (``lock.Lease.lost``). ``now``: read the lock files first (a
+        worker generation is about to start); else the heartbeats' last word (cheap)."""
+        for lease in self.leases:
+            record = lease.check() if now else lease.lost
+            if record is not None:
+                return (f"this submission lost the lock of {lease.store.root} to {lock.describe(record)}: "
+                        "it stopped answering long enough to look gone, and that job took the directory over; "
+                        "stopped without saving\n  fix: let that job finish (or stop it); then re-running "
+                        "resumes from its checkpoints")
+        return ""
+
     def __enter__(self) -> Claim:
         return self
 
