@@ -111,6 +111,8 @@ def _provided_key(path: Path) -> bytes:
     """The key a job was given from outside (``ELASTIC_HARNESS_KEY_FILE``): it must exist."""
     try:
         return jobkey.read(path)
+    except jobkey.KeyExposed as e:
+        raise jobkey.KeyExposed(f"{jobkey.KEY_FILE_VAR}: {e.message}", e.hint) from None
     except jobkey.KeyError_ as e:
         raise jobkey.KeyError_(f"{jobkey.KEY_FILE_VAR}: {e.message}",
                                f"point {jobkey.KEY_FILE_VAR} at the job's key (32 random bytes, hex: "

@@ -132,3 +132,31 @@ def test_c10d_a_state_written_from_a_refused_read_does_not_erase_a_newer_one(sto
     assert state == b"S2" and "refused an older rendezvous state" in caplog.text
     assert b.set_state(b"S2 kept", token)[2]
     assert a.get_state()[0] == b"S2 kept", "a takes the newer state"
+
+
+# --- a key file others can read ---------------------------------------------------------------
+
+def test_a_key_file_every_user_can_read_is_refused_in_one_line_before_any_launch(cli_here, tmp_path, monkeypatch):
+    """``chmod 644`` on the key named by ``ELASTIC_HARNESS_KEY_FILE`` was used without a word,
+    though whoever reads it can seal a rendezvous state that torch unpickles. Refused now:
+    exit 2, one line and its fix, nothing started (a key its group can read is named, not
+    refused: ``jobkey.check_private``)."""
+    from elastic_harness import jobkey
+    from tests.conftest import MLP
+
+    path = tmp_path / "job.key"
+    path.write_text("ab" * 32 + "\n")
+    path.chmod(0o644)
+    monkeypatch.setenv(jobkey.KEY_FILE_VAR, str(path))
+    r = cli_here("run", MLP, "--run-dir", tmp_path / "run", "--set", "train.steps=5")
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    line, fix = r.err.strip().splitlines()
+    assert str(path) in line and "every user of this machine (mode 0644)" in line and "not used" in line
+    assert f"chmod 600 {path}" in fix
+    assert not (tmp_path / "run" / "events.jsonl").exists(), "nothing was launched"
+    path.chmod(0o640)
+    assert jobkey.check_private(path, path.stat().st_mode).startswith(f"the job's key {path} can be read by its group")
+    assert jobkey.check_private(path, path.stat().st_mode, shared_group=False) == "", "a group of no one else"
+    path.chmod(0o600)
+    assert jobkey.check_private(path, path.stat().st_mode) == ""
+    assert jobkey.exposure(0o100602) == "others", "replaceable by anyone: refused too"
