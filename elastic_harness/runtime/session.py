@@ -280,7 +280,7 @@ class Run:
                                main=self.rank == 0)
         # One step watchdog per process: the loop re-arms it every step, and checkpoint I/O
         # re-arms it while bytes move (a big save or load is slow, not stuck).
-        self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
+        self.watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step, renew_s=spec.timeouts.process_group)
         key = jobkey.read(jobkey.key_path(self.run_dir, {jobkey.KEY_FILE_VAR: env.key_file}))
         self.ckpt = _checkpoints(spec, self.run_dir, self.topology, groups.ckpt, self.events, self.watchdog, key)
         self.memory = _memory_tier(spec, env, self.topology, groups.ckpt, log, self.generation, key)
@@ -644,7 +644,7 @@ def _checkpoints(spec: JobSpec, run_dir: Path, topology: Topology, group: Any, e
         open_storage(checkpoint_root(spec.checkpoint.dir, run_dir)), spec.checkpoint,
         rank=topology.rank, world_size=topology.world_size, group=group, events=events,
         info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
-        on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group),
+        on_progress=watchdog.renew,
         key=key,
         optional_keys=TrainState.OPTIONAL_KEYS,
     )
