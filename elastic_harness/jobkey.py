@@ -153,7 +153,7 @@ def read(path: Path) -> bytes:
         key = data  # a binary secret
     if len(key) < 16:
         raise KeyError_(f"the job's key {path} is too short ({len(key)} bytes)",
-                        "use 32 random bytes, e.g. `openssl rand -hex 32 > job.key`")
+                        "use 32 random bytes only you can read, e.g. `(umask 077; openssl rand -hex 32 > job.key)`")
     return key
 
 

@@ -115,8 +115,8 @@ def _provided_key(path: Path) -> bytes:
         raise jobkey.KeyExposed(f"{jobkey.KEY_FILE_VAR}: {e.message}", e.hint) from None
     except jobkey.KeyError_ as e:
         raise jobkey.KeyError_(f"{jobkey.KEY_FILE_VAR}: {e.message}",
-                               f"point {jobkey.KEY_FILE_VAR} at the job's key (32 random bytes, hex: "
-                               "`openssl rand -hex 32`), or unset it to use RUN_DIR/job.key") from None
+                               f"point {jobkey.KEY_FILE_VAR} at the job's key (32 random bytes, hex, mode 0600: "
+                               "`(umask 077; openssl rand -hex 32 > FILE)`), or unset it to use RUN_DIR/job.key") from None
 
 
 def check_key(store: Storage, key: bytes | None, path: Path, run_dir: Path) -> None:

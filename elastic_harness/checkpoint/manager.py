@@ -156,9 +156,7 @@ class CheckpointManager:
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
         self._fenced = ""  # rank 0: why this generation was found superseded (for good)
-        self._failures = 0
-        self._failing_since: float | None = None  # rank 0: when the first failure of this streak settled
-        self._give_up = False  # every rank: rank 0 found the streak too long (``give_up``)
+        self._failures, self._failing_since, self._give_up = 0, None, False  # saves failed in a row (``_judged``)
         self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
         self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
@@ -479,7 +477,8 @@ class CheckpointManager:
         return True
 
     def _judged(self, outcome: tuple[str, str]) -> tuple[str, str, bool]:
-        """Rank 0: ``outcome`` and whether a failure ends the streak's patience (``give_up``)."""
+        """Rank 0: ``outcome`` and whether a failure ends the streak's patience (``give_up``,
+        from when its first failure settled: ``_failing_since``; every rank learns it)."""
         if outcome[0] != "failed":
             return (*outcome, False)
         now = self._clock()
