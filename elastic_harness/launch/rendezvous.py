@@ -523,15 +523,25 @@ class _Handler(DynamicRendezvousHandler):
             state.members, state.gone = set(state.participants), set()
             for node in rounds.stay_spares(participants=state.participants, waiting=state.wait_list,
                                            max_nodes=settings.max_nodes):
-                state.wait_list.discard(node)
-                state.redundancy_list.add(node)
+                if node in state.last_heartbeats:  # torch's own spares keep alive: a spare without one is none
+                    state.wait_list.discard(node)
+                    state.redundancy_list.add(node)
 
         rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
-        me = rdzv.this_node(self)
-        rdzv.guard_join(self, lambda state: rounds.join_as(
-            node=me, participants=state.participants, max_nodes=settings.max_nodes,
-            members=_nodes(state, "members"), gone=_nodes(state, "gone")))
+        rdzv.guard_join(self, self._join_as)
         self._wait_as_spare()
+
+    def _join_as(self, state: Any) -> str | None:
+        """What this agent's join of an open round does instead of adding it (``rounds.join_as``):
+        waiting as a spare, off the wait list (torch's own ``add_to_redundancy_list`` leaves it
+        there: a node on both lists was admitted as a participant it then never joined as, or
+        lost its keep-alive leaving one list while another agent moved it to the other)."""
+        me, settings = rdzv.this_node(self), rdzv.settings(self)
+        instead = rounds.join_as(node=me, participants=state.participants, max_nodes=settings.max_nodes,
+                                 members=_nodes(state, "members"), gone=_nodes(state, "gone"))
+        if instead:
+            state.wait_list.discard(me)
+        return instead
 
     def _admit_waiting(self, state: Any) -> None:
         """Add every agent of the wait list to the open round with this one (``rounds``:
@@ -543,6 +553,7 @@ class _Handler(DynamicRendezvousHandler):
                                     max_nodes=settings.max_nodes, members=_nodes(state, "members"),
                                     gone=_nodes(state, "gone")):
             state.wait_list.discard(node)
+            state.redundancy_list.discard(node)  # one list at a time (``_join_as``)
             state.participants[node] = 0
         if len(state.participants) == before:
             return

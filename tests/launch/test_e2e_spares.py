@@ -104,7 +104,8 @@ def test_worker_crashes_with_two_hot_spares_keep_the_round_at_nodes_max(tmp_path
         last = kinds("rendezvous")[-1]
         wait_until(lambda: any(e["event"] == "step" and e["t"] > last["t"] for e in events())
                    or proc.poll() is not None, 60, "a step after the third recovery")
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -261,12 +261,19 @@ def test_a_join_of_a_full_open_round_waits_as_a_spare_instead_of_overfilling_it(
         write_state(writer, round=4, complete=False, participants={a._this_node: 0, b._this_node: 0},
                     wait_list={spare._this_node}, members={a._this_node, b._this_node},
                     deadline=datetime.now(timezone.utc) + timedelta(seconds=3))
+        for _ in range(100):  # the spare's join, while the round is still open (its deadline: 3 s)
+            state = read_state(writer)
+            if spare._this_node in state.redundancy_list or spare._this_node in state.participants:
+                break
+            threading.Event().wait(0.02)
+        assert not state.complete and spare._this_node in state.redundancy_list
+        assert spare._this_node not in state.wait_list, "on both lists (torch then lost its keep-alive)"
         for thread, _ in joins[:2]:
             thread.join(20)
         assert [j[1].get("info") and j[1]["info"].world_size for j in joins[:2]] == [2, 2], joins
         state = read_state(a)
         assert {me[n] for n in state.participants} == {"a", "b"}, "the spare overfilled the round"
-        assert {me[n] for n in state.redundancy_list} == {"spare"}
+        assert {me[n] for n in state.redundancy_list} == {"spare"} and not state.wait_list
         assert joins[2][0].is_alive() and "error" not in joins[2][1], "the spare still waits"
         a.shutdown()  # the job ends: the spare leaves cleanly
         joins[2][0].join(30)
