@@ -113,6 +113,6 @@ def test_worker_crashes_with_two_hot_spares_keep_the_round_at_nodes_max(tmp_path
             proc.wait()
     r = Result(proc.returncode, out, err, run_dir)
     assert r.code == exitcodes.PREEMPTED, r.err
-    assert len(r.kinds("failure")) == 3
+    assert len(r.kinds("fault")) == 3
     assert [g["world_size"] for g in r.kinds("rendezvous")] == [2, 2, 2, 2], "never more than nodes.max"
     assert {e["node"] for e in r.kinds("worker")} == {"0", "1"}, "the spares stayed spares"
