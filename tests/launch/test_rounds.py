@@ -260,8 +260,8 @@ def test_a_join_of_a_full_open_round_waits_as_a_spare_instead_of_overfilling_it(
         in_join(a, b, spare, round_=3)
         write_state(writer, round=4, complete=False, participants={a._this_node: 0, b._this_node: 0},
                     wait_list={spare._this_node}, members={a._this_node, b._this_node},
-                    deadline=datetime.now(timezone.utc) + timedelta(seconds=3))
-        for _ in range(100):  # the spare's join, while the round is still open (its deadline: 3 s)
+                    deadline=datetime.now(timezone.utc) + timedelta(seconds=1.5))
+        for _ in range(100):  # the spare's join, while the round is still open (its deadline: 1.5 s)
             state = read_state(writer)
             if spare._this_node in state.redundancy_list or spare._this_node in state.participants:
                 break
