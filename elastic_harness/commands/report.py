@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from elastic_harness import runfiles
+from elastic_harness.chaos.vocabulary import KINDS
 from elastic_harness.deps import MissingExtra, require_extra
 from elastic_harness.errors import CheckpointError, RunDirError
 from elastic_harness.events import read_events
@@ -83,12 +84,24 @@ def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
 
 
 def failure_count(rows: list[FaultRow]) -> str:
-    """``3 failures: 1 injected, 2 not; 2 recovered, 9 steps lost``."""
-    injected = sum(r.injected for r in rows)
-    recovered = sum(r.first_step is not None for r in rows)
-    lost = sum(r.steps_lost or 0 for r in rows)
-    return (f"{len(rows)} failure(s): {injected} injected, {len(rows) - injected} not; "
-            f"{recovered} recovered, {lost} step(s) lost")
+    """``3 failures: 1 injected, 2 not; 2 recovered, 9 steps lost``, then the other faults
+    injected (a node added, a link healed: ``chaos.vocabulary.Kind.failure``), which are
+    rows of the table but no failures (each ``add-node`` was counted as one)."""
+    failures = [r for r in rows if is_failure(r)]
+    injected = sum(r.injected for r in failures)
+    recovered = sum(r.first_step is not None for r in failures)
+    lost = sum(r.steps_lost or 0 for r in failures)
+    others = sorted({r.kind for r in rows if not is_failure(r)})
+    more = f"; and {len(rows) - len(failures)} other fault(s) injected ({', '.join(others)})" if others else ""
+    return (f"{len(failures)} failure(s): {injected} injected, {len(failures) - injected} not; "
+            f"{recovered} recovered, {lost} step(s) lost{more}")
+
+
+def is_failure(row: FaultRow) -> bool:
+    """Pure: is the row a failure (every one nobody injected, and an injected fault whose
+    kind is one: not ``add-node`` or ``heal``)?"""
+    kind = KINDS.get(row.kind)
+    return not row.injected or kind is None or kind.failure
 
 
 def _headline(tl: Timeline) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_harness import exitcodes, runfiles
+from elastic_harness.errors import LockLost
 from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
@@ -39,12 +40,13 @@ ZYGOTE_READY_S = 300.0  # at most this long for the zygote's imports before join
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
               on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None,
-              zygote: Any = None) -> int:
+              zygote: Any = None, lock_lost: Callable[[bool], str] | None = None) -> int:
     """Run this node's agent to the end; its exit code. ``on_health`` receives the agent's
     health callable (for the endpoint's ``/healthz``) once the agent exists. ``zygote``: a
     started ``launch.zygote.Zygote`` for warm starts (``spec.warm_start``), or None; the
     caller starts it before anything imports torch, so that its imports overlap this
-    process's (``commands.agent``), and stops it."""
+    process's (``commands.agent``), and stops it. ``lock_lost(now)``: why this submission
+    no longer holds the run directory ("" while it does: ``rundir.Claim.lost``)."""
     run_dir = Path(opts.run_dir)
     entrypoint, args = worker_command(run_dir)
     # Workers inherit the agent's environment: their node, job and run dir.
@@ -57,7 +59,7 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     if slots is not None:
         os.environ[MEMORY_VAR] = slots.describe()
     try:
-        return _run(spec, opts, node, (entrypoint, args), zygote, on_health)
+        return _run(spec, opts, node, (entrypoint, args), zygote, on_health, lock_lost)
     finally:
         if slots is not None:
             slots.close()
@@ -101,7 +103,7 @@ class Witness:
 
 
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
-         on_health: Callable | None) -> int:
+         on_health: Callable | None, lock_lost: Callable[[bool], str] | None = None) -> int:
     from elastic_harness.launch import watchdog
 
     run_dir = Path(opts.run_dir)
@@ -114,7 +116,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
     try:
-        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server)
+        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server, lock_lost)
     finally:
         if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
             timer_server.stop()
@@ -125,7 +127,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
 
 
 def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
-             events: EventLog, timer_server: Any) -> tuple[int, str]:
+             events: EventLog, timer_server: Any, lock_lost: Callable[[bool], str] | None = None) -> tuple[int, str]:
     """Run the agent to its end: its exit code and the line saying why (empty when it ended well)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -136,10 +138,14 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
         # Inside the try: the rendezvous handler is built here, and a backend that cannot
         # be reached at start-up raises then (a RendezvousConnectionError).
         launch = _started(spec, opts, node, command, zygote, on_health, events, timer_server)
+        if lock_lost is not None:
+            launch.agent.lock_lost = lock_lost
         launch.run()
     except SignalException as e:
         return 128 + int(e.sigval), f"agent received {e.sigval.name}"
-    except ChildFailedError as e:
+    except (ChildFailedError, LockLost) as e:
+        if launch.agent.lost_lock:  # another job holds the run dir now: retrying cannot help
+            return EXIT_PERMANENT, launch.agent.lost_lock
         reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
         if launch.agent.excluded:  # kept out (``launch.exclusion``): the infrastructure's failure
             return EXIT_INFRA, launch.agent.excluded

@@ -36,6 +36,13 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
   (``torchcompat.agent.processes_from``; where a torch has no such function, workers start
   cold), which returns a ``WarmContext``.
 
+A submission that lost its run directory's lock (``checkpoint.lock``: another live job took
+it over while this one was frozen or cut off) stops: ``lock_lost`` is asked at each monitor
+pass (the lock's heartbeat's last word) and before each worker generation starts (the lock
+read then), and once it answers, the workers are killed without a save, no generation starts
+(its restore would bump the generation fence and shut the holder's saves out), and the
+agent ends with ``lost_lock`` (exit 2).
+
 ``report(state, restart)`` hears the worker group's phases, for the recovery breakdown:
 ``failed`` (a worker's exit was seen; warm starts only), ``stopped`` (the rest of the group
 is gone; with cold starts also the first sign of a failure), ``started``.
@@ -65,6 +72,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_harness.errors import LockLost
 from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.env import JOIN_SIGNAL
 from elastic_harness.launch.policy import (
@@ -121,6 +129,10 @@ class HarnessAgent(AgentBase):
         self.excluded: str | None = None  # why this node is kept out of the job, once it is
         self.on_excluded: Callable[[str], None] = lambda message: None
         self._node_name = ""
+        # Why this submission no longer holds its run directory (``rundir.Claim.lost``; ``now``:
+        # read the lock files first), set by the launcher; ``lost_lock`` once it found that.
+        self.lock_lost: Callable[[bool], str] = lambda now: ""
+        self.lost_lock = ""
 
     def nudge(self) -> None:
         """End the current wait between monitor passes now (any thread; never blocks): the
@@ -156,6 +168,9 @@ class HarnessAgent(AgentBase):
         self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts)
 
     def start_workers(self, worker_group: Any) -> dict[int, int]:
+        self.lost_lock = self.lost_lock or self.lock_lost(True)
+        if self.lost_lock:  # a new generation would bump the fence and shut the lock's holder out
+            raise LockLost(self.lost_lock)
         if self._zygote is None:
             pids = super().start_workers(worker_group)
         else:
@@ -221,6 +236,8 @@ class HarnessAgent(AgentBase):
         self._tick()
         if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
             self._stop_broken_group(worker_group)
+        if worker_group.state == WorkerState.HEALTHY and not self.lost_lock:
+            self._stop_if_lock_lost()
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
@@ -250,6 +267,15 @@ class HarnessAgent(AgentBase):
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
         return result
+
+    def _stop_if_lock_lost(self) -> None:
+        """Another live job holds the run directory now (the lock's heartbeat found it): kill
+        the workers (SIGKILL: no drain, no save: the directory is that job's) and start no
+        more (``remaining_restarts``); the agent then ends with ``lost_lock``."""
+        self.lost_lock = self.lock_lost(False)
+        if self.lost_lock:
+            self.stop_reason, self.remaining_restarts = self.lost_lock, 0
+            self._kill_workers()
 
     def _wait_between_passes(self, worker_group: Any) -> None:
         """The monitor interval, less torch's tick, or until news (``await_news``); after a

@@ -317,6 +317,11 @@ class CheckpointSpec:
     verify: Literal["full", "size", "none"] = doc(
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."
     )
+    give_up_after: float = doc(
+        120.0, "Stop the job once periodic saves have kept failing this many seconds (and at least "
+        "3 times in a row): a brief full disk or storage hiccup is ridden out, training going on "
+        "unsaved meanwhile (the in-memory snapshots still cover a crash); 0 = at the 3rd failure in a row."
+    )
     memory_every: int = doc(
         1, "Also keep each rank's state in its agent's memory, at most every this many steps: a "
         "restart after a worker crash restores it with no storage read; under DDP also a lost "
@@ -356,6 +361,7 @@ class CheckpointSpec:
             raise SpecError("checkpoint.memory_budget", f"must be a share of step time in [0, 1], got "
                             f"{self.memory_budget}", "e.g. 0.03 for 3 %, or 0 for a fixed interval")
         _positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
+        _positive("checkpoint.give_up_after", self.give_up_after, allow_zero=True)
         _positive("checkpoint.keep_every", self.keep_every, allow_zero=True)
         if self.keep < 2:
             raise SpecError(
