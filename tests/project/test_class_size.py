@@ -42,6 +42,8 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "commands/run.py:outcome": "commands/ is being changed elsewhere (the agent's run as one object)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
+    "launch/agent.py:_outcome": "the relay _run -> _outcome -> _started -> _launch becomes one object for a node's "
+                                "run (the launch/ split)",
     "launch/elastic.py:HarnessAgent.__init__": "the launch/ split (the agent's room)",
     "launch/elastic.py:Launch.__init__": "the launch/ split (the agent's room)",
     "launch/endpoint.py:Endpoint.__init__": "the launch/ split (the agent's room)",
