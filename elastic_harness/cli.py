@@ -48,10 +48,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """``parser.parse_args``, but ``run``/``submit [FLAGS] train.py [SCRIPT ARGS]`` keeps
-    everything after the script for the script (``args.script_args``), as torchrun does."""
+    everything after the script for the script (``args.script_args``), as torchrun does, and
+    takes the flags ``eh.init(argv=...)`` would take from them (``jobargs.take_script_flags``)."""
     argv, rest = split_script_args(parser, argv)
     args = parser.parse_args(argv)
     args.script_args = rest
+    if rest:
+        from elastic_harness.commands.jobargs import take_script_flags
+
+        try:
+            take_script_flags(args)
+        except HarnessError as e:
+            parser.exit(e.exit_code, f"error: {e}\n")
     return args
 
 
