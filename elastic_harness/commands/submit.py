@@ -103,6 +103,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         nodes = _local_nodes(args, spec)
         check_faults(spec, nodes or spec.nodes.min, args.netns or args.separate_hosts)
         check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
+        if args.verify:  # its supervisor compares at the end: a reference it cannot read is refused now
+            from elastic_harness.commands.report import check_reference
+
+            check_reference(Path(args.verify))
         check_and_warn(spec)  # the torch this host runs the job with (torchcompat.host)
         spec = preflight(spec, Path(args.job))
         run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()

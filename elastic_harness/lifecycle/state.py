@@ -102,8 +102,10 @@ def decide(*, finished: bool, exit: tuple[int, str] | None, stop: dict | None, l
            started: bool, drained: int | None = None) -> tuple[str, str]:
     """Pure: (state, reason). ``exit``: the host's recorded exit; ``started``: a worker
     group formed; ``drained``: the step the last attempt drained and saved at, if it did.
-    See the module doc for who is trusted for what."""
-    if finished:
+    See the module doc for who is trusted for what. A job whose last step finished but whose
+    host recorded a failing exit (``run --verify`` found another model, ranks cut short after
+    the last step) failed: the exit is the host's verdict."""
+    if finished and (exit is None or exit[0] == exitcodes.OK):
         return "succeeded", ""
     if exit is None and live.phase == "gone" and live.exit_code is not None:
         exit = (live.exit_code, live.detail)
@@ -150,3 +152,4 @@ def status_from_events(base: JobStatus, events: Sequence[dict], live: Liveness, 
         recoveries=s.recoveries if mine else None, last_checkpoint_step=s.last_checkpoint_step,
         last_checkpoint=s.last_checkpoint, wall_s=wall, model_digest=s.digest,
         exit_code=exit[0] if exit else (live.exit_code if live.phase == "gone" else None))
+

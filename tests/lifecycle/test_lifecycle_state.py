@@ -74,6 +74,10 @@ GONE, RUNNING, QUEUED = Liveness("gone", detail="pid 5 is gone"), Liveness("runn
 
 @pytest.mark.parametrize("facts, want", [
     (dict(finished=True, live=GONE), ("succeeded", "")),
+    (dict(finished=True, exit=(0, ""), live=GONE), ("succeeded", "")),
+    # the last step finished, but the host's verdict is a failure: `run --verify` found another model
+    (dict(finished=True, exit=(1, "--verify: the final model is not r's"), live=GONE),
+     ("failed", "--verify: the final model is not r's (exit 1: see `elastic-harness logs`; submitting again resumes)")),
     (dict(exit=(0, ""), live=GONE), ("succeeded", "")),
     (dict(exit=(143, "m"), stop={"now": False}, live=GONE, drained=9), ("stopped", "on request; drained and saved at step 9")),
     (dict(exit=(130, "m"), live=GONE, drained=4), ("stopped", "interrupted (SIGINT); drained and saved at step 4")),
