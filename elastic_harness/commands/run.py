@@ -88,9 +88,12 @@ def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
     given = os.environ.get(jobkey.KEY_FILE_VAR)
     with prepare(run_dir, spec, fresh=args.fresh, holder=holder, key_file=Path(given) if given else None) as claim:
         register_run(spec, claim.path, Path(args.job), rdzv_id)
-        return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
-                            submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False),
-                            verify=args.verify)
+        try:
+            return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
+                                submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False),
+                                verify=args.verify)
+        finally:
+            record_outcome(rdzv_id)
 
 
 def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
@@ -106,6 +109,18 @@ def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
             registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
         except HarnessError as e:  # training does not depend on the registry: say so and go on
             print(f"warning: {e.message}; `status` and `list` will not show this job", file=sys.stderr)
+
+
+def record_outcome(job_id: str) -> None:
+    """Keep how this job ended in its record (``schedulers.status_of``), so that ``status``
+    still says it once the run dir is removed."""
+    from elastic_harness.lifecycle import registry
+    from elastic_harness.lifecycle.schedulers import status_of
+
+    root = registry.state_dir()
+    record = registry.load(job_id, root)
+    if record is not None:
+        status_of(record, root)
 
 
 def check_faults(spec, nodes: int, netns: bool, warn: bool = True) -> None:

@@ -153,3 +153,22 @@ def status_from_events(base: JobStatus, events: Sequence[dict], live: Liveness, 
         last_checkpoint=s.last_checkpoint, wall_s=wall, model_digest=s.digest,
         exit_code=exit[0] if exit else (live.exit_code if live.phase == "gone" else None))
 
+
+def settled(now: JobStatus, recorded: dict) -> JobStatus:
+    """Pure: the status to show, given ``recorded``, the one kept in the job's record when it
+    last was seen ended (``JobRecord.outcome``; {} if none): ``now``, unless ``now`` has no
+    evidence of the job left (no event of it: its run directory was removed or reused) and
+    an outcome was recorded; then that outcome, saying so."""
+    if not recorded or now.step is not None or now.state in ACTIVE:
+        return now
+    fields = {f.name for f in dataclasses.fields(JobStatus)}
+    kept = JobStatus(**{k: v for k, v in recorded.items() if k in fields})
+    where = f"{now.run_dir} no longer holds its events" if now.run_dir else "its objects are gone"
+    note = f"as recorded when it ended; {where}"
+    return dataclasses.replace(kept, reason=f"{kept.reason}; {note}" if kept.reason else note)
+
+
+def worth_recording(now: JobStatus, recorded: dict) -> bool:
+    """Pure: keep ``now`` as the job's outcome? When it ended, with evidence (a step seen),
+    and differs from what is recorded (a requeued Slurm job can end more than once)."""
+    return now.state not in ACTIVE and now.step is not None and now.to_dict() != recorded
