@@ -5,9 +5,11 @@ worker generation). Each event is one ``write()`` of one line on a file opened w
 ``O_APPEND``, which POSIX makes atomic for local files, so lines never interleave.
 
 ``CONTRACT`` below is the documentation: every kind the code emits, who writes it, and
-every field it may carry (each event also has ``COMMON``). A field may be absent (older
-runs, optional values); no other field may appear: ``tests/report/test_event_contract.py`` scans
-every ``emit("kind", ...)`` call in the package and fails on an undocumented kind or field.
+every field it may carry (each event also has ``COMMON``), and ``field_types`` the shape
+readers accept for a field they compute with. A field may be absent (older runs, optional
+values); no other field may appear: ``tests/report/test_event_contract.py`` scans every
+``emit("kind", ...)`` call in the package and fails on an undocumented kind or field, or a
+value whose shape the readers would refuse, and feeds an event of every kind to every reader.
 Readers fold the log one way (``runstate``), and read it one way (``EventTail``): a line
 that is not an event (not UTF-8, not JSON, not an object with ``t`` and ``event``, or a field
 readers compute with of the wrong type: ``well_formed``) is skipped and counted, never
@@ -284,6 +286,18 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "signature": _STR, "cause": _STR, "digest": _STR, "where": _STR,
     "metrics": (dict,), "phases_s": (dict,),
 }
+# A field whose shape differs in one kind: that kind's own (``field_types``).
+KIND_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "spares": {"nodes": (list,)},  # node names, where `start` and `rendezvous` count nodes
+}
+
+
+def field_types(kind: str) -> dict[str, tuple[type, ...]]:
+    """The shapes readers accept for the fields of events of ``kind`` (None always allowed)."""
+    own = KIND_FIELD_TYPES.get(kind)
+    return {**FIELD_TYPES, **own} if own else FIELD_TYPES
+
+
 # Fields a kind's readers index directly (``e["step"]``): such an event without them is skipped.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "step": ("step",), "finish": ("step",), "eval": ("step",),
@@ -302,7 +316,7 @@ def well_formed(e: object) -> str:
     missing = [f for f in REQUIRED.get(e["event"], ()) if e.get(f) is None]
     if missing:
         return f"a '{e['event']}' event without '{missing[0]}'"
-    for name, types in FIELD_TYPES.items():
+    for name, types in field_types(e["event"]).items():
         value = e.get(name)
         if value is not None and not isinstance(value, types):
             return f"'{name}' is a JSON {type(value).__name__}"
