@@ -42,6 +42,10 @@ class Progress:
         self._agents: dict[int, set[str]] = {}  # agent pid -> its node(s), from the agents' own events
         self._dropped: set[str] = set()  # nodes whose loss was said (torch's node names)
         self._symptom_said = False  # since the last restore, a node's "lost its peers" was said
+        self._symptom: str | None = None  # that line, held until the recovery ends or the cause is known
+        self._spares: dict[str, float] = {}  # hot spare node -> when it was started (the `spares` event)
+        self._spares_said: set[tuple[str, str]] = set()  # (node, "ready" | "took")
+        self._gone: list[str] = []  # nodes said gone since the last restore
 
     def update(self, e: dict) -> None:
         self.state.update(e)
@@ -54,8 +58,14 @@ class Progress:
             self._agents.setdefault(int(e["pid"]), set()).add(str(e["node"]))
         if kind == "torchelastic":
             self._node_dropped(e)
+            self._spare(e)
+        elif kind == "spares":
+            self._spares.update({str(n): float(e["t"]) for n in e.get("nodes") or ()})
+        elif kind == "worker":
+            self._spare(e)
         elif kind == "resume":
-            self._symptom_said = False
+            self._say_symptom()
+            self._symptom_said, self._gone = False, []
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
             self._settle(e["step"])
@@ -73,9 +83,9 @@ class Progress:
         elif kind == "failure" and not _cause_first(e):
             return  # a symptom, or an error its rank's own failure line already said
         elif kind == "failure" and e.get("cause") == "exit" and e.get("peer_lost"):
-            if not self._symptom_said:  # every survivor of a lost node says the same: once
-                self._symptom_said = True
-                self._line(_describe(e))
+            if not self._symptom_said:  # every survivor of a lost node says the same: once, and
+                self._symptom_said = True  # only if the cause is not known by the time it recovered
+                self._symptom = _describe(e)
         elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
             self._line(_describe(e))
@@ -90,7 +100,34 @@ class Progress:
         self._dropped.add(found["name"])
         nodes = self._agents.get(int(found["pid"]), set())  # simulated hosts may share pids: then torch's name
         who = next(iter(nodes)) if len(nodes) == 1 else found["name"]
+        self._symptom_said, self._symptom = True, None  # the cause is known: the survivors' words are not
+        self._gone.append(who)
         self._line(f"node {who} is gone ({found['why'].rstrip('.')})")
+
+    def _say_symptom(self) -> None:
+        """A survivor's "lost its peers", held back (``_show``): said when nothing named the
+        cause before the recovery ended (or the run did)."""
+        if self._symptom is not None:
+            self._line(self._symptom)
+            self._symptom = None
+
+    def _spare(self, e: dict) -> None:
+        """A hot spare's two moments, once each: it waits in the rendezvous, ready (torch's
+        redundancy list), and its workers started in a group: it took a lost node's place."""
+        node = str(e.get("node"))
+        if node not in self._spares:
+            return
+        if e["event"] == "torchelastic" and "redundancy list" in str(e.get("message") or ""):
+            self._say_spare(node, "ready", f"spare node {node} is ready ({e['t'] - self._spares[node]:.1f} s after "
+                                           "it was started): it takes the place of the next node lost")
+        elif e["event"] == "worker":
+            whose = f"node {', '.join(self._gone)}'s" if self._gone else "a lost node's"
+            self._say_spare(node, "took", f"spare node {node} took {whose} place (world size {e.get('world_size')})")
+
+    def _say_spare(self, node: str, moment: str, text: str) -> None:
+        if (node, moment) not in self._spares_said:
+            self._spares_said.add((node, moment))
+            self._line(text)
 
     def _memory(self, e: dict) -> None:
         """The snapshot interval once measured, then only when it settles on another value
@@ -132,6 +169,7 @@ class Progress:
         self.out.flush()
 
     def close(self) -> None:
+        self._say_symptom()
         if self.tty:
             self.out.write("\n")
         if self._saves:
