@@ -213,3 +213,26 @@ def test_prepare_resolves_every_schema_type_a_job_reads(monkeypatch):
     monkeypatch.setattr(typing, "get_type_hints", resolve_again)
     for job in sorted(JOBS.glob("*.yaml")):
         assert load_job(job).name, job
+
+
+def test_a_job_file_that_is_not_utf8_is_one_line_and_utf16_with_a_mark_is_read(tmp_path):
+    """Latin-1 (`name: café`) and UTF-16 from a Windows shell raised UnicodeDecodeError from
+    the loader. UTF-16 (or UTF-8) with a byte-order mark is read, as YAML allows; anything
+    else that is not UTF-8 is one line naming the byte, where it is, and the fix."""
+    from elastic_harness.errors import SpecError
+    from elastic_harness.spec import load_job
+
+    text = "name: café\ntask: {target: 'elastic_harness.tasks.mlp:MLPRegression'}\n"
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SpecError) as e:
+        load_job(latin1)
+    assert "is not UTF-8 text (byte 0xe9 on line 1, column 10)" in e.value.message and "UTF-8" in e.value.hint
+    for encoding in ("utf-16", "utf-8-sig"):  # a byte-order mark says which
+        marked = tmp_path / f"{encoding}.yaml"
+        marked.write_bytes(text.encode(encoding))
+        assert load_job(marked).name == "café"
+    broken = tmp_path / "broken.yaml"
+    broken.write_bytes(b"\xff\xfe" + b"\x00\xd8")  # a UTF-16 mark, then a lone surrogate
+    with pytest.raises(SpecError, match="is not UTF-8 text"):
+        load_job(broken)
