@@ -8,7 +8,6 @@ is expected is fine; a bool is never an int), then each dataclass validates its 
 from __future__ import annotations
 
 import codecs
-
 import dataclasses
 import difflib
 import functools
