@@ -451,7 +451,10 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
-    (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
+    try:
+        (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
+    except OSError as e:  # a full disk: the outcome is still said, and recorded where it could be
+        print(f"warning: cannot write {run_dir / runfiles.SUMMARY} ({e.strerror or e})", file=sys.stderr)
     if unverified is not None:
         raise unverified
     if code != exitcodes.OK:
