@@ -30,9 +30,10 @@ class Progress:
     (``summary.json``) agree. Feed it this invocation's events, in order.
     """
 
-    def __init__(self, total_steps: int, out: TextIO = sys.stderr) -> None:
+    def __init__(self, total_steps: int, out: TextIO = sys.stderr, step_timeout: float = 0.0) -> None:
         self.total = total_steps
         self.out = out
+        self.step_timeout = step_timeout  # timeouts.step (0: the watchdog is off), for ``_slow_step``
         self.tty = out.isatty()
         self.state = RunState()
         self._last_decile = -1
@@ -46,6 +47,7 @@ class Progress:
         self._spares: dict[str, float] = {}  # hot spare node -> when it was started (the `spares` event)
         self._spares_said: set[tuple[str, str]] = set()  # (node, "ready" | "took")
         self._gone: list[str] = []  # nodes said gone since the last restore
+        self._slow_said = False  # timeouts.step below a measured step time was said
 
     def update(self, e: dict) -> None:
         self.state.update(e)
@@ -69,6 +71,7 @@ class Progress:
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "step":
             self._settle(e["step"])
+            self._slow_step(e)
             self._step(e)
         elif kind == "memory":
             self._memory(e)
@@ -82,12 +85,18 @@ class Progress:
             return  # failed saves in a row: the first is said; the limit's error says the rest
         elif kind == "failure" and not _cause_first(e):
             return  # a symptom, or an error its rank's own failure line already said
+        elif kind == "failure" and e.get("cause") is None and _timed_out(e):
+            if not self._symptom_said:  # a peer's collective timed out: the rank it waited on says why
+                self._symptom_said = True
+                self._symptom = _describe(e)
         elif kind == "failure" and e.get("cause") == "exit" and e.get("peer_lost"):
             if not self._symptom_said:  # every survivor of a lost node says the same: once, and
                 self._symptom_said = True  # only if the cause is not known by the time it recovered
                 self._symptom = _describe(e)
         elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
                       "skipped", "fenced"):
+            if kind == "failure" and " hung" in str(e.get("message", "")):
+                self._symptom_said, self._symptom = True, None  # the cause: a survivor's timeout is not
             self._line(_describe(e))
 
     def _node_dropped(self, e: dict) -> None:
@@ -103,6 +112,16 @@ class Progress:
         self._symptom_said, self._symptom = True, None  # the cause is known: the survivors' words are not
         self._gone.append(who)
         self._line(f"node {who} is gone ({found['why'].rstrip('.')})")
+
+    def _slow_step(self, e: dict) -> None:
+        """Once: ``timeouts.step`` below a step's measured time (the watchdog would stop
+        workers as hung whenever a step takes that long)."""
+        took = e.get("step_s") or 0.0
+        if self.step_timeout and took > self.step_timeout and not self._slow_said:
+            self._slow_said = True
+            self._line(f"warning: timeouts.step={self.step_timeout:g}s is below the measured step time "
+                       f"({took:.3g}s at step {e['step']}): the step watchdog stops a worker as hung whenever a "
+                       "step takes longer; raise timeouts.step well above it (0 turns the watchdog off)")
 
     def _say_symptom(self) -> None:
         """A survivor's "lost its peers", held back (``_show``): said when nothing named the
@@ -184,6 +203,15 @@ def _cause_first(e: dict) -> bool:
     if e.get("cause") == "exit":
         return not e.get("recorded") or bool(e.get("peer_lost"))
     return not e.get("peer_lost")
+
+
+_TIMED_OUT = re.compile(r"timed out waiting", re.IGNORECASE)
+
+
+def _timed_out(e: dict) -> bool:
+    """A rank's own failure that is a collective timing out (gloo's "Timed out waiting ...ms
+    for recv"): a symptom of a peer that stopped answering."""
+    return bool(_TIMED_OUT.search(str(e.get("message", ""))))
 
 
 def _tally(saves: list[dict]) -> str:

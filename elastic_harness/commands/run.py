@@ -284,7 +284,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
     cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
                            backend=spec.rendezvous.backend, netns=topology, separate_hosts=separate_hosts,
                            extra_args=("--submission", submission) if submission else ())
-    progress = Progress(spec.train.steps)
+    progress = Progress(spec.train.steps, step_timeout=spec.timeouts.step)
     fatal, lingering = None, ""
     stop = StopSignal()
     idle = spares.Spares(spec.nodes.spares, nodes)

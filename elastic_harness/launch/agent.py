@@ -26,6 +26,7 @@ from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
+from elastic_harness.launch.exclusion import HANG_WORDS
 from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import BUDDY_SLOTS, SLOTS_PER_RANK, HostSlots
 from elastic_harness.spec import JobSpec
@@ -218,7 +219,7 @@ def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | No
         rank = rank_of(pid)
         step = last_step()
         if strikes is not None and state in OWN_HANG_STATES:
-            strikes.add(f"rank {rank} hung{_STATES.get(state, '')}")
+            strikes.add(f"rank {rank} hung{HANG_WORDS.get(state, '')}")
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
                     seconds=round(silent_s, 3), state=state,
@@ -259,14 +260,13 @@ def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int |
     return report
 
 
-_STATES = {"T": " (it was stopped by a signal)", "t": " (it was stopped by a tracer)",
-           "D": " (in uninterruptible sleep: I/O or a driver)"}
-
-
 def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: str = "") -> str:
     """Pure: one line for a worker the step watchdog killed; ``state`` its /proc state
-    before the kill, which tells the frozen rank from the peers waiting on it."""
-    return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
+    before the kill, which tells the frozen rank from the peers waiting on it. Its timer
+    expired, so it was silent for ``timeout_s`` at least (``silent_s`` is counted from when
+    the watchdog last heard of it, which may be later than when the worker armed it)."""
+    silent_s = max(silent_s, timeout_s)
+    return (f"{who} hung{HANG_WORDS.get(state, '')}: no progress for {silent_s:.3g}s after step {step} "
             f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
 
 

@@ -322,3 +322,35 @@ def test_a_spare_says_when_it_is_ready_and_whose_place_it_took():
         "node 1 is gone (its agent's process is gone)",
         "spare node 2 took node 1's place (world size 2)",
         "restored from memory at step 40"]
+
+
+def test_a_step_timeout_below_the_step_time_is_said_once_and_a_timeout_waits_for_its_cause():
+    """timeouts.step=0.01 printed six "hung ... after step 0" lines (one said 0s of silence
+    against a 0.01 s bound) and no word that the bound is below the measured step time."""
+    import io
+
+    from elastic_harness.launch.agent import hang_message
+    from elastic_harness.launch.elastic import exit_account
+    from elastic_harness.progress import Progress
+
+    assert "no progress for 0.01s after step 0" in hang_message("rank 0", 0, 0.0006, 0.01), "never less than the bound"
+    progress = Progress(40, out=(out := io.StringIO()), step_timeout=0.01)
+    for step in (1, 2):
+        progress.update({"t": float(step), "event": "step", "step": step, "step_s": 0.032, "loss": 1.0})
+    (warning,) = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
+    assert "timeouts.step=0.01s is below the measured step time (0.032s at step 1)" in warning
+    assert "0 turns the watchdog off" in warning
+    quiet = Progress(40, out=(fine := io.StringIO()), step_timeout=60)
+    quiet.update({"t": 1.0, "event": "step", "step": 1, "step_s": 0.032, "loss": 1.0})
+    assert "warning" not in fine.getvalue()
+
+    timeout = "RuntimeError: [/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+    account = exit_account({0: exited(0, 500, 1, timeout), 1: exited(1, 501, -9)}, stopped={1: (501, "T")})
+    assert account["message"] == ("rank 1 (pid 501) hung (it was stopped by a signal): its peers waited on it; "
+                                  "then rank 0 timed out waiting")
+    assert (account["rank"], account["recorded"], account["peer_lost"]) == (1, False, False)
+    progress = Progress(40, out=(seen := io.StringIO()))
+    progress.update({"t": 1.0, "event": "failure", "rank": 0, "message": timeout, "peer_lost": False})
+    progress.update({"t": 2.0, "event": "failure", **account})
+    progress.update({"t": 3.0, "event": "resume", "message": "restored from memory at step 5"})
+    assert seen.getvalue().splitlines() == [f"failure: {account['message']}", "restored from memory at step 5"]

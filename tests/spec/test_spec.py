@@ -236,3 +236,21 @@ def test_a_job_file_that_is_not_utf8_is_one_line_and_utf16_with_a_mark_is_read(t
     broken.write_bytes(b"\xff\xfe" + b"\x00\xd8")  # a UTF-16 mark, then a lone surrogate
     with pytest.raises(SpecError, match="is not UTF-8 text"):
         load_job(broken)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("timeouts.process_group=1e20", "timeouts.process_group: must be at most 604800 (7 days), got 1e+20"),
+    ("rendezvous.join_timeout=1e20", "rendezvous.join_timeout: must be at most 604800 (7 days)"),
+    ("rendezvous.isolation_timeout=1e9", "rendezvous.isolation_timeout: must be at most 604800"),
+    ("timeouts.step=.inf", "timeouts.step: must be a finite number, got inf"),
+    ("timeouts.step=.nan", "timeouts.step: must be a finite number, got nan"),
+    ("rendezvous.keep_alive_max_attempt=100000", "rendezvous.keep_alive_max_attempt: must be at most 1000"),
+    ("checkpoint.every_seconds=1e12", "checkpoint.every_seconds: must be at most 604800"),
+])
+def test_timeouts_have_upper_bounds_that_name_the_field(override, words):
+    """timeouts.process_group=1e20 crash-looped on OverflowError without naming the field;
+    rendezvous.join_timeout=1e20 printed only "agents exited with {0: 1}"."""
+    with pytest.raises(SpecError) as e:
+        load_job(JOBS / "mlp.yaml", [override])
+    assert words in e.value.message and e.value.hint.startswith(("set ", "write "))
+    assert load_job(JOBS / "mlp.yaml", ["timeouts.process_group=604800", "timeouts.step=0"]).timeouts.step == 0
