@@ -142,6 +142,23 @@ class NodesSpec:
             )
 
 
+def _check_endpoint(endpoint: str) -> None:
+    """One ``HOST:PORT`` of ``rendezvous.endpoint``: no scheme (the protocol is
+    ``etcd_protocol``'s), a host, a port 1..65535 (``[V6]:PORT`` for IPv6)."""
+    where, fix = "rendezvous.endpoint", "write HOST:PORT, e.g. 127.0.0.1:2379 (several: comma-separated)"
+    scheme, sep, rest = endpoint.partition("://")
+    if sep:
+        raise SpecError(where, f"'{endpoint}' has a scheme ({scheme}://)",
+                        f"write {rest.rstrip('/')} (rendezvous.etcd_protocol says http or https)")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port:
+        raise SpecError(where, f"'{endpoint}' has no port", fix)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise SpecError(where, f"'{endpoint}': port '{port}' is not a number from 1 to 65535", fix)
+    if not host.strip("[]") or any(c.isspace() or c in "/?#@" for c in host):
+        raise SpecError(where, f"'{endpoint}': '{host}' is not a host name or address", fix)
+
+
 @dataclass(frozen=True)
 class RendezvousSpec:
     backend: Literal["c10d", "etcd", "etcd-v2"] = doc(
@@ -200,10 +217,7 @@ class RendezvousSpec:
             raise SpecError("rendezvous.etcd_protocol", "TLS files given but protocol is http",
                             "set etcd_protocol: https")
         for endpoint in self.endpoint.split(",") if self.endpoint else []:
-            if ":" not in endpoint:
-                raise SpecError(
-                    "rendezvous.endpoint", f"'{endpoint.strip()}' has no port", "write HOST:PORT"
-                )
+            _check_endpoint(endpoint.strip())
         self._check_auth()
 
     def _check_auth(self) -> None:

@@ -254,3 +254,23 @@ def test_timeouts_have_upper_bounds_that_name_the_field(override, words):
         load_job(JOBS / "mlp.yaml", [override])
     assert words in e.value.message and e.value.hint.startswith(("set ", "write "))
     assert load_job(JOBS / "mlp.yaml", ["timeouts.process_group=604800", "timeouts.step=0"]).timeouts.step == 0
+
+
+@pytest.mark.parametrize("endpoint, words", [
+    ("http://127.0.0.1:2379", "'http://127.0.0.1:2379' has a scheme (http://)"),
+    ("127.0.0.1:abc", "port 'abc' is not a number from 1 to 65535"),
+    ("127.0.0.1:70000", "port '70000' is not a number"),
+    ("h1:2379,:2379", "':2379': '' is not a host name or address"),
+    ("127.0.0.1", "'127.0.0.1' has no port"),
+])
+def test_rendezvous_endpoints_are_checked_in_the_spec(endpoint, words):
+    """`rendezvous.endpoint: http://127.0.0.1:2379` read as a DNS failure (exit 200) and
+    `127.0.0.1:abc` printed only "agents exited with {0: 2}": each is one line before anything
+    starts."""
+    with pytest.raises(SpecError) as e:
+        parse_job("task: {target: 'a.b:C'}\n", ["rendezvous.backend=etcd", f"rendezvous.endpoint={endpoint}"])
+    assert e.value.path == "rendezvous.endpoint" and words in e.value.message
+    assert "HOST:PORT" in e.value.hint or "etcd_protocol" in e.value.hint
+    ok = parse_job("task: {target: 'a.b:C'}\n", ["rendezvous.endpoint=h1:2379,h2:2379"])
+    assert ok.rendezvous.endpoint == "h1:2379,h2:2379"
+    assert parse_job("task: {target: 'a.b:C'}\nrendezvous: {endpoint: '[::1]:2379'}\n").rendezvous.endpoint == "[::1]:2379"
