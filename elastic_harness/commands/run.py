@@ -514,10 +514,10 @@ def _error(code: int, message: str, run_dir: Path, from_agent: bool) -> HarnessE
     """The one line (and fix) the CLI prints for a job that did not finish."""
     resume_hint = "re-run the same command to resume from the last checkpoint"
     kind = exitcodes.kind(code)
-    if kind == "permanent":
-        hint = f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the last checkpoint"
-        own_fix = "\n  fix: " in message  # a HarnessError raised in a worker or agent already says it
-        return HarnessError(message, hint if from_agent and not own_fix else "")
+    if kind == "permanent":  # the fix named, or nothing: a message that carries its own says it
+        loop = from_agent and message.startswith("crash loop") and "\n  fix: " not in message
+        return HarnessError(message, f"fix the error at the line named (its traceback is in {run_dir / 'logs'}); "
+                                     "re-running then resumes from the last checkpoint" if loop else "")
     if kind == "preempted":
         error: HarnessError = Preempted(message, resume_hint)
     else:

@@ -116,6 +116,15 @@ def test_an_unreachable_backend_at_start_is_explained():
     line = explain_rendezvous_error("RendezvousConnectionError", "Bad response : 404 page not found\n",
                                     opts("etcd-v2"), 60, at_start=True)
     assert "no v2 API" in line and "--enable-v2" in line and "\n" not in line
+    # ... which is the job's configuration, not an outage: exit 2, no "re-run once it is up"
+    from elastic_harness.launch.agent import etcd_without_v2, rendezvous_exit_code
+
+    assert etcd_without_v2(opts("etcd-v2"), "Bad response : 404 page not found") and \
+        not etcd_without_v2(opts("etcd-v3"), "404") and not etcd_without_v2(opts("etcd-v2"), "refused")
+    assert rendezvous_exit_code("EtcdWithoutV2") == exitcodes.PERMANENT
+    line = explain_rendezvous_error("EtcdWithoutV2", "Bad response : 404 page not found", opts("etcd-v2"), 60,
+                                    at_start=True)
+    assert "use rendezvous.backend: etcd" in line and "once it is up" not in line
     # Later, losing the c10d host is another story.
     assert "host lost" in explain_rendezvous_error("RendezvousConnectionError", "", opts("c10d"), 60)
 

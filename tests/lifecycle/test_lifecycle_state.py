@@ -228,3 +228,17 @@ def test_what_status_shows_once_the_evidence_is_gone():
     assert settled(blank, {}) == blank, "nothing recorded: what the scheduler says"
     assert settled(blank, ended.to_dict()).state == "succeeded"
     assert settled(ended, {**ended.to_dict(), "state": "failed"}) == ended, "evidence outranks the record"
+
+
+def test_an_agents_error_names_its_fix_or_says_nothing(tmp_path):
+    """Every agent-side etcd error ended with a vacuous "fix: fix it (full traceback in ...)"."""
+    from elastic_harness.commands.run import _error
+
+    etcd = _error(exitcodes.PERMANENT, "job failed: the etcd at x refused user 'job' ...: fix either", tmp_path,
+                  from_agent=True)
+    assert etcd.hint == "" and "fix: " not in str(etcd)
+    loop = _error(exitcodes.PERMANENT, "crash loop: the workers failed the same way twice at step 3: "
+                  "ValueError: bad (at train.py:12)", tmp_path, from_agent=True)
+    assert loop.hint.startswith("fix the error at the line named") and str(tmp_path / "logs") in loop.hint
+    own = _error(exitcodes.PERMANENT, "bad thing\n  fix: do this", tmp_path, from_agent=True)
+    assert own.hint == "" and str(own).count("fix:") == 1
