@@ -44,7 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
+    _plain_descriptions(parser)
     return parser
+
+
+def _plain_descriptions(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's description as ``--help`` shows it: many are their module's
+    docstring, whose reST literal marks (double backticks) a terminal does not render."""
+    import re
+
+    parser.description = re.sub(r"``(.+?)``", r"\1", parser.description or "", flags=re.DOTALL) or None
+    for action in parser._actions:
+        for sub in (getattr(action, "choices", None) or {}).values():
+            if hasattr(sub, "_actions"):
+                _plain_descriptions(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
