@@ -51,12 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _plain_descriptions(parser: argparse.ArgumentParser) -> None:
     """Every (sub)command's description as ``--help`` shows it: many are their module's
     docstring, whose reST literal marks (double backticks) a terminal does not render."""
+    import argparse
     import re
 
     parser.description = re.sub(r"``(.+?)``", r"\1", parser.description or "", flags=re.DOTALL) or None
     for action in parser._actions:
-        for sub in (getattr(action, "choices", None) or {}).values():
-            if hasattr(sub, "_actions"):
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
                 _plain_descriptions(sub)
 
 

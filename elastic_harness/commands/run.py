@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -510,14 +511,20 @@ def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: in
     return (exitcodes.INFRA if "infrastructure" in kinds else exitcodes.FAILED), message
 
 
+# An agent's exit-2 message that is an error in the job's code (a crash loop, an exception a
+# worker raised): fixing that code is the fix. Its other exit-2 messages (a rendezvous or
+# etcd setting) name their own fix, or have none to name.
+_CODE_ERROR = re.compile(r"crash loop|[\w.]*(Error|Exception)\b")
+
+
 def _error(code: int, message: str, run_dir: Path, from_agent: bool) -> HarnessError:
     """The one line (and fix) the CLI prints for a job that did not finish."""
     resume_hint = "re-run the same command to resume from the last checkpoint"
     kind = exitcodes.kind(code)
     if kind == "permanent":  # the fix named, or nothing: a message that carries its own says it
-        loop = from_agent and message.startswith("crash loop") and "\n  fix: " not in message
-        return HarnessError(message, f"fix the error at the line named (its traceback is in {run_dir / 'logs'}); "
-                                     "re-running then resumes from the last checkpoint" if loop else "")
+        in_code = from_agent and "\n  fix: " not in message and _CODE_ERROR.match(message) is not None
+        return HarnessError(message, f"fix the error in the code it names (its traceback is in {run_dir / 'logs'}); "
+                                     "re-running then resumes from the last checkpoint" if in_code else "")
     if kind == "preempted":
         error: HarnessError = Preempted(message, resume_hint)
     else:

@@ -367,13 +367,14 @@ def test_errno_names_are_what_the_export_message_says():
 
 def test_an_agents_own_fix_is_not_followed_by_a_second_one(tmp_path):
     """An exit-2 error from an agent or worker that names its fix (a HarnessError) is shown
-    with that fix alone; one without gets the generic pointer to the logs."""
+    with that fix alone; an error in the job's code gets the fix that names it (and where
+    its traceback is)."""
     from elastic_harness.commands.run import _error
 
     own = _error(2, "etcd refused the job's credentials\n  fix: check rendezvous.etcd_user", tmp_path, True)
     assert str(own).count("fix:") == 1 and "etcd_user" in str(own)
     bare = _error(2, "ValueError: bad sample", tmp_path, True)
-    assert str(bare).count("fix:") == 1 and "full traceback" in str(bare)
+    assert str(bare).count("fix:") == 1 and "fix the error in the code" in str(bare) and "traceback is in" in str(bare)
 
 
 def _every_parser(parser):

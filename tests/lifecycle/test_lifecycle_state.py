@@ -239,6 +239,6 @@ def test_an_agents_error_names_its_fix_or_says_nothing(tmp_path):
     assert etcd.hint == "" and "fix: " not in str(etcd)
     loop = _error(exitcodes.PERMANENT, "crash loop: the workers failed the same way twice at step 3: "
                   "ValueError: bad (at train.py:12)", tmp_path, from_agent=True)
-    assert loop.hint.startswith("fix the error at the line named") and str(tmp_path / "logs") in loop.hint
+    assert loop.hint.startswith("fix the error in the code it names") and str(tmp_path / "logs") in loop.hint
     own = _error(exitcodes.PERMANENT, "bad thing\n  fix: do this", tmp_path, from_agent=True)
     assert own.hint == "" and str(own).count("fix:") == 1
