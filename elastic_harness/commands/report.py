@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from elastic_harness import exitcodes, runfiles
@@ -52,13 +53,10 @@ def load_timeline(run_dir: Path) -> Timeline:
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    if not args.no_plot:
-        try:
-            require_extra("report")
-        except MissingExtra as e:
-            raise MissingExtra(f"{e.message}, or pass --no-plot") from None
     tl = load_timeline(run_dir)
     plot_path = None
+    if not args.no_plot and not can_plot():
+        args.no_plot = True  # the text is the report; the plot is the extra's
     if not args.no_plot:
         from elastic_harness.report.plot import draw
 
@@ -70,6 +68,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         if plot_path:
             print(f"plot: {plot_path}")
     return 0
+
+
+def can_plot() -> bool:
+    """Whether ``report.png`` can be drawn (the ``report`` extra); when not, says so once on
+    stderr with how to get it: the text report does not need it."""
+    try:
+        require_extra("report")
+    except MissingExtra as e:
+        print(f"note: no {runfiles.REPORT_PLOT}: {e.message} (or pass --no-plot to skip it)", file=sys.stderr)
+        return False
+    return True
 
 
 def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
