@@ -115,7 +115,8 @@ class NodesSpec:
         0,
         "Hot spares: agents beyond nodes.max that join the rendezvous and stay idle (torch's "
         "redundancy list) until a node is lost; one then takes its place at the same world size "
-        "(no reshard). `run` starts them once the group formed; at most nodes.max.",
+        "(no reshard). `run` starts them once the group formed; Slurm and Kubernetes start them "
+        "with the others (one more node each); at most nodes.max.",
     )
     exclude_after: int = doc(
         2,
