@@ -79,25 +79,24 @@ class Progress:
             self._saves.append(e)
             if (e.get("blocking_s") or 0) > SLOW_SAVE_S:
                 self._line(_describe(e))
-        elif kind == "failure" and e.get("fatal"):
-            return  # the host prints it once, as the error
-        elif kind == "failure" and (e.get("consecutive") or 0) > 1:
-            return  # failed saves in a row: the first is said; the limit's error says the rest
-        elif kind == "failure" and not _cause_first(e):
-            return  # a symptom, or an error its rank's own failure line already said
-        elif kind == "failure" and e.get("cause") is None and _timed_out(e):
-            if not self._symptom_said:  # a peer's collective timed out: the rank it waited on says why
-                self._symptom_said = True
-                self._symptom = _describe(e)
-        elif kind == "failure" and e.get("cause") == "exit" and e.get("peer_lost"):
-            if not self._symptom_said:  # every survivor of a lost node says the same: once, and
-                self._symptom_said = True  # only if the cause is not known by the time it recovered
-                self._symptom = _describe(e)
-        elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
-                      "skipped", "fenced"):
-            if kind == "failure" and " hung" in str(e.get("message", "")):
-                self._symptom_said, self._symptom = True, None  # the cause: a survivor's timeout is not
+        elif kind == "failure":
+            self._failure(e)
+        elif kind in ("warning", "fault", "drain", "eval", "quarantine", "skipped", "fenced"):
             self._line(_describe(e))
+
+    def _failure(self, e: dict) -> None:
+        """A ``failure``: the cause is said, a symptom is held (``_say_symptom``), the rest
+        is said elsewhere."""
+        if e.get("fatal") or (e.get("consecutive") or 0) > 1 or not _cause_first(e):
+            return  # the host's error says it; failed saves in a row: the first is said; a symptom
+        symptom = (e.get("cause") is None and _timed_out(e)) or (e.get("cause") == "exit" and e.get("peer_lost"))
+        if symptom:  # a survivor's words (a peer timed out, lost its peers): once, and only if the
+            if not self._symptom_said:  # cause is not known by the time the job recovered
+                self._symptom_said, self._symptom = True, _describe(e)
+            return
+        if " hung" in str(e.get("message", "")):
+            self._symptom_said, self._symptom = True, None  # the cause: a survivor's timeout is not
+        self._line(_describe(e))
 
     def _node_dropped(self, e: dict) -> None:
         """"node 1 is gone (its agent's process is gone, ...)", once per node: the rendezvous

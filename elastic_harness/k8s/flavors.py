@@ -85,25 +85,7 @@ def render_pytorchjob(target: Target) -> list[dict]:
     spec = target.spec
     check_backend(target)
     backend = OPERATOR_BACKENDS[spec.rendezvous.backend]
-    policy: dict = {
-        "minReplicas": spec.nodes.min,
-        "maxReplicas": pods(spec),  # the operator's PET_NNODES; spares: the agents' --nnodes keeps MIN:MAX
-        "rdzvBackend": backend,
-        "rdzvId": rendezvous_id(target),
-        "maxRestarts": spec.max_restarts,
-    }
-    ports: list[dict] = []
-    extra: list[dict] = []
-    if backend == "c10d":
-        # the store lives in the first worker's agent: PET_RDZV_ENDPOINT=<job>-worker-0:port
-        policy["rdzvPort"] = spec.deploy.rdzv_port
-        ports = [{"name": OPERATOR_PORT_NAME, "containerPort": spec.deploy.rdzv_port}]
-    else:
-        host, port = client_endpoint(target).rsplit(":", 1)
-        policy.update(rdzvHost=host, rdzvPort=int(port))
-        # becomes PET_RDZV_CONF: https and the agents' client certificate
-        policy["rdzvConf"] = [{"key": k, "value": v} for k, v in client_tls_conf(target).items()]
-        extra = etcd_objects(target)
+    policy, ports, extra = elastic_policy(target, backend)
     # With spares the operator's range (MIN:MAX+spares, from maxReplicas) would train them as
     # nodes: the agents' flag, which wins over PET_NNODES, keeps the job's range.
     flags = {"nnodes": f"{spec.nodes.min}:{spec.nodes.max}"} if spec.nodes.spares else {}
@@ -122,3 +104,25 @@ def render_pytorchjob(target: Target) -> list[dict]:
             "pytorchReplicaSpecs": {"Worker": worker}}
     job = obj("kubeflow.org/v1", "PyTorchJob", metadata(target, target.names.base), spec=body)
     return [*extra, job]
+
+
+def elastic_policy(target: Target, backend: str) -> tuple[dict, list[dict], list[dict]]:
+    """The PyTorchJob's ``elasticPolicy``, the node container's ports, and the objects the
+    rendezvous needs besides (the rendered etcd)."""
+    spec = target.spec
+    policy: dict = {
+        "minReplicas": spec.nodes.min,
+        "maxReplicas": pods(spec),  # the operator's PET_NNODES; spares: the agents' --nnodes keeps MIN:MAX
+        "rdzvBackend": backend,
+        "rdzvId": rendezvous_id(target),
+        "maxRestarts": spec.max_restarts,
+    }
+    if backend == "c10d":
+        # the store lives in the first worker's agent: PET_RDZV_ENDPOINT=<job>-worker-0:port
+        policy["rdzvPort"] = spec.deploy.rdzv_port
+        return policy, [{"name": OPERATOR_PORT_NAME, "containerPort": spec.deploy.rdzv_port}], []
+    host, port = client_endpoint(target).rsplit(":", 1)
+    policy.update(rdzvHost=host, rdzvPort=int(port))
+    # becomes PET_RDZV_CONF: https and the agents' client certificate
+    policy["rdzvConf"] = [{"key": k, "value": v} for k, v in client_tls_conf(target).items()]
+    return policy, [], etcd_objects(target)
