@@ -57,7 +57,7 @@ class JobRecord:
     outcome: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        common = {k: v for k, v in dataclasses.asdict(self).items() if k != "details"}
+        common = {k: v for k, v in dataclasses.asdict(self).items() if k != "details" and (k != "outcome" or v)}
         assert not common.keys() & self.details.keys(), f"a {self.scheduler} detail shadows a common field"
         return json.dumps({**common, **self.details}, indent=2, sort_keys=True)
 
