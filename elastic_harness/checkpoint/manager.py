@@ -338,7 +338,7 @@ class CheckpointManager:
         if not ok and blocking and self._outcome != "fenced":  # superseded: an event, not an error
             raise CheckpointError(
                 f"the required checkpoint at step {step} could not be written ({self._last_failure}; "
-                f"details in events.jsonl); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
+                f"details in events.jsonl); {self._left()}", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
@@ -548,9 +548,20 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{self._failures} checkpoint saves in a row failed, for {self.policy.give_up_after:.0f} s at least "
                 f"(checkpoint.give_up_after; last: {self._last_failure}; details in events.jsonl); "
-                f"stopping so no more work goes unsaved; checkpoints in {self.storage.root} are intact",
+                f"stopping so no more work goes unsaved; {self._left()}",
                 _FIX_STORAGE,
             )
+
+    def _left(self) -> str:
+        """What a save failure leaves behind, as listed now: the complete checkpoints that are
+        intact, or that none was complete yet (not "intact" checkpoints that never existed)."""
+        try:
+            done = layout.load_candidates(layout.scan(self.storage.listing(), require_manifest=True))
+        except OSError:
+            return f"the checkpoints already in {self.storage.root} were not touched"
+        if not done:
+            return f"no checkpoint of this job was complete in {self.storage.root} yet"
+        return f"earlier checkpoints in {self.storage.root} are intact (the newest: {done[0].name})"
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the in-flight save (and its commit), if any; raise past the failure limit.

@@ -27,6 +27,7 @@ from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
+from elastic_harness.launch.exclusion import HANG_WORDS
 from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import BUDDY_SLOTS, SLOTS_PER_RANK, HostSlots
 from elastic_harness.spec import JobSpec
@@ -154,9 +155,10 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
         return EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
     except RendezvousError as e:
         detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
-        return rendezvous_exit_code(type(e).__name__), explain_rendezvous_error(
-            type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
-            at_start=launch is None or not launch.agent.formed)
+        at_start = launch is None or not launch.agent.formed
+        kind = "EtcdWithoutV2" if at_start and etcd_without_v2(opts, detail) else type(e).__name__
+        return rendezvous_exit_code(kind), explain_rendezvous_error(kind, detail, opts, spec.rendezvous.join_timeout,
+                                                                    at_start=at_start)
     return EXIT_OK, ""
 
 
@@ -224,7 +226,7 @@ def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | No
         rank = rank_of(pid)
         step = last_step()
         if strikes is not None and state in OWN_HANG_STATES:
-            strikes.add(f"rank {rank} hung{_STATES.get(state, '')}")
+            strikes.add(f"rank {rank} hung{HANG_WORDS.get(state, '')}")
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
                     seconds=round(silent_s, 3), state=state,
@@ -265,14 +267,13 @@ def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int |
     return report
 
 
-_STATES = {"T": " (it was stopped by a signal)", "t": " (it was stopped by a tracer)",
-           "D": " (in uninterruptible sleep: I/O or a driver)"}
-
-
 def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: str = "") -> str:
     """Pure: one line for a worker the step watchdog killed; ``state`` its /proc state
-    before the kill, which tells the frozen rank from the peers waiting on it."""
-    return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
+    before the kill, which tells the frozen rank from the peers waiting on it. Its timer
+    expired, so it was silent for ``timeout_s`` at least (``silent_s`` is counted from when
+    the watchdog last heard of it, which may be later than when the worker armed it)."""
+    silent_s = max(silent_s, timeout_s)
+    return (f"{who} hung{HANG_WORDS.get(state, '')}: no progress for {silent_s:.3g}s after step {step} "
             f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
 
 
@@ -305,8 +306,15 @@ def _first_failure(err, max_restarts: int, window: int) -> str:
 
 
 # Rendezvous failures that fail again however often they are retried: a closed id (a new
-# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job).
-PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured")
+# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job); torch's
+# etcd-v2 rendezvous against an etcd that serves no v2 API (``etcd_without_v2``).
+PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured", "EtcdWithoutV2")
+
+
+def etcd_without_v2(opts: NodeOptions, detail: str) -> bool:
+    """Pure: torch's etcd-v2 rendezvous found an etcd that answers, without the v2 API (its
+    client's 404): a configuration error, not an outage."""
+    return opts.rdzv_backend == "etcd-v2" and "404" in detail
 
 
 def rendezvous_exit_code(kind: str) -> int:
@@ -324,6 +332,8 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
     before this agent's first rendezvous completed)."""
     if kind == "EtcdMisconfigured":  # its message is the line, fix included
         return f"{detail}; nothing was trained" if at_start else detail
+    if kind == "EtcdWithoutV2":
+        return unreachable_backend(opts, detail)
     if kind == "RendezvousConnectionError" and at_start:
         return unreachable_backend(opts, detail)
     if kind == "RendezvousTimeoutError":
@@ -351,9 +361,10 @@ def unreachable_backend(opts: NodeOptions, detail: str) -> str:
     elif opts.rdzv_backend == "etcd-v3":
         fix = ("start etcd there (3.4 or newer: the v3 API), or fix rendezvous.endpoint (--rdzv-endpoint; "
                "name every member, comma-separated)")
-    elif "404" in detail:  # an etcd that answers, without the v2 API
-        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}, or use "
-                "rendezvous.backend: etcd (the v3 API); nothing was trained, re-run once it is up")
+    elif "404" in detail:  # an etcd that answers, without the v2 API: the job's settings, not an outage
+        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API, which rendezvous.backend: etcd-v2 needs "
+                f"({detail}); use rendezvous.backend: etcd (the v3 API), or restart etcd with {v2}; "
+                "nothing was trained")
     else:
         fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
     return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "

@@ -191,6 +191,16 @@ class HarnessAgent(AgentBase):
                 return worker.global_rank
         return None
 
+    def _stopped_workers(self) -> dict[int, tuple[int, str]]:
+        """This agent's workers that had not exited when their group failed but were found
+        stopped (a signal, a tracer, uninterruptible sleep; ``WarmContext.stopped``, read
+        before the group was closed, which then killed them): {global rank: (pid, /proc
+        state)}. The cause of a group whose collectives timed out waiting on them, with the
+        step watchdog off too."""
+        found = getattr(self.pcontext, "stopped", None) or {}
+        ranks = {w.local_rank: w.global_rank for w in self.worker_group.workers}
+        return {ranks[lr]: hung for lr, hung in found.items() if lr in ranks}
+
     def stop_workers(self, worker_group: Any) -> None:
         if worker_group.state == WorkerState.HEALTHY:
             # torch stops a healthy group only for a membership change (a node waits to
@@ -248,7 +258,8 @@ class HarnessAgent(AgentBase):
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
         if failed:
-            self._on_failure({**exit_account(result.failures), "step": self._progress()})
+            self._on_failure({**exit_account(result.failures, self._stopped_workers()),
+                              "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
         if failed and crashed(result) and hasattr(handler, "group_failed"):
             handler.group_failed()
@@ -349,14 +360,18 @@ def _message(failure: Any) -> str:
     return message.get("message", str(message)) if isinstance(message, dict) else str(message)
 
 
-def exit_account(failures: dict[int, Any]) -> dict[str, Any]:
+def exit_account(failures: dict[int, Any], stopped: dict[int, tuple[int, str]] | None = None) -> dict[str, Any]:
     """Pure: a failed group's ``failure`` event fields (``cause: exit``), the cause first.
 
     ``failures``: torchelastic's ``{global rank: ProcessFailure}``, in the order the exits
     were seen. A rank that only lost a peer (its error says the connection closed: a gloo
     "Connection closed by peer ... GLHF!") is a symptom, never the cause; the cause is the
     first other exit: a signal (``rank 1 (pid N) was killed by SIGKILL``), an exit without
-    an error record, or an error the rank recorded. The survivors' symptom comes after."""
+    an error record, or an error the rank recorded. The survivors' symptom comes after.
+    ``stopped``: ranks that had not exited but were found stopped (``{rank: (pid, /proc
+    state)}``): a hung rank is the cause, before any exit (its peers timed out on it)."""
+    if stopped:
+        return _hung_account(failures, stopped)
     order = sorted(failures.items(), key=lambda kv: liveness.peer_lost(_message(kv[1])) and _recorded(kv[1]))
     if not order:
         return {"cause": "exit", "fatal": False, "message": "the worker group failed"}
@@ -367,6 +382,21 @@ def exit_account(failures: dict[int, Any]) -> dict[str, Any]:
     return {"cause": "exit", "fatal": False, "rank": rank, "worker_pid": first.pid,
             "exit_code": first.exitcode, "signal": _signal(first), "recorded": _recorded(first),
             "peer_lost": liveness.peer_lost(_message(first)) and _recorded(first), "message": message[:500]}
+
+
+def _hung_account(failures: dict[int, Any], stopped: dict[int, tuple[int, str]]) -> dict[str, Any]:
+    """Pure: ``exit_account`` of a group whose rank hung: that rank first, then each exit in
+    short, without a survivor's gloo text ("rank 0 timed out waiting")."""
+    from elastic_harness.launch.exclusion import HANG_WORDS
+
+    rank, (pid, state) = min(stopped.items())
+    message = f"rank {rank} (pid {pid}) hung{HANG_WORDS.get(state, '')}: its peers waited on it"
+    rest = [f"rank {r} timed out waiting" if "timed out" in _message(f).lower() else _exit_line(r, f, short=True)
+            for r, f in failures.items() if r not in stopped]  # a hung rank the close killed: said
+    if rest:
+        message += "; then " + ", ".join(rest)
+    return {"cause": "exit", "fatal": False, "rank": rank, "worker_pid": pid, "exit_code": None, "signal": None,
+            "recorded": False, "peer_lost": False, "message": message[:500]}
 
 
 def _recorded(failure: Any) -> bool:

@@ -87,6 +87,8 @@ class WarmContext(ContextBase):
         self._phase = phase  # hears "failed" and "stopped" (launch.elastic's report)
         self._pids: dict[int, int] = {}
         self._failures: dict[int, ProcessFailure] = {}
+        # local rank -> (pid, /proc state) of workers found stopped when their group failed
+        self.stopped: dict[int, tuple[int, str]] = {}
 
     def start_processes(self) -> None:
         for local_rank in range(self.nprocs):
@@ -115,6 +117,7 @@ class WarmContext(ContextBase):
         if self._failures:
             self._phase("failed")
             self._await_exits(SURVIVOR_GRACE_S)
+            self.stopped = self._stopped()  # before the close kills them: a hung rank is the cause
         self.close()  # a failure ends the group: stop the rest
         if self._failures:
             self._phase("stopped")
@@ -123,6 +126,16 @@ class WarmContext(ContextBase):
         if not result.is_failed():
             result.return_values = dict.fromkeys(range(self.nprocs))
         return result
+
+    def _stopped(self) -> dict[int, tuple[int, str]]:
+        """The workers still running that are stopped (a signal, a tracer, uninterruptible
+        sleep: ``launch.exclusion.OWN_HANG_STATES``): {local rank: (pid, state)}."""
+        from elastic_harness.launch.exclusion import OWN_HANG_STATES
+        from elastic_harness.launch.watchdog import process_state
+
+        running = set(self._running())
+        found = {lr: (pid, process_state(pid)) for lr, pid in self._pids.items() if pid in running}
+        return {lr: (pid, state) for lr, (pid, state) in found.items() if state in OWN_HANG_STATES}
 
     def _await_exits(self, grace_s: float) -> None:
         """Until every worker has exited (the zygote's reports) or ``grace_s`` passed."""

@@ -50,6 +50,7 @@ def test_disk_full_stops_with_clear_error_and_keeps_earlier_checkpoints(tmp_path
     r = cli("run", str(MLP), *sets, run_dir=run_dir, timeout=180)
     assert r.code == 2, (r.code, r.err)
     assert "3 checkpoint saves in a row failed" in r.err and "Traceback" not in r.err
+    assert f"earlier checkpoints in {ckpts} are intact (the newest: step-0000010)" in r.err
     assert_clean_terminal(r.err)
     failures = [e for e in r.kinds("failure") if e.get("consecutive")]  # the saves' (not the agent's account)
     assert [f["step"] for f in failures] == [20, 30, 40]
@@ -119,3 +120,41 @@ def fill(path: Path) -> None:
     with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
         while True:
             f.write(b"\0" * 4096)
+
+
+def test_a_full_disk_under_the_run_dir_keeps_the_first_failure_and_claims_no_checkpoint(tmp_path):
+    """The run dir itself on a small disk: in 1 try of 3 writing the exit event raised ENOSPC
+    (a traceback); the others lost the first failure line ("skipped ... not JSON": a torn
+    line, the next event glued to it) and said checkpoints "are intact" when none was ever
+    written."""
+    from elastic_harness.events import read_events
+
+    with tmpfs(tmp_path / "disk", "size=128k") as disk:  # one MLP checkpoint needs ~144k
+        r = cli("run", str(MLP), run_dir=disk / "run", timeout=180)
+        events = [e["event"] for e in read_events(disk / "run" / "events.jsonl")]  # torn lines skipped
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    assert "failure: checkpoint at step 10 failed (1 in a row, limit 3)" in r.err, "the first failure is said"
+    assert f"no checkpoint of this job was complete in {disk / 'run' / 'checkpoints'} yet" in r.err
+    assert "are intact" not in r.err
+    assert events.count("failure") >= 3, "each failed save's event landed (in short, once there was room)"
+
+
+def test_an_event_log_on_a_full_disk_owes_the_events_it_could_not_write(tmp_path, capsys):
+    from elastic_harness.events import EventLog, read_events, skipped_notes
+
+    with tmpfs(tmp_path / "disk", "size=8k") as disk:  # two pages
+        filler = disk / "filler"
+        filler.write_bytes(b"x" * 4096)
+        log = EventLog(disk / "events.jsonl")
+        log.emit("step", step=1, loss=0.5)
+        log.emit("failure", step=2, message="checkpoint at step 2 failed", detail="d" * 6000)  # torn
+        log.emit("step", step=3, loss=0.25)  # no room yet: owed too
+        assert "cannot write to" in capsys.readouterr().err
+        filler.unlink()
+        log.emit("step", step=4, loss=0.125)
+        skipped_notes()
+        events = read_events(disk / "events.jsonl")
+        notes = skipped_notes()
+    assert [(e["event"], e["step"]) for e in events] == [("step", 1), ("failure", 2), ("step", 3), ("step", 4)]
+    assert events[1]["message"] == "checkpoint at step 2 failed" and "detail" not in events[1]
+    assert len(notes) == 1 and "skipped 1 line(s)" in notes[0], "only the torn line"

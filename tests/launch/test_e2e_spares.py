@@ -57,6 +57,10 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size(tmp_path):
     assert {e["node"] for e in after} == {"0", "2"}
     resumed = r.kinds("resume")[-1]
     assert resumed["source"] == "peer" and resumed["world_size"] == 2, resumed
+    said = r.err.splitlines()
+    assert sum(line.startswith("spare node 2 is ready (") for line in said) == 1, r.err
+    assert sum(line.startswith("spare node 2 took") and line.endswith("place (world size 2)") for line in said) == 1
+    assert "not events" not in r.err, "the spares event is one its reader takes"
 
 
 def test_a_node_dropped_twice_while_alive_is_kept_out_and_named(tmp_path):

@@ -432,3 +432,4 @@ def test_a_worker_killed_from_outside_is_a_row_of_the_report(tmp_path):
     assert row["steps_lost"] == row["step"] - row["resumed_from"]
     assert row["t"] <= row["detected"] < row["loaded"] < row["first_step"]
     assert data["failures"].startswith("1 failure(s): 0 injected, 1 not; 1 recovered")
+
