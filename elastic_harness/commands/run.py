@@ -90,7 +90,7 @@ def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
     with prepare(run_dir, spec, fresh=args.fresh, holder=holder, key_file=Path(given) if given else None) as claim:
         register_run(spec, claim.path, Path(args.job), rdzv_id)
         try:
-            return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
+            return launch_local(spec, claim.path, nodes, use_netns=args.netns, rdzv_id=rdzv_id,
                                 submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False),
                                 verify=args.verify)
         finally:
@@ -244,12 +244,13 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
-def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
+def launch_local(spec, run_dir: Path, nodes: int, use_netns: bool = False, rdzv_id: str = "",
                  submission: str = "", separate_hosts: bool = False, verify: str | None = None) -> int:
-    """Train on this machine; ``verify``: a reference run's directory, compared with the final
-    model before the exit is recorded (a model that differs is the run's failure)."""
+    """Train on this machine, with the job's faults (``spec.chaos``); ``verify``: a reference
+    run's directory, compared with the final model before the exit is recorded (a model that
+    differs is the run's failure)."""
     events = EventLog(run_dir / runfiles.EVENTS)
-    chaos = ChaosController(faults, events, run_dir)
+    chaos = ChaosController(spec.chaos, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
