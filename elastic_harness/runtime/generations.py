@@ -1,0 +1,128 @@
+"""Every process group of this worker, across generations: made live, left, re-formed.
+
+A worker made by our agent joins its groups through ``torchcompat.groups``' backend
+(``install``): the default group, the checkpoint group, a mesh's groups and any group a
+script makes are ``LiveGroup``s, kept here in the order they were made (the same order on
+every rank, as torch's own group creation requires). A fault then costs the survivors no
+process:
+
+1. ``leave(reason)``: the current generation ends on this rank: works in flight complete
+   (nothing raises in the training code), connections close, so a collective blocked on a
+   lost or frozen peer returns now.
+2. ``reform(store, rank, world_size, tag)``: collective over the new membership: each
+   group gets a backend of the new generation on ``store`` under ``tag`` (the rendezvous
+   round), in the order they were made. A group over every rank takes the new rank and
+   size; any other group (a mesh's) only at an unchanged world size and rank, else it is
+   ``stale``: the objects built on it (a mesh) must be built again (``needs_rerun``).
+
+A collective's failure anywhere in the generation is ``broken`` (first reason), told once to
+``on_broken`` (the control channel tells the agent: a peer is lost).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_harness.torchcompat import groups as tg
+
+
+class Generations:
+    def __init__(self, *, rank: int, world_size: int, timeout_s: float, cuda: Any = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.timeout = dt.timedelta(seconds=timeout_s)
+        self.cuda = cuda  # the CUDA device whose NCCL backend groups also get, or None
+        self.made: list[tuple[tg.Lineage, tg.LiveGroup]] = []  # (lineage, first instance)
+        self.tag = "g0"
+        self._broken_said = False
+        self._lock = threading.Lock()
+        self.on_broken: Callable[[str], None] = lambda reason: None
+
+    # -- made by torch (``init_process_group`` / ``new_group`` with our backend) ------------
+    def create(self, store: dist.Store, rank: int, size: int, timeout: dt.timedelta) -> tg.LiveGroup:
+        """torch's backend registry calls this for every group; torch names the group after."""
+        lineage = tg.Lineage("", "", rank, size, spans_world=size == self.world_size)
+        lineage.on_broken = self._broke
+        group = tg.make_group(lineage, tg.build_inner(store, rank, size, timeout, self.cuda))
+        self.made.append((lineage, group))
+        return group
+
+    def _broke(self, reason: str) -> None:
+        with self._lock:
+            first, self._broken_said = not self._broken_said, True
+        if first:
+            self.on_broken(reason)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the current generation cannot go on (the first failure or leave), or None."""
+        for lineage, _ in self.made:
+            if lineage.broken is not None and not lineage.stale:
+                return lineage.broken
+        return None
+
+    # -- a fault --------------------------------------------------------------------------
+    def leave(self, reason: str) -> None:
+        """End the current generation on this rank (any thread; twice is harmless)."""
+        for lineage, _ in self.made:
+            lineage.leave(reason)
+
+    def needs_rerun(self, rank: int, world_size: int) -> bool:
+        """Would ``reform`` at this membership leave a group of a mesh stale?"""
+        same = (rank, world_size) == (self.rank, self.world_size)
+        return not same and any(not lineage.spans_world and not lineage.stale for lineage, _ in self.made)
+
+    def reform(self, store: dist.Store, rank: int, world_size: int, tag: str) -> list[str]:
+        """Collective over the new membership: every live group's next generation. The
+        names of the groups left stale (a mesh's, at a new world size)."""
+        same = (rank, world_size) == (self.rank, self.world_size)
+        stale: list[str] = []
+        replaced: list[tg.LiveGroup] = []
+        for lineage, first in self.made:
+            if lineage.stale:
+                continue
+            if lineage.spans_world:
+                r, s = rank, world_size
+            elif same:
+                r, s = lineage.rank, lineage.size
+            else:
+                lineage.stale = True
+                lineage.leave("its mesh was built for another world size")
+                stale.append(lineage.name)
+                continue
+            if lineage.inner is not None:  # left already on a fault; not on a planned change
+                lineage.leave("re-formed")
+            lineage.rank, lineage.size = r, s
+            inner = tg.build_inner(dist.PrefixStore(f"{tag}/{lineage.name}", store), r, s, self.timeout, self.cuda)
+            old = lineage.current
+            newest = tg.make_group(lineage, inner)
+            ranks = ({g: g for g in range(s)} if lineage.spans_world
+                     else dist.distributed_c10d.get_process_group_ranks(first))
+            tg.adopt(first, newest, ranks if isinstance(ranks, dict) else {g: i for i, g in enumerate(ranks)})
+            if old is not None and old is not first:
+                replaced.append(old)
+        tg.forget(replaced)
+        self.rank, self.world_size, self.tag = rank, world_size, tag
+        with self._lock:
+            self._broken_said = False
+        return stale
+
+
+_CURRENT: Generations | None = None
+
+
+def install(*, rank: int, world_size: int, timeout_s: float, cuda: Any = None) -> Generations:
+    """This process's registry, and our backend in torch's (once per process)."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = Generations(rank=rank, world_size=world_size, timeout_s=timeout_s, cuda=cuda)
+        tg.register(lambda store, r, s, timeout: _CURRENT.create(store, r, s, timeout), cuda is not None)
+    return _CURRENT
+
+
+def current() -> Generations | None:
+    return _CURRENT
