@@ -191,7 +191,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
                   exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
-                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace)
+                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace,
+                  in_place=spec.recovery == "in_place")
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):

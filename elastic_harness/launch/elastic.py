@@ -74,7 +74,7 @@ from elastic_harness.launch.policy import (
     failed_stop_grace,
     restarts_left,
 )
-from elastic_harness.launch.warm import WarmContext, warm_invocation
+from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
@@ -95,8 +95,15 @@ class HarnessAgent(AgentBase):
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None,
                  on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 monitor_interval: float | None = None, **kwargs: Any) -> None:
+                 monitor_interval: float | None = None, in_place: bool = False, park_bound_s: float = 10.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # In place (``recovery: in_place``, warm starts only): a fault stops only what it broke
+        # (``launch.warm.Keep``); ``park_bound_s``: how long a survivor may take to leave its
+        # step before it is stopped and forked anew instead.
+        self._keep = Keep() if in_place and zygote is not None else None
+        self._park_bound_s = park_bound_s
+        self._leave_reason: str | None = None  # a peer's failure this group must leave for (in place)
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
@@ -139,6 +146,8 @@ class HarnessAgent(AgentBase):
             fd = self._zygote.fileno()
             if fd is not None:
                 fds.append(fd)
+        if self._keep is not None:
+            fds.extend(self._keep.lines.fileno_map())
         ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
         if self._wake_r not in ready:
             return False
@@ -159,10 +168,13 @@ class HarnessAgent(AgentBase):
         if self._zygote is None:
             pids = super().start_workers(worker_group)
         else:
-            with _processes_from(self._zygote, self._phase):
+            with _processes_from(self._zygote, self._phase, self._keep):
                 pids = super().start_workers(worker_group)
+            if self._keep is not None:
+                self._keep.discard(self._zygote)  # kept workers no local rank took (none expected)
         self.formed = True
         self._broken = False
+        self._leave_reason = None
         if self.pcontext is not None:
             bound_failure_close(self.pcontext, failed_stop_grace(self.shutdown_grace))
         self._phase("started")
@@ -181,7 +193,31 @@ class HarnessAgent(AgentBase):
             # torch stops a healthy group only for a membership change (a node waits to
             # join): the workers drain for a join, which may keep their state in memory.
             self._drain_for_join(self.shutdown_grace)
+        elif self._keep is not None:
+            self._keep_survivors()
+            super().shutdown(timeout=self.shutdown_grace)  # the kept workers are no longer in it
+            return
         self.shutdown(timeout=self.shutdown_grace)
+
+    def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float | None = None) -> None:
+        """Stop the workers for good (the agent ends): kept ones too."""
+        super().shutdown(death_sig, timeout)
+        if self._keep is not None and self._zygote is not None:
+            self._keep.discard(self._zygote)
+
+    def _keep_survivors(self) -> None:
+        """In place, a failed group: its live workers that park (leave their step and say so)
+        within ``park_bound_s`` are kept for the next group (released from this context);
+        the others stay in it and are stopped with it, and forked anew."""
+        pcontext, keep = self.pcontext, self._keep
+        if not isinstance(pcontext, WarmContext) or keep is None:
+            return
+        live = pcontext.live()
+        parked = await_parked(keep.lines, live, self._zygote, self._park_bound_s)
+        keep.kept = {lr: pid for lr, pid in live.items() if pid in parked}
+        pcontext.release(keep.kept)
+        if len(keep.kept) < len(live):
+            self._phase("unparked")
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
@@ -219,10 +255,13 @@ class HarnessAgent(AgentBase):
         self._wait_between_passes(worker_group)
         self._last_monitor = time.monotonic()
         self._tick()
+        self._hear_workers(worker_group)
         if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
             self._stop_broken_group(worker_group)
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
+        if self._keep is not None and self._broken and result.state == WorkerState.HEALTHY:
+            result = RunResult(state=WorkerState.FAILED)  # in place: the group restarts, its workers stay
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
         # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
@@ -260,12 +299,34 @@ class HarnessAgent(AgentBase):
                 refresh()
 
     def _stop_broken_group(self, worker_group: Any) -> None:
-        """A peer's group failed: ours cannot finish its step. Once per group."""
+        """A peer's group failed: ours cannot finish its step. Once per group. In place the
+        workers leave their step and wait for their next place; else they are killed."""
         self._broken = True
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
+        if self._keep is not None and isinstance(self.pcontext, WarmContext):
+            self.pcontext.leave(self._leave_reason or "a peer's group failed")
+            return
         self._kill_workers()
+
+    def _hear_workers(self, worker_group: Any) -> None:
+        """In place: what the workers said on their lines. A ``broken`` (a collective of theirs
+        failed: a peer is lost or left) breaks the round for every peer, as a worker's exit with
+        that error would (``group_failed``, ``peer_lost``), and the group restarts in place."""
+        if self._keep is None:
+            return
+        for _pid, msg in self._keep.lines.hear():
+            if msg.get("op") != "broken" or self._broken or worker_group.state != WorkerState.HEALTHY:
+                continue
+            reason = str(msg.get("reason", ""))
+            handler = worker_group.spec.rdzv_handler
+            if liveness.peer_lost(reason) and hasattr(handler, "peer_lost"):
+                handler.peer_lost()
+            if hasattr(handler, "group_failed"):
+                handler.group_failed()
+            self._leave_reason = f"a collective failed: {reason[:200]}"
+            self._stop_broken_group(worker_group)
 
     def _settle_budget(self, result: RunResult) -> None:
         """One failure seen: refill torch's counter for the restarts left, or empty it."""
@@ -381,8 +442,28 @@ def first_failure(result: RunResult) -> str:
     return f"rank {rank} exit {failure.exitcode}"
 
 
+def await_parked(lines: Any, live: dict[int, int], zygote: Zygote | None, bound_s: float) -> set[int]:
+    """The pids among ``live`` that said ``parked`` on their line within ``bound_s`` (or had
+    said it already), the rest being given that long; a worker that exits meanwhile is not."""
+    wanted = set(live.values())
+    parked = {pid for pid in wanted if any(m.get("op") == "parked" for m in lines.heard.get(pid, []))}
+    deadline = time.monotonic() + bound_s
+    while parked != wanted:
+        for pid, msg in lines.hear():
+            if msg.get("op") == "parked" and pid in wanted:
+                parked.add(pid)
+        gone = set(zygote.exits) if zygote is not None else set()
+        wanted -= gone
+        parked -= gone
+        left = deadline - time.monotonic()
+        if parked == wanted or left <= 0:
+            break
+        select.select(list(lines.fileno_map()), [], [], min(left, 0.05))
+    return parked
+
+
 @contextlib.contextmanager
-def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[None]:
+def _processes_from(zygote: Zygote, phase: Callable[[str], None], keep: Keep | None = None) -> Iterator[None]:
     """torchelastic's ``start_processes``, answered by ``zygote`` while this block runs."""
 
     def warm_processes(name: str, entrypoint: Any, args: dict[int, tuple], envs: dict[int, dict[str, str]],
@@ -391,7 +472,7 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[No
         if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
             return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
                         log_line_prefixes=log_line_prefixes, **rest)
-        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase)
+        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase, keep=keep)
         try:
             context.start()
         except BaseException:
@@ -427,7 +508,7 @@ class Launch:
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
                  on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 shutdown_grace: float = 30.0) -> None:
+                 shutdown_grace: float = 30.0, in_place: bool = False) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -447,7 +528,7 @@ class Launch:
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
                                   exit_barrier_timeout=exit_barrier_s, on_failure=on_failure,
-                                  monitor_interval=config.monitor_interval)
+                                  monitor_interval=config.monitor_interval, in_place=in_place)
         on_change = getattr(self.spec.rdzv_handler, "on_change", None)
         if on_change is not None:  # a peer's write ends the agent's wait between monitor passes
             on_change(self.agent.nudge)

@@ -10,10 +10,20 @@ process:
    (nothing raises in the training code), connections close, so a collective blocked on a
    lost or frozen peer returns now.
 2. ``reform(store, rank, world_size, tag)``: collective over the new membership: each
-   group gets a backend of the new generation on ``store`` under ``tag`` (the rendezvous
-   round), in the order they were made. A group over every rank takes the new rank and
-   size; any other group (a mesh's) only at an unchanged world size and rank, else it is
-   ``stale``: the objects built on it (a mesh) must be built again (``needs_rerun``).
+   group gets a backend of the new generation on ``store`` under ``tag``, in the order they
+   were made. A group over every rank takes the new rank and size; any other group (a
+   mesh's) only at an unchanged world size and rank, else it is ``stale``: the objects
+   built on it (a mesh) must be built again (``needs_rerun``).
+
+Keys: a group's backend meets its peers under ``TAG/MEMBERS/N/`` of the generation's store
+(``key_of``): its members (global ranks; ``w`` and the size for a group over every rank) and
+how many live groups of the same members this process made before it. Not torch's group
+name: torch numbers groups in the order a process made them, and a survivor that re-ran its
+training function made more than a new worker has. A new worker (``begin`` names the store
+and tag before torch makes its groups) and a survivor (``reform``) of one generation meet
+under the same keys. The tag is the generation's store port (``tag_of``): a new store is
+served for every generation, and a store still served by a survivor keeps its port, so no tag
+repeats on one store.
 
 A collective's failure anywhere in the generation is ``broken`` (first reason), told once to
 ``on_broken`` (the control channel tells the agent: a peer is lost).
@@ -22,6 +32,7 @@ A collective's failure anywhere in the generation is ``broken`` (first reason), 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,19 +48,38 @@ class Generations:
         self.timeout = dt.timedelta(seconds=timeout_s)
         self.cuda = cuda  # the CUDA device whose NCCL backend groups also get, or None
         self.made: list[tuple[tg.Lineage, tg.LiveGroup]] = []  # (lineage, first instance)
-        self.tag = "g0"
+        self.tag = ""
+        self.store: dist.Store | None = None  # the generation's store (``begin``/``reform``)
         self._broken_said = False
         self._lock = threading.Lock()
         self.on_broken: Callable[[str], None] = lambda reason: None
 
     # -- made by torch (``init_process_group`` / ``new_group`` with our backend) ------------
-    def create(self, store: dist.Store, rank: int, size: int, timeout: dt.timedelta) -> tg.LiveGroup:
-        """torch's backend registry calls this for every group; torch names the group after."""
-        lineage = tg.Lineage("", "", rank, size, spans_world=size == self.world_size)
+    def begin(self, store: dist.Store, tag: str) -> None:
+        """The store and tag of the generation whose groups torch is about to make."""
+        self.store, self.tag = store, tag
+
+    def create(self, options: Any, backend_options: Any = None) -> tg.LiveGroup:
+        """torch's backend registry calls this for every group (its extended form: the
+        group's name comes with it)."""
+        if self.store is None:
+            raise RuntimeError("runtime.generations: begin() names the store before groups are made")
+        name, rank, size = options.group_id, options.group_rank, options.group_size
+        members = tuple(options.global_ranks_in_group) or tuple(range(size))
+        spans = size == self.world_size
+        lineage = tg.Lineage(name, "", rank, size, spans_world=spans)
+        lineage.members = ("w",) if spans else members
+        lineage.occurrence = sum(1 for other, _ in self.made if not other.stale and other.members == lineage.members)
         lineage.on_broken = self._broke
-        group = tg.make_group(lineage, tg.build_inner(store, rank, size, timeout, self.cuda))
+        inner = tg.build_inner(self._keys(lineage, size), rank, size, options.timeout, self.cuda)
+        group = tg.make_group(lineage, inner)
         self.made.append((lineage, group))
         return group
+
+    def _keys(self, lineage: tg.Lineage, size: int, store: dist.Store | None = None, tag: str | None = None
+              ) -> dist.Store:
+        return dist.PrefixStore(key_of(tag or self.tag, lineage.members, size, lineage.occurrence),
+                                store or self.store)
 
     def _broke(self, reason: str) -> None:
         with self._lock:
@@ -97,16 +127,15 @@ class Generations:
             if lineage.inner is not None:  # left already on a fault; not on a planned change
                 lineage.leave("re-formed")
             lineage.rank, lineage.size = r, s
-            inner = tg.build_inner(dist.PrefixStore(f"{tag}/{lineage.name}", store), r, s, self.timeout, self.cuda)
+            inner = tg.build_inner(self._keys(lineage, s, store, tag), r, s, self.timeout, self.cuda)
             old = lineage.current
             newest = tg.make_group(lineage, inner)
-            ranks = ({g: g for g in range(s)} if lineage.spans_world
-                     else dist.distributed_c10d.get_process_group_ranks(first))
-            tg.adopt(first, newest, ranks if isinstance(ranks, dict) else {g: i for i, g in enumerate(ranks)})
+            ranks = (list(range(s)) if lineage.spans_world else dist.get_process_group_ranks(first))
+            tg.adopt(first, newest, {g: i for i, g in enumerate(ranks)}, store)
             if old is not None and old is not first:
                 replaced.append(old)
         tg.forget(replaced)
-        self.rank, self.world_size, self.tag = rank, world_size, tag
+        self.rank, self.world_size, self.tag, self.store = rank, world_size, tag, store
         with self._lock:
             self._broken_said = False
         return stale
@@ -120,8 +149,23 @@ def install(*, rank: int, world_size: int, timeout_s: float, cuda: Any = None) -
     global _CURRENT
     if _CURRENT is None:
         _CURRENT = Generations(rank=rank, world_size=world_size, timeout_s=timeout_s, cuda=cuda)
-        tg.register(lambda store, r, s, timeout: _CURRENT.create(store, r, s, timeout), cuda is not None)
+        tg.register(lambda options, backend_options: _CURRENT.create(options, backend_options), cuda is not None)
     return _CURRENT
+
+
+def key_of(tag: str, members: tuple, size: int, occurrence: int) -> str:
+    """Pure: where a group's backend meets its peers in a generation's store (module doc)."""
+    if members == ("w",):
+        who = f"w{size}"
+    else:
+        text = "-".join(map(str, members))
+        who = f"r{text}" if len(text) <= 40 else "h" + hashlib.sha1(text.encode()).hexdigest()[:16]
+    return f"{tag}/{who}/{occurrence}/"
+
+
+def tag_of(master_port: int) -> str:
+    """Pure: the key prefix of the generation whose store serves on ``master_port``."""
+    return f"g{master_port}"
 
 
 def current() -> Generations | None:

@@ -506,6 +506,11 @@ class JobSpec:
         True, "Fork workers from a per-agent process that already imported torch and the harness "
         "(a restart then starts in milliseconds); false = a fresh interpreter per worker."
     )
+    recovery: Literal["in_place", "restart"] = doc(
+        "in_place", "How a fault is recovered: in_place = the surviving workers keep their processes "
+        "and re-form their process groups (only the lost ranks start anew; needs warm_start); "
+        "restart = every worker of the job restarts (forked anew from the zygote)."
+    )
     rendezvous: RendezvousSpec = doc(RendezvousSpec(), "How nodes find each other.")
     train: TrainSpec = doc(TrainSpec(), "Steps, batch sizes, seed.")
     optimizer: OptimizerSpec = doc(OptimizerSpec(), "Optimizer and learning-rate schedule.")

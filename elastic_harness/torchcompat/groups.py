@@ -61,7 +61,8 @@ def _check() -> list[str]:
     return (attrs(dist.ProcessGroup, "_register_backend", "_set_default_backend", label="ProcessGroup")
             + attrs(dist, "_Work", label="torch.distributed")
             + attrs(c10d, "_world", "_register_process_group", "_unregister_process_group",
-                    label="distributed_c10d")
+                    "_get_default_group", label="distributed_c10d")
+            + attrs(dist.Backend, "_plugins", label="Backend")
             + attrs(DistributedDataParallel, "_update_process_group", label="DistributedDataParallel"))
 
 
@@ -195,6 +196,8 @@ class Lineage:
     def __init__(self, name: str, desc: str, rank: int, size: int, spans_world: bool) -> None:
         self.name, self.desc, self.rank, self.size = name, desc, rank, size
         self.spans_world = spans_world  # made over every rank: re-formable at any world size
+        self.members: tuple = ()  # its global ranks (("w",) for every rank), for its keys
+        self.occurrence = 0  # how many live groups of the same members were made before it
         self.inner: Inner | None = None
         self.current: LiveGroup | None = None
         self.broken: str | None = None  # why the current generation cannot be used
@@ -443,11 +446,17 @@ def make_group(lineage: Lineage, inner: Inner) -> LiveGroup:
     return group
 
 
-def adopt(first: LiveGroup, newest: LiveGroup, ranks: dict[int, int]) -> None:
+def adopt(first: LiveGroup, newest: LiveGroup, ranks: dict[int, int], store: dist.Store) -> None:
     """Make ``newest`` what ``first``'s name resolves to, known to torch's bookkeeping as
-    ``first`` is (``ranks``: global rank -> group rank, now)."""
+    ``first`` is (``ranks``: global rank -> group rank, now; ``store``: the generation's, under
+    the prefixes torch gives a group's own store operations, the default group's name first)."""
     world = c10d._world
     name = first.lineage.name
+    if first in world.pg_map:
+        default = c10d._get_default_group()
+        prefix = f"{name}/" if first is default else f"{world.pg_names.get(default, '0')}/"
+        kept = dist.PrefixStore(prefix, store)
+        world.pg_map[first] = (world.pg_map[first][0], kept if first is default else dist.PrefixStore(f"{name}/", kept))
     for table in (world.pg_map, world.pg_names, world.pg_backend_config):
         if first in table:
             table[newest] = table[first]
@@ -466,11 +475,13 @@ def forget(groups: Iterable[LiveGroup]) -> None:
             table.pop(group, None)
 
 
-def register(creator: Callable[[dist.Store, int, int, dt.timedelta], LiveGroup], cuda: bool) -> None:
-    """``BACKEND`` in torch's backend registry (once per process)."""
+def register(creator: Callable[[Any, Any], LiveGroup], cuda: bool) -> None:
+    """``BACKEND`` in torch's backend registry (once per process), in its extended form: the
+    creator gets torch's backend options (group name, rank, size, timeout, global ranks)."""
     if BACKEND.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND, creator, devices=["cpu", "cuda"] if cuda else ["cpu"])
+    dist.Backend.register_backend(BACKEND, creator, extended_api=True,
+                                  devices=["cpu", "cuda"] if cuda else ["cpu"])
 
 
 def repoint_ddp(model: Any, group: Any) -> bool:
