@@ -235,7 +235,7 @@ def test_a_shard_that_cannot_be_counted_is_retried_then_named(tmp_path):
 
 
 def test_bench_stream_shards_read_back_as_written(tmp_path):
-    from elastic_harness.bench.tput_stream import decode, write_shards
+    from elastic_harness.bench.throughput.stream import decode, write_shards
 
     paths = write_shards(tmp_path, 2, 5)
     stream = tar_stream(paths)

@@ -30,9 +30,9 @@ WAITING_CLASSES: dict[str, str] = {
 
 # "path:qualified name": functions over PARAMS, each with its reason, as above.
 WAITING_FUNCTIONS: dict[str, str] = {
-    "bench/ckpt_train.py:_save_kinds": "a bench's timing loop: its settings become one value",
-    "bench/launching.py:write_job": "a bench's job file: its settings become one value",
-    "bench/tput_stream.py:_harness": "a bench's side of a row: its settings become one value",
+    "bench/checkpoint/train.py:_save_kinds": "a bench's timing loop: its settings become one value",
+    "bench/recovery/launching.py:write_job": "a bench's job file: its settings become one value",
+    "bench/throughput/stream.py:_harness": "a bench's side of a row: its settings become one value",
     "checkpoint/collective.py:agreed_verdict": "checkpoint/ is being changed elsewhere",
     "checkpoint/lock.py:Lease.__init__": "checkpoint/ is being changed elsewhere",
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",

@@ -133,10 +133,10 @@ def test_only_env_module_reads_worker_environment():
 
 def test_nothing_asks_torch_distributed_who_it_is():
     # runtime/dist.py owns the process group: it may check a group the user's script made
-    # against what the launcher said; nothing else asks torch who it is. bench/tput_plain.py
+    # against what the launcher said; nothing else asks torch who it is. bench/throughput/plain.py
     # is the plain torchrun DDP script the harness is measured against: it uses nothing of
     # the harness and asks torch, as such scripts do.
-    plain = ("bench/tput_plain.py", "bench/tput_stream_plain.py")  # the streaming one too
+    plain = ("bench/throughput/plain.py", "bench/throughput/stream_plain.py")  # the streaming one too
     offenders = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
                  if p.relative_to(PKG).as_posix() not in plain
                  and ("get_rank()" in p.read_text() or "get_world_size()" in p.read_text())]
