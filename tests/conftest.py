@@ -152,7 +152,9 @@ def cli_here(capsys, tmp_path, monkeypatch):
     The calls that would start training or a benchmark fail the test instead, so a bad
     input that is accepted cannot start a cluster inside the test process."""
     import elastic_harness.launch.agent
-    from elastic_harness.bench import checkpoint, recovery, resize
+    from elastic_harness.bench.checkpoint import main as checkpoint
+    from elastic_harness.bench.recovery import main as recovery
+    from elastic_harness.bench.recovery import resize
     from elastic_harness.cli import main
     from elastic_harness.commands import run
     from elastic_harness.lifecycle import kube, local, slurm

@@ -35,7 +35,7 @@ def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
 
     import torch.multiprocessing as mp
 
-    from elastic_harness.bench.checkpoint import stop_ranks
+    from elastic_harness.bench.checkpoint.main import stop_ranks
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_RANK_PRELOAD)

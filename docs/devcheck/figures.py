@@ -3,7 +3,7 @@
 ``python3 docs/devcheck/figures.py WORK_DIR D2H_JSON``: for the runs ``run.sh`` made under
 WORK_DIR, whether each check held (finished, restored from memory, final model digest equal
 to its uninterrupted reference, resumed on CPU at world size 2), the killed worker's recovery
-phase by phase (``bench.crash_stats``: detect, stop, rendezvous, spawn, process_group, restore,
+phase by phase (``bench.recovery.crash_stats``: detect, stop, rendezvous, spawn, process_group, restore,
 first_step) with NCCL's share (``process_group``: the NCCL communicator is made eagerly there),
 and the memory tier's device-to-host GB/s from ``gpu_check.py``'s output.
 """
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from elastic_harness.bench.crash_stats import crash_summary
+from elastic_harness.bench.recovery.crash_stats import crash_summary
 from elastic_harness.events import read_events
 
 

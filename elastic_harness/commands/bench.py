@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 
 # name -> module, in --help order
 BENCHES = {
-    "buddy": "elastic_harness.bench.buddy",  # per-step cost of FSDP snapshots and buddy copies
-    "checkpoint": "elastic_harness.bench.checkpoint",
-    "recovery": "elastic_harness.bench.recovery",  # time to recover from faults
-    "rendezvous": "elastic_harness.bench.rendezvous",  # a round on etcd's v3 API vs its v2 API
-    "rendezvous-scale": "elastic_harness.bench.rdzv_scale",  # rendezvous messages and bytes per round at N
-    "throughput": "elastic_harness.bench.throughput",  # samples/s vs a plain torchrun DDP script
+    "buddy": "elastic_harness.bench.recovery.buddy",  # per-step cost of FSDP snapshots and buddy copies
+    "checkpoint": "elastic_harness.bench.checkpoint.main",
+    "recovery": "elastic_harness.bench.recovery.main",  # time to recover from faults
+    "rendezvous": "elastic_harness.bench.rendezvous.main",  # a round on etcd's v3 API vs its v2 API
+    "rendezvous-scale": "elastic_harness.bench.rendezvous.scale",  # rendezvous messages and bytes per round at N
+    "throughput": "elastic_harness.bench.throughput.main",  # samples/s vs a plain torchrun DDP script
 }
 
 

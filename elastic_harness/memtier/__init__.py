@@ -36,5 +36,7 @@ Pieces, in call order:
   (``runtime.topology``) allows (``restore_rules``).
 - ``buddy``, ``conduit``, ``exchange``, ``reshard``: the buddy copies, and resharding them;
   ``cadence``: how often a snapshot is taken, within a budget of step time.
-- ``tier``: the worker side: ``MemoryTier.restore`` (collective) and ``save``.
+- ``tier``: the worker side: ``MemoryTier.restore`` (collective) and ``save``; ``restore``:
+  the restore of one generation (plan, read, move pieces, exchange, load), which the tier
+  builds and runs once per generation.
 """

@@ -104,6 +104,65 @@ def recv_chunked(wire: Wire, data: torch.Tensor, src: int) -> None:
     wait_all([wire.post_recv(data[a:b], src) for a, b in pieces(data.numel())])
 
 
+def failing(wire: Wire, bad: bool) -> list[int]:
+    """Collective: the ranks for which ``bad`` holds (every rank learns the same list)."""
+    return [r for r, (b,) in enumerate(wire.gather([int(bad)])) if b]
+
+
+def send_piece(wire: Wire, receiver: int, piece: tuple | None) -> str | None:
+    """Send an old rank's snapshot (``piece``: skeleton, bytes, base, its JSON or None) to
+    ``receiver``: an announcement (sent or not, tensor bytes, JSON bytes), then the skeleton
+    as JSON and the tensor bytes. Why it could not be sent (only a "not sent" goes), or None."""
+    raw, problem = b"", None
+    if piece is not None:
+        try:
+            raw = piece[3] if piece[3] is not None else encode_skeleton(piece[0])
+        except Unsupported as e:
+            problem = str(e)
+    size = data_len(piece[0]) if raw else 0
+    wire.send(torch.tensor([int(bool(raw)), size, len(raw)], dtype=torch.int64), receiver)
+    if raw:
+        wire.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), receiver)
+        if size:
+            wire.send(piece[1][piece[2]:piece[2] + size], receiver)
+    return problem
+
+
+def receive_piece(wire: Wire, sender: int, r: int) -> tuple[tuple | None, str]:
+    """Old rank ``r``'s snapshot from ``sender`` (``send_piece``): (skeleton, bytes, 0, None),
+    or None and why not. A length no sender of ours announces raises."""
+    meta = torch.zeros(3, dtype=torch.int64)
+    wire.recv(meta, sender)
+    ok, size, json_len = (int(v) for v in meta)
+    if not ok:
+        return None, f"rank {sender} could not send old rank {r}'s snapshot"
+    if not 0 < json_len <= MAX_SKELETON or size < 0:
+        raise RuntimeError(f"rank {sender} announced a snapshot of {size}+{json_len} bytes")
+    raw = torch.empty(json_len, dtype=torch.uint8)
+    wire.recv(raw, sender)
+    data = torch.empty(size, dtype=torch.uint8)
+    if size:
+        wire.recv(data, sender)
+    try:
+        skeleton = decode_skeleton(raw.numpy().tobytes())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        return None, f"old rank {r}'s skeleton from rank {sender} is malformed ({e!r:.200})"
+    if data_len(skeleton) > size:
+        return None, f"old rank {r}'s skeleton from rank {sender} names more bytes than it sent"
+    return (skeleton, data, 0, None), ""
+
+
+def data_len(skeleton: Any) -> int:
+    """The tensor bytes a skeleton's references span (the end of the last one)."""
+    if isinstance(skeleton, TensorRef):
+        return skeleton.offset + skeleton.nbytes
+    if isinstance(skeleton, dict):
+        return max((data_len(v) for v in skeleton.values()), default=0)
+    if isinstance(skeleton, (list, tuple)):
+        return max((data_len(v) for v in skeleton), default=0)
+    return 0
+
+
 def _per_rank_entries(state_keys: Any) -> bool:
     """Did a script register entries of its own (``checkpoint.entries``)? They may differ per
     rank, so no layout rule may take one rank's snapshot for another's."""

@@ -15,6 +15,7 @@ registered, the same as a pinned tensor. Registration that fails leaves the slot
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -85,3 +86,10 @@ class Region:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def unpublish(regions: list[Region]) -> None:
+    """Unpublish every slot of ``regions`` that can be (a slot that cannot stays as it is)."""
+    for region in regions:
+        with contextlib.suppress(OSError):
+            region.unpublish()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 MAGIC = b"EHMEM004"  # 004: the plane and coordinate; 003: the skeleton pickled entry by entry (slots
 # live within one job run: no older reader)
 HEADER_SIZE = 4096  # data starts page-aligned
+SLACK = 4096  # room to spare after a snapshot: its skeleton (plain values, a learning rate) may grow a little
 PUBLISHED_OFFSET = len(MAGIC)  # the byte that publishes a slot
 # magic, published, replicated, step, world size, rank, data len, skeleton len, digest (the
 # replicated byte was padding: a slot written before it existed reads as not replicated), then

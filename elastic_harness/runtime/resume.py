@@ -30,7 +30,8 @@ from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
 from elastic_harness.memtier.peer import portable
-from elastic_harness.memtier.tier import MemoryTier, Restored, restored_message
+from elastic_harness.memtier.restore import Restored, restored_message
+from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.state import TrainState
@@ -155,13 +156,13 @@ def _refuse_unresolved_epochs(spec: JobSpec, n: int) -> None:
         raise unresolved_epochs(spec.train.epochs, n, spec.train.global_batch_size)
 
 
-def check_data(train: TrainState, seed: int, n: int, stream: int, layout: int) -> None:
+def check_data(train: TrainState, seed: int, n: int, stream: int, order_digest: int) -> None:
     """A fresh position starts on this data; a restored one must name the same data."""
     if train.data.dataset_size == 0:  # fresh: nothing was loaded
         train.data = DataState(seed, n)
-        train.stream, train.layout = stream, layout
+        train.stream, train.order_digest = stream, order_digest
         return
-    reason = train.check_matches(seed, n, stream, layout)
+    reason = train.check_matches(seed, n, stream, order_digest)
     if reason:
         raise CheckpointError(f"the checkpoint at step {train.step} cannot continue this "
                               f"job: {reason}", "use a new --run-dir or --fresh (or restore "

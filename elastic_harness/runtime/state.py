@@ -112,10 +112,13 @@ class TrainState(Stateful):
     """Step and data position: plain int64 tensors for DCP, so nothing is pickled; ints for
     the in-memory tier, whose skeleton is pickled anyway."""
 
-    FIELDS = ("version", "step", "cursor", "seed", "dataset_size", "world_size", "stream", "layout")
+    # The saved keys. The order digest is saved as ``layout`` (its name when streams came):
+    # every checkpoint of a stream holds it under that key, so the key stays.
+    ORDER_DIGEST_KEY = "layout"
+    FIELDS = ("version", "step", "cursor", "seed", "dataset_size", "world_size", "stream", ORDER_DIGEST_KEY)
     # Added with sharded streams: a checkpoint written before lacks them, and their default
     # (0: map-style data) is what it meant, so it still loads (``checkpoint.safe_load``).
-    OPTIONAL_KEYS = frozenset({"train.stream", "train.layout"})
+    OPTIONAL_KEYS = frozenset({"train.stream", f"train.{ORDER_DIGEST_KEY}"})
 
     def __init__(self, data: DataState, world_size: int, step: int = 0) -> None:
         self.step = step
@@ -123,7 +126,7 @@ class TrainState(Stateful):
         self.world_size = world_size
         self.saved_world_size: int | None = None
         self.stream = 0  # digest of a stream's shard list (0: map-style data)
-        self.layout = 0  # digest of the stream's order settings and shard sizes
+        self.order_digest = 0  # digest of the stream's order settings and shard sizes (0: map-style data)
 
     def state_dict(self) -> dict:
         return {k: torch.scalar_tensor(v, dtype=torch.int64) for k, v in self.local_state_dict().items()}
@@ -139,7 +142,7 @@ class TrainState(Stateful):
             "dataset_size": self.data.dataset_size,
             "world_size": self.world_size,
             "stream": self.stream,
-            "layout": self.layout,
+            self.ORDER_DIGEST_KEY: self.order_digest,
         }
 
     def local_target(self) -> dict:
@@ -154,10 +157,10 @@ class TrainState(Stateful):
         self.step = v["step"]
         self.saved_world_size = v["world_size"]
         self.data = DataState(v["seed"], v["dataset_size"], v["cursor"], v["version"])
-        self.stream, self.layout = v["stream"], v["layout"]
+        self.stream, self.order_digest = v["stream"], v[self.ORDER_DIGEST_KEY]
 
     def check_matches(self, seed: int, dataset_size: int | None, stream: int = 0,
-                      layout: int = 0) -> str | None:
+                      order_digest: int = 0) -> str | None:
         """A reason this saved position cannot continue this job's stream, or None
         (``dataset_size`` None: not known yet, checked once the data is bound)."""
         d = self.data
@@ -173,7 +176,7 @@ class TrainState(Stateful):
         if self.stream != stream:
             return ("the stream's shard list changed since the checkpoint (shards added, removed, "
                     "renamed or reordered)")
-        if self.layout != layout:
+        if self.order_digest != order_digest:
             return ("the stream's order changed since the checkpoint (its lanes, window, packing "
                     "or shuffle setting, or a shard's size)")
         if d.dataset_size != dataset_size:

@@ -1,10 +1,9 @@
 """DCP: the one private location the harness still reaches, DCP's fsspec reader and writer.
 
-Everything else DCP-side is public now (issue 35): plan caching is a ``DefaultSavePlanner``
-subclass with its own cache (``checkpoint.plans``), the writer process is fed through the
-writer's public ``write_data`` and ``fs`` (``checkpoint.offload``), flattening is the
-default planner's (``plans.flatten``), and loading a pickled item sets it with our own walk
-(``checkpoint.safe_load``).
+Everything else DCP-side is public: plan caching is a ``DefaultSavePlanner`` subclass with
+its own cache (``checkpoint.plans``), staging for async saves is a public ``AsyncStager``
+(``checkpoint.staging``), flattening is the default planner's (``plans.flatten``), and loading
+a pickled item sets it with our own walk (``checkpoint.safe_load``).
 
 ``FsspecWriter``/``FsspecReader`` are public in ``torch.distributed.checkpoint`` from torch
 2.15; before, they live in the private ``_fsspec_filesystem`` module. Feature

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from elastic_harness.bench.buddy import summarize
+from elastic_harness.bench.recovery.buddy import summarize
 
 
 def rank(copy_steps: list[float], sent: int) -> dict:

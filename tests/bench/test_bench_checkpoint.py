@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_harness.bench.checkpoint import extra_cpu, machine_per_save, ratios_of, spread
+from elastic_harness.bench.checkpoint.main import extra_cpu, machine_per_save, ratios_of, spread
 from elastic_harness.bench.cpuwindow import parse_cpu_line
 
 pytestmark = pytest.mark.timeout(30)
@@ -55,7 +55,7 @@ def test_the_floor_writes_exactly_the_bytes_and_their_crc(tmp_path, direct):
     import mmap
     import zlib
 
-    from elastic_harness.bench.ckpt_floor import ALIGN, CHUNK, write_durably
+    from elastic_harness.bench.checkpoint.floor import ALIGN, CHUNK, write_durably
 
     size = CHUNK + 5000  # two chunks, the last one padded to whole blocks
     buf = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)

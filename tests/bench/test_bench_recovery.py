@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_harness.bench import crash_stats, recovery
+from elastic_harness.bench.recovery import crash_stats
+from elastic_harness.bench.recovery import main as recovery
 from elastic_harness.chaos.vocabulary import parse_fault
 from elastic_harness.report.probe import probe_cost
 from tests.report.test_report import ev, killed_worker_run
@@ -122,7 +123,7 @@ def test_copy_share_and_quartiles():
 
 
 def test_a_failed_runs_log_tails_are_kept(tmp_path):
-    from elastic_harness.bench.recovery import log_tails
+    from elastic_harness.bench.recovery.main import log_tails
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "bench-host.log").write_text("".join(f"line {i}\n" for i in range(50)))
@@ -132,7 +133,7 @@ def test_a_failed_runs_log_tails_are_kept(tmp_path):
 
 
 def test_kill_node_runs_report_the_tier_intervals_in_force_at_the_fault():
-    from elastic_harness.bench.recovery import tier_before
+    from elastic_harness.bench.recovery.main import tier_before
 
     events = [{"event": "memory", "t": 1.0, "every": 1, "copy_s": 0.0, "step_s": 0.0},
               {"event": "memory", "t": 2.0, "every": 2, "copy_s": 0.0007, "step_s": 0.02, "copy_every": 1,
@@ -145,14 +146,14 @@ def test_kill_node_runs_report_the_tier_intervals_in_force_at_the_fault():
 
 
 def test_node_fault_rows_need_root_for_separate_hosts():
-    from elastic_harness.bench import nodeloss
+    from elastic_harness.bench.recovery import nodeloss
 
     assert nodeloss.rows_for(True) == ["same_host", "separate_hosts"]
     assert nodeloss.rows_for(False) == ["same_host"]
 
 
 def test_a_node_fault_row_reports_runs_stopped_at_the_bound():
-    from elastic_harness.bench import nodeloss
+    from elastic_harness.bench.recovery import nodeloss
 
     ok = {"recovered": True, "recovery_s": 2.0, "phases": {"detect": 1.0, "rendezvous": 0.5}}
     stuck = {"recovered": False, "recovery_s": None, "phases": None, "stopped_at_bound_s": 240.0}
@@ -166,7 +167,7 @@ def test_a_node_fault_row_reports_runs_stopped_at_the_bound():
 def test_torchrun_repeats_after_one_that_gave_up_are_skipped(tmp_path, monkeypatch):
     """A torchrun repeat that ran into the bound (420 s at 4 and 8 nodes) is not run again:
     the JSON says how many were skipped and why. The runs are stand-ins: the loop is tested."""
-    from elastic_harness.bench import nodeloss
+    from elastic_harness.bench.recovery import nodeloss
 
     ran: list[str] = []
 
@@ -185,7 +186,8 @@ def test_torchrun_repeats_after_one_that_gave_up_are_skipped(tmp_path, monkeypat
 
 
 def test_the_kill_node_bench_skips_torchrun_repeats_after_one_gave_up(tmp_path, monkeypatch):
-    from elastic_harness.bench import nodeloss, recovery
+    from elastic_harness.bench.recovery import main as recovery
+    from elastic_harness.bench.recovery import nodeloss
 
     launched: list[str] = []
 
@@ -203,7 +205,7 @@ def test_the_kill_node_bench_skips_torchrun_repeats_after_one_gave_up(tmp_path, 
 
 
 def test_node_fault_goals():
-    from elastic_harness.bench import nodeloss
+    from elastic_harness.bench.recovery import nodeloss
 
     rows = {"same_host": {"median_s": 3.0}, "separate_hosts": {"median_s": 4.0}}
     assert nodeloss.goals("hang-node", rows)["met"]
@@ -214,7 +216,7 @@ def test_node_fault_goals():
 
 
 def test_a_soak_counts_every_verdict_hang_or_failure_as_a_false_detection():
-    from elastic_harness.bench import nodeloss
+    from elastic_harness.bench.recovery import nodeloss
 
     events = [{"event": "step", "step": 10}, {"event": "stall", "node": "0"}, {"event": "eval", "step": 10},
               {"event": "rendezvous"}, {"event": "step", "step": 11}]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from elastic_harness.bench.rendezvous import summarize
+from elastic_harness.bench.rendezvous.main import summarize
 from elastic_harness.cli import main
 
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_harness.bench import rdzv_scale
+from elastic_harness.bench.rendezvous import scale
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_fits_recover_known_growth():
     ns = [2, 4, 8, 16]
-    a, b = rdzv_scale.fit(ns, [3 * n + 0.5 * n * n for n in ns])
+    a, b = scale.fit(ns, [3 * n + 0.5 * n * n for n in ns])
     assert a == pytest.approx(3) and b == pytest.approx(0.5)
-    c, slope = rdzv_scale.line(ns, [600 + 230 * n for n in ns])
+    c, slope = scale.line(ns, [600 + 230 * n for n in ns])
     assert c == pytest.approx(600) and slope == pytest.approx(230)
 
 
@@ -22,7 +22,7 @@ def test_the_extrapolation_names_each_figure_at_the_target():
                                                                              "bytes_received": n * n},
              "node_loss": {"calls": n * n, "bytes_sent": 10 * n, "bytes_received": 0, "lost_races": n}}
             for n in (2, 4, 8)]
-    out = rdzv_scale.extrapolate(rows, 100)
+    out = scale.extrapolate(rows, 100)
     assert out["state_bytes"]["at"] == 20600 and out["keep_alive_calls_per_s"]["at"] == 500
     assert out["keep_alive_bytes_per_s"]["at"] == 20000 and out["node_loss_calls"]["at"] == 10000
 
@@ -35,7 +35,7 @@ def test_bad_node_counts_are_one_line(cli_here):
 
 
 def test_three_light_agents_form_idle_and_lose_one():
-    row = rdzv_scale.measure(3, idle_s=1.0)
+    row = scale.measure(3, idle_s=1.0)
     assert row["nodes"] == 3 and row["state_bytes"] > 0
     assert row["form"]["writes"] >= 3, "each agent wrote itself into round 0"
     assert row["keep_alive_per_s"]["calls"] > 0

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from elastic_harness.bench import join_stats, recovery, resize
+from elastic_harness.bench.recovery import join_stats, resize
+from elastic_harness.bench.recovery import main as recovery
 from elastic_harness.chaos.vocabulary import parse_fault
 from tests.report.test_report import ev, steps
 

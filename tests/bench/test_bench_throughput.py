@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-from elastic_harness.bench import throughput as tp
-from elastic_harness.bench import tput_run
-from elastic_harness.bench.tput_data import CheapImages, CostlyImages, write_images
+from elastic_harness.bench.throughput import main as tp
+from elastic_harness.bench.throughput import sides
+from elastic_harness.bench.throughput.data import CheapImages, CostlyImages, write_images
 from elastic_harness.errors import HarnessError
 from elastic_harness.spec import parse_job
 from tests.conftest import cli
@@ -99,16 +99,16 @@ def test_configurations_that_cannot_measure_are_refused():
 def test_harness_job_is_a_valid_script_job_with_checkpoints_off(tmp_path):
     args = bench_args(workers=3)
     for case, nproc in (("cheap", 2), ("costly", 1)):
-        raw = tput_run.harness_job(args, tp.ROWS[case], tmp_path, tmp_path / "out.json", nproc, log_every=10)
+        raw = sides.harness_job(args, tp.ROWS[case], tmp_path, tmp_path / "out.json", nproc, log_every=10)
         spec = parse_job(yaml.safe_dump(raw))
-        assert spec.script.path.endswith("tput_harness.py") and spec.nproc_per_node == nproc
+        assert spec.script.path.endswith("throughput/harness.py") and spec.nproc_per_node == nproc
         assert spec.checkpoint.every_steps == 0 and not spec.checkpoint.save_final
         assert spec.checkpoint.memory_every == 0  # no in-memory snapshots either
         assert spec.data.workers == (3 if case == "costly" else 0)
         assert (spec.train.global_batch_size, spec.train.micro_batch_size) == (64, 32)
-    cmd = tput_run.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
+    cmd = sides.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    assert "elastic_harness.bench.tput_plain" in cmd and f"--log-dir={tmp_path / 'logs'}" in cmd
+    assert "elastic_harness.bench.throughput.plain" in cmd and f"--log-dir={tmp_path / 'logs'}" in cmd
     assert "--save-every" not in cmd
 
 
@@ -120,10 +120,10 @@ def test_defaults_row_is_the_harness_defaults_against_torch_save_at_the_same_int
 
     args = bench_args(save_every=25)
     row = tp.ROWS["defaults"]
-    spec = parse_job(yaml.safe_dump(tput_run.harness_job(args, row, tmp_path, tmp_path / "o.json", 2, 10)))
+    spec = parse_job(yaml.safe_dump(sides.harness_job(args, row, tmp_path, tmp_path / "o.json", 2, 10)))
     assert spec.checkpoint == dataclasses.replace(CheckpointSpec(), every_steps=25)
     assert spec.checkpoint.memory_every >= 1 and spec.checkpoint.save_final  # the defaults
-    cmd = tput_run.plain_command(args, row, tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
+    cmd = sides.plain_command(args, row, tmp_path, tmp_path / "o.json", 2, tmp_path, 10)
     assert cmd[cmd.index("--save-every") + 1] == "25" and cmd[cmd.index("--save-dir") + 1] == str(tmp_path)
     assert cmd[cmd.index("--data") + 1] == "cheap"
     with pytest.raises(HarnessError, match="multiple of --save-every"):
@@ -135,7 +135,7 @@ def test_durable_row_is_the_defaults_less_the_memory_tier_and_sets_no_goal(tmp_p
     from elastic_harness.spec.schema import CheckpointSpec
 
     args = bench_args(save_every=25)
-    raw = tput_run.harness_job(args, tp.ROWS["durable"], tmp_path, tmp_path / "o.json", 2, 10)
+    raw = sides.harness_job(args, tp.ROWS["durable"], tmp_path, tmp_path / "o.json", 2, 10)
     spec = parse_job(yaml.safe_dump(raw))
     assert spec.checkpoint == dataclasses.replace(CheckpointSpec(), every_steps=25, memory_every=0)
     results = [{"case": "durable", "side": s, "repeat": 0, "samples_per_s": 1.0, "cpu_ms_per_step": 1.0,
@@ -146,7 +146,7 @@ def test_durable_row_is_the_defaults_less_the_memory_tier_and_sets_no_goal(tmp_p
 
 
 def test_stream_rows_pair_each_repeat_and_keep_the_tier_off_without_saves(tmp_path):
-    from elastic_harness.bench import tput_stream as ts
+    from elastic_harness.bench.throughput import stream as ts
 
     row = ts.StreamRow("costly", "costly", 1.5, costly=True)
     out = ts.summarize_row({"harness": [300.0, 200.0, 330.0], "plain": [200.0, 100.0, 200.0]},
@@ -177,10 +177,10 @@ def test_paired_ratios_come_with_their_spread_and_cpu_per_step():
 
 
 def test_others_load_is_the_busy_time_that_was_not_ours():
-    assert tput_run.others_cores(busy_s=30.0, ours_s=10.0, wall_s=10.0) == 2.0
-    assert tput_run.others_cores(busy_s=9.0, ours_s=10.0, wall_s=10.0) == 0.0  # tick rounding
-    assert tput_run.others_cores(None, 10.0, 10.0) is None
-    before = tput_run.machine_busy_s()
+    assert sides.others_cores(busy_s=30.0, ours_s=10.0, wall_s=10.0) == 2.0
+    assert sides.others_cores(busy_s=9.0, ours_s=10.0, wall_s=10.0) == 0.0  # tick rounding
+    assert sides.others_cores(None, 10.0, 10.0) is None
+    before = sides.machine_busy_s()
     assert before is None or before > 0
 
 
@@ -233,17 +233,17 @@ def test_the_hsdp_row_is_opt_in_and_both_sides_get_the_same_mesh(tmp_path):
     with pytest.raises(HarnessError, match="even number of ranks"):
         tp.check_args(bench_args(only=["hsdp"], micro_batch=16, nproc_layout=3, global_batch=48))
     row = tp.ROWS["hsdp"]
-    job = tput_run.harness_job(args, row, tmp_path, tmp_path / "o.json", 4, 10)
+    job = sides.harness_job(args, row, tmp_path, tmp_path / "o.json", 4, 10)
     spec = parse_job(__import__("yaml").safe_dump(job))
     assert spec.parallelism == {"replicate": "auto", "shard": 2, "tensor": 1}
-    plain = tput_run.plain_command(args, row, tmp_path, tmp_path / "o.json", 4, tmp_path, 10)
+    plain = sides.plain_command(args, row, tmp_path, tmp_path / "o.json", 4, tmp_path, 10)
     assert plain[plain.index("--hsdp-shard") + 1] == "2"
-    assert "--hsdp-shard" not in tput_run.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path, 2, tmp_path, 10)
+    assert "--hsdp-shard" not in sides.plain_command(args, tp.ROWS["cheap"], tmp_path, tmp_path, 2, tmp_path, 10)
 
 
 def test_a_failed_run_is_reported_with_its_pair_and_the_rest_is_kept(tmp_path, monkeypatch, capsys):
     """Issue 33: one plain run exiting 1 at repeat 4 threw the whole 6-minute bench away."""
-    from elastic_harness.bench import tput_data
+    from elastic_harness.bench.throughput import data as image_data
 
     def launch(side, row, args, data_dir, run_dir, nproc, log_every):
         if (side, run_dir.name) == ("plain", "cheap-plain-3"):
@@ -253,8 +253,8 @@ def test_a_failed_run_is_reported_with_its_pair_and_the_rest_is_kept(tmp_path, m
         return {"stamps": stamps, "cpu": [0.01 * i for i in range(args.steps)], "hook_s": [0.001] * args.steps,
                 "phases": {}, "samples": args.steps * args.global_batch, "world_size": 2, "wall_s": 1.0}
 
-    monkeypatch.setattr(tput_run, "launch", launch)
-    monkeypatch.setattr(tput_data, "write_images", lambda *a: None)
+    monkeypatch.setattr(sides, "launch", launch)
+    monkeypatch.setattr(image_data, "write_images", lambda *a: None)
     args = bench_args(repeats=6, only=["cheap"])
     results = tp.measure(args, tmp_path)
     assert len(results) == 12 and [x for x in results if x.get("failed")] == [
@@ -275,13 +275,13 @@ def test_a_failed_run_is_reported_with_its_pair_and_the_rest_is_kept(tmp_path, m
 
 
 def test_a_failed_side_is_named_by_its_error_not_torchruns_banner():
-    from elastic_harness.bench.tput_run import said
+    from elastic_harness.bench.throughput.sides import said
 
     torchrun = ("[rank1]: Traceback (most recent call last):\n"
                 "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4000\n"
                 "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
                 "============================================================\n"
-                "tput_plain.py FAILED\n------------------------------------------------------------\n"
+                "plain.py FAILED\n------------------------------------------------------------\n"
                 "============================================================\n")
     assert said(torchrun) == "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4000"
     assert said("step 10\nerror: data_dir is not readable\n  fix: ...\n") == "error: data_dir is not readable"

@@ -128,10 +128,11 @@ def test_content_hash_tells_data_apart_and_is_stable():
 # ----- the saved position -------------------------------------------------------------------
 def test_saved_stream_position_refuses_another_shard_list_or_order():
     saved = TrainState(DataState(0, 100, 40), 2, step=4)
-    saved.stream, saved.layout = 11, 22
+    saved.stream, saved.order_digest = 11, 22
+    assert {"stream", "layout"} <= saved.state_dict().keys()  # the keys every stream checkpoint holds
     loaded = TrainState(DataState(0, 0), 3)
     loaded.load_state_dict(saved.state_dict())
-    assert (loaded.stream, loaded.layout, loaded.data.cursor) == (11, 22, 40)
+    assert (loaded.stream, loaded.order_digest, loaded.data.cursor) == (11, 22, 40)
     assert loaded.check_matches(0, 100, 11, 22) is None
     assert "shard list changed" in loaded.check_matches(0, 100, 12, 22)
     assert "order changed" in loaded.check_matches(0, 100, 11, 23)
@@ -234,7 +235,7 @@ def test_a_shard_that_cannot_be_counted_is_retried_then_named(tmp_path):
 
 
 def test_bench_stream_shards_read_back_as_written(tmp_path):
-    from elastic_harness.bench.tput_stream import decode, write_shards
+    from elastic_harness.bench.throughput.stream import decode, write_shards
 
     paths = write_shards(tmp_path, 2, 5)
     stream = tar_stream(paths)

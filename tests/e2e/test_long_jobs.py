@@ -312,7 +312,7 @@ def test_a_rank_working_after_close_is_waited_for_then_reported(tmp_path):
 
 # ----- 7. bench recovery keeps every recovery's breakdown ---------------------------------------
 def test_bench_keeps_each_recoverys_phases():
-    from elastic_harness.bench import crash_stats
+    from elastic_harness.bench.recovery import crash_stats
     from tests.report.test_report import ev, killed_worker_run
 
     events = [e for e in killed_worker_run() if e["event"] != "rendezvous" or e["pid"] != 20]

@@ -1,6 +1,7 @@
-"""Functions stay short (STYLE.md: around 40 lines): none over 40 outside the benches, save
-those named below, each waiting for its split. A function is counted from its ``def`` to its
-last line, docstring included, decorators not."""
+"""Functions stay short (docs/conventions.md, "Size"): none over 40 lines outside the benches,
+save those named below, each waiting for its split. A function is counted from its ``def`` to
+its last line, docstring included, decorators not. Classes and parameter lists:
+``test_class_size``."""
 
 from __future__ import annotations
 

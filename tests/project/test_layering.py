@@ -1,4 +1,9 @@
-"""Layering rules from ARCHITECTURE.md, checked on the import graph."""
+"""The map's rules, checked on the import graph.
+
+The import rules are the table of docs/architecture.md ("Import rules"), read here, so the map
+and the checks cannot drift apart; the rules about who reads the environment, who spells the
+run directory's names and who reads YAML are docs/conventions.md's ("One home for each
+decision")."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "elastic_harness"
+MAP = PKG.parent / "docs" / "architecture.md"
 
 
 def imports_of(path: Path) -> set[str]:
@@ -31,71 +37,89 @@ def _is_ours(module: str) -> bool:
     return (PKG / rel).with_suffix(".py").is_file() or (PKG / rel / "__init__.py").is_file()
 
 
-def ours(package: str) -> set[str]:
-    found = set()
-    for path in (PKG / package).rglob("*.py") if (PKG / package).is_dir() else [PKG / f"{package}.py"]:
-        found |= {m for m in imports_of(path) if m.startswith("elastic_harness")}
-    return found
+def room_path(room: str) -> Path:
+    """``data.order`` is ``data/order.py``; ``data`` the folder (or a top module ``data.py``)."""
+    rel = Path(*room.split("."))
+    return PKG / rel if (PKG / rel).is_dir() else (PKG / rel).with_suffix(".py")
 
 
-@pytest.mark.parametrize("package, allowed", [
-    ("spec", {"elastic_harness.errors", "elastic_harness.spec"}),
-    ("data", {"elastic_harness.data", "elastic_harness.errors"}),
-    # a stream's order: pure (numpy), nothing but the sampler's helpers
-    ("data/order", {"elastic_harness.data.sampler"}),
-    # the one fold of the event log, and the event contract: pure, shared by host and agent
-    ("goodput", set()),
-    ("runstate", {"elastic_harness.goodput"}),
-    ("events", set()),
-    # what this install has (extras): one home, imports only the errors
-    ("deps", {"elastic_harness.errors"}),
-    # the one boundary to torch's internals: below everything, so every layer may use it
-    ("torchcompat", {"elastic_harness.errors", "elastic_harness.torchcompat"}),
-    # the fault vocabulary: data and pure decisions over the spec
-    ("chaos/vocabulary", {"elastic_harness.errors", "elastic_harness.spec"}),
-    # where a generation restores from (memory, a peer, storage): a pure function of the offers
-    ("memtier/choose", set()),
-    # the job's key and listening sockets: used on every side, so they depend on nothing
-    ("jobkey", {"elastic_harness.errors", "elastic_harness.runfiles"}),
-    ("listen", set()),
-    # the run directory's names: below everything, so every layer may spell them through it
-    ("runfiles", set()),
-    # which job a worker runs: parsed once by the entry, handed to init; torch-free
-    ("runtime/jobsource", {"elastic_harness.errors", "elastic_harness.spec", "elastic_harness.launch.env",
-                           "elastic_harness.runfiles"}),
-    # the parallel layout: pure numbers, validated when built
-    ("runtime/topology", {"elastic_harness.errors", "elastic_harness.spec.layout"}),
-    # a simulated host's init and its pids seen from the machine: standard library only
-    ("simhost", set()),
-    ("pidns", set()),
-    # a peer's beacon: sockets only, on every agent
-    ("launch/probe", {"elastic_harness.listen"}),
-    # the verdicts on nodes and rounds: pure decisions over evidence
-    ("launch/verdict", set()),
-    ("launch/rounds", set()),
-    ("launch/exclusion", set()),
-    # a script job's own files (what it imports from beside it): read and compiled, shipped
-    ("scriptfiles", {"elastic_harness.errors"}),
-])
+def files_of(room: str) -> list[Path]:
+    path = room_path(room)
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path]
+
+
+def ours(room: str) -> set[str]:
+    """The modules of ours that ``room`` (a folder or a module, ``room_path``) imports."""
+    return {m for path in files_of(room) for m in imports_of(path) if m.startswith("elastic_harness")}
+
+
+def torch_imports(room: str, *, type_hints_too: bool = True) -> set[str]:
+    """The torch modules (``torch``, ``torchdata``, ...) ``room`` imports; without
+    ``type_hints_too``, those imported only under ``TYPE_CHECKING`` left out."""
+    return {m for path in files_of(room) for m in imports_of(path)
+            if m.split(".")[0].startswith("torch") and (type_hints_too or not _type_only(path, m))}
+
+
+def read_rules(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(room, rule, names) of every row of the import-rules table in docs/architecture.md:
+    its rows are the lines that start with a backticked room (the header and separator do
+    not)."""
+    rows = []
+    section = text.split("\n## Import rules\n", 1)[1]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 4:
+            rows.append((cells[0].strip("`"), cells[1], tuple(n.strip("`") for n in cells[2].split())))
+    return rows
+
+
+RULES = read_rules(MAP.read_text())
+KINDS = {"only", "never", "no torch", "no torch at run time"}
+
+
+def rules_of(kind: str) -> list[tuple[str, tuple[str, ...]]]:
+    return [(room, names) for room, rule, names in RULES if rule == kind]
+
+
+def test_the_map_states_the_rules():
+    """Every row of the table is a rule this file checks, about a room that exists, in names
+    that exist: a typo must not turn a rule into one that holds vacuously."""
+    assert len(RULES) >= 38, "the import-rules table of docs/architecture.md was not found whole"
+    assert {rule for _, rule, _ in RULES} <= KINDS
+    for room, rule, names in RULES:
+        assert room_path(room).exists(), f"docs/architecture.md names a room that is not there: {room}"
+        for name in names:
+            if name != "nothing":
+                assert room_path(name).exists(), f"docs/architecture.md: {room} {rule} names {name}"
+        assert rule in ("only", "never") or not names, f"{room}: '{rule}' takes no names"
+
+
+@pytest.mark.parametrize("package, allowed", [pytest.param(r, n, id=r) for r, n in rules_of("only")])
 def test_pure_packages_import_almost_nothing_of_ours(package, allowed):
+    allowed = {f"elastic_harness.{a}" for a in allowed if a != "nothing"}
     extra = {m for m in ours(package) if not any(m == a or m.startswith(a + ".") for a in allowed)}
     assert extra == set()
 
 
-@pytest.mark.parametrize("package", ["spec", "launch", "k8s", "chaos"])
-def test_host_side_never_imports_the_worker_side(package):
-    bad = {m for m in ours(package) if m.startswith(("elastic_harness.runtime", "elastic_harness.checkpoint.manager"))}
-    assert bad == set()
+@pytest.mark.parametrize("package, banned", [pytest.param(r, n, id=r) for r, n in rules_of("never")])
+def test_rooms_never_import_what_the_map_forbids(package, banned):
+    """The host side never imports the worker side, the tier neither the loop nor the
+    launcher, checkpoints never the loop."""
+    prefixes = tuple(f"elastic_harness.{n}" for n in banned)
+    assert {m for m in ours(package) if m.startswith(prefixes)} == set()
 
 
-def test_memtier_never_imports_the_loop_or_the_launcher():
-    bad = {m for m in ours("memtier") if m.startswith(("elastic_harness.runtime", "elastic_harness.launch"))}
-    assert bad == set()
+@pytest.mark.parametrize("room", [r for r, _ in rules_of("no torch")])
+def test_rooms_that_import_no_torch(room):
+    """The decisions the host makes before anything starts, and the job and layout a worker
+    reads before its task or script imports torch: no torch import of any kind."""
+    assert torch_imports(room) == set()
 
 
-def test_checkpoint_never_imports_the_loop():
-    bad = {m for m in ours("checkpoint") if m.startswith("elastic_harness.runtime")}
-    assert bad == set()
+@pytest.mark.parametrize("room", [r for r, _ in rules_of("no torch at run time")])
+def test_rooms_that_import_torch_only_for_type_hints(room):
+    """``rundir`` takes locks before any agent starts: it must not pay for importing torch."""
+    assert torch_imports(room, type_hints_too=False) == set()
 
 
 def test_only_env_module_reads_worker_environment():
@@ -109,10 +133,10 @@ def test_only_env_module_reads_worker_environment():
 
 def test_nothing_asks_torch_distributed_who_it_is():
     # runtime/dist.py owns the process group: it may check a group the user's script made
-    # against what the launcher said; nothing else asks torch who it is. bench/tput_plain.py
+    # against what the launcher said; nothing else asks torch who it is. bench/throughput/plain.py
     # is the plain torchrun DDP script the harness is measured against: it uses nothing of
     # the harness and asks torch, as such scripts do.
-    plain = ("bench/tput_plain.py", "bench/tput_stream_plain.py")  # the streaming one too
+    plain = ("bench/throughput/plain.py", "bench/throughput/stream_plain.py")  # the streaming one too
     offenders = [p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")
                  if p.relative_to(PKG).as_posix() not in plain
                  and ("get_rank()" in p.read_text() or "get_world_size()" in p.read_text())]
@@ -181,23 +205,15 @@ def test_cycle_finder_sees_a_cycle_through_a_deferred_import():
     assert cycles(graph) == {frozenset("abc")}
 
 
-# Circles that another change removes (issue 12 item 5); each entry must still exist, so
-# the list cannot outlive its circle.
+# Circles that another change removes; each entry must still exist, so the list cannot
+# outlive its circle.
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def test_no_import_cycles_inside_the_package():
     found = cycles(import_graph())
-    assert found - KNOWN_CYCLES == set(), "import cycles (break them; see issue 12 item 5)"
+    assert found - KNOWN_CYCLES == set(), "import cycles (break them: docs/architecture.md)"
     assert KNOWN_CYCLES - found == set(), "a known cycle is gone: remove it from KNOWN_CYCLES"
-
-
-@pytest.mark.parametrize("module", ["where", "layout"])
-def test_checkpoint_decisions_are_pure(module):
-    """One home for "where checkpoints live" and "which one to load": nothing of ours (but the
-    run directory's names, which import nothing), no torch."""
-    found = imports_of(PKG / "checkpoint" / f"{module}.py") - {"elastic_harness.runfiles"}
-    assert not {m for m in found if m.startswith(("elastic_harness", "torch"))}
 
 
 def test_only_runfiles_spells_the_run_directory_names():
@@ -208,24 +224,10 @@ def test_only_runfiles_spells_the_run_directory_names():
     assert spellers == ["runfiles.py"]
 
 
-def test_host_side_locks_do_not_import_torch():
-    """``rundir`` takes locks before any agent starts: it must not pay for importing torch."""
-    for module in ("lock", "fence", "where", "layout", "storage", "streams"):
-        assert not {m for m in imports_of(PKG / "checkpoint" / f"{module}.py") if m.split(".")[0] == "torch"
-                    and not _type_only(PKG / "checkpoint" / f"{module}.py", m)}, module
-
-
 def _type_only(path: Path, module: str) -> bool:
     guarded = [node for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"]
     return any(isinstance(n, ast.ImportFrom) and n.module == module for g in guarded for n in ast.walk(g))
-
-
-@pytest.mark.parametrize("module", ["jobsource", "topology"])
-def test_job_source_and_layout_do_not_import_torch(module):
-    """The entry parses the job before the task or the script imports torch; the layout is
-    numbers, decided without asking torch.distributed anything."""
-    assert not {m for m in imports_of(PKG / "runtime" / f"{module}.py") if m.split(".")[0] == "torch"}
 
 
 def test_the_resume_check_reads_no_torch_and_no_pickle():

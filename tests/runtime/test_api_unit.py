@@ -331,22 +331,24 @@ def test_leaving_the_loop_is_said_only_when_nothing_else_explains_it():
     elsewhere. A script's own early exit is still said."""
     from types import SimpleNamespace
 
-    from elastic_harness.runtime.session import Run
+    from elastic_harness.runtime.loop import Loop
 
     said = []
 
-    def run(requested=False):
-        return SimpleNamespace(_left_loop_at=120, spec=SimpleNamespace(train=SimpleNamespace(steps=400)),
-                               _quiet_close=False, _loop_done=False, drain=SimpleNamespace(requested=requested),
-                               events=SimpleNamespace(emit=lambda kind, **f: said.append(f["message"])))
+    def close(requested=False):  # what ``Run.close`` says of a loop left after step 120 of 400
+        loop = Loop(SimpleNamespace(train=SimpleNamespace(steps=400)), None, None, None, rank=0)
+        loop.left_at = 120
+        message = loop.unfinished(quiet=False, drain_requested=requested)
+        if message:
+            said.append(message)
 
-    Run._say_unfinished(run())
+    close()
     assert len(said) == 1 and "left its run.steps() loop after step 120" in said[0]
     try:
         raise ConnectionError("Connection closed by peer")
     except ConnectionError:
-        Run._say_unfinished(run())
-    Run._say_unfinished(run(requested=True))
+        close()
+    close(requested=True)
     assert len(said) == 1
 
 

@@ -1,7 +1,7 @@
 """``elastic-harness bench checkpoint``: how much checkpointing costs, side by side, in one run.
 
 Spawns three processes with ``torch.multiprocessing`` on loopback gloo (a port from the OS);
-see ``ckpt_ranks`` and ``ckpt_train`` for what each measures. Prints one JSON object: the
+see ``checkpoint.ranks`` and ``checkpoint.train`` for what each measures. Prints one JSON object: the
 median of every measurement over ``--repeats`` (>= 5 for the goals to count), the ratios
 the goals are stated in, and whether each goal was met:
 
@@ -12,7 +12,7 @@ the goals are stated in, and whether each goal was met:
   tensor-parallel split) / same-layout load 2 -> 2                          <= 1.5
 - step-time overhead of training with an async save every N steps          <= 3 %
 
-Beside that overhead, the same run measures two floors (``ckpt_floor``): a low-priority
+Beside that overhead, the same run measures two floors (``checkpoint.floor``): a low-priority
 thread writing the same number of raw bytes + fsync every N steps, with ``O_DIRECT`` and
 through the page cache, no DCP. ``ratios.async_save_over_floor_direct`` says how far above
 that floor the harness is; ``overhead_spread`` gives the quartiles of each kind's overhead
@@ -101,7 +101,7 @@ def threads_per_rank(cpus: int) -> int:
 def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
     import torch.multiprocessing as mp
 
-    from elastic_harness.bench.ckpt_ranks import main
+    from elastic_harness.bench.checkpoint.ranks import main
     from elastic_harness.cluster import free_port
     cfg = {"port": free_port(), "size": size, "repeats": args.repeats, "every": args.every,
            "steps": args.steps, "windows": args.windows, "train_only": args.train_only,

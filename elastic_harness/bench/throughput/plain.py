@@ -7,7 +7,7 @@ then rank 0 ``torch.save``s the model and optimizer state every N steps, synchro
 over one file (``--save-dir/ckpt.pt``), as plain scripts commonly do.
 
     python -m torch.distributed.run --standalone --nproc-per-node N \
-        -m elastic_harness.bench.tput_plain --data cheap --data-dir D --out O \
+        -m elastic_harness.bench.throughput.plain --data cheap --data-dir D --out O \
         --steps S --global-batch G --micro-batch M
 """
 
@@ -23,8 +23,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer, parse_args
-from elastic_harness.bench.tput_data import open_images
+from elastic_harness.bench.throughput.common import (
+    StepClock,
+    build_model,
+    build_optimizer,
+    parse_args,
+)
+from elastic_harness.bench.throughput.data import open_images
 
 
 def forever(loader: DataLoader, sampler: DistributedSampler) -> Iterator:

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import crash_stats, join_stats, startup_stats
-from elastic_harness.bench.launching import _signal_group, _spawn, log_tails, write_job
+from elastic_harness.bench.recovery import crash_stats, join_stats, startup_stats
+from elastic_harness.bench.recovery.launching import _signal_group, _spawn, log_tails, write_job
 from elastic_harness.chaos.inject import request
 from elastic_harness.events import EventTail, read_events
 from elastic_harness.report.timeline import build

@@ -2,7 +2,7 @@
 
 ``launch`` writes what the side needs into its run dir (the harness's job YAML), starts the
 side in its own process group with a time limit, and returns the JSON its rank 0 wrote
-(``tput_common.StepClock``) plus the wall time. The command builders are pure. Both sides
+(``common.StepClock``) plus the wall time. The command builders are pure. Both sides
 keep torch's compile cache (``launch.scratch``) and torchelastic's log dir in their run
 dir. ``TMPDIR`` is left alone: loader processes hand batches over through a unix socket in
 a ``pymp-*`` dir of the temp dir (removed when they exit), and under a run dir as deep as
@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def script_args(args: argparse.Namespace, row: Any, data_dir: Path, out: Path) -> list[str]:
-    """What both scripts take (``tput_common.parse_args``); ``row``: a ``throughput.Row``."""
+    """What both scripts take (``common.parse_args``); ``row``: a ``main.Row``."""
     hsdp = ["--hsdp-shard", str(args.nproc_layout // 2)] if getattr(row, "hsdp", False) else []
     return ["--data", row.data, "--data-dir", str(data_dir), "--hidden", str(args.hidden),
             "--threads", str(args.threads), "--out", str(out), *hsdp]
@@ -53,7 +53,7 @@ def harness_job(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, n
                   else {"every_steps": 0, "save_final": False, "memory_every": 0})
     return {
         "name": f"bench-throughput-{row.name}",
-        "script": {"path": str(HERE / "tput_harness.py"), "args": script_args(args, row, data_dir, out)},
+        "script": {"path": str(HERE / "harness.py"), "args": script_args(args, row, data_dir, out)},
         "device": "cpu",  # the plain side is CPU/gloo
         "nproc_per_node": nproc,
         # the hsdp row: one node, replicate auto (= 2) x shard nproc/2, as the plain side's mesh
@@ -77,7 +77,7 @@ def plain_command(args: argparse.Namespace, row: Any, data_dir: Path, out: Path,
     rank 0 ``torch.save``s into the run dir every ``--save-every`` steps."""
     saves = ["--save-every", str(args.save_every), "--save-dir", str(run_dir)] if row.saves else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--log-dir={run_dir / 'logs'}", "-m", "elastic_harness.bench.tput_plain",
+            f"--log-dir={run_dir / 'logs'}", "-m", "elastic_harness.bench.throughput.plain",
             *script_args(args, row, data_dir, out), "--steps", str(args.steps),
             "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
             "--log-every", str(log_every), *saves]

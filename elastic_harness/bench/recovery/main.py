@@ -10,21 +10,21 @@ with medians, ratios and whether each goal was met:
   nodes.min=1), fault to the first completed step after it, harness / torchrun, medians of
   ``--repeats`` runs                                                              <= 0.03
   and steps redone per node loss (mean, durable saves every 50 steps)               <= 1
-  with a row per placement (``bench.nodeloss``): every node on this host (``same_host``,
+  with a row per placement (``bench.recovery.nodeloss``): every node on this host (``same_host``,
   the ratio above) and each node a simulated host of its own (``separate_hosts``: own
   pid, UTS and network namespaces, as root), each with its phases   separate <= 0.5 s
 - spare: ``--nodes`` nodes and one hot spare (``nodes.spares``); once the spare waits,
   node 1 is SIGKILLed: fault to the first step, at an unchanged world size        <= 1 s
 - soak: ``--soak-jobs`` fault-free jobs at once for ``--soak-duration`` s, each with a 20 s
   synchronous save, a slow evaluation and an unannounced pause of one node
-  (``bench.soak_script``): node-lost verdicts, hangs or failures they report       0
+  (``bench.recovery.soak_script``): node-lost verdicts, hangs or failures they report       0
 - hang-node: one of ``--nodes`` nodes frozen (SIGSTOP, no connection reset), the same rows
   and torchrun given the same fault; a launcher still not recovered 240 s after it is
   stopped there and reported so                                             <= 5 s
 - kill-worker: SIGKILL one rank, same measure, harness / torchrun, median over
   ``--faults`` faults injected at different steps of one long run each (durable
   checkpoints every 50 steps), with the median of each recovery phase
-  (``bench.crash_stats``)                                           <= 0.25 (stretch 0.10)
+  (``bench.recovery.crash_stats``)                                           <= 0.25 (stretch 0.10)
   every one of them recovered on the first try (harness)                           100 %
   and steps redone per crash (mean)                                                 <= 1
 - anytime: ``--faults`` kill-worker faults sent by the host at seeded random moments
@@ -42,7 +42,7 @@ with medians, ratios and whether each goal was met:
   (the run is ended by a preempt, then resumed to check that).
 - scale-up: a node joining, arrival to the first step at the new size, from peers / from
   storage, medians of ``--repeats``; churn: goodput with a node killed and replaced every
-  ``--churn-every`` s over ``--churn-duration`` s >= 0.95 (``bench.resize``).
+  ``--churn-every`` s over ``--churn-duration`` s >= 0.95 (``bench.recovery.resize``).
 
 What torchrun is given beyond its defaults, and why: the job's ``--nnodes`` (1:2 for
 kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault,
@@ -70,8 +70,9 @@ import time
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import check_out, cpuwindow, crash_stats, nodeloss, resize, scratch_dir
-from elastic_harness.bench.launching import (
+from elastic_harness.bench import check_out, cpuwindow, scratch_dir
+from elastic_harness.bench.recovery import crash_stats, nodeloss, resize
+from elastic_harness.bench.recovery.launching import (
     _signal_group,
     _spawn,
     _wait_for_port,
@@ -200,7 +201,7 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
 
 def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes: int = 2) -> dict:
     """Kill node 1 of ``nodes`` at step 40; harness (same host, and separate hosts where
-    root: ``bench.nodeloss``) and torchrun runs alternate."""
+    root: ``bench.recovery.nodeloss``) and torchrun runs alternate."""
     job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=nodes,
                     every=NODE_CKPT_EVERY, parallelism=parallelism)
     launchers = ["harness", *(["separate_hosts"] if os.geteuid() == 0 else []), "torchrun"]

@@ -1,5 +1,5 @@
 """Pure arithmetic over a throughput run's records, shared by the map-style and streaming rows
-(``throughput`` and ``tput_stream``; its own module so neither imports the other's)."""
+(``throughput`` and ``throughput.stream``; its own module so neither imports the other's)."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def measure(n: int, idle_s: float) -> dict:
     """One ``N``: form, idle, lose a node (module doc)."""
     import torch.distributed as dist
 
-    from elastic_harness.bench import store_calls
+    from elastic_harness.bench.rendezvous import store_calls
     from elastic_harness.torchcompat import rdzv
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -10,15 +10,15 @@ DDP script, side by side in one run, one row per comparison (``ROWS``):
   (``checkpoint.memory_every: 0``): the durable saves' own cost; the two rows' difference is
   the tier's.
 
-Both sides train the same MLP with AdamW on the same images (``tput_common``,
-``tput_data``), the same global batch split into the same micro-batches, for the same
+Both sides train the same MLP with AdamW on the same images (``throughput.common``,
+``throughput.data``), the same global batch split into the same micro-batches, for the same
 number of steps; in the ``cheap`` and ``costly`` rows with no checkpoints
 (``checkpoint.every_steps: 0, save_final: false``; the plain script saves nothing):
 
-- plain: ``tput_plain`` under ``python -m torch.distributed.run --standalone``:
+- plain: ``throughput.plain`` under ``python -m torch.distributed.run --standalone``:
   ``DistributedSampler`` + ``DataLoader(num_workers=0)``, ``no_sync`` accumulation,
   ``loss.backward()``, ``optimizer.step()``.
-- harness: ``tput_harness`` (the same loop on the public API) under ``elastic-harness run``
+- harness: ``throughput.harness`` (the same loop on the public API) under ``elastic-harness run``
   with a script job, not under plain torchrun: our agent, step watchdog, events and
   TensorBoard scalars every ``train.log_every`` steps are part of what users pay for, so
   they are part of what is measured. Its loader processes: 0 with cheap items, ``--workers``
@@ -46,7 +46,7 @@ compute, optimizer, hook, outside the loop body). Goals:
   (``run.mesh``) vs the same ``init_device_mesh`` + ``fully_shard`` under torchrun  >= 0.97
 
 To add a row (another data source, another setting), add a ``Row`` to ``ROWS`` and, if
-its sides need more, a branch in ``tput_run.harness_job`` / ``tput_run.plain_command``.
+its sides need more, a branch in ``sides.harness_job`` / ``sides.plain_command``.
 
 A run that fails (exits non-zero, or leaves too few step stamps) does not end the bench: its
 repeat's pair is left out of every figure of its row and listed in ``failed_pairs`` with the
@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_harness.bench import check_out, scratch_dir
-from elastic_harness.bench.tput_stats import cpu_per_step_ms, ratio, spread, steady_rate
+from elastic_harness.bench.throughput.stats import cpu_per_step_ms, ratio, spread, steady_rate
 from elastic_harness.deps import require_extra
 from elastic_harness.errors import HarnessError
 
@@ -91,7 +91,7 @@ class Row:
     """One comparison of the bench: which data both sides read, how many ranks, the goal."""
 
     name: str
-    data: str  # tput_data.KINDS: what both scripts load
+    data: str  # data.KINDS: what both scripts load
     goal: float | None  # harness / plain samples/s, at least (None: a diagnostic row)
     costly: bool = False  # --nproc-costly ranks and the harness with --workers loader processes
     saves: bool = False  # harness defaults (memory tier, saves) vs plain torch.save on rank 0
@@ -139,9 +139,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", help="scratch directory (default: system temp; removed after)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
     p.add_argument("--out", help="also write the JSON here")
-    from elastic_harness.bench import tput_stream  # its rows and flags (--stream ...)
+    from elastic_harness.bench.throughput import stream  # its rows and flags (--stream ...)
 
-    tput_stream.add_arguments(p)
+    stream.add_arguments(p)
     p.set_defaults(func=cmd_throughput)
 
 
@@ -224,9 +224,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def _stream_rows(args: argparse.Namespace, scratch: Path) -> dict:
-    from elastic_harness.bench import tput_stream
+    from elastic_harness.bench.throughput import stream
 
-    return tput_stream.measure(args, scratch, steady_rate)
+    return stream.measure(args, scratch, steady_rate)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -243,8 +243,8 @@ def schedule(repeats: int, cases: list[str]) -> list[tuple[int, str, str]]:
 
 
 def measure(args: argparse.Namespace, scratch: Path) -> list[dict]:
-    from elastic_harness.bench import tput_run
-    from elastic_harness.bench.tput_data import write_images
+    from elastic_harness.bench.throughput import sides
+    from elastic_harness.bench.throughput.data import write_images
 
     data_dir = scratch / "data"
     data_dir.mkdir()
@@ -253,7 +253,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> list[dict]:
     for r, case, side in schedule(args.repeats, cases_of(args)):
         run_dir = scratch / f"{case}-{side}-{r}"
         try:
-            record = tput_run.launch(side, ROWS[case], args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
+            record = sides.launch(side, ROWS[case], args, data_dir, run_dir, nproc_of(args, case), LOG_EVERY)
             record.update(repeat=r, case=case, side=side,
                           samples_per_s=steady_rate(record["stamps"], args.warmup, args.global_batch),
                           cpu_ms_per_step=cpu_per_step_ms(record["cpu"], args.warmup),

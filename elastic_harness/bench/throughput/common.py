@@ -1,6 +1,6 @@
 """What both training scripts of ``bench throughput`` share: arguments, model, step clock.
 
-``tput_plain`` (plain torchrun DDP) and ``tput_harness`` (the public API) differ only in
+``throughput.plain`` (plain torchrun DDP) and ``throughput.harness`` (the public API) differ only in
 how they start, load data and end a step; everything measured is built here, the same way
 for both. The model is an MLP over 3 x 32 x 32 images (``hidden`` wide, two hidden layers)
 trained with AdamW: large enough that a step takes tens of milliseconds on one CPU thread,
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_harness.bench.tput_data import CLASSES, KINDS, SIDE
+from elastic_harness.bench.throughput.data import CLASSES, KINDS, SIDE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     script reads steps and batch sizes from its job)."""
     p = argparse.ArgumentParser(description="bench throughput training script")
     p.add_argument("--data", choices=KINDS, required=True)
-    p.add_argument("--data-dir", required=True, help="where tput_data.write_images put the set")
+    p.add_argument("--data-dir", required=True, help="where data.write_images put the set")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch compute threads per rank")
     p.add_argument("--out", required=True, help="rank 0 writes the step stamps here (JSON)")

@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 from elastic_harness import runfiles
-from elastic_harness.bench import cpuwindow, crash_stats
-from elastic_harness.bench.launching import (
+from elastic_harness.bench import cpuwindow
+from elastic_harness.bench.recovery import crash_stats
+from elastic_harness.bench.recovery.launching import (
     _signal_group,
     _spawn,
     _wait_for_port,

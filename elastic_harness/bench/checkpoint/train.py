@@ -14,7 +14,7 @@ Save measurements (per repeat, interleaved, order rotating):
 
 Training (``step_*``): a DDP MLP whose model + AdamW state is about ``size``; mean step time
 over ``steps`` steps with no saves, with an async save every ``every`` steps (as configured
-by default), with a sync save every ``every`` steps, and two *floors* (``ckpt_floor``):
+by default), with a sync save every ``every`` steps, and two *floors* (``checkpoint.floor``):
 raw durable writes of this rank's share of a save every ``every`` steps, with ``O_DIRECT``
 (``step_floor_direct``) or through the page cache (``step_floor_buffered``). A window is ``steps / every`` whole intervals of a run that saves
 every ``every`` steps: each starts with its save (of the state the previous step left) and
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from elastic_harness.bench.ckpt_common import (
+from elastic_harness.bench.checkpoint.common import (
     Events,
     local_tensors,
     make_manager,
@@ -49,7 +49,7 @@ from elastic_harness.bench.ckpt_common import (
     sharded,
     timed,
 )
-from elastic_harness.bench.ckpt_floor import Floor
+from elastic_harness.bench.checkpoint.floor import Floor
 from elastic_harness.bench.cpuwindow import machine_times
 from elastic_harness.runtime.state import ModelState, OptimState
 

@@ -1,6 +1,6 @@
 """``elastic-harness bench buddy``: what a buddy copy adds to a step, in one process pair.
 
-Two ranks on loopback gloo train the recovery bench's FSDP2 MLP (``bench.launching``'s job:
+Two ranks on loopback gloo train the recovery bench's FSDP2 MLP (``bench.recovery.launching``'s job:
 dim 16, hidden 64, depth 2, AdamW, 30 samples a step) with the real in-memory tier
 (``memtier.tier.MemoryTier`` on memfd slots, ``BuddyLink`` between the two ranks over its
 loopback streams, ``memtier.conduit``). Blocks

@@ -1,13 +1,13 @@
 """The harness side of ``bench throughput``: the plain script's model, optimizer and data on
 the public API (``elastic_harness.init``, ``run.register``, ``run.steps``,
-``step.batches/backward/done``), as a user would convert ``tput_plain``.
+``step.batches/backward/done``), as a user would convert ``throughput.plain``.
 
 The bench starts it through ``elastic-harness run`` with a script job (``script.path`` =
 this file), so what is measured is what users get from the harness: our agent, its step
 watchdog, the run's events and TensorBoard scalars every ``train.log_every`` steps, the
 harness's data order and, where the job asks, its loader processes (``data.workers``).
 Steps, batch sizes, loader processes and checkpoint policy come from the job; the script's
-arguments carry only what the plain script also takes (``tput_common.parse_args``).
+arguments carry only what the plain script also takes (``common.parse_args``).
 
 The time spent in ``step.done()`` is recorded too (``hook_s``): the harness's own per-step
 cost, which the bench reports next to the throughput.
@@ -22,8 +22,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elastic_harness as eh
-from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer, parse_args
-from elastic_harness.bench.tput_data import open_images
+from elastic_harness.bench.throughput.common import (
+    StepClock,
+    build_model,
+    build_optimizer,
+    parse_args,
+)
+from elastic_harness.bench.throughput.data import open_images
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ shards as the harness side, split by rank (shards ``i % world == rank``, in orde
 writes by hand, and which cannot resume mid-epoch or at another world size.
 
     python -m torch.distributed.run --standalone --nproc-per-node N \
-        elastic_harness/bench/tput_stream_plain.py --side plain --shards S.json --out O ...
+        elastic_harness/bench/throughput/stream_plain.py --side plain --shards S.json --out O ...
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from elastic_harness.bench.tput_stream import decoder, script_parser
+from elastic_harness.bench.throughput.stream import decoder, script_parser
 
 
 def plain_main(args: argparse.Namespace) -> None:
@@ -25,7 +25,7 @@ def plain_main(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
 
-    from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer
+    from elastic_harness.bench.throughput.common import StepClock, build_model, build_optimizer
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,7 +46,7 @@ def plain_main(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
     clock.finish(args.out, side="plain", accumulate=accumulate)
-    dist.barrier()  # a clean end, as in tput_plain: every rank done, DDP's reducer gone first
+    dist.barrier()  # a clean end, as in plain.py: every rank done, DDP's reducer gone first
     del model, optimizer
     dist.destroy_process_group()
 

@@ -1,9 +1,9 @@
 """The streaming rows of ``bench throughput`` (``--stream also|only``).
 
-1. **Throughput.** The MLP of ``tput_common`` trained on images stored as webdataset-layout
+1. **Throughput.** The MLP of ``throughput.common`` trained on images stored as webdataset-layout
    tar shards (``NNNNNN.npy`` + ``NNNNNN.cls`` members, 3 x 32 x 32 uint8), both sides
    decoding each sample in the training process:
-   - plain: ``tput_stream_plain`` under ``torchrun --standalone``: an ``IterableDataset`` that reads the
+   - plain: ``throughput.stream_plain`` under ``torchrun --standalone``: an ``IterableDataset`` that reads the
      shards ``i % world == rank`` in order, ``DataLoader(batch_size=micro, num_workers=0)``,
      ``no_sync`` accumulation (what a user writes by hand; it cannot resume mid-epoch);
    - harness: this file as a script job: ``run.steps(tar_stream(shards, transform=decode))``
@@ -14,7 +14,7 @@
    two runs follow each other, who goes first alternates); ``cpu_paired`` is the same ratio
    in rank 0's CPU time per step, which other processes' load moves far less.
    **Costly items** (``stream_costly``): the same layout with JPEG members (``NNN.jpg``),
-   each decoded and augmented as the map-style ``costly`` row does (``tput_data.augment``),
+   each decoded and augmented as the map-style ``costly`` row does (``data.augment``),
    on ``--nproc-costly`` rank(s): the harness with ``--workers`` loader processes splitting
    the rank's lanes against the plain script loading in its training process
    (``num_workers=0``). Goal: >= 1.5, as for map-style data.
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def write_shards(folder: Path, shards: int, per_shard: int, seed: int = 0, jpeg_px: int = 0) -> list[str]:
     """Tar shards of ``per_shard`` samples: ``k.npy`` (uint8 image) + ``k.cls`` (label); with
     ``jpeg_px``, ``k.jpg`` (a ``jpeg_px``-square JPEG, costly items) instead of ``k.npy``."""
-    from elastic_harness.bench.tput_data import jpeg_bytes
+    from elastic_harness.bench.throughput.data import jpeg_bytes
 
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,7 @@ def decode(sample: dict):
 
 
 def decode_costly(sample: dict):
-    from elastic_harness.bench.tput_data import augment
+    from elastic_harness.bench.throughput.data import augment
 
     return augment(sample["jpg"]), int(sample["cls"])
 
@@ -109,7 +109,7 @@ def harness_main(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import elastic_harness as eh
-    from elastic_harness.bench.tput_common import StepClock, build_model, build_optimizer
+    from elastic_harness.bench.throughput.common import StepClock, build_model, build_optimizer
     from elastic_harness.data import tar_stream
 
     torch.set_num_threads(args.threads)
@@ -158,7 +158,7 @@ def _harness(args: argparse.Namespace, run_dir: Path, shards: Path, nproc: int, 
     """One harness run; without durable saves (``every`` 0) the in-memory tier is off too."""
     import yaml
 
-    from elastic_harness.bench import tput_run
+    from elastic_harness.bench.throughput import sides
 
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / f"stamps-{steps}.json"
@@ -171,9 +171,9 @@ def _harness(args: argparse.Namespace, run_dir: Path, shards: Path, nproc: int, 
     path = run_dir.parent / f"{run_dir.name}-{steps}.yaml"
     path.write_text(yaml.safe_dump(job))
     t0 = time.time()
-    code = tput_run.run_bounded(tput_run.harness_command(path, run_dir / "run"), run_dir / "output.log",
-                                tput_run.side_environ(dict(__import__("os").environ), run_dir),
-                                timeout=tput_run.limit_s(args))
+    code = sides.run_bounded(sides.harness_command(path, run_dir / "run"), run_dir / "output.log",
+                             sides.side_environ(dict(__import__("os").environ), run_dir),
+                             timeout=sides.limit_s(args))
     _check(code, out, run_dir)
     record = json.loads(out.read_text())
     first = record.get("first_step_unix")
@@ -190,25 +190,25 @@ def _events(path: Path) -> list[dict]:
 
 
 def _plain(args: argparse.Namespace, run_dir: Path, shards: Path, nproc: int, data: str = "cheap") -> dict:
-    from elastic_harness.bench import tput_run
+    from elastic_harness.bench.throughput import sides
 
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "stamps.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--log-dir={run_dir / 'logs'}", str(HERE.with_name("tput_stream_plain.py")),
+           f"--log-dir={run_dir / 'logs'}", str(HERE.with_name("stream_plain.py")),
            *_common(args, shards, out, "plain", 0, data)]
-    code = tput_run.run_bounded(cmd, run_dir / "output.log", tput_run.side_environ(dict(__import__("os").environ), run_dir),
-                                timeout=tput_run.limit_s(args))
+    code = sides.run_bounded(cmd, run_dir / "output.log", sides.side_environ(dict(__import__("os").environ), run_dir),
+                             timeout=sides.limit_s(args))
     _check(code, out, run_dir)
     return json.loads(out.read_text())
 
 
 def _check(code: int | None, out: Path, run_dir: Path) -> None:
-    from elastic_harness.bench import tput_run
+    from elastic_harness.bench.throughput import sides
     from elastic_harness.errors import HarnessError
 
     if code != 0 or not out.is_file():
-        raise HarnessError(f"a streaming bench run exited {code}; it said: {tput_run.last_line(run_dir / 'output.log')}",
+        raise HarnessError(f"a streaming bench run exited {code}; it said: {sides.last_line(run_dir / 'output.log')}",
                            "re-run with --keep --dir DIR to read its log")
 
 
@@ -236,7 +236,7 @@ def measure(args: argparse.Namespace, scratch: Path, steady_rate) -> dict:
 
 def _row(args: argparse.Namespace, scratch: Path, row: StreamRow, steady_rate) -> dict:
     """Both sides of one row, ``--repeats`` times, alternating who goes first."""
-    from elastic_harness.bench.tput_stats import cpu_per_step_ms
+    from elastic_harness.bench.throughput.stats import cpu_per_step_ms
 
     nproc = args.nproc_costly if row.costly else args.nproc_cheap
     workers = args.workers if row.costly else 0
@@ -263,7 +263,7 @@ def summarize_row(rates: dict[str, list[float]], cpu: dict[str, list[float | Non
                   nproc: int, workers: int) -> dict:
     """Pure: medians, their ratio, and each repeat's paired ratio (samples/s; and CPU per step
     of rank 0, plain / harness) with their spread; the goal is judged on the paired median."""
-    from elastic_harness.bench.tput_stats import ratio, spread
+    from elastic_harness.bench.throughput.stats import ratio, spread
 
     med = {s: statistics.median(v) for s, v in rates.items()}
     pairs = [ratio(h, p) for h, p in zip(rates["harness"], rates["plain"], strict=False)]

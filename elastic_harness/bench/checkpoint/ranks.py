@@ -1,4 +1,4 @@
-"""What each process of ``bench checkpoint`` does (spawned by ``bench.checkpoint``).
+"""What each process of ``bench checkpoint`` does (spawned by ``bench.checkpoint.main``).
 
 Three processes on loopback gloo. Ranks 0 and 1 are the "training job": they hold a state
 of ``size`` bytes sharded over a 2-rank mesh (FSDP-style DTensors: weights and two optimizer
@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 
-from elastic_harness.bench.ckpt_common import sharded, timed
-from elastic_harness.bench.ckpt_train import save_phase, train_phase
+from elastic_harness.bench.checkpoint.common import sharded, timed
+from elastic_harness.bench.checkpoint.train import save_phase, train_phase
 from elastic_harness.checkpoint.safe_metadata import SafeFileSystemReader as reader
 
 N_MATRICES, COLS = 8, 1024

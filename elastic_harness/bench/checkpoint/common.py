@@ -1,4 +1,4 @@
-"""What both halves of ``bench checkpoint``'s ranks share (``ckpt_ranks``, ``ckpt_train``).
+"""What both halves of ``bench checkpoint``'s ranks share (``checkpoint.ranks``, ``checkpoint.train``).
 
 The event sink, the slowest-rank timer, the sharded view of the test state, the raw-write
 baseline and the manager under test. Imports nothing else of the bench, so neither half

@@ -1,0 +1,177 @@
+"""What one generation of workers builds, in one place: the script API's collaborators.
+
+``Run`` (``runtime.session``) is the script's contract: register, resume, steps, evaluate,
+close. What it works with is built here, in the order the ranks need it (every rank calls
+these in the same order: building the mesh and agreeing on the generation are collective):
+
+1. ``join``: the generation itself: the process groups (made by ``runtime.dist``), the
+   parallel layout and its ``DeviceMesh``, the event log (rank 0 narrates), a fresh
+   generation id agreed by every rank, and its first events (``worker``, ``rendezvous``);
+2. ``equip``: what the steps use: the metrics, the step watchdog, the storage checkpoints,
+   the in-memory tier and its cadence;
+3. ``step_hook``: once the script registered its objects and the loop starts, what every
+   ``step.done()`` runs (``runtime.hook``), from the parts above.
+
+The line between a generation and a process runs here: a ``Generation`` and its ``Parts``
+belong to one membership of the job (its ranks, groups, mesh, id), while the process keeps
+what the script made (the model, the optimizer, what it registered) and its own (the spec,
+the run directory, the drain, the run directory's lock). A worker builds one generation in
+its life today; re-forming the groups in place would build the next one here and hand it the
+same objects.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic_harness import jobkey, runfiles
+from elastic_harness.checkpoint import collective
+from elastic_harness.checkpoint.manager import CheckpointManager
+from elastic_harness.checkpoint.storage import open_storage
+from elastic_harness.checkpoint.where import checkpoint_root
+from elastic_harness.events import EventLog
+from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.memtier.cadence import Cadence
+from elastic_harness.memtier.conduit import local_address
+from elastic_harness.memtier.peer import Wire
+from elastic_harness.memtier.tier import MemoryTier
+from elastic_harness.runtime import dist as hdist
+from elastic_harness.runtime.faults import WorkerFaults
+from elastic_harness.runtime.hook import Keeping, Reporting, Signals, StepHook, Trained
+from elastic_harness.runtime.mesh import build_mesh
+from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.resume import memory_covers_failure, memory_covers_join
+from elastic_harness.runtime.state import TrainState
+from elastic_harness.runtime.timer import ProgressWatchdog
+from elastic_harness.runtime.topology import Topology
+from elastic_harness.spec import JobSpec
+
+
+class NullLog:
+    """The event log of a rank that does not narrate."""
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        return {}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the job, as this process sees it."""
+
+    groups: hdist.Groups  # the training group and the checkpoints' own gloo group
+    topology: Topology  # who this process is: rank, world size, the data-parallel split
+    mesh: Any  # a mesh layout's DeviceMesh, built on every rank; None for DDP and FSDP
+    id: str  # 12 hex digits, the same on every rank (audits, the memory tier's snapshots)
+    log: EventLog  # every rank may report a failure
+    events: Any  # rank 0 narrates: the log there, a ``NullLog`` elsewhere
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the steps of a generation use, besides the script's own objects."""
+
+    metrics: Metrics
+    watchdog: ProgressWatchdog  # re-armed every step, and by checkpoint I/O while bytes move
+    ckpt: CheckpointManager
+    memory: MemoryTier | None  # None: not under our agent, or ``checkpoint.memory_every`` 0
+    cadence: Cadence  # when the next in-memory snapshot is due
+
+
+def join(spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path, topology: Topology,
+         pg_init_s: float) -> Generation:
+    """Collective: this process's generation over ``groups``; its first events said."""
+    mesh = build_mesh(topology, groups.device.type) if topology.kind == "mesh" else None
+    log = EventLog(run_dir / runfiles.EVENTS)
+    events = log if topology.rank == 0 else NullLog()
+    gen = Generation(groups, topology, mesh, agree_generation(groups.ckpt, topology.rank), log, events)
+    _announce(gen, env, run_dir, pg_init_s)
+    return gen
+
+
+def agree_generation(group: Any, rank: int) -> str:
+    """Collective: a fresh id for this worker generation (12 hex digits), the same on every
+    rank: rank 0's random 48 bits, in one tensor broadcast."""
+    drawn = secrets.randbits(48) if rank == 0 else 0
+    return f"{collective.broadcast_ints([drawn], group)[0]:012x}"
+
+
+def _announce(gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) -> None:
+    top = gen.topology
+    gen.log.emit("worker", rank=top.rank, local_rank=env.local_rank, group_rank=env.group_rank,
+                 node=env.node, restart=env.restart_count, world_size=top.world_size)
+    if not env.by_harness and env.restart_count == 0:
+        gen.events.emit("start", who="script", nodes=top.nodes, nproc_per_node=top.nproc_per_node,
+                        run_id=env.run_id, run_dir=str(run_dir))
+    gen.events.emit("rendezvous", generation=gen.id, world_size=top.world_size,
+                    restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
+
+
+def equip(spec: JobSpec, env: WorkerEnv, gen: Generation, run_dir: Path) -> Parts:
+    """The metrics, the step watchdog (one per process: the loop re-arms it every step, and
+    checkpoint I/O while bytes move: a big save or load is slow, not stuck), the storage
+    checkpoints and the in-memory tier, signed and sealed with the job's key."""
+    metrics = Metrics(gen.events, run_dir, tensorboard=spec.metrics.tensorboard, main=gen.topology.rank == 0)
+    watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
+    key = jobkey.read(jobkey.key_path(run_dir, {jobkey.KEY_FILE_VAR: env.key_file}))
+    ckpt = _checkpoints(spec, run_dir, gen, watchdog, key)
+    memory = _memory_tier(spec, env, gen, key)
+    cadence = Cadence(spec.checkpoint.memory_every, spec.checkpoint.memory_budget, spec.checkpoint.memory_probe)
+    return Parts(metrics, watchdog, ckpt, memory, cadence)
+
+
+def _checkpoints(spec: JobSpec, run_dir: Path, gen: Generation, watchdog: ProgressWatchdog,
+                 key: bytes) -> CheckpointManager:
+    """The job's storage checkpoints, every rank's part in them (DCP over the checkpoint
+    group); checkpoint I/O re-arms the step watchdog while bytes move."""
+    return CheckpointManager(
+        open_storage(checkpoint_root(spec.checkpoint.dir, run_dir)), spec.checkpoint,
+        rank=gen.topology.rank, world_size=gen.topology.world_size, group=gen.groups.ckpt, events=gen.events,
+        info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
+        on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group),
+        key=key,
+        optional_keys=TrainState.OPTIONAL_KEYS,
+    )
+
+
+def _memory_tier(spec: JobSpec, env: WorkerEnv, gen: Generation, key: bytes) -> MemoryTier | None:
+    """The in-memory tier when our agent runs this worker and the job wants it. The same on
+    every rank (restoring is collective): a rank whose slots cannot be opened has none.
+
+    Its rank and world size are processes, not data-parallel ones: every process holds its
+    own slots and takes part in the restore's collectives on the checkpoint group, and a
+    snapshot names the process that wrote it (a tensor-parallel rank's state is its own)."""
+    if not (env.by_harness and spec.checkpoint.memory_every > 0):
+        return None
+    top, log = gen.topology, gen.log
+    return MemoryTier.open(env.memory, env.local_rank, rank=top.rank, world_size=top.world_size,
+                           wire=Wire.of(gen.groups.ckpt, top.world_size),
+                           warn=lambda message: log.emit("warning", message=message),
+                           local_size=env.local_world_size, generation=int(gen.id, 16),
+                           link_key=key if spec.checkpoint.memory_buddy else None,
+                           link_host=local_address(env.master_addr))
+
+
+def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, parts: Parts, trained: Trained,
+              drain: Any) -> StepHook:
+    """What every ``step.done()`` runs (``runtime.hook``): the generation's parts, the
+    script's registered objects, the drain's requests and the job's scheduled faults."""
+    top = gen.topology
+    faults = WorkerFaults(spec.chaos, rank=top.rank, node=env.node, local_rank=env.local_rank,
+                          marker_dir=run_dir / runfiles.CHAOS, events=gen.log, agent=env.agent_pid or os.getppid())
+    covered = memory_covers_join(parts.memory, trained.model, trained.state, topology=top)
+    on_failure = memory_covers_failure(parts.memory, trained.model, top.world_size,
+                                       spec.checkpoint.memory_on_failure)
+    return StepHook(
+        spec, top, trained,
+        Keeping(parts.ckpt, parts.memory, parts.cadence, join_in_memory=covered, on_failure=on_failure),
+        Signals(lambda: drain.requested, lambda: drain.stop, parts.watchdog, faults),
+        Reporting(gen.events, parts.metrics, env.restart_count))
+
+
+def job_identity(spec: JobSpec) -> str:
+    """What a checkpoint records as its producer: the task target, or the script's name."""
+    return spec.task.target or f"script:{Path(spec.script.path).name}"

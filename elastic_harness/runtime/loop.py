@@ -1,0 +1,163 @@
+"""The loop behind ``run.steps()``: one ``Step`` per remaining update of the job.
+
+One loop runs the whole job (every epoch). A script may leave it early (a ``break`` after
+``step.done()``) and call ``run.steps()`` again: the next loop continues with the next step,
+from the same data position. ``Loop`` keeps what that needs across calls: the open loop, the
+step it yielded last, whether the job's last step was done in this process and where the
+script left a loop. Call order: ``start`` per ``run.steps()``; ``close`` from ``run.close``.
+
+Each loop, on its first step, binds the data (after resuming, ``Run``'s part) and builds the
+step hook; every step then re-arms the step watchdog, seeds the step's randomness, writes its
+sample record (``train.record_samples``) and hands the script its ``Step``. After the last step
+it runs the hook's ``finish`` (the final save, the digest, the ``finish`` event); after a drain,
+``SystemExit(DRAIN_EXIT)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic_harness import runfiles
+from elastic_harness.errors import UsageError
+from elastic_harness.memtier.cadence import Cadence
+from elastic_harness.runtime.audit import record_samples
+from elastic_harness.runtime.hook import StepHook
+from elastic_harness.runtime.seeding import seed_everything, step_seed
+from elastic_harness.runtime.state import TrainState
+from elastic_harness.runtime.step import Step
+from elastic_harness.runtime.timer import ProgressWatchdog
+from elastic_harness.runtime.topology import Topology
+from elastic_harness.spec import JobSpec
+
+DRAIN_EXIT = 128 + signal.SIGTERM
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Where this rank writes its sample records (``train.record_samples``) and what each
+    names besides the step: the generation and this rank's place in the layout."""
+
+    path: Path
+    generation: str
+    topology: Topology
+
+    @classmethod
+    def of(cls, spec: JobSpec, run_dir: Path, generation: str, topology: Topology) -> Samples | None:
+        if not spec.train.record_samples:
+            return None
+        (run_dir / runfiles.SAMPLES).mkdir(exist_ok=True)
+        return cls(run_dir / runfiles.SAMPLES / f"rank-{topology.rank}.jsonl", generation, topology)
+
+    def record(self, step: Step, meta: Any) -> None:
+        top = self.topology
+        record_samples(self.path, self.generation, step.number, top.rank, top.world_size, step.plan, meta,
+                       dp_rank=top.dp_rank(), dp_size=top.dp_degree)
+
+
+class Loop:
+    """The script's ``run.steps()`` loops over one job (the module docstring)."""
+
+    def __init__(self, spec: JobSpec, train: TrainState, watchdog: ProgressWatchdog, cadence: Cadence,
+                 rank: int) -> None:
+        self.spec, self.train, self.watchdog, self.cadence, self.rank = spec, train, watchdog, cadence, rank
+        self.current: Iterator[Step] | None = None  # the open loop
+        self.yielded: Step | None = None  # the step it yielded last
+        self.done = False  # the job's last step was done in this process
+        self.left_at: int | None = None  # the step after which the script left a loop (a break)
+
+    def start(self, bind: Callable[[], Any], hook: Callable[[], StepHook], samples: Callable[[], Samples | None]
+              ) -> Iterator[Step]:
+        """A new loop: ``bind()`` resumes and returns the loader of each step's share, ``hook()``
+        what every ``step.done()`` runs, ``samples()`` where sample records go (None: nowhere);
+        all three are called on the loop's first step, in that order."""
+        self._check_new()
+        self.current = self._run(bind, hook, samples)
+        return self.current
+
+    def close(self) -> None:
+        """End the open loop (a loop the script left: its loader processes stop)."""
+        if self.current is not None:
+            self.current.close()
+
+    def unfinished(self, *, quiet: bool, drain_requested: bool) -> str | None:
+        """At ``run.close``: the warning a script that left its loop early is owed (the job is
+        not finished, and its end must not read as a failure without a reason), or None. Not
+        when the loop ended for a reason said elsewhere: closing on the way down (``quiet``),
+        an exception on its way through ``close`` (a script's ``finally``, the task loop's),
+        or a drain or stop the agent asked for."""
+        at, steps = self.left_at, self.spec.train.steps
+        failing = sys.exc_info()[1] is not None
+        if quiet or failing or drain_requested or self.done or at is None or at >= steps:
+            return None
+        return (f"the script left its run.steps() loop after step {at} of train.steps={steps} and closed the "
+                f"run: the job is not finished ({steps - at} steps were not trained); running the job again "
+                "continues from its last checkpoint")
+
+    def _check_new(self) -> None:
+        """Refuse a loop that would silently train nothing, or two loops at once; end the
+        loop the script left (its loader processes stop)."""
+        if self.done:
+            raise UsageError(
+                f"run.steps() was called again after all train.steps={self.spec.train.steps} updates were "
+                "done: one run.steps() loop runs the whole job, every epoch, so this one has nothing to train",
+                "loop over run.steps() once (derive an epoch from step.number, docs/script-api.md); to train "
+                "longer, raise train.steps and run the job again: it resumes")
+        step = self.yielded
+        if self.current is not None and step is not None and not step.finished and not step.drained \
+                and _suspended(self.current):
+            raise UsageError(f"run.steps() was called inside the loop body of step {step.number}",
+                             "finish the step with step.done() and leave the loop before starting another")
+        self.close()
+
+    def _run(self, bind: Callable[[], Any], hook_of: Callable[[], StepHook],
+             samples_of: Callable[[], Samples | None]) -> Iterator[Step]:
+        spec, train, watchdog = self.spec, self.train, self.watchdog
+        loader = bind()
+        hook = hook_of()
+        samples = samples_of()
+        self.cadence.start(train.step)
+        try:
+            while train.step < spec.train.steps:
+                watchdog.arm()
+                step = self._next_step(hook, loader, samples)
+                self.yielded = step
+                yield step
+                if not step.finished:
+                    raise UsageError(f"the loop body of step {step.number} did not call step.done()",
+                                     "call step.done() at the end of every iteration")
+                if step.drained:
+                    raise SystemExit(DRAIN_EXIT)
+            watchdog.disarm()
+            hook.finish()
+            self.done = True
+        except GeneratorExit:  # the script left the loop (a break): a later steps() goes on
+            self.left_at = train.step
+            raise
+        finally:
+            watchdog.disarm()
+            hook.close()
+            loader.close()
+
+    def _next_step(self, hook: StepHook, loader: Any, samples: Samples | None) -> Step:
+        """The next step: its share of the data, its seed, and (``train.record_samples``) its
+        line in the sample log, written before the step's compute, not in its hook: a step
+        whose gradients were reduced then has every rank's line, even when a node dies right
+        after (its peers may restore that step from memory)."""
+        train = self.train
+        plan, batches = loader.next_step()
+        seed_everything(step_seed(self.spec.train.seed, train.step, self.rank))
+        step = Step(hook, train.step + 1, plan, batches)
+        if samples is not None:
+            samples.record(step, loader.meta)
+        return step
+
+
+def _suspended(loop: Iterator[Step]) -> bool:
+    """Is ``loop`` (a generator) paused at a ``yield``, i.e. the script is in its body?"""
+    return inspect.getgeneratorstate(loop) == inspect.GEN_SUSPENDED  # type: ignore[arg-type]
