@@ -21,6 +21,7 @@ class Lines:
     def __init__(self) -> None:
         self._by_pid: dict[int, socket.socket] = {}
         self.heard: dict[int, list[dict[str, Any]]] = {}  # by pid, in order, until ``take``n
+        self.live: set[int] = set()  # workers that said ``live``: they keep their process through a fault
 
     @staticmethod
     def open_line() -> tuple[socket.socket, socket.socket]:
@@ -71,12 +72,16 @@ class Lines:
                     if isinstance(msg, dict):
                         got.append((pid, msg))
                         self.heard.setdefault(pid, []).append(msg)
+                        if msg.get("op") == "live":
+                            self.live.add(pid)
         return got
 
     def take(self, pid: int) -> list[dict[str, Any]]:
         return self.heard.pop(pid, [])
 
     def drop(self, pid: int) -> None:
+        self.live.discard(pid)
+        self.heard.pop(pid, None)
         sock = self._by_pid.pop(pid, None)
         if sock is not None:
             sock.close()

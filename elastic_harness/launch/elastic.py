@@ -444,8 +444,10 @@ def first_failure(result: RunResult) -> str:
 
 def await_parked(lines: Any, live: dict[int, int], zygote: Zygote | None, bound_s: float) -> set[int]:
     """The pids among ``live`` that said ``parked`` on their line within ``bound_s`` (or had
-    said it already), the rest being given that long; a worker that exits meanwhile is not."""
-    wanted = set(live.values())
+    said it already), the rest being given that long; a worker that exits meanwhile, or that
+    never said it is ``live`` (a script that does not use the harness's groups), is not."""
+    lines.hear()
+    wanted = {pid for pid in live.values() if pid in lines.live}
     parked = {pid for pid in wanted if any(m.get("op") == "parked" for m in lines.heard.get(pid, []))}
     deadline = time.monotonic() + bound_s
     while parked != wanted:

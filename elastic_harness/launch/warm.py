@@ -130,6 +130,7 @@ class WarmContext(ContextBase):
         pid = self.keep.kept.pop(local_rank, None)
         if pid is None or pid in self.zygote.exits:
             return False
+        self.keep.lines.take(pid)  # what it said in the last generation (its ``parked``) is done
         if not self.keep.lines.say(pid, "reform", env=self.envs[local_rank]):
             self.zygote.signal(pid, signal.SIGKILL)  # its line is gone: it cannot be re-formed
             return False

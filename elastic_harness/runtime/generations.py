@@ -10,10 +10,11 @@ process:
    (nothing raises in the training code), connections close, so a collective blocked on a
    lost or frozen peer returns now.
 2. ``reform(store, rank, world_size, tag)``: collective over the new membership: each
-   group gets a backend of the new generation on ``store`` under ``tag``, in the order they
-   were made. A group over every rank takes the new rank and size; any other group (a
-   mesh's) only at an unchanged world size and rank, else it is ``stale``: the objects
-   built on it (a mesh) must be built again (``needs_rerun``).
+   group over every rank (the default group, the checkpoint group) gets a backend of the new
+   generation on ``store`` under ``tag``, in the order they were made, at the new rank and
+   size. Any other group (a mesh's) is ``stale`` from then on: what was built on it is
+   built again (the training function runs again, ``runtime.inplace``), as a new worker of
+   the generation builds it, and with it its groups.
 
 Keys: a group's backend meets its peers under ``TAG/MEMBERS/N/`` of the generation's store
 (``key_of``): its members (global ranks; ``w`` and the size for a group over every rank) and
@@ -31,10 +32,11 @@ A collective's failure anywhere in the generation is ``broken`` (first reason), 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -51,6 +53,7 @@ class Generations:
         self.tag = ""
         self.store: dist.Store | None = None  # the generation's store (``begin``/``reform``)
         self._broken_said = False
+        self._raising = False
         self._lock = threading.Lock()
         self.on_broken: Callable[[str], None] = lambda reason: None
 
@@ -71,6 +74,7 @@ class Generations:
         lineage.members = ("w",) if spans else members
         lineage.occurrence = sum(1 for other, _ in self.made if not other.stale and other.members == lineage.members)
         lineage.on_broken = self._broke
+        lineage.raises = self._raising
         inner = tg.build_inner(self._keys(lineage, size), rank, size, options.timeout, self.cuda)
         group = tg.make_group(lineage, inner)
         self.made.append((lineage, group))
@@ -101,27 +105,32 @@ class Generations:
         for lineage, _ in self.made:
             lineage.leave(reason)
 
-    def needs_rerun(self, rank: int, world_size: int) -> bool:
-        """Would ``reform`` at this membership leave a group of a mesh stale?"""
-        same = (rank, world_size) == (self.rank, self.world_size)
-        return not same and any(not lineage.spans_world and not lineage.stale for lineage, _ in self.made)
+    @contextlib.contextmanager
+    def raising(self) -> Iterator[None]:
+        """Groups made inside this block raise on a failed collective (the checkpoint group:
+        a save must fail, never commit), instead of completing it as it is."""
+        self._raising = True
+        try:
+            yield
+        finally:
+            self._raising = False
+
+    def meshed(self) -> bool:
+        """Does this process hold a group that is not over every rank (a mesh's)?"""
+        return any(not lineage.spans_world and not lineage.stale for lineage, _ in self.made)
 
     def reform(self, store: dist.Store, rank: int, world_size: int, tag: str) -> list[str]:
-        """Collective over the new membership: every live group's next generation. The
-        names of the groups left stale (a mesh's, at a new world size)."""
-        same = (rank, world_size) == (self.rank, self.world_size)
+        """Collective over the new membership: every group over every rank gets its next
+        generation; the names of the other groups, left stale (module doc)."""
         stale: list[str] = []
         replaced: list[tg.LiveGroup] = []
         for lineage, first in self.made:
             if lineage.stale:
                 continue
-            if lineage.spans_world:
-                r, s = rank, world_size
-            elif same:
-                r, s = lineage.rank, lineage.size
-            else:
+            r, s = rank, world_size
+            if not lineage.spans_world:
                 lineage.stale = True
-                lineage.leave("its mesh was built for another world size")
+                lineage.leave("a mesh group is built again in a new generation")
                 stale.append(lineage.name)
                 continue
             if lineage.inner is not None:  # left already on a fault; not on a planned change

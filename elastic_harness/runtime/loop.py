@@ -11,6 +11,12 @@ step hook; every step then re-arms the step watchdog, seeds the step's randomnes
 sample record (``train.record_samples``) and hands the script its ``Step``. After the last step
 it runs the hook's ``finish`` (the final save, the digest, the ``finish`` event); after a drain,
 ``SystemExit(DRAIN_EXIT)``.
+
+In place (``in_place``: the run's in-place recovery, ``runtime.inplace``): a step whose
+generation broke is thrown away (the hook counted nothing of it, ``Step.thrown``), and so is a
+loop about to start a step on a broken generation; the run's ``recover`` then parks and
+re-forms, and the loop binds the data again (a resume first) and builds its hook anew for the
+next generation, or the recovery unwinds the training function (``Rerun``).
 """
 
 from __future__ import annotations
@@ -70,6 +76,17 @@ class Loop:
         self.yielded: Step | None = None  # the step it yielded last
         self.done = False  # the job's last step was done in this process
         self.left_at: int | None = None  # the step after which the script left a loop (a break)
+        self._broken: Callable[[], bool] = lambda: False
+        self._recover: Callable[[], None] | None = None
+
+    def in_place(self, broken: Callable[[], bool], recover: Callable[[], None]) -> None:
+        """A fault may be recovered in place: ``broken()`` says the generation broke,
+        ``recover()`` parks and re-forms (or raises ``Rerun``)."""
+        self._broken, self._recover = broken, recover
+
+    def rebind(self, watchdog: ProgressWatchdog, cadence: Cadence, rank: int) -> None:
+        """The parts of the generation a recovery in place made."""
+        self.watchdog, self.cadence, self.rank = watchdog, cadence, rank
 
     def start(self, bind: Callable[[], Any], hook: Callable[[], StepHook], samples: Callable[[], Samples | None]
               ) -> Iterator[Step]:
@@ -117,14 +134,21 @@ class Loop:
 
     def _run(self, bind: Callable[[], Any], hook_of: Callable[[], StepHook],
              samples_of: Callable[[], Samples | None]) -> Iterator[Step]:
-        spec, train, watchdog = self.spec, self.train, self.watchdog
+        spec, train = self.spec, self.train
         loader = bind()
         hook = hook_of()
         samples = samples_of()
         self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
-                watchdog.arm()
+                if self._recover is not None and self._broken():
+                    hook.close()
+                    loader.close()
+                    self._recover()  # parked, re-formed here (or a Rerun unwinds the function)
+                    loader, hook, samples = bind(), hook_of(), samples_of()
+                    self.cadence.start(train.step)
+                    continue
+                self.watchdog.arm()
                 step = self._next_step(hook, loader, samples)
                 self.yielded = step
                 yield step
@@ -133,14 +157,14 @@ class Loop:
                                      "call step.done() at the end of every iteration")
                 if step.drained:
                     raise SystemExit(DRAIN_EXIT)
-            watchdog.disarm()
+            self.watchdog.disarm()
             hook.finish()
             self.done = True
         except GeneratorExit:  # the script left the loop (a break): a later steps() goes on
             self.left_at = train.step
             raise
         finally:
-            watchdog.disarm()
+            self.watchdog.disarm()
             hook.close()
             loader.close()
 

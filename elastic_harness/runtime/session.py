@@ -70,7 +70,7 @@ from elastic_harness.data.sampler import DataState
 from elastic_harness.errors import HarnessError, UsageError
 from elastic_harness.launch.env import JOIN_SIGNAL, WorkerEnv
 from elastic_harness.rundir import check_paths
-from elastic_harness.runtime import build, failures, precision
+from elastic_harness.runtime import build, failures, inplace, precision
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime.buffers import BufferSync
@@ -123,15 +123,18 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
             check_paths(Path(run_dir), spec)
     except HarnessError as e:
         _refuse(e, env)
+    recovery = inplace.install(spec, env)  # None: every fault restarts this worker
     t0 = time.perf_counter()
-    groups = hdist.init(env, spec.device, spec.timeouts.process_group)
+    groups = hdist.init(env, spec.device, spec.timeouts.process_group,
+                        live=recovery.gens if recovery is not None else None)
     pg_init_s = time.perf_counter() - t0
     try:
         claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
     except HarnessError as e:
         hdist.destroy(groups)
         _refuse(e, env)
-    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology,
+                  recovery=recovery)
     _ACTIVE.argv = rest
     return _ACTIVE
 
@@ -215,13 +218,16 @@ class Run:
     loops are ``runtime.loop``'s."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
-                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None) -> None:
+                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None,
+                 recovery: inplace.Recovery | None = None) -> None:
         self.spec, self.env, self.run_dir = spec, env, Path(run_dir)
+        self.recovery = recovery  # in-place recovery of this process (``runtime.inplace``), or None
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.closed = False
         topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
-        self.gen = build.join(spec, env, groups, self.run_dir, topology, pg_init_s)
+        agreed = recovery.take_agreed() if recovery is not None else None  # a rerun: shaken already
+        self.gen = build.join(spec, env, groups, self.run_dir, topology, pg_init_s, agreed=agreed)
         # What a script reads: the parallel layout (runtime.topology), a mesh layout's
         # DeviceMesh, the device, and who this process is among all of them (collectives,
         # files, events; the data split, the loss scale and evaluation use the data-parallel
@@ -240,6 +246,8 @@ class Run:
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._kept: int | None = None  # the step kept in memory on a failure (``_keep_on_failure``)
         self._loop = Loop(spec, self._train, self.parts.watchdog, self.parts.cadence, self.rank)
+        if recovery is not None:
+            self._loop.in_place(lambda: recovery.broken() is not None, self._recover)
         self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does. ``close`` at the interpreter's exit.
@@ -412,9 +420,57 @@ class Run:
         finally:
             self.drain.restore()
             sys.excepthook = self._previous_hook
-            hdist.destroy(self.groups)
+            if not self._reruns():
+                hdist.destroy(self.groups)
             if self.claim is not None:
                 self.claim.release()
+
+    # ----- a fault, in place (``runtime.inplace``) ---------------------------------------
+    def _reruns(self) -> bool:
+        """Is this run closing because its training function runs again in this process (a
+        ``Rerun`` on its way, or an exception while its generation is broken)? Then the
+        groups stay: the re-formation made them for the next generation."""
+        exc = sys.exc_info()[1]
+        return self.recovery is not None and (isinstance(exc, inplace.Rerun) or (
+            isinstance(exc, Exception) and self.recovery.broken() is not None))
+
+    def _recover(self) -> None:
+        """The generation broke under the loop (``runtime.loop``): keep the step the tier
+        was armed with, park, take the next place; then re-point this run at it and let the
+        loop go on, or unwind the training function to run it again (``Rerun``)."""
+        recovery, memory = self.recovery, self.parts.memory
+        kept = memory.keep_armed() if memory is not None and self._kept is None else self._kept
+        self.parts.watchdog.disarm()  # parked: no step is due
+        meshed = recovery.gens.meshed() or self.mesh is not None
+        env, hand = recovery.reform(recovery.park(self._train.step, kept), self.spec.timeouts.process_group)
+        if inplace.how(hand, parallelism=self.spec.parallelism, meshed=meshed) == inplace.RERUN:
+            raise inplace.Rerun()
+        self._repoint(env, hand)
+
+    def _repoint(self, env: WorkerEnv, hand: inplace.Handshake) -> None:
+        """Every member of the new generation is a survivor and the layout is DDP: the same
+        objects go on in it (the model re-pointed at the resized default group, its reducer
+        reset); what a generation builds is built for it (``runtime.build``); the loop then
+        resumes from memory and binds the data at the new split."""
+        from elastic_harness.torchcompat.groups import repoint_ddp
+
+        old = self.parts
+        self.env, topology = env, Topology.from_env(env, self.spec.parallelism)
+        self.gen = build.join(self.spec, env, self.groups, self.run_dir, topology, 0.0, agreed=hand)
+        self.topology, self.rank, self.world_size = topology, topology.rank, topology.world_size
+        for close in (old.ckpt.close, old.metrics.close, old.memory.close if old.memory is not None else None):
+            if close is not None:
+                close()
+        self.parts = build.equip(self.spec, env, self.gen, self.run_dir)
+        trained = self._trained
+        if trained is not None:
+            repoint_ddp(trained.model, dist.group.WORLD)
+            replicas = (ReplicaCheck(trained.model, self.groups.ckpt, self.world_size)
+                        if trained.replicas is not None else None)
+            self._trained = Trained(trained.state, trained.train, trained.model, trained.optimizer, trained.scaler,
+                                    BufferSync.of(trained.model, topology.dp_degree), replicas)
+        self._resumed, self._kept = False, None
+        self._loop.rebind(self.parts.watchdog, self.parts.cadence, self.rank)
 
     def __enter__(self) -> Run:
         return self

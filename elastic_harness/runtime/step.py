@@ -43,6 +43,8 @@ class Owner(Protocol):
 
     def start_vote(self, step: Step) -> None: ...
 
+    def after_backward(self) -> None: ...
+
     def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
 
@@ -67,6 +69,7 @@ class Step:
         self.backwards = 0
         self.finished = False
         self.drained = False
+        self.thrown = False  # its generation broke: nothing of it was counted (``runtime.inplace``)
         self.shared: Any = None  # the step's vote all-reduce, once launched (``StepHook.start_vote``)
 
     @property
@@ -127,6 +130,7 @@ class Step:
         scaler = self.hook.scaler
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         self.backwards += 1
+        self.hook.after_backward()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``, or the GradScaler's step and update under fp16."""

@@ -133,7 +133,10 @@ def build_inner(store: dist.Store, rank: int, size: int, timeout: dt.timedelta,
 
 class HeldWork(dist._Work):
     """A collective's work, completed when its inner work completes or when the lineage
-    leaves its generation. Never raises: a failure marks the lineage broken instead."""
+    leaves its generation. A failure marks the lineage broken; it raises only on a lineage
+    that ``raises`` (the harness's checkpoint group: a save must fail, not commit), else the
+    work completes with its tensors as they are (the training code runs on; the step is
+    thrown away)."""
 
     def __init__(self, lineage: Lineage, result: Any) -> None:
         super().__init__()
@@ -167,10 +170,15 @@ class HeldWork(dist._Work):
             self.failed = True
             self._lineage.broke(error)
         self._done.set()
-        self._future.set_result(self._result)
+        if self.failed and self._lineage.raises:
+            self._future.set_exception(RuntimeError(f"collective failed: {self._lineage.broken}"))
+        else:
+            self._future.set_result(self._result)
 
     def wait(self, timeout: dt.timedelta | None = None) -> bool:
         self._done.wait()
+        if self.failed and self._lineage.raises:
+            raise RuntimeError(f"collective failed: {self._lineage.broken}")
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -198,6 +206,7 @@ class Lineage:
         self.spans_world = spans_world  # made over every rank: re-formable at any world size
         self.members: tuple = ()  # its global ranks (("w",) for every rank), for its keys
         self.occurrence = 0  # how many live groups of the same members were made before it
+        self.raises = False  # a failed work raises (the checkpoint group) instead of completing
         self.inner: Inner | None = None
         self.current: LiveGroup | None = None
         self.broken: str | None = None  # why the current generation cannot be used
@@ -221,7 +230,7 @@ class Lineage:
         with self._lock:
             pending = list(self._pending)
         for work in pending:
-            work.complete(None)
+            work.complete(f"left: {reason}" if self.raises else None)
         if inner is not None:
             inner.end()
         return inner
@@ -241,7 +250,7 @@ class Lineage:
             self._pending.add(work)
         inner = self.inner
         if inner is None or self.broken is not None or self.stale:
-            work.complete(None if self.broken else "the group has no backend (between generations)")
+            work.complete(self.broken or "the group has no backend (between generations)")
             return work
         try:
             return work.follow(launch(inner.for_device(device_type)))
