@@ -243,6 +243,7 @@ def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: C
     timer_server.judge = StallJudge(launch.spec.rdzv_handler)
     timer_server.on_verdict = verdict_reporter(events, node, rank_of, last_step)
     timer_server.on_stall = stall
+    timer_server.leave = launch.agent.leave_on_verdict
 
 
 def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
@@ -254,8 +255,8 @@ def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int |
         rank = rank_of(pid)
         events.emit("failure", cause="node-lost", fatal=False, rank=rank, node=node, step=last_step(),
                     seconds=round(stalled_s, 3), gone=sorted(str(n) for n in found.gone),
-                    message=(f"rank {rank if rank is not None else '?'} stopped: the group cannot go on "
-                             f"({found.reason}); the group restarts without the nodes gone"))
+                    message=(f"rank {rank if rank is not None else '?'} left its step: the group cannot go on "
+                             f"({found.reason}); the group re-forms without the nodes gone"))
 
     return report
 
@@ -286,8 +287,8 @@ def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
     """The agent's account of its worker group (``launch.elastic.HarnessAgent``'s report)."""
 
-    def report(state: str, restart: int) -> None:
-        events.emit("workers", node=node, state=state, restart=restart, warm=warm)
+    def report(state: str, restart: int, **fields: Any) -> None:
+        events.emit("workers", node=node, state=state, restart=restart, warm=warm, **fields)
 
     return report
 

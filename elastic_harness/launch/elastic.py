@@ -78,7 +78,7 @@ from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
-Report = Callable[[str, int], None]
+Report = Callable[..., None]  # (state, restart, **fields): a ``workers`` event
 
 # torch's own sleep between two passes of its monitor loop (``WorkerSpec.monitor_interval``).
 # The agent's interval (``timeouts.monitor_interval``) is waited out in ``monitor_workers``
@@ -104,6 +104,7 @@ class HarnessAgent(AgentBase):
         self._keep = Keep() if in_place and zygote is not None else None
         self._park_bound_s = park_bound_s
         self._leave_reason: str | None = None  # a peer's failure this group must leave for (in place)
+        self._verdict: str | None = None  # the watchdog's verdict this group must leave for (in place)
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
@@ -161,8 +162,8 @@ class HarnessAgent(AgentBase):
         state = self.worker_group.state.name
         return agent_health(state, time.monotonic() - self._last_monitor, self._quiet_bound_s)
 
-    def _phase(self, state: str) -> None:
-        self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts)
+    def _phase(self, state: str, **fields: Any) -> None:
+        self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts, **fields)
 
     def start_workers(self, worker_group: Any) -> dict[int, int]:
         if self._zygote is None:
@@ -174,10 +175,15 @@ class HarnessAgent(AgentBase):
                 self._keep.discard(self._zygote)  # kept workers no local rank took (none expected)
         self.formed = True
         self._broken = False
-        self._leave_reason = None
+        self._leave_reason = self._verdict = None
         if self.pcontext is not None:
             bound_failure_close(self.pcontext, failed_stop_grace(self.shutdown_grace))
-        self._phase("started")
+        adopted = getattr(self.pcontext, "adopted", {})
+        if adopted:  # in place: which workers kept their process, which were started anew
+            self._phase("started", kept=sorted(adopted.values()),
+                        forked=sorted(set(pids.values()) - set(adopted.values())))
+        else:
+            self._phase("started")
         return pids
 
     def rank_of(self, pid: int) -> int | None:
@@ -256,7 +262,8 @@ class HarnessAgent(AgentBase):
         self._last_monitor = time.monotonic()
         self._tick()
         self._hear_workers(worker_group)
-        if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
+        if worker_group.state == WorkerState.HEALTHY and not self._broken and (self._round_broken() or self._verdict):
+            self._leave_reason = self._leave_reason or self._verdict
             self._stop_broken_group(worker_group)
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
@@ -269,7 +276,7 @@ class HarnessAgent(AgentBase):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed:
+        if failed and (result.failures or self._keep is None):  # in place, a peer's failure is said where it failed
             self._on_failure({**exit_account(result.failures), "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
         if failed and crashed(result) and hasattr(handler, "group_failed"):
@@ -309,6 +316,17 @@ class HarnessAgent(AgentBase):
             self.pcontext.leave(self._leave_reason or "a peer's group failed")
             return
         self._kill_workers()
+
+    def leave_on_verdict(self, pid: int, reason: str) -> bool:
+        """The step watchdog's verdict on a stalled worker (a peer is gone, ``launch.stall``;
+        its thread): in place, every worker of the group leaves its step and the group
+        re-forms without the peer; False (kill it, as before) when this worker cannot."""
+        keep = self._keep
+        if keep is None or pid not in keep.lines.live:
+            return False
+        self._verdict = reason
+        self.nudge()
+        return True
 
     def _hear_workers(self, worker_group: Any) -> None:
         """In place: what the workers said on their lines. A ``broken`` (a collective of theirs

@@ -43,7 +43,7 @@ from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.hook import Keeping, Reporting, Signals, StepHook, Trained
-from elastic_harness.runtime.inplace import Handshake, shake
+from elastic_harness.runtime.inplace import Handshake, how, shake
 from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.resume import memory_covers_failure, memory_covers_join
@@ -93,11 +93,11 @@ def join(spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path, top
     log = EventLog(run_dir / runfiles.EVENTS)
     events = log if topology.rank == 0 else NullLog()
     gen = Generation(groups, topology, mesh, hand.id, log, events, hand)
-    _announce(gen, env, run_dir, pg_init_s)
+    _announce(spec, gen, env, run_dir, pg_init_s)
     return gen
 
 
-def _announce(gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) -> None:
+def _announce(spec: JobSpec, gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) -> None:
     top = gen.topology
     gen.log.emit("worker", rank=top.rank, local_rank=env.local_rank, group_rank=env.group_rank,
                  node=env.node, restart=env.restart_count, world_size=top.world_size)
@@ -106,6 +106,11 @@ def _announce(gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) 
                         run_id=env.run_id, run_dir=str(run_dir))
     gen.events.emit("rendezvous", generation=gen.id, world_size=top.world_size,
                     restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
+    hand = gen.shake
+    if hand is not None and hand.kept:  # some ranks came with the process they had (in place)
+        gen.events.emit("recovery", generation=gen.id, mode=how(hand, spec.parallelism), kept=list(hand.kept),
+                        new=[pid for pid, new in zip(hand.pids, hand.new, strict=True) if new],
+                        world_size=top.world_size)
 
 
 def equip(spec: JobSpec, env: WorkerEnv, gen: Generation, run_dir: Path) -> Parts:

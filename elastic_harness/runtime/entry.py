@@ -80,7 +80,7 @@ def _runs_again(exc: BaseException, spec) -> bool:
         step = run.step if run is not None else 0
         if run is not None and not run.closed:
             run.close()
-        recovery.reform(recovery.park(step, None), spec.timeouts.process_group)
+        recovery.reform(recovery.park(step, None), spec)
         return True
     if isinstance(exc, inplace.Rerun):
         run = session.active()

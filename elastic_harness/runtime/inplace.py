@@ -94,12 +94,10 @@ def shake(group: Any, rank: int, world_size: int, *, new: bool) -> Handshake:
     return Handshake(f"{rows[0][2]:012x}", tuple(r[0] for r in rows), tuple(bool(r[1]) for r in rows))
 
 
-def how(handshake: Handshake, *, parallelism: Any, meshed: bool) -> str:
-    """Pure: how the survivors go on (module doc): ``repoint`` only when nobody is new, the
-    layout is DDP and no mesh was built; else ``rerun``."""
-    if handshake.newcomers == 0 and parallelism == "ddp" and not meshed:
-        return REPOINT
-    return RERUN
+def how(handshake: Handshake, parallelism: Any) -> str:
+    """Pure: how the survivors go on (module doc): ``repoint`` only when nobody is new and
+    the layout is DDP (which builds no mesh); else ``rerun``."""
+    return REPOINT if handshake.newcomers == 0 and parallelism == "ddp" else RERUN
 
 
 def worker_vars(env: Mapping[str, str]) -> dict[str, str]:
@@ -156,20 +154,27 @@ class Recovery:
                          .get(order.get("op", ""), "unexpected order"))
         return worker_vars(order["env"])
 
-    def reform(self, variables: dict[str, str], timeout_s: float) -> tuple[WorkerEnv, Handshake]:
+    def reform(self, variables: dict[str, str], spec: Any) -> tuple[WorkerEnv, Handshake]:
         """Take the new place: the environment, the store, the groups over every rank, the
-        handshake (collective, with the generation's new workers)."""
+        handshake (collective, with the generation's new workers); its ``reformed`` event."""
+        from pathlib import Path
+
+        from elastic_harness import runfiles
+        from elastic_harness.events import EventLog
         from elastic_harness.runtime import dist as hdist
 
         t0 = time.monotonic()
         os.environ.update(variables)
         env = WorkerEnv.from_environ()
-        store = hdist.generation_store(env, timeout_s)
+        store = hdist.generation_store(env, spec.timeouts.process_group)
         self.gens.reform(store, env.rank, env.world_size, generations.tag_of(env.master_port))
         self.survivor = True
         self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False)
         self.phases["reform"] = round(time.monotonic() - t0, 4)
         self._since = 0.0
+        if env.run_dir:
+            EventLog(Path(env.run_dir) / runfiles.EVENTS).emit(
+                "reformed", rank=env.rank, mode=how(self.agreed, spec.parallelism), phases_s=dict(self.phases))
         return env, self.agreed
 
     def take_agreed(self) -> Handshake | None:

@@ -441,9 +441,8 @@ class Run:
         recovery, memory = self.recovery, self.parts.memory
         kept = memory.keep_armed() if memory is not None and self._kept is None else self._kept
         self.parts.watchdog.disarm()  # parked: no step is due
-        meshed = recovery.gens.meshed() or self.mesh is not None
-        env, hand = recovery.reform(recovery.park(self._train.step, kept), self.spec.timeouts.process_group)
-        if inplace.how(hand, parallelism=self.spec.parallelism, meshed=meshed) == inplace.RERUN:
+        env, hand = recovery.reform(recovery.park(self._train.step, kept), self.spec)
+        if inplace.how(hand, self.spec.parallelism) == inplace.RERUN:
             raise inplace.Rerun()
         self._repoint(env, hand)
 
