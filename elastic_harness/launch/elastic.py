@@ -51,6 +51,7 @@ master address and port come from the rendezvous.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -78,6 +79,7 @@ from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
+log = logging.getLogger(__name__)
 Report = Callable[..., None]  # (state, restart, **fields): a ``workers`` event
 
 # torch's own sleep between two passes of its monitor loop (``WorkerSpec.monitor_interval``).
@@ -105,6 +107,7 @@ class HarnessAgent(AgentBase):
         self._park_bound_s = park_bound_s
         self._leave_reason: str | None = None  # a peer's failure this group must leave for (in place)
         self._verdict: str | None = None  # the watchdog's verdict this group must leave for (in place)
+        self._restart_follows = False  # the last failed pass leaves restarts: torch restarts the group
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
@@ -199,7 +202,7 @@ class HarnessAgent(AgentBase):
             # torch stops a healthy group only for a membership change (a node waits to
             # join): the workers drain for a join, which may keep their state in memory.
             self._drain_for_join(self.shutdown_grace)
-        elif self._keep is not None:
+        elif self._keep is not None and self._restart_follows:
             self._keep_survivors()
             super().shutdown(timeout=self.shutdown_grace)  # the kept workers are no longer in it
             return
@@ -219,10 +222,10 @@ class HarnessAgent(AgentBase):
         if not isinstance(pcontext, WarmContext) or keep is None:
             return
         live = pcontext.live()
-        parked = await_parked(keep.lines, live, self._zygote, self._park_bound_s)
+        parked, wanted = await_parked(keep.lines, live, self._zygote, self._park_bound_s)
         keep.kept = {lr: pid for lr, pid in live.items() if pid in parked}
         pcontext.release(keep.kept)
-        if len(keep.kept) < len(live):
+        if parked != wanted:
             self._phase("unparked")
 
     def _drain_for_join(self, grace_s: float) -> None:
@@ -267,7 +270,7 @@ class HarnessAgent(AgentBase):
             self._stop_broken_group(worker_group)
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
-        if self._keep is not None and self._broken and result.state == WorkerState.HEALTHY:
+        if self._keep is not None and self._broken and result.state == WorkerState.HEALTHY and self._in_place():
             result = RunResult(state=WorkerState.FAILED)  # in place: the group restarts, its workers stay
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
@@ -295,6 +298,7 @@ class HarnessAgent(AgentBase):
             if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
+        self._restart_follows = failed and self.remaining_restarts > 0
         return result
 
     def _wait_between_passes(self, worker_group: Any) -> None:
@@ -312,10 +316,16 @@ class HarnessAgent(AgentBase):
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
-        if self._keep is not None and isinstance(self.pcontext, WarmContext):
+        if self._in_place():
             self.pcontext.leave(self._leave_reason or "a peer's group failed")
             return
         self._kill_workers()
+
+    def _in_place(self) -> bool:
+        """Is the next restart of this group in place (survivors kept)? Only when one follows:
+        with no restart left the group is stopped as before, and its exits say why."""
+        return (self._keep is not None and isinstance(self.pcontext, WarmContext)
+                and self.remaining_restarts > 0 and self.stop_reason is None)
 
     def leave_on_verdict(self, pid: int, reason: str) -> bool:
         """The step watchdog's verdict on a stalled worker (a peer is gone, ``launch.stall``;
@@ -338,6 +348,7 @@ class HarnessAgent(AgentBase):
             if msg.get("op") != "broken" or self._broken or worker_group.state != WorkerState.HEALTHY:
                 continue
             reason = str(msg.get("reason", ""))
+            log.info("worker %s: a collective failed (%s); the group re-forms in place", _pid, reason[:300])
             handler = worker_group.spec.rdzv_handler
             if liveness.peer_lost(reason) and hasattr(handler, "peer_lost"):
                 handler.peer_lost()
@@ -460,26 +471,26 @@ def first_failure(result: RunResult) -> str:
     return f"rank {rank} exit {failure.exitcode}"
 
 
-def await_parked(lines: Any, live: dict[int, int], zygote: Zygote | None, bound_s: float) -> set[int]:
+def await_parked(lines: Any, live: dict[int, int], zygote: Zygote | None, bound_s: float
+                 ) -> tuple[set[int], set[int]]:
     """The pids among ``live`` that said ``parked`` on their line within ``bound_s`` (or had
-    said it already), the rest being given that long; a worker that exits meanwhile, or that
-    never said it is ``live`` (a script that does not use the harness's groups), is not."""
-    lines.hear()
-    wanted = {pid for pid in live.values() if pid in lines.live}
-    parked = {pid for pid in wanted if any(m.get("op") == "parked" for m in lines.heard.get(pid, []))}
+    said it already), and those waited for. Only workers still running that said they are ``live`` (a script that
+    does not use the harness's groups never does) are waited for; one that exits meanwhile,
+    or whose line closes, is not."""
     deadline = time.monotonic() + bound_s
-    while parked != wanted:
-        for pid, msg in lines.hear():
-            if msg.get("op") == "parked" and pid in wanted:
-                parked.add(pid)
-        gone = set(zygote.exits) if zygote is not None else set()
-        wanted -= gone
-        parked -= gone
+    parked: set[int] = set()
+    while True:
+        lines.hear()
+        exits = zygote.poll(0.0) if zygote is not None else {}
+        wanted = {pid for pid in live.values() if pid in lines.live and pid not in exits}
+        parked = {pid for pid in wanted if any(m.get("op") == "parked" for m in lines.heard.get(pid, []))}
         left = deadline - time.monotonic()
         if parked == wanted or left <= 0:
-            break
-        select.select(list(lines.fileno_map()), [], [], min(left, 0.05))
-    return parked
+            return parked, wanted
+        fds = list(lines.fileno_map())
+        if zygote is not None and zygote.fileno() is not None:
+            fds.append(zygote.fileno())
+        select.select(fds, [], [], min(left, 0.05))
 
 
 @contextlib.contextmanager

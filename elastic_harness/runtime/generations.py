@@ -68,17 +68,36 @@ class Generations:
         if self.store is None:
             raise RuntimeError("runtime.generations: begin() names the store before groups are made")
         name, rank, size = options.group_id, options.group_rank, options.group_size
-        members = tuple(options.global_ranks_in_group) or tuple(range(size))
         spans = size == self.world_size
-        lineage = tg.Lineage(name, "", rank, size, spans_world=spans)
-        lineage.members = ("w",) if spans else members
-        lineage.occurrence = sum(1 for other, _ in self.made if not other.stale and other.members == lineage.members)
-        lineage.on_broken = self._broke
-        lineage.raises = self._raising
+        members = ("w",) if spans else tuple(options.global_ranks_in_group) or tuple(range(size))
+        occurrence = sum(1 for other, _ in self.made if not other.stale and other.members == members)
+        lineage = self._revived(members, occurrence)
+        fresh = lineage is None
+        if lineage is None:
+            lineage = tg.Lineage(name, "", rank, size, spans_world=spans)
+            lineage.members, lineage.occurrence = members, occurrence
+            lineage.on_broken = self._broke
+            lineage.raises = self._raising
+        lineage.name, lineage.rank, lineage.size = name, rank, size
+        lineage.names.append(name)
         inner = tg.build_inner(self._keys(lineage, size), rank, size, options.timeout, self.cuda)
         group = tg.make_group(lineage, inner)
-        self.made.append((lineage, group))
+        if fresh:
+            self.made.append((lineage, group))
+        else:
+            tg.answer_for(lineage.names[:-1], group)
         return group
+
+    def _revived(self, members: tuple, occurrence: int) -> tg.Lineage | None:
+        """A stale group of the same members, made again by a training function run again
+        in this process: it lives on as the new group (its old objects forward to it, and its
+        old names resolve to it: DTensor keeps meshes it built in its caches, and a mesh equal
+        to the new one may be found there, with the old groups' names)."""
+        for lineage, _ in self.made:
+            if lineage.stale and lineage.members == members and lineage.occurrence == occurrence:
+                lineage.stale, lineage.broken = False, None
+                return lineage
+        return None
 
     def _keys(self, lineage: tg.Lineage, size: int, store: dist.Store | None = None, tag: str | None = None
               ) -> dist.Store:

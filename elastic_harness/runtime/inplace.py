@@ -126,10 +126,12 @@ class Recovery:
 
     def _left(self, reason: str) -> None:  # the control line's thread
         self._mark()
+        _say(f"leaving the step: {reason}")
         self.gens.leave(reason)
 
     def _broke(self, reason: str) -> None:  # a backend's thread: a collective failed here
         self._mark()
+        _say(f"a collective failed ({reason[:300]}); leaving the step")
         self.gens.leave(reason)  # our peers blocked on us see our connections close now
         self.control.tell("broken", reason=reason[:500])
 
@@ -139,6 +141,12 @@ class Recovery:
 
     def broken(self) -> str | None:
         return self.gens.broken
+
+    def finish(self) -> None:
+        """The job's work in this process is done (its run closed): what fails from now on
+        (peers ending their groups) is no fault to recover."""
+        self.gens.on_broken = lambda reason: None
+        self.control.on_leave = lambda reason: None
 
     def park(self, step: int, kept: int | None) -> dict[str, str]:
         """Tell the agent this rank left its step and rolls back to ``step`` (``kept``: the
@@ -182,6 +190,13 @@ class Recovery:
         shaking again: the new workers shook once)."""
         agreed, self.agreed = self.agreed, None
         return agreed
+
+
+def _say(line: str) -> None:
+    """One line in this worker's log (any thread)."""
+    import sys
+
+    print(f"[in place, pid {os.getpid()}] {line}", file=sys.stderr, flush=True)
 
 
 _RECOVERY: Recovery | None = None

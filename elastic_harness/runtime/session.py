@@ -421,6 +421,8 @@ class Run:
             self.drain.restore()
             sys.excepthook = self._previous_hook
             if not self._reruns():
+                if self.recovery is not None:
+                    self.recovery.finish()
                 hdist.destroy(self.groups)
             if self.claim is not None:
                 self.claim.release()

@@ -146,22 +146,37 @@ class HeldWork(dist._Work):
         self.failed = False
 
     def follow(self, inner: Any) -> HeldWork:
-        """Complete when ``inner`` does (its future, or the lineage's waiter thread)."""
-        try:
-            future = inner.get_future()
-        except RuntimeError:  # some gloo works have none
-            self._lineage.wait_for(inner, self)
-        else:
-            future.add_done_callback(self._inner_done)
+        """Complete when ``inner`` does (a work, or a list of works: when all did, or at the
+        first failure): its future, or the lineage's waiter thread."""
+        works = inner if isinstance(inner, list) else [inner]
+        self._left = len(works)
+        self._count = threading.Lock()
+        if not works:
+            self.complete(None)
+        for work in works:
+            try:
+                future = work.get_future()
+            except RuntimeError:  # some gloo works have none
+                self._lineage.wait_for(work, self)
+            else:
+                future.add_done_callback(self._inner_done)
         return self
 
     def _inner_done(self, future: torch.futures.Future) -> None:
         try:
             future.value()
         except Exception as e:  # noqa: BLE001 - a peer's failure, reported to the lineage
-            self.complete(e)
+            self.one_done(e)
         else:
-            self.complete(None)
+            self.one_done(None)
+
+    def one_done(self, error: BaseException | None) -> None:
+        """One of the inner works completed."""
+        with self._count:
+            self._left -= 1
+            last = self._left <= 0
+        if last or error is not None:
+            self.complete(error)
 
     def complete(self, error: BaseException | str | None) -> None:
         if not self._lineage.settle(self):
@@ -207,6 +222,7 @@ class Lineage:
         self.members: tuple = ()  # its global ranks (("w",) for every rank), for its keys
         self.occurrence = 0  # how many live groups of the same members were made before it
         self.raises = False  # a failed work raises (the checkpoint group) instead of completing
+        self.names: list[str] = []  # every torch name it had, the current last
         self.inner: Inner | None = None
         self.current: LiveGroup | None = None
         self.broken: str | None = None  # why the current generation cannot be used
@@ -245,18 +261,21 @@ class Lineage:
     def start(self, device_type: str, result: Any, launch: Callable[[Any], Any]) -> HeldWork:
         """Launch an operation on the current backend; a completed work (nothing done)
         when the generation is broken or the launch itself fails."""
+        if self.stale:  # a bug of ours: what was built on it should have been built again
+            raise RuntimeError(f"collective on group {self.name!r} of a past generation (a mesh built for "
+                               "another membership)")
         work = HeldWork(self, result)
         with self._lock:
             self._pending.add(work)
         inner = self.inner
-        if inner is None or self.broken is not None or self.stale:
+        if inner is None or self.broken is not None:
             work.complete(self.broken or "the group has no backend (between generations)")
             return work
         try:
             return work.follow(launch(inner.for_device(device_type)))
-        except Exception as e:  # noqa: BLE001 - a broken connection, reported to the lineage
-            work.complete(e)
-            return work
+        except BaseException:  # refused at launch (an op this backend lacks): the caller's error
+            self.settle(work)
+            raise
 
     def settle(self, work: HeldWork) -> bool:
         """Remove ``work`` from the pending set; False if it was settled already."""
@@ -282,9 +301,9 @@ class Lineage:
             try:
                 inner_work.wait()
             except Exception as e:  # noqa: BLE001 - reported through the work
-                work.complete(e)
+                work.one_done(e)
             else:
-                work.complete(None)
+                work.one_done(None)
 
 
 def _device(tensors: Any) -> str:
@@ -387,8 +406,9 @@ class LiveGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single  # torch before 2.13
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> HeldWork:
-        o = _opts(opts, c10d.AllgatherOptions)
-        return self._run(inputs, outputs, lambda b: b.allgather_into_tensor_coalesced(outputs, inputs, o))
+        o = _opts(opts, c10d.AllgatherOptions)  # one op per pair: gloo's backend has no coalesced form here
+        return self._run(inputs, outputs,
+                         lambda b: [b._allgather_base(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -404,7 +424,8 @@ class LiveGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> HeldWork:
         o = _opts(opts, c10d.ReduceScatterOptions)
-        return self._run(inputs, outputs, lambda b: b.reduce_scatter_tensor_coalesced(outputs, inputs, o))
+        return self._run(inputs, outputs,
+                         lambda b: [b._reduce_scatter_base(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -471,9 +492,15 @@ def adopt(first: LiveGroup, newest: LiveGroup, ranks: dict[int, int], store: dis
             table[newest] = table[first]
     world.pg_group_ranks[first] = dict(ranks)
     world.pg_group_ranks[newest] = dict(ranks)
-    with contextlib.suppress(Exception):  # not registered yet (a name torch never knew)
-        c10d._unregister_process_group(name)
-    c10d._register_process_group(name, newest)
+    answer_for(first.lineage.names or [name], newest)
+
+
+def answer_for(names: Iterable[str], group: LiveGroup) -> None:
+    """Make each of ``names`` (a group's earlier torch names) resolve to ``group``."""
+    for name in names:
+        with contextlib.suppress(Exception):
+            c10d._unregister_process_group(name)
+        c10d._register_process_group(name, group)
 
 
 def forget(groups: Iterable[LiveGroup]) -> None:
