@@ -47,6 +47,11 @@ from elastic_harness.runtime import generations
 from elastic_harness.runtime.control import Control
 
 REPOINT, RERUN = "repoint", "rerun"
+# Tests force each way the in-place path can fail, once per process (docs/in-place.md):
+# "KIND:RANK" with KIND one of ``FORCED`` and RANK the rank that fails (in the generation that broke).
+FAULT_VAR = "ELASTIC_HARNESS_INPLACE_FAULT"
+FORCED = ("silent", "reform", "restore", "die")
+REFORM_FAILED_EXIT = 75  # a second fault came while this worker re-formed: it starts anew
 
 # The variables torchelastic sets for a worker: a reform order carries them (the agent's own
 # variables stay as the process was started with them).
@@ -115,7 +120,9 @@ class Recovery:
     survivor: bool = False  # this process has been through a re-formation
     agreed: Handshake | None = None  # the handshake of a re-formation, for the rerun's ``join``
     phases: dict[str, float] = field(default_factory=dict)  # the last fault's, in seconds
+    forced: str = ""  # a failure of the in-place path a test forces on this rank (``FAULT_VAR``)
     _since: float = 0.0
+    _reforming: bool = False
 
     def start(self) -> Recovery:
         self.control.on_leave = self._left
@@ -125,6 +132,9 @@ class Recovery:
         return self
 
     def _left(self, reason: str) -> None:  # the control line's thread
+        if self._reforming:  # a second fault while the groups re-form: they cannot be left mid-way
+            _say(f"a second fault while re-forming ({reason}); this worker ends and starts anew")
+            os._exit(REFORM_FAILED_EXIT)
         self._mark()
         _say(f"leaving the step: {reason}")
         self.gens.leave(reason)
@@ -153,6 +163,9 @@ class Recovery:
         step it kept in memory on the way, if any); wait for the next place (its variables)."""
         t0 = time.monotonic()
         self.phases = {"leave": round(t0 - (self._since or t0), 4)}
+        if self._force("silent"):  # never says it parked: the agent's bound ends it
+            while True:
+                time.sleep(3600)
         self.control.tell("parked", step=step, kept=kept)
         order = self.control.await_order(self.bound_s)
         self.phases["park"] = round(time.monotonic() - t0, 4)
@@ -174,16 +187,37 @@ class Recovery:
         t0 = time.monotonic()
         os.environ.update(variables)
         env = WorkerEnv.from_environ()
-        store = hdist.generation_store(env, spec.timeouts.process_group)
-        self.gens.reform(store, env.rank, env.world_size, generations.tag_of(env.master_port))
+        if self._force("reform"):
+            raise RuntimeError("re-forming failed (forced by ELASTIC_HARNESS_INPLACE_FAULT)")
+        self._reforming = True
+        try:
+            store = hdist.generation_store(env, spec.timeouts.process_group)
+            self.gens.reform(store, env.rank, env.world_size, generations.tag_of(env.master_port))
+            if self._force("die"):
+                os._exit(REFORM_FAILED_EXIT)  # a second fault in the middle of the re-formation
+            self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False)
+        finally:
+            self._reforming = False
         self.survivor = True
-        self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False)
         self.phases["reform"] = round(time.monotonic() - t0, 4)
         self._since = 0.0
         if env.run_dir:
             EventLog(Path(env.run_dir) / runfiles.EVENTS).emit(
                 "reformed", rank=env.rank, mode=how(self.agreed, spec.parallelism), phases_s=dict(self.phases))
         return env, self.agreed
+
+    def restoring(self) -> None:
+        """A survivor's restore begins (``Run.resume``): where a test forces it to throw."""
+        if self.survivor and self._force("restore"):
+            raise RuntimeError("restoring in place failed (forced by ELASTIC_HARNESS_INPLACE_FAULT)")
+
+    def _force(self, kind: str) -> bool:
+        """Does the test's forced failure (``FAULT_VAR``) fire here, now (once)?"""
+        if self.forced != kind:
+            return False
+        self.forced = ""
+        _say(f"forced failure of the in-place path: {kind}")
+        return True
 
     def take_agreed(self) -> Handshake | None:
         """The handshake a re-formation made, once (the rerun's ``join`` uses it instead of
@@ -218,8 +252,14 @@ def install(spec: Any, env: WorkerEnv) -> Recovery | None:
         return None
     gens = generations.install(rank=env.rank, world_size=env.world_size, timeout_s=spec.timeouts.process_group)
     bound = max(float(spec.timeouts.process_group), float(spec.rendezvous.join_timeout))
-    _RECOVERY = Recovery(control, gens, bound).start()
+    _RECOVERY = Recovery(control, gens, bound, forced=forced_here(os.environ.get(FAULT_VAR, ""), env.rank)).start()
     return _RECOVERY
+
+
+def forced_here(value: str, rank: int) -> str:
+    """Pure: the forced failure (``FAULT_VAR``: "KIND:RANK") for this rank, or ""."""
+    kind, _, who = value.partition(":")
+    return kind if kind in FORCED and who.isdigit() and int(who) == rank else ""
 
 
 def current() -> Recovery | None:

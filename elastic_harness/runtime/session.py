@@ -317,6 +317,8 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(trained.optimizer, self._registered)  # one built after register()
         self._resumed = True
+        if self.recovery is not None:
+            self.recovery.restoring()
         found = restore(trained.state, trained.model, topology=self.topology, memory=self.parts.memory,
                         ckpt=self.parts.ckpt)
         self._resumed_at = found.step if found is not None else 0
