@@ -35,6 +35,10 @@ EXIT_INFRA = exitcodes.INFRA
 
 
 ZYGOTE_READY_S = 300.0  # at most this long for the zygote's imports before joining anyway
+# In place, how long a survivor may take to leave its step (reach a harness call) when the
+# step watchdog is off (``timeouts.step: 0``); else ``timeouts.step``: a worker that does not
+# reach one within it is hung.
+PARK_BOUND_S = 60.0
 
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
@@ -192,7 +196,7 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
                   exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
                   on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace,
-                  in_place=spec.recovery == "in_place")
+                  in_place=spec.recovery == "in_place", park_bound_s=t.step or PARK_BOUND_S)
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):

@@ -76,7 +76,7 @@ from elastic_harness.launch.policy import (
     restarts_left,
 )
 from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
-from elastic_harness.launch.zygote import Zygote
+from elastic_harness.launch.zygote import Zygote, ZygoteLost
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
 log = logging.getLogger(__name__)
@@ -225,8 +225,11 @@ class HarnessAgent(AgentBase):
         parked, wanted = await_parked(keep.lines, live, self._zygote, self._park_bound_s)
         keep.kept = {lr: pid for lr, pid in live.items() if pid in parked}
         pcontext.release(keep.kept)
-        if parked != wanted:
+        if parked != wanted:  # stuck somewhere it cannot leave: no drain is possible, it is ended now
             self._phase("unparked")
+            for pid in wanted - parked:
+                with contextlib.suppress(ZygoteLost):
+                    self._zygote.signal(pid, signal.SIGKILL)
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
@@ -539,7 +542,7 @@ class Launch:
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
                  on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 shutdown_grace: float = 30.0, in_place: bool = False) -> None:
+                 shutdown_grace: float = 30.0, in_place: bool = False, park_bound_s: float = 60.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -559,7 +562,8 @@ class Launch:
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
                                   exit_barrier_timeout=exit_barrier_s, on_failure=on_failure,
-                                  monitor_interval=config.monitor_interval, in_place=in_place)
+                                  monitor_interval=config.monitor_interval, in_place=in_place,
+                                  park_bound_s=park_bound_s)
         on_change = getattr(self.spec.rdzv_handler, "on_change", None)
         if on_change is not None:  # a peer's write ends the agent's wait between monitor passes
             on_change(self.agent.nudge)

@@ -7,6 +7,7 @@ collectives from a background thread, which must never interleave with training'
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import socket
 import time
@@ -43,12 +44,13 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(env: WorkerEnv, device_request: str, timeout_s: int, live: Any = None) -> Groups:
+def init(env: WorkerEnv, device_request: str, timeout_s: int, live: Any = None, forming: Any = None) -> Groups:
     """Join (or create) the default group and create the checkpoint group.
 
     ``live``: this process's ``runtime.generations.Generations`` when a fault may be recovered
     in place (``runtime.inplace``): every group is then a live group, and a training function
-    run again in this process (a rerun) finds the groups its re-formation made (``current``)."""
+    run again in this process (a rerun) finds the groups its re-formation made (``current``);
+    ``forming``: a context the groups are made in (``Recovery.forming``)."""
     global _GROUPS
     if live is not None and _GROUPS is not None and dist.is_initialized():
         return _GROUPS
@@ -56,7 +58,8 @@ def init(env: WorkerEnv, device_request: str, timeout_s: int, live: Any = None) 
     timeout = dt.timedelta(seconds=timeout_s)
     owned = not dist.is_initialized()
     if owned and live is not None:
-        _GROUPS = _init_live(env, device, timeout, live)
+        with forming if forming is not None else contextlib.nullcontext():
+            _GROUPS = _init_live(env, device, timeout, live)
         return _GROUPS
     if owned:
         # On GPU keep a CPU backend too: async checkpoint staging needs CPU collectives.

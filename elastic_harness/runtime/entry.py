@@ -73,7 +73,7 @@ def _runs_again(exc: BaseException, spec) -> bool:
     from elastic_harness.runtime import inplace, session
 
     recovery = inplace.current()
-    if recovery is None:
+    if recovery is None or recovery.underway:  # the in-place path itself failed: go down
         return False
     if isinstance(exc, Exception) and recovery.broken() is not None:
         run = session.active()

@@ -33,9 +33,10 @@ starts a new worker in its place (today's warm restart, for this rank).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,7 @@ class Recovery:
     agreed: Handshake | None = None  # the handshake of a re-formation, for the rerun's ``join``
     phases: dict[str, float] = field(default_factory=dict)  # the last fault's, in seconds
     forced: str = ""  # a failure of the in-place path a test forces on this rank (``FAULT_VAR``)
+    underway: bool = False  # parked for a fault and not re-formed yet: a failure now ends the process
     _since: float = 0.0
     _reforming: bool = False
 
@@ -132,8 +134,8 @@ class Recovery:
         return self
 
     def _left(self, reason: str) -> None:  # the control line's thread
-        if self._reforming:  # a second fault while the groups re-form: they cannot be left mid-way
-            _say(f"a second fault while re-forming ({reason}); this worker ends and starts anew")
+        if self._reforming:  # a fault while the groups form: a connect in flight cannot be left
+            _say(f"a fault while this worker's groups form ({reason}); it ends and starts anew")
             os._exit(REFORM_FAILED_EXIT)
         self._mark()
         _say(f"leaving the step: {reason}")
@@ -162,6 +164,7 @@ class Recovery:
         """Tell the agent this rank left its step and rolls back to ``step`` (``kept``: the
         step it kept in memory on the way, if any); wait for the next place (its variables)."""
         t0 = time.monotonic()
+        self.underway = True
         self.phases = {"leave": round(t0 - (self._since or t0), 4)}
         if self._force("silent"):  # never says it parked: the agent's bound ends it
             while True:
@@ -198,13 +201,23 @@ class Recovery:
             self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False)
         finally:
             self._reforming = False
-        self.survivor = True
+        self.survivor, self.underway = True, False
         self.phases["reform"] = round(time.monotonic() - t0, 4)
         self._since = 0.0
         if env.run_dir:
             EventLog(Path(env.run_dir) / runfiles.EVENTS).emit(
                 "reformed", rank=env.rank, mode=how(self.agreed, spec.parallelism), phases_s=dict(self.phases))
         return env, self.agreed
+
+    @contextlib.contextmanager
+    def forming(self) -> Iterator[None]:
+        """A new worker makes its groups (``runtime.dist``): told to leave meanwhile, it ends
+        (gloo's connect cannot be left, and a new worker has nothing to keep)."""
+        self._reforming = True
+        try:
+            yield
+        finally:
+            self._reforming = False
 
     def restoring(self) -> None:
         """A survivor's restore begins (``Run.resume``): where a test forces it to throw."""

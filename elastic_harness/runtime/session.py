@@ -126,7 +126,8 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
     recovery = inplace.install(spec, env)  # None: every fault restarts this worker
     t0 = time.perf_counter()
     groups = hdist.init(env, spec.device, spec.timeouts.process_group,
-                        live=recovery.gens if recovery is not None else None)
+                        live=recovery.gens if recovery is not None else None,
+                        forming=recovery.forming() if recovery is not None else None)
     pg_init_s = time.perf_counter() - t0
     try:
         claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
