@@ -291,8 +291,8 @@ def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
     """The agent's account of its worker group (``launch.elastic.HarnessAgent``'s report)."""
 
-    def report(state: str, restart: int, **fields: Any) -> None:
-        events.emit("workers", node=node, state=state, restart=restart, warm=warm, **fields)
+    def report(state: str, restart: int, kept: list[int] | None = None, forked: list[int] | None = None) -> None:
+        events.emit("workers", node=node, state=state, restart=restart, warm=warm, kept=kept, forked=forked)
 
     return report
 

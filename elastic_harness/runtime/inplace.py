@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.launch.env import WORKER_VARS, WorkerEnv
 from elastic_harness.runtime import generations
 from elastic_harness.runtime.control import Control
 
@@ -53,14 +53,6 @@ REPOINT, RERUN = "repoint", "rerun"
 FAULT_VAR = "ELASTIC_HARNESS_INPLACE_FAULT"
 FORCED = ("silent", "reform", "restore", "die")
 REFORM_FAILED_EXIT = 75  # a second fault came while this worker re-formed: it starts anew
-
-# The variables torchelastic sets for a worker: a reform order carries them (the agent's own
-# variables stay as the process was started with them).
-WORKER_VARS = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-               "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-               "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_TIMER_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
 
 class Rerun(BaseException):
     """Unwinds the training function so that it runs again in this process (``entry``).
@@ -107,7 +99,7 @@ def how(handshake: Handshake, parallelism: Any) -> str:
 
 
 def worker_vars(env: Mapping[str, str]) -> dict[str, str]:
-    """Pure: the reform order's variables this process takes (``WORKER_VARS`` only)."""
+    """Pure: the reform order's variables this process takes (``launch.env.WORKER_VARS``)."""
     return {k: str(v) for k, v in env.items() if k in WORKER_VARS}
 
 

@@ -86,6 +86,7 @@ from elastic_harness.runtime.registration import (
     short_schedule,
     short_schedule_error,
 )
+from elastic_harness.runtime.repoint import RunInPlace
 from elastic_harness.runtime.resume import announce, bind_data, restore
 from elastic_harness.runtime.seeding import seed_everything, step_seed
 from elastic_harness.runtime.state import TrainState, build_state
@@ -247,8 +248,9 @@ class Run:
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._kept: int | None = None  # the step kept in memory on a failure (``_keep_on_failure``)
         self._loop = Loop(spec, self._train, self.parts.watchdog, self.parts.cadence, self.rank)
-        if recovery is not None:
-            self._loop.in_place(lambda: recovery.broken() is not None, self._recover)
+        self._in_place = RunInPlace(self) if recovery is not None else None  # runtime.repoint
+        if self._in_place is not None:
+            self._loop.in_place(lambda: recovery.broken() is not None, self._in_place.recover)
         self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does. ``close`` at the interpreter's exit.
@@ -423,58 +425,12 @@ class Run:
         finally:
             self.drain.restore()
             sys.excepthook = self._previous_hook
-            if not self._reruns():
+            if self._in_place is None or not self._in_place.reruns():
                 if self.recovery is not None:
                     self.recovery.finish()
                 hdist.destroy(self.groups)
             if self.claim is not None:
                 self.claim.release()
-
-    # ----- a fault, in place (``runtime.inplace``) ---------------------------------------
-    def _reruns(self) -> bool:
-        """Is this run closing because its training function runs again in this process (a
-        ``Rerun`` on its way, or an exception while its generation is broken)? Then the
-        groups stay: the re-formation made them for the next generation."""
-        exc = sys.exc_info()[1]
-        return self.recovery is not None and (isinstance(exc, inplace.Rerun) or (
-            isinstance(exc, Exception) and self.recovery.broken() is not None))
-
-    def _recover(self) -> None:
-        """The generation broke under the loop (``runtime.loop``): keep the step the tier
-        was armed with, park, take the next place; then re-point this run at it and let the
-        loop go on, or unwind the training function to run it again (``Rerun``)."""
-        recovery, memory = self.recovery, self.parts.memory
-        kept = memory.keep_armed() if memory is not None and self._kept is None else self._kept
-        self.parts.watchdog.disarm()  # parked: no step is due
-        env, hand = recovery.reform(recovery.park(self._train.step, kept), self.spec)
-        if inplace.how(hand, self.spec.parallelism) == inplace.RERUN:
-            raise inplace.Rerun()
-        self._repoint(env, hand)
-
-    def _repoint(self, env: WorkerEnv, hand: inplace.Handshake) -> None:
-        """Every member of the new generation is a survivor and the layout is DDP: the same
-        objects go on in it (the model re-pointed at the resized default group, its reducer
-        reset); what a generation builds is built for it (``runtime.build``); the loop then
-        resumes from memory and binds the data at the new split."""
-        from elastic_harness.torchcompat.groups import repoint_ddp
-
-        old = self.parts
-        self.env, topology = env, Topology.from_env(env, self.spec.parallelism)
-        self.gen = build.join(self.spec, env, self.groups, self.run_dir, topology, 0.0, agreed=hand)
-        self.topology, self.rank, self.world_size = topology, topology.rank, topology.world_size
-        for close in (old.ckpt.close, old.metrics.close, old.memory.close if old.memory is not None else None):
-            if close is not None:
-                close()
-        self.parts = build.equip(self.spec, env, self.gen, self.run_dir)
-        trained = self._trained
-        if trained is not None:
-            repoint_ddp(trained.model, dist.group.WORLD)
-            replicas = (ReplicaCheck(trained.model, self.groups.ckpt, self.world_size)
-                        if trained.replicas is not None else None)
-            self._trained = Trained(trained.state, trained.train, trained.model, trained.optimizer, trained.scaler,
-                                    BufferSync.of(trained.model, topology.dp_degree), replicas)
-        self._resumed, self._kept = False, None
-        self._loop.rebind(self.parts.watchdog, self.parts.cadence, self.rank)
 
     def __enter__(self) -> Run:
         return self

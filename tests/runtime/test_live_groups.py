@@ -19,7 +19,7 @@ from torch import nn
 
 from elastic_harness.runtime import generations
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]  # real processes: 10-30 s each on 2 cores
 TIMEOUT = dt.timedelta(seconds=60)
 
 
