@@ -9,11 +9,13 @@ exit code; anything else is a bug and keeps its traceback. Command modules impor
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import sys
+import typing
 
 from elastic_harness.errors import HarnessError
+
+if typing.TYPE_CHECKING:
+    import argparse
 
 # Subcommand modules, in --help order.
 COMMANDS = [
@@ -32,6 +34,9 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse  # here, not at the top: Ctrl-C while it loads is `entry`'s to catch
+    import importlib
+
     parser = argparse.ArgumentParser(
         prog="elastic-harness",
         description="Fault-tolerant elastic training for PyTorch (torchelastic + DCP).",
@@ -39,7 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
+    _plain_descriptions(parser)
     return parser
+
+
+def _plain_descriptions(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's description as ``--help`` shows it: many are their module's
+    docstring, whose reST literal marks (double backticks) a terminal does not render."""
+    import argparse
+    import re
+
+    parser.description = re.sub(r"``(.+?)``", r"\1", parser.description or "", flags=re.DOTALL) or None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _plain_descriptions(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +67,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """``parser.parse_args``, but ``run``/``submit [FLAGS] train.py [SCRIPT ARGS]`` keeps
-    everything after the script for the script (``args.script_args``), as torchrun does."""
+    everything after the script for the script (``args.script_args``), as torchrun does, and
+    takes the flags ``eh.init(argv=...)`` would take from them (``jobargs.take_script_flags``)."""
     argv, rest = split_script_args(parser, argv)
     args = parser.parse_args(argv)
     args.script_args = rest
+    if rest:
+        from elastic_harness.commands.jobargs import take_script_flags
+
+        try:
+            take_script_flags(args)
+        except HarnessError as e:
+            parser.exit(e.exit_code, f"error: {e}\n")
     return args
 
 
@@ -59,6 +86,8 @@ def split_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple
     """(``run``'s or ``submit``'s own arguments up to a ``.py`` script, the script's), or (argv, [])."""
     if argv[:1] not in (["run"], ["submit"]):
         return argv, []
+    import argparse
+
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     valued = {o for a in sub.choices[argv[0]]._actions if a.nargs != 0 for o in a.option_strings}
     i = 1
@@ -76,8 +105,14 @@ def split_script_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple
 def entry() -> None:
     """The ``elastic-harness`` program: ``main``, then exit. Commands that end with torch
     loaded and their work recorded (``run``, ``agent``: ``fast_exit`` in their defaults)
-    skip the interpreter's teardown (``procexit``): a second off every run's end."""
-    args = parse(build_parser(), sys.argv[1:])
+    skip the interpreter's teardown (``procexit``): a second off every run's end. Ctrl-C
+    while the commands are still being imported (the first few tenths of a second) is the
+    same one line and exit 130 as later, not an import's traceback."""
+    try:
+        args = parse(build_parser(), sys.argv[1:])
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     code = _dispatch(args)
     if getattr(args, "fast_exit", False):
         from elastic_harness.procexit import exit_without_teardown

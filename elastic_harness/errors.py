@@ -62,6 +62,11 @@ class RunDirError(HarnessError):
     """The run directory cannot be created or written."""
 
 
+class LockLost(RunDirError):
+    """Another live job took this submission's run directory over (``checkpoint.lock``):
+    it must stop without saving."""
+
+
 class CheckpointError(HarnessError):
     """A checkpoint cannot be written, read, or does not belong to this job."""
 

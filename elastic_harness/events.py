@@ -5,9 +5,11 @@ worker generation). Each event is one ``write()`` of one line on a file opened w
 ``O_APPEND``, which POSIX makes atomic for local files, so lines never interleave.
 
 ``CONTRACT`` below is the documentation: every kind the code emits, who writes it, and
-every field it may carry (each event also has ``COMMON``). A field may be absent (older
-runs, optional values); no other field may appear: ``tests/report/test_event_contract.py`` scans
-every ``emit("kind", ...)`` call in the package and fails on an undocumented kind or field.
+every field it may carry (each event also has ``COMMON``), and ``field_types`` the shape
+readers accept for a field they compute with. A field may be absent (older runs, optional
+values); no other field may appear: ``tests/report/test_event_contract.py`` scans every
+``emit("kind", ...)`` call in the package and fails on an undocumented kind or field, or a
+value whose shape the readers would refuse, and feeds an event of every kind to every reader.
 Readers fold the log one way (``runstate``), and read it one way (``EventTail``): a line
 that is not an event (not UTF-8, not JSON, not an object with ``t`` and ``event``, or a field
 readers compute with of the wrong type: ``well_formed``) is skipped and counted, never
@@ -16,9 +18,12 @@ raised; ``skipped_notes`` says so once per log (the CLI prints it after any comm
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,16 +283,71 @@ class EventLog:
     def __init__(self, path: str | Path, clock=time.time) -> None:
         self.path = Path(path)
         self._clock = clock
+        self._owed: list[bytes] = []  # events a full disk refused, in short (``emit``)
 
     def emit(self, event: str, **fields: Any) -> dict:
+        """Append one event. A log that cannot be written (a full disk, a lost mount) never
+        ends a job: the event is said lost once per log and process on stderr. On a full
+        disk the events refused, in short (``compact``: no ``detail``, long texts cut), are
+        owed and written first by the next ``emit`` that finds room (a failed save frees its
+        files a moment later), each owed line after a newline that ends a line the disk cut
+        short: the line the terminal shows (say, the first failed save) survives, and the
+        next event is never glued to a torn one."""
         record = {"t": round(self._clock(), 6), "event": event, "pid": os.getpid(), **fields}
         line = (json.dumps(record, sort_keys=False, default=str) + "\n").encode()
+        short = b"\n" + (json.dumps(compact(record), default=str) + "\n").encode()
+        try:
+            if self._owed and not self._append(b"".join(self._owed)):
+                self._owe(short)
+            elif not self._append(line):
+                self._owed = [short]
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            else:
+                self._owed = []
+        except OSError as e:
+            _cannot_write(self.path, e)
+        return record
+
+    def _owe(self, short: bytes) -> None:
+        """Still no room: owe this event too (the first ``MAX_OWED`` are kept)."""
+        if len(self._owed) < MAX_OWED:
+            self._owed.append(short)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def _append(self, data: bytes) -> bool:
+        """One write of ``data``; False when it did not all fit (a full disk)."""
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
+            try:
+                return os.write(fd, data) == len(data)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                return False
         finally:
             os.close(fd)
-        return record
+
+
+MAX_OWED = 16  # events a full disk refused that one log keeps to write later, in short
+
+
+COMPACT_TEXT = 200  # characters a text field keeps when an event is written in short
+
+
+def compact(record: dict) -> dict:
+    """Pure: ``record`` in short (``EventLog.emit``): without ``detail``, texts cut."""
+    return {k: (v[:COMPACT_TEXT] if isinstance(v, str) else v) for k, v in record.items() if k != "detail"}
+
+
+_UNWRITABLE: set[str] = set()  # logs this process could not write to (said once each)
+
+
+def _cannot_write(path: Path, e: OSError) -> None:
+    if str(path) not in _UNWRITABLE:
+        _UNWRITABLE.add(str(path))
+        with contextlib.suppress(OSError, ValueError):
+            print(f"warning: cannot write to {path} ({e.strerror or e}): events are lost until it can be "
+                  "written again (free space on its disk)", file=sys.stderr, flush=True)
 
 
 # The fields readers compute with (numbers, string tests, dict access), by the types they
@@ -303,6 +363,18 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "signature": _STR, "cause": _STR, "digest": _STR, "where": _STR,
     "metrics": (dict,), "phases_s": (dict,),
 }
+# A field whose shape differs in one kind: that kind's own (``field_types``).
+KIND_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "spares": {"nodes": (list,)},  # node names, where `start` and `rendezvous` count nodes
+}
+
+
+def field_types(kind: str) -> dict[str, tuple[type, ...]]:
+    """The shapes readers accept for the fields of events of ``kind`` (None always allowed)."""
+    own = KIND_FIELD_TYPES.get(kind)
+    return {**FIELD_TYPES, **own} if own else FIELD_TYPES
+
+
 # Fields a kind's readers index directly (``e["step"]``): such an event without them is skipped.
 REQUIRED: dict[str, tuple[str, ...]] = {
     "step": ("step",), "finish": ("step",), "eval": ("step",),
@@ -321,7 +393,7 @@ def well_formed(e: object) -> str:
     missing = [f for f in REQUIRED.get(e["event"], ()) if e.get(f) is None]
     if missing:
         return f"a '{e['event']}' event without '{missing[0]}'"
-    for name, types in FIELD_TYPES.items():
+    for name, types in field_types(e["event"]).items():
         value = e.get(name)
         if value is not None and not isinstance(value, types):
             return f"'{name}' is a JSON {type(value).__name__}"

@@ -21,7 +21,9 @@ Limits (docs/security.md): the key authenticates *origin* (a process that can re
 wrote it), not freshness: a signed value captured earlier can be replayed within the same
 context (an old rendezvous state of the same rendezvous id, an older checkpoint of the same
 run). Replays carry our own data only, never code. Whoever can read the key file (the run
-dir's owner, root) can forge anything: the key is as safe as that file.
+dir's owner, root) can forge anything: the key is as safe as that file. So a key file every
+user of the machine can read (or replace) is refused, with one line naming the fix, and one
+its group can read is named once on stderr (issue 42: ``check_private``).
 
 This module imports nothing of ours but ``errors`` (the pure layer may use it).
 """
@@ -29,10 +31,13 @@ This module imports nothing of ours but ``errors`` (the pure layer may use it).
 from __future__ import annotations
 
 import contextlib
+import grp
 import hashlib
 import hmac
 import os
 import secrets
+import stat
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,6 +52,10 @@ _KEY_BYTES = 32
 
 class KeyError_(HarnessError):  # noqa: N801 (KeyError is a builtin)
     """The job's key is missing or unreadable."""
+
+
+class KeyExposed(KeyError_):
+    """The job's key file is readable by every user (``check_private``)."""
 
 
 def key_path(run_dir: Path, environ: Mapping[str, str]) -> Path:
@@ -78,14 +87,65 @@ def ensure(path: Path) -> bytes:
     return read(path)
 
 
+def exposure(mode: int, shared_group: bool = True) -> str:
+    """Pure: who besides the owner may read (or replace) a key file of ``mode`` (its
+    ``st_mode``): "others" (every user of the machine: refused), "group" (warned about; not
+    when the group is no one else's: ``shared_group`` False), or "" (the owner alone)."""
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        return "others"
+    if mode & (stat.S_IRGRP | stat.S_IWGRP) and shared_group:
+        return "group"
+    return ""
+
+
+def shared(gid: int) -> bool:
+    """Does group ``gid`` hold users besides this process's? Not this process's own primary
+    group without other members (a user's private group; a Kubernetes pod's
+    ``runAsGroup``/``fsGroup``, which the manifests mount the key's Secret 0440 for)."""
+    if gid != os.getgid():
+        return True
+    try:
+        return bool(grp.getgrgid(gid).gr_mem)
+    except KeyError:  # not in /etc/group (a container's numeric group): nobody else is in it
+        return False
+
+
+def check_private(path: Path, mode: int, shared_group: bool = True) -> str:
+    """Refuse a key file every user can read (``KeyExposed``): whoever reads it can seal a
+    rendezvous state that every agent then unpickles, running code as the job's user. A
+    group-readable one is allowed (a run directory shared with a group on purpose); the
+    line that says so is returned ("" when private, or the group is no one else's), for
+    the caller to print once."""
+    who = exposure(mode, shared_group)
+    if who == "others":
+        raise KeyExposed(f"the job's key {path} can be {'read' if mode & stat.S_IROTH else 'replaced'} by every "
+                        f"user of this machine (mode {stat.S_IMODE(mode):04o}): anyone could seal rendezvous state "
+                        "that the agents unpickle, and so run code as this job's user; it was not used",
+                        f"chmod 600 {path} (a Kubernetes Secret: defaultMode 0400, or 0440 with the pod's fsGroup)")
+    if who == "group":
+        return (f"the job's key {path} can be read by its group (mode {stat.S_IMODE(mode):04o}): every member can "
+                "forge this job's rendezvous state and checkpoints; chmod 600 it unless that group is trusted")
+    return ""
+
+
+_WARNED: set[str] = set()  # key files whose group exposure this process named already
+
+
 def read(path: Path) -> bytes:
-    """The key in ``path`` (hex, as ``ensure`` writes it, or raw bytes as a Secret may hold)."""
+    """The key in ``path`` (hex, as ``ensure`` writes it, or raw bytes as a Secret may hold);
+    refused when every user may read it, named once (stderr) when its group may
+    (``check_private``)."""
     try:
         data = Path(path).read_bytes()
+        st = os.stat(path)
+        warning = check_private(Path(path), st.st_mode, shared(st.st_gid))
     except OSError as e:
         raise KeyError_(f"cannot read the job's key {path}: {e.strerror or e}",
                         "run from the run directory's owner, or point ELASTIC_HARNESS_KEY_FILE at the "
                         "job's key (a Kubernetes Secret, Slurm: the run dir's job.key)") from None
+    if warning and str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     text = data.strip()
     try:
         key = bytes.fromhex(text.decode("ascii"))
@@ -93,7 +153,7 @@ def read(path: Path) -> bytes:
         key = data  # a binary secret
     if len(key) < 16:
         raise KeyError_(f"the job's key {path} is too short ({len(key)} bytes)",
-                        "use 32 random bytes, e.g. `openssl rand -hex 32 > job.key`")
+                        "use 32 random bytes only you can read, e.g. `(umask 077; openssl rand -hex 32 > job.key)`")
     return key
 
 

@@ -30,9 +30,10 @@ class Progress:
     (``summary.json``) agree. Feed it this invocation's events, in order.
     """
 
-    def __init__(self, total_steps: int, out: TextIO = sys.stderr) -> None:
+    def __init__(self, total_steps: int, out: TextIO = sys.stderr, step_timeout: float = 0.0) -> None:
         self.total = total_steps
         self.out = out
+        self.step_timeout = step_timeout  # timeouts.step (0: the watchdog is off), for ``_slow_step``
         self.tty = out.isatty()
         self.state = RunState()
         self._last_decile = -1
@@ -42,6 +43,11 @@ class Progress:
         self._agents: dict[int, set[str]] = {}  # agent pid -> its node(s), from the agents' own events
         self._dropped: set[str] = set()  # nodes whose loss was said (torch's node names)
         self._symptom_said = False  # since the last restore, a node's "lost its peers" was said
+        self._symptom: str | None = None  # that line, held until the recovery ends or the cause is known
+        self._spares: dict[str, float] = {}  # hot spare node -> when it was started (the `spares` event)
+        self._spares_said: set[tuple[str, str]] = set()  # (node, "ready" | "took")
+        self._gone: list[str] = []  # nodes said gone since the last restore
+        self._slow_said = False  # timeouts.step below a measured step time was said
 
     def update(self, e: dict) -> None:
         self.state.update(e)
@@ -54,8 +60,14 @@ class Progress:
             self._agents.setdefault(int(e["pid"]), set()).add(str(e["node"]))
         if kind == "torchelastic":
             self._node_dropped(e)
+            self._spare(e)
+        elif kind == "spares":
+            self._spares.update({str(n): float(e["t"]) for n in e.get("nodes") or ()})
+        elif kind == "worker":
+            self._spare(e)
         elif kind == "resume":
-            self._symptom_said = False
+            self._say_symptom()
+            self._symptom_said, self._gone = False, []
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "recovery":
             self._line(recovered_line(e))
@@ -63,6 +75,7 @@ class Progress:
             self._line(f"node {e.get('node')}: a worker did not leave its step in time; it is started anew")
         elif kind == "step":
             self._settle(e["step"])
+            self._slow_step(e)
             self._step(e)
         elif kind == "memory":
             self._memory(e)
@@ -70,19 +83,24 @@ class Progress:
             self._saves.append(e)
             if (e.get("blocking_s") or 0) > SLOW_SAVE_S:
                 self._line(_describe(e))
-        elif kind == "failure" and e.get("fatal"):
-            return  # the host prints it once, as the error
-        elif kind == "failure" and (e.get("consecutive") or 0) > 1:
-            return  # failed saves in a row: the first is said; the limit's error says the rest
-        elif kind == "failure" and not _cause_first(e):
-            return  # a symptom, or an error its rank's own failure line already said
-        elif kind == "failure" and e.get("cause") == "exit" and e.get("peer_lost"):
-            if not self._symptom_said:  # every survivor of a lost node says the same: once
-                self._symptom_said = True
-                self._line(_describe(e))
-        elif kind in ("warning", "failure", "fault", "drain", "eval", "quarantine",
-                      "skipped", "fenced"):
+        elif kind == "failure":
+            self._failure(e)
+        elif kind in ("warning", "fault", "drain", "eval", "quarantine", "skipped", "fenced"):
             self._line(_describe(e))
+
+    def _failure(self, e: dict) -> None:
+        """A ``failure``: the cause is said, a symptom is held (``_say_symptom``), the rest
+        is said elsewhere."""
+        if e.get("fatal") or (e.get("consecutive") or 0) > 1 or not _cause_first(e):
+            return  # the host's error says it; failed saves in a row: the first is said; a symptom
+        symptom = (e.get("cause") is None and _timed_out(e)) or (e.get("cause") == "exit" and e.get("peer_lost"))
+        if symptom:  # a survivor's words (a peer timed out, lost its peers): once, and only if the
+            if not self._symptom_said:  # cause is not known by the time the job recovered
+                self._symptom_said, self._symptom = True, _describe(e)
+            return
+        if " hung" in str(e.get("message", "")):
+            self._symptom_said, self._symptom = True, None  # the cause: a survivor's timeout is not
+        self._line(_describe(e))
 
     def _node_dropped(self, e: dict) -> None:
         """"node 1 is gone (its agent's process is gone, ...)", once per node: the rendezvous
@@ -94,7 +112,44 @@ class Progress:
         self._dropped.add(found["name"])
         nodes = self._agents.get(int(found["pid"]), set())  # simulated hosts may share pids: then torch's name
         who = next(iter(nodes)) if len(nodes) == 1 else found["name"]
+        self._symptom_said, self._symptom = True, None  # the cause is known: the survivors' words are not
+        self._gone.append(who)
         self._line(f"node {who} is gone ({found['why'].rstrip('.')})")
+
+    def _slow_step(self, e: dict) -> None:
+        """Once: ``timeouts.step`` below a step's measured time (the watchdog would stop
+        workers as hung whenever a step takes that long)."""
+        took = e.get("step_s") or 0.0
+        if self.step_timeout and took > self.step_timeout and not self._slow_said:
+            self._slow_said = True
+            self._line(f"warning: timeouts.step={self.step_timeout:g}s is below the measured step time "
+                       f"({took:.3g}s at step {e['step']}): the step watchdog stops a worker as hung whenever a "
+                       "step takes longer; raise timeouts.step well above it (0 turns the watchdog off)")
+
+    def _say_symptom(self) -> None:
+        """A survivor's "lost its peers", held back (``_show``): said when nothing named the
+        cause before the recovery ended (or the run did)."""
+        if self._symptom is not None:
+            self._line(self._symptom)
+            self._symptom = None
+
+    def _spare(self, e: dict) -> None:
+        """A hot spare's two moments, once each: it waits in the rendezvous, ready (torch's
+        redundancy list), and its workers started in a group: it took a lost node's place."""
+        node = str(e.get("node"))
+        if node not in self._spares:
+            return
+        if e["event"] == "torchelastic" and "redundancy list" in str(e.get("message") or ""):
+            self._say_spare(node, "ready", f"spare node {node} is ready ({e['t'] - self._spares[node]:.1f} s after "
+                                           "it was started): it takes the place of the next node lost")
+        elif e["event"] == "worker":
+            whose = f"node {', '.join(self._gone)}'s" if self._gone else "a lost node's"
+            self._say_spare(node, "took", f"spare node {node} took {whose} place (world size {e.get('world_size')})")
+
+    def _say_spare(self, node: str, moment: str, text: str) -> None:
+        if (node, moment) not in self._spares_said:
+            self._spares_said.add((node, moment))
+            self._line(text)
 
     def _memory(self, e: dict) -> None:
         """The snapshot interval once measured, then only when it settles on another value
@@ -136,6 +191,7 @@ class Progress:
         self.out.flush()
 
     def close(self) -> None:
+        self._say_symptom()
         if self.tty:
             self.out.write("\n")
         if self._saves:
@@ -158,6 +214,15 @@ def _cause_first(e: dict) -> bool:
     if e.get("cause") == "exit":
         return not e.get("recorded") or bool(e.get("peer_lost"))
     return not e.get("peer_lost")
+
+
+_TIMED_OUT = re.compile(r"timed out waiting", re.IGNORECASE)
+
+
+def _timed_out(e: dict) -> bool:
+    """A rank's own failure that is a collective timing out (gloo's "Timed out waiting ...ms
+    for recv"): a symptom of a peer that stopped answering."""
+    return bool(_TIMED_OUT.search(str(e.get("message", ""))))
 
 
 def _tally(saves: list[dict]) -> str:

@@ -39,6 +39,19 @@ class Claim:
         for lease in reversed(self.leases):
             lease.release()
 
+    def lost(self, now: bool = False) -> str:
+        """Why this submission no longer holds its locks ("" while it does): another live
+        job took one over (``lock.Lease.lost``). ``now``: read the lock files first (a
+        worker generation is about to start); else the heartbeats' last word (cheap)."""
+        for lease in self.leases:
+            record = lease.check() if now else lease.lost
+            if record is not None:
+                return (f"this submission lost the lock of {lease.store.root} to {lock.describe(record)}: "
+                        "it stopped answering long enough to look gone, and that job took the directory over; "
+                        "stopped without saving\n  fix: let that job finish (or stop it); then re-running "
+                        "resumes from its checkpoints")
+        return ""
+
     def __enter__(self) -> Claim:
         return self
 
@@ -98,10 +111,12 @@ def _provided_key(path: Path) -> bytes:
     """The key a job was given from outside (``ELASTIC_HARNESS_KEY_FILE``): it must exist."""
     try:
         return jobkey.read(path)
+    except jobkey.KeyExposed as e:
+        raise jobkey.KeyExposed(f"{jobkey.KEY_FILE_VAR}: {e.message}", e.hint) from None
     except jobkey.KeyError_ as e:
         raise jobkey.KeyError_(f"{jobkey.KEY_FILE_VAR}: {e.message}",
-                               f"point {jobkey.KEY_FILE_VAR} at the job's key (32 random bytes, hex: "
-                               "`openssl rand -hex 32`), or unset it to use RUN_DIR/job.key") from None
+                               f"point {jobkey.KEY_FILE_VAR} at the job's key (32 random bytes, hex, mode 0600: "
+                               "`(umask 077; openssl rand -hex 32 > FILE)`), or unset it to use RUN_DIR/job.key") from None
 
 
 def check_key(store: Storage, key: bytes | None, path: Path, run_dir: Path) -> None:

@@ -74,6 +74,8 @@ class RunState:
         self.failures: list[str] = []
         self.drained_at: int | None = None  # the step of the newest drain
         self.agent_exits: list[tuple[int, str]] = []  # (code, message) of each agent's exit
+        self.run_id: str | None = None  # the invocation's rendezvous id (its host's ``start``)
+        self._agents: set[int] = set()  # pids of the agents that started with it
         self.finished = False
         self.superseded: str = ""  # a fenced generation finished: why its result is not saved
         self._fenced: dict[int, int] = {}  # rank 0 pid of a fenced generation -> saves refused
@@ -140,8 +142,17 @@ class RunState:
     def _drain(self, e: dict) -> None:
         self.drained_at = e.get("step")
 
+    def _start(self, e: dict) -> None:
+        if e.get("who") == "host":
+            self.run_id = e.get("run_id")
+        elif e.get("who") == "agent" and e.get("run_id") == self.run_id:
+            self._agents.add(e.get("pid", 0))
+
     def _exit(self, e: dict) -> None:
-        if e.get("who") == "agent":
+        # Another submission's agent may share the log: one whose lock this one took over
+        # (``checkpoint.lock``) ends while this one runs; its exit is not this job's.
+        theirs = self.run_id is not None and e.get("pid", 0) not in self._agents
+        if e.get("who") == "agent" and not theirs:
             self.agent_exits.append((int(e.get("code") or 0), e.get("message") or ""))
 
     def _fenced_save(self, e: dict) -> None:
@@ -164,7 +175,7 @@ _HANDLERS = {
     "worker": RunState._worker, "rendezvous": RunState._rendezvous, "resume": RunState._resume,
     "step": RunState._step, "checkpoint": RunState._checkpoint, "fault": RunState._fault,
     "failure": RunState._failure, "finish": RunState._finish, "drain": RunState._drain,
-    "exit": RunState._exit, "fenced": RunState._fenced_save,
+    "exit": RunState._exit, "fenced": RunState._fenced_save, "start": RunState._start,
 }
 
 

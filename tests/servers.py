@@ -189,6 +189,40 @@ def etcd_server(data_dir: Path, listen_all: bool = False, v2: bool = False, gate
         _stop([proc])
 
 
+class RestartableEtcd:
+    """One etcd member (v3 API only) that a test stops and starts again on the same data
+    directory and ports: an etcd restarted, as a cluster's operator restarts it."""
+
+    def __init__(self, data_dir: Path) -> None:
+        client, peer, metrics = free_ports(3)
+        self.endpoint, self._metrics, self._log = f"127.0.0.1:{client}", metrics, data_dir.parent / "etcd.log"
+        url = f"http://127.0.0.1:{client}"
+        self._cmd = [_etcd_binary(), *_etcd_flags("t0", data_dir, url, url, peer, metrics, False, True, None),
+                     "--initial-cluster", f"t0=http://127.0.0.1:{peer}"]
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self._log, "ab") as log:
+            self._proc = subprocess.Popen(self._cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{self._metrics}/health") or self._proc.poll() is not None,
+                   30, "etcd to become healthy")
+        assert self._proc.poll() is None, self._log.read_text()[-2000:]
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _stop([self._proc])
+
+
+@contextlib.contextmanager
+def restartable_etcd(data_dir: Path) -> Iterator[RestartableEtcd]:
+    etcd = RestartableEtcd(data_dir)
+    try:
+        etcd.start()
+        yield etcd
+    finally:
+        etcd.stop()
+
+
 @contextlib.contextmanager
 def etcd_cluster(root: Path, members: int = 3, v2: bool = False) -> Iterator[list[tuple[str, subprocess.Popen]]]:
     """``members`` etcd members forming one cluster on loopback: [(client endpoint, process)]."""

@@ -56,6 +56,7 @@ class Kind:
     worker_fires: bool = False  # a step-keyed fault of this kind is fired by the worker it hits
     needs_netns: bool = False
     doc: str = ""
+    failure: bool = True  # what it does is a failure the job recovers from (not a node added, a link healed)
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -69,11 +70,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          doc="SIGKILL node N's agent and workers; survivors go on if >= nodes.min"),
     Kind("hang-node", "node", "signal", signal.SIGSTOP, "node",
          doc="SIGSTOP node N's agent and workers; the rest go on without it"),
-    Kind("add-node", "none", "start-node",
+    Kind("add-node", "none", "start-node", failure=False,
          doc="start another agent; the group drains, saves and grows"),
     Kind("partition", "node", "link-down", needs_netns=True,
          doc="take node N's link down (--netns); an isolated agent stops itself"),
-    Kind("heal", "node", "link-up", needs_netns=True, doc="bring node N's link back up (--netns)"),
+    Kind("heal", "node", "link-up", needs_netns=True, failure=False, doc="bring node N's link back up (--netns)"),
 )}
 
 

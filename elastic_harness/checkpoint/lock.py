@@ -21,6 +21,13 @@ Call order: ``Lease.acquire`` (raises ``LockHeld``), then ``release()`` on a cle
 (safe to call twice). While held, a thread renews the heartbeat; a process of the same job
 that finds the owner gone takes the lock over for the job.
 
+Lost (issue 42): a submission that stopped answering (frozen, cut off) looks gone, and
+another job may take its lock over. When it comes back, its heartbeat (or ``check``, which
+an agent calls before each worker generation it starts) finds the other live job holding
+it: ``lost`` names that job, for good. The submission must stop without saving (the agent
+kills its workers and starts no more: ``launch.elastic``), and so never starts a worker
+generation that would bump the fence and shut the lock's holder out.
+
 Limits: creating the file is atomic on local and shared filesystems (``link``); taking over
 a stale lock, and anything on object stores (``s3://``), is last-writer-wins followed by a
 read-back, so two contenders within the same instant can both proceed. The generation
@@ -29,6 +36,7 @@ fence (``fence``) then keeps the older one from committing checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -185,6 +193,7 @@ class Lease:
         self._clock, self._alive = clock, alive
         self.lost: dict | None = None  # set by the heartbeat when another job holds it now
         self._stop = threading.Event()
+        self._beating = threading.Lock()  # ``check`` and the heartbeat thread read and write one file
         self._thread = threading.Thread(target=self._beat_loop, name="lock-heartbeat", daemon=True)
 
     @classmethod
@@ -214,8 +223,20 @@ class Lease:
         self._thread.start()
         return self
 
+    def check(self) -> dict | None:
+        """Read the lock now (one heartbeat): the record of the live job that took it over
+        from this submission, else None. Once lost, lost for good: this submission stops."""
+        if self.lost is None:
+            with contextlib.suppress(OSError):  # storage hiccup: the heartbeat tries again
+                self.beat()
+        return self.lost
+
     def beat(self) -> None:
         """One heartbeat: renew our record, or take over for our job from a gone owner."""
+        with self._beating:
+            self._beat()
+
+    def _beat(self) -> None:
         record = read_record(self.store, self.filename)
         if record and record.get("token") == self.me.token:
             self.owner = True

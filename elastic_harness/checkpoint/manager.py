@@ -36,7 +36,10 @@ before its directory is touched (``progress.await_write``).
 
 Failure policy: a failed periodic save (sync or async) is a ``failure`` event, its step
 directory is removed, earlier checkpoints are untouched, and training goes on; the
-``MAX_CONSECUTIVE_SAVE_FAILURES``-th failure in a row raises ``CheckpointError``. A failed
+job stops (``CheckpointError``) once saves have kept failing for ``checkpoint.give_up_after``
+seconds and at least ``MAX_CONSECUTIVE_SAVE_FAILURES`` times in a row (``give_up``: with a save
+every 10 steps, three failures took 0.3 s, and a full disk that brief ended the job; rank 0's
+clock decides, in the broadcast that settles each save, so every rank stops alike). A failed
 *blocking* save (the final save, the save on preemption) raises at once: the job cannot
 claim its result was kept. A save of a step that already has a complete checkpoint is a
 ``skipped`` event; a save by a superseded generation is a ``fenced`` event (neither writes).
@@ -90,6 +93,13 @@ SAVE_ERRORS = (Exception, CheckpointException)
 MAX_CONSECUTIVE_SAVE_FAILURES = 3
 STALL_S = 300.0
 _FIX_STORAGE = "free space or fix permissions on the checkpoint directory, then re-run to resume"
+
+
+def give_up(failures: int, failing_s: float, limit_s: float) -> bool:
+    """Pure: stop the job after ``failures`` periodic saves in a row failed, the first
+    ``failing_s`` seconds ago? At ``MAX_CONSECUTIVE_SAVE_FAILURES`` at least, and once they
+    have failed for ``limit_s`` (``checkpoint.give_up_after``; 0: at once)."""
+    return failures >= MAX_CONSECUTIVE_SAVE_FAILURES and failing_s >= limit_s
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,7 @@ class CheckpointManager:
         self._busy: set[int] = set()  # steps being loaded or written: never purged
         self._generation: fence.Generation | None = None
         self._fenced = ""  # rank 0: why this generation was found superseded (for good)
-        self._failures = 0
+        self._failures, self._failing_since, self._give_up = 0, None, False  # saves failed in a row (``_judged``)
         self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
         self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
@@ -328,7 +338,7 @@ class CheckpointManager:
         if not ok and blocking and self._outcome != "fenced":  # superseded: an event, not an error
             raise CheckpointError(
                 f"the required checkpoint at step {step} could not be written ({self._last_failure}; "
-                f"details in events.jsonl); earlier checkpoints in {self.storage.root} are intact", _FIX_STORAGE)
+                f"details in events.jsonl); {self._left()}", _FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
@@ -441,8 +451,8 @@ class CheckpointManager:
         reports: list[Any] = [None] * self.world_size if self.rank == 0 else []
         mine = (written_files(writer), None if error is None else self._explain(error))
         dist.gather_object(mine, reports if self.rank == 0 else None, group=self.group, group_dst=0)
-        outcome = self._commit(step, name, reports) if self.rank == 0 else None
-        status, why = collective.broadcast(outcome, self.group)
+        outcome = self._judged(self._commit(step, name, reports)) if self.rank == 0 else None
+        status, why, self._give_up = collective.broadcast(outcome, self.group)
         self._outcome = status
         self._busy.discard(step)
         if status == "fenced":
@@ -453,7 +463,7 @@ class CheckpointManager:
         if status != "ok":
             self._on_failure(step, name, error or CheckpointError(why), asynchronous)
             return False
-        self._failures = 0
+        self._failures, self._failing_since = 0, None
         if self.rank == 0:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
@@ -465,6 +475,15 @@ class CheckpointManager:
                 self._pending_watch = (None, "")
                 self._pending = self.threads.commit(self._purge, step)
         return True
+
+    def _judged(self, outcome: tuple[str, str]) -> tuple[str, str, bool]:
+        """Rank 0: ``outcome`` and whether a failure ends the streak's patience (``give_up``,
+        from when its first failure settled: ``_failing_since``; every rank learns it)."""
+        if outcome[0] != "failed":
+            return (*outcome, False)
+        now = self._clock()
+        self._failing_since = now if self._failing_since is None else self._failing_since
+        return (*outcome, give_up(self._failures + 1, now - self._failing_since, self.policy.give_up_after))
 
     def _commit(self, step: int, name: str, reports: list[Any]) -> tuple[str, str]:
         """Rank 0: write the manifest if every rank wrote and this generation is current.
@@ -517,21 +536,32 @@ class CheckpointManager:
             return
         self.events.emit(
             "failure", step=step, asynchronous=asynchronous, consecutive=self._failures,
-            message=f"checkpoint at step {step} failed ({self._failures} in a row, "
-            f"limit {MAX_CONSECUTIVE_SAVE_FAILURES}): {why}",
+            message=f"checkpoint at step {step} failed ({self._failures} in a row; the job stops after "
+            f"{self.policy.give_up_after:.0f} s of failures, {MAX_CONSECUTIVE_SAVE_FAILURES} at least): {why}",
             detail=detail(err) if err is not None else why,
         )
         with contextlib.suppress(OSError):
             self.storage.remove(name)  # incomplete by definition, and every writer has stopped
 
     def raise_if_failing(self) -> None:
-        if self._failures >= MAX_CONSECUTIVE_SAVE_FAILURES:
+        if self._give_up:
             raise CheckpointError(
-                f"{self._failures} checkpoint saves in a row failed (last: {self._last_failure}; details in "
-                "events.jsonl); "
-                f"stopping so no more work goes unsaved; checkpoints in {self.storage.root} are intact",
+                f"{self._failures} checkpoint saves in a row failed, for {self.policy.give_up_after:.0f} s at least "
+                f"(checkpoint.give_up_after; last: {self._last_failure}; details in events.jsonl); "
+                f"stopping so no more work goes unsaved; {self._left()}",
                 _FIX_STORAGE,
             )
+
+    def _left(self) -> str:
+        """What a save failure leaves behind, as listed now: the complete checkpoints that are
+        intact, or that none was complete yet (not "intact" checkpoints that never existed)."""
+        try:
+            done = layout.load_candidates(layout.scan(self.storage.listing(), require_manifest=True))
+        except OSError:
+            return f"the checkpoints already in {self.storage.root} were not touched"
+        if not done:
+            return f"no checkpoint of this job was complete in {self.storage.root} yet"
+        return f"earlier checkpoints in {self.storage.root} are intact (the newest: {done[0].name})"
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the in-flight save (and its commit), if any; raise past the failure limit.

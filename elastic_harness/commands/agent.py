@@ -104,17 +104,17 @@ def cmd_agent(args: argparse.Namespace) -> int:
     job_id = args.job_id or opts.rdzv_id
     # The job submission holds the run dir: this job's agents (and its `run`) share it.
     with prepare(run_dir, spec, holder=Holder.this_process(spec.name, job_id, submission=args.submission),
-                 key_file=opts.key_file, record_spec=not owner_wrote):
+                 key_file=opts.key_file, record_spec=not owner_wrote) as claim:
         os.environ.update(torch_environ(run_dir, os.environ))  # torch's caches in the run dir, not /tmp
         os.environ.update(worker_malloc_environ(os.environ))  # before the zygote starts (launch.config)
         print(logsource.agent_header(node, job_id, os.getpid(), time.time()), flush=True)
-        code = _serve(args, spec, opts, run_dir, node, job_id)
+        code = _serve(args, spec, opts, run_dir, node, job_id, claim.lost)
         if not args.no_summary:
             _write_summary(run_dir)
         return code
 
 
-def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str) -> int:
+def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, lock_lost) -> int:
     from elastic_harness.launch.zygote import Zygote
     from elastic_harness.runtime.zygote import preload_for  # stdlib only: the zygote imports torch
 
@@ -124,13 +124,14 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_i
     if zygote is not None:
         zygote.start()
     try:
-        return _serve_with(args, spec, opts, run_dir, node, job_id, zygote)
+        return _serve_with(args, spec, opts, run_dir, node, job_id, zygote, lock_lost)
     finally:
         if zygote is not None:
             zygote.stop()
 
 
-def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, zygote) -> int:
+def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, zygote,
+                lock_lost) -> int:
     from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
 
     # The build and every private name: here, while the zygote imports torch (no start-up
@@ -154,7 +155,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
     progress = None if args.no_progress else _ProgressPrinter(run_dir / runfiles.EVENTS, spec.train.steps)
     try:
         health = (lambda fn: setattr(endpoint, "agent_health", fn)) if endpoint is not None else None
-        return run_agent(spec, opts, node=node, on_health=health, zygote=zygote)
+        return run_agent(spec, opts, node=node, on_health=health, zygote=zygote, lock_lost=lock_lost)
     finally:
         if progress is not None:
             progress.close()

@@ -257,10 +257,10 @@ def cmd_trust(args: argparse.Namespace) -> int:
         raise CheckpointError(f"no job.key beside {loc.storage.root}",
                               "pass --key RUN_DIR/job.key: the key of the run that will load it")
     if path.is_file() and integrity.signed_by(loc.storage, name, jobkey.read(path)).ok:
-        print(f"{name}: already signed with {path}; nothing to do")
-        return 0
+        return _already_signed(loc.storage, name, path)
+    _refuse_resigning_its_own(loc, name, path)
     shown = offline.review(loc.storage, name)
-    _show(loc.storage.uri(name), shown)
+    _show(loc.storage.uri(name), shown, path)
     if not _confirmed(args.yes, f"sign {name} with {path}, so that a resume loads it? [y/N] "):
         raise CheckpointError(f"{name} not signed", "re-run with --yes to sign what is shown above")
     key = jobkey.ensure(path) if args.key else jobkey.read(path)  # --key: created if absent (a legacy run)
@@ -270,6 +270,31 @@ def cmd_trust(args: argparse.Namespace) -> int:
         return 1
     print(f"{name}: signed with {path} (you vouch for its contents)")
     return 0
+
+
+def _already_signed(storage, name: str, path: Path) -> int:
+    """``ckpt trust`` of a checkpoint signed with the key given: nothing to sign. It must still
+    verify in full (a shard damaged since is not "nothing to do": ``ckpt verify`` says CORRUPT)."""
+    verdict = integrity.verify(storage, name, "full", jobkey.read(path))
+    if verdict.ok:
+        print(f"{name}: already signed with {path}, and it verifies in full; nothing to do")
+        return 0
+    print(f"{name}: signed with {path}, but {verdict.kind.upper()}: {verdict.reason}; signing cannot repair it "
+          "(a resume skips it: 'elastic-harness ckpt verify' shows which step it loads instead)")
+    return 1
+
+
+def _refuse_resigning_its_own(loc, name: str, path: Path) -> None:
+    """A checkpoint its own run signed (the ``job.key`` beside it) is not re-signed with another
+    key: the run would then refuse its own checkpoint ("the key was replaced")."""
+    own = loc.key_file
+    if own is None or not own.is_file() or own.resolve() == path.resolve():
+        return
+    if integrity.signed_by(loc.storage, name, jobkey.read(own)).ok:
+        raise CheckpointError(f"{name} is signed with its own run's key ({own}): signing it with {path} "
+                              "would make that run refuse it",
+                              "to load it in the run of that key, copy the step directory into that run's "
+                              "checkpoint directory and trust the copy there")
 
 
 def _trust_target(loc, step: int | None) -> str:
@@ -287,10 +312,12 @@ def _trust_target(loc, step: int | None) -> str:
     return name
 
 
-def _show(where: str, shown) -> None:  # noqa: ANN001 - offline.Review (imported lazily)
+def _show(where: str, shown, key: Path) -> None:  # noqa: ANN001 - offline.Review (imported lazily)
     info = {k: shown.manifest.get(k) for k in ("task", "job", "world_size", "step") if shown.manifest.get(k)}
+    signed = (f"signed, but not with {key}: a claim" if shown.manifest.get(integrity.SIGNATURE)
+              else "unsigned: a claim")
     print(f"{where}: checked in full against its own manifest"
-          + (f"; it says {', '.join(f'{k} {v}' for k, v in info.items())} (unsigned: a claim)" if info else ""))
+          + (f"; it says {', '.join(f'{k} {v}' for k, v in info.items())} ({signed})" if info else f" ({signed})"))
     print(f"  files ({len(shown.files)}, {_human(sum(size for _, size, _ in shown.files))}):")
     for name, size, digest in shown.files[:_SHOWN]:
         print(f"    {name:<28} {_human(size):>10}  {digest}")

@@ -54,6 +54,26 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the run, compare the final model with this run's (see `verify`)")
 
 
+def take_script_flags(args: argparse.Namespace) -> None:
+    """``run``/``submit [flags] train.py [args]``: the flags ``eh.init(argv=...)`` reads from a
+    script's arguments under python and torchrun (``runtime.jobsource.script_flags``) count
+    here too, so the job is the one ``python train.py [args]`` runs: ``--set`` after the
+    host's own, ``--run-dir`` as the run directory. The script still gets every argument.
+    ``--job`` after the script, or a second run directory, is refused (``HarnessError``)."""
+    from elastic_harness.runtime.jobsource import script_flags
+
+    job, run_dir, sets, _ = script_flags(args.script_args)
+    if job is not None:
+        raise HarnessError(f"--job {job} after the script: `{args.command}` takes the job as its first "
+                           "argument", f"name the job first: elastic-harness {args.command} {job} "
+                           "(its script.path names the script)")
+    if run_dir is not None and args.run_dir is not None and Path(run_dir).resolve() != Path(args.run_dir).resolve():
+        raise HarnessError(f"two run directories: --run-dir {args.run_dir} before the script and "
+                           f"--run-dir {run_dir} after it", "give --run-dir once")
+    args.run_dir = run_dir if run_dir is not None else args.run_dir
+    args.set = [*args.set, *sets]
+
+
 def overrides_of(args: argparse.Namespace, count_here: bool = True) -> list[str]:
     """``--set``, then ``--nnodes`` and ``--nproc-per-node`` as the spec fields they set.
     ``count_here`` False (a job that runs on other machines): ``gpu``/``cpu``/``auto`` are

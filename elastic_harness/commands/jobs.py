@@ -20,7 +20,7 @@ from elastic_harness.errors import HarnessError
 from elastic_harness.lifecycle import display, registry
 from elastic_harness.lifecycle.api import LogQuery
 from elastic_harness.lifecycle.registry import JobRecord
-from elastic_harness.lifecycle.schedulers import scheduler_for
+from elastic_harness.lifecycle.schedulers import scheduler_for, status_of
 from elastic_harness.lifecycle.state import ACTIVE
 
 _JOB_HELP = "job id (or a unique prefix, a job name, or a run directory)"
@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("list", help="every known job and its state")
     p.add_argument("--json", action="store_true", help="print them as JSON")
+    p.add_argument("--prune", action="store_true", help="forget the jobs that ended (their records only: run "
+                                                       "directories, logs and checkpoints stay)")
+    p.add_argument("--older-than", metavar="AGE", help="with --prune: only jobs submitted longer ago than AGE "
+                                                       "(90s, 10m, 2h, 7d)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("logs", help="a job's agent and worker logs, merged and prefixed")
@@ -101,20 +105,46 @@ def _record_of_run_dir(run_dir: Path, root: Path) -> JobRecord:
 def cmd_status(args: argparse.Namespace) -> int:
     root = registry.state_dir()
     record = resolve(args.job, root)
-    st = scheduler_for(record.scheduler, root).status(record)
+    st = status_of(record, root)
     print(json.dumps(st.to_dict(), indent=2) if args.json else display.detail(st))
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     root = registry.state_dir()
-    statuses = [scheduler_for(r.scheduler, root).status(r) for r in registry.records(root)]
+    before = _prune_before(args.older_than, args.prune)
+    statuses = [status_of(r, root) for r in registry.records(root)]
+    if args.prune:
+        return _prune(statuses, root, before)
     if args.json:
         print(json.dumps([st.to_dict() for st in statuses], indent=2))
     elif statuses:
         print(display.table(statuses))
     else:
         print(f"no jobs in {root / 'jobs'}", file=sys.stderr)
+    return 0
+
+
+def _prune_before(older_than: str | None, prune: bool) -> float | None:
+    """``--older-than AGE`` as unix seconds (None: no bound); refused without ``--prune``."""
+    if older_than is None:
+        return None
+    if not prune:
+        raise HarnessError("--older-than chooses which jobs --prune forgets", "add --prune, or leave it out")
+    if not _DURATION.match(older_than.strip()):
+        raise HarnessError(f"--older-than '{older_than}' is not an age", "write e.g. 90s, 10m, 2h or 7d")
+    return parse_since(older_than, time.time())
+
+
+def _prune(statuses: list, root: Path, before: float | None) -> int:
+    """``list --prune``: forget the records of jobs that ended (submitted before ``before``,
+    when given); jobs still pending or running are kept."""
+    gone = [st for st in statuses if st.state not in ACTIVE and (before is None or st.submitted < before)]
+    for st in gone:
+        registry.forget(st.id, root)
+    kept = len(statuses) - len(gone)
+    print(f"forgot {len(gone)} job(s) that ended ({', '.join(st.id for st in gone) or 'none'}); {kept} kept; "
+          "their run directories were not touched")
     return 0
 
 

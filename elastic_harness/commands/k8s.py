@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument("job", help="Job YAML file, or a training script (.py): its job as `run` finds it.")
-    r.add_argument("--flavor", required=True, choices=FLAVORS, help="pytorchjob or plain.")
+    r.add_argument("--flavor", required=True, choices=FLAVORS, help="pytorchjob, plain or trainjob (k8s/DEPLOY.md says which to choose).")
     r.add_argument("--image", default=DEFAULT_IMAGE, help=f"Image (default {DEFAULT_IMAGE}).")
     r.add_argument("--namespace", default=None, help="Namespace (default: none set).")
     r.add_argument("--out", default=None, metavar="DIR", help="Write files here, not stdout.")

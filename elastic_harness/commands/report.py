@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
-from elastic_harness import runfiles
+from elastic_harness import exitcodes, runfiles
+from elastic_harness.chaos.vocabulary import KINDS
 from elastic_harness.deps import MissingExtra, require_extra
-from elastic_harness.errors import CheckpointError, RunDirError
+from elastic_harness.errors import CheckpointError, HarnessError, RunDirError
 from elastic_harness.events import read_events
 from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
 
@@ -52,13 +54,10 @@ def load_timeline(run_dir: Path) -> Timeline:
 
 def cmd_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    if not args.no_plot:
-        try:
-            require_extra("report")
-        except MissingExtra as e:
-            raise MissingExtra(f"{e.message}, or pass --no-plot") from None
     tl = load_timeline(run_dir)
     plot_path = None
+    if not args.no_plot and not can_plot():
+        args.no_plot = True  # the text is the report; the plot is the extra's
     if not args.no_plot:
         from elastic_harness.report.plot import draw
 
@@ -72,6 +71,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def can_plot() -> bool:
+    """Whether ``report.png`` can be drawn (the ``report`` extra); when not, says so once on
+    stderr with how to get it: the text report does not need it."""
+    try:
+        require_extra("report")
+    except MissingExtra as e:
+        print(f"note: no {runfiles.REPORT_PLOT}: {e.message} (or pass --no-plot to skip it)", file=sys.stderr)
+        return False
+    return True
+
+
 def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
     return {
         "run_dir": str(run_dir), "invocations": tl.invocations, "generations": tl.generations,
@@ -83,12 +93,24 @@ def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
 
 
 def failure_count(rows: list[FaultRow]) -> str:
-    """``3 failures: 1 injected, 2 not; 2 recovered, 9 steps lost``."""
-    injected = sum(r.injected for r in rows)
-    recovered = sum(r.first_step is not None for r in rows)
-    lost = sum(r.steps_lost or 0 for r in rows)
-    return (f"{len(rows)} failure(s): {injected} injected, {len(rows) - injected} not; "
-            f"{recovered} recovered, {lost} step(s) lost")
+    """``3 failures: 1 injected, 2 not; 2 recovered, 9 steps lost``, then the other faults
+    injected (a node added, a link healed: ``chaos.vocabulary.Kind.failure``), which are
+    rows of the table but no failures (each ``add-node`` was counted as one)."""
+    failures = [r for r in rows if is_failure(r)]
+    injected = sum(r.injected for r in failures)
+    recovered = sum(r.first_step is not None for r in failures)
+    lost = sum(r.steps_lost or 0 for r in failures)
+    others = sorted({r.kind for r in rows if not is_failure(r)})
+    more = f"; and {len(rows) - len(failures)} other fault(s) injected ({', '.join(others)})" if others else ""
+    return (f"{len(failures)} failure(s): {injected} injected, {len(failures) - injected} not; "
+            f"{recovered} recovered, {lost} step(s) lost{more}")
+
+
+def is_failure(row: FaultRow) -> bool:
+    """Pure: is the row a failure (every one nobody injected, and an injected fault whose
+    kind is one: not ``add-node`` or ``heal``)?"""
+    kind = KINDS.get(row.kind)
+    return not row.injected or kind is None or kind.failure
 
 
 def _headline(tl: Timeline) -> str:
@@ -193,19 +215,26 @@ def within(a: dict, b: dict, atol: float, rtol: float) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    found = [final_checkpoint(Path(where)) for where in (args.run_dir, args.ref_run_dir)]
+    ok, result = compare_runs(Path(args.run_dir), Path(args.ref_run_dir), args.atol, args.rtol)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{result['run']}\n  vs {result['reference']}\n{result['verdict']}")
+    return 0 if ok else 1
+
+
+def compare_runs(run_dir: Path, ref_run_dir: Path, atol: float = DEFAULT_ATOL,
+                 rtol: float = DEFAULT_RTOL) -> tuple[bool, dict]:
+    """(the final models agree, what ``verify --json`` prints). ``HarnessError`` (exit 2) when
+    either run has no final checkpoint to read (``final_checkpoint``)."""
+    found = [final_checkpoint(where) for where in (run_dir, ref_run_dir)]
     # torch is imported once the paths are found: a typo answers at once
     from elastic_harness.checkpoint.offline import compare, load_model_tensors
 
     (a, where_a), (b, where_b) = [(load_model_tensors(s.reader(n)), s.uri(n)) for s, n in found]
     diff = compare(a, b)
-    ok = diff["comparable"] and (diff["identical"] or within(a, b, args.atol, args.rtol))
-    verdict = _verdict(diff, ok, args.atol, args.rtol)
-    if args.json:
-        print(json.dumps({"run": where_a, "reference": where_b, "ok": ok, "verdict": verdict, **diff}, indent=1))
-    else:
-        print(f"{where_a}\n  vs {where_b}\n{verdict}")
-    return 0 if ok else 1
+    ok = diff["comparable"] and (diff["identical"] or within(a, b, atol, rtol))
+    return ok, {"run": where_a, "reference": where_b, "ok": ok, "verdict": _verdict(diff, ok, atol, rtol), **diff}
 
 
 def _verdict(diff: dict, ok: bool, atol: float, rtol: float) -> str:
@@ -215,3 +244,30 @@ def _verdict(diff: dict, ok: bool, atol: float, rtol: float) -> str:
         return "bit-identical"
     where = "within" if ok else "OUTSIDE"
     return f"differs: max abs {diff['max_abs']:.3g}, max rel {diff['max_rel']:.3g} ({where} atol={atol:g}, rtol={rtol:g})"
+
+
+def check_reference(reference: Path) -> None:
+    """``--verify REF``: the reference run has a final checkpoint that verifies, or one line
+    now (exit 2), before any agent starts."""
+    try:
+        final_checkpoint(reference)
+    except HarnessError as e:
+        raise HarnessError(f"--verify {reference}: {e.message}", e.hint or "name a finished run's directory") \
+            from None
+
+
+def compare_with(run_dir: Path, reference: str) -> HarnessError | None:
+    """``--verify``: the final model against the reference run's, printed as ``verify`` prints
+    it; the error the run ends with (exit 1: they differ; 2: a checkpoint cannot be read),
+    else None."""
+    try:
+        ok, result = compare_runs(run_dir, Path(reference))
+    except HarnessError as e:
+        return HarnessError(f"--verify {reference}: {e.message}", e.hint)
+    print(f"{result['run']}\n  vs {result['reference']}\n{result['verdict']}")
+    if ok:
+        return None
+    error = HarnessError(f"--verify: the final model is not {reference}'s: {result['verdict']}",
+                         "the two runs trained different models: compare their jobs (docs/tolerance.md)")
+    error.exit_code = exitcodes.FAILED
+    return error

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from elastic_harness.chaos.vocabulary import check_netns, check_targets
 from elastic_harness.checkpoint.lock import Holder
 from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.commands.jobargs import add_job_arguments, load_with_flags
+from elastic_harness.commands.report import check_reference, compare_with
 from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
@@ -60,6 +62,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from_epochs = bool(spec.train.epochs)
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
+    if args.verify:  # the reference is read before anything trains, not after
+        check_reference(Path(args.verify))
     require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
     check_and_warn(spec)  # the installed torch can run the harness (torchcompat.host)
     spec = preflight(spec, Path(args.job))
@@ -67,18 +71,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_faults(spec, nodes, args.netns, warn=False)
     run_dir = Path(args.run_dir or Path("runs") / spec.name)
     done = "" if args.fresh else resumepoint.check(spec, run_dir)  # finished: nothing to start
-    if done:
-        print(done)
-        code = 0
-    else:
-        code = _run(spec, args, run_dir, nodes)
-    if code == 0 and args.verify:
-        from elastic_harness.commands.report import cmd_verify
-
-        check = argparse.Namespace(run_dir=str(run_dir), ref_run_dir=args.verify, atol=1e-5,
-                                   rtol=1e-4, json=False)
-        code = cmd_verify(check)
-    return code
+    if not done:
+        return _run(spec, args, run_dir, nodes)  # --verify: part of its outcome (``_finish``)
+    print(done)
+    problem = compare_with(run_dir, args.verify) if args.verify else None
+    if problem is not None:
+        raise problem
+    return 0
 
 
 def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
@@ -90,8 +89,12 @@ def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
     given = os.environ.get(jobkey.KEY_FILE_VAR)
     with prepare(run_dir, spec, fresh=args.fresh, holder=holder, key_file=Path(given) if given else None) as claim:
         register_run(spec, claim.path, Path(args.job), rdzv_id)
-        return launch_local(spec, claim.path, nodes, spec.chaos, use_netns=args.netns, rdzv_id=rdzv_id,
-                            submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False))
+        try:
+            return launch_local(spec, claim.path, nodes, use_netns=args.netns, rdzv_id=rdzv_id,
+                                submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False),
+                                verify=args.verify)
+        finally:
+            record_outcome(rdzv_id)
 
 
 def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
@@ -107,6 +110,18 @@ def register_run(spec, run_dir: Path, job_file: Path, job_id: str) -> None:
             registry.save(supervisor_record(spec, run_dir, job_file, job_id, os.getpid(), via="run"), root)
         except HarnessError as e:  # training does not depend on the registry: say so and go on
             print(f"warning: {e.message}; `status` and `list` will not show this job", file=sys.stderr)
+
+
+def record_outcome(job_id: str) -> None:
+    """Keep how this job ended in its record (``schedulers.status_of``), so that ``status``
+    still says it once the run dir is removed."""
+    from elastic_harness.lifecycle import registry
+    from elastic_harness.lifecycle.schedulers import status_of
+
+    root = registry.state_dir()
+    record = registry.load(job_id, root)
+    if record is not None:
+        status_of(record, root)
 
 
 def check_faults(spec, nodes: int, netns: bool, warn: bool = True) -> None:
@@ -229,16 +244,19 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
-def launch_local(spec, run_dir: Path, nodes: int, faults=(), use_netns: bool = False, rdzv_id: str = "",
-                 submission: str = "", separate_hosts: bool = False) -> int:
+def launch_local(spec, run_dir: Path, nodes: int, use_netns: bool = False, rdzv_id: str = "",
+                 submission: str = "", separate_hosts: bool = False, verify: str | None = None) -> int:
+    """Train on this machine, with the job's faults (``spec.chaos``); ``verify``: a reference
+    run's directory, compared with the final model before the exit is recorded (a model that
+    differs is the run's failure)."""
     events = EventLog(run_dir / runfiles.EVENTS)
-    chaos = ChaosController(faults, events, run_dir)
+    chaos = ChaosController(spec.chaos, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     topology = NetnsTopology() if use_netns else None
     try:
         endpoint = _endpoint(spec, topology)
         return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission,
-                       separate_hosts)
+                       separate_hosts, verify)
     finally:
         if topology is not None:
             topology.teardown()
@@ -259,7 +277,8 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None, submission: str = "", separate_hosts: bool = False) -> int:
+            topology: NetnsTopology | None, submission: str = "", separate_hosts: bool = False,
+            verify: str | None = None) -> int:
     tail = EventTail(run_dir / runfiles.EVENTS)
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None, separate_hosts=separate_hosts)
@@ -267,7 +286,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
     cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
                            backend=spec.rendezvous.backend, netns=topology, separate_hosts=separate_hosts,
                            extra_args=("--submission", submission) if submission else ())
-    progress = Progress(spec.train.steps)
+    progress = Progress(spec.train.steps, step_timeout=spec.timeouts.step)
     fatal, lingering = None, ""
     stop = StopSignal()
     idle = spares.Spares(spec.nodes.spares, nodes)
@@ -285,7 +304,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
             chaos.observe(e, cluster)
         progress.close()
     _what_did_not_happen(chaos, unjoined, progress.state.step)
-    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state, lingering)
+    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state, lingering, verify)
 
 
 def _what_did_not_happen(chaos: ChaosController, unjoined: list[int], step: int) -> None:
@@ -414,9 +433,10 @@ def cut_short(running: Sequence[int], ranks: dict[str, set[int]], bound_s: float
 
 
 def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None,
-            stopped_by: int | None, state: RunState, lingering: str = "") -> int:
+            stopped_by: int | None, state: RunState, lingering: str = "", verify: str | None = None) -> int:
     """Decide the outcome (``outcome``) from ``state`` (this invocation's events, folded as
-    they were read), log the host's ``exit``, then write ``summary.json`` from the whole log
+    they were read; ``verify``: a finished run's model is compared with that run's,
+    ``compare_with``), log the host's ``exit``, then write ``summary.json`` from the whole log
     (exit included, so its goodput is the one ``report`` prints).
 
     Re-reading and folding the log before the ``exit`` event took ~1 s per 10,000 events
@@ -427,10 +447,18 @@ def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str |
                             stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
                             agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering,
                             sessions=state.generations)
+    unverified = compare_with(run_dir, verify) if code == exitcodes.OK and verify else None
+    if unverified is not None:  # recorded as the run's exit: `status` of a submission says it too
+        code, message = unverified.exit_code, unverified.message
     events.emit("exit", who="host", code=code, message=message)
     summary = summarize(read_events(run_dir / runfiles.EVENTS))
     summary["agent_exit_codes"] = codes
-    (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
+    try:
+        (run_dir / runfiles.SUMMARY).write_text(json.dumps(summary, indent=2))
+    except OSError as e:  # a full disk: the outcome is still said, and recorded where it could be
+        print(f"warning: cannot write {run_dir / runfiles.SUMMARY} ({e.strerror or e})", file=sys.stderr)
+    if unverified is not None:
+        raise unverified
     if code != exitcodes.OK:
         raise _error(code, message, run_dir, from_agent=bool(permanent) and not fatal)
     if message:  # a plain script's success (``outcome``)
@@ -484,14 +512,20 @@ def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: in
     return (exitcodes.INFRA if "infrastructure" in kinds else exitcodes.FAILED), message
 
 
+# An agent's exit-2 message that is an error in the job's code (a crash loop, an exception a
+# worker raised): fixing that code is the fix. Its other exit-2 messages (a rendezvous or
+# etcd setting) name their own fix, or have none to name.
+_CODE_ERROR = re.compile(r"crash loop|[\w.]*(Error|Exception)\b")
+
+
 def _error(code: int, message: str, run_dir: Path, from_agent: bool) -> HarnessError:
     """The one line (and fix) the CLI prints for a job that did not finish."""
     resume_hint = "re-run the same command to resume from the last checkpoint"
     kind = exitcodes.kind(code)
-    if kind == "permanent":
-        hint = f"fix it (full traceback in {run_dir / 'logs'}); re-running resumes from the last checkpoint"
-        own_fix = "\n  fix: " in message  # a HarnessError raised in a worker or agent already says it
-        return HarnessError(message, hint if from_agent and not own_fix else "")
+    if kind == "permanent":  # the fix named, or nothing: a message that carries its own says it
+        in_code = from_agent and "\n  fix: " not in message and _CODE_ERROR.match(message) is not None
+        return HarnessError(message, f"fix the error in the code it names (its traceback is in {run_dir / 'logs'}); "
+                                     "re-running then resumes from the last checkpoint" if in_code else "")
     if kind == "preempted":
         error: HarnessError = Preempted(message, resume_hint)
     else:

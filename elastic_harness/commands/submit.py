@@ -96,19 +96,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     registry.ensure_writable(root)
     run_dir, nodes = None, None
     if sched.keeps_run_dir:
-        from elastic_harness.commands.run import check_faults, preflight
-        from elastic_harness.rundir import check_paths
-        from elastic_harness.torchcompat.host import check_and_warn
-
-        nodes = _local_nodes(args, spec)
-        check_faults(spec, nodes or spec.nodes.min, args.netns or args.separate_hosts)
-        check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
-        check_and_warn(spec)  # the torch this host runs the job with (torchcompat.host)
-        spec = preflight(spec, Path(args.job))
-        run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
-        if run_dir.exists() and not run_dir.is_dir():
-            raise RunDirError(f"run directory '{run_dir}' is not a directory", "pass --run-dir a directory")
-        refuse_if_busy(run_dir, root)
+        spec, run_dir, nodes = _check_local(args, spec, root)
         done = "" if args.fresh else resumepoint.check(spec, run_dir)
         if done:  # nothing to train: nothing is submitted
             print(done, file=sys.stderr)
@@ -123,6 +111,29 @@ def cmd_submit(args: argparse.Namespace) -> int:
     registry.save(record, root)
     _report(record, sched, args.json)
     return 0
+
+
+def _check_local(args: argparse.Namespace, spec, root: Path) -> tuple:
+    """What a job whose run dir is here (local, Slurm) is checked for before it is submitted,
+    as ``run`` checks it: (the spec preflight resolved, the run dir, the local node count)."""
+    from elastic_harness.commands.run import check_faults, preflight
+    from elastic_harness.rundir import check_paths
+    from elastic_harness.torchcompat.host import check_and_warn
+
+    nodes = _local_nodes(args, spec)
+    check_faults(spec, nodes or spec.nodes.min, args.netns or args.separate_hosts)
+    check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # before torch: at once
+    if args.verify:  # its supervisor compares at the end: a reference it cannot read is refused now
+        from elastic_harness.commands.report import check_reference
+
+        check_reference(Path(args.verify))
+    check_and_warn(spec)  # the torch this host runs the job with (torchcompat.host)
+    spec = preflight(spec, Path(args.job))
+    run_dir = Path(args.run_dir or Path("runs") / spec.name).resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run directory '{run_dir}' is not a directory", "pass --run-dir a directory")
+    refuse_if_busy(run_dir, root)
+    return spec, run_dir, nodes
 
 
 def run_flags(args: argparse.Namespace) -> list[str]:

@@ -4,6 +4,8 @@
 and passes the rendezvous to the agent as PET_* variables taken from ``elasticPolicy``.
 ``plain``: no operator; node pods come from a StatefulSet and rendezvous through an etcd
 rendered alongside, passed to the agent as flags.
+Every flavor starts ``nodes.max + nodes.spares`` node pods (``pods``): the spares' agents wait
+in the rendezvous until a node is lost.
 ``trainjob``: Kubeflow Trainer v2 (``k8s.trainjob``).
 """
 
@@ -17,6 +19,13 @@ from elastic_harness.k8s.pod import agent_args, pod_template
 # the operator's Go type lists c10d, etcd and etcd-v2). It passes the value on as
 # PET_RDZV_BACKEND, which the agent reads as the spec's word: etcd is ours, on the v3 API.
 OPERATOR_BACKENDS = {"c10d": "c10d", "etcd": "etcd"}
+
+
+def pods(spec) -> int:
+    """Node pods to start: ``nodes.max`` and the hot spares (``nodes.spares``). A spare is an
+    agent beyond the node range its ``--nnodes MIN:MAX`` names: it waits in the rendezvous
+    (torch's redundancy list) and takes a lost node's place at the same world size."""
+    return spec.nodes.max + spec.nodes.spares
 
 
 def rendezvous_id(target: Target) -> str:
@@ -58,7 +67,7 @@ def render_plain(target: Target) -> list[dict]:
     }
     workers = {
         "serviceName": target.names.worker,
-        "replicas": spec.nodes.max,
+        "replicas": pods(spec),
         # every node joins at once; the rendezvous, not the pod order, forms the group
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector},
@@ -76,31 +85,16 @@ def render_pytorchjob(target: Target) -> list[dict]:
     spec = target.spec
     check_backend(target)
     backend = OPERATOR_BACKENDS[spec.rendezvous.backend]
-    policy: dict = {
-        "minReplicas": spec.nodes.min,
-        "maxReplicas": spec.nodes.max,
-        "rdzvBackend": backend,
-        "rdzvId": rendezvous_id(target),
-        "maxRestarts": spec.max_restarts,
-    }
-    ports: list[dict] = []
-    extra: list[dict] = []
-    if backend == "c10d":
-        # the store lives in the first worker's agent: PET_RDZV_ENDPOINT=<job>-worker-0:port
-        policy["rdzvPort"] = spec.deploy.rdzv_port
-        ports = [{"name": OPERATOR_PORT_NAME, "containerPort": spec.deploy.rdzv_port}]
-    else:
-        host, port = client_endpoint(target).rsplit(":", 1)
-        policy.update(rdzvHost=host, rdzvPort=int(port))
-        # becomes PET_RDZV_CONF: https and the agents' client certificate
-        policy["rdzvConf"] = [{"key": k, "value": v} for k, v in client_tls_conf(target).items()]
-        extra = etcd_objects(target)
+    policy, ports, extra = elastic_policy(target, backend)
+    # With spares the operator's range (MIN:MAX+spares, from maxReplicas) would train them as
+    # nodes: the agents' flag, which wins over PET_NNODES, keeps the job's range.
+    flags = {"nnodes": f"{spec.nodes.min}:{spec.nodes.max}"} if spec.nodes.spares else {}
     worker = {
-        "replicas": spec.nodes.max,
+        "replicas": pods(spec),
         # ExitCode retries 128..255 and fails on 1..127: a preempted agent exits 143 (128+15)
         # and an infrastructure failure 200 (exitcodes.INFRA), both retried; a mistake exits 2
         "restartPolicy": "ExitCode",
-        "template": pod_template(target, agent_args(target, {}), ports, etcd_client=backend != "c10d"),
+        "template": pod_template(target, agent_args(target, flags), ports, etcd_client=backend != "c10d"),
     }
     # spec.nprocPerNode, not elasticPolicy.nProcPerNode (deprecated since operator v1.7; the
     # webhook forbids both). The operator's elastic env generator turns only the deprecated
@@ -110,3 +104,25 @@ def render_pytorchjob(target: Target) -> list[dict]:
             "pytorchReplicaSpecs": {"Worker": worker}}
     job = obj("kubeflow.org/v1", "PyTorchJob", metadata(target, target.names.base), spec=body)
     return [*extra, job]
+
+
+def elastic_policy(target: Target, backend: str) -> tuple[dict, list[dict], list[dict]]:
+    """The PyTorchJob's ``elasticPolicy``, the node container's ports, and the objects the
+    rendezvous needs besides (the rendered etcd)."""
+    spec = target.spec
+    policy: dict = {
+        "minReplicas": spec.nodes.min,
+        "maxReplicas": pods(spec),  # the operator's PET_NNODES; spares: the agents' --nnodes keeps MIN:MAX
+        "rdzvBackend": backend,
+        "rdzvId": rendezvous_id(target),
+        "maxRestarts": spec.max_restarts,
+    }
+    if backend == "c10d":
+        # the store lives in the first worker's agent: PET_RDZV_ENDPOINT=<job>-worker-0:port
+        policy["rdzvPort"] = spec.deploy.rdzv_port
+        return policy, [{"name": OPERATOR_PORT_NAME, "containerPort": spec.deploy.rdzv_port}], []
+    host, port = client_endpoint(target).rsplit(":", 1)
+    policy.update(rdzvHost=host, rdzvPort=int(port))
+    # becomes PET_RDZV_CONF: https and the agents' client certificate
+    policy["rdzvConf"] = [{"key": k, "value": v} for k, v in client_tls_conf(target).items()]
+    return policy, [], etcd_objects(target)

@@ -10,7 +10,7 @@ policy), so nothing in Trainer lets nodes join or leave a running job.
 Elasticity comes from the harness instead: the ``node`` container runs our agent with the
 rendezvous on the etcd rendered alongside (``k8s.etcd``, the v3 API) and the node range as
 flags (``--nnodes MIN:MAX``), which take precedence over Trainer's ``PET_*`` values. The
-TrainJob asks for ``nodes.max`` pods (``numNodes``); the group forms once ``nodes.min``
+TrainJob asks for ``nodes.max`` pods, and one per hot spare (``numNodes``); the group forms once ``nodes.min``
 agents are in, and a pod that is scheduled later joins by a membership change.
 
 The runtime's Job (``replicatedJobs[node]``) says what a pod's exit means, as the
@@ -35,7 +35,7 @@ from __future__ import annotations
 from elastic_harness import exitcodes
 from elastic_harness.k8s.common import TRAINER_CONTAINER, Target, metadata, obj
 from elastic_harness.k8s.etcd import etcd_objects
-from elastic_harness.k8s.flavors import etcd_flags
+from elastic_harness.k8s.flavors import etcd_flags, pods
 from elastic_harness.k8s.pod import agent_args, pod_template
 
 API = "trainer.kubeflow.org/v1alpha1"
@@ -61,12 +61,12 @@ def render_trainjob(target: Target) -> list[dict]:
     runtime_meta = metadata(target, target.names.base, "worker")
     runtime_meta["labels"]["trainer.kubeflow.org/framework"] = "torch"
     runtime = obj(API, "TrainingRuntime", runtime_meta, spec={
-        "mlPolicy": {"numNodes": spec.nodes.max, "torch": {}},
+        "mlPolicy": {"numNodes": pods(spec), "torch": {}},
         "template": {"spec": {"replicatedJobs": [replicated]}},
     })
     train_job = obj(API, "TrainJob", metadata(target, target.names.base), spec={
         "runtimeRef": {"apiGroup": GROUP, "kind": "TrainingRuntime", "name": target.names.base},
-        "trainer": {"numNodes": spec.nodes.max, "numProcPerNode": spec.nproc_per_node},
+        "trainer": {"numNodes": pods(spec), "numProcPerNode": spec.nproc_per_node},
     })
     return [*etcd_objects(target), runtime, train_job]
 

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from elastic_harness import exitcodes, runfiles
+from elastic_harness.errors import LockLost
 from elastic_harness.events import EventLog, EventTail
 from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
+from elastic_harness.launch.exclusion import HANG_WORDS
 from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import BUDDY_SLOTS, SLOTS_PER_RANK, HostSlots
 from elastic_harness.spec import JobSpec
@@ -43,12 +45,13 @@ PARK_BOUND_S = 60.0
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
               on_health: Callable[[Callable[[], tuple[bool, str]]], None] | None = None,
-              zygote: Any = None) -> int:
+              zygote: Any = None, lock_lost: Callable[[bool], str] | None = None) -> int:
     """Run this node's agent to the end; its exit code. ``on_health`` receives the agent's
     health callable (for the endpoint's ``/healthz``) once the agent exists. ``zygote``: a
     started ``launch.zygote.Zygote`` for warm starts (``spec.warm_start``), or None; the
     caller starts it before anything imports torch, so that its imports overlap this
-    process's (``commands.agent``), and stops it."""
+    process's (``commands.agent``), and stops it. ``lock_lost(now)``: why this submission
+    no longer holds the run directory ("" while it does: ``rundir.Claim.lost``)."""
     run_dir = Path(opts.run_dir)
     entrypoint, args = worker_command(run_dir)
     # Workers inherit the agent's environment: their node, job and run dir.
@@ -61,7 +64,7 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     if slots is not None:
         os.environ[MEMORY_VAR] = slots.describe()
     try:
-        return _run(spec, opts, node, (entrypoint, args), zygote, on_health)
+        return _run(spec, opts, node, (entrypoint, args), zygote, on_health, lock_lost)
     finally:
         if slots is not None:
             slots.close()
@@ -105,7 +108,7 @@ class Witness:
 
 
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
-         on_health: Callable | None) -> int:
+         on_health: Callable | None, lock_lost: Callable[[bool], str] | None = None) -> int:
     from elastic_harness.launch import watchdog
 
     run_dir = Path(opts.run_dir)
@@ -118,7 +121,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
     timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
     cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
     try:
-        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server)
+        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server, lock_lost)
     finally:
         if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
             timer_server.stop()
@@ -129,7 +132,7 @@ def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
 
 
 def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
-             events: EventLog, timer_server: Any) -> tuple[int, str]:
+             events: EventLog, timer_server: Any, lock_lost: Callable[[bool], str] | None = None) -> tuple[int, str]:
     """Run the agent to its end: its exit code and the line saying why (empty when it ended well)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -140,10 +143,14 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
         # Inside the try: the rendezvous handler is built here, and a backend that cannot
         # be reached at start-up raises then (a RendezvousConnectionError).
         launch = _started(spec, opts, node, command, zygote, on_health, events, timer_server)
+        if lock_lost is not None:
+            launch.agent.lock_lost = lock_lost
         launch.run()
     except SignalException as e:
         return 128 + int(e.sigval), f"agent received {e.sigval.name}"
-    except ChildFailedError as e:
+    except (ChildFailedError, LockLost) as e:
+        if launch.agent.lost_lock:  # another job holds the run dir now: retrying cannot help
+            return EXIT_PERMANENT, launch.agent.lost_lock
         reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
         if launch.agent.excluded:  # kept out (``launch.exclusion``): the infrastructure's failure
             return EXIT_INFRA, launch.agent.excluded
@@ -152,9 +159,10 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
         return EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
     except RendezvousError as e:
         detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
-        return rendezvous_exit_code(type(e).__name__), explain_rendezvous_error(
-            type(e).__name__, detail, opts, spec.rendezvous.join_timeout,
-            at_start=launch is None or not launch.agent.formed)
+        at_start = launch is None or not launch.agent.formed
+        kind = "EtcdWithoutV2" if at_start and etcd_without_v2(opts, detail) else type(e).__name__
+        return rendezvous_exit_code(kind), explain_rendezvous_error(kind, detail, opts, spec.rendezvous.join_timeout,
+                                                                    at_start=at_start)
     return EXIT_OK, ""
 
 
@@ -223,7 +231,7 @@ def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | No
         rank = rank_of(pid)
         step = last_step()
         if strikes is not None and state in OWN_HANG_STATES:
-            strikes.add(f"rank {rank} hung{_STATES.get(state, '')}")
+            strikes.add(f"rank {rank} hung{HANG_WORDS.get(state, '')}")
         who = f"rank {rank}" if rank is not None else f"worker pid {pid}"
         events.emit("failure", cause="hang", fatal=False, rank=rank, node=node, step=step,
                     seconds=round(silent_s, 3), state=state,
@@ -265,14 +273,13 @@ def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int |
     return report
 
 
-_STATES = {"T": " (it was stopped by a signal)", "t": " (it was stopped by a tracer)",
-           "D": " (in uninterruptible sleep: I/O or a driver)"}
-
-
 def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: str = "") -> str:
     """Pure: one line for a worker the step watchdog killed; ``state`` its /proc state
-    before the kill, which tells the frozen rank from the peers waiting on it."""
-    return (f"{who} hung{_STATES.get(state, '')}: no progress for {silent_s:.0f}s after step {step} "
+    before the kill, which tells the frozen rank from the peers waiting on it. Its timer
+    expired, so it was silent for ``timeout_s`` at least (``silent_s`` is counted from when
+    the watchdog last heard of it, which may be later than when the worker armed it)."""
+    silent_s = max(silent_s, timeout_s)
+    return (f"{who} hung{HANG_WORDS.get(state, '')}: no progress for {silent_s:.3g}s after step {step} "
             f"(timeouts.step={timeout_s:g}s); the watchdog killed it and the group restarts")
 
 
@@ -305,8 +312,15 @@ def _first_failure(err, max_restarts: int, window: int) -> str:
 
 
 # Rendezvous failures that fail again however often they are retried: a closed id (a new
-# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job).
-PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured")
+# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job); torch's
+# etcd-v2 rendezvous against an etcd that serves no v2 API (``etcd_without_v2``).
+PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured", "EtcdWithoutV2")
+
+
+def etcd_without_v2(opts: NodeOptions, detail: str) -> bool:
+    """Pure: torch's etcd-v2 rendezvous found an etcd that answers, without the v2 API (its
+    client's 404): a configuration error, not an outage."""
+    return opts.rdzv_backend == "etcd-v2" and "404" in detail
 
 
 def rendezvous_exit_code(kind: str) -> int:
@@ -324,6 +338,8 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
     before this agent's first rendezvous completed)."""
     if kind == "EtcdMisconfigured":  # its message is the line, fix included
         return f"{detail}; nothing was trained" if at_start else detail
+    if kind == "EtcdWithoutV2":
+        return unreachable_backend(opts, detail)
     if kind == "RendezvousConnectionError" and at_start:
         return unreachable_backend(opts, detail)
     if kind == "RendezvousTimeoutError":
@@ -351,9 +367,10 @@ def unreachable_backend(opts: NodeOptions, detail: str) -> str:
     elif opts.rdzv_backend == "etcd-v3":
         fix = ("start etcd there (3.4 or newer: the v3 API), or fix rendezvous.endpoint (--rdzv-endpoint; "
                "name every member, comma-separated)")
-    elif "404" in detail:  # an etcd that answers, without the v2 API
-        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API ({detail}); restart it with {v2}, or use "
-                "rendezvous.backend: etcd (the v3 API); nothing was trained, re-run once it is up")
+    elif "404" in detail:  # an etcd that answers, without the v2 API: the job's settings, not an outage
+        return (f"the etcd at {opts.rdzv_endpoint} has no v2 API, which rendezvous.backend: etcd-v2 needs "
+                f"({detail}); use rendezvous.backend: etcd (the v3 API), or restart etcd with {v2}; "
+                "nothing was trained")
     else:
         fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
     return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "

@@ -9,8 +9,8 @@ to one poll after the write that said so; at 8 nodes the last survivor saw the r
 item 2). ``ChangeSignal`` makes each such write wake every agent instead:
 
 - a writer, after a state write that changes the rendezvous (a join, a leave, a completed
-  or broken round), counts it (``store.add(COUNTER, 1)`` gives ``n``) and sets the key
-  ``COUNTER.n`` (``announce``);
+  or broken round), counts it (``n``: one more than the count in the key ``COUNTER``, by
+  compare-and-set) and sets the key ``COUNTER.n`` (``announce``);
 - each agent runs one thread, on a store client of its own, that waits for the next key
   (``store.wait``; the store answers the moment the key is set) and then tells everyone
   interested in this process: ``wait_beyond`` returns in the joining thread, and each
@@ -33,6 +33,15 @@ The keys of counted writes stay in the store (a few per round; nothing is read f
 so nothing is trusted: a process that forges one wakes the agents for one read of the
 sealed state).
 
+A count that is not ours (issue 42): the count is kept sealed (``Counts``: the number, a
+nonce and an HMAC under the job's key), read and replaced by compare-and-set, never with the
+store's ``add``: the store parses the value an ``add`` finds as a number in its own thread,
+and a value that is not one (``b'\xff\x00garbage'``, 23 nines) made it log "Error processing
+client message: stoll" and drop the connection of every agent that counted, which then took
+its store host for lost (exit 200). A forged or garbled count is refused (one log line,
+rate-limited like the state's) and rewritten from the newest count the agent knows; its
+waiters may miss one wake-up and read at their next poll.
+
 Carriers: a c10d TCP store (``ChangeSignal``: ``connect`` opens the thread's own client) and
 etcd's v3 API (``launch.etcd_v3.EtcdChanges``: the counted write puts a change key in its
 own transaction, and the thread watches that key); etcd-v2 and a file store keep their
@@ -54,6 +63,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -61,12 +71,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from elastic_harness import jobkey
+
 log = logging.getLogger(__name__)
 
 # How long the thread's one wait lasts before it asks again. torch's store client logs two
 # lines when a wait times out; a day between them keeps the agents' logs clean.
 WAIT_S = 86400.0
 RELEASE_S = 1.0  # how long ``close`` waits for the thread to leave its wait
+COUNT_ATTEMPTS = 8  # compare-and-sets an announcement tries before leaving the others to their polls
 READY_S = 5.0  # how long a first reader waits for the thread to learn the count it starts from
 
 _OPEN: weakref.WeakSet[PushedChanges] = weakref.WeakSet()
@@ -177,15 +190,43 @@ class PushedChanges:
                 log.exception("a rendezvous change listener failed")
 
 
+class Counts:
+    """The change count's stored form (module doc: "A count that is not ours"): ``N.NONCE.TAG``,
+    TAG an HMAC under the job's key of the count and a nonce of this write (two agents that
+    count the same N write different values, so a compare-and-set tells their writes
+    apart). ``open`` is None for anything else: a forgery, garbage, a bare number."""
+
+    def __init__(self, key: bytes, run_key: str) -> None:
+        self._key, self._context = key, b"rendezvous-changes:" + run_key.encode()
+
+    def close(self, n: int) -> bytes:
+        body = b"%d.%s" % (n, secrets.token_hex(4).encode())
+        return body + b"." + jobkey.sign_hex(self._key, body, self._context).encode()
+
+    def open(self, value: Any) -> int | None:
+        """The count in ``value``, or None when this job did not write it (never raises)."""
+        body, _, tag = bytes(value).rpartition(b".")
+        count = body.split(b".", 1)[0]
+        if not (count.isdigit() and len(count) <= 18) or not jobkey.check_hex(self._key, body, tag.decode("latin-1"),
+                                                                              self._context):
+            return None
+        return int(count)
+
+
 class ChangeSignal(PushedChanges):
     """The change count of one rendezvous state (``key``) in a c10d store (module doc).
 
     ``store``: the agent's own store client (writes); ``connect()``: a new client to the same
-    store, for the waiting thread (a wait blocks its client)."""
+    store, for the waiting thread (a wait blocks its client); ``job_key``: the job's key
+    (``Counts``); ``warn(kind, message)``: how a refused count is logged (rate-limited by
+    the caller: ``sealed.StateSeal.warn``)."""
 
-    def __init__(self, store: Any, key: str, connect: Callable[[], Any]) -> None:
+    def __init__(self, store: Any, key: str, connect: Callable[[], Any], job_key: bytes,
+                 warn: Callable[[str, str], None] | None = None) -> None:
         super().__init__()
         self._store, self._counter, self._connect = store, f"{key}.changes", connect
+        self._counts = Counts(job_key, key)
+        self._warn = warn or (lambda _kind, message: log.warning(message))
 
     def route_calls(self, wrap: Callable[[Any], Any]) -> None:
         """Make every store call go through ``wrap(client)``: the writer's, and the thread's
@@ -198,19 +239,44 @@ class ChangeSignal(PushedChanges):
         """Count a state write that changed the rendezvous and wake every waiting agent.
         Never raises: a store that cannot take the count leaves the others to their polls."""
         try:
-            n = self._store.add(self._counter, 1)
-            self._store.set(f"{self._counter}.{n}", b"")
+            n = self._count_one()
+            if n is not None:
+                self._store.set(f"{self._counter}.{n}", b"")
         except (RuntimeError, ValueError, TimeoutError) as e:
             log.debug("could not announce a rendezvous change: %s", e)
 
+    def _count_one(self) -> int | None:
+        """The count plus one, by compare-and-set (never the store's ``add``, which parses
+        whatever the key holds: module doc); a count this job did not write is rewritten
+        from the newest count this agent knows. None: others kept winning the race."""
+        for _ in range(COUNT_ATTEMPTS):
+            current = self._read(self._store)
+            n = self._counts.open(current)
+            if n is None:
+                self._refused(current)
+                n = self._version
+            desired = self._counts.close(n + 1)
+            if self._store.compare_set(self._counter, current, desired) == desired:
+                return n + 1
+        return None
+
+    def _read(self, client: Any) -> bytes:
+        """The counter's stored value, created (count 0) if missing; never blocks."""
+        return client.compare_set(self._counter, "", self._counts.close(0))
+
+    def _refused(self, value: bytes) -> None:
+        self._warn("changes", f"refused the rendezvous change count in the store key '{self._counter}' "
+                   f"({len(value)} bytes, not written by this job); rewriting it")
+
     def _follow(self) -> None:
         client = self._connect()
-        n = int(client.add(self._counter, 0))
-        self._begin(n)
+        n = self._counts.open(self._read(client))
+        self._begin(n or 0)
+        n = n or 0
         while not self._stopped:
             with contextlib.suppress(TimeoutError):
                 self._wait(client, f"{self._counter}.{n + 1}")
-                n = max(n + 1, int(client.add(self._counter, 0)))
+                n = max(n + 1, self._counts.open(self._read(client)) or 0)
                 self._changed(n)
 
     def _release(self) -> None:

@@ -244,6 +244,7 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
         # torch's etcd-v2 backend reads these keys, and ours (etcd-v3) the same ones plus the
         # user and the file holding its password; paths only, never key material.
         conf["protocol"] = r.etcd_protocol
+        conf["isolation_timeout"] = r.isolation_timeout  # etcd down (restarting): how long calls ride it out
         for key, value in (("ca_cert", r.etcd_ca_cert), ("ssl_cert", r.etcd_cert),
                            ("ssl_cert_key", r.etcd_key), ("user", r.etcd_user),
                            ("password_file", r.etcd_password_file)):

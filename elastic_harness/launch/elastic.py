@@ -36,6 +36,13 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
   (``torchcompat.agent.processes_from``; where a torch has no such function, workers start
   cold), which returns a ``WarmContext``.
 
+A submission that lost its run directory's lock (``checkpoint.lock``: another live job took
+it over while this one was frozen or cut off) stops: ``lock_lost`` is asked at each monitor
+pass (the lock's heartbeat's last word) and before each worker generation starts (the lock
+read then), and once it answers, the workers are killed without a save, no generation starts
+(its restore would bump the generation fence and shut the holder's saves out), and the
+agent ends with ``lost_lock`` (exit 2).
+
 ``report(state, restart)`` hears the worker group's phases, for the recovery breakdown:
 ``failed`` (a worker's exit was seen; warm starts only), ``stopped`` (the rest of the group
 is gone; with cold starts also the first sign of a failure), ``started``.
@@ -66,6 +73,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_harness.errors import LockLost
 from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.env import JOIN_SIGNAL
 from elastic_harness.launch.policy import (
@@ -132,6 +140,10 @@ class HarnessAgent(AgentBase):
         self.excluded: str | None = None  # why this node is kept out of the job, once it is
         self.on_excluded: Callable[[str], None] = lambda message: None
         self._node_name = ""
+        # Why this submission no longer holds its run directory (``rundir.Claim.lost``; ``now``:
+        # read the lock files first), set by the launcher; ``lost_lock`` once it found that.
+        self.lock_lost: Callable[[bool], str] = lambda now: ""
+        self.lost_lock = ""
 
     def nudge(self) -> None:
         """End the current wait between monitor passes now (any thread; never blocks): the
@@ -169,6 +181,9 @@ class HarnessAgent(AgentBase):
         self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts, **fields)
 
     def start_workers(self, worker_group: Any) -> dict[int, int]:
+        self.lost_lock = self.lost_lock or self.lock_lost(True)
+        if self.lost_lock:  # a new generation would bump the fence and shut the lock's holder out
+            raise LockLost(self.lost_lock)
         if self._zygote is None:
             pids = super().start_workers(worker_group)
         else:
@@ -196,6 +211,16 @@ class HarnessAgent(AgentBase):
             if pids.get(worker.local_rank) == pid:
                 return worker.global_rank
         return None
+
+    def _stopped_workers(self) -> dict[int, tuple[int, str]]:
+        """This agent's workers that had not exited when their group failed but were found
+        stopped (a signal, a tracer, uninterruptible sleep; ``WarmContext.stopped``, read
+        before the group was closed, which then killed them): {global rank: (pid, /proc
+        state)}. The cause of a group whose collectives timed out waiting on them, with the
+        step watchdog off too."""
+        found = getattr(self.pcontext, "stopped", None) or {}
+        ranks = {w.local_rank: w.global_rank for w in self.worker_group.workers}
+        return {ranks[lr]: hung for lr, hung in found.items() if lr in ranks}
 
     def stop_workers(self, worker_group: Any) -> None:
         if worker_group.state == WorkerState.HEALTHY:
@@ -271,6 +296,8 @@ class HarnessAgent(AgentBase):
         if worker_group.state == WorkerState.HEALTHY and not self._broken and (self._round_broken() or self._verdict):
             self._leave_reason = self._leave_reason or self._verdict
             self._stop_broken_group(worker_group)
+        if worker_group.state == WorkerState.HEALTHY and not self.lost_lock:
+            self._stop_if_lock_lost()
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
         if self._keep is not None and self._broken and result.state == WorkerState.HEALTHY and self._in_place():
@@ -283,7 +310,8 @@ class HarnessAgent(AgentBase):
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
         if failed and (result.failures or self._keep is None):  # in place, a peer's failure is said where it failed
-            self._on_failure({**exit_account(result.failures), "step": self._progress()})
+            self._on_failure({**exit_account(result.failures, self._stopped_workers()),
+                              "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
         if failed and crashed(result) and hasattr(handler, "group_failed"):
             handler.group_failed()
@@ -303,6 +331,15 @@ class HarnessAgent(AgentBase):
                 self.on_excluded(self.excluded)
         self._restart_follows = failed and self.remaining_restarts > 0
         return result
+
+    def _stop_if_lock_lost(self) -> None:
+        """Another live job holds the run directory now (the lock's heartbeat found it): kill
+        the workers (SIGKILL: no drain, no save: the directory is that job's) and start no
+        more (``remaining_restarts``); the agent then ends with ``lost_lock``."""
+        self.lost_lock = self.lock_lost(False)
+        if self.lost_lock:
+            self.stop_reason, self.remaining_restarts = self.lost_lock, 0
+            self._kill_workers()
 
     def _wait_between_passes(self, worker_group: Any) -> None:
         """The monitor interval, less torch's tick, or until news (``await_news``); after a
@@ -416,14 +453,18 @@ def _message(failure: Any) -> str:
     return message.get("message", str(message)) if isinstance(message, dict) else str(message)
 
 
-def exit_account(failures: dict[int, Any]) -> dict[str, Any]:
+def exit_account(failures: dict[int, Any], stopped: dict[int, tuple[int, str]] | None = None) -> dict[str, Any]:
     """Pure: a failed group's ``failure`` event fields (``cause: exit``), the cause first.
 
     ``failures``: torchelastic's ``{global rank: ProcessFailure}``, in the order the exits
     were seen. A rank that only lost a peer (its error says the connection closed: a gloo
     "Connection closed by peer ... GLHF!") is a symptom, never the cause; the cause is the
     first other exit: a signal (``rank 1 (pid N) was killed by SIGKILL``), an exit without
-    an error record, or an error the rank recorded. The survivors' symptom comes after."""
+    an error record, or an error the rank recorded. The survivors' symptom comes after.
+    ``stopped``: ranks that had not exited but were found stopped (``{rank: (pid, /proc
+    state)}``): a hung rank is the cause, before any exit (its peers timed out on it)."""
+    if stopped:
+        return _hung_account(failures, stopped)
     order = sorted(failures.items(), key=lambda kv: liveness.peer_lost(_message(kv[1])) and _recorded(kv[1]))
     if not order:
         return {"cause": "exit", "fatal": False, "message": "the worker group failed"}
@@ -434,6 +475,21 @@ def exit_account(failures: dict[int, Any]) -> dict[str, Any]:
     return {"cause": "exit", "fatal": False, "rank": rank, "worker_pid": first.pid,
             "exit_code": first.exitcode, "signal": _signal(first), "recorded": _recorded(first),
             "peer_lost": liveness.peer_lost(_message(first)) and _recorded(first), "message": message[:500]}
+
+
+def _hung_account(failures: dict[int, Any], stopped: dict[int, tuple[int, str]]) -> dict[str, Any]:
+    """Pure: ``exit_account`` of a group whose rank hung: that rank first, then each exit in
+    short, without a survivor's gloo text ("rank 0 timed out waiting")."""
+    from elastic_harness.launch.exclusion import HANG_WORDS
+
+    rank, (pid, state) = min(stopped.items())
+    message = f"rank {rank} (pid {pid}) hung{HANG_WORDS.get(state, '')}: its peers waited on it"
+    rest = [f"rank {r} timed out waiting" if "timed out" in _message(f).lower() else _exit_line(r, f, short=True)
+            for r, f in failures.items() if r not in stopped]  # a hung rank the close killed: said
+    if rest:
+        message += "; then " + ", ".join(rest)
+    return {"cause": "exit", "fatal": False, "rank": rank, "worker_pid": pid, "exit_code": None, "signal": None,
+            "recorded": False, "peer_lost": False, "message": message[:500]}
 
 
 def _recorded(failure: Any) -> bool:

@@ -17,9 +17,12 @@ those the cluster advertises (``learn_members``); when it cannot be reached (a
 refused or timed-out connection, a 5xx, or etcd's own "unavailable"), each other member in
 turn, once. A member that answered "unavailable" (a leader election, a quorum being
 restored) is asked again, all of them in turn, until ``Settings.timeout`` has passed since the
-call began: losing the member that led the cluster is not the job's failure. Only then, or at
-once when no member answered at all, does it raise ``EtcdUnavailable`` (the infrastructure's
-failure: worth a retry). An answer that says the job's settings are wrong raises
+call began: losing the member that led the cluster is not the job's failure. When no member
+answers at all (every one restarting: the only member of a single-member etcd, say), a
+gateway that was answered before rides it out for ``Settings.ride_out`` seconds after its
+last answer (the job's ``rendezvous.isolation_timeout``), asking again every
+``RIDE_OUT_PAUSE_S``; one never answered, or past that, raises ``EtcdUnavailable`` at once
+(the infrastructure's failure: worth a retry). An answer that says the job's settings are wrong raises
 ``EtcdRefused`` with one line naming the fix: no v3 API at that address (an etcd older than
 3.4, or one serving only v2, or not etcd), https asked of a plain-http etcd or the reverse,
 a certificate it does not accept, wrong credentials, authentication asked of an etcd with
@@ -51,6 +54,7 @@ from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 2.0  # a member that does not accept a connection this fast is skipped
 UNAVAILABLE_PAUSE_S = 0.1  # between two rounds of the members while one says it is unavailable
+RIDE_OUT_PAUSE_S = 0.5  # between two rounds while no member answers (``Settings.ride_out``)
 
 
 class EtcdError(Exception):
@@ -90,19 +94,21 @@ class Settings:
     user: str = ""  # etcd authentication: user name ("" = none)
     password: str = ""  # its password (read from the job's password file, never the spec)
     timeout: float = 10.0  # seconds a member may take to answer one request
+    ride_out: float = 0.0  # seconds every member may stay silent after an answer (module doc)
 
     @classmethod
     def from_conf(cls, endpoint: str, conf: dict, password: str = "") -> Settings:
         """``endpoint``: ``HOST:PORT[,HOST:PORT...]``; ``conf``: torch's rendezvous config
         keys (``protocol``, ``ca_cert``, ``ssl_cert``, ``ssl_cert_key``, ``user``,
-        ``read_timeout``), as ``launch.config.rdzv_configs`` writes them."""
+        ``read_timeout``) and ``isolation_timeout``, as ``launch.config.rdzv_configs`` writes them."""
         endpoints = tuple(e.strip() for e in endpoint.split(",") if e.strip())
         if not endpoints:
             raise EtcdRefused("no etcd endpoint given: set rendezvous.endpoint to HOST:PORT[,HOST:PORT...]")
         return cls(endpoints=endpoints, protocol=str(conf.get("protocol", "http")).strip().lower(),
                    ca_cert=str(conf.get("ca_cert") or ""), cert=str(conf.get("ssl_cert") or ""),
                    key=str(conf.get("ssl_cert_key") or ""), user=str(conf.get("user") or ""),
-                   password=password, timeout=float(conf.get("read_timeout") or 10))
+                   password=password, timeout=float(conf.get("read_timeout") or 10),
+                   ride_out=float(conf.get("isolation_timeout") or 0))
 
 
 def split_host_port(endpoint: str) -> tuple[str, int]:
@@ -148,6 +154,7 @@ class Gateway:
         self._current = 0  # the member that answered last
         self._tokens: dict[str, str] = {}  # member -> auth token it issued
         self.endpoints = list(settings.endpoints)  # the members it may ask (``learn_members``)
+        self._answered_at: float | None = None  # when a member last answered (``ride_out``)
 
     def call(self, path: str, body: dict) -> dict:
         """POST ``/v3/<path>`` with ``body``; the reply's JSON (module doc: members, errors)."""
@@ -155,10 +162,20 @@ class Gateway:
         while True:
             reply, failures, answered = self._one_pass(path, body)
             if reply is not None:
+                self._answered_at = self._clock()
                 return reply
-            if not answered or self._clock() + UNAVAILABLE_PAUSE_S > deadline:
+            pause = UNAVAILABLE_PAUSE_S if answered else self._silence_pause()
+            if pause is None or (answered and self._clock() + pause > deadline):
                 raise EtcdUnavailable("no etcd member answered (" + "; ".join(failures) + ")")
-            self._sleep(UNAVAILABLE_PAUSE_S)  # an election, a quorum coming back: ask again
+            self._sleep(pause)  # an election, a quorum or a restarted member coming back: ask again
+
+    def _silence_pause(self) -> float | None:
+        """No member answered: the pause before asking again while riding it out, or None
+        (never answered before, or silent ``ride_out`` seconds since the last answer)."""
+        if self._answered_at is None:
+            return None
+        left = self._answered_at + self.settings.ride_out - self._clock()
+        return min(RIDE_OUT_PAUSE_S, left) if left > 0 else None
 
     def _one_pass(self, path: str, body: dict) -> tuple[dict | None, list[str], bool]:
         """Each member once, the one that answered last first: (reply or None, each failure,

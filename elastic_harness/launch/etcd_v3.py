@@ -9,6 +9,11 @@ else, as with its own c10d and etcd-v2 backends (``launch.rendezvous`` builds it
 - The state lives under ``/torch/elastic/rendezvous/<run id>``, sealed under the job's key
   (``launch.sealed.StateSeal``: the same stored form as the etcd-v2 and c10d backends, a
   forged or corrupt value refused before torch unpickles it).
+- A refused value (``StateSeal`` refuses forgeries, garbage and older states of the job
+  written back) never becomes the base of a write (issue 42: a burst of garbage with a worker
+  crash inside it split the agents for good, 4 of 7 runs): the base is the newest value of the
+  key's history the agent may use (etcd keeps every revision), and the token the refused
+  value's revision, so the agent's next write replaces it with what it replaced.
 - ``set_state`` is one transaction: compare the key's mod revision with the token (or, with
   no token, that the key does not exist), put on success, read the key on failure. So a
   lost race costs one round trip, not two; the token is the mod revision it returns.
@@ -72,6 +77,11 @@ CHANGES_SUFFIX = b".changes"  # the key each counted change puts (``EtcdChanges`
 STATE_TTL_S = 7200  # torch's etcd-v2 backend keeps the state this long after its last write
 _NOT_FOUND = 5  # etcd's gRPC code for a lease it no longer has
 _POLL_FIRST_S, _POLL_MAX_S = 0.005, 0.1
+# Reads back through the state key's history for the newest value an agent may use, after it
+# refused the current one (``EtcdV3Backend._history``): a burst of more writes than that since
+# the last authentic one leaves the agent its own newest state (``launch.sealed.freshness``
+# then sorts out whose is newer).
+HISTORY_READS = 64
 
 
 class EtcdMisconfigured(RendezvousError):
@@ -223,7 +233,36 @@ class EtcdV3Backend(Announcing, RendezvousBackend):
         return self._gateway.call("kv/txn", txn)
 
     def _decode(self, kv: dict) -> tuple[bytes, int]:
-        return self._seal.open(unb64(kv.get("value", ""))), int(kv["mod_revision"])
+        """The state in ``kv`` and its token. A value the seal refuses (a forgery, garbage, an
+        older state written back) is never the base of this agent's next write: the base is
+        the newest value of the key's history this agent may use (``_history``), and the
+        token stays the refused value's revision, so that write replaces it."""
+        stored, revision = unb64(kv.get("value", "")), int(kv["mod_revision"])
+        if self._seal.usable(stored):
+            return self._seal.open(stored), revision
+        earlier = self._history(revision)
+        state = self._seal.open(stored)  # logs the refusal; this agent's newest state
+        return (self._seal.open(earlier) if earlier is not None else state), revision
+
+    def _history(self, revision: int) -> bytes | None:
+        """The newest stored value of the state key before ``revision`` that this agent may use
+        (etcd keeps every revision until compacted): at most ``HISTORY_READS`` reads back,
+        None past them, before the key existed, or once etcd compacted it."""
+        key = b64(self.key)
+        for _ in range(HISTORY_READS):
+            if revision <= 1:
+                return None
+            try:
+                kvs = self._gateway.call("kv/range", {"key": key, "revision": str(revision - 1)}).get("kvs")
+            except EtcdError:  # compacted (or etcd went away: the caller's next call says so)
+                return None
+            if not kvs:
+                return None
+            stored = unb64(kvs[0].get("value", ""))
+            if self._seal.usable(stored):
+                return stored
+            revision = int(kvs[0]["mod_revision"])
+        return None
 
 
 class EtcdV3Store(Store):

@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 
 OWN_HANG_STATES = ("T", "t", "D")  # a worker hung itself (not waiting on peers: "S")
+# How each of those states reads in a line ("rank 1 hung (it was stopped by a signal)").
+HANG_WORDS = {"T": " (it was stopped by a signal)", "t": " (it was stopped by a tracer)",
+              "D": " (in uninterruptible sleep: I/O or a driver)"}
 
 
 def counted(times: Sequence[float], now: float, window_s: float) -> int:

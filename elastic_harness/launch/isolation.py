@@ -65,7 +65,8 @@ def etcd_members(endpoint: str, conf: dict | None = None, timeout: float = 2.0) 
     conf = dict(conf or {})
     try:
         password = Path(conf["password_file"]).read_text().rstrip("\r\n") if conf.get("password_file") else ""
-        settings = etcd_gateway.Settings.from_conf(endpoint, {**conf, "read_timeout": timeout}, password)
+        settings = etcd_gateway.Settings.from_conf(endpoint, {**conf, "read_timeout": timeout, "isolation_timeout": 0},
+                                                   password)  # asked, not waited for
         gateway = etcd_gateway.Gateway(settings)
         try:
             return gateway.members()

@@ -513,7 +513,7 @@ class _Handler(DynamicRendezvousHandler):
             if state.complete:
                 return
             self._admit_waiting(state)
-            if len(state.participants) >= settings.min_nodes and rounds.everyone_in(
+            if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
                     round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
                     participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
                     max_nodes=settings.max_nodes):
@@ -521,27 +521,46 @@ class _Handler(DynamicRendezvousHandler):
 
         def after_complete(state: Any) -> None:
             state.members, state.gone = set(state.participants), set()
+            for node in rounds.stay_spares(participants=state.participants, waiting=state.wait_list,
+                                           max_nodes=settings.max_nodes):
+                if node in state.last_heartbeats:  # torch's own spares keep alive: a spare without one is none
+                    state.wait_list.discard(node)
+                    state.redundancy_list.add(node)
 
         rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
+        rdzv.guard_join(self, self._join_as)
         self._wait_as_spare()
+
+    def _join_as(self, state: Any) -> str | None:
+        """What this agent's join of an open round does instead of adding it (``rounds.join_as``):
+        waiting as a spare, off the wait list (torch's own ``add_to_redundancy_list`` leaves it
+        there: a node on both lists was admitted as a participant it then never joined as, or
+        lost its keep-alive leaving one list while another agent moved it to the other)."""
+        me, settings = rdzv.this_node(self), rdzv.settings(self)
+        instead = rounds.join_as(node=me, participants=state.participants, max_nodes=settings.max_nodes,
+                                 members=_nodes(state, "members"), gone=_nodes(state, "gone"))
+        if instead:
+            state.wait_list.discard(me)
+        return instead
 
     def _admit_waiting(self, state: Any) -> None:
         """Add every agent of the wait list to the open round with this one (``rounds``:
         joining all at once), with torch's bookkeeping of an add: the last call starts when
-        ``nodes.min`` are in, the round closes at once when ``nodes.max`` are."""
+        ``nodes.min`` are in, the round is complete at once when ``nodes.max`` are."""
         settings = rdzv.settings(self)
         before = len(state.participants)
         for node in rounds.admitted(participants=state.participants, waiting=state.wait_list,
-                                    max_nodes=settings.max_nodes):
+                                    max_nodes=settings.max_nodes, members=_nodes(state, "members"),
+                                    gone=_nodes(state, "gone")):
             state.wait_list.discard(node)
+            state.redundancy_list.discard(node)  # one list at a time (``_join_as``)
             state.participants[node] = 0
         if len(state.participants) == before:
             return
-        now = datetime.now(timezone.utc)
         if before < settings.min_nodes <= len(state.participants):
-            state.deadline = now + settings.timeout.last_call
-        if len(state.participants) >= settings.max_nodes:
-            state.deadline = now
+            state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
+        if rounds.full(state.participants, settings.max_nodes):
+            rdzv.mark_complete(self)  # in this write: no one else's join can overfill it
 
     def _wait_as_spare(self) -> None:
         """A hot spare (torch's redundancy list: the round is full) reads the state every

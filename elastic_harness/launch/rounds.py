@@ -22,6 +22,16 @@ loss at 8 nodes the survivors joined 8-20 ms apart, and at 1,000 nodes that woul
 writes in a row on one key. The first agent to join an open round adds every waiting agent
 with itself, in its own write: they asked for exactly that, and their keep-alives are in the
 state. Each of them then finds itself a participant and waits for the round to close.
+
+Never more than ``nodes.max`` (issue 42): with hot spares, a worker crash puts the spares on
+the wait list (the round had room for a moment) next to the restarting members. The places of
+the members not known gone are theirs (``room_for_others``: whoever joins first admits them,
+never a spare in their place: ``admitted``, ``join_as``); a round so filled is complete in the same
+write (``full``), the agents left waiting stay spares (``stay_spares``); and a later join of
+a full round waits as a spare (``join_as``). Before,
+the round stayed open at ``nodes.max``, a spare's own join made it ``nodes.max + 1``, and no
+rule of torch's completes such a round: no worker started, and the job ended at the join
+timeout with a false "rendezvous is closed".
 """
 
 from __future__ import annotations
@@ -29,13 +39,66 @@ from __future__ import annotations
 from collections.abc import Collection
 
 
-def admitted(*, participants: Collection, waiting: Collection, max_nodes: int) -> list:
+def admitted(*, participants: Collection, waiting: Collection, max_nodes: int,
+             members: Collection = (), gone: Collection = ()) -> list:
     """Pure: the waiting agents to add to an open round with the one joining it now
     (``participants``, itself included), as many as the round has room for, in a fixed
-    order so that every agent would choose alike."""
-    room = max_nodes - len(participants) if max_nodes else len(waiting)
-    candidates = sorted((n for n in waiting if n not in participants), key=repr)
-    return candidates[:max(room, 0)]
+    order so that every agent would choose alike: the ``members`` of the last round not
+    ``gone`` first (their ranks restore from their own memory), then others (hot spares, new
+    nodes) into the places no such member is still to take (``room_for_others``)."""
+    coming = [n for n in waiting if n not in participants]
+    if not max_nodes:
+        return sorted(coming, key=repr)
+    back = sorted((n for n in coming if _expected(n, members, gone)), key=repr)[:max(max_nodes - len(participants), 0)]
+    room = room_for_others(participants=[*participants, *back], members=members, gone=gone, max_nodes=max_nodes)
+    others = sorted((n for n in coming if n not in back), key=repr)
+    return back + others[:max(room, 0)]
+
+
+def room_for_others(*, participants: Collection, members: Collection, gone: Collection, max_nodes: int) -> int:
+    """Pure: the places in an open round left to nodes that were not in the last round (hot
+    spares, new nodes) once every member of it not known ``gone`` has its place, joined or
+    not: after a worker crash every member restarts and rejoins within moments, and a
+    spare that took one's place first would leave that member waiting as a spare (and
+    its rank restoring from a peer instead of its own memory)."""
+    missing = [n for n in members if n not in gone and n not in participants]
+    return max_nodes - len(participants) - len(missing)
+
+
+def full(participants: Collection, max_nodes: int) -> bool:
+    """Pure: does an open round hold ``nodes.max`` participants? Then it is complete now, in
+    the write that filled it (torch completes a round only when one node's own join makes
+    it exactly ``nodes.max``: one filled by ``admitted`` stayed open, and another waiting
+    agent's join made it ``nodes.max + 1``, which no rule of torch's ever completes)."""
+    return bool(max_nodes) and len(participants) >= max_nodes
+
+
+def stay_spares(*, participants: Collection, waiting: Collection, max_nodes: int) -> list:
+    """Pure: the waiting agents a round that just completed full leaves to wait as spares
+    (torch's redundancy list), in order. Left on the wait list, they would read to every
+    running agent as nodes waiting to join, and each would restart its group to admit them,
+    again after every round (torch moves a waiting node to the redundancy list only when
+    it first finds the round full)."""
+    return sorted(waiting, key=repr) if full(participants, max_nodes) else []
+
+
+def join_as(*, node: object, participants: Collection, max_nodes: int, members: Collection = (),
+            gone: Collection = ()) -> str | None:
+    """Pure: what a node's join of an open round does instead of adding it as a
+    participant (torch's join adds whoever asks): with no place left for it (the round
+    full, or every free place kept for a member of the last round: ``room_for_others``), it
+    waits as a spare (``add_to_redundancy_list``); None: it joins. A round never holds more
+    than ``nodes.max`` participants."""
+    if node in participants or not max_nodes:
+        return None
+    if _expected(node, members, gone):
+        return None if len(participants) < max_nodes else "add_to_redundancy_list"
+    room = room_for_others(participants=participants, members=members, gone=gone, max_nodes=max_nodes)
+    return None if room > 0 else "add_to_redundancy_list"
+
+
+def _expected(node: object, members: Collection, gone: Collection) -> bool:
+    return node in members and node not in gone
 
 
 def everyone_in(*, round_: int, members: Collection, gone: Collection, participants: Collection,

@@ -34,10 +34,12 @@ elsewhere. A file store (``store_type=file``) is torch's ``FileStore`` at the en
 Changes are pushed on a TCP store (``launch.changes``). After a write that the handler marks
 as worth announcing (``worth_announcing``, set by ``launch.rendezvous``: the round broken,
 reopened, completed or closed, the first node waiting, the spares), the backend adds one to
-a change count in the store; ``wait_for_change`` blocks until the count passes the one this
+a change count in the store (sealed too, and by compare-and-set: never the store's ``add``);
+``wait_for_change`` blocks until the count passes the one this
 thread saw at its last read or write. A joining agent's poll and a running agent's monitor
 wait end there instead of at a fixed interval. The count carries no state: a woken agent
-reads and opens the sealed state as before, so a forged count costs a read and nothing more.
+reads and opens the sealed state as before, so a forged count costs a read and nothing more
+(and is rewritten at the next change).
 A file store has no signal: ``wait_for_change`` answers None and the handler sleeps as torch
 does.
 """
@@ -77,45 +79,79 @@ ABSENT = b"Y2FuaW1hZGFt"
 LOG_EVERY_S = 30.0
 
 
+def freshness(seq: int, state: bytes, seen: int, last: bytes | None) -> str:
+    """Pure: may an authentic state of sequence ``seq`` be used by an agent that has seen up
+    to ``seen`` (its newest state ``last``)? "" if so (newer, or the one it has); else why
+    not: an older state of this job written back (a replay), or one written from an older
+    state than this agent's (a refused read that became the base of another's write)."""
+    if seq > seen or (seq == seen and state == last):
+        return ""
+    return f"sequence {seq}; this agent has seen {seen}"
+
+
 class StateSeal:
     """Seals state bytes for one rendezvous id and opens what is read back.
 
-    ``open`` never raises: a value that is not this job's (``ABSENT``, a forgery, garbage,
-    another job's state) gives the last authentic state this agent saw, else a fresh one;
-    what is refused is logged (``refused`` counts it). ``where`` names the store key, for the
-    log. ``clock`` is ``time.monotonic`` unless a test passes another."""
+    Each sealed state carries a sequence number, one more than the state it was written
+    from (``close``: this agent's newest, the base of every write it makes). ``open`` never
+    raises: a value that is not this job's (``ABSENT``, a forgery, garbage, another job's
+    state), or one of this job's that is not newer than what this agent saw
+    (``freshness``: replayed, or written from a refused read), gives the newest authentic
+    state this agent saw, else a fresh one; what is refused is logged (``refused`` counts
+    it). ``where`` names the store key, for the log. ``clock`` is ``time.monotonic`` unless
+    a test passes another."""
 
     def __init__(self, key: bytes, run_id: str, where: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._key, self._context = key, b"rendezvous-state:" + run_id.encode()
+        self.job_key, self._key, self._context = key, key, b"rendezvous-state:" + run_id.encode()
         self.run_id, self.where, self._clock = run_id, where or f"torch.rendezvous.{run_id}", clock
         self._last: bytes | None = None
+        self._seq = -1  # the sequence number of ``_last``
         self.last_sealed: bytes | None = None  # the stored form of ``_last`` (base64)
         self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, not logged since)
         self.refused = 0
 
     def close(self, state: bytes) -> bytes:
-        return jobkey.seal(self._key, state, self._context)
+        """``state`` sealed as the successor of this agent's newest state."""
+        return jobkey.seal(self._key, (self._seq + 1).to_bytes(8, "big") + state, self._context)
 
     def open(self, stored: bytes) -> bytes:
         """``stored``: the value as kept in the store (base64 text, or anything at all)."""
-        payload = self.authentic(stored)
-        if payload is not None:
-            self._last, self.last_sealed = payload, bytes(stored)
-            return payload
-        if stored != ABSENT or self._last is not None:  # the marker is no one's once a state was seen
+        sealed = self._unseal(stored)
+        why = "" if sealed is None else freshness(*sealed, self._seq, self._last)
+        if sealed is not None and not why:
+            self._seq, self._last, self.last_sealed = sealed[0], sealed[1], bytes(stored)
+            return sealed[1]
+        if sealed is not None:
+            self.refused += 1
+            self.warn("replayed", f"refused an older rendezvous state of '{self.run_id}' ({why}) in the "
+                      f"store key '{self.where}': a state of this job written back, or written from an older "
+                      "one; ignoring it and keeping the newest authentic state")
+        elif stored != ABSENT or self._last is not None:  # the marker is no one's once a state was seen
             self.refused += 1
             self.warn("refused", f"refused rendezvous state of '{self.run_id}' not signed with this job's key "
                       f"({len(stored)} bytes, forged or corrupt, in the store key '{self.where}'); "
                       "ignoring it and keeping the last authentic state")
         return self.fallback()
 
+    def usable(self, stored: bytes) -> bool:
+        """Would ``open`` take ``stored`` as this agent's newest state? (No side effects.)"""
+        sealed = self._unseal(stored)
+        return sealed is not None and not freshness(*sealed, self._seq, self._last)
+
     def authentic(self, stored: bytes) -> bytes | None:
         """The state sealed in ``stored``, or None when it is not this job's (never raises)."""
+        sealed = self._unseal(stored)
+        return None if sealed is None else sealed[1]
+
+    def _unseal(self, stored: bytes) -> tuple[int, bytes] | None:
         try:
-            return jobkey.unseal(self._key, b64decode(stored, validate=True), self._context)
+            payload = jobkey.unseal(self._key, b64decode(stored, validate=True), self._context)
         except (binascii.Error, ValueError, TypeError):
             return None
+        if payload is None or len(payload) < 8:
+            return None
+        return int.from_bytes(payload[:8], "big"), payload[8:]
 
     def deleted(self) -> None:
         """Log (rate-limited, ``warn``) that the state's key was found deleted; the backend
@@ -164,7 +200,8 @@ class SealedC10dBackend(Announcing, RendezvousBackend):
         self._store, self._seal = store, seal
         self._key = "torch.rendezvous." + run_id
         # Word of each change pushed to every agent (``launch.changes``); a file store polls.
-        self._init_announcing(ChangeSignal(store, self._key, connect) if connect is not None else None)
+        self._init_announcing(ChangeSignal(store, self._key, connect, seal.job_key, seal.warn)
+                              if connect is not None else None)
         self._call("compare_set", self._key, "", ABSENT)
 
     @property

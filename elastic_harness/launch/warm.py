@@ -99,6 +99,8 @@ class WarmContext(ContextBase):
         self._failures: dict[int, ProcessFailure] = {}
         self.keep = keep  # in place: the control lines and the workers kept from the last group
         self.adopted: dict[int, int] = {}  # local rank -> pid of a worker re-formed, not forked
+        # local rank -> (pid, /proc state) of workers found stopped when their group failed
+        self.stopped: dict[int, tuple[int, str]] = {}
 
     def start_processes(self) -> None:
         for local_rank in range(self.nprocs):
@@ -154,11 +156,13 @@ class WarmContext(ContextBase):
             # In place: the survivors leave the step and wait for their next place; the
             # agent releases them from this context before stopping it (``release``).
             self._phase("failed")
+            self.stopped = self._stopped()  # a frozen rank among them is the cause (it never parks)
             self.leave(f"local rank(s) {sorted(self._failures)} of this node ended")
             return RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
         if self._failures:
             self._phase("failed")
             self._await_exits(SURVIVOR_GRACE_S)
+            self.stopped = self._stopped()  # before the close kills them: a hung rank is the cause
         self.close()  # a failure ends the group: stop the rest
         if self._failures:
             self._phase("stopped")
@@ -167,6 +171,16 @@ class WarmContext(ContextBase):
         if not result.is_failed():
             result.return_values = dict.fromkeys(range(self.nprocs))
         return result
+
+    def _stopped(self) -> dict[int, tuple[int, str]]:
+        """The workers still running that are stopped (a signal, a tracer, uninterruptible
+        sleep: ``launch.exclusion.OWN_HANG_STATES``): {local rank: (pid, state)}."""
+        from elastic_harness.launch.exclusion import OWN_HANG_STATES
+        from elastic_harness.launch.watchdog import process_state
+
+        running = set(self._running())
+        found = {lr: (pid, process_state(pid)) for lr, pid in self._pids.items() if pid in running}
+        return {lr: (pid, state) for lr, (pid, state) in found.items() if state in OWN_HANG_STATES}
 
     def _await_exits(self, grace_s: float) -> None:
         """Until every worker has exited (the zygote's reports) or ``grace_s`` passed."""

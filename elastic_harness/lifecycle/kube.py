@@ -4,8 +4,8 @@ logs and stop through kubectl (commands and parsing in ``kubectl``).
 A submission gets a fresh rendezvous id (the job id) unless the job pins
 ``rendezvous.id``: a failed job's id can stay closed for hours (etcd keeps a finished
 rendezvous about two hours), and it must not block the next submission. Submitting a job
-whose workload still runs is refused; a finished PyTorchJob is deleted first (the operator
-never reruns a finished one); the volume with the checkpoints stays, so the new submission
+whose workload still runs is refused; a finished PyTorchJob or TrainJob is deleted first
+(neither operator reruns a finished one); the volume with the checkpoints stays, so the new submission
 resumes.
 
 Progress (step, loss, world size, checkpoints) comes from the agent endpoint's
@@ -17,7 +17,8 @@ Every kubectl call goes through ``run`` (``shell.run`` unless a caller passes an
 the tests pass recorded answers.
 
 A record's details: ``k8s``, the objects (name, namespace, flavor, kubectl context) and the
-agent endpoint's port. Flags: ``--flavor``, ``--image``, ``--namespace``.
+agent endpoint's port. Flags: ``--flavor`` (pytorchjob, plain or trainjob, as ``k8s render``
+takes them), ``--image``, ``--namespace``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import TextIO
 
 from elastic_harness.errors import HarnessError
+from elastic_harness.k8s.common import FLAVORS
 from elastic_harness.lifecycle import kubectl, logsource, registry, shell
 from elastic_harness.lifecycle.api import LogQuery, Submission
 from elastic_harness.lifecycle.kubectl import KubeJob
@@ -52,7 +54,8 @@ class KubeScheduler:
     @staticmethod
     def add_options(parser: argparse.ArgumentParser) -> None:
         k = parser.add_argument_group("k8s")
-        k.add_argument("--flavor", choices=("pytorchjob", "plain"), default="pytorchjob", help="k8s: manifest flavor")
+        k.add_argument("--flavor", choices=FLAVORS, default="pytorchjob",
+                       help="k8s: manifest flavor (as `k8s render` takes it; k8s/DEPLOY.md says which to choose)")
         k.add_argument("--image", help="k8s: container image (default: the package's, see k8s render)")
         k.add_argument("--namespace", help="k8s: namespace (default: default)")
 
@@ -124,7 +127,7 @@ class KubeScheduler:
         if live.phase in ("queued", "running"):
             raise HarnessError(f"job '{job.name}' is still running in namespace {job.namespace} ({live.detail})",
                                "stop it first (elastic-harness stop), or rename the job (--set name=...)")
-        if job.flavor == "pytorchjob":
+        if job.flavor != "plain":  # a finished PyTorchJob or TrainJob is replaced, not re-applied
             self.run(kubectl.delete_workload(job))
 
     def _json(self, cmd: list[str]) -> dict | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastic_harness import exitcodes
-from elastic_harness.k8s.common import CONTAINER
+from elastic_harness.k8s.common import CONTAINER, TRAINER_CONTAINER
 from elastic_harness.lifecycle.state import Liveness
 
 
@@ -30,7 +30,7 @@ from elastic_harness.lifecycle.state import Liveness
 class KubeJob:
     name: str  # the job's object base name (k8s.common.names_for)
     namespace: str
-    flavor: str  # "pytorchjob" or "plain"
+    flavor: str  # "pytorchjob", "plain" or "trainjob"
     context: str
 
     @property
@@ -39,10 +39,14 @@ class KubeJob:
 
     @property
     def workload(self) -> tuple[str, str]:
-        """(kind, name) of the object that owns the node pods."""
-        if self.flavor == "pytorchjob":
-            return "pytorchjob", self.name
+        """(kind, name) of the object that owns the node pods (a TrainJob's, through its JobSet)."""
+        if self.flavor in ("pytorchjob", "trainjob"):
+            return self.flavor, self.name
         return "statefulset", f"{self.name}-worker"
+
+    @property
+    def container(self) -> str:
+        return TRAINER_CONTAINER if self.flavor == "trainjob" else CONTAINER
 
     def pod(self, node: int | str) -> str:
         return f"{self.name}-worker-{node}"
@@ -88,14 +92,19 @@ def progress(job: KubeJob, pod: str, port: int) -> list[str]:
 
 
 def logs(job: KubeJob, follow: bool, node: str | None, since_s: int | None) -> list[str]:
-    where = [job.pod(node)] if node is not None else ["-l", job.selector, "--prefix", "--max-log-requests", "64"]
+    if node is not None and job.flavor == "trainjob":  # JobSet names its pods; the index is a label
+        where = ["-l", f"{job.selector},batch.kubernetes.io/job-completion-index={node}"]
+    elif node is not None:
+        where = [job.pod(node)]
+    else:
+        where = ["-l", job.selector, "--prefix", "--max-log-requests", "64"]
     extra = (["--follow"] if follow else []) + ([f"--since={since_s}s"] if since_s else [])
-    return kubectl(job, "logs", *where, "-c", CONTAINER, *extra)
+    return kubectl(job, "logs", *where, "-c", job.container, *extra)
 
 
 def stop(job: KubeJob, now: bool) -> list[list[str]]:
     kind, name = job.workload
-    first = (kubectl(job, "delete", kind, name, "--ignore-not-found", "--wait=false") if kind == "pytorchjob"
+    first = (kubectl(job, "delete", kind, name, "--ignore-not-found", "--wait=false") if kind != "statefulset"
              else kubectl(job, "scale", kind, name, "--replicas=0"))
     if not now:
         return [first]
@@ -134,6 +143,8 @@ def workload_liveness(kind: str, data: dict | None, p: Pods) -> Liveness:
         return Liveness("gone", detail="its workload is gone (deleted or never created)")
     if kind == "pytorchjob":
         return _pytorchjob(data, p)
+    if kind == "trainjob":
+        return _trainjob(data, p)
     replicas = int((data.get("spec") or {}).get("replicas") or 0)
     ready = int((data.get("status") or {}).get("readyReplicas") or 0)
     if replicas == 0:
@@ -159,3 +170,17 @@ def _pytorchjob(data: dict, p: Pods) -> Liveness:
     if kind in ("Running", "Restarting"):
         return Liveness("running" if p.running else "queued", detail=said)
     return Liveness("queued", detail=said)
+
+
+def _trainjob(data: dict, p: Pods) -> Liveness:
+    """Kubeflow Trainer v2's ``TrainJob`` conditions (Suspended, Complete, Failed)."""
+    conditions = {c.get("type"): c for c in (data.get("status") or {}).get("conditions") or []
+                  if c.get("status") == "True"}
+    for kind in ("Complete", "Failed"):
+        if kind in conditions:
+            said = f"TrainJob {kind}: {conditions[kind].get('message', '')}".rstrip(": ")
+            codes = [c for c in p.exit_codes if c]
+            return Liveness("gone", exit_code=0 if kind == "Complete" else (codes[-1] if codes else 1), detail=said)
+    if "Suspended" in conditions:
+        return Liveness("queued", detail="TrainJob Suspended")
+    return Liveness("running" if p.running else "queued", detail=f"TrainJob: {len(p.running)} pod(s) running")

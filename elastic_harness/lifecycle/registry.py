@@ -15,7 +15,8 @@ looks before requeueing (the run dir is shared with the cluster), and
 ``STATE_DIR/jobs/<id>.stop`` for Kubernetes jobs, which have no run dir here. A stop request
 turns "preempted" into "stopped" in ``status``.
 
-Nothing here deletes anything; records and requests are written atomically (rename).
+Records and requests are written atomically (rename). ``forget`` deletes a record (``list
+--prune``), never a run directory or a checkpoint.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class JobRecord:
     job_file: str = ""  # the job YAML as given
     via: str = "submit"  # "submit", or "run" for a job started in a terminal
     details: dict = field(default_factory=dict)  # the scheduler's own
+    # its status once it ended (``state.JobStatus`` as a dict; ``schedulers.status_of``): what
+    # ``status`` says when the evidence is gone (say, the run directory was removed)
+    outcome: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        common = {k: v for k, v in dataclasses.asdict(self).items() if k != "details"}
+        common = {k: v for k, v in dataclasses.asdict(self).items() if k != "details" and (k != "outcome" or v)}
         assert not common.keys() & self.details.keys(), f"a {self.scheduler} detail shadows a common field"
         return json.dumps({**common, **self.details}, indent=2, sort_keys=True)
 
@@ -101,6 +105,17 @@ def load(job_id: str, root: Path) -> JobRecord | None:
         return JobRecord.from_dict(json.loads((root / "jobs" / f"{job_id}.json").read_text()))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def forget(job_id: str, root: Path) -> None:
+    """Delete job ``job_id``'s record (and a stop request kept beside it): its run directory,
+    logs and checkpoints stay where they are."""
+    for path in (root / "jobs" / f"{job_id}.json", root / "jobs" / f"{job_id}.stop"):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise HarnessError(f"cannot remove '{path}': {e.strerror or e}",
+                               f"fix its permissions, or set {STATE_VAR} to a directory you can write") from None
 
 
 def records(root: Path) -> list[JobRecord]:

@@ -2,7 +2,10 @@
 
 The script, top to bottom:
 
-- ``#SBATCH`` lines: ``--nodes=MIN-MAX`` (Slurm allocates within the job's elastic range),
+- ``#SBATCH`` lines: ``--nodes=MIN-MAX`` (Slurm allocates within the job's elastic range;
+  ``MIN-(MAX+SPARES)`` with hot spares, ``nodes.spares``: the agents' ``--nnodes MIN:MAX``
+  keeps an agent beyond ``MAX`` waiting in the rendezvous, a spare that takes a lost node's
+  place),
   one task per node (the node's agent starts the workers), ``--requeue``, output appended to
   ``RUN_DIR/logs/slurm-<job id>.out``, and ``--signal=TERM@S`` with S =
   ``timeouts.shutdown_grace`` + a margin: before the time limit Slurm sends SIGTERM to the
@@ -11,6 +14,9 @@ The script, top to bottom:
   ``RUN_DIR/logs/agent-<node index>.log``; c10d rendezvous on the allocation's first node
   (its agent hosts the store), or the job's etcd; the rendezvous id is the job's id plus
   Slurm's restart count, so a requeued attempt never meets a closed rendezvous;
+- a node kept out of the job (``nodes.exclude_after``, ``launch.exclusion``) exits 200 while
+  the others go on: when this attempt's events hold the job's ``finish``, the job is done
+  (exit 0), not requeued for that node's code;
 - requeue: when the agents exit with a code worth a retry (``exitcodes.retry``: preempted
   or infrastructure) and nobody asked to stop the job (``elastic-harness stop`` leaves
   ``RUN_DIR/lifecycle/<id>.stop`` first), ``scontrol requeue`` up to ``max_requeues``
@@ -95,13 +101,15 @@ def render(spec, job: ScriptJob, options: SlurmOptions) -> str:
              "trap 'echo \"batch: SIGTERM; the agents drain and save\"' TERM",
              f'mkdir -p "$RUN_DIR/{runfiles.LOGS}"', *_rendezvous(spec, options),
              '[ -e "$STOP_FILE" ] && { echo "batch: stop requested before the agents started"; exit 143; }', "",
-             *_srun(spec, job), "code=$?", "", *_requeue(options), "exit $code", ""]
+             f'EVENTS="$RUN_DIR/{runfiles.EVENTS}"', 'EVENTS_AT=$(stat -c %s "$EVENTS" 2>/dev/null || echo 0)',
+             *_srun(spec, job), "code=$?", "", *_kept_out(), "", *_requeue(options), "exit $code", ""]
     return "\n".join(lines)
 
 
 def _sbatch_options(spec, job: ScriptJob, o: SlurmOptions) -> list[str]:
     n = spec.nodes
-    opts = [f"--job-name={spec.name}", f"--nodes={n.min}" if n.min == n.max else f"--nodes={n.min}-{n.max}",
+    most = n.max + n.spares  # hot spares: agents beyond nodes.max (module doc)
+    opts = [f"--job-name={spec.name}", f"--nodes={n.min}" if n.min == most else f"--nodes={n.min}-{most}",
             "--ntasks-per-node=1", "--requeue", "--open-mode=append",
             f"--output={job.run_dir}/{runfiles.LOGS}/slurm-%j.out", f"--chdir={job.workdir}",
             f"--signal=TERM@{spec.timeouts.shutdown_grace + SIGNAL_MARGIN_S}"]
@@ -135,6 +143,19 @@ def _srun(spec, job: ScriptJob) -> list[str]:
             f'--output="$RUN_DIR/{runfiles.LOGS}/{runfiles.agent_log("%n")}" --open-mode=append']
     parts = [*srun, *agent]
     return [("  " if i else "") + part + (" \\" if i < len(parts) - 1 else "") for i, part in enumerate(parts)]
+
+
+def _kept_out() -> list[str]:
+    """A node kept out exits 200 (``exitcodes.INFRA``) and srun returns the highest code:
+    a job that finished without it is done (module doc)."""
+    return [
+        f"# a node kept out of the job exits {exitcodes.INFRA}; the job may have finished without it",
+        f'if [ "$code" -eq {exitcodes.INFRA} ] && tail -c +"$((EVENTS_AT + 1))" "$EVENTS" 2>/dev/null '
+        """| grep -q '"event": "finish"'; then""",
+        f'  echo "batch: the job finished; a node that left it exited {exitcodes.INFRA}: done, not requeued"',
+        "  code=0",
+        "fi",
+    ]
 
 
 def _requeue(o: SlurmOptions) -> list[str]:

@@ -102,8 +102,10 @@ def decide(*, finished: bool, exit: tuple[int, str] | None, stop: dict | None, l
            started: bool, drained: int | None = None) -> tuple[str, str]:
     """Pure: (state, reason). ``exit``: the host's recorded exit; ``started``: a worker
     group formed; ``drained``: the step the last attempt drained and saved at, if it did.
-    See the module doc for who is trusted for what."""
-    if finished:
+    See the module doc for who is trusted for what. A job whose last step finished but whose
+    host recorded a failing exit (``run --verify`` found another model, ranks cut short after
+    the last step) failed: the exit is the host's verdict."""
+    if finished and (exit is None or exit[0] == exitcodes.OK):
         return "succeeded", ""
     if exit is None and live.phase == "gone" and live.exit_code is not None:
         exit = (live.exit_code, live.detail)
@@ -150,3 +152,23 @@ def status_from_events(base: JobStatus, events: Sequence[dict], live: Liveness, 
         recoveries=s.recoveries if mine else None, last_checkpoint_step=s.last_checkpoint_step,
         last_checkpoint=s.last_checkpoint, wall_s=wall, model_digest=s.digest,
         exit_code=exit[0] if exit else (live.exit_code if live.phase == "gone" else None))
+
+
+def settled(now: JobStatus, recorded: dict) -> JobStatus:
+    """Pure: the status to show, given ``recorded``, the one kept in the job's record when it
+    last was seen ended (``JobRecord.outcome``; {} if none): ``now``, unless ``now`` has no
+    evidence of the job left (no event of it: its run directory was removed or reused) and
+    an outcome was recorded; then that outcome, saying so."""
+    if not recorded or now.step is not None or now.state in ACTIVE:
+        return now
+    fields = {f.name for f in dataclasses.fields(JobStatus)}
+    kept = JobStatus(**{k: v for k, v in recorded.items() if k in fields})
+    where = f"{now.run_dir} no longer holds its events" if now.run_dir else "its objects are gone"
+    note = f"as recorded when it ended; {where}"
+    return dataclasses.replace(kept, reason=f"{kept.reason}; {note}" if kept.reason else note)
+
+
+def worth_recording(now: JobStatus, recorded: dict) -> bool:
+    """Pure: keep ``now`` as the job's outcome? When it ended, with evidence (a step seen),
+    and differs from what is recorded (a requeued Slurm job can end more than once)."""
+    return now.state not in ACTIVE and now.step is not None and now.to_dict() != recorded

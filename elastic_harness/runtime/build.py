@@ -118,7 +118,7 @@ def equip(spec: JobSpec, env: WorkerEnv, gen: Generation, run_dir: Path) -> Part
     checkpoint I/O while bytes move: a big save or load is slow, not stuck), the storage
     checkpoints and the in-memory tier, signed and sealed with the job's key."""
     metrics = Metrics(gen.events, run_dir, tensorboard=spec.metrics.tensorboard, main=gen.topology.rank == 0)
-    watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step)
+    watchdog = ProgressWatchdog(env.timer_file, spec.timeouts.step, renew_s=spec.timeouts.process_group)
     key = jobkey.read(jobkey.key_path(run_dir, {jobkey.KEY_FILE_VAR: env.key_file}))
     ckpt = _checkpoints(spec, run_dir, gen, watchdog, key)
     memory = _memory_tier(spec, env, gen, key)
@@ -134,7 +134,7 @@ def _checkpoints(spec: JobSpec, run_dir: Path, gen: Generation, watchdog: Progre
         open_storage(checkpoint_root(spec.checkpoint.dir, run_dir)), spec.checkpoint,
         rank=gen.topology.rank, world_size=gen.topology.world_size, group=gen.groups.ckpt, events=gen.events,
         info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
-        on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group),
+        on_progress=watchdog.renew,
         key=key,
         optional_keys=TrainState.OPTIONAL_KEYS,
     )

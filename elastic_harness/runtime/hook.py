@@ -304,11 +304,11 @@ class StepHook:
         replicas, watchdog = self.trained.replicas, self.signals.watchdog
         if replicas is not None and replicas.pending:
             replicas.check(step)
-        # A save may wait for the previous one or write synchronously: a longer budget.
-        watchdog.arm(extra_s=self.spec.timeouts.process_group)
-        if self.keeping.ckpt.save(step, self.trained.state, blocking=blocking):
-            self.last_save, self.last_saved_step = time.monotonic(), step
-        watchdog.arm()
+        # A save may wait for the previous one or write synchronously: a longer budget, measured.
+        sync = blocking or not self.spec.checkpoint.async_save
+        with watchdog.save("blocking" if sync else "async"):
+            if self.keeping.ckpt.save(step, self.trained.state, blocking=blocking):
+                self.last_save, self.last_saved_step = time.monotonic(), step
 
     def _join_snapshot(self, step: int, settled: bool = False) -> bool:
         """Collective (every rank, at a drain no rank was asked to stop for): a forced

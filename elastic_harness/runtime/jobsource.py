@@ -30,6 +30,21 @@ from elastic_harness.spec import JobSpec, dump_job, load_job, parse_job, script_
 _HANDED: tuple[JobSpec, Path] | None = None  # what the entry parsed, for this process's init
 
 
+def script_flags(argv: Sequence[str], job=None, run_dir=None, overrides: Sequence[str] = ()) -> tuple:
+    """Pure: the flags ``init(argv=...)`` reads from a script's command line, ``--job FILE``,
+    ``--run-dir DIR`` and ``--set KEY=VALUE`` (repeatable, after ``overrides``), and the rest:
+    (job, run_dir, overrides, rest), each flag absent leaving its default. One parser for
+    ``python train.py ...`` and ``elastic-harness run train.py ...`` (``commands.jobargs``)."""
+    import argparse
+
+    cli = argparse.ArgumentParser(add_help=False)
+    cli.add_argument("--job", default=job)
+    cli.add_argument("--run-dir", default=run_dir)
+    cli.add_argument("--set", action="append", default=list(overrides), metavar="KEY=VALUE")
+    known, rest = cli.parse_known_args(list(argv))
+    return known.job, known.run_dir, known.set, rest
+
+
 def hand_over(spec: JobSpec, run_dir: str | Path) -> None:
     """The entry, once: the job our agent named, already parsed, and its run directory."""
     global _HANDED

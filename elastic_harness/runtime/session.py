@@ -76,7 +76,7 @@ from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.build import job_identity
 from elastic_harness.runtime.hook import ReplicaCheck, Trained, save_due_by_steps, save_due_by_time
-from elastic_harness.runtime.jobsource import resolve_job
+from elastic_harness.runtime.jobsource import resolve_job, script_flags
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, to_device
 from elastic_harness.runtime.loop import DRAIN_EXIT, Loop, Samples
 from elastic_harness.runtime.registration import (
@@ -115,7 +115,7 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
         raise UsageError("elastic_harness.init() was called twice", "call it once per process")
     rest: list[str] = []
     if argv is not None:
-        job, run_dir, overrides, rest = _from_argv(argv, job, run_dir, overrides)
+        job, run_dir, overrides, rest = script_flags(argv, job, run_dir, overrides)
     env = WorkerEnv.from_environ(standalone_ok=True)
     try:
         spec, run_dir = resolve_job(env, job, run_dir, overrides)
@@ -150,17 +150,6 @@ def _refuse(e: HarnessError, env: WorkerEnv) -> typing.NoReturn:
     if env.rank == 0:  # every rank read the same job: one says it
         print(f"error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(e.exit_code)
-
-
-def _from_argv(argv: Sequence[str], job: Any, run_dir: Any, overrides: Sequence[str]) -> tuple:
-    import argparse
-
-    cli = argparse.ArgumentParser(add_help=False)
-    cli.add_argument("--job", default=job)
-    cli.add_argument("--run-dir", default=run_dir)
-    cli.add_argument("--set", action="append", default=list(overrides), metavar="KEY=VALUE")
-    known, rest = cli.parse_known_args(list(argv))
-    return known.job, known.run_dir, known.set, rest
 
 
 def _prepare_standalone(spec: JobSpec, run_dir: Path, env: WorkerEnv, group: Any) -> Any:

@@ -15,6 +15,12 @@ The deadline the server holds is then never earlier than ``timeout`` after the l
 progress (a step may still take the whole timeout), and a stuck worker is killed at most
 ``slack_s`` later than with a re-arm at every step (``resend_due``).
 
+A checkpoint save is a phase whose budget is measured too (``save``, ``save_budget_s``): five
+times the longest recent save of its kind, at least ``SAVE_FLOOR_S``, renewed while its bytes
+move (``renew``); only the first save of a process gets the process group's whole timeout.
+With that timeout as every save's budget (issue 42), a worker frozen inside a save outlived
+its healthy peer's collective (gloo's timeout, 120 s), and the peer was blamed.
+
 Each re-arm also sends a second deadline, ``STALL_SCOPE``, with no signal (torch's own
 server ignores it): the worker's *stall bound* (``stall_bound_s``: five times the 90th
 percentile of the recent steps, at least ``STALL_FLOOR_S``; the whole timeout until
@@ -43,6 +49,9 @@ WARMUP_STEPS = 5  # steps measured before a stall bound replaces the timeout
 STALL_STEPS_KEPT = 50
 STALL_FACTOR = 5.0
 STALL_FLOOR_S = 1.0
+SAVE_FACTOR = 5.0  # a save's budget: this many times the longest recent save of its kind
+SAVE_FLOOR_S = 10.0
+SAVES_KEPT = 20
 
 
 def slack_of(timeout_s: float, share: float = SLACK_SHARE) -> float:
@@ -61,6 +70,16 @@ def stall_bound_s(durations: Sequence[float], timeout_s: float, floor_s: float =
     return min(timeout_s, max(floor_s, STALL_FACTOR * p90))
 
 
+def save_budget_s(durations: Sequence[float], cap_s: float, floor_s: float = SAVE_FLOOR_S) -> float:
+    """Pure: seconds a checkpoint save may take beyond the step timeout without progress:
+    ``SAVE_FACTOR`` times the longest of the recent saves of its kind (``durations``), at
+    least ``floor_s``, at most ``cap_s`` (``timeouts.process_group``), which is also the
+    budget of the first (nothing measured yet: its plan is made then, and it is slow)."""
+    if not durations:
+        return cap_s
+    return min(cap_s, max(floor_s, SAVE_FACTOR * max(durations)))
+
+
 def resend_due(now: float, last_sent: float | None, last_extra: float, extra_s: float, slack_s: float) -> bool:
     """Pure: send this re-arm? Always with an extra budget (a save) or after one (to take it
     back), the first time, and once ``slack_s`` has passed since the last one sent."""
@@ -68,8 +87,10 @@ def resend_due(now: float, last_sent: float | None, last_extra: float, extra_s: 
 
 
 class ProgressWatchdog:
-    def __init__(self, timer_file: str, timeout_s: float, clock=time.time) -> None:
+    def __init__(self, timer_file: str, timeout_s: float, clock=time.time, renew_s: float = 0.0) -> None:
         self.timeout_s = timeout_s
+        self.renew_s = renew_s  # ``renew``'s budget outside a phase, and a first save's (``save``)
+        self._saves: dict[str, list[float]] = {}  # recent saves' durations, by kind (``save``)
         self.slack_s = slack_of(timeout_s)
         self._clock = clock
         self._client = None
@@ -121,6 +142,28 @@ class ProgressWatchdog:
         try:
             yield
         finally:
+            self.arm()
+
+    def renew(self) -> None:
+        """Bytes moved (checkpoint I/O): the budget of the phase under way again from now,
+        or ``renew_s`` outside one (a restore before the loop). A worker frozen inside the
+        phase is then killed one budget after its last progress, not a process group's
+        timeout after it: that timeout ended its healthy peer first, which was blamed."""
+        self.arm(extra_s=self._extra if self._extra > 0 else self.renew_s)
+
+    @contextlib.contextmanager
+    def save(self, kind: str) -> Iterator[None]:
+        """A checkpoint save of ``kind`` ("blocking", "async") inside this block: the step
+        timeout plus ``save_budget_s`` of the saves of that kind measured before, renewed
+        while bytes move (``renew``); the block's time is measured for the next."""
+        kept = self._saves.setdefault(kind, [])
+        t0 = self._clock()
+        self.arm(extra_s=save_budget_s(kept, self.renew_s))
+        try:
+            yield
+        finally:
+            kept.append(self._clock() - t0)
+            del kept[:-SAVES_KEPT]
             self.arm()
 
     def disarm(self) -> None:

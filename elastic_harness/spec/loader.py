@@ -7,6 +7,7 @@ is expected is fine; a bool is never an int), then each dataclass validates its 
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import functools
@@ -137,12 +138,35 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
                         "name its job YAML here; `run`, `submit`, `spec` and `k8s render` also take a "
                         "script (its job: the YAML beside it, else the defaults)")
     try:
-        text = p.read_text()
+        data = p.read_bytes()
     except FileNotFoundError:
         raise SpecError("", f"job file '{path}' does not exist", "check the path") from None
     except OSError as e:
         raise SpecError("", f"cannot read job file '{path}': {e.strerror}", "name a job YAML file") from None
-    return parse_job(text, overrides, source=str(path))
+    return parse_job(job_text(data, str(path)), overrides, source=str(path))
+
+
+_BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def job_text(data: bytes, source: str) -> str:
+    """Pure: a job file's bytes as text. UTF-8; UTF-16 or UTF-8 with a byte-order mark (what
+    a Windows shell may save), as YAML allows; else a ``SpecError`` naming the first byte that
+    is not UTF-8, where it is, and the fix."""
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(encoding)
+            except UnicodeDecodeError:
+                break  # not what its mark says: named below
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise SpecError("", f"job file '{source}' is not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}, "
+                        f"column {column})", "save it as UTF-8 (your editor's encoding setting; "
+                        "iconv -f latin1 -t utf-8 converts a Latin-1 file)") from None
 
 
 def script_job(script: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[JobSpec, Path | None, str]:
@@ -174,7 +198,7 @@ def script_job(script: str | Path, overrides: list[str] | tuple[str, ...] = ()) 
 def _names_script(job: Path, script: Path) -> str:
     """"" when the job file ``job`` runs ``script`` (its ``script.path``, relative to the
     working directory or to the file, is that script), else what it runs instead."""
-    raw = parse_raw(job.read_text(), str(job))
+    raw = parse_raw(job_text(job.read_bytes(), str(job)), str(job))
     target = raw.get("script", {}).get("path") if isinstance(raw.get("script"), dict) else None
     if not target:
         task = raw.get("task", {}).get("target", "") if isinstance(raw.get("task"), dict) else ""

@@ -8,6 +8,7 @@ This module is pure: no I/O, no torch.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,10 +25,28 @@ def doc(default: Any, text: str, **kw: Any) -> Any:
     return field(default=default, metadata={"doc": text, **kw})
 
 
-def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+# The longest wait a timeout may ask for: a week. Longer ones overflow what they become (a
+# timedelta for torch's process groups, C++ chrono milliseconds, an etcd lease TTL) or
+# mean "never" by accident; 0 says "never" where a field allows it.
+MAX_WAIT_S = 7 * 24 * 3600
+
+
+def _positive(path: str, value: float, allow_zero: bool = False, most: float | None = None) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(path, f"must be a finite number, got {value}", "write a number of seconds or a count")
     if value < 0 or (value == 0 and not allow_zero):
         need = ">= 0" if allow_zero else "> 0"
         raise SpecError(path, f"must be {need}, got {value}")
+    if most is not None and value > most:
+        days = f" ({most / 86400:g} days)" if most == MAX_WAIT_S else ""
+        raise SpecError(path, f"must be at most {most:g}{days}, got {value:g}",
+                        f"set {path} to {most:g} or less" + (" (0: never)" if allow_zero else ""))
+
+
+def _waits(prefix: str, spec: object, names: tuple[str, ...], allow_zero: tuple[str, ...] = ()) -> None:
+    """Each field a positive number of seconds up to ``MAX_WAIT_S`` (0 allowed where named)."""
+    for name in names:
+        _positive(f"{prefix}.{name}", getattr(spec, name), allow_zero=name in allow_zero, most=MAX_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -96,7 +115,8 @@ class NodesSpec:
         0,
         "Hot spares: agents beyond nodes.max that join the rendezvous and stay idle (torch's "
         "redundancy list) until a node is lost; one then takes its place at the same world size "
-        "(no reshard). `run` starts them once the group formed; at most nodes.max.",
+        "(no reshard). `run` starts them once the group formed; Slurm and Kubernetes start them "
+        "with the others (one more node each); at most nodes.max.",
     )
     exclude_after: int = doc(
         2,
@@ -111,7 +131,7 @@ class NodesSpec:
         _positive("nodes.max", self.max)
         _positive("nodes.spares", self.spares, allow_zero=True)
         _positive("nodes.exclude_after", self.exclude_after, allow_zero=True)
-        _positive("nodes.exclude_window", self.exclude_window)
+        _positive("nodes.exclude_window", self.exclude_window, most=MAX_WAIT_S)
         if self.min > self.max:
             raise SpecError(
                 "nodes", f"min ({self.min}) is greater than max ({self.max})", "set min <= max"
@@ -121,6 +141,23 @@ class NodesSpec:
                 "nodes.spares", f"{self.spares} spares for a job of at most {self.max} nodes: more "
                 "than it can ever hold in its place at once", f"set nodes.spares to at most {self.max}"
             )
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """One ``HOST:PORT`` of ``rendezvous.endpoint``: no scheme (the protocol is
+    ``etcd_protocol``'s), a host, a port 1..65535 (``[V6]:PORT`` for IPv6)."""
+    where, fix = "rendezvous.endpoint", "write HOST:PORT, e.g. 127.0.0.1:2379 (several: comma-separated)"
+    scheme, sep, rest = endpoint.partition("://")
+    if sep:
+        raise SpecError(where, f"'{endpoint}' has a scheme ({scheme}://)",
+                        f"write {rest.rstrip('/')} (rendezvous.etcd_protocol says http or https)")
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port:
+        raise SpecError(where, f"'{endpoint}' has no port", fix)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise SpecError(where, f"'{endpoint}': port '{port}' is not a number from 1 to 65535", fix)
+    if not host.strip("[]") or any(c.isspace() or c in "/?#@" for c in host):
+        raise SpecError(where, f"'{endpoint}': '{host}' is not a host name or address", fix)
 
 
 @dataclass(frozen=True)
@@ -171,27 +208,17 @@ class RendezvousSpec:
     )
 
     def __post_init__(self) -> None:
-        for name in (
-            "join_timeout",
-            "start_last_call_timeout",
-            "last_call_timeout",
-            "close_timeout",
-            "heartbeat_timeout",
-            "keep_alive_interval",
-            "keep_alive_max_attempt",
-        ):
-            _positive(f"rendezvous.{name}", getattr(self, name))
-        _positive("rendezvous.isolation_timeout", self.isolation_timeout, allow_zero=True)
+        _waits("rendezvous", self, ("join_timeout", "start_last_call_timeout", "last_call_timeout",
+                                    "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+                                    "isolation_timeout"), allow_zero=("isolation_timeout",))
+        _positive("rendezvous.keep_alive_max_attempt", self.keep_alive_max_attempt, most=1000)
         if self.etcd_key and not self.etcd_cert:
             raise SpecError("rendezvous.etcd_key", "given without etcd_cert", "set both or neither")
         if (self.etcd_ca_cert or self.etcd_cert) and self.etcd_protocol != "https":
             raise SpecError("rendezvous.etcd_protocol", "TLS files given but protocol is http",
                             "set etcd_protocol: https")
         for endpoint in self.endpoint.split(",") if self.endpoint else []:
-            if ":" not in endpoint:
-                raise SpecError(
-                    "rendezvous.endpoint", f"'{endpoint.strip()}' has no port", "write HOST:PORT"
-                )
+            _check_endpoint(endpoint.strip())
         self._check_auth()
 
     def _check_auth(self) -> None:
@@ -317,6 +344,11 @@ class CheckpointSpec:
     verify: Literal["full", "size", "none"] = doc(
         "full", "On load, check the manifest: full checksums, sizes only, or nothing."
     )
+    give_up_after: float = doc(
+        120.0, "Stop the job once periodic saves have kept failing this many seconds (and at least "
+        "3 times in a row): a brief full disk or storage hiccup is ridden out, training going on "
+        "unsaved meanwhile (the in-memory snapshots still cover a crash); 0 = at the 3rd failure in a row."
+    )
     memory_every: int = doc(
         1, "Also keep each rank's state in its agent's memory, at most every this many steps: a "
         "restart after a worker crash restores it with no storage read; under DDP also a lost "
@@ -355,7 +387,8 @@ class CheckpointSpec:
         if self.memory_budget > 1:
             raise SpecError("checkpoint.memory_budget", f"must be a share of step time in [0, 1], got "
                             f"{self.memory_budget}", "e.g. 0.03 for 3 %, or 0 for a fixed interval")
-        _positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True)
+        _positive("checkpoint.every_seconds", self.every_seconds, allow_zero=True, most=MAX_WAIT_S)
+        _positive("checkpoint.give_up_after", self.give_up_after, allow_zero=True, most=MAX_WAIT_S)
         _positive("checkpoint.keep_every", self.keep_every, allow_zero=True)
         if self.keep < 2:
             raise SpecError(
@@ -382,10 +415,8 @@ class TimeoutsSpec:
     )
 
     def __post_init__(self) -> None:
-        _positive("timeouts.process_group", self.process_group)
-        _positive("timeouts.shutdown_grace", self.shutdown_grace)
-        _positive("timeouts.monitor_interval", self.monitor_interval)
-        _positive("timeouts.step", self.step, allow_zero=True)
+        _waits("timeouts", self, ("process_group", "shutdown_grace", "monitor_interval", "step"),
+               allow_zero=("step",))
 
 
 @dataclass(frozen=True)

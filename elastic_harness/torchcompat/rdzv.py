@@ -14,7 +14,8 @@ torch has no hook for what ``launch.rendezvous`` adds to its ``DynamicRendezvous
   keep-alive, the keep-alive gaps the stall verdict reads), torch's
   ``_remove_participant_epilogue`` called, the handler's heartbeat lock taken;
 - ``rdzv-early-close``: the executor's join operations wrapped (a later round closes once
-  everyone expected joined; a hot spare polls faster: issue 36);
+  everyone expected joined; a hot spare polls faster: issue 36; a round never holds more
+  than ``nodes.max``, and a round an admission filled is completed in that write: issue 42);
 - ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store;
 - ``rdzv-sealed-state`` (required): torch's empty ``_RendezvousState``, what a refused
   (forged, corrupt) rendezvous value reads as before an authentic one was seen: the sealed
@@ -246,6 +247,37 @@ def hook_operations(handler: Any, **after: Callable[[Any], None]) -> Callable[[]
             executor.__dict__.pop(name, None)
 
     return undo
+
+
+def guard_join(handler: Any, instead: Callable[[Any], str | None]) -> Callable[[], None] | None:
+    """Before torch's ``_add_to_participants`` runs in the handler's executor, ask
+    ``instead(state)``: the name of another join operation to run in its place
+    (``add_to_redundancy_list``), or None for torch's own. None (nothing hooked) when
+    ``rdzv-early-close`` is off; else the undo."""
+    if not on("rdzv-early-close"):
+        return None
+    executor = handler._op_executor
+    add = executor._add_to_participants  # with any ``hook_operations`` wrapper
+
+    def guarded() -> None:
+        other = instead(executor._state)
+        if other:
+            getattr(executor, f"_{other}")()
+        else:
+            add()
+
+    executor.__dict__["_add_to_participants"] = guarded
+
+    def undo() -> None:
+        executor.__dict__.pop("_add_to_participants", None)
+
+    return undo
+
+
+def mark_complete(handler: Any) -> None:
+    """torch's ``_mark_rendezvous_complete`` on the handler's executor (ranks assigned, the
+    round complete; any ``hook_operations`` wrapper runs): from inside a join operation."""
+    handler._op_executor._mark_rendezvous_complete()
 
 
 def _then(operation: Callable[[], None], then: Callable[[Any], None], executor: Any) -> Callable[[], None]:

@@ -9,6 +9,7 @@ then checks the kill really landed mid-save before asserting anything else.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -105,3 +106,39 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, referenc
     assert any(f"removing stale incomplete {KILL_AT}" in w for w in warnings), warnings
     assert again.summary["model_digest"] == reference  # exactly the uninterrupted result
     assert (step_dir / "manifest.json").exists()  # step 10 re-saved cleanly on the way
+
+
+def test_a_worker_frozen_inside_a_save_is_killed_by_its_watchdog_not_its_peers_timeout(tmp_path):
+    """Rank 1 frozen (SIGSTOP) in the middle of a synchronous save, saves every 5 steps (issue
+    42): every save's watchdog budget was the process group's timeout, so the frozen worker
+    outlived its healthy peer's collective (gloo's 120 s), and rank 0 was blamed ("Timed
+    out"). Now a save's budget is measured from the earlier saves: the frozen worker's own
+    watchdog kills it (a ``hang`` failure, state stopped), and the job recovers and finishes."""
+    run_dir = tmp_path / "run"
+    sets = ["--set", "checkpoint.async_save=false", "--set", "timeouts.step=10", "--set", "train.steps=40"]
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), *BIG, *sets, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    step_dir = run_dir / "checkpoints" / KILL_AT  # the second save: the first was measured
+    try:
+        deadline = time.monotonic() + 150
+        while not (step_dir.is_dir() and not (step_dir / "manifest.json").exists()):
+            assert proc.poll() is None, "the run ended before the save could be interrupted"
+            assert time.monotonic() < deadline, "the save never started"
+            time.sleep(0.001)
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+        (frozen,) = [e["pid"] for e in events if e["event"] == "worker" and e["rank"] == 1][-1:]
+        os.kill(frozen, signal.SIGSTOP)
+        frozen_mid_save = not (step_dir / "manifest.json").exists()
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert frozen_mid_save, "the freeze did not land mid-save"
+    assert proc.returncode == 0, err
+    failures = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+                if '"failure"' in line]
+    hung = [f for f in failures if f.get("cause") == "hang" and f.get("rank") == 1]
+    assert hung and hung[0]["state"] == "T", failures
+    assert not [f for f in failures if "timed out" in (f.get("message") or "").lower()], failures

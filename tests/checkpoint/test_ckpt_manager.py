@@ -691,3 +691,13 @@ def test_a_generation_travels_as_three_integers_and_back():
         g = Generation(7, token)
         assert generation_of(generation_ints(g)) == g
     assert generation_of(generation_ints(None)) is None
+
+
+def test_failed_saves_end_the_job_by_time_not_by_three_in_a_row():
+    from elastic_harness.checkpoint.manager import give_up
+
+    assert not give_up(3, failing_s=0.3, limit_s=120.0), "a disk full for 0.3 s is ridden out"
+    assert not give_up(50, failing_s=119.0, limit_s=120.0)
+    assert give_up(51, failing_s=120.0, limit_s=120.0)
+    assert not give_up(2, failing_s=3600.0, limit_s=120.0), "three at least, however slow the saves"
+    assert give_up(3, failing_s=0.0, limit_s=0.0) and not give_up(2, failing_s=0.0, limit_s=0.0), "0: the 3rd"

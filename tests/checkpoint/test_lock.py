@@ -198,3 +198,26 @@ def test_fresh_refuses_an_object_store_prefix_that_holds_checkpoints(tmp_path):
     finally:
         with contextlib.suppress(FileNotFoundError):
             store.fs.rm(store._path, recursive=True)
+
+
+def test_a_submission_whose_lock_another_live_job_took_over_knows_it_at_once_and_for_good(tmp_path):
+    """A frozen submission's lock, taken over by another job while it looked gone: when it
+    comes back, the run directory's claim says so before its heartbeat's next beat
+    (``Claim.lost(now=True)``: read before a worker generation starts), names the holder,
+    and stays lost (issue 42: it bumped the generation fence and shut the holder out)."""
+    from elastic_harness.rundir import Claim
+
+    store = LocalStorage(tmp_path / "run")
+    store.ensure()
+    now = [1000.0]
+    mine = lock.Lease.acquire(store, holder("job-a"), beat_s=3600, clock=lambda: now[0])
+    claim = Claim(tmp_path / "run", str(tmp_path / "run" / "checkpoints"), [mine])
+    assert claim.lost() == claim.lost(now=True) == ""
+    other = lock.Lease.acquire(LocalStorage(store.root), holder("job-b", host="elsewhere"), beat_s=3600,
+                               clock=lambda: now[0] + lock.STALE_S + 5, alive=lambda r: False)
+    assert claim.lost() == "", "the heartbeat has not looked yet"
+    why = claim.lost(now=True)
+    assert "lost the lock" in why and "job-b" in why and "stopped without saving" in why and "\n  fix: " in why
+    other.release()  # the other job ends: the lock is free again, but this submission stays stopped
+    assert claim.lost() == why and mine.check() is not None
+    mine.release()

@@ -137,12 +137,33 @@ def test_run_splits_a_scripts_own_arguments_as_torchrun_does():
     parser = build_parser()
     a = parse(parser, ["run", "--nproc-per-node", "cpu", "--nnodes", "1:3", "--set", "train.steps=5",
                        "train.py", "--lr", "3", "--set", "mine"])
-    assert (a.job, a.nproc_per_node, a.nnodes, a.set) == ("train.py", "cpu", "1:3", ["train.steps=5"])
+    assert (a.job, a.nproc_per_node, a.nnodes) == ("train.py", "cpu", "1:3")
     assert a.script_args == ["--lr", "3", "--set", "mine"], "after the script: the script's"
+    assert a.set == ["train.steps=5", "mine"], "and --set among them counts, as under python (eh.init(argv=))"
     b = parse(parser, ["run", "job.yaml", "--set", "train.steps=5", "--nodes", "2"])
     assert (b.job, b.set, b.nodes, b.script_args) == ("job.yaml", ["train.steps=5"], 2, [])
     c = parse(parser, ["run", "--run-dir", "x.py", "job.yaml"])
     assert (c.job, c.run_dir) == ("job.yaml", "x.py"), "an option's value is not the script"
+
+
+def test_flags_after_a_script_are_taken_as_python_takes_them(cli_here, tmp_path, monkeypatch):
+    """`run jobs/ddp_toy.py --set train.steps=5 --run-dir X` runs the job `python jobs/ddp_toy.py
+    --set train.steps=5 --run-dir X` runs (not the YAML's 200 steps in runs/ddp-toy)."""
+    from elastic_harness.commands import run
+
+    started = []
+    monkeypatch.setattr(run, "launch_local", lambda spec, run_dir, *a, **k: started.append((spec, run_dir)) or 0)
+    r = cli_here("run", JOBS / "ddp_toy.py", "--set", "train.steps=5", "--run-dir", tmp_path / "X", "--lr", "3")
+    assert r.code == 0, r.err
+    ((spec, run_dir),) = started
+    assert (spec.train.steps, run_dir) == (5, (tmp_path / "X").resolve())
+    assert spec.script.args == ["--set", "train.steps=5", "--run-dir", str(tmp_path / "X"), "--lr", "3"], \
+        "the script still gets every argument, as under python"
+    r = cli_here("run", "--run-dir", tmp_path / "Y", JOBS / "ddp_toy.py", "--run-dir", tmp_path / "X")
+    assert_one_line_error(r, "two run directories", "give --run-dir once")
+    r = cli_here("run", JOBS / "ddp_toy.py", "--job", MLP)
+    assert_one_line_error(r, f"--job {MLP} after the script", f"elastic-harness run {MLP}")
+    assert len(started) == 1 and not (tmp_path / "Y").exists()
 
 
 def test_run_of_a_script_without_yaml_uses_the_defaults_and_flags(tmp_path):

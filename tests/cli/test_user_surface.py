@@ -367,10 +367,32 @@ def test_errno_names_are_what_the_export_message_says():
 
 def test_an_agents_own_fix_is_not_followed_by_a_second_one(tmp_path):
     """An exit-2 error from an agent or worker that names its fix (a HarnessError) is shown
-    with that fix alone; one without gets the generic pointer to the logs."""
+    with that fix alone; an error in the job's code gets the fix that names it (and where
+    its traceback is)."""
     from elastic_harness.commands.run import _error
 
     own = _error(2, "etcd refused the job's credentials\n  fix: check rendezvous.etcd_user", tmp_path, True)
     assert str(own).count("fix:") == 1 and "etcd_user" in str(own)
     bare = _error(2, "ValueError: bad sample", tmp_path, True)
-    assert str(bare).count("fix:") == 1 and "full traceback" in str(bare)
+    assert str(bare).count("fix:") == 1 and "fix the error in the code" in str(bare) and "traceback is in" in str(bare)
+
+
+def _every_parser(parser):
+    yield parser
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for sub in action.choices.values():
+                yield from _every_parser(sub)
+
+
+def test_no_help_shows_rest_markup_and_k8s_flavor_names_every_flavor():
+    """`k8s render --help` showed reST double backticks (its description is the module's
+    docstring), and its --flavor help said "pytorchjob or plain" without trainjob."""
+    from elastic_harness.k8s import FLAVORS
+
+    helps = {p.prog: p.format_help() for p in _every_parser(build_parser())}
+    assert len(helps) > 20
+    assert [prog for prog, text in helps.items() if "``" in text] == []
+    flavor = next(a for a in _every_parser(build_parser()) if a.prog.endswith("k8s render"))
+    (action,) = [a for a in flavor._actions if "--flavor" in a.option_strings]
+    assert all(name in action.help for name in FLAVORS), action.help

@@ -116,6 +116,15 @@ def test_an_unreachable_backend_at_start_is_explained():
     line = explain_rendezvous_error("RendezvousConnectionError", "Bad response : 404 page not found\n",
                                     opts("etcd-v2"), 60, at_start=True)
     assert "no v2 API" in line and "--enable-v2" in line and "\n" not in line
+    # ... which is the job's configuration, not an outage: exit 2, no "re-run once it is up"
+    from elastic_harness.launch.agent import etcd_without_v2, rendezvous_exit_code
+
+    assert etcd_without_v2(opts("etcd-v2"), "Bad response : 404 page not found") and \
+        not etcd_without_v2(opts("etcd-v3"), "404") and not etcd_without_v2(opts("etcd-v2"), "refused")
+    assert rendezvous_exit_code("EtcdWithoutV2") == exitcodes.PERMANENT
+    line = explain_rendezvous_error("EtcdWithoutV2", "Bad response : 404 page not found", opts("etcd-v2"), 60,
+                                    at_start=True)
+    assert "use rendezvous.backend: etcd" in line and "once it is up" not in line
     # Later, losing the c10d host is another story.
     assert "host lost" in explain_rendezvous_error("RendezvousConnectionError", "", opts("c10d"), 60)
 
@@ -341,3 +350,21 @@ def test_a_frozen_rank_is_recorded_as_a_hang_and_booked_as_hang_detection(tmp_pa
     assert "rank 1 hung (it was stopped by a signal)" in hang["message"]
     assert any("rank 1 hung" in m for m in r.summary["failures"])
     assert r.summary["goodput"]["badput"]["hang_detection"] > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_with_the_watchdog_off_is_still_named_as_hung(tmp_path):
+    """timeouts.step=0 (no step watchdog): rank 1 frozen at step 5 was reported 120 s later
+    by gloo's source path ("RuntimeError: [.../gloo/transport/tcp/unbound_buffer.cc:78] Timed
+    out waiting ..."), the survivor's words. The agent finds rank 1 stopped when its group
+    fails, and names it: "rank 1 (pid N) hung (it was stopped by a signal)"."""
+    r = cli("run", str(MLP), "--set", "timeouts.step=0", "--set", "timeouts.process_group=8",
+            "--set", "train.steps=12", "--chaos", "hang:1@5", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    said = [line for line in r.err.splitlines() if line.startswith("failure:")]
+    assert len(said) == 1 and said[0].startswith("failure: rank 1 (pid "), said
+    assert "hung (it was stopped by a signal): its peers waited on it; then rank 0 timed out waiting" in said[0]
+    assert "gloo" not in r.err
+    (account,) = [e for e in r.kinds("failure") if e.get("cause") == "exit"]
+    assert (account["rank"], account["recorded"]) == (1, False)

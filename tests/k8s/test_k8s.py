@@ -407,6 +407,34 @@ def _agent_flags(container: dict) -> dict:
                                                     "rdzv_id", "max_restarts", "rdzv_conf")}
 
 
+def _node_pods(manifests: list[dict], flavor: str) -> int:
+    """How many node pods the workload asks for."""
+    if flavor == "plain":
+        return _one(manifests, "StatefulSet", "demo-worker")["spec"]["replicas"]
+    if flavor == "trainjob":
+        return _one(manifests, "TrainJob")["spec"]["trainer"]["numNodes"]
+    return _one(manifests, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_hot_spare_is_one_more_node_pod_whose_agent_waits(flavor: str, crd_validator, tmp_path: Path) -> None:
+    """`nodes.spares: 1` rendered as 0 did (numNodes: 2, replicas 2): no spare on Kubernetes.
+    Now every flavor starts one more node pod, and every agent's node range stays
+    nodes.min:nodes.max (the operator's PET_NNODES, Trainer's numNodes, cannot widen it), so
+    the extra agent waits in the rendezvous as a spare instead of training as a node."""
+    config = pytest.importorskip("elastic_harness.launch.config")
+    plain, spare = parse_job(SMALL), parse_job(SMALL, ["nodes.spares=1"])
+    manifests = render(spare, flavor)
+    _validate_all(manifests, crd_validator)
+    assert (_node_pods(render(plain, flavor), flavor), _node_pods(manifests, flavor)) == (4, 5)
+    workload = {"pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}.get(flavor)
+    env = (_operator_env(_one(manifests, "PyTorchJob")) if flavor == "pytorchjob"
+           else trainer_env(_one(manifests, "TrainJob"), 4) if flavor == "trainjob" else {})
+    opts = config.node_options(spare, tmp_path, _agent_flags(_node_container(manifests)), env)
+    assert (opts.min_nodes, opts.max_nodes) == (2, 4), f"{workload or 'StatefulSet'}: the spare would train"
+    assert render(plain, flavor) == render(parse_job(SMALL, ["nodes.spares=0"]), flavor), "no spares: as before"
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_etcd_v2_is_refused_where_the_rendered_etcd_has_no_v2_api(flavor: str) -> None:
     with pytest.raises(RenderError, match="(?s)no v2 API.*rendezvous.backend=etcd"):

@@ -72,6 +72,7 @@ def test_rendered_pods_form_a_group_and_train(tmp_path, flavor):
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e}}
     assert env["ELASTIC_HARNESS_KEY_FILE"] == "/etc/elastic-harness/key/job.key"  # the mounted Secret
     (tmp_path / "job.key").write_text("ab" * 32)
+    (tmp_path / "job.key").chmod(0o440)  # as the rendered manifests mount the Secret
     env["ELASTIC_HARNESS_KEY_FILE"] = str(tmp_path / "job.key")
     run_dir = tmp_path / "runs" / "podtest"
     with etcd_server(tmp_path / "etcd-data") as etcd:

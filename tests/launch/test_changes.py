@@ -16,6 +16,7 @@ from elastic_harness.launch.changes import ChangeSignal
 pytestmark = pytest.mark.timeout(60)
 
 KEY = "torch.rendezvous.changes-test"
+JOB_KEY = b"k" * 32
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def server():
     opened: list[ChangeSignal] = []
 
     def signal() -> ChangeSignal:
-        s = ChangeSignal(client(store.port), KEY, lambda: client(store.port))
+        s = ChangeSignal(client(store.port), KEY, lambda: client(store.port), JOB_KEY)
         opened.append(s)
         return s
 
@@ -89,7 +90,7 @@ def test_a_store_that_goes_away_ends_the_thread_not_the_agent():
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
-    reader = ChangeSignal(client(port), KEY, lambda: client(port))
+    reader = ChangeSignal(client(port), KEY, lambda: client(port), JOB_KEY)
     seen = reader.version
     thread = reader._thread
     del store  # the store's host is gone
@@ -106,7 +107,7 @@ def test_a_process_hosting_the_store_ends_normally_with_a_signal_open(tmp_path):
         from elastic_harness.launch.changes import ChangeSignal
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        signal = ChangeSignal(connect(), {KEY!r}, connect)
+        signal = ChangeSignal(connect(), {KEY!r}, connect, {JOB_KEY!r})
         assert signal.version == 0
         print("ok")
     """)

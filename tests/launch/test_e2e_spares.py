@@ -57,6 +57,10 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size(tmp_path):
     assert {e["node"] for e in after} == {"0", "2"}
     resumed = r.kinds("resume")[-1]
     assert resumed["source"] == "peer" and resumed["world_size"] == 2, resumed
+    said = r.err.splitlines()
+    assert sum(line.startswith("spare node 2 is ready (") for line in said) == 1, r.err
+    assert sum(line.startswith("spare node 2 took") and line.endswith("place (world size 2)") for line in said) == 1
+    assert "not events" not in r.err, "the spares event is one its reader takes"
 
 
 def test_a_node_dropped_twice_while_alive_is_kept_out_and_named(tmp_path):
@@ -76,3 +80,43 @@ def test_a_node_dropped_twice_while_alive_is_kept_out_and_named(tmp_path):
     assert [g["world_size"] for g in r.kinds("rendezvous")][-1] == 1
     report = cli("report", str(tmp_path / "run"), "--no-plot")
     assert "kept out (a bad node): node 1" in report.out
+
+
+def test_worker_crashes_with_two_hot_spares_keep_the_round_at_nodes_max(tmp_path):
+    """A job of exactly two nodes with two hot spares, and three worker crashes (issue 42):
+    after each crash the spares left the redundancy list for the wait list, every waiting
+    agent was let into the next round (3 participants with ``nodes.max: 2``), no worker
+    started, and 120 s later the job ended with exit 2 and a false "rendezvous is closed".
+    Now each round holds the two members, the spares stay spares, and every crash recovers.
+    The run is stopped (SIGTERM: it drains) once the third recovery trained a step."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "elastic_harness", "run", str(MLP), "--run-dir", str(run_dir), "--nodes", "2",
+           "--set", "nodes.min=2", "--set", "nodes.max=2", "--set", "nodes.spares=2", "--nproc-per-node", "1",
+           "--set", "train.steps=100000", "--set", "train.record_samples=false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    events = lambda: read_jsonl(run_dir / "events.jsonl")  # noqa: E731
+    kinds = lambda kind: [e for e in events() if e["event"] == kind]  # noqa: E731
+    try:
+        wait_until(lambda: (in_redundancy_list(events(), "2") and in_redundancy_list(events(), "3"))
+                   or proc.poll() is not None, 240, "both spares (nodes 2 and 3) to wait in the redundancy list")
+        for target in (0, 1, 0):
+            rounds_before = len(kinds("rendezvous"))
+            assert cli("chaos", str(run_dir), f"kill-worker:{target}", timeout=30).code == 0
+            wait_until(lambda n=rounds_before: len(kinds("rendezvous")) > n or proc.poll() is not None, 90,
+                       f"the job to recover from killing rank {target}'s worker")
+        last = kinds("rendezvous")[-1]
+        wait_until(lambda: any(e["event"] == "step" and e["t"] > last["t"] for e in events())
+                   or proc.poll() is not None, 60, "a step after the third recovery")
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    r = Result(proc.returncode, out, err, run_dir)
+    assert r.code == exitcodes.PREEMPTED, r.err
+    assert len(r.kinds("fault")) == 3
+    assert [g["world_size"] for g in r.kinds("rendezvous")] == [2, 2, 2, 2], "never more than nodes.max"
+    assert {e["node"] for e in r.kinds("worker")} == {"0", "1"}, "the spares stayed spares"

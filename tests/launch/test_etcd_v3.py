@@ -173,6 +173,7 @@ def test_two_agents_form_a_round_through_torchs_handler(etcd, monkeypatch, tmp_p
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     (tmp_path / "job.key").write_text(KEY.hex())
+    (tmp_path / "job.key").chmod(0o600)  # a key every user can read is refused (``jobkey.check_private``)
     first = create_handler(params(etcd, "pair"), key=KEY)  # names etcd-v3 in torch's registry
     second = get_rendezvous_handler(params(etcd, "pair", key_file=str(tmp_path / "job.key")))
     assert first.get_backend() == second.get_backend() == "etcd-v3"

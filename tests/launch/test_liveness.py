@@ -248,16 +248,19 @@ def test_a_failed_groups_account_says_the_cause_first():
               {"t": 4.0, "event": "failure", **own},  # its rank's own line said it
               {"t": 5.0, "event": "failure", **elsewhere}]:
         progress.update(e)
+    progress.close()  # a symptom whose cause nothing named is said by the end
     lines = out.getvalue().splitlines()
     assert [line.split(";")[0] for line in lines] == [
         "failure: rank 1 (pid 501) was killed by SIGKILL", "failure: ValueError: bad sample",
         f"failure: {elsewhere['message']}"]
 
 
-def test_a_lost_node_is_one_line_and_its_survivors_symptom_another():
+def test_a_lost_node_is_one_line_and_its_survivors_symptom_only_when_nothing_named_the_cause():
     """Node 1 of 8 killed, agent and all: every survivor's agent accounts "lost its peers"
     and several may drop the node; the terminal says the node is gone once, by its node
-    number, and the survivors' symptom once per restart."""
+    number, and not the survivors' gloo error (it quoted "rank 0 lost its peers (RuntimeError:
+    [.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ...)" first). A loss whose
+    cause nobody names by the time the job recovered (or ended) keeps the symptom, once."""
     import io
 
     from elastic_harness.launch.elastic import exit_account
@@ -280,10 +283,10 @@ def test_a_lost_node_is_one_line_and_its_survivors_symptom_another():
     for e in events:
         progress.update(e)
     assert out.getvalue().splitlines() == [
-        f"failure: {survivor['message']}",
         "node 1 is gone (its agent's process is gone, and this node's workers lost their connection to a peer)",
-        "restored from memory at step 40",
-        f"failure: {survivor['message']}"]
+        "restored from memory at step 40"]
+    progress.update({"event": "resume", "message": "restored from memory at step 44"})
+    assert out.getvalue().splitlines()[-2:] == [f"failure: {survivor['message']}", "restored from memory at step 44"]
     # Nodes in pid namespaces of their own (``--separate-hosts``) may share an agent pid:
     # then torch's name for the node, not a wrong number.
     progress = Progress(40, out=(out := io.StringIO()))
@@ -291,3 +294,63 @@ def test_a_lost_node_is_one_line_and_its_survivors_symptom_another():
               {"event": "torchelastic", "pid": 9, "node": "0", "message": drop.replace("_4301_", "_7_")}]:
         progress.update(e)
     assert out.getvalue().startswith("node 127.0.0.1_7_0 is gone (")
+
+
+def test_a_spare_says_when_it_is_ready_and_whose_place_it_took():
+    """A spare took 22 s to be ready under load, and nothing on the terminal said when it
+    was, nor when it took a lost node's place."""
+    import io
+
+    from elastic_harness.progress import Progress
+
+    drop = ("Dropping node '127.0.0.1_4301_0' from round 0 of the rendezvous 'r' without waiting for its "
+            "keep-alives to expire: its agent's process is gone")
+    waiting = "The node '127.0.0.1_4399_0' added itself to the redundancy list of round 1 of 'r'."
+    events = [{"t": 10.0, "event": "workers", "pid": 4301, "node": "1", "state": "started"},
+              {"t": 10.5, "event": "spares", "nodes": ["2"], "world_size": 2},
+              {"t": 31.0, "event": "torchelastic", "pid": 4399, "node": "2", "message": waiting},
+              {"t": 32.0, "event": "torchelastic", "pid": 4399, "node": "2", "message": waiting},
+              {"t": 40.0, "event": "torchelastic", "pid": 4300, "node": "0", "message": drop},
+              {"t": 40.2, "event": "worker", "pid": 5, "node": "2", "rank": 1, "world_size": 2},
+              {"t": 40.3, "event": "worker", "pid": 6, "node": "2", "rank": 1, "world_size": 2},
+              {"t": 40.5, "event": "resume", "message": "restored from memory at step 40"}]
+    progress = Progress(40, out=(out := io.StringIO()))
+    for e in events:
+        progress.update(e)
+    assert out.getvalue().splitlines() == [
+        "spare node 2 is ready (20.5 s after it was started): it takes the place of the next node lost",
+        "node 1 is gone (its agent's process is gone)",
+        "spare node 2 took node 1's place (world size 2)",
+        "restored from memory at step 40"]
+
+
+def test_a_step_timeout_below_the_step_time_is_said_once_and_a_timeout_waits_for_its_cause():
+    """timeouts.step=0.01 printed six "hung ... after step 0" lines (one said 0s of silence
+    against a 0.01 s bound) and no word that the bound is below the measured step time."""
+    import io
+
+    from elastic_harness.launch.agent import hang_message
+    from elastic_harness.launch.elastic import exit_account
+    from elastic_harness.progress import Progress
+
+    assert "no progress for 0.01s after step 0" in hang_message("rank 0", 0, 0.0006, 0.01), "never less than the bound"
+    progress = Progress(40, out=(out := io.StringIO()), step_timeout=0.01)
+    for step in (1, 2):
+        progress.update({"t": float(step), "event": "step", "step": step, "step_s": 0.032, "loss": 1.0})
+    (warning,) = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
+    assert "timeouts.step=0.01s is below the measured step time (0.032s at step 1)" in warning
+    assert "0 turns the watchdog off" in warning
+    quiet = Progress(40, out=(fine := io.StringIO()), step_timeout=60)
+    quiet.update({"t": 1.0, "event": "step", "step": 1, "step_s": 0.032, "loss": 1.0})
+    assert "warning" not in fine.getvalue()
+
+    timeout = "RuntimeError: [/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+    account = exit_account({0: exited(0, 500, 1, timeout), 1: exited(1, 501, -9)}, stopped={1: (501, "T")})
+    assert account["message"] == ("rank 1 (pid 501) hung (it was stopped by a signal): its peers waited on it; "
+                                  "then rank 0 timed out waiting")
+    assert (account["rank"], account["recorded"], account["peer_lost"]) == (1, False, False)
+    progress = Progress(40, out=(seen := io.StringIO()))
+    progress.update({"t": 1.0, "event": "failure", "rank": 0, "message": timeout, "peer_lost": False})
+    progress.update({"t": 2.0, "event": "failure", **account})
+    progress.update({"t": 3.0, "event": "resume", "message": "restored from memory at step 5"})
+    assert seen.getvalue().splitlines() == [f"failure: {account['message']}", "restored from memory at step 5"]

@@ -9,6 +9,7 @@ everyone expected was in (``launch.rounds``), not because a timeout ran out.
 from __future__ import annotations
 
 import threading
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -152,3 +153,148 @@ def test_the_first_agent_of_an_open_round_admits_every_waiting_agent_with_itself
     assert admitted(participants={"a"}, waiting={"d", "c", "b"}, max_nodes=3) == ["b", "c"], "no more than the room"
     assert admitted(participants={"a", "b"}, waiting={"b"}, max_nodes=3) == []
     assert admitted(participants={"a", "b", "c"}, waiting={"d"}, max_nodes=3) == [], "a full round admits nobody"
+
+
+# --- never more than nodes.max (issue 42: hot spares deadlocked a crash recovery) -----------
+
+def pair_agent(endpoint: str, run_id: str):
+    """An agent of a job of exactly two nodes (``nodes.min = nodes.max = 2``), as the issue's."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    conf = dict(join_timeout=60, last_call_timeout=60, close_timeout=10, heartbeat_timeout=5,
+                keep_alive_interval=1, keep_alive_max_attempt=60, is_host=False, read_timeout=30,
+                start_last_call_timeout=15)
+    return create_handler(RendezvousParameters("c10d", endpoint, run_id, 2, 2, **conf), key=TEST_KEY)
+
+
+def write_state(handler, **fields) -> None:
+    """Write the rendezvous state through ``handler``'s holder with ``fields`` changed (its
+    own sealed write, as an agent's)."""
+    holder = handler._state_holder
+    holder.sync()
+    state = holder.state
+    for name, value in fields.items():
+        setattr(state, name, value)
+    now = datetime.now(timezone.utc)
+    for node in [*state.participants, *state.wait_list, *state.redundancy_list]:
+        state.last_heartbeats[node] = now
+    holder.mark_dirty()
+    holder.sync()
+
+
+def joining(handler) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["info"] = handler.next_rendezvous()
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def in_join(*handlers, round_: int) -> None:
+    """Wait until each handler read ``round_`` in its ``next_rendezvous``: its exit from its
+    last round is behind it (an agent admitted before that would leave the round again)."""
+    for h in handlers:
+        for _ in range(200):
+            if getattr(h._state_holder.state, "round", None) == round_:
+                break
+            threading.Event().wait(0.05)
+
+
+def read_state(handler):
+    holder = handler._state_holder
+    holder._last_sync_time = -1.0
+    with handler._heartbeat_lock:
+        holder.sync()
+    return holder.state
+
+
+def test_a_round_filled_by_admitting_the_wait_list_is_complete_with_the_members_and_spares_stay_spares(store):  # noqa: F811
+    """A worker crash with a hot spare: member a left the round and waits for the next one,
+    and the spare left the redundancy list for the wait list (the round had room for a
+    moment). Member b leaves last and opens the next round: it admits a (not the spare,
+    which sorts first), the round is complete in that same write, and the spare is back in
+    the redundancy list (left waiting, it would read to the running agents as a node waiting
+    to join, and restart their group again and again). Before, the round stayed open with
+    two participants and a's own join made it three: no rule completes that."""
+    spare = pair_agent(store, "fill")  # made first: it sorts before the members
+    a, b = pair_agent(store, "fill"), pair_agent(store, "fill")
+    me = {h._this_node: name for h, name in ((spare, "spare"), (a, "a"), (b, "b"))}
+    try:
+        write_state(a, round=3, complete=True, participants={b._this_node: 0},
+                    wait_list={a._this_node, spare._this_node}, members={a._this_node, b._this_node},
+                    deadline=None)
+        spare_join, a_join = joining(spare), joining(a)
+        in_join(a, spare, round_=3)
+        b_join = joining(b)  # b's exit opens round 4
+        for thread, _ in (a_join, b_join):
+            thread.join(20)
+        assert [j[1].get("info") and j[1]["info"].world_size for j in (a_join, b_join)] == [2, 2], (a_join, b_join)
+        state = read_state(b)
+        assert state.complete and {me[n] for n in state.participants} == {"a", "b"}
+        assert {me[n] for n in state.redundancy_list} == {"spare"} and not state.wait_list
+        assert a.num_nodes_waiting() == 0, "no one waits: the running agents do not restart for the spare"
+        assert spare_join[0].is_alive() and "error" not in spare_join[1], "the spare still waits"
+        a.shutdown()  # the job ends: the spare leaves cleanly
+        spare_join[0].join(30)
+    finally:
+        close([spare, a, b])
+
+
+def test_a_join_of_a_full_open_round_waits_as_a_spare_instead_of_overfilling_it(store):  # noqa: F811
+    """A round open with ``nodes.max`` participants (as an admission left it before) and a
+    spare still on the wait list: the spare's own join made it ``nodes.max + 1``, and no
+    agent could ever complete it. Now the spare waits in the redundancy list, and the two
+    members complete the round at its deadline."""
+    a, b, spare, writer = (pair_agent(store, "full") for _ in range(4))
+    me = {h._this_node: name for h, name in ((spare, "spare"), (a, "a"), (b, "b"))}
+    try:
+        everyone = {a._this_node, b._this_node, spare._this_node}
+        write_state(writer, round=3, complete=True, participants={writer._this_node: 0}, wait_list=everyone)
+        joins = [joining(h) for h in (a, b, spare)]
+        in_join(a, b, spare, round_=3)
+        write_state(writer, round=4, complete=False, participants={a._this_node: 0, b._this_node: 0},
+                    wait_list={spare._this_node}, members={a._this_node, b._this_node},
+                    deadline=datetime.now(timezone.utc) + timedelta(seconds=1.5))
+        for _ in range(100):  # the spare's join, while the round is still open (its deadline: 1.5 s)
+            state = read_state(writer)
+            if spare._this_node in state.redundancy_list or spare._this_node in state.participants:
+                break
+            threading.Event().wait(0.02)
+        assert not state.complete and spare._this_node in state.redundancy_list
+        assert spare._this_node not in state.wait_list, "on both lists (torch then lost its keep-alive)"
+        for thread, _ in joins[:2]:
+            thread.join(20)
+        assert [j[1].get("info") and j[1]["info"].world_size for j in joins[:2]] == [2, 2], joins
+        state = read_state(a)
+        assert {me[n] for n in state.participants} == {"a", "b"}, "the spare overfilled the round"
+        assert {me[n] for n in state.redundancy_list} == {"spare"} and not state.wait_list
+        assert joins[2][0].is_alive() and "error" not in joins[2][1], "the spare still waits"
+        a.shutdown()  # the job ends: the spare leaves cleanly
+        joins[2][0].join(30)
+    finally:
+        close([a, b, spare, writer])
+
+
+def test_the_places_of_the_last_rounds_members_are_theirs_and_a_round_never_overfills():
+    members, gone = {"a", "b"}, set()
+    assert rounds.admitted(participants={"b"}, waiting={"a", "0spare"}, max_nodes=2, members=members) == ["a"]
+    assert rounds.admitted(participants={"a"}, waiting={"0spare"}, max_nodes=2, members=members) == [], \
+        "b restarts and rejoins within moments: its place is not the spare's"
+    assert rounds.admitted(participants={"a"}, waiting={"0spare"}, max_nodes=2, members=members,
+                           gone={"b"}) == ["0spare"], "b is known gone: the spare takes its place"
+    assert rounds.admitted(participants={"a"}, waiting={"d", "c"}, max_nodes=3, members=members) == ["c"]
+    assert rounds.join_as(node="0spare", participants={"a"}, max_nodes=2, members=members, gone=gone) == \
+        "add_to_redundancy_list"
+    assert rounds.join_as(node="0spare", participants={"a"}, max_nodes=2, members=members, gone={"b"}) is None
+    assert rounds.join_as(node="b", participants={"a"}, max_nodes=2, members=members, gone=gone) is None
+    assert rounds.join_as(node="b", participants={"a", "x"}, max_nodes=2, members=members, gone=gone) == \
+        "add_to_redundancy_list", "even a member never makes a round nodes.max + 1"
+    assert rounds.join_as(node="c", participants={"a"}, max_nodes=0) is None, "no nodes.max: no limit"
+    assert rounds.stay_spares(participants={"a", "b"}, waiting={"s", "t"}, max_nodes=2) == ["s", "t"]
+    assert rounds.stay_spares(participants={"a"}, waiting={"s"}, max_nodes=2) == [], "room: it waits to join"

@@ -120,3 +120,29 @@ def test_a_bound_that_falls_is_sent_at_once():
         clock[0] += 0.005
     assert w.stall_bound() == timer.STALL_FLOOR_S
     assert client.stall[-1] <= clock[0] + timer.STALL_FLOOR_S + 0.25
+
+
+def test_a_saves_budget_is_measured_from_earlier_saves_and_renewed_by_progress():
+    """Every save used to get the process group's whole timeout (issue 42: a worker frozen
+    inside one outlived its healthy peer's collective). Now the first save of a kind gets it,
+    later ones five times the longest recent save (at least the floor), and progress inside
+    a save renews that budget, not the process group's."""
+    assert timer.save_budget_s([], cap_s=120.0) == 120.0, "the first save makes its plan: slow"
+    assert timer.save_budget_s([0.2, 0.5], cap_s=120.0) == timer.SAVE_FLOOR_S
+    assert timer.save_budget_s([4.0], cap_s=120.0) == 20.0
+    assert timer.save_budget_s([60.0], cap_s=120.0) == 120.0
+    clock = [0.0]
+    w, client = watchdog(clock)
+    w.renew_s = 120.0
+    with w.save("async"):
+        clock[0] += 0.3
+    assert client.sent[-2][1] == 0.0 + 10.0 + 1.0 + 120.0, "the first save: the whole timeout"
+    with w.save("async"):
+        sent_at_start = client.sent[-1][1]
+        clock[0] += 2.0
+        w.renew()  # bytes moved
+        renewed = client.sent[-1][1]
+    assert sent_at_start == 0.3 + 10.0 + 1.0 + timer.SAVE_FLOOR_S
+    assert renewed == 2.3 + 10.0 + 1.0 + timer.SAVE_FLOOR_S
+    w.renew()  # outside a save (a restore before the loop): the renew budget
+    assert client.sent[-1][1] == clock[0] + 10.0 + 1.0 + 120.0

@@ -1,4 +1,4 @@
-"""A job on a real Slurm (``tests/slurm.py``: munged, slurmctld and two slurmd on this
+"""A job on a real Slurm (``tests/slurm.py``: munged, slurmctld and three slurmd on this
 machine, each node in network and UTS namespaces of its own): submitted, followed, preempted
 the way Slurm signals a job before its time limit (SIGTERM to the job's steps) and requeued
 by its script, stopped gracefully, submitted again, and finished with the same model as the
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    with slurm_cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as env:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm"), nodes=3) as env:
         yield env
 
 
@@ -95,3 +95,38 @@ def test_submit_preempt_requeue_stop_resubmit_and_finish(slurm, mlp_reference, t
     finally:
         eh("stop", "--now", last, timeout=120)
 
+
+def test_a_spare_is_one_more_node_and_a_node_kept_out_does_not_requeue_the_finished_job(slurm, tmp_path):
+    """`nodes.spares: 1` asked Slurm for the nodes 0 spares ask for: no spare. Now three nodes
+    are allocated for two, and the third agent waits as a spare. Rank 1 hangs; the watchdog
+    stops it and its node is kept out (nodes.exclude_after=1: exit 200); the spare takes its
+    place at world size 2, and the job finishes. srun returns the kept-out node's 200, which
+    requeued the finished job: the batch script now sees the job's finish and exits 0."""
+    run_dir = tmp_path / "run"
+    eh = lambda *args, timeout=120: cli(*args, timeout=timeout, env=slurm)  # noqa: E731
+    r = eh("submit", str(MLP), "--scheduler", "slurm", "--run-dir", str(run_dir), "--rdzv-port", str(free_port()),
+           "--set", "nodes.min=2", "--set", "nodes.max=2", "--set", "nodes.spares=1", "--nproc-per-node", "1",
+           "--set", "nodes.exclude_after=1", "--set", "timeouts.step=5", "--set", "train.steps=40",
+           "--chaos", "hang:1@5", "--json")
+    assert r.code == 0, r.err
+    sub = json.loads(r.out)
+    show = lambda: parse_scontrol(subprocess.run(  # noqa: E731
+        ["scontrol", "show", "job", "--oneliner", sub["slurm_job"]], env={**os.environ, **slurm},
+        capture_output=True, text=True, timeout=30).stdout)
+    try:
+        script = (run_dir / "lifecycle" / f"{sub['id']}.sbatch").read_text()
+        assert "#SBATCH --nodes=2-3" in script and "--nnodes 2:2" in script
+        wait_until(lambda: show().get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", None),
+                   400, "the batch job to end")
+        assert (show()["JobState"], show()["ExitCode"], show()["Restarts"]) == ("COMPLETED", "0:0", "0"), show()
+    finally:
+        eh("stop", "--now", sub["id"], timeout=120)
+    starts = {e["node"] for e in events_of(run_dir, "start") if e.get("who") == "agent"}
+    assert starts == {"0", "1", "2"}, "an agent on each of the three nodes"
+    (out,) = events_of(run_dir, "excluded")
+    sizes = [e["world_size"] for e in events_of(run_dir, "rendezvous")]
+    assert sizes[0] == 2 and sizes[-1] == 2, "the spare took the kept-out node's place"
+    assert events_of(run_dir, "finish")[-1]["step"] == 40
+    later = {e["node"] for e in events_of(run_dir, "worker") if e["t"] > out["t"]}
+    assert out["node"] not in later and len(later) == 2
+    assert "done, not requeued" in (run_dir / "logs" / f"slurm-{sub['slurm_job']}.out").read_text()

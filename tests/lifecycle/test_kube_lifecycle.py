@@ -162,3 +162,33 @@ def test_submit_keeps_the_jobs_key_secret(tmp_path):
     KubeScheduler(tmp_path, run).submit(submission("demo-2"))
     assert not any("create" in c for c, _ in run.calls)
     assert any("apply" in c for c, _ in run.calls)
+
+
+def test_submit_takes_the_trainjob_flavor_that_k8s_render_takes(tmp_path):
+    """`submit --scheduler k8s --flavor trainjob` was refused by argparse, while `k8s render`
+    accepts it: now the TrainJob is applied, followed through its conditions, its pods'
+    `node` container and their completion-index label, and deleted to stop."""
+    from elastic_harness.cli import build_parser
+
+    args = build_parser().parse_args(["submit", "--scheduler", "k8s", "--flavor", "trainjob", "job.yaml"])
+    assert KubeScheduler.options(args)["flavor"] == "trainjob"
+    sub = Submission(SPEC, Path("/jobs/demo.yaml"), "demo-2", None,
+                     options={"flavor": "trainjob", "image": "repo/eh:1", "namespace": "ml"})
+    done = {"kind": "TrainJob", "status": {"conditions": [
+        {"type": "Complete", "status": "True", "message": "jobs succeeded", "reason": "JobsCompleted"}]}}
+    run = Recorded({"current-context": "prod\n", "get trainjob": done, "get pods": {"items": []}})
+    record = KubeScheduler(tmp_path, run).submit(sub)
+    commands = [" ".join(c[5:8]) for c, _ in run.calls if "config" not in c]
+    assert commands[:3] == ["get trainjob demo", "get pods -l", "delete trainjob demo"], "a finished one is replaced"
+    manifests = list(yaml.safe_load_all(run.calls[-1][1]))
+    assert {m["kind"] for m in manifests if m} >= {"TrainJob", "TrainingRuntime"}
+    job = KubeJob("demo", "ml", "trainjob", "prod")
+    assert record.details["k8s"]["flavor"] == "trainjob"
+    assert kubectl.logs(job, False, "1", None)[5:] == [
+        "logs", "-l", f"{job.selector},batch.kubernetes.io/job-completion-index=1", "-c", "node"]
+    assert [c[5:8] for c in kubectl.stop(job, now=False)] == [["delete", "trainjob", "demo"]]
+    pods = kubectl.pods({"items": []})
+    assert kubectl.workload_liveness("trainjob", done, pods) == kubectl.Liveness("gone", 0, "TrainJob Complete: jobs succeeded")
+    failed = {"status": {"conditions": [{"type": "Failed", "status": "True", "message": "backoff"}]}}
+    assert kubectl.workload_liveness("trainjob", failed, kubectl.Pods([], 0, [2], [])).exit_code == 2
+    assert kubectl.workload_liveness("trainjob", {}, kubectl.Pods(["p"], 0, [], [])).phase == "running"

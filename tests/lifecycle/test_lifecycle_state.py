@@ -74,6 +74,10 @@ GONE, RUNNING, QUEUED = Liveness("gone", detail="pid 5 is gone"), Liveness("runn
 
 @pytest.mark.parametrize("facts, want", [
     (dict(finished=True, live=GONE), ("succeeded", "")),
+    (dict(finished=True, exit=(0, ""), live=GONE), ("succeeded", "")),
+    # the last step finished, but the host's verdict is a failure: `run --verify` found another model
+    (dict(finished=True, exit=(1, "--verify: the final model is not r's"), live=GONE),
+     ("failed", "--verify: the final model is not r's (exit 1: see `elastic-harness logs`; submitting again resumes)")),
     (dict(exit=(0, ""), live=GONE), ("succeeded", "")),
     (dict(exit=(143, "m"), stop={"now": False}, live=GONE, drained=9), ("stopped", "on request; drained and saved at step 9")),
     (dict(exit=(130, "m"), live=GONE, drained=4), ("stopped", "interrupted (SIGINT); drained and saved at step 4")),
@@ -172,3 +176,69 @@ def test_since_takes_durations_and_times():
     for bad in ("yesterday", "10x", "25:99"):
         with pytest.raises(HarnessError, match="neither a duration nor a time"):
             parse_since(bad, now)
+
+
+def test_a_record_keeps_how_its_job_ended_once_the_run_dir_is_gone(cli_here, tmp_path, monkeypatch):
+    """A finished job whose run dir was removed said "failed: supervisor ... gone, without
+    recording an exit". Its outcome is kept in its record when it is seen ended; `list --prune`
+    forgets ended jobs (records only) and keeps the active ones."""
+    import json
+    import os
+    import shutil
+    import socket
+
+    from elastic_harness.checkpoint.lock import process_start
+
+    monkeypatch.setenv(registry.STATE_VAR, str(tmp_path / "state"))
+    root = registry.state_dir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / "events.jsonl", "w") as f:
+        for e in [ev(0, "start", who="host", run_id="done-1"), ev(1, "rendezvous", world_size=2, nodes=1),
+                  ev(2, "step", step=10, loss=0.5, world_size=2), ev(3, "finish", step=10, loss=0.5, digest="ab"),
+                  ev(4, "exit", who="host", code=0, message="")]:
+            f.write(json.dumps(e) + "\n")
+    gone = {"host": socket.gethostname(), "pid": 2**22 + 1, "pid_start": "1"}  # above pid_max: no such process
+    registry.save(JobRecord(id="done-1", name="mlp", scheduler="local", submitted=1.0, total_steps=10,
+                            run_dir=str(run_dir), details=gone), root)
+    alive = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start(os.getpid())}
+    registry.save(JobRecord(id="live-2", name="mlp", scheduler="local", submitted=2.0, total_steps=10,
+                            run_dir=str(tmp_path / "other"), details=alive), root)
+    first = json.loads(cli_here("status", "done-1", "--json").out)
+    assert (first["state"], first["step"]) == ("succeeded", 10)
+    shutil.rmtree(run_dir)
+    later = json.loads(cli_here("status", "done-1", "--json").out)
+    assert (later["state"], later["step"], later["model_digest"]) == ("succeeded", 10, "ab")
+    assert later["reason"] == f"as recorded when it ended; {run_dir} no longer holds its events"
+    pruned = cli_here("list", "--prune")
+    assert pruned.code == 0 and "forgot 1 job(s) that ended (done-1); 1 kept" in pruned.out
+    assert [r.id for r in registry.records(root)] == ["live-2"]
+    assert cli_here("list", "--older-than", "2h").code == 2, "--older-than without --prune is refused"
+
+
+def test_what_status_shows_once_the_evidence_is_gone():
+    from elastic_harness.lifecycle.state import settled, worth_recording
+
+    ended = JobStatus(id="a", name="mlp", scheduler="local", state="succeeded", run_dir="/r", step=10)
+    blank = JobStatus(id="a", name="mlp", scheduler="local", state="failed", run_dir="/r",
+                      reason="supervisor pid 5 is gone, without recording an exit")
+    assert worth_recording(ended, {}) and not worth_recording(ended, ended.to_dict())
+    assert not worth_recording(blank, {}), "no evidence: nothing worth keeping"
+    assert not worth_recording(JobStatus(id="a", name="m", scheduler="local", state="running", step=3), {})
+    assert settled(blank, {}) == blank, "nothing recorded: what the scheduler says"
+    assert settled(blank, ended.to_dict()).state == "succeeded"
+    assert settled(ended, {**ended.to_dict(), "state": "failed"}) == ended, "evidence outranks the record"
+
+
+def test_an_agents_error_names_its_fix_or_says_nothing(tmp_path):
+    """Every agent-side etcd error ended with a vacuous "fix: fix it (full traceback in ...)"."""
+    from elastic_harness.commands.run import _error
+
+    etcd = _error(exitcodes.PERMANENT, "job failed: the etcd at x refused user 'job' ...: fix either", tmp_path,
+                  from_agent=True)
+    assert etcd.hint == "" and "fix: " not in str(etcd)
+    loop = _error(exitcodes.PERMANENT, "crash loop: the workers failed the same way twice at step 3: "
+                  "ValueError: bad (at train.py:12)", tmp_path, from_agent=True)
+    assert loop.hint.startswith("fix the error in the code it names") and str(tmp_path / "logs") in loop.hint
+    own = _error(exitcodes.PERMANENT, "bad thing\n  fix: do this", tmp_path, from_agent=True)
+    assert own.hint == "" and str(own).count("fix:") == 1

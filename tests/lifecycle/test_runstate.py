@@ -166,3 +166,18 @@ def test_progress_folds_saves_into_the_line_and_prints_only_the_unusual():
     bars = [line for line in lines if line.startswith("[")]
     assert len(bars) <= 11 and bars[-1].endswith("saved 90")  # step 100 is saved after its step line
     assert lines[-1] == "checkpoints: 10 saved (async), last step 100, training blocked 0.01-1.70 s each"
+
+
+def test_only_this_invocations_agents_exits_decide_its_outcome():
+    """A submission whose lock this one took over (issue 42) shares the log while it stops:
+    its agent's exit (2, "lost the lock") is not this job's, which used to end with it."""
+    state = RunState()
+    for e in [{"t": 1.0, "event": "start", "who": "host", "run_id": "b", "pid": 10},
+              {"t": 2.0, "event": "start", "who": "agent", "run_id": "b", "pid": 11},
+              {"t": 3.0, "event": "exit", "who": "agent", "pid": 5, "code": 2, "message": "lost the lock"},
+              {"t": 4.0, "event": "exit", "who": "agent", "pid": 11, "code": 143, "message": "SIGTERM"}]:
+        state.update(e)
+    assert state.agent_exits == [(143, "SIGTERM")]
+    slurm = RunState()  # agents without a host ``run`` (Slurm, Kubernetes): every agent is the job's
+    slurm.update({"t": 1.0, "event": "exit", "who": "agent", "pid": 5, "code": 0})
+    assert slurm.agent_exits == [(0, "")]

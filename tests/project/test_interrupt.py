@@ -95,3 +95,19 @@ def test_sigint_ends_a_running_pytest_and_what_it_started(tmp_path, case):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line_and_exit_130():
+    """Ctrl-C in the first 0.3 s of `run` printed a 30-line KeyboardInterrupt traceback from
+    the imports `build_parser` makes. `entry` now says "interrupted" and exits 130 then too,
+    and the CLI module imports argparse only inside `entry`'s reach."""
+    code = ("import importlib, sys\n"
+            "from elastic_harness import cli\n"
+            "assert 'argparse' not in sys.modules, 'imported before entry() can catch a Ctrl-C'\n"
+            "def interrupted(name, *args):\n"
+            "    raise KeyboardInterrupt\n"
+            "importlib.import_module = interrupted\n"
+            "sys.argv = ['elastic-harness', 'run', 'jobs/mlp.yaml']\n"
+            "cli.entry()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert (r.returncode, r.stderr, r.stdout) == (130, "interrupted\n", "")

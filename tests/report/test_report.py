@@ -114,6 +114,28 @@ def test_every_failure_recovered_from_has_a_row_injected_or_not():
     assert "#0 not injected: rank 1 (pid 11) was killed by SIGKILL" in text
 
 
+def test_a_node_added_is_a_fault_injected_but_no_failure():
+    """A node killed, then a node added to keep a spare (issue 42's soak): ``report`` counted
+    the ``add-node`` as a failure too. Both stay rows of the table; one is a failure."""
+    from elastic_harness.commands.report import failure_count
+
+    events = [ev(0.0, "start", 99, who="host"), ev(1.0, "resume", 10, fresh=True, step=0, world_size=2)]
+    events += steps(10, 1, 10, 1.0, 0.1)
+    events += [ev(2.05, "fault", 11, kind="kill-node", target=1, step=10, rank=1),
+               account(2.1, 5, 0, "rank 0 (pid 10) lost its peers", peer_lost=True, recorded=True, step=10),
+               ev(3.0, "resume", 20, step=10, world_size=2, source="peer")]
+    events += steps(20, 11, 20, 3.0, 0.1)
+    events += [ev(4.05, "fault", 99, kind="add-node", target=None),
+               ev(4.5, "drain", 20, step=20, world_size=2, saved="memory"),
+               account(4.6, 5, 0, "rank 0 (pid 20) exited with 143", exit_code=143, recorded=True, step=20),
+               ev(5.0, "resume", 30, step=20, world_size=2, source="memory")]
+    events += steps(30, 21, 30, 5.0, 0.1)
+    tl = build(events + [ev(7.0, "finish", 30, step=30), ev(7.5, "exit", 99, who="host", code=0)])
+    assert [f.kind for f in tl.faults] == ["kill-node", "add-node"]
+    assert failure_count(tl.faults) == ("1 failure(s): 1 injected, 0 not; 1 recovered, 0 step(s) lost; "
+                                        "and 1 other fault(s) injected (add-node)")
+
+
 def test_goodput_arithmetic_adds_up_to_wall_time():
     g = build(killed_worker_run()).goodput
     expected = {
@@ -410,3 +432,4 @@ def test_a_worker_killed_from_outside_is_a_row_of_the_report(tmp_path):
     assert row["steps_lost"] == row["step"] - row["resumed_from"]
     assert row["t"] <= row["detected"] < row["loaded"] < row["first_step"]
     assert data["failures"].startswith("1 failure(s): 0 injected, 1 not; 1 recovered")
+

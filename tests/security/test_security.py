@@ -11,6 +11,7 @@ import base64
 import logging
 import os
 import pickle
+import shutil
 import stat
 import threading
 
@@ -18,6 +19,7 @@ import pytest
 
 from elastic_harness import jobkey
 from elastic_harness.listen import is_loopback, listener
+from tests.cli.test_bad_args import assert_one_line_error
 from tests.launch.test_rendezvous import join_all
 
 pytestmark = pytest.mark.timeout(90)
@@ -599,3 +601,32 @@ def test_a_legacy_run_is_never_read_silently(cli_here, tmp_path):
     assert r.code == 0 and stat.S_IMODE(os.stat(run_dir / "job.key").st_mode) == 0o600
     r = cli_here("verify", run_dir, run_dir)
     assert r.code == 0, r.err
+
+
+def test_trust_will_not_resign_a_runs_own_checkpoint_nor_call_a_damaged_one_fine(cli_here, tmp_path):
+    """`ckpt trust RUN --key OTHER --yes` showed the run's own signed checkpoint as "unsigned"
+    and re-signed it, after which the run refused it ("the key was replaced"); on a signed
+    step with a damaged shard, trust said "nothing to do" (rc 0) while `ckpt verify` said
+    CORRUPT."""
+    run_dir = tmp_path / "run"
+    storage, listing = _signed_run(run_dir)
+    manifest = (run_dir / "checkpoints" / "step-0000005" / "manifest.json").read_bytes()
+    r = cli_here("ckpt", "trust", run_dir, "--step", 5, "--key", tmp_path / "other.key", "--yes")
+    assert_one_line_error(r, "is signed with its own run's key", "copy the step directory")
+    assert (run_dir / "checkpoints" / "step-0000005" / "manifest.json").read_bytes() == manifest, "not re-signed"
+    assert not (tmp_path / "other.key").exists(), "no key made for nothing"
+    ok = cli_here("ckpt", "trust", run_dir, "--step", 5, "--yes")
+    assert ok.code == 0 and "already signed with" in ok.out and "verifies in full" in ok.out
+    shard = next(p for p in (run_dir / "checkpoints" / "step-0000005").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    damaged = cli_here("ckpt", "trust", run_dir, "--step", 5, "--yes")
+    assert damaged.code == 1 and "but CORRUPT" in damaged.out and "nothing to do" not in damaged.out
+    assert cli_here("ckpt", "verify", run_dir).code == 1, "the same verdict as verify"
+    other = tmp_path / "other"  # the fix named: a copy in the run of that key, trusted there
+    shutil.copytree(run_dir / "checkpoints" / "step-0000005", other / "checkpoints" / "step-0000005")
+    (other / "checkpoints" / "step-0000005" / shard.name).write_bytes(shard.read_bytes()[:-1] + bytes([data[-1] ^ 0xFF]))
+    copied = cli_here("ckpt", "trust", other, "--step", 5, "--key", other / "job.key", "--yes")
+    assert copied.code == 0 and "(signed, but not with" in copied.out, copied.out
+    assert cli_here("ckpt", "verify", other).code == 0

@@ -213,3 +213,64 @@ def test_prepare_resolves_every_schema_type_a_job_reads(monkeypatch):
     monkeypatch.setattr(typing, "get_type_hints", resolve_again)
     for job in sorted(JOBS.glob("*.yaml")):
         assert load_job(job).name, job
+
+
+def test_a_job_file_that_is_not_utf8_is_one_line_and_utf16_with_a_mark_is_read(tmp_path):
+    """Latin-1 (`name: café`) and UTF-16 from a Windows shell raised UnicodeDecodeError from
+    the loader. UTF-16 (or UTF-8) with a byte-order mark is read, as YAML allows; anything
+    else that is not UTF-8 is one line naming the byte, where it is, and the fix."""
+    from elastic_harness.errors import SpecError
+    from elastic_harness.spec import load_job
+
+    text = "name: café\ntask: {target: 'elastic_harness.tasks.mlp:MLPRegression'}\n"
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(text.encode("latin-1"))
+    with pytest.raises(SpecError) as e:
+        load_job(latin1)
+    assert "is not UTF-8 text (byte 0xe9 on line 1, column 10)" in e.value.message and "UTF-8" in e.value.hint
+    for encoding in ("utf-16", "utf-8-sig"):  # a byte-order mark says which
+        marked = tmp_path / f"{encoding}.yaml"
+        marked.write_bytes(text.encode(encoding))
+        assert load_job(marked).name == "café"
+    broken = tmp_path / "broken.yaml"
+    broken.write_bytes(b"\xff\xfe" + b"\x00\xd8")  # a UTF-16 mark, then a lone surrogate
+    with pytest.raises(SpecError, match="is not UTF-8 text"):
+        load_job(broken)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("timeouts.process_group=1e20", "timeouts.process_group: must be at most 604800 (7 days), got 1e+20"),
+    ("rendezvous.join_timeout=1e20", "rendezvous.join_timeout: must be at most 604800 (7 days)"),
+    ("rendezvous.isolation_timeout=1e9", "rendezvous.isolation_timeout: must be at most 604800"),
+    ("timeouts.step=.inf", "timeouts.step: must be a finite number, got inf"),
+    ("timeouts.step=.nan", "timeouts.step: must be a finite number, got nan"),
+    ("rendezvous.keep_alive_max_attempt=100000", "rendezvous.keep_alive_max_attempt: must be at most 1000"),
+    ("checkpoint.every_seconds=1e12", "checkpoint.every_seconds: must be at most 604800"),
+])
+def test_timeouts_have_upper_bounds_that_name_the_field(override, words):
+    """timeouts.process_group=1e20 crash-looped on OverflowError without naming the field;
+    rendezvous.join_timeout=1e20 printed only "agents exited with {0: 1}"."""
+    with pytest.raises(SpecError) as e:
+        load_job(JOBS / "mlp.yaml", [override])
+    assert words in e.value.message and e.value.hint.startswith(("set ", "write "))
+    assert load_job(JOBS / "mlp.yaml", ["timeouts.process_group=604800", "timeouts.step=0"]).timeouts.step == 0
+
+
+@pytest.mark.parametrize("endpoint, words", [
+    ("http://127.0.0.1:2379", "'http://127.0.0.1:2379' has a scheme (http://)"),
+    ("127.0.0.1:abc", "port 'abc' is not a number from 1 to 65535"),
+    ("127.0.0.1:70000", "port '70000' is not a number"),
+    ("h1:2379,:2379", "':2379': '' is not a host name or address"),
+    ("127.0.0.1", "'127.0.0.1' has no port"),
+])
+def test_rendezvous_endpoints_are_checked_in_the_spec(endpoint, words):
+    """`rendezvous.endpoint: http://127.0.0.1:2379` read as a DNS failure (exit 200) and
+    `127.0.0.1:abc` printed only "agents exited with {0: 2}": each is one line before anything
+    starts."""
+    with pytest.raises(SpecError) as e:
+        parse_job("task: {target: 'a.b:C'}\n", ["rendezvous.backend=etcd", f"rendezvous.endpoint={endpoint}"])
+    assert e.value.path == "rendezvous.endpoint" and words in e.value.message
+    assert "HOST:PORT" in e.value.hint or "etcd_protocol" in e.value.hint
+    ok = parse_job("task: {target: 'a.b:C'}\n", ["rendezvous.endpoint=h1:2379,h2:2379"])
+    assert ok.rendezvous.endpoint == "h1:2379,h2:2379"
+    assert parse_job("task: {target: 'a.b:C'}\nrendezvous: {endpoint: '[::1]:2379'}\n").rendezvous.endpoint == "[::1]:2379"
