@@ -76,6 +76,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from elastic_harness.errors import LockLost
 from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.env import JOIN_SIGNAL
+from elastic_harness.launch.keeper import Keeper
 from elastic_harness.launch.policy import (
     agent_health,
     budget_refill,
@@ -84,7 +85,7 @@ from elastic_harness.launch.policy import (
     restarts_left,
 )
 from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
-from elastic_harness.launch.zygote import Zygote, ZygoteLost
+from elastic_harness.launch.zygote import Zygote
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
 log = logging.getLogger(__name__)
@@ -109,13 +110,9 @@ class HarnessAgent(AgentBase):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # In place (``recovery: in_place``, warm starts only): a fault stops only what it broke
-        # (``launch.warm.Keep``); ``park_bound_s``: how long a survivor may take to leave its
+        # (``launch.keeper``); ``park_bound_s``: how long a survivor may take to leave its
         # step before it is stopped and forked anew instead.
-        self._keep = Keep() if in_place and zygote is not None else None
-        self._park_bound_s = park_bound_s
-        self._leave_reason: str | None = None  # a peer's failure this group must leave for (in place)
-        self._verdict: str | None = None  # the watchdog's verdict this group must leave for (in place)
-        self._restart_follows = False  # the last failed pass leaves restarts: torch restarts the group
+        self._keeper = Keeper(zygote, park_bound_s) if in_place and zygote is not None else None
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
@@ -162,8 +159,8 @@ class HarnessAgent(AgentBase):
             fd = self._zygote.fileno()
             if fd is not None:
                 fds.append(fd)
-        if self._keep is not None:
-            fds.extend(self._keep.lines.fileno_map())
+        if self._keeper is not None:
+            fds.extend(self._keeper.fds())
         ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
         if self._wake_r not in ready:
             return False
@@ -187,13 +184,12 @@ class HarnessAgent(AgentBase):
         if self._zygote is None:
             pids = super().start_workers(worker_group)
         else:
-            with _processes_from(self._zygote, self._phase, self._keep):
+            with _processes_from(self._zygote, self._phase, self._keeper.keep if self._keeper else None):
                 pids = super().start_workers(worker_group)
-            if self._keep is not None:
-                self._keep.discard(self._zygote)  # kept workers no local rank took (none expected)
+            if self._keeper is not None:
+                self._keeper.started()
         self.formed = True
         self._broken = False
-        self._leave_reason = self._verdict = None
         if self.pcontext is not None:
             bound_failure_close(self.pcontext, failed_stop_grace(self.shutdown_grace))
         adopted = getattr(self.pcontext, "adopted", {})
@@ -227,8 +223,9 @@ class HarnessAgent(AgentBase):
             # torch stops a healthy group only for a membership change (a node waits to
             # join): the workers drain for a join, which may keep their state in memory.
             self._drain_for_join(self.shutdown_grace)
-        elif self._keep is not None and self._restart_follows:
-            self._keep_survivors()
+        elif self._keeper is not None and self._keeper.restart_follows:
+            if not self._keeper.keep_survivors(self.pcontext):
+                self._phase("unparked")
             super().shutdown(timeout=self.shutdown_grace)  # the kept workers are no longer in it
             return
         self.shutdown(timeout=self.shutdown_grace)
@@ -236,25 +233,8 @@ class HarnessAgent(AgentBase):
     def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float | None = None) -> None:
         """Stop the workers for good (the agent ends): kept ones too."""
         super().shutdown(death_sig, timeout)
-        if self._keep is not None and self._zygote is not None:
-            self._keep.discard(self._zygote)
-
-    def _keep_survivors(self) -> None:
-        """In place, a failed group: its live workers that park (leave their step and say so)
-        within ``park_bound_s`` are kept for the next group (released from this context);
-        the others stay in it and are stopped with it, and forked anew."""
-        pcontext, keep = self.pcontext, self._keep
-        if not isinstance(pcontext, WarmContext) or keep is None:
-            return
-        live = pcontext.live()
-        parked, wanted = await_parked(keep.lines, live, self._zygote, self._park_bound_s)
-        keep.kept = {lr: pid for lr, pid in live.items() if pid in parked}
-        pcontext.release(keep.kept)
-        if parked != wanted:  # stuck somewhere it cannot leave: no drain is possible, it is ended now
-            self._phase("unparked")
-            for pid in wanted - parked:
-                with contextlib.suppress(ZygoteLost):
-                    self._zygote.signal(pid, signal.SIGKILL)
+        if self._keeper is not None:
+            self._keeper.discard()
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
@@ -292,24 +272,38 @@ class HarnessAgent(AgentBase):
         self._wait_between_passes(worker_group)
         self._last_monitor = time.monotonic()
         self._tick()
-        self._hear_workers(worker_group)
-        if worker_group.state == WorkerState.HEALTHY and not self._broken and (self._round_broken() or self._verdict):
-            self._leave_reason = self._leave_reason or self._verdict
+        healthy = worker_group.state == WorkerState.HEALTHY
+        heard = self._keeper is not None and self._keeper.hear(worker_group.spec.rdzv_handler, healthy)
+        if healthy and not self._broken and (heard or self._round_broken() or self._must_leave()):
             self._stop_broken_group(worker_group)
         if worker_group.state == WorkerState.HEALTHY and not self.lost_lock:
             self._stop_if_lock_lost()
         before = self.remaining_restarts
-        result = super().monitor_workers(worker_group)
-        if self._keep is not None and self._broken and result.state == WorkerState.HEALTHY and self._in_place():
-            result = RunResult(state=WorkerState.FAILED)  # in place: the group restarts, its workers stay
+        result = self._in_place_result(super().monitor_workers(worker_group))
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
-        # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
-        disabled_by_torch = before > 0 and self.remaining_restarts == 0
+        self._account(worker_group, result, disabled_by_torch=before > 0 and self.remaining_restarts == 0)
+        return result
+
+    def _must_leave(self) -> bool:
+        return self._keeper is not None and self._keeper.verdict is not None
+
+    def _in_place_result(self, result: RunResult) -> RunResult:
+        """In place, a group whose peer failed restarts with its workers alive: torch sees it
+        failed (and restarts it), though none of its workers ended."""
+        if (self._keeper is not None and self._broken and result.state == WorkerState.HEALTHY
+                and self._keeper.applies(self.pcontext, self.remaining_restarts, self.stop_reason is not None)):
+            return RunResult(state=WorkerState.FAILED)
+        return result
+
+    def _account(self, worker_group: Any, result: RunResult, *, disabled_by_torch: bool) -> None:
+        """A failed group's account: its failure said, its peers told, the crash-loop judge
+        asked, the restart budget settled, this node's strikes counted. ``disabled_by_torch``:
+        torch's own "no more restarts" (a worker stuck in D-state): respected, never refilled."""
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed and (result.failures or self._keep is None):  # in place, a peer's failure is said where it failed
+        if failed and (result.failures or self._keeper is None):  # in place, a peer's failure is said where it failed
             self._on_failure({**exit_account(result.failures, self._stopped_workers()),
                               "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
@@ -329,8 +323,8 @@ class HarnessAgent(AgentBase):
             if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
-        self._restart_follows = failed and self.remaining_restarts > 0
-        return result
+        if self._keeper is not None:
+            self._keeper.restart_follows = failed and self.remaining_restarts > 0
 
     def _stop_if_lock_lost(self) -> None:
         """Another live job holds the run directory now (the lock's heartbeat found it): kill
@@ -356,46 +350,18 @@ class HarnessAgent(AgentBase):
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
-        if self._in_place():
-            self.pcontext.leave(self._leave_reason or "a peer's group failed")
+        if self._keeper is not None and self._keeper.applies(self.pcontext, self.remaining_restarts,
+                                                             self.stop_reason is not None):
+            self._keeper.leave(self.pcontext)
             return
         self._kill_workers()
 
-    def _in_place(self) -> bool:
-        """Is the next restart of this group in place (survivors kept)? Only when one follows:
-        with no restart left the group is stopped as before, and its exits say why."""
-        return (self._keep is not None and isinstance(self.pcontext, WarmContext)
-                and self.remaining_restarts > 0 and self.stop_reason is None)
-
     def leave_on_verdict(self, pid: int, reason: str) -> bool:
-        """The step watchdog's verdict on a stalled worker (a peer is gone, ``launch.stall``;
-        its thread): in place, every worker of the group leaves its step and the group
-        re-forms without the peer; False (kill it, as before) when this worker cannot."""
-        keep = self._keep
-        if keep is None or pid not in keep.lines.live:
-            return False
-        self._verdict = reason
-        self.nudge()
-        return True
-
-    def _hear_workers(self, worker_group: Any) -> None:
-        """In place: what the workers said on their lines. A ``broken`` (a collective of theirs
-        failed: a peer is lost or left) breaks the round for every peer, as a worker's exit with
-        that error would (``group_failed``, ``peer_lost``), and the group restarts in place."""
-        if self._keep is None:
-            return
-        for _pid, msg in self._keep.lines.hear():
-            if msg.get("op") != "broken" or self._broken or worker_group.state != WorkerState.HEALTHY:
-                continue
-            reason = str(msg.get("reason", ""))
-            log.info("worker %s: a collective failed (%s); the group re-forms in place", _pid, reason[:300])
-            handler = worker_group.spec.rdzv_handler
-            if liveness.peer_lost(reason) and hasattr(handler, "peer_lost"):
-                handler.peer_lost()
-            if hasattr(handler, "group_failed"):
-                handler.group_failed()
-            self._leave_reason = f"a collective failed: {reason[:200]}"
-            self._stop_broken_group(worker_group)
+        """The step watchdog's verdict on a stalled worker (``launch.keeper``; its thread)."""
+        left = self._keeper is not None and self._keeper.leave_on_verdict(pid, reason)
+        if left:
+            self.nudge()
+        return left
 
     def _settle_budget(self, result: RunResult) -> None:
         """One failure seen: refill torch's counter for the restarts left, or empty it."""
@@ -528,28 +494,6 @@ def first_failure(result: RunResult) -> str:
         return "the worker group failed"
     rank, failure = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
     return f"rank {rank} exit {failure.exitcode}"
-
-
-def await_parked(lines: Any, live: dict[int, int], zygote: Zygote | None, bound_s: float
-                 ) -> tuple[set[int], set[int]]:
-    """The pids among ``live`` that said ``parked`` on their line within ``bound_s`` (or had
-    said it already), and those waited for. Only workers still running that said they are ``live`` (a script that
-    does not use the harness's groups never does) are waited for; one that exits meanwhile,
-    or whose line closes, is not."""
-    deadline = time.monotonic() + bound_s
-    parked: set[int] = set()
-    while True:
-        lines.hear()
-        exits = zygote.poll(0.0) if zygote is not None else {}
-        wanted = {pid for pid in live.values() if pid in lines.live and pid not in exits}
-        parked = {pid for pid in wanted if any(m.get("op") == "parked" for m in lines.heard.get(pid, []))}
-        left = deadline - time.monotonic()
-        if parked == wanted or left <= 0:
-            return parked, wanted
-        fds = list(lines.fileno_map())
-        if zygote is not None and zygote.fileno() is not None:
-            fds.append(zygote.fileno())
-        select.select(fds, [], [], min(left, 0.05))
 
 
 @contextlib.contextmanager
