@@ -255,7 +255,9 @@ def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: C
     timer_server.judge = StallJudge(launch.spec.rdzv_handler)
     timer_server.on_verdict = verdict_reporter(events, node, rank_of, last_step)
     timer_server.on_stall = stall
-    timer_server.leave = launch.agent.leave_on_verdict
+    keeper = launch.agent.keeper
+    if keeper is not None:  # in place: a verdict makes the group leave its step, no worker is killed
+        timer_server.leave = lambda pid, reason: keeper.leave_on_verdict(pid, reason) and (launch.agent.nudge() or True)
 
 
 def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],

@@ -112,7 +112,7 @@ class HarnessAgent(AgentBase):
         # In place (``recovery: in_place``, warm starts only): a fault stops only what it broke
         # (``launch.keeper``); ``park_bound_s``: how long a survivor may take to leave its
         # step before it is stopped and forked anew instead.
-        self._keeper = Keeper(zygote, park_bound_s) if in_place and zygote is not None else None
+        self.keeper = Keeper(zygote, park_bound_s) if in_place and zygote is not None else None
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
@@ -159,8 +159,8 @@ class HarnessAgent(AgentBase):
             fd = self._zygote.fileno()
             if fd is not None:
                 fds.append(fd)
-        if self._keeper is not None:
-            fds.extend(self._keeper.fds())
+        if self.keeper is not None:
+            fds.extend(self.keeper.fds())
         ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
         if self._wake_r not in ready:
             return False
@@ -184,10 +184,10 @@ class HarnessAgent(AgentBase):
         if self._zygote is None:
             pids = super().start_workers(worker_group)
         else:
-            with _processes_from(self._zygote, self._phase, self._keeper.keep if self._keeper else None):
+            with _processes_from(self._zygote, self._phase, self.keeper.keep if self.keeper else None):
                 pids = super().start_workers(worker_group)
-            if self._keeper is not None:
-                self._keeper.started()
+            if self.keeper is not None:
+                self.keeper.started()
         self.formed = True
         self._broken = False
         if self.pcontext is not None:
@@ -223,8 +223,8 @@ class HarnessAgent(AgentBase):
             # torch stops a healthy group only for a membership change (a node waits to
             # join): the workers drain for a join, which may keep their state in memory.
             self._drain_for_join(self.shutdown_grace)
-        elif self._keeper is not None and self._keeper.restart_follows:
-            if not self._keeper.keep_survivors(self.pcontext):
+        elif self.keeper is not None and self.keeper.restart_follows:
+            if not self.keeper.keep_survivors(self.pcontext):
                 self._phase("unparked")
             super().shutdown(timeout=self.shutdown_grace)  # the kept workers are no longer in it
             return
@@ -233,8 +233,8 @@ class HarnessAgent(AgentBase):
     def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float | None = None) -> None:
         """Stop the workers for good (the agent ends): kept ones too."""
         super().shutdown(death_sig, timeout)
-        if self._keeper is not None:
-            self._keeper.discard()
+        if self.keeper is not None:
+            self.keeper.discard()
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
@@ -273,27 +273,19 @@ class HarnessAgent(AgentBase):
         self._last_monitor = time.monotonic()
         self._tick()
         healthy = worker_group.state == WorkerState.HEALTHY
-        heard = self._keeper is not None and self._keeper.hear(worker_group.spec.rdzv_handler, healthy)
-        if healthy and not self._broken and (heard or self._round_broken() or self._must_leave()):
+        heard = self.keeper is not None and self.keeper.hear(worker_group.spec.rdzv_handler, healthy)
+        told = self.keeper is not None and self.keeper.verdict is not None  # the watchdog's verdict
+        if healthy and not self._broken and (heard or told or self._round_broken()):
             self._stop_broken_group(worker_group)
         if worker_group.state == WorkerState.HEALTHY and not self.lost_lock:
             self._stop_if_lock_lost()
         before = self.remaining_restarts
-        result = self._in_place_result(super().monitor_workers(worker_group))
+        result = super().monitor_workers(worker_group)
+        if self.keeper is not None and self._broken:  # in place: a group whose peer failed restarts, workers alive
+            result = self.keeper.restarting(result, self.pcontext, self.remaining_restarts, self.stop_reason is not None)
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
         self._account(worker_group, result, disabled_by_torch=before > 0 and self.remaining_restarts == 0)
-        return result
-
-    def _must_leave(self) -> bool:
-        return self._keeper is not None and self._keeper.verdict is not None
-
-    def _in_place_result(self, result: RunResult) -> RunResult:
-        """In place, a group whose peer failed restarts with its workers alive: torch sees it
-        failed (and restarts it), though none of its workers ended."""
-        if (self._keeper is not None and self._broken and result.state == WorkerState.HEALTHY
-                and self._keeper.applies(self.pcontext, self.remaining_restarts, self.stop_reason is not None)):
-            return RunResult(state=WorkerState.FAILED)
         return result
 
     def _account(self, worker_group: Any, result: RunResult, *, disabled_by_torch: bool) -> None:
@@ -303,7 +295,7 @@ class HarnessAgent(AgentBase):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed and (result.failures or self._keeper is None):  # in place, a peer's failure is said where it failed
+        if failed and (result.failures or self.keeper is None):  # in place, a peer's failure is said where it failed
             self._on_failure({**exit_account(result.failures, self._stopped_workers()),
                               "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
@@ -323,8 +315,8 @@ class HarnessAgent(AgentBase):
             if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
-        if self._keeper is not None:
-            self._keeper.restart_follows = failed and self.remaining_restarts > 0
+        if self.keeper is not None:
+            self.keeper.restart_follows = failed and self.remaining_restarts > 0
 
     def _stop_if_lock_lost(self) -> None:
         """Another live job holds the run directory now (the lock's heartbeat found it): kill
@@ -350,18 +342,11 @@ class HarnessAgent(AgentBase):
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
-        if self._keeper is not None and self._keeper.applies(self.pcontext, self.remaining_restarts,
+        if self.keeper is not None and self.keeper.applies(self.pcontext, self.remaining_restarts,
                                                              self.stop_reason is not None):
-            self._keeper.leave(self.pcontext)
+            self.keeper.leave(self.pcontext)
             return
         self._kill_workers()
-
-    def leave_on_verdict(self, pid: int, reason: str) -> bool:
-        """The step watchdog's verdict on a stalled worker (``launch.keeper``; its thread)."""
-        left = self._keeper is not None and self._keeper.leave_on_verdict(pid, reason)
-        if left:
-            self.nudge()
-        return left
 
     def _settle_budget(self, result: RunResult) -> None:
         """One failure seen: refill torch's counter for the restarts left, or empty it."""

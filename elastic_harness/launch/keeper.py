@@ -48,6 +48,15 @@ class Keeper:
         follows: with no restart left the group is stopped as before, and its exits say why."""
         return isinstance(pcontext, WarmContext) and remaining_restarts > 0 and not stopped
 
+    def restarting(self, result: Any, pcontext: Any, remaining_restarts: int, stopped: bool) -> Any:
+        """A group whose peer failed restarts in place with its workers alive: torch must see
+        it failed (and restart it), though none of its workers ended."""
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+        if result.state == WorkerState.HEALTHY and self.applies(pcontext, remaining_restarts, stopped):
+            return RunResult(state=WorkerState.FAILED)
+        return result
+
     def leave(self, pcontext: Any) -> None:
         pcontext.leave(self.leave_reason or self.verdict or "a peer's group failed")
 
