@@ -254,6 +254,15 @@ CONTRACT: dict[str, EventKind] = {
         "new": "pids of the workers started for this generation",
         "world_size": _WORLD,
     }),
+    "finished": EventKind("rank 0 (runtime.repoint)", "a step finished in place without the ranks a fault took "
+                          "(runtime.inflight)", {
+        "step": "the step",
+        "lost_dp_ranks": "the data-parallel ranks (of the generation the step began in) whose shares the "
+                         "survivors computed",
+        "extra_samples": "the samples of those shares this rank computed (rank 0's part)",
+        "world_size": _WORLD,
+        "message": "one line",
+    }),
     "reformed": EventKind("each worker that kept its process (runtime.inplace)", "its re-formation's phases", {
         "rank": "its rank in the new generation",
         "mode": "'repoint' or 'rerun'",

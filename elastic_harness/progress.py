@@ -71,6 +71,8 @@ class Progress:
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
         elif kind == "recovery":
             self._line(recovered_line(e))
+        elif kind == "finished":
+            self._line(e.get("message") or f"step {e.get('step')} finished in place")
         elif kind == "workers" and e.get("state") == "unparked":
             self._line(f"node {e.get('node')}: a worker did not leave its step in time; it is started anew")
         elif kind == "step":

@@ -118,6 +118,9 @@ class Signals:
     # Why the generation cannot go on (a collective failed or was left: in-place recovery,
     # ``runtime.inplace``), or None; a step that sees it counts nothing and is thrown away.
     broken: Callable[[], str | None] = lambda: None
+    # The run's way to finish the step in flight in place (``runtime.repoint``): given the
+    # step, its extra micro-batches and their end, or None (the step is thrown away).
+    in_flight: Callable[[Any], Any] = lambda step: None
 
     def stop(self) -> bool:
         return (self.stop_requested or self.drain_requested)()
@@ -199,10 +202,19 @@ class StepHook:
         if self.keeping.on_failure and self.memory is not None and self.signals.broken() is not None:
             self.memory.keep_armed()
 
+    def finish_in_flight(self, step: Step) -> Any:
+        """After this rank's micro-batches (``Step.batches``): when the generation broke under
+        the step, what finishes it in place (``runtime.inflight``), or None."""
+        if self.signals.broken() is None:
+            return None
+        return self.signals.in_flight(step)
+
     def after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
         """The step hook's work (``Step.done``): counters, metrics, save, drain, faults. A
         step whose generation broke (in place) counts nothing: it is thrown away."""
         train = self.trained.train
+        if step.thrown:  # re-formed already, the step to be redone
+            return
         self._time_step()
         if self.trained.buffers is not None:
             self.trained.buffers.sync()

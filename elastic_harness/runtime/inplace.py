@@ -47,7 +47,7 @@ from elastic_harness.launch.env import WORKER_VARS, WorkerEnv
 from elastic_harness.runtime import generations
 from elastic_harness.runtime.control import Control
 
-REPOINT, RERUN = "repoint", "rerun"
+REPOINT, RERUN, FINISH = "repoint", "rerun", "finish"
 # Tests force each way the in-place path can fail, once per process (docs/in-place.md):
 # "KIND:RANK" with KIND one of ``FORCED`` and RANK the rank that fails (in the generation that broke).
 FAULT_VAR = "ELASTIC_HARNESS_INPLACE_FAULT"
@@ -71,6 +71,10 @@ class Handshake:
     id: str  # the generation's id: rank 0's 48 random bits, 12 hex digits
     pids: tuple[int, ...]  # every rank's process id, by rank
     new: tuple[bool, ...]  # by rank: a process that started for this generation (not a survivor)
+    # by rank: a survivor's data-parallel rank and degree in the generation it left (-1, 0: new)
+    old_dp: tuple[tuple[int, int], ...] = ()
+    # by rank: the step a survivor would finish in place (``runtime.inflight``), -1: none
+    finishing: tuple[int, ...] = ()
 
     @property
     def newcomers(self) -> int:
@@ -80,16 +84,24 @@ class Handshake:
     def kept(self) -> tuple[int, ...]:
         return tuple(pid for pid, new in zip(self.pids, self.new, strict=True) if not new)
 
+    def finishes(self, step: int) -> bool:
+        """Is every rank a survivor that would finish ``step`` in place, from one generation?"""
+        return (step >= 0 and bool(self.finishing) and all(f == step for f in self.finishing)
+                and len({w for _, w in self.old_dp}) == 1)
 
-def shake(group: Any, rank: int, world_size: int, *, new: bool) -> Handshake:
-    """Collective over ``group`` (every rank): the generation's ``Handshake``."""
+
+def shake(group: Any, rank: int, world_size: int, *, new: bool, old_dp: tuple[int, int] = (-1, 0),
+          finishing: int = -1) -> Handshake:
+    """Collective over ``group`` (every rank): the generation's ``Handshake``, in one all-gather."""
     import secrets
 
-    mine = torch.tensor([os.getpid(), int(new), secrets.randbits(48) if rank == 0 else 0], dtype=torch.int64)
-    out = [torch.zeros(3, dtype=torch.int64) for _ in range(world_size)]
+    mine = torch.tensor([os.getpid(), int(new), secrets.randbits(48) if rank == 0 else 0, *old_dp, finishing],
+                        dtype=torch.int64)
+    out = [torch.zeros(6, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(out, mine, group=group)
     rows = [t.tolist() for t in out]
-    return Handshake(f"{rows[0][2]:012x}", tuple(r[0] for r in rows), tuple(bool(r[1]) for r in rows))
+    return Handshake(f"{rows[0][2]:012x}", tuple(r[0] for r in rows), tuple(bool(r[1]) for r in rows),
+                     tuple((r[3], r[4]) for r in rows), tuple(r[5] for r in rows))
 
 
 def how(handshake: Handshake, parallelism: Any) -> str:
@@ -154,7 +166,8 @@ class Recovery:
 
     def park(self, step: int, kept: int | None) -> dict[str, str]:
         """Tell the agent this rank left its step and rolls back to ``step`` (``kept``: the
-        step it kept in memory on the way, if any); wait for the next place (its variables)."""
+        step it kept in memory on the way, if any), or finishes the next in place; wait for
+        the next place (its variables)."""
         t0 = time.monotonic()
         self.underway = True
         self.phases = {"leave": round(t0 - (self._since or t0), 4)}
@@ -170,9 +183,12 @@ class Recovery:
                          .get(order.get("op", ""), "unexpected order"))
         return worker_vars(order["env"])
 
-    def reform(self, variables: dict[str, str], spec: Any) -> tuple[WorkerEnv, Handshake]:
+    def reform(self, variables: dict[str, str], spec: Any, old_dp: tuple[int, int] = (-1, 0),
+               finishing: int = -1) -> tuple[WorkerEnv, Handshake]:
         """Take the new place: the environment, the store, the groups over every rank, the
-        handshake (collective, with the generation's new workers); its ``reformed`` event."""
+        handshake (collective, with the generation's new workers: ``old_dp``, this rank's
+        data-parallel rank and degree in the generation it left, and ``finishing``, the step it
+        would finish in place or -1); its ``reformed`` event."""
         from pathlib import Path
 
         from elastic_harness import runfiles
@@ -190,15 +206,17 @@ class Recovery:
             self.gens.reform(store, env.rank, env.world_size, generations.tag_of(env.master_port))
             if self._force("die"):
                 os._exit(REFORM_FAILED_EXIT)  # a second fault in the middle of the re-formation
-            self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False)
+            self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False, old_dp=old_dp,
+                                finishing=finishing)
         finally:
             self._reforming = False
         self.survivor, self.underway = True, False
         self.phases["reform"] = round(time.monotonic() - t0, 4)
         self._since = 0.0
         if env.run_dir:
-            EventLog(Path(env.run_dir) / runfiles.EVENTS).emit(
-                "reformed", rank=env.rank, mode=how(self.agreed, spec.parallelism), phases_s=dict(self.phases))
+            mode = FINISH if self.agreed.finishes(finishing) else how(self.agreed, spec.parallelism)
+            EventLog(Path(env.run_dir) / runfiles.EVENTS).emit("reformed", rank=env.rank, mode=mode,
+                                                               phases_s=dict(self.phases))
         return env, self.agreed
 
     @contextlib.contextmanager

@@ -76,6 +76,7 @@ class Loop:
         self.yielded: Step | None = None  # the step it yielded last
         self.done = False  # the job's last step was done in this process
         self.left_at: int | None = None  # the step after which the script left a loop (a break)
+        self.loader: Any = None  # the open loop's loader (a step finished in place reads from it)
         self._broken: Callable[[], bool] = lambda: False
         self._recover: Callable[[], None] | None = None
 
@@ -135,7 +136,7 @@ class Loop:
     def _run(self, bind: Callable[[], Any], hook_of: Callable[[], StepHook],
              samples_of: Callable[[], Samples | None]) -> Iterator[Step]:
         spec, train = self.spec, self.train
-        loader = bind()
+        loader = self.loader = bind()
         hook = hook_of()
         samples = samples_of()
         self.cadence.start(train.step)
@@ -145,8 +146,7 @@ class Loop:
                     hook.close()
                     loader.close()
                     self._recover()  # parked, re-formed here (or a Rerun unwinds the function)
-                    loader, hook, samples = bind(), hook_of(), samples_of()
-                    self.cadence.start(train.step)
+                    loader, hook, samples = self._rebound(bind, hook_of(), samples_of)
                     continue
                 self.watchdog.arm()
                 step = self._next_step(hook, loader, samples)
@@ -157,6 +157,10 @@ class Loop:
                                      "call step.done() at the end of every iteration")
                 if step.drained:
                     raise SystemExit(DRAIN_EXIT)
+                if step.reformed or (step.thrown and not self._broken()):  # re-formed under the step
+                    hook.close()
+                    loader.close()
+                    loader, hook, samples = self._rebound(bind, step.hook if step.reformed else hook_of(), samples_of)
             self.watchdog.disarm()
             hook.finish()
             self.done = True
@@ -167,6 +171,14 @@ class Loop:
             self.watchdog.disarm()
             hook.close()
             loader.close()
+
+    def _rebound(self, bind: Callable[[], Any], hook: StepHook, samples_of: Callable[[], Samples | None]
+                 ) -> tuple[Any, StepHook, Samples | None]:
+        """The loop's parts in a generation re-formed in place: the data bound at its split
+        (after a restore, unless the step was finished in place), its hook, its sample log."""
+        loader = self.loader = bind()
+        self.cadence.start(self.train.step)
+        return loader, hook, samples_of()
 
     def _next_step(self, hook: StepHook, loader: Any, samples: Samples | None) -> Step:
         """The next step: its share of the data, its seed, and (``train.record_samples``) its

@@ -147,7 +147,9 @@ def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology,
     check_data(train, spec.train.seed, len(source), 0, 0)
     order = EpochOrder(spec.train.seed, len(source))
     plan_of = planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
-    return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+    loader = StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+    loader.order = order  # the step in flight's extra samples are read from it (``runtime.inflight``)
+    return loader
 
 
 def _refuse_unresolved_epochs(spec: JobSpec, n: int) -> None:

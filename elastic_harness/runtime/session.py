@@ -295,6 +295,8 @@ class Run:
         buffers = BufferSync.of(model, self.topology.dp_degree)
         state = build_state(model, optimizer, self._train, scheduler=scheduler, scaler=scaler, extra=extra)
         self._trained = Trained(state, self._train, model, optimizer, scaler, buffers, replicas)
+        if self._in_place is not None:  # the step in flight may be finished in place (``runtime.inflight``)
+            self._in_place.registered(model)
 
     def resume(self, before_saying: Callable[[], None] | None = None) -> int:
         """Restore the newest snapshot every rank holds in memory, else load the newest
@@ -336,7 +338,7 @@ class Run:
         return self._loop.start(
             lambda: self._bound_loader(source_of(dataset), collate_fn),
             lambda: build.step_hook(self.spec, self.env, self.run_dir, self.gen, self.parts, self._trained,
-                                    self.drain),
+                                    self.drain, in_flight=self._in_place.finish if self._in_place else None),
             lambda: Samples.of(self.spec, self.run_dir, self.gen.id, self.topology))
 
     def _bound_loader(self, source: Any, collate_fn: Callable | None) -> StepLoader | StreamLoader:

@@ -45,6 +45,8 @@ class Owner(Protocol):
 
     def after_backward(self) -> None: ...
 
+    def finish_in_flight(self, step: Step) -> Any: ...
+
     def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
 
@@ -70,6 +72,7 @@ class Step:
         self.finished = False
         self.drained = False
         self.thrown = False  # its generation broke: nothing of it was counted (``runtime.inplace``)
+        self.reformed = False  # finished in place, in a generation re-formed under it (``runtime.inflight``)
         self.shared: Any = None  # the step's vote all-reduce, once launched (``StepHook.start_vote``)
 
     @property
@@ -99,10 +102,27 @@ class Step:
                 if model is not None:
                     set_grad_sync(model, i == last)
                 yield batch
+            yield from self._finish_in_flight(model)
         finally:
             if model is not None:
                 set_grad_sync(model, True)
         self.hook.start_vote(self)
+
+    def _finish_in_flight(self, model: nn.Module | None) -> Iterator[Any]:
+        """The generation broke under this step and the survivors finish it in place
+        (``runtime.inflight``): this rank's part of the lost share, as more micro-batches
+        (gradients kept local), then the reduction at the new membership. The loss keeps the
+        step's own scale; the step then counts in the new generation (``hook`` is its)."""
+        finish = self.hook.finish_in_flight(self)
+        if finish is None:
+            return
+        for chunk, batch in zip(finish.plan, finish.batches, strict=True):
+            self._current = len(chunk)
+            if model is not None:
+                set_grad_sync(model, False)
+            yield batch
+        self.hook = finish.done(self)
+        self.reformed = True
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to differentiate: the micro-batch's share of the global-batch mean.
