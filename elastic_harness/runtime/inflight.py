@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_harness.data.sampler import EpochOrder, micro_batches, rank_share, split
+from elastic_harness.runtime.faults import fire_armed
 
 
 class Kept:
@@ -46,6 +47,7 @@ class Kept:
         refuses an annotation it cannot compare (this module's are strings)."""
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
             self.grads[param] = grad.detach().clone()
+        fire_armed("reduction")  # a chaos fault keyed to this reduction, if armed (runtime.faults)
         group = group_of()
         buffer = bucket.buffer()
         buffer.div_(group.size())

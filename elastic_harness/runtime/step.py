@@ -50,6 +50,15 @@ class Owner(Protocol):
     def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
 
 
+def _fire_during_backward(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor hook on the last micro-batch's loss: fires a chaos fault armed for this step's
+    backward (``runtime.faults``), once the backward pass has begun."""
+    from elastic_harness.runtime.faults import fire_armed
+
+    fire_armed("backward")
+    return grad
+
+
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     """Let the next backward all-reduce gradients (or only accumulate them locally)."""
     model = unwrap_compiled(model)  # torch.compile's wrapper
@@ -98,7 +107,7 @@ class Step:
         last = len(self._batches) - 1
         try:
             for i, batch in enumerate(self._batches):
-                self._current = len(self.plan[i])
+                self._current, self._current_index = len(self.plan[i]), i
                 if model is not None:
                     set_grad_sync(model, i == last)
                 yield batch
@@ -148,9 +157,14 @@ class Step:
         """``scale(loss).backward()``, through the GradScaler under fp16."""
         scaled = self.scale(loss)
         scaler = self.hook.scaler
+        if self._current_is_last():
+            scaled.register_hook(_fire_during_backward)  # a chaos fault keyed to this backward, if armed
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         self.backwards += 1
         self.hook.after_backward()
+
+    def _current_is_last(self) -> bool:
+        return getattr(self, "_current_index", -1) == len(self._batches) - 1
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``, or the GradScaler's step and update under fp16."""
