@@ -86,14 +86,16 @@ class Keeper:
         self.verdict = reason
         return True
 
-    def keep_survivors(self, pcontext: Any) -> bool:
-        """A failed group about to restart: its live workers that park within the bound are
-        kept for the next group (released from ``pcontext``); the others are killed now and
-        forked anew. Whether every worker waited for parked."""
+    def keep_survivors(self, pcontext: Any, bound_s: float | None = None) -> bool:
+        """A group about to restart (it failed, or a node joins): its live workers that park
+        within the bound (``park_bound_s``, or ``bound_s``) are kept for the next group
+        (released from ``pcontext``); the others are killed now and forked anew. Whether every
+        worker waited for parked."""
         if not isinstance(pcontext, WarmContext):
             return True
         live = pcontext.live()
-        parked, wanted = await_parked(self.keep.lines, live, self.zygote, self.park_bound_s)
+        parked, wanted = await_parked(self.keep.lines, live, self.zygote,
+                                      self.park_bound_s if bound_s is None else bound_s)
         self.keep.kept = {lr: pid for lr, pid in live.items() if pid in parked}
         pcontext.release(self.keep.kept)
         for pid in wanted - parked:  # stuck somewhere it cannot leave: no drain is possible

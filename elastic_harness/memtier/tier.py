@@ -208,6 +208,17 @@ class MemoryTier:
     def disarm(self) -> None:
         self._armed = None
 
+    def go_on(self, layout: peer.Layout | None, *, portable: bool = True) -> None:
+        """A generation whose state needs no restore (its step was finished in place by the
+        same processes): snapshots from now on are marked as after ``restore`` (its rules).
+        Only a replicated layout finishes a step in place, so no buddy link is set up."""
+        self.rules = peer.restore_rules(layout, self.world_size, portable)
+
+    @property
+    def newest(self) -> int | None:
+        """The step of the newest snapshot this rank published (None: none yet)."""
+        return self._newest
+
     def keep_armed(self) -> int | None:
         """On a failing rank's way down: publish the armed step's snapshot, if every tensor
         still holds that step's bytes (``snapshot.intact``); that step (also when it was

@@ -79,11 +79,14 @@ class Loop:
         self.loader: Any = None  # the open loop's loader (a step finished in place reads from it)
         self._broken: Callable[[], bool] = lambda: False
         self._recover: Callable[[], None] | None = None
+        self._joinable: Callable[[], bool] = lambda: False
 
-    def in_place(self, broken: Callable[[], bool], recover: Callable[[], None]) -> None:
+    def in_place(self, broken: Callable[[], bool], recover: Callable[[], None],
+                 joinable: Callable[[], bool] = lambda: False) -> None:
         """A fault may be recovered in place: ``broken()`` says the generation broke,
-        ``recover()`` parks and re-forms (or raises ``Rerun``)."""
-        self._broken, self._recover = broken, recover
+        ``recover()`` parks and re-forms (or raises ``Rerun``); ``joinable()``: a drain the
+        agent asked for a joining node is waited out parked, in place, not by exiting."""
+        self._broken, self._recover, self._joinable = broken, recover, joinable
 
     def rebind(self, watchdog: ProgressWatchdog, cadence: Cadence, rank: int) -> None:
         """The parts of the generation a recovery in place made."""
@@ -155,6 +158,12 @@ class Loop:
                 if not step.finished:
                     raise UsageError(f"the loop body of step {step.number} did not call step.done()",
                                      "call step.done() at the end of every iteration")
+                if step.drained and self._recover is not None and self._joinable():
+                    hook.close()
+                    loader.close()
+                    self._recover()  # a node joins: parked at this step's end, re-formed with it
+                    loader, hook, samples = self._rebound(bind, hook_of(), samples_of)
+                    continue
                 if step.drained:
                     raise SystemExit(DRAIN_EXIT)
                 if step.reformed or (step.thrown and not self._broken()):  # re-formed under the step

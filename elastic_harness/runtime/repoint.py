@@ -35,6 +35,7 @@ from elastic_harness.runtime import build, inflight, inplace
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.hook import ReplicaCheck, Trained
 from elastic_harness.runtime.loop import Samples
+from elastic_harness.runtime.resume import go_on
 from elastic_harness.runtime.step import Step
 from elastic_harness.runtime.topology import Topology
 from elastic_harness.torchcompat.groups import repoint_ddp
@@ -76,20 +77,32 @@ class RunInPlace:
         take the next place; then re-point the run at it, or unwind the training function to
         run it again (``Rerun``)."""
         run = self.run
-        recovery, memory = run.recovery, run.parts.memory
-        kept = memory.keep_armed() if memory is not None and run._kept is None else run._kept
+        recovery = run.recovery
+        kept = self._kept(joining=recovery.broken() is None)
         run.parts.watchdog.disarm()  # parked: no step is due
         env, hand = recovery.reform(recovery.park(run.step, kept), run.spec)
         if inplace.how(hand, run.spec.parallelism) == inplace.RERUN:
             raise inplace.Rerun()
         self.repoint(env, hand)
 
+    def _kept(self, joining: bool) -> int | None:
+        """The step this rank holds in memory for the next generation: a broken generation's
+        is the step the tier was armed with (published now); a drain for a joining node (nothing
+        broke) took its snapshot at the drained step, which must not be rolled back from."""
+        run, memory = self.run, self.run.parts.memory
+        if memory is None:
+            return run._kept
+        if joining:
+            memory.disarm()
+            return run.step if memory.newest == run.step else None
+        return memory.keep_armed() if run._kept is None else run._kept
+
     def finish(self, step: Any) -> Finishing | None:
         """The generation broke under ``step`` (after this rank's micro-batches): park and
         re-form, then finish the step in place, or throw it away to be redone (None)."""
         run = self.run
-        recovery, memory = run.recovery, run.parts.memory
-        kept = memory.keep_armed() if memory is not None and run._kept is None else run._kept
+        recovery = run.recovery
+        kept = self._kept(joining=False)
         run.parts.watchdog.disarm()
         loader = run._loop.loader
         why = self.cannot_finish or ("" if getattr(loader, "order", None) is not None
@@ -168,4 +181,6 @@ class RunInPlace:
             run._trained = Trained(trained.state, trained.train, trained.model, trained.optimizer, trained.scaler,
                                    BufferSync.of(trained.model, topology.dp_degree), replicas)
         run._resumed, run._kept = not restore, None
+        if not restore and trained is not None:
+            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory, ckpt=run.parts.ckpt)
         run._loop.rebind(run.parts.watchdog, run.parts.cadence, run.rank)

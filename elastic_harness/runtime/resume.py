@@ -53,6 +53,16 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topolog
     return ckpt.restore(state)
 
 
+def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology, memory: MemoryTier | None,
+          ckpt: CheckpointManager) -> None:
+    """Every rank of a generation whose state is already the job's (a step finished in place
+    by the same processes): what ``restore`` would set up besides filling the state (the
+    checkpoint fence; the memory tier's rules for the snapshots it takes from now on)."""
+    ckpt.join()
+    if memory is not None:
+        memory.go_on(topology, portable=portable(topology, model, state))
+
+
 def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state: dict[str, Any], *,
                        topology: Topology) -> bool:
     """Can a generation that drains only because a node joins leave its state in memory

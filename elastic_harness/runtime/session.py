@@ -239,7 +239,8 @@ class Run:
         self._loop = Loop(spec, self._train, self.parts.watchdog, self.parts.cadence, self.rank)
         self._in_place = RunInPlace(self) if recovery is not None else None  # runtime.repoint
         if self._in_place is not None:
-            self._loop.in_place(lambda: recovery.broken() is not None, self._in_place.recover)
+            self._loop.in_place(lambda: recovery.broken() is not None, self._in_place.recover,
+                                joinable=lambda: self.drain.requested and not self.drain.stop)
         self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does. ``close`` at the interpreter's exit.
