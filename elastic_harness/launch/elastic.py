@@ -219,10 +219,11 @@ class HarnessAgent(AgentBase):
         return {ranks[lr]: hung for lr, hung in found.items() if lr in ranks}
 
     def stop_workers(self, worker_group: Any) -> None:
-        if worker_group.state == WorkerState.HEALTHY and self._joins_in_place():
+        joins_in_place = self.keeper is not None and self.keeper.applies(self.pcontext, 1, self.stop_reason is not None)
+        if worker_group.state == WorkerState.HEALTHY and joins_in_place:
             # In place: the join signal makes the workers park at their next step's end (after
             # its drain snapshot) instead of exiting; the parked ones go on into the next group.
-            self._signal_workers(JOIN_SIGNAL)
+            signal_workers(self.pcontext, JOIN_SIGNAL)
             if not self.keeper.keep_survivors(self.pcontext, bound_s=self.shutdown_grace):
                 self._phase("unparked")
             super().shutdown(timeout=self.shutdown_grace)
@@ -254,22 +255,13 @@ class HarnessAgent(AgentBase):
         pcontext = self.pcontext
         if pcontext is None:
             return
-        self._signal_workers(JOIN_SIGNAL)
+        signal_workers(pcontext, JOIN_SIGNAL)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not workers_exited(pcontext):
             if self._round_broken():  # a peer's group failed meanwhile: nothing left to drain for
                 self._kill_workers()
                 return
             time.sleep(self.monitor_interval)
-
-    def _joins_in_place(self) -> bool:
-        return self.keeper is not None and self.keeper.applies(self.pcontext, 1, self.stop_reason is not None)
-
-    def _signal_workers(self, sig: signal.Signals) -> None:
-        pcontext = self.pcontext
-        for pid in (pcontext.pids().values() if pcontext is not None else ()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
 
     def _round_broken(self) -> bool:
         check = getattr(self.worker_group.spec.rdzv_handler, "round_broken", None)
@@ -590,3 +582,10 @@ class Launch:
         finally:
             if closes_rendezvous(error, excluded=agent.excluded is not None):
                 spec.rdzv_handler.shutdown()
+
+
+def signal_workers(pcontext: Any, sig: signal.Signals) -> None:
+    """Send ``sig`` to every worker of ``pcontext`` still running (None: none)."""
+    for pid in (pcontext.pids().values() if pcontext is not None else ()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -51,7 +51,7 @@ REPOINT, RERUN, FINISH = "repoint", "rerun", "finish"
 # Tests force each way the in-place path can fail, once per process (docs/in-place.md):
 # "KIND:RANK" with KIND one of ``FORCED`` and RANK the rank that fails (in the generation that broke).
 FAULT_VAR = "ELASTIC_HARNESS_INPLACE_FAULT"
-FORCED = ("silent", "reform", "restore", "die")
+FORCED = ("silent", "reform", "restore", "die", "finish")
 REFORM_FAILED_EXIT = 75  # a second fault came while this worker re-formed: it starts anew
 
 class Rerun(BaseException):
@@ -171,7 +171,7 @@ class Recovery:
         t0 = time.monotonic()
         self.underway = True
         self.phases = {"leave": round(t0 - (self._since or t0), 4)}
-        if self._force("silent"):  # never says it parked: the agent's bound ends it
+        if self.force("silent"):  # never says it parked: the agent's bound ends it
             while True:
                 time.sleep(3600)
         self.control.tell("parked", step=step, kept=kept)
@@ -198,13 +198,13 @@ class Recovery:
         t0 = time.monotonic()
         os.environ.update(variables)
         env = WorkerEnv.from_environ()
-        if self._force("reform"):
+        if self.force("reform"):
             raise RuntimeError("re-forming failed (forced by ELASTIC_HARNESS_INPLACE_FAULT)")
         self._reforming = True
         try:
             store = hdist.generation_store(env, spec.timeouts.process_group)
             self.gens.reform(store, env.rank, env.world_size, generations.tag_of(env.master_port))
-            if self._force("die"):
+            if self.force("die"):
                 os._exit(REFORM_FAILED_EXIT)  # a second fault in the middle of the re-formation
             self.agreed = shake(hdist.current().ckpt, env.rank, env.world_size, new=False, old_dp=old_dp,
                                 finishing=finishing)
@@ -231,10 +231,10 @@ class Recovery:
 
     def restoring(self) -> None:
         """A survivor's restore begins (``Run.resume``): where a test forces it to throw."""
-        if self.survivor and self._force("restore"):
+        if self.survivor and self.force("restore"):
             raise RuntimeError("restoring in place failed (forced by ELASTIC_HARNESS_INPLACE_FAULT)")
 
-    def _force(self, kind: str) -> bool:
+    def force(self, kind: str) -> bool:
         """Does the test's forced failure (``FAULT_VAR``) fire here, now (once)?"""
         if self.forced != kind:
             return False

@@ -155,21 +155,13 @@ class Loop:
                 step = self._next_step(hook, loader, samples)
                 self.yielded = step
                 yield step
-                if not step.finished:
-                    raise UsageError(f"the loop body of step {step.number} did not call step.done()",
-                                     "call step.done() at the end of every iteration")
-                if step.drained and self._recover is not None and self._joinable():
+                todo = self._after(step)
+                if todo:
                     hook.close()
                     loader.close()
-                    self._recover()  # a node joins: parked at this step's end, re-formed with it
-                    loader, hook, samples = self._rebound(bind, hook_of(), samples_of)
-                    continue
-                if step.drained:
-                    raise SystemExit(DRAIN_EXIT)
-                if step.reformed or (step.thrown and not self._broken()):  # re-formed under the step
-                    hook.close()
-                    loader.close()
-                    loader, hook, samples = self._rebound(bind, step.hook if step.reformed else hook_of(), samples_of)
+                    if todo == "recover":
+                        self._recover()  # a node joins: parked at this step's end, re-formed with it
+                    loader, hook, samples = self._rebound(bind, step.hook if todo == "own" else hook_of(), samples_of)
             self.watchdog.disarm()
             hook.finish()
             self.done = True
@@ -180,6 +172,22 @@ class Loop:
             self.watchdog.disarm()
             hook.close()
             loader.close()
+
+    def _after(self, step: Step) -> str:
+        """What the loop does after ``step``: "" go on; "recover" (a drain for a node that
+        joins, in place: park at this step's end and re-form with it); "own" (re-formed under
+        the step, which finished in place: go on with its new hook); "new" (re-formed under
+        the step, thrown away: a new hook). A drain otherwise ends the worker."""
+        if not step.finished:
+            raise UsageError(f"the loop body of step {step.number} did not call step.done()",
+                             "call step.done() at the end of every iteration")
+        if step.drained:
+            if self._recover is not None and self._joinable():
+                return "recover"
+            raise SystemExit(DRAIN_EXIT)
+        if step.reformed:
+            return "own"
+        return "new" if step.thrown and not self._broken() else ""
 
     def _rebound(self, bind: Callable[[], Any], hook: StepHook, samples_of: Callable[[], Samples | None]
                  ) -> tuple[Any, StepHook, Samples | None]:

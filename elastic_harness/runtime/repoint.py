@@ -23,6 +23,7 @@ redone after a restore, said once.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ class RunInPlace:
         env, hand = recovery.reform(recovery.park(run.step, kept), run.spec, old_dp=old,
                                     finishing=-1 if why else step.number)
         if inplace.how(hand, run.spec.parallelism) == inplace.RERUN:
+            if why:
+                self._say(f"step {step.number} is redone after a restore: {why}")
             raise inplace.Rerun()
         plan = None if why or not hand.finishes(step.number) else self._extra(loader, hand, old[1], env)
         why = why or ("" if plan is not None else "not every survivor holds the step's local gradients, "
@@ -136,7 +139,15 @@ class RunInPlace:
         the step's own data-parallel degree), record the step's samples in this generation,
         say it; the new generation's step hook."""
         run = self.run
+        if run.recovery.force("finish"):
+            os._exit(inplace.REFORM_FAILED_EXIT)  # a second fault while the step is being finished
         inflight.reduce(run._trained.model, dist.group.WORLD, old[1])
+        hook = build.step_hook(run.spec, run.env, run.run_dir, run.gen, run.parts, run._trained, run.drain,
+                               in_flight=self.finish)
+        if run.recovery.broken() is not None:  # the reduction failed: the update is not the step's
+            self._say(f"step {step.number} is redone after a restore: a fault came while it was being finished")
+            step.thrown = True
+            return hook
         loader = run._loop.loader
         samples = Samples.of(run.spec, run.run_dir, run.gen.id, run.topology)
         if samples is not None:
@@ -148,8 +159,7 @@ class RunInPlace:
                             extra_samples=sum(len(c) for c in plan),
                             message=f"step {step.number} finished without data-parallel rank(s) {lost}: the "
                                     f"{run.world_size} survivor(s) computed their shares as extra micro-batches")
-        return build.step_hook(run.spec, run.env, run.run_dir, run.gen, run.parts, run._trained, run.drain,
-                               in_flight=self.finish)
+        return hook
 
     def _say(self, line: str) -> None:
         """One warning per reason (rank 0 narrates)."""

@@ -29,7 +29,7 @@ from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
-from elastic_harness.memtier.peer import portable
+from elastic_harness.memtier.peer import portable, restore_rules
 from elastic_harness.memtier.restore import Restored, restored_message
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
@@ -59,8 +59,8 @@ def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology,
     by the same processes): what ``restore`` would set up besides filling the state (the
     checkpoint fence; the memory tier's rules for the snapshots it takes from now on)."""
     ckpt.join()
-    if memory is not None:
-        memory.go_on(topology, portable=portable(topology, model, state))
+    if memory is not None:  # only a replicated layout finishes a step in place: no buddy link
+        memory.rules = restore_rules(topology, memory.world_size, portable(topology, model, state))
 
 
 def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state: dict[str, Any], *,
