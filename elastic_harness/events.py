@@ -237,9 +237,37 @@ CONTRACT: dict[str, EventKind] = {
         "node": "node name",
         "state": "'failed' (an exit seen; warm starts only), 'stopped' (the group is down; cold "
                  "starts: also the first sign of a failure), 'broken' (a peer wrote the round broken: its "
-                 "group failed, so this one's workers are stopped at once) or 'started'",
+                 "group failed, so this one's workers are stopped at once, or in place leave their step), "
+                 "'unparked' (in place: a worker did not leave its step in time and is started anew) "
+                 "or 'started'",
         "restart": "the agent's restart count",
         "warm": "workers are forked from the agent's zygote",
+        "kept": "in place, 'started': pids of this node's workers that kept their process",
+        "forked": "in place, 'started': pids of this node's workers started anew",
+    }),
+    "recovery": EventKind("rank 0 (runtime.build)", "a generation some workers entered with the process they "
+                          "had (in-place recovery, runtime.inplace)", {
+        "generation": "the new generation's id",
+        "mode": "'repoint' (every member kept its process and its objects) or 'rerun' (the kept processes "
+                "ran the training function again beside new workers)",
+        "kept": "pids that kept their process, by rank order",
+        "new": "pids of the workers started for this generation",
+        "world_size": _WORLD,
+    }),
+    "finished": EventKind("rank 0 (runtime.repoint)", "a step finished in place without the ranks a fault took "
+                          "(runtime.inflight)", {
+        "step": "the step",
+        "lost_dp_ranks": "the data-parallel ranks (of the generation the step began in) whose shares the "
+                         "survivors computed",
+        "extra_samples": "the samples of those shares this rank computed (rank 0's part)",
+        "world_size": _WORLD,
+        "message": "one line",
+    }),
+    "reformed": EventKind("each worker that kept its process (runtime.inplace)", "its re-formation's phases", {
+        "rank": "its rank in the new generation",
+        "mode": "'repoint' or 'rerun'",
+        "phases_s": "seconds: leave (the fault until this rank parked), park (waiting for its place), "
+                    "reform (groups and handshake)",
     }),
     "torchelastic": EventKind("an agent (launch.bridge)", "torchelastic's own agent/rendezvous event", {
         "node": "node name",

@@ -69,6 +69,12 @@ class Progress:
             self._say_symptom()
             self._symptom_said, self._gone = False, []
             self._line(e.get("message") or "starting fresh (no checkpoint found)")
+        elif kind == "recovery":
+            self._line(recovered_line(e))
+        elif kind == "finished":
+            self._line(e.get("message") or f"step {e.get('step')} finished in place")
+        elif kind == "workers" and e.get("state") == "unparked":
+            self._line(f"node {e.get('node')}: a worker did not leave its step in time; it is started anew")
         elif kind == "step":
             self._settle(e["step"])
             self._slow_step(e)
@@ -192,6 +198,14 @@ class Progress:
             self.out.write("\n")
         if self._saves:
             self._line(_tally(self._saves))
+
+
+def recovered_line(e: dict) -> str:
+    """Pure: the host's line for a ``recovery`` event (a generation entered in place)."""
+    kept, new = len(e.get("kept") or []), len(e.get("new") or [])
+    how = ("re-pointed at the new membership, nobody new" if e.get("mode") == "repoint"
+           else f"ran the training function again beside {new} new worker(s)")
+    return f"recovered in place: {kept} of {kept + new} workers kept their process ({how})"
 
 
 def _cause_first(e: dict) -> bool:

@@ -38,6 +38,15 @@ run fsdp_kill jobs/quickstart.yaml "${FS[@]}" --chaos kill-worker:0@30
 cp -a "$W/ddp_ref" "$W/to_cpu" && rm -f "$W/to_cpu/summary.json"
 run to_cpu jobs/quickstart.yaml --nproc-per-node 2 --set device=cpu --set train.steps=70 \
   --set checkpoint.every_steps=50
+# 3b. In place on NCCL (docs/in-place.md): two ranks need two GPUs (NCCL refuses two ranks on
+# one device). The survivor keeps its pid (the recovery event) and the result is bit-identical.
+if [[ $DEVICE == cuda ]] && (( $(python3 -c 'import torch; print(torch.cuda.device_count())') >= 2 )); then
+  run inplace_ref jobs/mlp.yaml --nproc-per-node 2 --set device=cuda
+  run inplace_kill jobs/mlp.yaml --nproc-per-node 2 --set device=cuda --chaos kill-worker:1@20
+  grep -h '"event": "recovery"' "$W/inplace_kill/events.jsonl" || echo "no recovery event: not in place"
+else
+  echo "in place on NCCL: skipped (needs 2 GPUs)"
+fi
 # 4. The memory tier's copy of a ~1 GB state: device-to-host GB/s, restore bit-identical.
 if [[ $DEVICE == cuda ]]; then
   timeout 150 python3 docs/devcheck/gpu_check.py --mb 1024 > "$OUT/d2h.json" 2> "$OUT/d2h.log" || echo "gpu_check rc=$?"

@@ -120,14 +120,16 @@ def fault_text(f: FaultSpec) -> str:
     """``f`` in the form ``--chaos`` takes (``parse_fault`` reads it back)."""
     target = "" if KINDS[f.kind].target == "none" else f":{f.target}"
     when = f"@{f.at_step}" if f.at_step else f"@{f.at_seconds:g}s"
-    return f"{f.kind}{target}{when}"
+    return f"{f.kind}{target}{when}{'+' + f.during if f.during else ''}"
 
 
-# KIND[:TARGET][@STEP | @SECONDSs]; every part is checked, nothing is guessed.
-_FAULT = re.compile(r"(?P<kind>[^:@]*)(?::(?P<target>[^@]*))?(?:@(?P<when>.*))?", re.DOTALL)
+# KIND[:TARGET][@STEP[+PHASE] | @SECONDSs]; every part is checked, nothing is guessed.
+_FAULT = re.compile(r"(?P<kind>[^:@]*)(?::(?P<target>[^@]*))?(?:@(?P<when>[^+]*)(?:\+(?P<during>.*))?)?",
+                    re.DOTALL)
 _NUMBER = re.compile(r"[0-9]+")
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?s")
-FORM = "KIND[:TARGET][@STEP|@SECONDSs], e.g. kill-worker:1@20 or kill-node:1@30s"
+FORM = ("KIND[:TARGET][@STEP[+backward|+reduction]|@SECONDSs], e.g. kill-worker:1@20, kill-node:1@30s "
+        "or kill-node:1@20+backward")
 
 
 def parse_fault(text: str, flag: str = "--chaos") -> FaultSpec:
@@ -153,6 +155,10 @@ def parse_fault(text: str, flag: str = "--chaos") -> FaultSpec:
         raw["at_seconds"] = float(when[:-1])
     else:
         raise SpecError(flag, f"{text!r}: {'@' + when!r} is not a step (1, 2, ...) or seconds (30s, 2.5s)", FORM)
+    if m["during"] is not None:
+        if m["during"] not in ("backward", "reduction"):
+            raise SpecError(flag, f"{text!r}: '+{m['during']}' is not +backward or +reduction", FORM)
+        raw["during"] = m["during"]
     from elastic_harness.spec.loader import build
 
     return build(FaultSpec, raw, flag)

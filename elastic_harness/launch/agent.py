@@ -37,6 +37,10 @@ EXIT_INFRA = exitcodes.INFRA
 
 
 ZYGOTE_READY_S = 300.0  # at most this long for the zygote's imports before joining anyway
+# In place, how long a survivor may take to leave its step (reach a harness call) when the
+# step watchdog is off (``timeouts.step: 0``); else ``timeouts.step``: a worker that does not
+# reach one within it is hung.
+PARK_BOUND_S = 60.0
 
 
 def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
@@ -199,7 +203,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
                   quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
                   zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
                   exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
-                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace)
+                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace,
+                  in_place=spec.recovery == "in_place", park_bound_s=t.step or PARK_BOUND_S)
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):
@@ -250,6 +255,9 @@ def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: C
     timer_server.judge = StallJudge(launch.spec.rdzv_handler)
     timer_server.on_verdict = verdict_reporter(events, node, rank_of, last_step)
     timer_server.on_stall = stall
+    keeper = launch.agent.keeper
+    if keeper is not None:  # in place: a verdict makes the group leave its step, no worker is killed
+        timer_server.leave = lambda pid, reason: keeper.leave_on_verdict(pid, reason) and (launch.agent.nudge() or True)
 
 
 def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
@@ -261,8 +269,8 @@ def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int |
         rank = rank_of(pid)
         events.emit("failure", cause="node-lost", fatal=False, rank=rank, node=node, step=last_step(),
                     seconds=round(stalled_s, 3), gone=sorted(str(n) for n in found.gone),
-                    message=(f"rank {rank if rank is not None else '?'} stopped: the group cannot go on "
-                             f"({found.reason}); the group restarts without the nodes gone"))
+                    message=(f"rank {rank if rank is not None else '?'} left its step: the group cannot go on "
+                             f"({found.reason}); the group re-forms without the nodes gone"))
 
     return report
 
@@ -292,8 +300,8 @@ def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
     """The agent's account of its worker group (``launch.elastic.HarnessAgent``'s report)."""
 
-    def report(state: str, restart: int) -> None:
-        events.emit("workers", node=node, state=state, restart=restart, warm=warm)
+    def report(state: str, restart: int, kept: list[int] | None = None, forked: list[int] | None = None) -> None:
+        events.emit("workers", node=node, state=state, restart=restart, warm=warm, kept=kept, forked=forked)
 
     return report
 

@@ -58,6 +58,7 @@ master address and port come from the rendezvous.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -75,6 +76,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from elastic_harness.errors import LockLost
 from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.env import JOIN_SIGNAL
+from elastic_harness.launch.keeper import Keeper
 from elastic_harness.launch.policy import (
     agent_health,
     budget_refill,
@@ -82,11 +84,12 @@ from elastic_harness.launch.policy import (
     failed_stop_grace,
     restarts_left,
 )
-from elastic_harness.launch.warm import WarmContext, warm_invocation
+from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
 from elastic_harness.launch.zygote import Zygote
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
-Report = Callable[[str, int], None]
+log = logging.getLogger(__name__)
+Report = Callable[..., None]  # (state, restart, **fields): a ``workers`` event
 
 # torch's own sleep between two passes of its monitor loop (``WorkerSpec.monitor_interval``).
 # The agent's interval (``timeouts.monitor_interval``) is waited out in ``monitor_workers``
@@ -103,8 +106,13 @@ class HarnessAgent(AgentBase):
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None,
                  on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 monitor_interval: float | None = None, **kwargs: Any) -> None:
+                 monitor_interval: float | None = None, in_place: bool = False, park_bound_s: float = 10.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # In place (``recovery: in_place``, warm starts only): a fault stops only what it broke
+        # (``launch.keeper``); ``park_bound_s``: how long a survivor may take to leave its
+        # step before it is stopped and forked anew instead.
+        self.keeper = Keeper(zygote, park_bound_s) if in_place and zygote is not None else None
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
@@ -151,6 +159,8 @@ class HarnessAgent(AgentBase):
             fd = self._zygote.fileno()
             if fd is not None:
                 fds.append(fd)
+        if self.keeper is not None:
+            fds.extend(self.keeper.fds())
         ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
         if self._wake_r not in ready:
             return False
@@ -164,8 +174,8 @@ class HarnessAgent(AgentBase):
         state = self.worker_group.state.name
         return agent_health(state, time.monotonic() - self._last_monitor, self._quiet_bound_s)
 
-    def _phase(self, state: str) -> None:
-        self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts)
+    def _phase(self, state: str, **fields: Any) -> None:
+        self._report(state, self.worker_group.spec.max_restarts - self.remaining_restarts, **fields)
 
     def start_workers(self, worker_group: Any) -> dict[int, int]:
         self.lost_lock = self.lost_lock or self.lock_lost(True)
@@ -174,13 +184,20 @@ class HarnessAgent(AgentBase):
         if self._zygote is None:
             pids = super().start_workers(worker_group)
         else:
-            with _processes_from(self._zygote, self._phase):
+            with _processes_from(self._zygote, self._phase, self.keeper.keep if self.keeper else None):
                 pids = super().start_workers(worker_group)
+            if self.keeper is not None:
+                self.keeper.started()
         self.formed = True
         self._broken = False
         if self.pcontext is not None:
             bound_failure_close(self.pcontext, failed_stop_grace(self.shutdown_grace))
-        self._phase("started")
+        adopted = getattr(self.pcontext, "adopted", {})
+        if adopted:  # in place: which workers kept their process, which were started anew
+            self._phase("started", kept=sorted(adopted.values()),
+                        forked=sorted(set(pids.values()) - set(adopted.values())))
+        else:
+            self._phase("started")
         return pids
 
     def rank_of(self, pid: int) -> int | None:
@@ -202,11 +219,31 @@ class HarnessAgent(AgentBase):
         return {ranks[lr]: hung for lr, hung in found.items() if lr in ranks}
 
     def stop_workers(self, worker_group: Any) -> None:
+        joins_in_place = self.keeper is not None and self.keeper.applies(self.pcontext, 1, self.stop_reason is not None)
+        if worker_group.state == WorkerState.HEALTHY and joins_in_place:
+            # In place: the join signal makes the workers park at their next step's end (after
+            # its drain snapshot) instead of exiting; the parked ones go on into the next group.
+            signal_workers(self.pcontext, JOIN_SIGNAL)
+            if not self.keeper.keep_survivors(self.pcontext, bound_s=self.shutdown_grace):
+                self._phase("unparked")
+            super().shutdown(timeout=self.shutdown_grace)
+            return
         if worker_group.state == WorkerState.HEALTHY:
             # torch stops a healthy group only for a membership change (a node waits to
             # join): the workers drain for a join, which may keep their state in memory.
             self._drain_for_join(self.shutdown_grace)
+        elif self.keeper is not None and self.keeper.restart_follows:
+            if not self.keeper.keep_survivors(self.pcontext):
+                self._phase("unparked")
+            super().shutdown(timeout=self.shutdown_grace)  # the kept workers are no longer in it
+            return
         self.shutdown(timeout=self.shutdown_grace)
+
+    def shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float | None = None) -> None:
+        """Stop the workers for good (the agent ends): kept ones too."""
+        super().shutdown(death_sig, timeout)
+        if self.keeper is not None:
+            self.keeper.discard()
 
     def _drain_for_join(self, grace_s: float) -> None:
         """Send the workers the join signal (``launch.env.JOIN_SIGNAL``) instead of
@@ -218,9 +255,7 @@ class HarnessAgent(AgentBase):
         pcontext = self.pcontext
         if pcontext is None:
             return
-        for pid in pcontext.pids().values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, JOIN_SIGNAL)
+        signal_workers(pcontext, JOIN_SIGNAL)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not workers_exited(pcontext):
             if self._round_broken():  # a peer's group failed meanwhile: nothing left to drain for
@@ -244,20 +279,30 @@ class HarnessAgent(AgentBase):
         self._wait_between_passes(worker_group)
         self._last_monitor = time.monotonic()
         self._tick()
-        if worker_group.state == WorkerState.HEALTHY and not self._broken and self._round_broken():
+        healthy = worker_group.state == WorkerState.HEALTHY
+        heard = self.keeper is not None and self.keeper.hear(worker_group.spec.rdzv_handler, healthy)
+        told = self.keeper is not None and self.keeper.verdict is not None  # the watchdog's verdict
+        if healthy and not self._broken and (heard or told or self._round_broken()):
             self._stop_broken_group(worker_group)
         if worker_group.state == WorkerState.HEALTHY and not self.lost_lock:
             self._stop_if_lock_lost()
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
+        if self.keeper is not None and self._broken:  # in place: a group whose peer failed restarts, workers alive
+            result = self.keeper.restarting(result, self.pcontext, self.remaining_restarts, self.stop_reason is not None)
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
-        # torch's own "no more restarts" (a worker stuck in D-state): respect it, never refill.
-        disabled_by_torch = before > 0 and self.remaining_restarts == 0
+        self._account(worker_group, result, disabled_by_torch=before > 0 and self.remaining_restarts == 0)
+        return result
+
+    def _account(self, worker_group: Any, result: RunResult, *, disabled_by_torch: bool) -> None:
+        """A failed group's account: its failure said, its peers told, the crash-loop judge
+        asked, the restart budget settled, this node's strikes counted. ``disabled_by_torch``:
+        torch's own "no more restarts" (a worker stuck in D-state): respected, never refilled."""
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed:
+        if failed and (result.failures or self.keeper is None):  # in place, a peer's failure is said where it failed
             self._on_failure({**exit_account(result.failures, self._stopped_workers()),
                               "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
@@ -277,7 +322,8 @@ class HarnessAgent(AgentBase):
             if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
-        return result
+        if self.keeper is not None:
+            self.keeper.restart_follows = failed and self.remaining_restarts > 0
 
     def _stop_if_lock_lost(self) -> None:
         """Another live job holds the run directory now (the lock's heartbeat found it): kill
@@ -297,11 +343,16 @@ class HarnessAgent(AgentBase):
                 refresh()
 
     def _stop_broken_group(self, worker_group: Any) -> None:
-        """A peer's group failed: ours cannot finish its step. Once per group."""
+        """A peer's group failed: ours cannot finish its step. Once per group. In place the
+        workers leave their step and wait for their next place; else they are killed."""
         self._broken = True
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
+        if self.keeper is not None and self.keeper.applies(self.pcontext, self.remaining_restarts,
+                                                             self.stop_reason is not None):
+            self.keeper.leave(self.pcontext)
+            return
         self._kill_workers()
 
     def _settle_budget(self, result: RunResult) -> None:
@@ -438,7 +489,7 @@ def first_failure(result: RunResult) -> str:
 
 
 @contextlib.contextmanager
-def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[None]:
+def _processes_from(zygote: Zygote, phase: Callable[[str], None], keep: Keep | None = None) -> Iterator[None]:
     """torchelastic's ``start_processes``, answered by ``zygote`` while this block runs."""
 
     def warm_processes(name: str, entrypoint: Any, args: dict[int, tuple], envs: dict[int, dict[str, str]],
@@ -447,7 +498,7 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None]) -> Iterator[No
         if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
             return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
                         log_line_prefixes=log_line_prefixes, **rest)
-        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase)
+        context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase, keep=keep)
         try:
             context.start()
         except BaseException:
@@ -483,7 +534,7 @@ class Launch:
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
                  tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
                  on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 shutdown_grace: float = 30.0) -> None:
+                 shutdown_grace: float = 30.0, in_place: bool = False, park_bound_s: float = 60.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -503,7 +554,8 @@ class Launch:
                                   quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
                                   progress=progress, restart_window=restart_window, tick=tick,
                                   exit_barrier_timeout=exit_barrier_s, on_failure=on_failure,
-                                  monitor_interval=config.monitor_interval)
+                                  monitor_interval=config.monitor_interval, in_place=in_place,
+                                  park_bound_s=park_bound_s)
         on_change = getattr(self.spec.rdzv_handler, "on_change", None)
         if on_change is not None:  # a peer's write ends the agent's wait between monitor passes
             on_change(self.agent.nudge)
@@ -530,3 +582,10 @@ class Launch:
         finally:
             if closes_rendezvous(error, excluded=agent.excluded is not None):
                 spec.rdzv_handler.shutdown()
+
+
+def signal_workers(pcontext: Any, sig: signal.Signals) -> None:
+    """Send ``sig`` to every worker of ``pcontext`` still running (None: none)."""
+    for pid in (pcontext.pids().values() if pcontext is not None else ()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -26,6 +26,12 @@ JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
 RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
 AGENT_PID_VAR = "ELASTIC_HARNESS_AGENT_PID"  # our agent's pid (a worker's parent may be its zygote)
 MEMORY_VAR = "ELASTIC_HARNESS_MEMORY"  # the agent's in-memory checkpoint slots (memtier.host)
+# The variables torchelastic sets for each worker it starts: in place (``runtime.inplace``) a
+# kept worker takes these from its agent's reform order; the agent's own stay as they were.
+WORKER_VARS = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+               "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+               "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_TIMER_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 # The agent's "drain, a node joins" to its workers (``launch.elastic``; ``runtime.session.Drain``):
 # a drain that may keep the state in memory, unlike SIGTERM's stop.
 JOIN_SIGNAL = signal.SIGUSR1

@@ -10,10 +10,19 @@ they pass return values through ``multiprocessing`` queues and events, whose nam
 semaphores live in ``/dev/shm`` and are removed only by Python's resource tracker, a
 process in the agent's process group; killing that group (a node kill) leaves them behind.
 Python's forkserver also binds a socket file in the temp dir. The zygote needs neither.
+
+In place (``Keep``: the job's ``recovery: in_place``), each worker also gets a control line
+(``launch.control``). A failed worker then no longer stops its siblings: they are told to
+``leave`` the step (their collectives return), the failure is reported to torchelastic,
+which restarts the group; the agent ``release``s the survivors from this context before it
+stops it (``launch.elastic``), and the next context ``adopt``s them: torchelastic's
+variables for their place in the new generation go to them as a ``reform`` order, and only
+the local ranks without a live worker are forked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +34,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
 
+from elastic_harness.launch.control import Lines
 from elastic_harness.launch.zygote import STOP_WAIT_S, Zygote, ZygoteLost
 from elastic_harness.torchcompat.agent import ContextBase
 
@@ -81,25 +91,53 @@ class WarmContext(ContextBase):
 
     def __init__(self, name: str, zygote: Zygote, args: dict[int, tuple], envs: dict[int, dict[str, str]],
                  logs_specs: Any, log_line_prefixes: dict[int, str] | None = None,
-                 phase: Callable[[str], None] = lambda state: None) -> None:
+                 phase: Callable[[str], None] = lambda state: None, keep: Keep | None = None) -> None:
         super().__init__(name, sys.executable, args, envs, logs_specs, log_line_prefixes)
         self.zygote = zygote
         self._phase = phase  # hears "failed" and "stopped" (launch.elastic's report)
         self._pids: dict[int, int] = {}
         self._failures: dict[int, ProcessFailure] = {}
+        self.keep = keep  # in place: the control lines and the workers kept from the last group
+        self.adopted: dict[int, int] = {}  # local rank -> pid of a worker re-formed, not forked
         # local rank -> (pid, /proc state) of workers found stopped when their group failed
         self.stopped: dict[int, tuple[int, str]] = {}
 
     def start_processes(self) -> None:
         for local_rank in range(self.nprocs):
+            if self._adopt(local_rank):
+                continue
             invocation = warm_invocation(self.entrypoint, [str(a) for a in self.args[local_rank]])
             if invocation is None:
                 raise AssertionError("callers check warm_invocation before choosing a WarmContext")
             module, argv, unbuffered = invocation
             env = {**os.environ, **self.envs[local_rank]}  # what torchelastic's Popen passes
-            self._pids[local_rank] = self.zygote.spawn(
-                module, argv, env, stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank],
-                unbuffered=unbuffered)
+            line = None
+            if self.keep is not None:
+                ours, line = Lines.open_line()
+            try:
+                pid = self.zygote.spawn(module, argv, env, stdout=self.stdouts[local_rank],
+                                        stderr=self.stderrs[local_rank], unbuffered=unbuffered, line=line)
+            finally:
+                if line is not None:
+                    line.close()
+            self._pids[local_rank] = pid
+            if self.keep is not None:
+                self.keep.lines.adopt(pid, ours)
+
+    def _adopt(self, local_rank: int) -> bool:
+        """In place: the kept worker of ``local_rank`` takes its new place (a ``reform``
+        order with torchelastic's variables for it); False when there is none to take it."""
+        if self.keep is None:
+            return False
+        pid = self.keep.kept.pop(local_rank, None)
+        if pid is None or pid in self.zygote.exits:
+            return False
+        self.keep.lines.take(pid)  # what it said in the last generation (its ``parked``) is done
+        if not self.keep.lines.say(pid, "reform", env=self.envs[local_rank]):
+            self.zygote.signal(pid, signal.SIGKILL)  # its line is gone: it cannot be re-formed
+            return False
+        self._pids[local_rank] = self.adopted[local_rank] = pid
+        return True
 
     def _codes(self) -> dict[int, int]:
         """Exit codes of the local ranks that ended (a lost zygote took its workers along)."""
@@ -114,6 +152,13 @@ class WarmContext(ContextBase):
         self._note_failures(codes)
         if len(codes) < self.nprocs and not self._failures:
             return None
+        if self._failures and self.keep is not None and len(codes) < self.nprocs:
+            # In place: the survivors leave the step and wait for their next place; the
+            # agent releases them from this context before stopping it (``release``).
+            self._phase("failed")
+            self.stopped = self._stopped()  # a frozen rank among them is the cause (it never parks)
+            self.leave(f"local rank(s) {sorted(self._failures)} of this node ended")
+            return RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
         if self._failures:
             self._phase("failed")
             self._await_exits(SURVIVOR_GRACE_S)
@@ -154,6 +199,25 @@ class WarmContext(ContextBase):
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
 
+    def live(self) -> dict[int, int]:
+        """local rank -> pid of the workers that have not ended."""
+        exits = self.zygote.exits
+        return {lr: pid for lr, pid in self._pids.items() if pid not in exits}
+
+    def leave(self, reason: str) -> None:
+        """Tell every live worker to leave its step (in place)."""
+        if self.keep is None:
+            return
+        for pid in self.live().values():
+            self.keep.lines.say(pid, "leave", reason=reason)
+
+    def release(self, local_ranks: dict[int, int]) -> None:
+        """Forget these live workers (local rank -> pid): this context no longer stops them;
+        the next one adopts them (``Keep``)."""
+        for lr in local_ranks:
+            self._pids.pop(lr, None)
+        self.nprocs = len(self._pids)
+
     def close_processes(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         """``death_sig`` to the workers still running, SIGKILL after ``timeout`` s."""
         if not self._wait_for_all(death_sig, timeout):
@@ -178,3 +242,20 @@ class WarmContext(ContextBase):
                 return False
             self.zygote.poll(timeout=min(left, 0.5))
         return True
+
+
+class Keep:
+    """What in-place recovery carries from one worker group to the next on this node: the
+    control lines (``launch.control``) and the workers kept alive (local rank -> pid)."""
+
+    def __init__(self) -> None:
+        self.lines = Lines()
+        self.kept: dict[int, int] = {}
+
+    def discard(self, zygote: Zygote) -> None:
+        """Kept workers no group adopted (the agent stops): SIGKILL them."""
+        for pid in self.kept.values():
+            with contextlib.suppress(ZygoteLost):
+                zygote.signal(pid, signal.SIGKILL)
+            self.lines.drop(pid)
+        self.kept.clear()

@@ -56,6 +56,9 @@ class WorkerOnlyTimerServer(TimerServerBase):
         self.on_verdict: Callable[[int, float, Any], None] | None = None  # (pid, stalled s, verdict)
         self._verdicts: dict[int, Any] = {}  # workers stopped on a verdict, until reaped
         self.on_stall: Callable[[int, float, float], None] | None = None  # (pid, stalled s, bound s)
+        # In place: a worker stopped on a verdict leaves its step instead of being killed,
+        # when this says it did (``HarnessAgent.leave_on_verdict``: (pid, reason) -> bool).
+        self.leave: Callable[[int, str], bool] | None = None
         self._stalls: dict[int, float] = {}  # worker pid -> the progress its reported stall followed
 
     def get_expired_timers(self, deadline: float) -> dict[int, list]:
@@ -90,9 +93,12 @@ class WorkerOnlyTimerServer(TimerServerBase):
         if worker_pid == os.getpid():
             return True  # the worker was reaped; the agent lives on to restart the group
         state = process_state(worker_pid)  # before the kill: was it stopped, or waiting?
-        reaped = super().reap_worker(worker_pid, signal)
-        armed = self._armed.pop(worker_pid, None)
         found = self._verdicts.pop(worker_pid, None)
+        if found is not None and self.leave is not None and self._left(worker_pid, found):
+            reaped = True  # its timer goes; the worker lives on and re-forms in place
+        else:
+            reaped = super().reap_worker(worker_pid, signal)
+        armed = self._armed.pop(worker_pid, None)
         silent = time.time() - armed if armed is not None else 0.0
         with contextlib.suppress(Exception):  # a report must not stop the watchdog
             if reaped and found is not None and self.on_verdict is not None:
@@ -100,6 +106,11 @@ class WorkerOnlyTimerServer(TimerServerBase):
             elif reaped and self.on_reap is not None:
                 self.on_reap(worker_pid, silent, state)
         return reaped
+
+    def _left(self, pid: int, found: Any) -> bool:
+        with contextlib.suppress(Exception):  # a failed word means the kill goes ahead
+            return bool(self.leave(pid, str(getattr(found, "reason", "a peer is gone"))))
+        return False
 
     def stop(self) -> None:
         super().stop()  # removes the FIFO

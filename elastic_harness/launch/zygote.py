@@ -60,15 +60,18 @@ class Zygote:
         self.threads = None
 
     def spawn(self, module: str, argv: list[str], env: dict[str, str], *, stdout: str, stderr: str,
-              unbuffered: bool) -> int:
-        """Fork a worker running ``python -m module argv`` with exactly ``env``; its pid."""
+              unbuffered: bool, line: socket.socket | None = None) -> int:
+        """Fork a worker running ``python -m module argv`` with exactly ``env``; its pid.
+        ``line``: the worker's end of its control channel (``launch.control``), handed over
+        with the request; the worker finds it named by ``runtime.control.CONTROL_FD_VAR``."""
         if self._proc is None or self._proc.poll() is not None:
             if self._proc is not None:
                 log.warning("worker zygote exited (%s); starting a new one", self._proc.returncode)
                 self.stop()
             self.start()
         self._send({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": os.getcwd(),
-                    "stdout": stdout, "stderr": stderr, "unbuffered": unbuffered})
+                    "stdout": stdout, "stderr": stderr, "unbuffered": unbuffered},
+                   fds=[line.fileno()] if line is not None else [])
         while True:
             msg = self._recv(timeout=None)
             if msg["op"] == "spawned":
@@ -124,11 +127,14 @@ class Zygote:
                 self._proc.wait()
             self._proc = None
 
-    def _send(self, msg: dict) -> None:
+    def _send(self, msg: dict, fds: Sequence[int] = ()) -> None:
         if self._sock is None:
             raise ZygoteLost("the worker zygote is not running")
         try:
-            self._sock.send(json.dumps(msg).encode())
+            if fds:
+                socket.send_fds(self._sock, [json.dumps(msg).encode()], list(fds))
+            else:
+                self._sock.send(json.dumps(msg).encode())
         except OSError as e:
             raise ZygoteLost(f"the worker zygote is gone: {e!r}") from None
 

@@ -64,9 +64,9 @@ class MemoryTier:
         self.rules = peer.Rules()
         self.plan: Plan | None = None  # the last restore's
         # ``arm``: (step, capture) a failing rank keeps on its way down (``keep_armed``);
-        # ``_newest``: the step of the newest snapshot this rank published.
+        # ``newest``: the step of the newest snapshot this rank published.
         self._armed: tuple[int, snapshot.Capture] | None = None
-        self._newest: int | None = None
+        self.newest: int | None = None
 
     @classmethod
     def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, wire: peer.Wire,
@@ -170,7 +170,7 @@ class MemoryTier:
         written = self._write(slot, step, state)
         if written is None:
             return False
-        self._last, self._newest = slot, step
+        self._last, self.newest = slot, step
         if send and self.link is not None and not self.link.broken:
             self._unsettled = slot
             t0 = time.perf_counter()
@@ -216,7 +216,7 @@ class MemoryTier:
         if armed is None or not self.regions or not snapshot.intact(armed[1]):
             return None
         step, cap = armed
-        if step == self._newest:
+        if step == self.newest:
             return step
         slot = buddy.writable(self._last, len(self.regions), set())
         try:
@@ -225,7 +225,7 @@ class MemoryTier:
             self._put(slot, step, cap)  # only the slot written is unpublished if this fails
         except Exception:  # noqa: BLE001 - on the way down after another failure
             return None
-        self._last, self._newest = slot, step
+        self._last, self.newest = slot, step
         return step
 
     def _write(self, slot: int, step: int, state: dict[str, Any]
@@ -288,4 +288,4 @@ class MemoryTier:
 
     def _forget(self) -> None:
         """The slots were unpublished: none holds a snapshot this rank keeps, copies or armed."""
-        self._last = self._copied = self._unsettled = self._newest = self._armed = None
+        self._last = self._copied = self._unsettled = self.newest = self._armed = None

@@ -5,8 +5,11 @@ close. What it works with is built here, in the order the ranks need it (every r
 these in the same order: building the mesh and agreeing on the generation are collective):
 
 1. ``join``: the generation itself: the process groups (made by ``runtime.dist``), the
-   parallel layout and its ``DeviceMesh``, the event log (rank 0 narrates), a fresh
-   generation id agreed by every rank, and its first events (``worker``, ``rendezvous``);
+   handshake (one all-gather: a fresh generation id from rank 0, every rank's pid and
+   whether it is new to the job, ``runtime.inplace``; before the mesh, as a survivor
+   re-forming in place shakes before it builds anything), the parallel layout and its
+   ``DeviceMesh``, the event log (rank 0 narrates) and its first events (``worker``,
+   ``rendezvous``);
 2. ``equip``: what the steps use: the metrics, the step watchdog, the storage checkpoints,
    the in-memory tier and its cadence;
 3. ``step_hook``: once the script registered its objects and the loop starts, what every
@@ -23,13 +26,11 @@ same objects.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastic_harness import jobkey, runfiles
-from elastic_harness.checkpoint import collective
 from elastic_harness.checkpoint.manager import CheckpointManager
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
@@ -42,6 +43,7 @@ from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.hook import Keeping, Reporting, Signals, StepHook, Trained
+from elastic_harness.runtime.inplace import Handshake, how, shake
 from elastic_harness.runtime.mesh import build_mesh
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.resume import memory_covers_failure, memory_covers_join
@@ -68,6 +70,7 @@ class Generation:
     id: str  # 12 hex digits, the same on every rank (audits, the memory tier's snapshots)
     log: EventLog  # every rank may report a failure
     events: Any  # rank 0 narrates: the log there, a ``NullLog`` elsewhere
+    shake: Handshake | None = None  # every rank's pid, and which are new (in-place recovery)
 
 
 @dataclass(frozen=True)
@@ -82,24 +85,19 @@ class Parts:
 
 
 def join(spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path, topology: Topology,
-         pg_init_s: float) -> Generation:
-    """Collective: this process's generation over ``groups``; its first events said."""
+         pg_init_s: float, agreed: Handshake | None = None) -> Generation:
+    """Collective: this process's generation over ``groups``; its first events said.
+    ``agreed``: the handshake a survivor made while re-forming (its rerun does not shake again)."""
+    hand = agreed or shake(groups.ckpt, topology.rank, topology.world_size, new=True)
     mesh = build_mesh(topology, groups.device.type) if topology.kind == "mesh" else None
     log = EventLog(run_dir / runfiles.EVENTS)
     events = log if topology.rank == 0 else NullLog()
-    gen = Generation(groups, topology, mesh, agree_generation(groups.ckpt, topology.rank), log, events)
-    _announce(gen, env, run_dir, pg_init_s)
+    gen = Generation(groups, topology, mesh, hand.id, log, events, hand)
+    _announce(spec, gen, env, run_dir, pg_init_s)
     return gen
 
 
-def agree_generation(group: Any, rank: int) -> str:
-    """Collective: a fresh id for this worker generation (12 hex digits), the same on every
-    rank: rank 0's random 48 bits, in one tensor broadcast."""
-    drawn = secrets.randbits(48) if rank == 0 else 0
-    return f"{collective.broadcast_ints([drawn], group)[0]:012x}"
-
-
-def _announce(gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) -> None:
+def _announce(spec: JobSpec, gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) -> None:
     top = gen.topology
     gen.log.emit("worker", rank=top.rank, local_rank=env.local_rank, group_rank=env.group_rank,
                  node=env.node, restart=env.restart_count, world_size=top.world_size)
@@ -108,6 +106,11 @@ def _announce(gen: Generation, env: WorkerEnv, run_dir: Path, pg_init_s: float) 
                         run_id=env.run_id, run_dir=str(run_dir))
     gen.events.emit("rendezvous", generation=gen.id, world_size=top.world_size,
                     restart=env.restart_count, nodes=top.nodes, pg_init_s=round(pg_init_s, 3))
+    hand = gen.shake
+    if hand is not None and hand.kept:  # some ranks came with the process they had (in place)
+        gen.events.emit("recovery", generation=gen.id, mode=how(hand, spec.parallelism), kept=list(hand.kept),
+                        new=[pid for pid, new in zip(hand.pids, hand.new, strict=True) if new],
+                        world_size=top.world_size)
 
 
 def equip(spec: JobSpec, env: WorkerEnv, gen: Generation, run_dir: Path) -> Parts:
@@ -156,7 +159,7 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, gen: Generation, key: bytes) -> 
 
 
 def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, parts: Parts, trained: Trained,
-              drain: Any) -> StepHook:
+              drain: Any, in_flight: Any = None) -> StepHook:
     """What every ``step.done()`` runs (``runtime.hook``): the generation's parts, the
     script's registered objects, the drain's requests and the job's scheduled faults."""
     top = gen.topology
@@ -168,8 +171,19 @@ def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, par
     return StepHook(
         spec, top, trained,
         Keeping(parts.ckpt, parts.memory, parts.cadence, join_in_memory=covered, on_failure=on_failure),
-        Signals(lambda: drain.requested, lambda: drain.stop, parts.watchdog, faults),
+        Signals(lambda: drain.requested, lambda: drain.stop, parts.watchdog, faults,
+                broken=_broken(), in_flight=in_flight or (lambda step: None)),
         Reporting(gen.events, parts.metrics, env.restart_count))
+
+
+def _broken() -> Any:
+    """Why this process's live groups cannot go on (in-place recovery), as the step hook asks."""
+    from elastic_harness.runtime import generations
+
+    live = generations.current()
+    if live is None:
+        return lambda: None
+    return lambda: live.broken
 
 
 def job_identity(spec: JobSpec) -> str:

@@ -7,6 +7,7 @@ collectives from a background thread, which must never interleave with training'
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import socket
 import time
@@ -43,11 +44,23 @@ def choose_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init(env: WorkerEnv, device_request: str, timeout_s: int) -> Groups:
-    """Join (or create) the default group and create the checkpoint group."""
+def init(env: WorkerEnv, device_request: str, timeout_s: int, live: Any = None, forming: Any = None) -> Groups:
+    """Join (or create) the default group and create the checkpoint group.
+
+    ``live``: this process's ``runtime.generations.Generations`` when a fault may be recovered
+    in place (``runtime.inplace``): every group is then a live group, and a training function
+    run again in this process (a rerun) finds the groups its re-formation made (``current``);
+    ``forming``: a context the groups are made in (``Recovery.forming``)."""
+    global _GROUPS
+    if live is not None and _GROUPS is not None and dist.is_initialized():
+        return _GROUPS
     device = choose_device(device_request, env.local_rank)
     timeout = dt.timedelta(seconds=timeout_s)
     owned = not dist.is_initialized()
+    if owned and live is not None:
+        with forming if forming is not None else contextlib.nullcontext():
+            _GROUPS = _init_live(env, device, timeout, live)
+        return _GROUPS
     if owned:
         # On GPU keep a CPU backend too: async checkpoint staging needs CPU collectives.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -64,6 +77,35 @@ def init(env: WorkerEnv, device_request: str, timeout_s: int) -> Groups:
     backend = str(dist.get_backend())
     ckpt = dist.new_group(backend="gloo", timeout=timeout)
     return Groups(device=device, backend=backend, ckpt=ckpt, owned=owned)
+
+
+_GROUPS: Groups | None = None  # a live process's groups, kept across its generations
+
+
+def _init_live(env: WorkerEnv, device: torch.device, timeout: dt.timedelta, live: Any) -> Groups:
+    """The default group and the checkpoint group as live groups (``runtime.generations``),
+    on this generation's store under its tag; the checkpoint group raises on a failure."""
+    from elastic_harness.runtime.generations import tag_of
+    from elastic_harness.torchcompat.groups import BACKEND
+
+    store = generation_store(env, timeout.total_seconds())
+    live.cuda = device if device.type == "cuda" else None
+    live.begin(store, tag_of(env.master_port))
+    dist.init_process_group(backend=BACKEND, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
+    with live.raising():
+        ckpt = dist.new_group(backend=BACKEND, timeout=timeout)
+    return Groups(device=device, backend=BACKEND, ckpt=ckpt, owned=True)
+
+
+def current() -> Groups | None:
+    """A live process's groups (``init`` with ``live``), or None."""
+    return _GROUPS
+
+
+def generation_store(env: WorkerEnv, timeout_s: float) -> dist.Store:
+    """The store where a generation's ranks meet (``_store``), for a survivor re-forming too."""
+    return _store(env, dt.timedelta(seconds=timeout_s))
 
 
 def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
@@ -143,5 +185,7 @@ def wait_for_listener(addr: str, port: int, timeout_s: float, poll_s: float = 0.
 
 
 def destroy(groups: Groups | None = None) -> None:
+    global _GROUPS
     if dist.is_initialized() and (groups is None or groups.owned):
         dist.destroy_process_group()
+        _GROUPS = None

@@ -50,11 +50,49 @@ def run_script(path: str, args: list[str]) -> int:
 
 
 def run_job(job_path: str, run_dir: str) -> int:
-    """The job's one parse in this process, handed down: the user's script, or the task loop."""
-    from elastic_harness.runtime import jobsource
+    """The job's one parse in this process, handed down: the user's script, or the task loop.
+    In place (``runtime.inplace``), the training function may run again in this process,
+    beside the new workers of a re-formed generation: after a ``Rerun``, or after an exception
+    that escaped it while its generation was broken (a collective's failure reached the
+    script's own code), once this process took its next place."""
     from elastic_harness.spec import load_job
 
     spec = load_job(job_path)
+    while True:
+        try:
+            return _run_once(spec, run_dir)
+        except BaseException as e:  # noqa: BLE001 - only a rerun is handled; the rest goes on up
+            if not _runs_again(e, spec):
+                raise
+
+
+def _runs_again(exc: BaseException, spec) -> bool:
+    """After ``exc`` left the training function: does it run again in this process? A
+    ``Rerun`` (re-formed already), or an ``Exception`` while the generation is broken: this
+    process then parks and re-forms first (``runtime.inplace``)."""
+    from elastic_harness.runtime import inplace, session
+
+    recovery = inplace.current()
+    if recovery is None or recovery.underway:  # the in-place path itself failed: go down
+        return False
+    if isinstance(exc, Exception) and recovery.broken() is not None:
+        run = session.active()
+        step = run.step if run is not None else 0
+        if run is not None and not run.closed:
+            run.close()
+        recovery.reform(recovery.park(step, None), spec)
+        return True
+    if isinstance(exc, inplace.Rerun):
+        run = session.active()
+        if run is not None and not run.closed:
+            run.close()
+        return True
+    return False
+
+
+def _run_once(spec, run_dir: str) -> int:
+    from elastic_harness.runtime import jobsource
+
     jobsource.hand_over(spec, run_dir)  # the script's init() takes it from there
     if spec.script.path:
         from elastic_harness.launch.env import WorkerEnv

@@ -11,7 +11,10 @@ A node kill ends the agent, every process under it and the firing worker at once
 (``node_processes``), as a machine that dies does.
 
 Call order: construct once per worker process, then ``after_step(step)`` after every
-completed optimizer step (after any save of that step).
+completed optimizer step (after any save of that step). A fault with ``during`` (a step's
+``backward`` or ``reduction``) is armed by ``after_step`` of the step it names and fires at
+``fire_armed(phase)`` of the next step: ``runtime.step`` (the last micro-batch's backward) and
+the local-gradient hook (``runtime.inflight``, the reduction) call it.
 """
 
 from __future__ import annotations
@@ -37,15 +40,23 @@ class WorkerFaults:
     def after_step(self, step: int) -> None:
         for i, f in enumerate(self.faults):
             if hits(f, step, self.rank, self.node, self.local_rank) and self._claim(i):
-                pid, whom = recipient(f, os.getpid(), self.agent)
-                kind = KINDS[f.kind]
-                ends = [pid]
-                if kind.reaches == "agent-group":  # the whole node at once, as a dead machine
-                    ends = node_processes(pid, os.getpid(), children_of if own_proc() else lambda _: [])
-                    whom += " and its workers" if len(ends) > 2 else ""
-                self.events.emit("fault", kind=f.kind, target=f.target, step=step, rank=self.rank,
-                                 node=self.node, detail=f"{kind.signal.name} {whom} (pid {pid})")
-                end_all(ends, kind.signal)
+                if f.during:  # the next step's backward or reduction fires it
+                    _ARMED[f.during] = (self, f, step)
+                    continue
+                self.fire(f, step)
+
+    def fire(self, f: FaultSpec, step: int) -> None:
+        """Fire ``f``, keyed to ``step``, now (the signal, to whom its kind says)."""
+        pid, whom = recipient(f, os.getpid(), self.agent)
+        kind = KINDS[f.kind]
+        ends = [pid]
+        if kind.reaches == "agent-group":  # the whole node at once, as a dead machine
+            ends = node_processes(pid, os.getpid(), children_of if own_proc() else lambda _: [])
+            whom += " and its workers" if len(ends) > 2 else ""
+        during = f" during step {step + 1}'s {f.during}" if f.during else ""
+        self.events.emit("fault", kind=f.kind, target=f.target, step=step, rank=self.rank,
+                         node=self.node, detail=f"{kind.signal.name} {whom} (pid {pid}){during}")
+        end_all(ends, kind.signal)
 
     def _claim(self, i: int) -> bool:
         self.marker_dir.mkdir(parents=True, exist_ok=True)
@@ -54,6 +65,18 @@ class WorkerFaults:
             return True
         except FileExistsError:
             return False
+
+
+# Faults armed to fire during the next step's "backward" or "reduction" (``after_step``).
+_ARMED: dict[str, tuple[WorkerFaults, FaultSpec, int]] = {}
+
+
+def fire_armed(phase: str) -> None:
+    """Fire the fault armed for ``phase`` of this step, if any (once)."""
+    armed = _ARMED.pop(phase, None)
+    if armed is not None:
+        faults, f, step = armed
+        faults.fire(f, step)
 
 
 def node_processes(agent: int, me: int, children: Callable[[int], list[int]]) -> list[int]:

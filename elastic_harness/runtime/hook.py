@@ -115,6 +115,12 @@ class Signals:
     stop_requested: Callable[[], bool] | None = None
     watchdog: ProgressWatchdog | None = None
     faults: WorkerFaults | None = None
+    # Why the generation cannot go on (a collective failed or was left: in-place recovery,
+    # ``runtime.inplace``), or None; a step that sees it counts nothing and is thrown away.
+    broken: Callable[[], str | None] = lambda: None
+    # The run's way to finish the step in flight in place (``runtime.repoint``): given the
+    # step, its extra micro-batches and their end, or None (the step is thrown away).
+    in_flight: Callable[[Any], Any] = lambda step: None
 
     def stop(self) -> bool:
         return (self.stop_requested or self.drain_requested)()
@@ -189,19 +195,39 @@ class StepHook:
             # rank, and the own snapshots it needs may move on (``MemoryTier.save``'s ``settled``).
             copies_moving=memory is not None and memory.moving())
 
+    def after_backward(self) -> None:
+        """After each micro-batch's backward (``Step.backward``): a generation that broke
+        under it (in place) keeps the step the tier was armed with now, before the optimizer's
+        step changes the state on gradients that were never reduced."""
+        if self.keeping.on_failure and self.memory is not None and self.signals.broken() is not None:
+            self.memory.keep_armed()
+
+    def finish_in_flight(self, step: Step) -> Any:
+        """After this rank's micro-batches (``Step.batches``): when the generation broke under
+        the step, what finishes it in place (``runtime.inflight``), or None."""
+        if self.signals.broken() is None:
+            return None
+        return self.signals.in_flight(step)
+
     def after_step(self, step: Step, user_metrics: dict[str, float]) -> None:
-        """The step hook's work (``Step.done``): counters, metrics, save, drain, faults."""
+        """The step hook's work (``Step.done``): counters, metrics, save, drain, faults. A
+        step whose generation broke (in place) counts nothing: it is thrown away."""
         train = self.trained.train
+        if step.thrown:  # re-formed already, the step to be redone
+            return
         self._time_step()
         if self.trained.buffers is not None:
             self.trained.buffers.sync()
+        vote = self._collect_vote(step)
+        if self.signals.broken() is not None:
+            step.thrown = True
+            return
         train.step += 1
         train.data = train.data.advance(self.spec.train.global_batch_size)
         if self._disarm is not None and self.cadence.active and self.cadence.arming(train.step):
             t0 = time.monotonic()  # (not in a probe's off block)
             self.memory.arm(train.step, self.trained.state)  # kept if this rank fails before its next step
             self.cadence.arm_took(time.monotonic() - t0)
-        vote = self._collect_vote(step)
         final = train.step == self.spec.train.steps
         self._report(step, vote, final, user_metrics)
         in_memory = self._keep(train.step, vote, final=final)

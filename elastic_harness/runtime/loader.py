@@ -112,6 +112,7 @@ class StepLoader:
         self.items = PositionedItems(dataset, seed)
         self.step = first_step
         self.meta: list | None = None
+        self.order: Any = None  # the stream's epoch order, set by ``runtime.resume.bind_data``
         self._iter: Iterator | None = None
         self._loader: DataLoader | None = None
         if workers > 0 and last_step > first_step:
@@ -135,6 +136,18 @@ class StepLoader:
             self.meta = list(zip([i for chunk in plan for _, i in chunk], hashes, strict=True))
             batches = [b for b, _ in batches]
         return plan, [to_device(b, self.device) for b in batches]
+
+    def fetch(self, plan: Plan) -> tuple[list[Any], list | None]:
+        """Micro-batches of any ``plan`` (positions of other ranks' shares: the step in flight
+        finished without a lost rank, ``runtime.inflight``), read in this process, and with
+        ``record`` their (index, content hash); the loader's own order is not touched."""
+        batches = [self.collate([self.items[key] for key in chunk]) for chunk in plan]
+        meta = None
+        if self.record:
+            hashes = [h for _, hs in batches for h in hs]
+            meta = list(zip([i for chunk in plan for _, i in chunk], hashes, strict=True))
+            batches = [b for b, _ in batches]
+        return [to_device(b, self.device) for b in batches], meta
 
     def close(self) -> None:
         """Stop loader processes (safe to call twice)."""

@@ -11,6 +11,12 @@ step hook; every step then re-arms the step watchdog, seeds the step's randomnes
 sample record (``train.record_samples``) and hands the script its ``Step``. After the last step
 it runs the hook's ``finish`` (the final save, the digest, the ``finish`` event); after a drain,
 ``SystemExit(DRAIN_EXIT)``.
+
+In place (``in_place``: the run's in-place recovery, ``runtime.inplace``): a step whose
+generation broke is thrown away (the hook counted nothing of it, ``Step.thrown``), and so is a
+loop about to start a step on a broken generation; the run's ``recover`` then parks and
+re-forms, and the loop binds the data again (a resume first) and builds its hook anew for the
+next generation, or the recovery unwinds the training function (``Rerun``).
 """
 
 from __future__ import annotations
@@ -70,6 +76,21 @@ class Loop:
         self.yielded: Step | None = None  # the step it yielded last
         self.done = False  # the job's last step was done in this process
         self.left_at: int | None = None  # the step after which the script left a loop (a break)
+        self.loader: Any = None  # the open loop's loader (a step finished in place reads from it)
+        self._broken: Callable[[], bool] = lambda: False
+        self._recover: Callable[[], None] | None = None
+        self._joinable: Callable[[], bool] = lambda: False
+
+    def in_place(self, broken: Callable[[], bool], recover: Callable[[], None],
+                 joinable: Callable[[], bool] = lambda: False) -> None:
+        """A fault may be recovered in place: ``broken()`` says the generation broke,
+        ``recover()`` parks and re-forms (or raises ``Rerun``); ``joinable()``: a drain the
+        agent asked for a joining node is waited out parked, in place, not by exiting."""
+        self._broken, self._recover, self._joinable = broken, recover, joinable
+
+    def rebind(self, watchdog: ProgressWatchdog, cadence: Cadence, rank: int) -> None:
+        """The parts of the generation a recovery in place made."""
+        self.watchdog, self.cadence, self.rank = watchdog, cadence, rank
 
     def start(self, bind: Callable[[], Any], hook: Callable[[], StepHook], samples: Callable[[], Samples | None]
               ) -> Iterator[Step]:
@@ -117,32 +138,64 @@ class Loop:
 
     def _run(self, bind: Callable[[], Any], hook_of: Callable[[], StepHook],
              samples_of: Callable[[], Samples | None]) -> Iterator[Step]:
-        spec, train, watchdog = self.spec, self.train, self.watchdog
-        loader = bind()
+        spec, train = self.spec, self.train
+        loader = self.loader = bind()
         hook = hook_of()
         samples = samples_of()
         self.cadence.start(train.step)
         try:
             while train.step < spec.train.steps:
-                watchdog.arm()
+                if self._recover is not None and self._broken():
+                    hook.close()
+                    loader.close()
+                    self._recover()  # parked, re-formed here (or a Rerun unwinds the function)
+                    loader, hook, samples = self._rebound(bind, hook_of(), samples_of)
+                    continue
+                self.watchdog.arm()
                 step = self._next_step(hook, loader, samples)
                 self.yielded = step
                 yield step
-                if not step.finished:
-                    raise UsageError(f"the loop body of step {step.number} did not call step.done()",
-                                     "call step.done() at the end of every iteration")
-                if step.drained:
-                    raise SystemExit(DRAIN_EXIT)
-            watchdog.disarm()
+                todo = self._after(step)
+                if todo:
+                    hook.close()
+                    loader.close()
+                    if todo == "recover":
+                        self._recover()  # a node joins: parked at this step's end, re-formed with it
+                    loader, hook, samples = self._rebound(bind, step.hook if todo == "own" else hook_of(), samples_of)
+            self.watchdog.disarm()
             hook.finish()
             self.done = True
         except GeneratorExit:  # the script left the loop (a break): a later steps() goes on
             self.left_at = train.step
             raise
         finally:
-            watchdog.disarm()
+            self.watchdog.disarm()
             hook.close()
             loader.close()
+
+    def _after(self, step: Step) -> str:
+        """What the loop does after ``step``: "" go on; "recover" (a drain for a node that
+        joins, in place: park at this step's end and re-form with it); "own" (re-formed under
+        the step, which finished in place: go on with its new hook); "new" (re-formed under
+        the step, thrown away: a new hook). A drain otherwise ends the worker."""
+        if not step.finished:
+            raise UsageError(f"the loop body of step {step.number} did not call step.done()",
+                             "call step.done() at the end of every iteration")
+        if step.drained:
+            if self._recover is not None and self._joinable():
+                return "recover"
+            raise SystemExit(DRAIN_EXIT)
+        if step.reformed:
+            return "own"
+        return "new" if step.thrown and not self._broken() else ""
+
+    def _rebound(self, bind: Callable[[], Any], hook: StepHook, samples_of: Callable[[], Samples | None]
+                 ) -> tuple[Any, StepHook, Samples | None]:
+        """The loop's parts in a generation re-formed in place: the data bound at its split
+        (after a restore, unless the step was finished in place), its hook, its sample log."""
+        loader = self.loader = bind()
+        self.cadence.start(self.train.step)
+        return loader, hook, samples_of()
 
     def _next_step(self, hook: StepHook, loader: Any, samples: Samples | None) -> Step:
         """The next step: its share of the data, its seed, and (``train.record_samples``) its

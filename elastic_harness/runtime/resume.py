@@ -29,7 +29,7 @@ from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
 from elastic_harness.errors import CheckpointError
-from elastic_harness.memtier.peer import portable
+from elastic_harness.memtier.peer import portable, restore_rules
 from elastic_harness.memtier.restore import Restored, restored_message
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
@@ -51,6 +51,16 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topolog
         if restored is not None:
             return restored
     return ckpt.restore(state)
+
+
+def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology, memory: MemoryTier | None,
+          ckpt: CheckpointManager) -> None:
+    """Every rank of a generation whose state is already the job's (a step finished in place
+    by the same processes): what ``restore`` would set up besides filling the state (the
+    checkpoint fence; the memory tier's rules for the snapshots it takes from now on)."""
+    ckpt.join()
+    if memory is not None:  # only a replicated layout finishes a step in place: no buddy link
+        memory.rules = restore_rules(topology, memory.world_size, portable(topology, model, state))
 
 
 def memory_covers_join(memory: MemoryTier | None, model: nn.Module | None, state: dict[str, Any], *,
@@ -147,7 +157,9 @@ def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology,
     check_data(train, spec.train.seed, len(source), 0, 0)
     order = EpochOrder(spec.train.seed, len(source))
     plan_of = planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
-    return StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+    loader = StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+    loader.order = order  # the step in flight's extra samples are read from it (``runtime.inflight``)
+    return loader
 
 
 def _refuse_unresolved_epochs(spec: JobSpec, n: int) -> None:

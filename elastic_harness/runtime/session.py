@@ -70,7 +70,7 @@ from elastic_harness.data.sampler import DataState
 from elastic_harness.errors import HarnessError, UsageError
 from elastic_harness.launch.env import JOIN_SIGNAL, WorkerEnv
 from elastic_harness.rundir import check_paths
-from elastic_harness.runtime import build, failures, precision
+from elastic_harness.runtime import build, failures, inplace, precision
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
 from elastic_harness.runtime.buffers import BufferSync
@@ -86,6 +86,7 @@ from elastic_harness.runtime.registration import (
     short_schedule,
     short_schedule_error,
 )
+from elastic_harness.runtime.repoint import RunInPlace
 from elastic_harness.runtime.resume import announce, bind_data, restore
 from elastic_harness.runtime.seeding import seed_everything, step_seed
 from elastic_harness.runtime.state import TrainState, build_state
@@ -123,15 +124,19 @@ def init(job: str | Path | JobSpec | None = None, *, run_dir: str | Path | None 
             check_paths(Path(run_dir), spec)
     except HarnessError as e:
         _refuse(e, env)
+    recovery = inplace.install(spec, env)  # None: every fault restarts this worker
     t0 = time.perf_counter()
-    groups = hdist.init(env, spec.device, spec.timeouts.process_group)
+    groups = hdist.init(env, spec.device, spec.timeouts.process_group,
+                        live=recovery.gens if recovery is not None else None,
+                        forming=recovery.forming() if recovery is not None else None)
     pg_init_s = time.perf_counter() - t0
     try:
         claim = None if env.by_harness else _prepare_standalone(spec, run_dir, env, groups.ckpt)
     except HarnessError as e:
         hdist.destroy(groups)
         _refuse(e, env)
-    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology)
+    _ACTIVE = Run(spec, env, groups, run_dir, pg_init_s=pg_init_s, claim=claim, topology=topology,
+                  recovery=recovery)
     _ACTIVE.argv = rest
     return _ACTIVE
 
@@ -204,13 +209,16 @@ class Run:
     loops are ``runtime.loop``'s."""
 
     def __init__(self, spec: JobSpec, env: WorkerEnv, groups: hdist.Groups, run_dir: Path,
-                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None) -> None:
+                 pg_init_s: float = 0.0, claim: Any = None, topology: Topology | None = None,
+                 recovery: inplace.Recovery | None = None) -> None:
         self.spec, self.env, self.run_dir = spec, env, Path(run_dir)
+        self.recovery = recovery  # in-place recovery of this process (``runtime.inplace``), or None
         self.claim = claim  # the run dir's lock, held by rank 0 under plain torchrun/python
         self.argv: list[str] = []  # command-line arguments init(argv=...) did not consume
         self.closed = False
         topology = topology if topology is not None else Topology.from_env(env, spec.parallelism)
-        self.gen = build.join(spec, env, groups, self.run_dir, topology, pg_init_s)
+        agreed = recovery.take_agreed() if recovery is not None else None  # a rerun: shaken already
+        self.gen = build.join(spec, env, groups, self.run_dir, topology, pg_init_s, agreed=agreed)
         # What a script reads: the parallel layout (runtime.topology), a mesh layout's
         # DeviceMesh, the device, and who this process is among all of them (collectives,
         # files, events; the data split, the loss scale and evaluation use the data-parallel
@@ -229,6 +237,10 @@ class Run:
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._kept: int | None = None  # the step kept in memory on a failure (``_keep_on_failure``)
         self._loop = Loop(spec, self._train, self.parts.watchdog, self.parts.cadence, self.rank)
+        self._in_place = RunInPlace(self) if recovery is not None else None  # runtime.repoint
+        if self._in_place is not None:
+            self._loop.in_place(lambda: recovery.broken() is not None, self._in_place.recover,
+                                joinable=lambda: self.drain.requested and not self.drain.stop)
         self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does. ``close`` at the interpreter's exit.
@@ -284,6 +296,8 @@ class Run:
         buffers = BufferSync.of(model, self.topology.dp_degree)
         state = build_state(model, optimizer, self._train, scheduler=scheduler, scaler=scaler, extra=extra)
         self._trained = Trained(state, self._train, model, optimizer, scaler, buffers, replicas)
+        if self._in_place is not None:  # the step in flight may be finished in place (``runtime.inflight``)
+            self._in_place.registered(model)
 
     def resume(self, before_saying: Callable[[], None] | None = None) -> int:
         """Restore the newest snapshot every rank holds in memory, else load the newest
@@ -298,6 +312,8 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(trained.optimizer, self._registered)  # one built after register()
         self._resumed = True
+        if self.recovery is not None:
+            self.recovery.restoring()
         found = restore(trained.state, trained.model, topology=self.topology, memory=self.parts.memory,
                         ckpt=self.parts.ckpt)
         self._resumed_at = found.step if found is not None else 0
@@ -323,7 +339,7 @@ class Run:
         return self._loop.start(
             lambda: self._bound_loader(source_of(dataset), collate_fn),
             lambda: build.step_hook(self.spec, self.env, self.run_dir, self.gen, self.parts, self._trained,
-                                    self.drain),
+                                    self.drain, in_flight=self._in_place.finish if self._in_place else None),
             lambda: Samples.of(self.spec, self.run_dir, self.gen.id, self.topology))
 
     def _bound_loader(self, source: Any, collate_fn: Callable | None) -> StepLoader | StreamLoader:
@@ -401,7 +417,10 @@ class Run:
         finally:
             self.drain.restore()
             sys.excepthook = self._previous_hook
-            hdist.destroy(self.groups)
+            if self._in_place is None or not self._in_place.reruns():
+                if self.recovery is not None:
+                    self.recovery.finish()
+                hdist.destroy(self.groups)
             if self.claim is not None:
                 self.claim.release()
 

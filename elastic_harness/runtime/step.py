@@ -43,7 +43,20 @@ class Owner(Protocol):
 
     def start_vote(self, step: Step) -> None: ...
 
+    def after_backward(self) -> None: ...
+
+    def finish_in_flight(self, step: Step) -> Any: ...
+
     def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
+
+
+def _fire_during_backward(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor hook on the last micro-batch's loss: fires a chaos fault armed for this step's
+    backward (``runtime.faults``), once the backward pass has begun."""
+    from elastic_harness.runtime.faults import fire_armed
+
+    fire_armed("backward")
+    return grad
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
@@ -67,6 +80,8 @@ class Step:
         self.backwards = 0
         self.finished = False
         self.drained = False
+        self.thrown = False  # its generation broke: nothing of it was counted (``runtime.inplace``)
+        self.reformed = False  # finished in place, in a generation re-formed under it (``runtime.inflight``)
         self.shared: Any = None  # the step's vote all-reduce, once launched (``StepHook.start_vote``)
 
     @property
@@ -92,14 +107,31 @@ class Step:
         last = len(self._batches) - 1
         try:
             for i, batch in enumerate(self._batches):
-                self._current = len(self.plan[i])
+                self._current, self._current_index = len(self.plan[i]), i
                 if model is not None:
                     set_grad_sync(model, i == last)
                 yield batch
+            yield from self._finish_in_flight(model)
         finally:
             if model is not None:
                 set_grad_sync(model, True)
         self.hook.start_vote(self)
+
+    def _finish_in_flight(self, model: nn.Module | None) -> Iterator[Any]:
+        """The generation broke under this step and the survivors finish it in place
+        (``runtime.inflight``): this rank's part of the lost share, as more micro-batches
+        (gradients kept local), then the reduction at the new membership. The loss keeps the
+        step's own scale; the step then counts in the new generation (``hook`` is its)."""
+        finish = self.hook.finish_in_flight(self)
+        if finish is None:
+            return
+        for chunk, batch in zip(finish.plan, finish.batches, strict=True):
+            self._current = len(chunk)
+            if model is not None:
+                set_grad_sync(model, False)
+            yield batch
+        self.hook = finish.done(self)
+        self.reformed = True
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to differentiate: the micro-batch's share of the global-batch mean.
@@ -125,8 +157,14 @@ class Step:
         """``scale(loss).backward()``, through the GradScaler under fp16."""
         scaled = self.scale(loss)
         scaler = self.hook.scaler
+        if self._current_is_last():
+            scaled.register_hook(_fire_during_backward)  # a chaos fault keyed to this backward, if armed
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
         self.backwards += 1
+        self.hook.after_backward()
+
+    def _current_is_last(self) -> bool:
+        return getattr(self, "_current_index", -1) == len(self._batches) - 1
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()``, or the GradScaler's step and update under fp16."""

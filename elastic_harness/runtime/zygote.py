@@ -15,7 +15,9 @@ written to the file system: the agent talks to it over an inherited socket pair.
 
 Protocol (one JSON object per ``SOCK_SEQPACKET`` message), requests from the agent:
   ``{"op": "spawn", "module", "argv", "env", "cwd", "stdout", "stderr", "unbuffered"}``
-      -> ``{"op": "spawned", "pid"}`` (or ``{"op": "error", "message"}``)
+      -> ``{"op": "spawned", "pid"}`` (or ``{"op": "error", "message"}``); a descriptor
+      passed with it (``SCM_RIGHTS``) is the worker's end of its agent's control channel:
+      the worker inherits it, named by ``CONTROL_FD_VAR``, and the zygote closes its copy
   ``{"op": "signal", "pid", "sig"}``: sent only while ``pid`` is an unreaped child, so a
       recycled pid is never signalled; no reply.
 and unprompted: ``{"op": "ready", "threads"}`` once the imports are done, and
@@ -58,6 +60,7 @@ PRELOAD = (
     "encodings.idna",  # the first host name lookup (the store, gloo) imports this codec
 )
 MAX_MESSAGE = 1 << 20
+CONTROL_FD_VAR = "ELASTIC_HARNESS_CONTROL_FD"  # the worker's end of its control channel (runtime.control)
 
 
 # Signals the zygote ignores (its workers get the defaults back): ^C is the agent's to handle
@@ -125,10 +128,25 @@ def serve(sock) -> None:
                     _drain(wake_r)
                     _reap(sock, children)
                     continue
-                data = sock.recv(MAX_MESSAGE)
+                data, fds = _receive(sock)
                 if not data:
                     return  # the agent is gone or done
-                _handle(sock, json.loads(data), children, (wake_r, wake_w))
+                try:
+                    _handle(sock, json.loads(data), children, (wake_r, wake_w), fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+
+def _receive(sock) -> tuple[bytes, list[int]]:
+    """One request and the descriptors passed with it (at most one: a control channel)."""
+    import socket
+
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+    except OSError:
+        return b"", []
+    return data, list(fds)
 
 
 def _drain(fd: int) -> None:
@@ -151,7 +169,7 @@ def _reap(sock, children: set[int]) -> None:
         _send(sock, {"op": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int]) -> None:
+def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int], passed: list[int]) -> None:
     if msg["op"] == "signal":
         if msg["pid"] in children:  # not reaped yet, so the pid is still that worker's
             with contextlib.suppress(ProcessLookupError):
@@ -172,7 +190,7 @@ def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int]) -
             sock.close()
             for fd in private_fds:
                 os.close(fd)
-            code = become_worker(msg, parent, mask)
+            code = become_worker(msg, parent, mask, passed)
         finally:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -185,10 +203,11 @@ def _send(sock, msg: dict) -> None:
         sock.send(json.dumps(msg).encode())
 
 
-def become_worker(msg: dict, zygote: int, mask: set) -> int:
+def become_worker(msg: dict, zygote: int, mask: set, passed: list[int] = ()) -> int:
     """In the fresh fork: the environment and streams of a worker, then run its module as
     ``python -m MODULE ARGV`` would. Returns the exit code (the caller ``_exit``s with it).
-    ``mask``: the signal mask to restore once the default dispositions are back."""
+    ``mask``: the signal mask to restore once the default dispositions are back; ``passed``:
+    the control channel's descriptor, if the agent sent one."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, *SHIELDED):
         signal.signal(sig, signal.SIG_DFL)
@@ -198,6 +217,8 @@ def become_worker(msg: dict, zygote: int, mask: set) -> int:
     os.chdir(msg["cwd"])
     os.environ.clear()
     os.environ.update(msg["env"])
+    if passed:
+        os.environ[CONTROL_FD_VAR] = str(passed[0])
     _redirect(1, msg.get("stdout"))
     _redirect(2, msg.get("stderr"))
     if msg.get("unbuffered"):

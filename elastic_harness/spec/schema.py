@@ -434,9 +434,16 @@ class FaultSpec:
     duration: float = doc(
         0.0, "partition: seconds until the link comes back; hang-node: until the node is thawed; 0 = never."
     )
+    during: Literal["", "backward", "reduction"] = doc(
+        "", "kill-worker/kill-node at a step: fire during the next step's backward pass or gradient "
+        "reduction instead of after the step ('' = after it)."
+    )
 
     def __post_init__(self) -> None:
         _positive("chaos[].target", self.target, allow_zero=True)
+        if self.during and (self.kind not in ("kill-worker", "kill-node") or not self.at_step):
+            raise SpecError("chaos[].during", f"'{self.kind}' cannot fire during a step's {self.during}",
+                            "only kill-worker and kill-node keyed by a step (@STEP) can")
         _positive("chaos[].duration", self.duration, allow_zero=True)
         _positive("chaos[].at_step", self.at_step, allow_zero=True)
         _positive("chaos[].at_seconds", self.at_seconds, allow_zero=True)
@@ -536,6 +543,11 @@ class JobSpec:
     warm_start: bool = doc(
         True, "Fork workers from a per-agent process that already imported torch and the harness "
         "(a restart then starts in milliseconds); false = a fresh interpreter per worker."
+    )
+    recovery: Literal["in_place", "restart"] = doc(
+        "in_place", "How a fault is recovered: in_place = the surviving workers keep their processes "
+        "and re-form their process groups (only the lost ranks start anew; needs warm_start); "
+        "restart = every worker of the job restarts (forked anew from the zygote)."
     )
     rendezvous: RendezvousSpec = doc(RendezvousSpec(), "How nodes find each other.")
     train: TrainSpec = doc(TrainSpec(), "Steps, batch sizes, seed.")

@@ -42,7 +42,7 @@ _missing: dict[str, tuple[str, ...]] = {}
 _said: set[str] = set()
 
 # The modules that register features (imported by ``all_features``); each imports torch.
-MODULES = ("rdzv", "agent", "dcp", "nn")
+MODULES = ("rdzv", "agent", "dcp", "nn", "groups")
 
 
 def feature(key: str, title: str, off: str, *, required: bool = False) -> Callable[[Check], Check]:

@@ -49,6 +49,12 @@ def test_node_loss_shrinks_and_new_node_grows(heavy_reference, tmp_path):
     assert [g["world_size"] for g in gens] == [2, 1, 2]
     # Scale-up is a membership change, not a failure: no restart is spent on it.
     assert gens[2]["restart"] == gens[1]["restart"] == gens[0]["restart"] + 1
+    # In place both times: the survivor of the loss keeps its process, and at the join it
+    # parks after its drained step instead of exiting, then runs its loop beside the newcomer.
+    survivor = {e["rank"]: e["pid"] for e in r.kinds("worker") if e["restart"] == 0}[0]
+    loss, join = r.kinds("recovery")
+    assert (loss["kept"], loss["new"], join["kept"], len(join["new"])) == ([survivor], [], [survivor], 1)
+    assert join["mode"] == "rerun"
     (drain,) = r.kinds("drain")
     assert r.kinds("resume")[-1]["step"] == drain["step"], "scale-up must lose no step"
     # A drain only for a join, under DDP: a forced snapshot in memory, no storage write
@@ -56,11 +62,13 @@ def test_node_loss_shrinks_and_new_node_grows(heavy_reference, tmp_path):
     assert drain["saved"] == "memory"
     at_drain = [c for c in r.kinds("checkpoint") if c["step"] == drain["step"]]
     assert not at_drain or drain["step"] % 10 == 0, at_drain
-    # DDP: the survivor restores its own memory at world size 1; at the scale-up the new
-    # node's rank receives the drained state from the survivor's (memtier.peer): no storage read.
-    after_loss, after_join = r.kinds("resume")[-2:]
-    assert (after_loss["source"], after_loss["saved_world_size"]) == ("memory", 2)
-    assert after_loss["step"] >= 30 - max(e["every"] for e in r.kinds("memory"))
+    # DDP: the survivor finishes the step in flight at world size 1 (no restore); at the
+    # scale-up the new node's rank receives the drained state from the survivor's
+    # (memtier.peer): no storage read.
+    (finished,) = r.kinds("finished")
+    assert (finished["step"], finished["lost_dp_ranks"]) == (31, [1])
+    fresh, after_join = r.kinds("resume")
+    assert fresh["fresh"] and after_join["step"] == drain["step"]
     assert (after_join["source"], after_join["receivers"], len(after_join["senders"])) == ("peer", 1, 1)
     seen = audit(tmp_path, 1024, G, STEPS)
     assert set(seen["world_sizes"].values()) == {1, 2}

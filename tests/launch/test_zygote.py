@@ -205,3 +205,38 @@ def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():
     env = worker_malloc_environ({"PATH": "/bin"})
     assert env == {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
     assert worker_malloc_environ({"MALLOC_ARENA_MAX": "2"}) == {}
+
+
+def test_a_worker_gets_its_control_channel_through_the_zygote(zygote, tmp_path):
+    """The agent's end and the worker's end of a control line (``launch.control``,
+    ``runtime.control``): the worker is told to leave and to re-form, answers, and exits when
+    told to; nothing but JSON crosses."""
+    from elastic_harness.launch.control import Lines
+
+    lines = Lines()
+    ours, theirs = lines.open_line()
+    env = {"PATH": os.environ.get("PATH", "")}
+    pid = zygote.spawn("tests.control_child", [], env, stdout=str(tmp_path / "out"),
+                       stderr=str(tmp_path / "err"), unbuffered=True, line=theirs)
+    theirs.close()
+    lines.adopt(pid, ours)
+
+    def heard(op):
+        wait_until(lambda: any(m["op"] == op for m in lines.heard.get(pid, []) + [m for _, m in lines.hear()]),
+                   30, f"the worker's {op}")
+        return [m for m in lines.take(pid) if m["op"] == op][-1]
+
+    assert heard("parked")["step"] == 7
+    assert lines.say(pid, "leave", reason="rank 3 died")
+    assert lines.say(pid, "reform", env={"RANK": "5"})
+    got = heard("reformed")
+    assert got["rank"] == "5" and got["left"] == ["rank 3 died"] and got["pid"] == pid
+    assert lines.say(pid, "exit")
+    assert _exit_of(zygote, pid) == 0
+    lines.close()
+
+
+def test_a_worker_without_a_line_has_no_control_channel(zygote, tmp_path):
+    pid = zygote.spawn("tests.control_child", [], {"PATH": os.environ.get("PATH", "")},
+                       stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), unbuffered=True)
+    assert _exit_of(zygote, pid) == 3

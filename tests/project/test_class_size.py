@@ -27,6 +27,8 @@ WAITING_CLASSES: dict[str, str] = {
                                                "changed elsewhere: its split lands after that",
     "launch/rendezvous.py:_Handler": "becomes pure rules over our own state plus a handler that applies them "
                                      "(the launch/ split)",
+    "torchcompat/groups.py:LiveGroup": "stays: torch's ProcessGroup as Python sees it, one method per collective torch "
+                                       "calls (each under every name torch 2.11-2.15 gives it)",
 }
 
 # "path:qualified name": functions over PARAMS, each with its reason, as above.

@@ -1,0 +1,196 @@
+"""A ``Run`` through an in-place fault (``runtime.inplace``): its part of the recovery.
+
+``RunInPlace`` is the run's side of a fault recovered in place. ``recover`` is what its loop
+calls when the generation broke (``runtime.loop``): keep the step the memory tier was armed
+with, park, take the next place, then ``repoint`` the run at the new generation (every
+member a survivor, DDP) or raise ``Rerun`` (the training function runs again in this process).
+``reruns`` tells the run's ``close`` that a rerun is on its way (the groups then stay).
+
+``repoint`` keeps what the process owns (the model, the optimizer, what the script
+registered, the drain, the run directory's lock) and builds what a generation builds
+(``runtime.build``: its layout, events, checkpoints, memory tier, metrics, watchdog), as a
+new worker of the generation builds them; the loop then resumes from memory.
+
+``finish`` is what a step calls when its generation broke under it (``Step.batches``, after
+this rank's micro-batches): under DDP the survivors finish the step in flight
+(``runtime.inflight``): the same re-formation, then this rank's local gradients put back, its
+part of the lost ranks' shares as extra micro-batches and one reduction at the new
+membership; no restore (every survivor left the step before its optimizer stepped, and holds
+the step before it). Where it cannot be done (not DDP, a stream, a communication hook of the
+script's own, a survivor ahead or behind, too few lost samples), the step is thrown away and
+redone after a restore, said once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_harness.launch.env import WorkerEnv
+from elastic_harness.runtime import build, inflight, inplace
+from elastic_harness.runtime.buffers import BufferSync
+from elastic_harness.runtime.hook import ReplicaCheck, Trained
+from elastic_harness.runtime.loop import Samples
+from elastic_harness.runtime.resume import go_on
+from elastic_harness.runtime.step import Step
+from elastic_harness.runtime.topology import Topology
+from elastic_harness.torchcompat.groups import repoint_ddp
+
+
+@dataclass
+class Finishing:
+    """A step's end in place: this rank's extra micro-batches and what ends the step."""
+
+    plan: list  # micro-batches of (position, dataset index)
+    batches: list  # the same, loaded, on the device
+    done: Callable[[Any], Any]  # (the step) -> the step hook of the new generation
+
+
+class RunInPlace:
+    def __init__(self, run: Any) -> None:
+        self.run = run  # a ``runtime.session.Run`` with its ``recovery``
+        self.kept = inflight.Kept()  # the step's local gradients (DDP: ``register`` hooks them)
+        self.cannot_finish = "the model is not registered yet"  # why a step is not finished in place
+        self._said: set[str] = set()
+
+    def registered(self, model: Any) -> None:
+        """``run.register``: keep the model's local gradients each step, where the step in flight
+        can be finished (DDP); else say once, at the first fault, why it is redone."""
+        if self.run.spec.parallelism != "ddp":
+            self.cannot_finish = f"a {self.run.spec.parallelism} layout's lost shards went with the node"
+            return
+        self.cannot_finish = inflight.install(model, self.kept, lambda: dist.group.WORLD) or ""
+
+    def reruns(self) -> bool:
+        """Is the run closing because its training function runs again in this process (a
+        ``Rerun`` on its way, or an exception while its generation is broken)? Then the
+        groups stay: the re-formation made them for the next generation."""
+        exc, recovery = sys.exc_info()[1], self.run.recovery
+        return isinstance(exc, inplace.Rerun) or (isinstance(exc, Exception) and recovery.broken() is not None)
+
+    def recover(self) -> None:
+        """The generation broke under the loop: keep the step the tier was armed with, park,
+        take the next place; then re-point the run at it, or unwind the training function to
+        run it again (``Rerun``)."""
+        run = self.run
+        recovery = run.recovery
+        kept = self._kept(joining=recovery.broken() is None)
+        run.parts.watchdog.disarm()  # parked: no step is due
+        env, hand = recovery.reform(recovery.park(run.step, kept), run.spec)
+        if inplace.how(hand, run.spec.parallelism) == inplace.RERUN:
+            raise inplace.Rerun()
+        self.repoint(env, hand)
+
+    def _kept(self, joining: bool) -> int | None:
+        """The step this rank holds in memory for the next generation: a broken generation's
+        is the step the tier was armed with (published now); a drain for a joining node (nothing
+        broke) took its snapshot at the drained step, which must not be rolled back from."""
+        run, memory = self.run, self.run.parts.memory
+        if memory is None:
+            return run._kept
+        if joining:
+            memory.disarm()
+            return run.step if memory.newest == run.step else None
+        return memory.keep_armed() if run._kept is None else run._kept
+
+    def finish(self, step: Any) -> Finishing | None:
+        """The generation broke under ``step`` (after this rank's micro-batches): park and
+        re-form, then finish the step in place, or throw it away to be redone (None)."""
+        run = self.run
+        recovery = run.recovery
+        kept = self._kept(joining=False)
+        run.parts.watchdog.disarm()
+        loader = run._loop.loader
+        why = self.cannot_finish or ("" if getattr(loader, "order", None) is not None
+                                     else "a stream's samples are read in order, not by position")
+        old = (run.topology.dp_rank(), run.topology.dp_degree)
+        env, hand = recovery.reform(recovery.park(run.step, kept), run.spec, old_dp=old,
+                                    finishing=-1 if why else step.number)
+        if inplace.how(hand, run.spec.parallelism) == inplace.RERUN:
+            if why:
+                self._say(f"step {step.number} is redone after a restore: {why}")
+            raise inplace.Rerun()
+        plan = None if why or not hand.finishes(step.number) else self._extra(loader, hand, old[1], env)
+        why = why or ("" if plan is not None else "not every survivor holds the step's local gradients, "
+                      "or the lost shares have fewer samples than there are survivors")
+        self.repoint(env, hand, restore=bool(why))
+        if why or not self.kept.restore(run._trained.model):
+            self._say(f"step {step.number} is redone after a restore: {why or 'a gradient was not kept'}")
+            step.thrown = True
+            return None
+        batches, meta = loader.fetch(plan)
+        return Finishing(plan, batches, lambda st: self._finished(st, plan, meta, old, hand))
+
+    def _extra(self, loader: Any, hand: inplace.Handshake, old_dp: int, env: WorkerEnv) -> list | None:
+        """This survivor's part of the lost shares of the step in flight (``inflight.extra_plan``)."""
+        spec, run = self.run.spec, self.run
+        lost = sorted(set(range(old_dp)) - {r for r, _ in hand.old_dp})
+        return inflight.extra_plan(loader.order, run._train.data.cursor, spec.train.global_batch_size, old_dp,
+                                   lost, env.world_size, env.rank, spec.train.micro_batch_size)
+
+    def _finished(self, step: Any, plan: list, meta: list | None, old: tuple[int, int],
+                  hand: inplace.Handshake) -> Any:
+        """The extra micro-batches' backward done: reduce at the new membership (divided by
+        the step's own data-parallel degree), record the step's samples in this generation,
+        say it; the new generation's step hook."""
+        run = self.run
+        if run.recovery.force("finish"):
+            os._exit(inplace.REFORM_FAILED_EXIT)  # a second fault while the step is being finished
+        inflight.reduce(run._trained.model, dist.group.WORLD, old[1])
+        hook = build.step_hook(run.spec, run.env, run.run_dir, run.gen, run.parts, run._trained, run.drain,
+                               in_flight=self.finish)
+        if run.recovery.broken() is not None:  # the reduction failed: the update is not the step's
+            self._say(f"step {step.number} is redone after a restore: a fault came while it was being finished")
+            step.thrown = True
+            return hook
+        loader = run._loop.loader
+        samples = Samples.of(run.spec, run.run_dir, run.gen.id, run.topology)
+        if samples is not None:
+            own = loader.meta or []
+            merged = Step(step.hook, step.number, [*step.plan, *plan], [])
+            samples.record(merged, (own + meta) if meta is not None else None)
+        lost = sorted(set(range(old[1])) - {r for r, _ in hand.old_dp})
+        run.gen.events.emit("finished", step=step.number, lost_dp_ranks=lost, world_size=run.world_size,
+                            extra_samples=sum(len(c) for c in plan),
+                            message=f"step {step.number} finished without data-parallel rank(s) {lost}: the "
+                                    f"{run.world_size} survivor(s) computed their shares as extra micro-batches")
+        return hook
+
+    def _say(self, line: str) -> None:
+        """One warning per reason (rank 0 narrates)."""
+        key = line.split(": ", 1)[-1]
+        if key not in self._said:
+            self._said.add(key)
+            self.run.gen.events.emit("warning", message=line)
+
+    def repoint(self, env: WorkerEnv, hand: inplace.Handshake, restore: bool = True) -> None:
+        """Every member of the new generation is a survivor and the layout is DDP: the same
+        objects go on (the model pointed at the resized default group, its reducer reset);
+        what a generation builds is built for it; the loop then resumes from memory and binds
+        the data at the new split (``restore``; without it the state stays as it is: a step
+        finished in place)."""
+        run = self.run
+        old = run.parts
+        run.env, topology = env, Topology.from_env(env, run.spec.parallelism)
+        run.gen = build.join(run.spec, env, run.groups, run.run_dir, topology, 0.0, agreed=hand)
+        run.topology, run.rank, run.world_size = topology, topology.rank, topology.world_size
+        for close in (old.ckpt.close, old.metrics.close, old.memory.close if old.memory is not None else None):
+            if close is not None:
+                close()
+        run.parts = build.equip(run.spec, env, run.gen, run.run_dir)
+        trained = run._trained
+        if trained is not None:
+            repoint_ddp(trained.model, dist.group.WORLD)
+            replicas = (ReplicaCheck(trained.model, run.groups.ckpt, run.world_size)
+                        if trained.replicas is not None else None)
+            run._trained = Trained(trained.state, trained.train, trained.model, trained.optimizer, trained.scaler,
+                                   BufferSync.of(trained.model, topology.dp_degree), replicas)
+        run._resumed, run._kept = not restore, None
+        if not restore and trained is not None:
+            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory, ckpt=run.parts.ckpt)
+        run._loop.rebind(run.parts.watchdog, run.parts.cadence, run.rank)

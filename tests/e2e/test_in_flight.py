@@ -1,0 +1,70 @@
+"""The step in flight finished without the lost node (docs/in-place.md, "The step in flight"):
+under DDP a node killed in the middle of a step's backward pass, or of its gradient
+reduction, costs the survivors no step: they compute the lost share as extra micro-batches
+and take the step at the new membership. The result is the uninterrupted run's within the
+tolerance of a change of reduction order (docs/tolerance.md), and every sample is used once
+(the audit by content). Where the step cannot be finished, it is redone after a restore,
+said once (HSDP: tests/runtime/test_e2e_layout.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.audit import audit
+from tests.conftest import MLP, cli, final_ckpt, model_of
+from tests.e2e.test_e2e_core import assert_close
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+N, G, STEPS = 1024, 30, 40
+RECORD = ["--set", "train.record_samples=true", "--set", f"train.steps={STEPS}"]
+
+
+def nodes(n: int) -> list[str]:
+    return ["--nodes", str(n), "--nproc-per-node", "1", "--set", "nodes.min=1", "--set", f"nodes.max={n}"]
+
+
+@pytest.fixture(scope="module")
+def three_node_reference(tmp_path_factory):
+    r = cli("run", str(MLP), *nodes(3), *RECORD, run_dir=tmp_path_factory.mktemp("ref3"))
+    assert r.code == 0, r.err
+    return r
+
+
+@pytest.mark.parametrize("n, during", [(2, "backward"), (3, "reduction")])
+def test_a_node_lost_mid_step_costs_the_survivors_no_step(three_node_reference, tmp_path, n, during):
+    """The last node is SIGKILLed in step 21's backward pass (2 nodes: one survivor carries
+    the whole batch) or in its gradient reduction (3 nodes: two survivors split the lost
+    share)."""
+    r = cli("run", str(MLP), *nodes(n), *RECORD, "--chaos", f"kill-node:{n - 1}@20+{during}", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    (finished,) = r.kinds("finished")
+    assert (finished["step"], finished["lost_dp_ranks"], finished["world_size"]) == (21, [n - 1], n - 1)
+    assert finished["extra_samples"] == G // n // (n - 1), "rank 0's part of the lost rank's share, no more"
+    assert all(e["mode"] == "finish" for e in r.kinds("reformed")) and len(r.kinds("reformed")) == n - 1
+    (rec,) = r.kinds("recovery")
+    first = {e["rank"]: e["pid"] for e in r.kinds("worker") if e["restart"] == 0}
+    assert sorted(rec["kept"]) == sorted(first[k] for k in range(n - 1)) and rec["new"] == []
+    assert [e for e in r.kinds("resume") if not e.get("fresh")] == [], "nothing restored: no step redone"
+    assert "is redone" not in r.err
+    audit(tmp_path, N, G, STEPS)
+    reference = three_node_reference.run_dir if n == 3 else None
+    if reference is None:
+        ref = cli("run", str(MLP), *RECORD, run_dir=tmp_path.parent / f"{tmp_path.name}-ref")
+        assert ref.code == 0, ref.err
+        reference = ref.run_dir
+    diff = assert_close(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(reference)))
+    print(f"{n} nodes, a node lost mid-{during}, vs uninterrupted: {diff}")
+
+
+def test_a_fault_while_the_step_is_finished_falls_back_to_a_restore_said_once(tmp_path):
+    """Node 2 of 3 lost in step 21; rank 1 dies while the survivors finish it: the finishing's
+    reduction fails on rank 0, the step is redone after a restore (said once), rank 1's node
+    starts a new worker, and nothing is lost or taken twice."""
+    r = cli("run", str(MLP), *nodes(3), *RECORD, "--chaos", "kill-node:2@20", run_dir=tmp_path,
+            env={"ELASTIC_HARNESS_INPLACE_FAULT": "finish:1"})
+    assert r.code == 0, r.err
+    assert r.kinds("finished") == []
+    redone = [line for line in r.err.splitlines() if "is redone after a restore" in line]
+    assert len(redone) == 1 and "a fault came while it was being finished" in redone[0], r.err
+    audit(tmp_path, N, G, STEPS)

@@ -1,0 +1,63 @@
+"""The step in flight, finished without the lost rank (``runtime.inflight``): the lost share's
+positions split over the survivors, and the local gradients the communication hook keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_harness.data.sampler import EpochOrder, rank_share
+from elastic_harness.runtime import inflight
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("g, old_dp, lost, survivors, micro", [(30, 3, [2], 2, 8), (30, 2, [1], 1, 8),
+                                                                (32, 4, [1, 3], 2, 3), (7, 4, [0, 1], 3, 2)])
+def test_the_lost_share_is_split_over_the_survivors_once_each_in_matching_micro_batches(g, old_dp, lost,
+                                                                                         survivors, micro):
+    order, cursor = EpochOrder(seed=5, dataset_size=50), 40  # the step crosses an epoch boundary
+    plans = [inflight.extra_plan(order, cursor, g, old_dp, lost, survivors, me, micro) for me in range(survivors)]
+    assert all(p is not None for p in plans)
+    want = [p for r in lost for p in range(cursor + rank_share(g, old_dp, r)[0], cursor + rank_share(g, old_dp, r)[1])]
+    got = sorted(pos for plan in plans for chunk in plan for pos, _ in chunk)
+    assert got == want, "every lost position once, nothing else"
+    assert all(idx == order.indices(pos, pos + 1)[0] for plan in plans for chunk in plan for pos, idx in chunk)
+    assert len({len(plan) for plan in plans}) == 1, "as many micro-batches on every survivor"
+    assert all(len(chunk) <= micro for plan in plans for chunk in plan)
+
+
+def test_fewer_lost_samples_than_survivors_is_no_plan():
+    assert inflight.extra_plan(EpochOrder(1, 10), 0, 4, 4, [1], 3, 0, 8) is None  # 1 sample, 3 survivors
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_hook_keeps_each_local_gradient_and_a_script_hook_is_a_reason(one_rank):
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(4, 3))
+    kept = inflight.Kept()
+    assert inflight.install(model, kept, lambda: dist.group.WORLD) is None and kept.hooked
+    kept.begin(7)
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    params = list(model.parameters())
+    assert set(kept.grads) == set(params)
+    assert all(torch.equal(kept.grads[p], p.grad) for p in params), "one rank: the local gradient is the mean"
+    local = {p: p.grad.clone() for p in params}
+    for p in params:
+        p.grad.zero_()  # a reduction that was left may have half-written a bucket
+    assert kept.restore(model) and all(torch.equal(p.grad, local[p]) for p in params)
+
+    other = DistributedDataParallel(nn.Linear(4, 3))
+    other.register_comm_hook(None, lambda _state, bucket: torch.futures.Future().set_result(bucket.buffer()) or None)
+    why = inflight.install(other, inflight.Kept(), lambda: dist.group.WORLD)
+    assert why is not None and why.startswith("the model has a communication hook of its own")
+    assert inflight.install(nn.Linear(2, 2), inflight.Kept(), lambda: None) == "the model is not DistributedDataParallel"
