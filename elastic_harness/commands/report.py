@@ -20,6 +20,7 @@ from elastic_harness.chaos.vocabulary import KINDS
 from elastic_harness.deps import MissingExtra, require_extra
 from elastic_harness.errors import CheckpointError, HarnessError, RunDirError
 from elastic_harness.events import read_events
+from elastic_harness.report.inplace import IN_PLACE, Kept, Recovered
 from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
 
 # What the tests accept after a resize (reduction order changes): see tests/e2e/test_e2e_core.py.
@@ -85,25 +86,36 @@ def can_plot() -> bool:
 def as_json(tl: Timeline, run_dir: Path, plot_path: Path | None) -> dict:
     return {
         "run_dir": str(run_dir), "invocations": tl.invocations, "generations": tl.generations,
-        "faults": [dataclasses.asdict(f) for f in tl.faults], "failures": failure_count(tl.faults),
+        "faults": [fault_json(f) for f in tl.faults], "failures": failure_count(tl.faults),
         "goodput": dataclasses.asdict(tl.goodput), "plot": str(plot_path) if plot_path else None,
         "memory_probe": dataclasses.asdict(tl.probe) if tl.probe else None,
         "excluded": tl.excluded,
     }
 
 
+def fault_json(f: FaultRow) -> dict:
+    """One row of ``report --json``: its fields, and under ``recovered_how`` also how many
+    survivors kept their process and whether the in-place path fell back (``report.inplace``)."""
+    out = dataclasses.asdict(f)
+    how = f.recovered_how
+    if how is not None:
+        out["recovered_how"].update(survivors_kept=how.survivors_kept, fell_back=how.fell_back)
+    return out
+
+
 def failure_count(rows: list[FaultRow]) -> str:
-    """``3 failures: 1 injected, 2 not; 2 recovered, 9 steps lost``, then the other faults
+    """``3 failures: 1 injected, 2 not; 2 recovered (1 in place), 9 steps lost``, then the other faults
     injected (a node added, a link healed: ``chaos.vocabulary.Kind.failure``), which are
     rows of the table but no failures (each ``add-node`` was counted as one)."""
     failures = [r for r in rows if is_failure(r)]
     injected = sum(r.injected for r in failures)
     recovered = sum(r.first_step is not None for r in failures)
+    in_place = sum(r.recovered_how is not None and r.recovered_how.way == IN_PLACE for r in failures)
     lost = sum(r.steps_lost or 0 for r in failures)
     others = sorted({r.kind for r in rows if not is_failure(r)})
     more = f"; and {len(rows) - len(failures)} other fault(s) injected ({', '.join(others)})" if others else ""
     return (f"{len(failures)} failure(s): {injected} injected, {len(failures) - injected} not; "
-            f"{recovered} recovered, {lost} step(s) lost{more}")
+            f"{recovered} recovered ({in_place} in place), {lost} step(s) lost{more}")
 
 
 def is_failure(row: FaultRow) -> bool:
@@ -133,6 +145,34 @@ def _fault_line(f: FaultRow) -> str:
     return _row(cells)
 
 
+def how_line(how: Recovered) -> str:
+    """Pure: how a fault was recovered, in words: in place (and how) or restarted, which
+    survivors kept their process (by rank and pid), who is new, the in-place phases."""
+    if how.way == IN_PLACE:
+        head = f"in place ({how.mode})"
+    else:
+        head = "restarted" + (" (the in-place path failed)" if how.tried else "")
+    parts = [head]
+    if how.survivors is not None:
+        parts.append(f"{how.survivors_kept} of {len(how.survivors)} survivor(s) kept their process")
+    if how.kept:
+        parts.append("kept: " + ", ".join(_kept_words(k) for k in how.kept))
+    if how.new:
+        parts.append("new: " + ", ".join(f"rank {m.rank} (pid {m.pid})" for m in how.new))
+    if how.phases_s:
+        parts.append(", ".join(f"{PHASE_WORDS[k]} {'-' if v is None else f'{v:.3f}'}" for k, v in how.phases_s.items())
+                     + " s")
+    return "; ".join(parts)
+
+
+PHASE_WORDS = {"leave": "leave", "park": "park", "reform": "re-form", "restore": "restore", "first_step": "first step"}
+
+
+def _kept_words(k: Kept) -> str:
+    moved = "" if k.after.rank == k.before.rank else f", now rank {k.after.rank}"
+    return f"rank {k.before.rank} (pid {k.before.pid}{moved})"
+
+
 def _row(cells: list[str]) -> str:
     widths = (3, 12, 6, 6, 8, 9, 11, 8, 11, 8, 0)
     return "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
@@ -146,6 +186,7 @@ def render(tl: Timeline, run_dir: Path) -> list[str]:
                            "first step", "resumed", "steps lost"]))
         lines += [_fault_line(f) for f in tl.faults]
         lines += [f"  #{f.index} not injected: {f.cause}" for f in tl.faults if not f.injected and f.cause]
+        lines += [f"  #{f.index} {how_line(f.recovered_how)}" for f in tl.faults if f.recovered_how is not None]
     else:
         lines.append("no failures, no faults injected")
     for out in tl.excluded:

@@ -7,7 +7,8 @@ the whole run dir, so ``report``, ``summary.json`` and the agent endpoint agree.
 A fault row follows one ``fault`` event: the first sign of the agents reacting after it
 (``is_reaction``), the next rendezvous completion, the next ``resume`` and the first step
 of that generation; steps lost are the last step completed before the fault minus the step
-resumed from (0 when the job drained and saved).
+resumed from (0 when the job drained and saved); and how it was recovered, in place or by a
+restart, which members kept their process and the in-place phases (``report.inplace``).
 
 Failures nobody injected (a worker killed from outside, a frozen node the watchdog ended, an
 exception) get a row too (``injected`` False): one per agent account of a failed worker
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from elastic_harness.goodput import BADPUT_KINDS, RDZV_COMPLETE, Goodput
+from elastic_harness.report.inplace import Recovered, recovered
 from elastic_harness.report.probe import ProbeCost, probe_cost
 from elastic_harness.runstate import fold, split_invocations
 
@@ -71,6 +73,7 @@ class FaultRow:
     source: str | None = None  # where the state came from (``resume``): memory, peer, buddy or storage
     injected: bool = True  # a chaos fault (``fault`` event); False: a failure nobody injected
     cause: str | None = None  # not injected: the agent's account (which rank ended how)
+    recovered_how: Recovered | None = None  # in place or by a restart, who kept its process (``report.inplace``)
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,7 @@ def _fault_row(n: int, i: int, f: dict, inv: Sequence[dict], flat: Sequence[dict
         world_size_before=before[-1].get("world_size") if before else None,
         world_size_after=first.get("world_size") if first else None,
         source=resume.get("source") if resume else None,
+        recovered_how=recovered(flat, f, resume, first or None),
     )
 
 

@@ -224,3 +224,117 @@ def test_a_soak_counts_every_verdict_hang_or_failure_as_a_false_detection():
     assert clean["false_detections"] == 0 and clean["stalls_looked_at"] == 1 and clean["steps"] == 11
     bad = nodeloss.soak_counts([*events, {"event": "failure", "cause": "node-lost"}, {"event": "failure"}])
     assert (bad["node_lost"], bad["worker_failures"], bad["false_detections"]) == (1, 1, 2)
+
+
+def test_survivors_that_kept_their_process_are_counted_from_the_events():
+    """Each fault's account (``report.inplace``) read by the bench: the in-place run's survivor
+    kept its pid, the restarted run's did not, and neither fell back; a fault whose in-place
+    path failed is counted as a fall back."""
+    from elastic_harness.bench.recovery import kept
+    from tests.report.test_inplace_report import node_lost_in_place, restarted
+
+    rows = [build_row(node_lost_in_place()), build_row(restarted(node_lost_in_place(), fell_back=False)),
+            build_row(restarted(node_lost_in_place(), fell_back=True))]
+    records = [kept.of_fault(r.recovered_how) for r in rows]
+    assert [(r["way"], r["survivors"], r["survivors_kept"], r["fell_back"]) for r in records] == [
+        ("in place", 1, 1, False), ("restart", 1, 0, False), ("restart", 1, 0, True)]
+    assert records[0]["in_place_phases"]["reform"] == pytest.approx(0.05)
+    t = kept.tally(records[:1])
+    assert (t["in_place"], t["survivors"], t["survivors_kept"], t["every_survivor_kept"], t["fell_back"]) == (
+        1, 1, 1, True, 0)
+    t = kept.tally([*records, kept.of_fault(None)])
+    assert (t["faults"], t["in_place"], t["restarted"], t["not_recovered"], t["fell_back"]) == (4, 1, 2, 1, 1)
+    assert (t["survivors"], t["survivors_kept"], t["modes"]) == (3, 1, ["repoint"])
+    assert kept.tally(records[1:])["every_survivor_kept"] is None, "no fault in place: nothing to judge"
+
+
+def build_row(events):
+    from elastic_harness.report.timeline import build
+
+    (row,) = build(events).faults
+    return row
+
+
+def in_place_rows(medians: dict, cpu: dict, kept_all: bool = True) -> dict:
+    """``bench_in_place``'s rows from medians per (size, side), same host only."""
+    def row(n, side):
+        return {"median_s": medians[(n, side)], "cpu_s_median": cpu[(n, side)],
+                "kept": {"faults": 1, "survivors": n - 1, "survivors_kept": n - 1 if kept_all or side != "in_place"
+                         else 0, "every_survivor_kept": kept_all if side == "in_place" else None,
+                         "fell_back": 0 if kept_all or side != "in_place" else 1, "not_recovered": 0}}
+    return {str(n): {"same_host": {side: row(n, side) for side in ("in_place", "restart")},
+                     "separate_hosts": {"skipped": "needs root"}} for n in (2, 4, 8)}
+
+
+def test_the_in_place_bench_judges_its_goals_on_the_medians():
+    from elastic_harness.bench.recovery import inplace
+
+    medians = {(2, "in_place"): 0.05, (4, "in_place"): 0.06, (8, "in_place"): 0.07,
+               (2, "restart"): 0.10, (4, "restart"): 0.20, (8, "restart"): 0.40}
+    cpu = {(2, "in_place"): 0.02, (4, "in_place"): 0.03, (8, "in_place"): 0.05,
+           (2, "restart"): 0.1, (4, "restart"): 0.3, (8, "restart"): 0.5}
+    rows = in_place_rows(medians, cpu)
+    ratios = inplace.scaling(rows, [2, 4, 8])
+    assert ratios["same_host_in_place"] == {"time": 1.4, "cpu_s": 2.5}
+    assert ratios["same_host_restart"] == {"time": 4.0, "cpu_s": 5.0}
+    assert ratios["separate_hosts_in_place"] == {"time": None, "cpu_s": None}
+    out = inplace.goals(rows, ratios, [2, 4, 8])
+    g = out["goals"]
+    assert g["same_host_scaling"]["met"] is True and g["same_host_cpu_scaling"]["met"] is False
+    assert g["same_host_two_nodes_s"] == {"value": 0.05, "goal": "<= 0.08", "met": True}
+    assert g["separate_hosts_scaling"]["met"] is None and g["separate_hosts_scaling"]["skipped"] == "row skipped"
+    assert g["every_survivor_kept"] == {"met": True, "survivors": 1 + 3 + 7, "kept": 11}
+    assert g["no_fall_back"] == {"met": True, "fell_back": 0, "faults": 3}
+    assert out["met"] is False and "separate_hosts_scaling" in out["not_judged"]
+    lost = inplace.goals(in_place_rows(medians, cpu, kept_all=False), ratios, [2, 4, 8])["goals"]
+    assert lost["every_survivor_kept"]["met"] is False and lost["no_fall_back"]["fell_back"] == 3
+
+
+def test_the_in_place_bench_says_why_a_goal_was_not_judged():
+    from elastic_harness.bench.recovery import inplace
+
+    rows = {k: v for k, v in in_place_rows({(n, s): 0.1 for n in (2, 4, 8) for s in ("in_place", "restart")},
+                                           {(n, s): 0.1 for n in (2, 4, 8) for s in ("in_place", "restart")}).items()
+            if k in ("2", "4")}
+    out = inplace.goals(rows, inplace.scaling(rows, [2, 4]), [2, 4])["goals"]
+    assert out["same_host_scaling"]["met"] is None and "2 and 8" in out["same_host_scaling"]["skipped"]
+    assert out["same_host_two_nodes_s"]["met"] is False  # 0.1 s at 2 nodes: judged, not met
+    assert inplace.parse_sizes("8, 2,4,2") == [2, 4, 8]
+    for bad in ("1,2", "two", ""):
+        with pytest.raises(ValueError, match="--sizes"):
+            inplace.parse_sizes(bad)
+    assert inplace.order(0) == ("in_place", "restart") and inplace.order(1) == ("restart", "in_place")
+
+
+def test_a_crash_summary_says_how_each_crash_was_recovered_and_who_kept_its_process():
+    """``bench recovery --only kill-worker``'s summary of one run: each crash's way and
+    survivors kept (``recoveries``), summed (``kept``), and the median in-place phases."""
+    from tests.report.test_inplace_report import node_lost_in_place, restarted
+
+    def crash(events):
+        for e in events:
+            if e["event"] == "fault":
+                e.update(kind="kill-worker", target=1)
+        return events
+
+    in_place = crash_stats.crash_summary(crash(node_lost_in_place()), 1, 0)
+    assert in_place["kept"]["in_place"] == 1 and in_place["kept"]["every_survivor_kept"] is True
+    assert in_place["median_in_place_phases_s"]["reform"] == pytest.approx(0.05)
+    assert (in_place["recoveries"][0]["way"], in_place["recoveries"][0]["survivors_kept"]) == ("in place", 1)
+    fell = crash_stats.crash_summary(crash(restarted(node_lost_in_place(), fell_back=True)), 1, 0)
+    assert (fell["kept"]["in_place"], fell["kept"]["fell_back"], fell["kept"]["survivors_kept"]) == (0, 1, 0)
+    assert fell["median_in_place_phases_s"]["reform"] is None
+
+
+def test_an_in_place_row_keeps_runs_that_hit_a_smaller_world_out_of_its_medians():
+    """Under load a node can miss the first rendezvous round: that run measured N-1 nodes."""
+    from elastic_harness.bench.recovery import inplace
+
+    def run(world, s):
+        return {"recovery_s": s, "world_size_before": world, "cpu_s": s, "way": "in place", "survivors": world - 1,
+                "survivors_kept": world - 1, "fell_back": False, "mode": "repoint"}
+
+    row = inplace.row_at_size([run(4, 0.3), run(3, 0.1), run(4, 0.5)], 4)
+    assert row["median_s"] == pytest.approx(0.4) and row["kept"]["survivors"] == 6
+    assert row["not_at_size"]["world_sizes"] == [3] and len(row["not_at_size"]["runs"]) == 1
+    assert "not_at_size" not in inplace.row_at_size([run(4, 0.3)], 4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from elastic_harness.report.timeline import build
 from tests.audit import audit
 from tests.conftest import MLP, cli, final_ckpt, model_of
 from tests.e2e.test_e2e_core import assert_close
@@ -45,6 +46,11 @@ def test_a_crashed_worker_is_replaced_and_its_peer_keeps_its_process(mlp_referen
     (reformed,) = r.kinds("reformed")
     assert reformed["pid"] == before[0] and set(reformed["phases_s"]) == {"leave", "park", "reform"}
     assert "recovered in place: 1 of 2 workers kept their process" in r.err
+    shown = cli("report", str(tmp_path), "--no-plot")
+    assert shown.code == 0, shown.err
+    assert "1 recovered (1 in place)" in shown.out
+    assert (f"#0 in place (rerun); 1 of 1 survivor(s) kept their process; kept: rank 0 (pid {before[0]}); "
+            f"new: rank 1 (pid {rec['new'][0]}); leave ") in shown.out
     assert r.summary["model_digest"] == mlp_reference.summary["model_digest"]
     assert r.kinds("resume")[-1]["source"] == "memory"
     audit(tmp_path, N, G, STEPS)
@@ -67,6 +73,12 @@ def test_a_lost_node_is_left_behind_by_survivors_that_keep_their_processes(tmp_p
     restart = cli("run", str(MLP), *args, "--set", "recovery=restart", run_dir=tmp_path / "restart")
     assert restart.code == 0, restart.err
     assert restart.kinds("recovery") == [], "a restart keeps no process"
+    (kept,) = build(r.events).faults
+    assert (kept.recovered_how.way, kept.recovered_how.mode, kept.recovered_how.survivors_kept) == ("in place", mode, 1)
+    assert sum(kept.recovered_how.phases_s.values()) == pytest.approx(kept.recovery_s, abs=1e-3)
+    (lost,) = build(restart.events).faults
+    assert (lost.recovered_how.way, lost.recovered_how.survivors_kept, lost.recovered_how.fell_back) == (
+        "restart", 0, False), "the survivor was restarted, as asked: no fall back"
     if parallelism == "ddp":
         assert r.summary["model_digest"] == restart.summary["model_digest"]
     else:
@@ -96,6 +108,8 @@ def test_each_failure_of_the_in_place_path_ends_in_a_new_worker_and_loses_nothin
             env={"ELASTIC_HARNESS_INPLACE_FAULT": f"{forced}:0"})
     assert r.code == 0, r.err
     assert first_pids(r)[0] not in last_pids(r), "the survivor that failed in place did not go on"
+    (how,) = [f.recovered_how for f in build(r.events).faults if f.injected]
+    assert how.survivors_kept == 0 and how.fell_back, "report: the in-place path was taken and failed"
     if forced == "silent":
         assert [e for e in r.kinds("workers") if e["state"] == "unparked"]
         assert "did not leave its step in time" in r.err

@@ -108,7 +108,7 @@ def test_every_failure_recovered_from_has_a_row_injected_or_not():
     killed = tl.faults[0]
     assert killed.t == pytest.approx(2.05) and killed.detected == pytest.approx(2.1)  # the first sign, then the account
     assert killed.first_step == pytest.approx(3.1) and killed.cause.startswith("rank 1 (pid 11) was killed by SIGKILL")
-    assert failure_count(tl.faults) == "3 failure(s): 1 injected, 2 not; 3 recovered, 7 step(s) lost"
+    assert failure_count(tl.faults) == "3 failure(s): 1 injected, 2 not; 3 recovered (0 in place), 7 step(s) lost"
     text = "\n".join(render(tl, __import__("pathlib").Path("run")))
     assert "no faults injected" not in text and "3 failure(s): 1 injected, 2 not" in text
     assert "#0 not injected: rank 1 (pid 11) was killed by SIGKILL" in text
@@ -132,7 +132,7 @@ def test_a_node_added_is_a_fault_injected_but_no_failure():
     events += steps(30, 21, 30, 5.0, 0.1)
     tl = build(events + [ev(7.0, "finish", 30, step=30), ev(7.5, "exit", 99, who="host", code=0)])
     assert [f.kind for f in tl.faults] == ["kill-node", "add-node"]
-    assert failure_count(tl.faults) == ("1 failure(s): 1 injected, 0 not; 1 recovered, 0 step(s) lost; "
+    assert failure_count(tl.faults) == ("1 failure(s): 1 injected, 0 not; 1 recovered (0 in place), 0 step(s) lost; "
                                         "and 1 other fault(s) injected (add-node)")
 
 

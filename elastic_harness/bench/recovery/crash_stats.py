@@ -1,8 +1,10 @@
 """Pure: what ``bench recovery`` reports about worker crashes, from a run's events.
 
 ``restart_stats`` counts faults recovered (on the first try: one restart used);
-``crash_summary`` adds steps redone per crash, the median phases of ``breakdown`` and every
-fault's own breakdown (``recoveries``), so that a slow one can be read after the fact.
+``crash_summary`` adds steps redone per crash, the median phases of ``breakdown`` (and of a
+fault recovered in place, ``report.inplace``'s), how each fault was recovered and the
+survivors that kept their process (``kept``), and every fault's own breakdown
+(``recoveries``), so that a slow one can be read after the fact.
 
 ``breakdown`` splits one fault's recovery (fault to the first completed step after it) into
 consecutive phases, each between two moments the events record:
@@ -28,7 +30,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from elastic_harness.bench.recovery import kept
 from elastic_harness.goodput import RDZV_COMPLETE
+from elastic_harness.report import inplace
 from elastic_harness.report.timeline import build
 
 PHASES = ("detect", "stop", "rendezvous", "spawn", "process_group", "restore", "first_step")
@@ -71,10 +75,11 @@ def breakdown(events: Sequence[dict], fault: dict) -> dict[str, float | None]:
     return out
 
 
-def median_breakdown(rows: Sequence[dict[str, float | None]]) -> dict[str, float | None]:
-    """Per phase, the median over faults that recorded it."""
+def median_breakdown(rows: Sequence[dict[str, float | None]],
+                     phases: Sequence[str] = PHASES) -> dict[str, float | None]:
+    """Per phase (a restart's ``PHASES``, or others named), the median over faults that recorded it."""
     out = {}
-    for phase in PHASES:
+    for phase in phases:
         xs = [r[phase] for r in rows if r.get(phase) is not None]
         out[phase] = round(statistics.median(xs), 4) if xs else None
     return out
@@ -122,12 +127,20 @@ def restart_stats(events: list[dict], requested: int, code: int | None,
 
 def crash_summary(events: list[dict], requested: int, code: int | None,
                   kinds: tuple[str, ...] = ("kill-worker",)) -> dict:
-    """``restart_stats`` plus steps redone per crash and the median of each recovery phase."""
+    """``restart_stats`` plus steps redone per crash, the median of each recovery phase (a
+    restart's, and in place's), and per fault how it was recovered and who kept its process
+    (``kept``: summed in ``kept``, each fault's in ``recoveries``)."""
     stats = restart_stats(events, requested, code, kinds)
     faults = [e for e in events if e["event"] == "fault" and e.get("kind") in kinds]
     rows = [breakdown(events, f) for f in faults]
+    hows = [kept.of_fault(f.recovered_how) for f in build(events).faults if f.injected and f.kind in kinds]
+    hows += [kept.of_fault(None)] * (len(faults) - len(hows))
     return {**stats, "mean_steps_lost": mean_of(stats["steps_lost"]), "median_phases_s": median_breakdown(rows),
-            "recoveries": [recovery(events, f, row) for f, row in zip(faults, rows, strict=True)],
+            "median_in_place_phases_s": median_breakdown([h["in_place_phases"] for h in hows if h["in_place_phases"]],
+                                                         inplace.PHASES),
+            "kept": kept.tally(hows),
+            "recoveries": [{**recovery(events, f, row), **how}
+                           for f, row, how in zip(faults, rows, hows, strict=True)],
             "restored_from_memory": sum(1 for e in events if e["event"] == "resume" and e.get("source") == "memory")}
 
 

@@ -13,6 +13,12 @@ with medians, ratios and whether each goal was met:
   with a row per placement (``bench.recovery.nodeloss``): every node on this host (``same_host``,
   the ratio above) and each node a simulated host of its own (``separate_hosts``: own
   pid, UTS and network namespaces, as root), each with its phases   separate <= 0.5 s
+- in-place: node 1 of N SIGKILLed, N each of ``--sizes`` (default 2, 4, 8; 1 rank per node),
+  recovered in place and by the warm restart (``recovery: restart``) in alternating runs, on
+  each placement (``bench.recovery.inplace``), in place: 8 nodes / 2 nodes            <= 1.5
+  the machine's CPU seconds from the fault to the first step, 8 nodes / 2 nodes       <= 2
+  2 nodes, same host and separate hosts                                           <= 0.08 s
+  every survivor kept its process (its pid the same after the fault), none fell back
 - spare: ``--nodes`` nodes and one hot spare (``nodes.spares``); once the spare waits,
   node 1 is SIGKILLed: fault to the first step, at an unchanged world size        <= 1 s
 - soak: ``--soak-jobs`` fault-free jobs at once for ``--soak-duration`` s, each with a 20 s
@@ -21,11 +27,13 @@ with medians, ratios and whether each goal was met:
 - hang-node: one of ``--nodes`` nodes frozen (SIGSTOP, no connection reset), the same rows
   and torchrun given the same fault; a launcher still not recovered 240 s after it is
   stopped there and reported so                                             <= 5 s
-- kill-worker: SIGKILL one rank, same measure, harness / torchrun, median over
+- kill-worker: SIGKILL one rank, same measure, harness (in place) / torchrun, median over
   ``--faults`` faults injected at different steps of one long run each (durable
   checkpoints every 50 steps), with the median of each recovery phase
-  (``bench.recovery.crash_stats``)                                           <= 0.25 (stretch 0.10)
-  every one of them recovered on the first try (harness)                           100 %
+  (``bench.recovery.crash_stats``), the harness with ``recovery: restart`` beside them   <= 0.03
+  (the goals before in-place recovery: <= 0.25, stretch 0.10)
+  every one of them recovered on the first try (harness), in place, with every survivor's
+  process kept (``bench.recovery.kept``)                                             100 %
   and steps redone per crash (mean)                                                 <= 1
 - anytime: ``--faults`` kill-worker faults sent by the host at seeded random moments
   (mid-step, mid-snapshot, mid-save) into one harness run: steps redone per crash
@@ -57,38 +65,24 @@ node 1 is the one killed (killing the store host ends the job).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from elastic_harness import runfiles
 from elastic_harness.bench import check_out, cpuwindow, scratch_dir
-from elastic_harness.bench.recovery import crash_stats, nodeloss, resize
-from elastic_harness.bench.recovery.launching import (
-    _signal_group,
-    _spawn,
-    _wait_for_port,
-    log_tails,
-    torchrun_command,
-    torchrun_environ,
-    write_job,
-)
+from elastic_harness.bench.recovery import crash_stats, inplace, kept, nodeloss, resize
+from elastic_harness.bench.recovery.launching import launch, log_tails, write_job
 from elastic_harness.errors import HarnessError
-from elastic_harness.events import EventLog, read_events
+from elastic_harness.events import read_events
 from elastic_harness.report.probe import probe_cost
 from elastic_harness.report.timeline import FaultRow, build, split_invocations
 
 MIN_REPEATS_FOR_GOALS = 5
-STALL_S = 240.0  # a launcher whose run writes no event for this long is stuck: stop it
-GOALS = {"kill_node_ratio": 0.03, "kill_worker_ratio": 0.25, "kill_worker_stretch": 0.10,
+GOALS = {"kill_node_ratio": 0.03, "kill_worker_ratio": 0.25, "kill_worker_stretch": 0.10, "kill_worker_in_place": 0.03,
          "steps_redone": 1.0, "node_steps_redone": 1.0, "memory_cost": 0.03, "goodput": 0.97}
 NODE_CKPT_EVERY = 50  # kill-node: the spec's default durable interval (issue 26: memory covers it)
 GOODPUT_CKPT_EVERY = 50
@@ -99,7 +93,8 @@ PROBE_BLOCK = 50  # memory-cost: steps per on/off block; one durable save in eac
 
 
 
-PARTS = ["kill-node", "hang-node", "spare", "soak", "kill-worker", "anytime", "memory-cost", "goodput", "scale-up", "churn"]
+PARTS = ["kill-node", "in-place", "hang-node", "spare", "soak", "kill-worker", "anytime", "memory-cost", "goodput",
+         "scale-up", "churn"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -113,6 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="soak: jobs at once, each 2 nodes x 1 rank (they load the machine) (default 3)")
     p.add_argument("--nodes", type=int, default=2,
                    help="kill-node and hang-node: nodes of 1 rank, node 1 is hit (default 2)")
+    p.add_argument("--sizes", default="2,4,8",
+                   help="in-place: the node counts compared, each in place and restarted (default 2,4,8)")
     p.add_argument("--long", action="store_true", help="goodput: 1 fault/60 s over 300 s (default 1/20 s over 120 s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the goodput fault schedule (default 0)")
     p.add_argument("--scale-up-hidden", type=int, default=256,
@@ -139,6 +136,10 @@ def cmd_recovery(args: argparse.Namespace) -> int:
         raise HarnessError("--soak-duration must be positive and --soak-jobs at least 1")
     if args.nodes < 2:
         raise HarnessError(f"--nodes {args.nodes}: a node loss needs a survivor", "pass --nodes 2 or more")
+    try:
+        sizes = inplace.parse_sizes(args.sizes)
+    except ValueError as e:
+        raise HarnessError(str(e), "pass --sizes as node counts of 2 or more, e.g. --sizes 2,4,8") from None
     if not 0 < args.churn_replace_after < args.churn_every < args.churn_duration:
         raise HarnessError("the churn needs 0 < --churn-replace-after < --churn-every < --churn-duration",
                            "e.g. --churn-duration 600 --churn-every 120 --churn-replace-after 10")
@@ -149,6 +150,8 @@ def cmd_recovery(args: argparse.Namespace) -> int:
     try:
         if "kill-node" in parts:
             report["kill_node"] = bench_kill_node(scratch, args.repeats, args.parallelism, args.nodes)
+        if "in-place" in parts:
+            report["in_place"] = inplace.bench_in_place(scratch, args.repeats, sizes, args.parallelism)
         if "hang-node" in parts:
             report["hang_node"] = nodeloss.bench_node_fault(scratch, "hang-node", args.repeats, args.nodes,
                                                             args.parallelism)
@@ -185,7 +188,7 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
     duration, interval = (300, 60) if args.long else (120, 20)
     return {
         "parts": parts, "repeats": args.repeats, "parallelism": args.parallelism, "kill_worker_faults": args.faults,
-        "nodes": args.nodes,
+        "nodes": args.nodes, "in_place_sizes": args.sizes,
         "goodput_mode": ("long" if args.long else "short (use --long for the goal's 1 fault/60 s over 5 min)"),
         "goodput_duration_s": duration, "goodput_fault_every_s": interval, "seed": args.seed,
         "churn_duration_s": args.churn_duration, "churn_every_s": args.churn_every,
@@ -223,7 +226,8 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
             measured = nodeloss.measure(run_dir, code, samples=cpu.samples)
             out[launcher].append({**recovery, "load": load, "cpu_busy": measured["cpu_busy"],
                                   "cpu_s": measured["cpu_s"], "phases": measured["phases"],
-                                  # stopped by the bench (no progress for STALL_S, or past 420 s)
+                                  **{k: measured.get(k) for k in kept.of_fault(None)},
+                                  # stopped by the bench (no progress for launching.STALL_S, or past 420 s)
                                   "stopped_at_bound": code is None})
     separate = out.pop("separate_hosts", None)
     result = _compare(out, GOALS["kill_node_ratio"])
@@ -246,28 +250,42 @@ def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes
     return result
 
 
+KILL_WORKER_SIDES = {"harness": ("harness", []), "restart": ("harness", ["recovery=restart"]),
+                     "torchrun": ("torchrun", [])}  # side -> (launcher, --set)
+
+
 def bench_kill_worker(scratch: Path, faults: int) -> dict:
-    """One long run per launcher with ``faults`` kill-worker faults at different steps."""
+    """One long run per side with ``faults`` kill-worker faults at different steps: the
+    harness (in place, the default), the harness restarting every worker (``recovery:
+    restart``) and torchrun; every fault's survivors that kept their process (``kept``)."""
     schedule = kill_worker_schedule(faults, CRASH_CKPT_EVERY)
     steps = faults * CRASH_CKPT_EVERY + 2 * CRASH_CKPT_EVERY
     job = write_job(scratch / "kill-worker.yaml", steps=steps, max_restarts=faults + 10, every=CRASH_CKPT_EVERY)
     out: dict[str, dict] = {}
-    for launcher in ("harness", "torchrun"):
-        run_dir = scratch / f"kill-worker-{launcher}"
-        code = launch(launcher, job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=faults * 45 + 240)
-        out[launcher] = crash_stats.crash_summary(read_events(run_dir / runfiles.EVENTS), faults, code)
+    for side, (launcher, sets) in KILL_WORKER_SIDES.items():
+        run_dir = scratch / f"kill-worker-{side}"
+        load = round(os.getloadavg()[0], 2)
+        code = launch(launcher, job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=faults * 45 + 240, sets=sets)
+        out[side] = {**crash_stats.crash_summary(read_events(run_dir / runfiles.EVENTS), faults, code), "load": load}
         if code != 0:  # the scratch dir goes unless --keep: keep what says why in the JSON
-            out[launcher]["log_tails"] = log_tails(run_dir)
-    ratio = _ratio(out["harness"]["median_recovery_s"], out["torchrun"]["median_recovery_s"])
+            out[side]["log_tails"] = log_tails(run_dir)
+    theirs = out["torchrun"]["median_recovery_s"]
+    ratio = _ratio(out["harness"]["median_recovery_s"], theirs)
     h = out["harness"]
     return {
-        **out, "ratio": ratio, "checkpoint_every_steps": CRASH_CKPT_EVERY,
-        "goal": (f"ratio <= {GOALS['kill_worker_ratio']} (stretch {GOALS['kill_worker_stretch']}), all "
-                 f"{faults} recovered on the first try, mean steps redone <= {GOALS['steps_redone']}"),
+        **out, "ratio": ratio, "restart_ratio": _ratio(out["restart"]["median_recovery_s"], theirs),
+        "in_place_over_restart": _ratio(h["median_recovery_s"], out["restart"]["median_recovery_s"]),
+        "checkpoint_every_steps": CRASH_CKPT_EVERY,
+        "goal": (f"ratio (in place) <= {GOALS['kill_worker_in_place']} (earlier goals {GOALS['kill_worker_ratio']}, "
+                 f"stretch {GOALS['kill_worker_stretch']}), all {faults} recovered on the first try, in place with "
+                 f"every survivor's process kept, mean steps redone <= {GOALS['steps_redone']}"),
         "met": {
+            "in_place_ratio": ratio is not None and ratio <= GOALS["kill_worker_in_place"],
             "ratio": ratio is not None and ratio <= GOALS["kill_worker_ratio"],
             "stretch": ratio is not None and ratio <= GOALS["kill_worker_stretch"],
             "first_try": h["recovered_first_try"] == faults,
+            "every_survivor_kept": h["kept"]["in_place"] == faults and bool(h["kept"]["every_survivor_kept"]),
+            "no_fall_back": h["kept"]["fell_back"] == 0,
             "steps_redone": h["mean_steps_lost"] is not None and h["mean_steps_lost"] <= GOALS["steps_redone"],
         },
     }
@@ -486,6 +504,9 @@ def goals_met(report: dict, repeats: int) -> dict:
         out["kill_node_steps_redone"] = report["kill_node"].get("steps_redone_met", False)
         if "separate_hosts_goal" in report["kill_node"]:
             out["kill_node_separate_hosts"] = report["kill_node"]["separate_hosts_goal"]["met"]
+    if "in_place" in report:
+        out["in_place"] = report["in_place"]["met"]
+        out["in_place_goals"] = {k: g["met"] for k, g in report["in_place"]["goals"].items()}
     if "hang_node" in report:
         out["hang_node"] = report["hang_node"]["met"]
     if "spare" in report:
@@ -503,87 +524,7 @@ def goals_met(report: dict, repeats: int) -> dict:
         out["scale_up_no_storage_read"] = report["scale_up"]["no_storage_read"]
     if "churn" in report:
         out["churn_goodput"] = report["churn"]["met"]
-    if repeats < MIN_REPEATS_FOR_GOALS and ("kill_node" in report or "scale_up" in report):
-        out["note"] = f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node and scale-up medians are indicative only"
+    if repeats < MIN_REPEATS_FOR_GOALS and any(k in report for k in ("kill_node", "in_place", "scale_up")):
+        out["note"] = (f"--repeats {repeats} < {MIN_REPEATS_FOR_GOALS}: kill-node, in-place and scale-up medians "
+                       "are indicative only")
     return out
-
-
-# --- launching ------------------------------------------------------------------------------
-
-
-def launch(launcher: str, job: Path, run_dir: Path, *, nodes: int, nproc: int, chaos: list[str],
-           timeout: int, sets: list[str] | None = None) -> int | None:
-    if launcher == "harness":
-        return run_harness(job, run_dir, nodes, nproc, chaos, timeout, sets or [])
-    return run_torchrun(job, run_dir, nodes, nproc, chaos, timeout)
-
-
-def run_harness(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[str], timeout: int,
-                sets: list[str]) -> int | None:
-    cmd = [sys.executable, "-m", "elastic_harness", "run", str(job), "--run-dir", str(run_dir),
-           "--nodes", str(nodes), "--nproc-per-node", str(nproc)]
-    cmd += [a for s in sets for a in ("--set", s)] + [a for c in chaos for a in ("--chaos", c)]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    proc = _spawn(cmd, run_dir / "bench-host.log", dict(os.environ))
-    return _wait([proc], timeout, run_dir / runfiles.EVENTS, interrupt_first=True)[0]
-
-
-def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[str], timeout: int) -> int | None:
-    """Plain torchrun agents (one per simulated node) on our worker entry; see module doc."""
-    import dataclasses
-
-    from elastic_harness.chaos.vocabulary import parse_fault
-    from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.cluster import free_port
-    from elastic_harness.rundir import prepare
-    from elastic_harness.spec import load_job
-
-    spec = load_job(job, [f"nproc_per_node={nproc}"])
-    spec = dataclasses.replace(spec, chaos=[parse_fault(c) for c in chaos])
-    port = free_port()
-    rdzv_id = f"bench-{os.getpid()}-{port}"
-    claim = prepare(run_dir, spec, holder=Holder.this_process(spec.name, rdzv_id))
-    with claim:
-        return _torchrun_nodes(spec, claim.path, nodes, nproc, port, rdzv_id, timeout)
-
-
-def _torchrun_nodes(spec, run_dir: Path, nodes: int, nproc: int, port: int, rdzv_id: str,
-                    timeout: int) -> int | None:
-    EventLog(run_dir / runfiles.EVENTS).emit("start", who="host", launcher="torchrun", nodes=nodes)
-    procs = []
-    for i in range(nodes):
-        cmd = torchrun_command(spec, run_dir, nproc, port, rdzv_id=rdzv_id)
-        procs.append(_spawn(cmd, run_dir / f"torchrun-{i}.log", torchrun_environ(os.environ, run_dir, i)))
-        if i == 0:
-            _wait_for_port(port, procs[0], 60)  # node 0 hosts the store
-    codes = _wait(procs, timeout, run_dir / runfiles.EVENTS)
-    stuck = None in codes
-    EventLog(run_dir / runfiles.EVENTS).emit("exit", who="host", code=None if stuck else max(codes),
-                                            message="stopped by the bench: no progress or timeout" if stuck else "")
-    return None if stuck else codes[0]
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float, progress: Path, interrupt_first: bool = False,
-          stall_s: float = STALL_S) -> list[int | None]:
-    """Wait for all. Past ``timeout``, or when ``progress`` (the event log) has not grown for
-    ``stall_s``, interrupt (the harness host cleans up its agents), then kill the groups.
-    Returns exit codes, None for a process that had to be stopped."""
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if progress.exists() and time.time() - progress.stat().st_mtime > stall_s:
-                break
-            time.sleep(0.5)
-    except BaseException:  # interrupted: leave nothing running
-        for p in procs:
-            _signal_group(p, signal.SIGINT if interrupt_first else signal.SIGKILL)
-        raise
-    late = [p for p in procs if p.poll() is None]
-    for p in late:
-        if interrupt_first:
-            _signal_group(p, signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=60)
-        _signal_group(p, signal.SIGKILL)
-        p.wait()
-    return [None if p in late else p.returncode for p in procs]

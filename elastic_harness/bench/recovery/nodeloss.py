@@ -33,7 +33,7 @@ from pathlib import Path
 
 from elastic_harness import runfiles
 from elastic_harness.bench import cpuwindow
-from elastic_harness.bench.recovery import crash_stats
+from elastic_harness.bench.recovery import crash_stats, kept
 from elastic_harness.bench.recovery.launching import (
     _signal_group,
     _spawn,
@@ -43,6 +43,7 @@ from elastic_harness.bench.recovery.launching import (
     write_job,
 )
 from elastic_harness.events import EventLog, EventTail, read_events
+from elastic_harness.report import inplace
 from elastic_harness.report.timeline import build
 
 FAULT_STEP = 40
@@ -107,11 +108,16 @@ def _one_rank_per_node(job: Path) -> Path:
 
 
 def summarize(runs: list[dict], torchrun: list[dict]) -> dict:
-    """Pure: one row: median recovery, its phases, its ratio to torchrun's, the runs."""
+    """Pure: one row: median recovery, its phases (a restart's, and in place's), its ratio to
+    torchrun's, how its faults were recovered and who kept its process (``kept.tally``), the
+    machine's median load, the runs."""
     med = crash_stats.median_of([r.get("recovery_s") for r in runs])
     theirs = crash_stats.median_of([r.get("recovery_s") for r in torchrun])
     phases = crash_stats.median_breakdown([r["phases"] for r in runs if r.get("phases")])
-    return {"median_s": med, "phases_median_s": phases,
+    in_place = crash_stats.median_breakdown([r["in_place_phases"] for r in runs if r.get("in_place_phases")],
+                                            inplace.PHASES)
+    return {"median_s": med, "phases_median_s": phases, "in_place_phases_median_s": in_place,
+            "kept": kept.tally(runs), "load_median": crash_stats.median_of([r.get("load") for r in runs]),
             "cpu_busy_median": crash_stats.median_of([r.get("cpu_busy") for r in runs]),
             "cpu_s_median": crash_stats.median_of([r.get("cpu_s") for r in runs]),
             "ratio_to_torchrun": round(med / theirs, 4) if med is not None and theirs else None,
@@ -133,7 +139,8 @@ def goals(kind: str, rows: dict) -> dict:
 
 def measure(run_dir: Path, code: int | None, bound_hit: float | None = None,
             samples: list | None = None) -> dict:
-    """One run's recovery from its first fault: time, phases, steps lost (``report``'s); with
+    """One run's recovery from its first fault: time, phases, steps lost, in place or restarted
+    and the survivors that kept their process (``report``'s, ``kept.of_fault``); with
     ``samples`` (``cpuwindow.Sampler``'s, around the run) also how busy the machine's CPUs
     were from the fault to the first step after it: ``cpu_busy`` (near 1: the recovery waited
     for CPU, not for the protocol) and ``cpu_s`` (busy CPU seconds, every process together)."""
@@ -148,9 +155,11 @@ def measure(run_dir: Path, code: int | None, bound_hit: float | None = None,
             "exit": code, "fired": row is not None, "recovered": recovered,
             "recovery_s": row.recovery_s if recovered else None,
             "phases": crash_stats.breakdown(events, fault) if recovered and fault else None,
+            "world_size_before": row.world_size_before if row else None,
             "world_size_after": row.world_size_after if row else None,
             "steps_lost": row.steps_lost if row else None,
-            "stopped_at_bound_s": bound_hit}
+            "stopped_at_bound_s": bound_hit,
+            **kept.of_fault(row.recovered_how if recovered else None)}
 
 
 # --- the harness ----------------------------------------------------------------------------
@@ -184,7 +193,7 @@ def harness(job: Path, run_dir: Path, nodes: int, kind: str, separate: bool, set
 
 def torchrun_fault(job: Path, run_dir: Path, nodes: int, kind: str, bound_s: float = HANG_BOUND_S,
                    samples: list | None = None) -> dict:
-    """Plain torchrun nodes (``recovery.run_torchrun``'s), ``kind`` fired on node 1 by this
+    """Plain torchrun nodes (``launching.run_torchrun``'s), ``kind`` fired on node 1 by this
     bench at step ``FAULT_STEP``; stopped once it recovered, or ``bound_s`` after the fault."""
     from elastic_harness.chaos.vocabulary import parse_fault
     from elastic_harness.checkpoint.lock import Holder
