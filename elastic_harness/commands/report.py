@@ -20,7 +20,7 @@ from elastic_harness.chaos.vocabulary import KINDS
 from elastic_harness.deps import MissingExtra, require_extra
 from elastic_harness.errors import CheckpointError, HarnessError, RunDirError
 from elastic_harness.events import read_events
-from elastic_harness.report.inplace import IN_PLACE, Kept, Recovered
+from elastic_harness.report.inplace import FINISH, IN_PLACE, Kept, Recovered
 from elastic_harness.report.timeline import BADPUT_KINDS, FaultRow, Timeline, build
 
 # What the tests accept after a resize (reduction order changes): see tests/e2e/test_e2e_core.py.
@@ -160,7 +160,8 @@ def how_line(how: Recovered) -> str:
     if how.new:
         parts.append("new: " + ", ".join(f"rank {m.rank} (pid {m.pid})" for m in how.new))
     if how.phases_s:
-        parts.append(", ".join(f"{PHASE_WORDS[k]} {'-' if v is None else f'{v:.3f}'}" for k, v in how.phases_s.items())
+        words = {**PHASE_WORDS, "restore": "finish the step"} if how.mode == FINISH else PHASE_WORDS
+        parts.append(", ".join(f"{words[k]} {'-' if v is None else f'{v:.3f}'}" for k, v in how.phases_s.items())
                      + " s")
     return "; ".join(parts)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from elastic_harness.chaos.vocabulary import KINDS
 
 IN_PLACE, RESTART = "in place", "restart"
+FINISH = "finish"  # the mode of a fault whose step in flight the survivors finished (no restore)
 PHASES = ("leave", "park", "reform", "restore", "first_step")
 
 
@@ -129,7 +130,8 @@ def recovered(events: Sequence[dict], fault: dict, resume: dict | None, first: d
     sign = _recovery_event(events, resume)
     tried = any(_took_the_path(e) for e in window)
     return Recovered(
-        way=IN_PLACE if sign else RESTART, mode=sign.get("mode") if sign else None,
+        way=IN_PLACE if sign else RESTART,
+        mode=FINISH if resume["event"] == "finished" else sign.get("mode") if sign else None,
         survivors=None if hits is None else tuple(m for m in before if m not in hits),
         kept=kept, new=tuple(m for m in after if (m.node, m.pid) not in was),
         phases_s=phases(window, fault, resume, first, kept) if sign else None, tried=tried)

@@ -235,10 +235,13 @@ def _fault_row(n: int, i: int, f: dict, inv: Sequence[dict], flat: Sequence[dict
     after = detect["t"] if detect else f["t"]
     rdzv = _first(flat, after, lambda e: e["event"] == "torchelastic" and e.get("name", "").endswith(RDZV_COMPLETE))
     rdzv = rdzv or _first(flat, f["t"], lambda e: e["event"] == "rendezvous")
-    resume = _first(flat, rdzv["t"] if rdzv else f["t"], lambda e: e["event"] == "resume")
+    # What recovered it: the next generation's ``resume``, or the survivors' ``finished`` (the
+    # step in flight finished in place: nothing loaded, it goes on from the step before).
+    resume = _first(flat, rdzv["t"] if rdzv else f["t"], lambda e: e["event"] in ("resume", "finished"))
+    finished = resume is not None and resume["event"] == "finished"
     first = resume and _first(flat, resume["t"], lambda e: e["event"] == "step" and e.get("pid") == resume.get("pid"))
     step = _step_before(inv, f)
-    resumed_from = int(resume.get("step") or 0) if resume else None
+    resumed_from = (int(resume["step"]) - 1 if finished else int(resume.get("step") or 0)) if resume else None
     graceful = any(e["event"] == "drain" and f["t"] <= e["t"] <= (resume["t"] if resume else e["t"]) for e in flat)
     lost = max(0, step - resumed_from) if step is not None and resumed_from is not None else None
     before = [e for e in inv if e["event"] == "step" and e["t"] <= f["t"]]
@@ -248,12 +251,12 @@ def _fault_row(n: int, i: int, f: dict, inv: Sequence[dict], flat: Sequence[dict
 
     return FaultRow(
         index=n, kind=f.get("kind", "?"), target=f.get("target", 0), invocation=i, t=rel(f), step=step,
-        detected=rel(detect), rendezvous=rel(rdzv), loaded=rel(resume), first_step=rel(first or None),
+        detected=rel(detect), rendezvous=rel(rdzv), loaded=None if finished else rel(resume), first_step=rel(first or None),
         resumed_from=resumed_from, load_s=resume.get("load_s") if resume else None, steps_lost=lost,
         graceful=graceful, recovery_s=round(first["t"] - f["t"], 4) if first else None,
         world_size_before=before[-1].get("world_size") if before else None,
         world_size_after=first.get("world_size") if first else None,
-        source=resume.get("source") if resume else None,
+        source="the step in flight" if finished else resume.get("source") if resume else None,
         recovered_how=recovered(flat, f, resume, first or None),
     )
 

@@ -128,3 +128,26 @@ def test_members_are_the_newest_generation_and_a_fault_hits_its_target():
 def test_a_fault_not_recovered_has_no_account():
     events = [e for e in node_lost_in_place() if not (e["event"] == "step" and e["step"] > 20)]
     assert build(events).faults[0].recovered_how is None
+
+
+def node_lost_mid_step_finished() -> list[dict]:
+    """Node 1 SIGKILLed inside step 21 (t=3.0): rank 0 left the step, re-formed alone and
+    finished step 21 in place at 3.6 (no restore), its step event at 3.7."""
+    me = 10
+    return [*first_generation(),
+            ev(3.0, "fault", 11, kind="kill-node", target=1, step=20, rank=1, node="1"),
+            ev(3.5, "reformed", me, rank=0, mode="finish", phases_s={"leave": 0.1, "park": 0.2, "reform": 0.05}),
+            ev(3.5, "workers", 5, node="0", state="started", restart=1, kept=[me], forked=[]),
+            worker(3.52, me, 0, "0", 1, restart=1),
+            ev(3.53, "rendezvous", me, generation="g2", world_size=1, restart=1),
+            ev(3.54, "recovery", me, generation="g2", mode="repoint", kept=[me], new=[], world_size=1),
+            ev(3.6, "finished", me, step=21, lost_dp_ranks=[1], world_size=1, extra_samples=15),
+            *steps(me, 21, 25, 3.6, 0.1, world_size=1)]
+
+
+def test_a_step_finished_in_place_is_a_recovery_with_nothing_loaded_and_no_step_lost():
+    (f,) = build(node_lost_mid_step_finished()).faults
+    assert (f.loaded, f.resumed_from, f.steps_lost, f.source) == (None, 20, 0, "the step in flight")
+    how = f.recovered_how
+    assert (how.way, how.mode, how.survivors_kept) == (IN_PLACE, "finish", 1)
+    assert "re-form 0.050, finish the step 0.100, first step 0.100 s" in how_line(how)
