@@ -138,6 +138,8 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from elastic_harness.launch.elastic import GroupLeft
+
     launch = None
     try:
         # Inside the try: the rendezvous handler is built here, and a backend that cannot
@@ -148,7 +150,7 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
         launch.run()
     except SignalException as e:
         return 128 + int(e.sigval), f"agent received {e.sigval.name}"
-    except (ChildFailedError, LockLost) as e:
+    except (ChildFailedError, LockLost, GroupLeft) as e:
         if launch.agent.lost_lock:  # another job holds the run dir now: retrying cannot help
             return EXIT_PERMANENT, launch.agent.lost_lock
         reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
@@ -156,7 +158,8 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
             return EXIT_INFRA, launch.agent.excluded
         if reason:
             return EXIT_PERMANENT, reason
-        return EXIT_FAILED, exhausted or _first_failure(e, opts.max_restarts, spec.restart_window)
+        first = _first_failure(e, opts.max_restarts, spec.restart_window) if isinstance(e, ChildFailedError) else str(e)
+        return EXIT_FAILED, exhausted or first
     except RendezvousError as e:
         detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
         at_start = launch is None or not launch.agent.formed

@@ -510,6 +510,12 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None], keep: Keep | N
         yield
 
 
+class GroupLeft(RuntimeError):
+    """The worker group ended in place (a peer's fault: every worker alive, parked) and no
+    restart followed (this node kept out, or stopped): there is no worker failure to report,
+    which torch's ``ChildFailedError`` requires."""
+
+
 def closes_rendezvous(error: BaseException | None, *, excluded: bool) -> bool:
     """Pure: does this agent's end close the job's rendezvous, ending every node's part?
     Yes when the job is over for all: it finished (``error`` None), its workers failed past
@@ -519,7 +525,7 @@ def closes_rendezvous(error: BaseException | None, *, excluded: bool) -> bool:
     a close would end them too; torch's agent closes it there)."""
     if error is None:
         return True
-    if isinstance(error, ChildFailedError):
+    if isinstance(error, (ChildFailedError, GroupLeft)):
         return not excluded
     return not isinstance(error, (SignalException, RendezvousConnectionError))
 
@@ -569,10 +575,12 @@ class Launch:
             metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
             result = agent.run()
             events.record(agent.get_event_succeeded(), config.event_log_handler)
+            if result.is_failed() and not result.failures:
+                raise GroupLeft("the worker group left its step for a peer's fault, and no restart followed")
             if result.is_failed():
                 raise ChildFailedError(name=spec.get_entrypoint_name(), failures=result.failures)
             return result.return_values
-        except ChildFailedError as e:
+        except (ChildFailedError, GroupLeft) as e:
             error = e
             raise
         except BaseException as e:

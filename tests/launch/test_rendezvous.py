@@ -348,12 +348,15 @@ def test_only_an_end_that_ends_the_job_closes_its_rendezvous():
         RendezvousTimeoutError,
     )
 
-    from elastic_harness.launch.elastic import closes_rendezvous
+    from elastic_harness.launch.elastic import GroupLeft, closes_rendezvous
 
     failed = ChildFailedError("worker", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")})
     assert closes_rendezvous(None, excluded=False)
     assert closes_rendezvous(failed, excluded=False)
     assert not closes_rendezvous(failed, excluded=True)
+    # in place: a group left for a peer's fault with every worker alive, then kept out
+    assert not closes_rendezvous(GroupLeft("left"), excluded=True)
+    assert closes_rendezvous(GroupLeft("left"), excluded=False)
     assert closes_rendezvous(RuntimeError("a bug"), excluded=False)
     assert closes_rendezvous(RendezvousTimeoutError("too few nodes"), excluded=False)
     assert not closes_rendezvous(SignalException("SIGTERM", 15), excluded=False)
