@@ -127,7 +127,7 @@ class LocalCluster:
             cmd.append("--is-host" if index == 0 else "--no-host")
         env = agent_environ()
         if self.netns is None:
-            # One machine: every socket of the job (stores, gloo) on loopback (issue 22).
+            # One machine: every socket of the job (stores, gloo) on loopback (docs/security.md).
             cmd += ["--local-addr", "127.0.0.1"]
             env["GLOO_SOCKET_IFNAME"] = "lo"
             env["NCCL_SOCKET_IFNAME"] = "lo"  # NCCL's bootstrap sockets (GPU jobs)

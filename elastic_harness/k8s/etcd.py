@@ -8,7 +8,7 @@ volume: a member that restarts with an empty data dir cannot rejoin its cluster.
 volumes are deleted with the StatefulSet, so a re-applied job starts with a fresh etcd
 (etcd remembers finished rendezvous ids for about two hours).
 
-TLS and authentication (issue 22): clients and peers speak https, and etcd admits only
+TLS and authentication (docs/security.md): clients and peers speak https, and etcd admits only
 clients with a certificate signed by the job's CA (``--client-cert-auth``). The server and
 peer certificate come from the Secret ``<job>-etcd-tls`` (``tls.crt``, ``tls.key``,
 ``ca.crt``: cert-manager's layout; SANs ``*.<job>-etcd``, ``<job>-etcd-client``; usages

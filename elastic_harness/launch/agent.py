@@ -183,7 +183,7 @@ def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
     if zygote is not None and group_running(launch.spec.rdzv_handler):
         # Join once workers can be forked at once: a node joining a running job makes the
         # group drain as soon as it waits in the rendezvous, and the whole group would
-        # then wait for these imports (seconds; issue 26: a join's pause). Not when no
+        # then wait for these imports (seconds: a join's pause). Not when no
         # group runs yet (the job's start): the first round then overlaps the imports,
         # and forking the workers waits for them (``Zygote.spawn``).
         zygote.wait_ready(ZYGOTE_READY_S)

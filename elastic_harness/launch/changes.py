@@ -5,8 +5,8 @@ agent every second (``launch.rendezvous``: ``POLL_S``, ``rejoin_poll``), a runni
 time its monitor loop asks ``num_nodes_waiting`` (``poll_for``). After a node loss, each
 survivor learnt that a peer's group failed, and later that the next round was complete, up
 to one poll after the write that said so; at 8 nodes the last survivor saw the round broken
-90 ms after the first, and the completed round 15-45 ms after it was written (issue 36,
-item 2). ``ChangeSignal`` makes each such write wake every agent instead:
+90 ms after the first, and the completed round 15-45 ms after it was written. ``ChangeSignal``
+makes each such write wake every agent instead:
 
 - a writer, after a state write that changes the rendezvous (a join, a leave, a completed
   or broken round), counts it (``n``: one more than the count in the key ``COUNTER``, by
@@ -33,7 +33,7 @@ The keys of counted writes stay in the store (a few per round; nothing is read f
 so nothing is trusted: a process that forges one wakes the agents for one read of the
 sealed state).
 
-A count that is not ours (issue 42): the count is kept sealed (``Counts``: the number, a
+A count that is not ours: the count is kept sealed (``Counts``: the number, a
 nonce and an HMAC under the job's key), read and replaced by compare-and-set, never with the
 store's ``add``: the store parses the value an ``add`` finds as a number in its own thread,
 and a value that is not one (``b'\xff\x00garbage'``, 23 nines) made it log "Error processing

@@ -23,7 +23,7 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
   closed, that too (``peer_lost``: ``launch.liveness``), before torch restarts the group.
   A group still running in a round a peer wrote broken is stopped (SIGKILL: its workers
   may be blocked in a collective) instead of waiting for the failure to reach it through
-  its collectives, peer by peer (issue 36: node loss flat in the number of nodes); so is a
+  its collectives, peer by peer (node loss flat in the number of nodes); so is a
   drain for a join that is under way then. Between two passes it waits for news rather
   than sleeping (``await_news``): a worker's exit report from the zygote, or a ``nudge``
   from the rendezvous handler, ends the wait at once; torch's own loop only sleeps

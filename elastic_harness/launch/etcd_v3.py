@@ -10,7 +10,7 @@ else, as with its own c10d and etcd-v2 backends (``launch.rendezvous`` builds it
   (``launch.sealed.StateSeal``: the same stored form as the etcd-v2 and c10d backends, a
   forged or corrupt value refused before torch unpickles it).
 - A refused value (``StateSeal`` refuses forgeries, garbage and older states of the job
-  written back) never becomes the base of a write (issue 42: a burst of garbage with a worker
+  written back) never becomes the base of a write (a burst of garbage with a worker
   crash inside it split the agents for good, 4 of 7 runs): the base is the newest value of the
   key's history the agent may use (etcd keeps every revision), and the token the refused
   value's revision, so the agent's next write replaces it with what it replaced.

@@ -1,4 +1,4 @@
-"""Bad nodes: a node that fails twice within a window is kept out (issue 36, item 4).
+"""Bad nodes: a node that fails twice within a window is kept out.
 
 A node fails when its peers had to go on without it while its agent lived: it was dropped
 from the rendezvous (judged gone: frozen, cut off; ``launch.verdict``), or the step watchdog

@@ -1,5 +1,5 @@
 """Which peers of the last round are certainly gone: closing a round without waiting for a
-lost node's keep-alives to expire (issue 26, item 5).
+lost node's keep-alives to expire.
 
 torch's dynamic rendezvous drops a node when its last keep-alive is older than
 ``keep_alive_interval * keep_alive_max_attempt`` (3 s here). A shorter expiry alone is not

@@ -1,4 +1,4 @@
-"""Ask a peer's host whether its agent's process is still there (issue 36, item 3).
+"""Ask a peer's host whether its agent's process is still there.
 
 Each agent keeps a ``Beacon``: a listening socket on its node's address, and a thread that
 answers every connection with one byte and closes it. The address is written next to the

@@ -3,7 +3,7 @@
 torch's dynamic rendezvous pickles its state (``_BackendRendezvousStateHolder``) and hands
 the bytes to a backend, which stores them base64-encoded under one key of the c10d store or
 etcd; on every sync it reads them back and ``pickle.loads`` them. Anyone who can write that
-key can make every agent run code (issue 22: a forged pickle ran a shell command within
+key can make every agent run code (a forged pickle ran a shell command within
 1 s; garbage ended the job). The backends here seal what they write and check what they read:
 
 - ``set_state`` stores ``HMAC(key, run id, state) || state`` (``jobkey.seal``);
@@ -12,14 +12,14 @@ key can make every agent run code (issue 22: a forged pickle ran a shell command
   not even UTF-8, another job's state, torch's "no state yet" marker once a state was seen)
   reads as the last authentic state this agent saw (a fresh, empty state before it saw
   any: ``torchcompat.rdzv.fresh_state``), with a logged line (rate-limited: ``LOG_EVERY_S``). The token stays the exact
-  value read, so the agent's next write replaces it, and the job goes on (issue 33: the
+  value read, so the agent's next write replaces it, and the job goes on (the
   token used to be the raw bytes torch then decoded as UTF-8, and non-UTF-8 bytes ended
   the agent).
 
 Both backends are ours, written on torch's public backend interface (``RendezvousBackend``:
-``name``, ``get_state``, ``set_state``), no torch class subclassed (issue 35). The c10d one
+``name``, ``get_state``, ``set_state``), no torch class subclassed. The c10d one
 (``SealedC10dBackend``): its reads never block on a deleted key and a deleted key is written
-again (issue 33: the agents blocked at the job's end for ``read_timeout`` each). The etcd-v2
+again (the agents blocked at the job's end for ``read_timeout`` each). The etcd-v2
 one (``SealedEtcdBackend``): one key of etcd's v2 API, written with ``prevIndex``/``prevExist``
 and a TTL of two hours, as torch's etcd-v2 backend does; etcd tells a missing key apart
 itself. The seal does not depend on the store: etcd v3's backend (``launch.etcd_v3``) uses

@@ -1,4 +1,4 @@
-"""Pure: is a silent node gone? Decided from evidence, never from silence alone (issue 36).
+"""Pure: is a silent node gone? Decided from evidence, never from silence alone.
 
 A node that freezes or is cut off (a hung machine, a kernel panic, a NIC or switch failure)
 resets no connection: its peers' collectives just wait (gloo's timeout is minutes). What the

@@ -14,7 +14,7 @@ A worker it kills leaves no exception behind, so the server says what it did: ``
 (set by the agent once it knows its workers) hears the pid and how long since that worker
 last armed its timer, and the agent records a ``hang`` failure (``launch.agent``).
 
-Two deadlines per worker (issue 36; ``runtime.timer``): the *progress* one (SIGKILL when
+Two deadlines per worker (``runtime.timer``): the *progress* one (SIGKILL when
 it lapses: a hang, after ``timeouts.step`` or a phase's budget) and the *stall* one, with
 no signal, derived from the worker's measured steps. A lapsed stall deadline kills nobody by
 itself: the server asks ``judge`` (``launch.stall``: is a peer of the group gone, by

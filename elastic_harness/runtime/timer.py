@@ -18,7 +18,7 @@ progress (a step may still take the whole timeout), and a stuck worker is killed
 A checkpoint save is a phase whose budget is measured too (``save``, ``save_budget_s``): five
 times the longest recent save of its kind, at least ``SAVE_FLOOR_S``, renewed while its bytes
 move (``renew``); only the first save of a process gets the process group's whole timeout.
-With that timeout as every save's budget (issue 42), a worker frozen inside a save outlived
+With that timeout as every save's budget, a worker frozen inside a save outlived
 its healthy peer's collective (gloo's timeout, 120 s), and the peer was blamed.
 
 Each re-arm also sends a second deadline, ``STALL_SCOPE``, with no signal (torch's own

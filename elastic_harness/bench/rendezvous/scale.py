@@ -1,6 +1,6 @@
 """``elastic-harness bench rendezvous-scale``: messages and bytes the rendezvous costs per round.
 
-Many light agents (issue 36, item 5): ``N`` of our rendezvous handlers (``launch.rendezvous``,
+Many light agents: ``N`` of our rendezvous handlers (``launch.rendezvous``,
 torch's dynamic rendezvous with the state sealed under a job key), each with its own client
 connection, in threads of this process, against a real c10d ``TCPStore``; no workers. Every
 store call of every handler is counted at its client (one call is one request and one
