@@ -71,7 +71,7 @@ class Result:
 
     def kinds(self, kind: str) -> list[dict]:
         """Events of this kind from this invocation (a run dir accumulates invocations)."""
-        from elastic_harness.summary import current_invocation
+        from elastic_harness.records.summary import current_invocation
 
         return [e for e in current_invocation(self.events) if e["event"] == kind]
 

@@ -32,7 +32,7 @@ from elastic_harness.launch import slurm_env
 from elastic_harness.launch.config import node_options, worker_malloc_environ
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
-from elastic_harness.rundir import handed_resolved, prepare
+from elastic_harness.records.rundir import handed_resolved, prepare
 from elastic_harness.spec import load_job
 from elastic_harness.torchcompat.host import check_and_warn, check_release
 
@@ -82,7 +82,7 @@ _FLAGS = ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "standalone",
 
 def cmd_agent(args: argparse.Namespace) -> int:
     """Check every option before anything is created, then prepare the run dir and run."""
-    from elastic_harness.cluster import free_port
+    from elastic_harness.simcluster.cluster import free_port
 
     spec = load_job(args.job, args.set)  # the one parse of the job in this process
     require_spec_extras(spec)
@@ -186,8 +186,8 @@ class _ProgressPrinter:
     """``run``'s progress lines, from the events appended while this agent runs."""
 
     def __init__(self, events_path: Path, total_steps: int, period_s: float = 0.5) -> None:
+        from elastic_harness.commands.support.progress import Progress
         from elastic_harness.events import EventTail
-        from elastic_harness.progress import Progress
 
         self._tail = EventTail(events_path, start_at_end=True)
         self._progress = Progress(total_steps, out=sys.stderr)
@@ -218,7 +218,7 @@ def _write_summary(run_dir: Path) -> None:
     """``summary.json`` from the whole log, written whole (several agents may write it; the
     ``run`` that started them, if any, writes it again after they all exit)."""
     from elastic_harness.events import read_events
-    from elastic_harness.summary import summarize
+    from elastic_harness.records.summary import summarize
 
     path = run_dir / runfiles.SUMMARY
     tmp = path.with_name(f".{runfiles.SUMMARY}.{os.getpid()}")

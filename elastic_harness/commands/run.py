@@ -16,25 +16,26 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, jobkey, resumepoint, runfiles, spares
+from elastic_harness import exitcodes, jobkey, runfiles
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets
 from elastic_harness.checkpoint.lock import Holder
-from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.commands.jobargs import add_job_arguments, load_with_flags
 from elastic_harness.commands.report import check_reference, compare_with
+from elastic_harness.commands.support import resumepoint, spares
+from elastic_harness.commands.support.progress import Progress
+from elastic_harness.commands.support.scriptfiles import check_compiles
 from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.launch.policy import finish_bound_s
 from elastic_harness.launch.scratch import INDUCTOR_CACHE_VAR
-from elastic_harness.netns import NetnsTopology
-from elastic_harness.progress import Progress
-from elastic_harness.rundir import check_paths, prepare
-from elastic_harness.runstate import RunState
-from elastic_harness.scriptfiles import check_compiles
-from elastic_harness.summary import summarize
+from elastic_harness.records.rundir import check_paths, prepare
+from elastic_harness.records.runstate import RunState
+from elastic_harness.records.summary import summarize
+from elastic_harness.simcluster.cluster import LocalCluster, free_port
+from elastic_harness.simcluster.netns import NetnsTopology
 from elastic_harness.torchcompat.host import check_and_warn
 
 

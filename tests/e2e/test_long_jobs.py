@@ -15,7 +15,6 @@ import pytest
 
 from elastic_harness import exitcodes
 from elastic_harness.events import EventLog, read_events
-from elastic_harness.goodput import GoodputLedger
 from elastic_harness.launch.agent import explain_rendezvous_error, hang_message, hang_reporter
 from elastic_harness.launch.config import NodeOptions
 from elastic_harness.launch.policy import (
@@ -24,6 +23,7 @@ from elastic_harness.launch.policy import (
     failed_stop_grace,
     restarts_left,
 )
+from elastic_harness.records.goodput import GoodputLedger
 from elastic_harness.report.timeline import is_reaction
 from tests.conftest import MLP, cli
 
@@ -253,7 +253,7 @@ def test_a_second_submission_with_the_same_pinned_id_is_refused():
 
 def test_a_fenced_generation_that_finishes_does_not_report_success():
     from elastic_harness.commands.run import outcome
-    from elastic_harness.runstate import RunState
+    from elastic_harness.records.runstate import RunState
 
     state = RunState()
     for e in [{"event": "step", "pid": 7, "step": 59, "t": 1.0},

@@ -443,7 +443,7 @@ def json_copy(value):
 
 def test_run_dir_is_private_and_holds_the_key(tmp_path):
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import parse_job
 
     spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression",
@@ -468,7 +468,7 @@ def test_run_dir_is_private_and_holds_the_key(tmp_path):
 
 def test_a_provided_key_file_must_exist(tmp_path):
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import parse_job
 
     spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])
@@ -511,7 +511,7 @@ def test_a_missing_or_replaced_key_is_named_and_nothing_is_set_aside(cli_here, t
 
 def test_a_fresh_run_dir_still_makes_its_key_and_fresh_starts_over(tmp_path):
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import parse_job
 
     spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from elastic_harness.goodput import RDZV_COMPLETE
+from elastic_harness.records.goodput import RDZV_COMPLETE
 from elastic_harness.report.timeline import build
 
 PHASES = ("detect", "stop", "rendezvous", "spawn", "process_group", "restore", "first_step")

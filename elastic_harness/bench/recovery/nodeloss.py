@@ -188,8 +188,8 @@ def torchrun_fault(job: Path, run_dir: Path, nodes: int, kind: str, bound_s: flo
     bench at step ``FAULT_STEP``; stopped once it recovered, or ``bound_s`` after the fault."""
     from elastic_harness.chaos.vocabulary import parse_fault
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.cluster import free_port
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
+    from elastic_harness.simcluster.cluster import free_port
     from elastic_harness.spec import load_job
 
     spec = load_job(job, ["nproc_per_node=1"])

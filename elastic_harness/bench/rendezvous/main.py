@@ -188,7 +188,7 @@ def _time_backend(handler) -> dict:
 @contextlib.contextmanager
 def local_etcd(scratch: Path) -> Iterator[tuple[str, str]]:
     """An etcd on loopback serving both APIs, data in ``scratch``; (endpoint, version)."""
-    from elastic_harness.cluster import free_ports
+    from elastic_harness.simcluster.cluster import free_ports
 
     binary = shutil.which("etcd")
     if binary is None:

@@ -7,7 +7,7 @@ import re
 import sys
 from typing import TextIO
 
-from elastic_harness.runstate import RunState
+from elastic_harness.records.runstate import RunState
 
 # A durable save is worth its own line only when it held training up this long; the rest
 # are folded into the progress line ("saved 100") and the closing tally.

@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_harness import pidns, runfiles, simhost
+from elastic_harness import runfiles
 from elastic_harness.launch.config import agent_environ
-from elastic_harness.netns import NetnsTopology
+from elastic_harness.simcluster import pidns, simhost
+from elastic_harness.simcluster.netns import NetnsTopology
 
 
 def free_port(host: str = "127.0.0.1") -> int:
