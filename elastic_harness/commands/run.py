@@ -34,7 +34,7 @@ from elastic_harness.launch.scratch import INDUCTOR_CACHE_VAR
 from elastic_harness.records.rundir import check_paths, prepare
 from elastic_harness.records.runstate import RunState
 from elastic_harness.records.summary import summarize
-from elastic_harness.simcluster.cluster import LocalCluster, free_port
+from elastic_harness.simcluster.cluster import AgentArgs, LocalCluster, free_port
 from elastic_harness.simcluster.netns import NetnsTopology
 from elastic_harness.torchcompat.host import check_and_warn
 
@@ -284,9 +284,9 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None, separate_hosts=separate_hosts)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
-    cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend, netns=topology, separate_hosts=separate_hosts,
-                           extra_args=("--submission", submission) if submission else ())
+    agents = AgentArgs(run_dir / runfiles.RESOLVED_SPEC, run_dir, rdzv_id, endpoint, backend=spec.rendezvous.backend,
+                       extra=("--submission", submission) if submission else ())
+    cluster = LocalCluster(agents, nodes, netns=topology, separate_hosts=separate_hosts)
     progress = Progress(spec.train.steps, step_timeout=spec.timeouts.step)
     fatal, lingering = None, ""
     stop = StopSignal()

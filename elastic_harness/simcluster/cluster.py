@@ -87,25 +87,27 @@ def host_name(tag: str, index: int) -> str:
     return f"eh{tag}-node{index}"
 
 
+@dataclass(frozen=True)
+class AgentArgs:
+    """What every node's ``elastic-harness agent`` is started with (``LocalCluster.add_node``):
+    the resolved job, its run directory, the rendezvous (id, endpoint, the spec's backend name)
+    and any further flags."""
+
+    job_path: Path
+    run_dir: Path
+    rdzv_id: str
+    endpoint: str
+    backend: str = "c10d"
+    extra: tuple[str, ...] = ()
+
+
 class LocalCluster:
-    def __init__(
-        self,
-        job_path: Path,
-        run_dir: Path,
-        nodes: int,
-        rdzv_id: str,
-        endpoint: str,
-        backend: str = "c10d",
-        extra_args: tuple[str, ...] = (),
-        netns: NetnsTopology | None = None,
-        separate_hosts: bool = False,
-    ) -> None:
+    def __init__(self, agents: AgentArgs, nodes: int, netns: NetnsTopology | None = None,
+                 separate_hosts: bool = False) -> None:
         if separate_hosts and netns is None:
             raise AssertionError("separate hosts need their own network namespaces")
         self.separate_hosts = separate_hosts
-        self.job_path, self.run_dir, self.initial = job_path, run_dir, nodes
-        self.rdzv_id, self.endpoint, self.backend = rdzv_id, endpoint, backend
-        self.extra_args = extra_args
+        self.agents, self.run_dir, self.initial = agents, agents.run_dir, nodes
         self.netns = netns
         self.nodes: dict[int, Node] = {}
         self._stopped = False
@@ -116,14 +118,15 @@ class LocalCluster:
 
     def add_node(self, index: int | None = None) -> Node:
         index = max(self.nodes, default=-1) + 1 if index is None else index
+        a = self.agents
         cmd = [
-            sys.executable, "-m", "elastic_harness", "agent", str(self.job_path),
-            "--run-dir", str(self.run_dir), "--rdzv-endpoint", self.endpoint,
-            "--rdzv-id", self.rdzv_id, "--rdzv-backend", self.backend, "--node", str(index),
+            sys.executable, "-m", "elastic_harness", "agent", str(a.job_path),
+            "--run-dir", str(a.run_dir), "--rdzv-endpoint", a.endpoint,
+            "--rdzv-id", a.rdzv_id, "--rdzv-backend", a.backend, "--node", str(index),
             "--no-progress", "--no-summary",  # the host prints the progress, writes the summary
-            *self.extra_args,
+            *a.extra,
         ]
-        if self.backend == "c10d":
+        if a.backend == "c10d":
             # One agent hosts the c10d store; it is explicit so no two agents race for it.
             cmd.append("--is-host" if index == 0 else "--no-host")
         env = agent_environ()
