@@ -25,7 +25,7 @@ Lost: a submission that stopped answering (frozen, cut off) looks gone, and
 another job may take its lock over. When it comes back, its heartbeat (or ``check``, which
 an agent calls before each worker generation it starts) finds the other live job holding
 it: ``lost`` names that job, for good. The submission must stop without saving (the agent
-kills its workers and starts no more: ``launch.elastic``), and so never starts a worker
+kills its workers and starts no more: ``agent.elastic``), and so never starts a worker
 generation that would bump the fence and shut the lock's holder out.
 
 Limits: creating the file is atomic on local and shared filesystems (``link``); taking over

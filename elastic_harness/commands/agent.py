@@ -10,7 +10,7 @@ It prints the job's progress like ``run`` and writes ``summary.json`` when it ex
 ``--no-progress`` / ``--no-summary``: the ``run`` that starts local agents does both). Its log
 (stdout) starts with a header naming node and job, and names its workers' log directory
 once torchelastic made it (``lifecycle.logsource``): ``elastic-harness logs`` relies on
-both. Exit codes: ``launch.agent`` and ``exitcodes``.
+both. Exit codes: ``agent.node`` and ``exitcodes``.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, lock_lost) -> int:
-    from elastic_harness.launch.zygote import Zygote
+    from elastic_harness.agent.zygote import Zygote
     from elastic_harness.runtime.zygote import preload_for  # stdlib only: the zygote imports torch
 
     # Warm starts: the zygote imports torch and the harness (seconds) while this process
@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_i
 
 def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, zygote,
                 lock_lost) -> int:
-    from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
+    from elastic_harness.agent.node import run_agent  # imports torch: only once all is checked
 
     # The build and every private name: here, while the zygote imports torch (no start-up
     # cost); a refusal stops the zygote (``_serve``) before any rendezvous or worker.
@@ -140,7 +140,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
 
     endpoint = None
     if args.endpoint_port is not None:
-        from elastic_harness.launch.endpoint import Endpoint, stall_bound
+        from elastic_harness.agent.endpoint import Endpoint, stall_bound
 
         try:
             endpoint = Endpoint(run_dir / runfiles.EVENTS, job=spec.name, node=node,

@@ -1,9 +1,9 @@
-"""A three-member etcd for the etcd rendezvous backend (etcd's v3 API: ``launch.etcd_v3``).
+"""A three-member etcd for the etcd rendezvous backend (etcd's v3 API: ``rendezvous.etcd_v3``).
 
 The image is etcd 3.6 (``deploy.etcd_image``), which has no v2 API, so the rendered etcd
 cannot serve ``rendezvous.backend: etcd-v2`` (``check_backend`` refuses it). The agents'
 client learns every member from the one Service name it is given, and fails over between
-them (``launch.etcd_gateway``). Each member keeps its data on its own
+them (``rendezvous.etcd_gateway``). Each member keeps its data on its own
 volume: a member that restarts with an empty data dir cannot rejoin its cluster. The
 volumes are deleted with the StatefulSet, so a re-applied job starts with a fresh etcd
 (etcd remembers finished rendezvous ids for about two hours).

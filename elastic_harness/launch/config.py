@@ -25,7 +25,7 @@ from elastic_harness.launch import slurm_env
 from elastic_harness.spec import JobSpec
 
 # Backend names in torch's handler registry: "etcd" is ours on etcd's v3 API
-# (``launch.etcd_v3``), "etcd-v2" torch's own on the v2 API.
+# (``rendezvous.etcd_v3``), "etcd-v2" torch's own on the v2 API.
 _BACKENDS = {"c10d": "c10d", "etcd": "etcd-v3", "etcd-v2": "etcd-v2"}
 # The port an endpoint without one gets, per torch backend: torchrun's c10d default and
 # etcd's client port (what torch's own rendezvous backends assume).
@@ -233,7 +233,7 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
     conf: dict[str, object] = {
         "timeout": r.join_timeout,
         "join_timeout": r.join_timeout,
-        "start_last_call_timeout": r.start_last_call_timeout,  # read by launch.rendezvous
+        "start_last_call_timeout": r.start_last_call_timeout,  # read by rendezvous.handler
         "last_call_timeout": r.last_call_timeout,
         "close_timeout": r.close_timeout,
         "heartbeat_timeout": r.heartbeat_timeout,
@@ -290,7 +290,7 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
 def worker_command(run_dir: Path) -> tuple[str, list[str]]:
     """Entrypoint and args the agent runs per rank: ``python -u -m elastic_harness.runtime.entry
     JOB RUN_DIR``. With ``warm_start`` the agent's zygote runs this same command in a fork that
-    already imported torch (``launch.warm``); otherwise torchelastic starts a fresh interpreter."""
+    already imported torch (``agent.warm``); otherwise torchelastic starts a fresh interpreter."""
     job = run_dir / runfiles.RESOLVED_SPEC
     return sys.executable, ["-u", "-m", "elastic_harness.runtime.entry", str(job), str(run_dir)]
 

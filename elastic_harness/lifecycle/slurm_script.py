@@ -14,7 +14,7 @@ The script, top to bottom:
   ``RUN_DIR/logs/agent-<node index>.log``; c10d rendezvous on the allocation's first node
   (its agent hosts the store), or the job's etcd; the rendezvous id is the job's id plus
   Slurm's restart count, so a requeued attempt never meets a closed rendezvous;
-- a node kept out of the job (``nodes.exclude_after``, ``launch.exclusion``) exits 200 while
+- a node kept out of the job (``nodes.exclude_after``, ``rendezvous.exclusion``) exits 200 while
   the others go on: when this attempt's events hold the job's ``finish``, the job is done
   (exit 0), not requeued for that node's code;
 - requeue: when the agents exit with a code worth a retry (``exitcodes.retry``: preempted

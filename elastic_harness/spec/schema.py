@@ -193,7 +193,7 @@ class RendezvousSpec:
         "agent (2 s did on a loaded 2-core machine: a new agent then formed a second group); "
         "keep interval x attempts >= 3. A node whose peers saw its connection close and whose "
         "agent process is gone (or silent for 2 intervals, on another host) is dropped at once "
-        "(launch.liveness).",
+        "(rendezvous.liveness).",
     )
     etcd_protocol: Literal["http", "https"] = doc("http", "etcd: http, or https for client TLS.")
     etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")

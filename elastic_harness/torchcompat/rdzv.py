@@ -1,6 +1,6 @@
-"""torch's dynamic rendezvous: the private names ``launch.rendezvous`` reaches, and its patches.
+"""torch's dynamic rendezvous: the private names ``rendezvous.handler`` reaches, and its patches.
 
-torch has no hook for what ``launch.rendezvous`` adds to its ``DynamicRendezvousHandler``
+torch has no hook for what ``rendezvous.handler`` adds to its ``DynamicRendezvousHandler``
 (a last call decided per round, a dead peer dropped on evidence, events without
 ``inspect.stack()``), so these remain patches. Each is a feature of ``probe``:
 
@@ -19,7 +19,7 @@ torch has no hook for what ``launch.rendezvous`` adds to its ``DynamicRendezvous
 - ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store;
 - ``rdzv-sealed-state`` (required): torch's empty ``_RendezvousState``, what a refused
   (forged, corrupt) rendezvous value reads as before an authentic one was seen: the sealed
-  state (``launch.sealed``) is a security feature, never switched off.
+  state (``rendezvous.sealed``) is a security feature, never switched off.
 
 Module patches (``patch_module``) are applied by the agent's ``create_handler`` only, kept
 in ``PATCHED`` and undone by ``undo_module_patches``; handler hooks (``hook_handler``)

@@ -39,7 +39,7 @@ def emitted() -> dict[str, set[str]]:
 
 def test_the_scan_sees_the_emitters():
     places = {where for where, _, _ in emit_calls()}
-    assert {"runtime/session.py", "checkpoint/manager.py", "launch/bridge.py", "chaos/inject.py"} <= places
+    assert {"runtime/session.py", "checkpoint/manager.py", "agent/bridge.py", "chaos/inject.py"} <= places
 
 
 def test_every_emit_names_a_documented_kind_and_fields():

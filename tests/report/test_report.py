@@ -67,7 +67,7 @@ def test_fault_row_times_in_order_and_steps_lost():
 
 
 def account(t, pid, rank, message, **fields):
-    """An agent's account of a failed worker group (``launch.elastic.exit_account``)."""
+    """An agent's account of a failed worker group (``agent.elastic.exit_account``)."""
     return ev(t, "failure", pid, cause="exit", fatal=False, rank=rank, message=message, **fields)
 
 

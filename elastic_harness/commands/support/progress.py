@@ -14,7 +14,7 @@ from elastic_harness.records.runstate import RunState
 SLOW_SAVE_S = 1.0
 # A new in-memory snapshot interval is printed once it held this many steps.
 SETTLE_STEPS = 50
-# The rendezvous' own line when it drops a lost node (``launch.rendezvous._Handler.drop_dead``):
+# The rendezvous' own line when it drops a lost node (``rendezvous.handler._Handler.drop_dead``):
 # the node's name is torch's ``ADDR_PID_LOCALID`` of its agent, the reason follows the colon.
 _DROPPED = re.compile(r"Dropping node '(?P<name>[^']*?_(?P<pid>\d+)_\d+)' .*?: (?P<why>.*)$")
 

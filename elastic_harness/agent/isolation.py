@@ -9,7 +9,7 @@ without one success end the agent process with ``os._exit`` (which no blocked ca
 stop); its workers die with it (``PR_SET_PDEATHSIG``), so a node that comes back after a
 partition writes nothing more into the job's checkpoints, and a fresh agent can rejoin.
 
-etcd: the client fails over between the members the endpoint names (``launch.etcd_gateway``;
+etcd: the client fails over between the members the endpoint names (``rendezvous.etcd_gateway``;
 torch's etcd-v2 client, python-etcd, to every member the cluster advertises), so one success
 among all members counts (``etcd_members`` adds those the cluster advertises); losing the
 member named first in the endpoint does not isolate anyone.
@@ -60,7 +60,7 @@ def etcd_members(endpoint: str, conf: dict | None = None, timeout: float = 2.0) 
     """Client endpoints (``HOST:PORT``) every member of the etcd cluster advertises (its v3
     member list, which etcd-v2 clusters serve too); [] when etcd cannot be asked right now.
     ``conf``: the rendezvous config (TLS, user; ``launch.config.rdzv_configs``)."""
-    from elastic_harness.launch import etcd_gateway
+    from elastic_harness.rendezvous import etcd_gateway
 
     conf = dict(conf or {})
     try:

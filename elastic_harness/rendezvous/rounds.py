@@ -7,7 +7,7 @@ waited to rejoin: node loss took about 0.2 s at 2 nodes and 2.5-3.5 s at 4 to 8.
 
 Who is expected is in the state itself, so every agent decides alike, whichever joins last:
 the participants of the last completed round (``members``, written when a round completes)
-less the nodes known gone (``gone``: dropped by ``launch.liveness``/``launch.verdict`` or
+less the nodes known gone (``gone``: dropped by ``rendezvous.liveness``/``rendezvous.verdict`` or
 expired by torch, written when an agent sees it), the agents waiting for the round (torch's
 wait list), and as many hot spares (torch's redundancy list) as the round has room for. When all of them are participants, the round closes now; otherwise the
 last call runs as before (a node that is slow to rejoin, a preempted node whose keep-alives
