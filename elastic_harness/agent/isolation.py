@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elastic_harness import exitcodes
+from elastic_harness.spec import backends
 
 EXIT_ISOLATED = exitcodes.INFRA  # cut off from the rendezvous: the infrastructure's failure, retry
 MEMBERS_REFRESH_S = 60.0  # etcd membership changes rarely: ask again this often
@@ -151,7 +152,7 @@ def watch(spec, opts, events, node: str) -> IsolationWatchdog | None:
     if not limit:
         return None
     members = None
-    if opts.rdzv_backend != "c10d":  # etcd: every member the client could fail over to
+    if not backends.BY_TORCH_NAME[opts.rdzv_backend].hosts_store:  # etcd: every member the client could fail over to
         from elastic_harness.launch.config import rdzv_configs
 
         conf = rdzv_configs(spec, opts)

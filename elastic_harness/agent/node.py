@@ -30,7 +30,7 @@ from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_
 from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import BUDDY_SLOTS, SLOTS_PER_RANK, HostSlots
 from elastic_harness.rendezvous.exclusion import HANG_WORDS
-from elastic_harness.spec import JobSpec
+from elastic_harness.spec import JobSpec, backends
 
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
 EXIT_INFRA = exitcodes.INFRA
@@ -322,7 +322,8 @@ PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured", "Et
 def etcd_without_v2(opts: NodeOptions, detail: str) -> bool:
     """Pure: torch's etcd-v2 rendezvous found an etcd that answers, without the v2 API (its
     client's 404): a configuration error, not an outage."""
-    return opts.rdzv_backend == "etcd-v2" and "404" in detail
+    word = _row(opts).refused_word
+    return bool(word) and word in detail
 
 
 def rendezvous_exit_code(kind: str) -> int:
@@ -348,7 +349,7 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
         return (f"too few nodes: fewer than nodes.min={opts.min_nodes} joined within "
                 f"rendezvous.join_timeout={join_timeout}s; checkpoints are intact, start enough "
                 "nodes and re-run to resume")
-    if kind == "RendezvousConnectionError" and opts.rdzv_backend == "c10d" and not opts.is_host:
+    if kind == "RendezvousConnectionError" and _row(opts).hosts_store and not opts.is_host:
         return (f"rendezvous host lost: the c10d store at {opts.rdzv_endpoint} lived in the agent "
                 "that hosted it, and it is gone, which ends a c10d job (use rendezvous.backend: etcd "
                 "to survive losing any node); re-run to resume with a new rendezvous id")
@@ -362,18 +363,18 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
 def unreachable_backend(opts: NodeOptions, detail: str) -> str:
     """Pure: the line for a rendezvous backend that cannot be used at start-up."""
     detail = " ".join(detail.split())[:200]
-    v2 = "--enable-v2 (torch's etcd-v2 rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
-    if opts.rdzv_backend == "c10d":
-        fix = ("start the agent that hosts the c10d store (--is-host) first, at that address, or fix "
-               "rendezvous.endpoint (--rdzv-endpoint)")
-    elif opts.rdzv_backend == "etcd-v3":
-        fix = ("start etcd there (3.4 or newer: the v3 API), or fix rendezvous.endpoint (--rdzv-endpoint; "
-               "name every member, comma-separated)")
-    elif "404" in detail:  # an etcd that answers, without the v2 API: the job's settings, not an outage
+    if etcd_without_v2(opts, detail):  # an etcd that answers, without the v2 API: the job's settings
+        v2 = "--enable-v2 (torch's etcd-v2 rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
         return (f"the etcd at {opts.rdzv_endpoint} has no v2 API, which rendezvous.backend: etcd-v2 needs "
                 f"({detail}); use rendezvous.backend: etcd (the v3 API), or restart etcd with {v2}; "
                 "nothing was trained")
-    else:
-        fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
     return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "
-            f"{fix}; nothing was trained, re-run once it is up")
+            f"{_row(opts).unreachable_fix}; nothing was trained, re-run once it is up")
+
+
+def _row(opts: NodeOptions) -> backends.Backend:
+    """This agent's backend in the table (``spec/backends.py``); torch's own for any other
+    backend name: its store outside the job, no fix known."""
+    return backends.BY_TORCH_NAME.get(opts.rdzv_backend) or backends.Backend(
+        opts.rdzv_backend, opts.rdzv_backend, opts.rdzv_backend, 0, hosts_store=False, settings=(),
+        unreachable_fix="fix rendezvous.endpoint (--rdzv-endpoint)")

@@ -33,7 +33,7 @@ from elastic_harness.launch.config import node_options, worker_malloc_environ
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
 from elastic_harness.records.rundir import handed_resolved, prepare
-from elastic_harness.spec import load_job
+from elastic_harness.spec import backends, load_job
 from elastic_harness.torchcompat.host import check_and_warn, check_release
 
 
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job")
     p.add_argument("--run-dir", help="shared run directory (default runs/<job name>)")
     p.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous (or PET_RDZV_ENDPOINT; c10d port 29400)")
-    p.add_argument("--rdzv-backend", help="c10d or etcd (or PET_RDZV_BACKEND)")
+    p.add_argument("--rdzv-backend", help=f"{', '.join(backends.NAMES)} (or PET_RDZV_BACKEND)")
     p.add_argument("--rdzv-id", help="rendezvous id shared by the job's nodes (or PET_RDZV_ID)")
     p.add_argument("--rdzv-conf", metavar="K=V,...",
                    help="rendezvous settings over the job's, e.g. join_timeout=900 (or PET_RDZV_CONF)")

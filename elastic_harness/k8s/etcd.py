@@ -35,6 +35,7 @@ from elastic_harness.k8s.common import (
     pod_labels,
 )
 from elastic_harness.k8s.pod import container_security, pod_security
+from elastic_harness.spec.backends import BY_NAME, RENDERED_ETCD
 
 _DATA = "/var/run/etcd"
 _VOLUME_SIZE = "1Gi"  # rendezvous state is a few keys
@@ -46,7 +47,8 @@ def client_endpoint(target: Target) -> str:
 
 def check_backend(target: Target) -> None:
     """The rendered etcd has no v2 API: ``etcd-v2`` cannot rendezvous through it."""
-    if target.spec.rendezvous.backend == "etcd-v2":
+    row = BY_NAME[target.spec.rendezvous.backend]
+    if not (row.hosts_store or row is RENDERED_ETCD):
         raise RenderError("rendezvous.backend is etcd-v2, but the rendered etcd (3.6 or newer) has no v2 API",
                           "use rendezvous.backend: etcd (the v3 API): --set rendezvous.backend=etcd")
 

@@ -100,6 +100,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_harness import jobkey
 from elastic_harness.rendezvous import etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.spec import backends
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -249,14 +250,19 @@ def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, 
     sealed under ``key`` and a c10d store bound to one address (``rendezvous.sealed``)."""
     from elastic_harness.rendezvous import sealed
 
-    c10d = name == "c10d"  # where the state lives, for the log: a store key, an etcd key
-    where = f"torch.rendezvous.{params.run_id}" if c10d else f"/torch/elastic/rendezvous/{params.run_id}"
+    in_store = backends.BY_TORCH_NAME[name].hosts_store  # where the state lives, for the log
+    where = f"torch.rendezvous.{params.run_id}" if in_store else f"/torch/elastic/rendezvous/{params.run_id}"
     seal = sealed.StateSeal(key, params.run_id, where=where)
-    if c10d:
-        return sealed.create_c10d_backend(params, seal)
-    if name == etcd_v3.BACKEND:
-        return etcd_v3.create_backend(params, seal)
-    return sealed.create_etcd_backend(params, seal)
+    return creators()[name](params, seal)
+
+
+def creators() -> dict[str, Callable[[RendezvousParameters, Any], tuple[Any, Any]]]:
+    """Each backend's state backend and store (torch's name: ``spec/backends.py``'s rows), the
+    state sealed: the one place in the rendezvous a new backend is named."""
+    from elastic_harness.rendezvous import sealed
+
+    return {"c10d": sealed.create_c10d_backend, "etcd-v3": etcd_v3.create_backend,
+            "etcd-v2": sealed.create_etcd_backend}
 
 
 class _Handler(DynamicRendezvousHandler):
@@ -719,7 +725,7 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
 # Our handler in torch's rendezvous handler registry (its public extension point), under
 # names of its own (each is also its backend's ``name``): torch's ``c10d`` and ``etcd-v2``
 # stay torch's; ``etcd-v3`` (``rendezvous.etcd_v3``) has no torch namesake.
-REGISTERED = {"c10d": "harness-c10d", "etcd-v2": "harness-etcd-v2", etcd_v3.BACKEND: etcd_v3.BACKEND}
+REGISTERED = {b.torch_name: b.registered for b in backends.BACKENDS}  # spec/backends.py
 
 
 def register() -> None:

@@ -33,6 +33,7 @@ from elastic_harness import runfiles
 from elastic_harness.launch.config import agent_environ
 from elastic_harness.simcluster import pidns, simhost
 from elastic_harness.simcluster.netns import NetnsTopology
+from elastic_harness.spec import backends
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -126,7 +127,7 @@ class LocalCluster:
             "--no-progress", "--no-summary",  # the host prints the progress, writes the summary
             *a.extra,
         ]
-        if a.backend == "c10d":
+        if backends.BY_NAME[a.backend].hosts_store:
             # One agent hosts the c10d store; it is explicit so no two agents race for it.
             cmd.append("--is-host" if index == 0 else "--no-host")
         env = agent_environ()
