@@ -15,6 +15,7 @@ import importlib.util
 from typing import Any
 
 from elastic_harness.errors import HarnessError
+from elastic_harness.spec.backends import BY_NAME
 
 # extra -> (the module it provides, what it is for); pyproject.toml's optional-dependencies
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -52,8 +53,9 @@ def extras_for(spec: Any) -> list[str]:
         need.append("s3")
     if spec.metrics.tensorboard:
         need.append("tensorboard")
-    if spec.rendezvous.backend == "etcd-v2":  # torch's v2 client; etcd (v3) needs no library
-        need.append("etcd")
+    extra = BY_NAME[spec.rendezvous.backend].extra  # etcd-v2: torch's v2 client; etcd (v3) needs none
+    if extra:
+        need.append(extra)
     return need
 
 

@@ -165,7 +165,7 @@ CONTRACT: dict[str, EventKind] = {
         "kept": "worker exceptions: the step this rank kept in its agent's memory on its way down "
                 "(checkpoint.memory_on_failure; None when it kept none)",
         "cause": "'hang': the agent's step watchdog killed a worker that made no progress (no exception); "
-                 "'node-lost': it stopped a stalled worker because peer nodes are gone (launch.verdict); "
+                 "'node-lost': it stopped a stalled worker because peer nodes are gone (rendezvous.verdict); "
                  "'exit': an agent saw its worker group fail (which rank exited how, the cause first)",
         "seconds": "hang, node-lost: how long the worker had not re-armed its step timer when it was killed",
         "gone": "node-lost: the rendezvous nodes judged gone (dropped from the rendezvous)",
@@ -178,7 +178,7 @@ CONTRACT: dict[str, EventKind] = {
         "signal": "exit: the signal that ended it ('SIGKILL'), None when it exited with a code",
         "recorded": "exit: it recorded its own error (a worker exception), so its own failure event says more",
     }),
-    "excluded": EventKind("an agent (launch.exclusion)", "its node failed nodes.exclude_after times within "
+    "excluded": EventKind("an agent (rendezvous.exclusion)", "its node failed nodes.exclude_after times within "
                           "nodes.exclude_window (dropped while alive, or a worker that hung itself): it is kept "
                           "out of the job, its agent stops (exit 200)", {
         "node": "the node kept out",
@@ -191,7 +191,7 @@ CONTRACT: dict[str, EventKind] = {
         "world_size": "the group's world size when they started (the one a spare keeps)",
     }),
     "stall": EventKind("an agent", "a worker passed its stall bound (runtime.timer): the agent looks for "
-                       "evidence that a peer node is gone (launch.verdict); a node-lost failure follows if "
+                       "evidence that a peer node is gone (rendezvous.verdict); a node-lost failure follows if "
                        "it finds some, nothing if the peers are alive", {
         "node": "the agent's node",
         "rank": "the stalled worker's global rank",
@@ -233,7 +233,7 @@ CONTRACT: dict[str, EventKind] = {
         "seconds": "how long it had been unreachable",
         "message": "one line",
     }),
-    "workers": EventKind("an agent (launch.elastic)", "a phase of its worker group, for recovery timing", {
+    "workers": EventKind("an agent (agent.elastic)", "a phase of its worker group, for recovery timing", {
         "node": "node name",
         "state": "'failed' (an exit seen; warm starts only), 'stopped' (the group is down; cold "
                  "starts: also the first sign of a failure), 'broken' (a peer wrote the round broken: its "
@@ -269,7 +269,7 @@ CONTRACT: dict[str, EventKind] = {
         "phases_s": "seconds: leave (the fault until this rank parked), park (waiting for its place), "
                     "reform (groups and handshake)",
     }),
-    "torchelastic": EventKind("an agent (launch.bridge)", "torchelastic's own agent/rendezvous event", {
+    "torchelastic": EventKind("an agent (agent.bridge)", "torchelastic's own agent/rendezvous event", {
         "node": "node name",
         "name": "torchelastic's event name",
         "source": "AGENT or WORKER, or the rendezvous source",

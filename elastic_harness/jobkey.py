@@ -23,7 +23,7 @@ context (an old rendezvous state of the same rendezvous id, an older checkpoint 
 run). Replays carry our own data only, never code. Whoever can read the key file (the run
 dir's owner, root) can forge anything: the key is as safe as that file. So a key file every
 user of the machine can read (or replace) is refused, with one line naming the fix, and one
-its group can read is named once on stderr (issue 42: ``check_private``).
+its group can read is named once on stderr (``check_private``).
 
 This module imports nothing of ours but ``errors`` (the pure layer may use it).
 """

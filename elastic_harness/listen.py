@@ -2,7 +2,7 @@
 
 torch's ``TCPStore`` server binds the wildcard address (every interface) whatever host it
 is given; the host only tells clients where to connect. A store bound that way is open to
-anyone who reaches the machine, and torch's stores have no authentication (issue 22). So
+anyone who reaches the machine, and torch's stores have no authentication. So
 the harness binds the socket itself, to the address the job was told to use (the
 rendezvous endpoint's host, the node's ``--local-addr``; ``127.0.0.1`` for a local ``run``)
 and hands it to ``TCPStore(master_listen_fd=...)``.

@@ -14,7 +14,7 @@ Of the exit callbacks, one is itself teardown: torch registers an exit-time fina
 each of its operator libraries (``torch.library``: some 200 once torch is imported), which
 unregisters the library's operators from the dispatcher. That is 25-110 ms of a failed
 worker's exit on a 2-core machine with 8 ranks on it, every rank in turn, as a node loss
-reaches them through their collectives (issue 36: each hop of that chain waited for it).
+reaches them through their collectives (each hop of that chain waited for it).
 ``run_exit_callbacks`` detaches those and runs the rest (loggers, temp directories, the
 worker's own ``close``).
 """

@@ -71,7 +71,7 @@ class Result:
 
     def kinds(self, kind: str) -> list[dict]:
         """Events of this kind from this invocation (a run dir accumulates invocations)."""
-        from elastic_harness.summary import current_invocation
+        from elastic_harness.records.summary import current_invocation
 
         return [e for e in current_invocation(self.events) if e["event"] == kind]
 
@@ -151,7 +151,7 @@ def cli_here(capsys, tmp_path, monkeypatch):
 
     The calls that would start training or a benchmark fail the test instead, so a bad
     input that is accepted cannot start a cluster inside the test process."""
-    import elastic_harness.launch.agent
+    import elastic_harness.agent.node
     from elastic_harness.bench.checkpoint import main as checkpoint
     from elastic_harness.bench.recovery import main as recovery
     from elastic_harness.bench.recovery import resize
@@ -162,7 +162,7 @@ def cli_here(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for var in ("PET_RDZV_ENDPOINT", "PET_RDZV_ID", "PET_NNODES", "PET_NPROC_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
-    for module, name in ((run, "launch_local"), (elastic_harness.launch.agent, "run_agent"),
+    for module, name in ((run, "launch_local"), (elastic_harness.agent.node, "run_agent"),
                          (checkpoint, "measure"), (recovery, "launch"), (resize, "run_harness_until"),
                          (local.LocalScheduler, "submit"),
                          (slurm.SlurmScheduler, "submit"), (kube.KubeScheduler, "submit")):
@@ -235,9 +235,9 @@ def _signal_handlers_restored():
 
 @pytest.fixture(autouse=True)
 def _no_timer_file_leaks(monkeypatch):
-    """``launch.watchdog.start`` points the agent's process at its FIFO (the workers inherit
+    """``agent.watchdog.start`` points the agent's process at its FIFO (the workers inherit
     it); a test that starts one in the pytest process must not hand a dead FIFO to every
     worker started by a later test (plain torchrun's workers then fail to re-arm it)."""
-    from elastic_harness.launch.watchdog import TIMER_FILE_VAR
+    from elastic_harness.agent.watchdog import TIMER_FILE_VAR
 
     monkeypatch.delenv(TIMER_FILE_VAR, raising=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_harness.cluster import free_port, free_ports
+from elastic_harness.simcluster.cluster import free_port, free_ports
 
 # What every rank of ``spawn_ranks`` imports anyway (the forkserver imports it once).
 _RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",

@@ -2,7 +2,7 @@
 by pid, all state in a temp dir, OS-picked ports.
 
 ``slurm_cluster(root, nodes=N)``: nodes ``n0`` .. ``n<N-1>``, each slurmd in a network
-namespace of its own (``elastic_harness.netns``: its own address on a private bridge) and a
+namespace of its own (``elastic_harness.simcluster.netns``: its own address on a private bridge) and a
 UTS namespace (its own hostname), entered with ``nsenter --net`` rather than ``ip netns
 exec`` so /sys keeps the machine's cgroup mounts, which slurmd reads. Each also gets a mount
 namespace whose /etc/hosts names both nodes: jobs on either node resolve ``n0`` and ``n1``
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_harness.netns import NetnsTopology
+from elastic_harness.simcluster.netns import NetnsTopology
 from tests.servers import free_ports, wait_until
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "nsenter", "unshare")

@@ -21,8 +21,8 @@ from pathlib import Path
 from elastic_harness import runfiles
 from elastic_harness.chaos.schedule import due, unfired
 from elastic_harness.chaos.vocabulary import KINDS, Kind, fire_now, parse_fault
-from elastic_harness.cluster import LocalCluster
 from elastic_harness.events import EventLog
+from elastic_harness.simcluster.cluster import LocalCluster
 from elastic_harness.spec import FaultSpec
 
 REQUESTS = Path(runfiles.CHAOS) / "requests"

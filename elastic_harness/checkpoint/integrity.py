@@ -11,7 +11,7 @@ The checksum is CRC32 (zlib): it catches the accidents this guards against (flip
 truncated or torn files, a shard from another save) and runs 2-3x faster than sha256 here.
 Manifests that list ``sha256`` (written before) are still verified with sha256.
 
-Authenticity (issue 22): write access to a checkpoint directory must not be code
+Authenticity (docs/security.md): write access to a checkpoint directory must not be code
 execution, yet DCP unpickles ``.metadata``. So the manifest carries ``sha256`` of
 ``.metadata`` besides its CRC32, and a ``signature``: HMAC-SHA256 with the job's key
 (``jobkey``) over the whole manifest (every file's size and checksum, step, job) in a

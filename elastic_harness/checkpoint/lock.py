@@ -21,11 +21,11 @@ Call order: ``Lease.acquire`` (raises ``LockHeld``), then ``release()`` on a cle
 (safe to call twice). While held, a thread renews the heartbeat; a process of the same job
 that finds the owner gone takes the lock over for the job.
 
-Lost (issue 42): a submission that stopped answering (frozen, cut off) looks gone, and
+Lost: a submission that stopped answering (frozen, cut off) looks gone, and
 another job may take its lock over. When it comes back, its heartbeat (or ``check``, which
 an agent calls before each worker generation it starts) finds the other live job holding
 it: ``lost`` names that job, for good. The submission must stop without saving (the agent
-kills its workers and starts no more: ``launch.elastic``), and so never starts a worker
+kills its workers and starts no more: ``agent.elastic``), and so never starts a worker
 generation that would bump the fence and shut the lock's holder out.
 
 Limits: creating the file is atomic on local and shared filesystems (``link``); taking over

@@ -7,7 +7,7 @@ plan (``SavePlan([], usable=False)``) and reuses its cached final plan, and the 
 reuses the cached global plan and metadata; a changed plan is planned again. The cache is
 ours (``PlanCache``, one per manager key) and the planner a ``DefaultSavePlanner`` subclass
 overriding DCP's public planner methods: torch keeps its own cache in class-level dicts
-keyed by a private attribute, which a release may rename (issue 35). Our plans compare equal
+keyed by a private attribute, which a release may rename. Our plans compare equal
 when their items write the same index with the same tensor metadata (chunk, size, dtype and
 the other properties): a little stricter than torch's comparison, which ignores the dtype.
 

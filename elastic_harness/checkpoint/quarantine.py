@@ -9,10 +9,10 @@ when it was left in place, because moving failed or this generation may no longe
 the directory).
 
 A checkpoint without a signature (``unsigned``: one written before checkpoints were signed,
-issue 22, or planted) is never loaded but stays where it is, so that ``ckpt trust`` can sign
+a forgery, or planted) is never loaded but stays where it is, so that ``ckpt trust`` can sign
 it if the user vouches for it; one with a wrong signature (``forged``) is set aside like a
 corrupt one. Either is moved aside when it holds the name of a step this job is about to
-save (``move_unsigned``): the job's own checkpoint is never given up for it (issue 33).
+save (``move_unsigned``): the job's own checkpoint is never given up for it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ It prints the job's progress like ``run`` and writes ``summary.json`` when it ex
 ``--no-progress`` / ``--no-summary``: the ``run`` that starts local agents does both). Its log
 (stdout) starts with a header naming node and job, and names its workers' log directory
 once torchelastic made it (``lifecycle.logsource``): ``elastic-harness logs`` relies on
-both. Exit codes: ``launch.agent`` and ``exitcodes``.
+both. Exit codes: ``agent.node`` and ``exitcodes``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from elastic_harness.launch import slurm_env
 from elastic_harness.launch.config import node_options, worker_malloc_environ
 from elastic_harness.launch.scratch import torch_environ
 from elastic_harness.lifecycle import logsource
-from elastic_harness.rundir import handed_resolved, prepare
-from elastic_harness.spec import load_job
+from elastic_harness.records.rundir import handed_resolved, prepare
+from elastic_harness.spec import backends, load_job
 from elastic_harness.torchcompat.host import check_and_warn, check_release
 
 
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job")
     p.add_argument("--run-dir", help="shared run directory (default runs/<job name>)")
     p.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous (or PET_RDZV_ENDPOINT; c10d port 29400)")
-    p.add_argument("--rdzv-backend", help="c10d or etcd (or PET_RDZV_BACKEND)")
+    p.add_argument("--rdzv-backend", help=f"{', '.join(backends.NAMES)} (or PET_RDZV_BACKEND)")
     p.add_argument("--rdzv-id", help="rendezvous id shared by the job's nodes (or PET_RDZV_ID)")
     p.add_argument("--rdzv-conf", metavar="K=V,...",
                    help="rendezvous settings over the job's, e.g. join_timeout=900 (or PET_RDZV_CONF)")
@@ -82,7 +82,7 @@ _FLAGS = ("rdzv_endpoint", "rdzv_backend", "rdzv_id", "rdzv_conf", "standalone",
 
 def cmd_agent(args: argparse.Namespace) -> int:
     """Check every option before anything is created, then prepare the run dir and run."""
-    from elastic_harness.cluster import free_port
+    from elastic_harness.simcluster.cluster import free_port
 
     spec = load_job(args.job, args.set)  # the one parse of the job in this process
     require_spec_extras(spec)
@@ -115,7 +115,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, lock_lost) -> int:
-    from elastic_harness.launch.zygote import Zygote
+    from elastic_harness.agent.zygote import Zygote
     from elastic_harness.runtime.zygote import preload_for  # stdlib only: the zygote imports torch
 
     # Warm starts: the zygote imports torch and the harness (seconds) while this process
@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_i
 
 def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, zygote,
                 lock_lost) -> int:
-    from elastic_harness.launch.agent import run_agent  # imports torch: only once all is checked
+    from elastic_harness.agent.node import run_agent  # imports torch: only once all is checked
 
     # The build and every private name: here, while the zygote imports torch (no start-up
     # cost); a refusal stops the zygote (``_serve``) before any rendezvous or worker.
@@ -140,7 +140,7 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
 
     endpoint = None
     if args.endpoint_port is not None:
-        from elastic_harness.launch.endpoint import Endpoint, stall_bound
+        from elastic_harness.agent.endpoint import Endpoint, stall_bound
 
         try:
             endpoint = Endpoint(run_dir / runfiles.EVENTS, job=spec.name, node=node,
@@ -186,8 +186,8 @@ class _ProgressPrinter:
     """``run``'s progress lines, from the events appended while this agent runs."""
 
     def __init__(self, events_path: Path, total_steps: int, period_s: float = 0.5) -> None:
+        from elastic_harness.commands.support.progress import Progress
         from elastic_harness.events import EventTail
-        from elastic_harness.progress import Progress
 
         self._tail = EventTail(events_path, start_at_end=True)
         self._progress = Progress(total_steps, out=sys.stderr)
@@ -218,7 +218,7 @@ def _write_summary(run_dir: Path) -> None:
     """``summary.json`` from the whole log, written whole (several agents may write it; the
     ``run`` that started them, if any, writes it again after they all exit)."""
     from elastic_harness.events import read_events
-    from elastic_harness.summary import summarize
+    from elastic_harness.records.summary import summarize
 
     path = run_dir / runfiles.SUMMARY
     tmp = path.with_name(f".{runfiles.SUMMARY}.{os.getpid()}")

@@ -15,7 +15,7 @@ from elastic_harness.chaos.inject import request
 from elastic_harness.chaos.vocabulary import check_netns, parse_fault
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import read_events
-from elastic_harness.runstate import current_invocation
+from elastic_harness.records.runstate import current_invocation
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -212,7 +212,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from elastic_harness.checkpoint.export import load_legacy_file, save_single_process
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import load_job
 
     spec = load_job(args.job, list(args.set))

@@ -74,8 +74,8 @@ def script_for_pods(spec, job_path: Path) -> dict[str, str] | None:
     if not spec.script.path:
         return None
     from elastic_harness.commands.run import resolve_script
+    from elastic_harness.commands.support.scriptfiles import check_compiles
     from elastic_harness.errors import HarnessError
-    from elastic_harness.scriptfiles import check_compiles
 
     try:
         path = resolve_script(spec.script.path, job_path)

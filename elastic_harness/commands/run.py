@@ -16,25 +16,26 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_harness import exitcodes, jobkey, resumepoint, runfiles, spares
+from elastic_harness import exitcodes, jobkey, runfiles
 from elastic_harness.chaos.inject import ChaosController
 from elastic_harness.chaos.vocabulary import check_netns, check_targets
 from elastic_harness.checkpoint.lock import Holder
-from elastic_harness.cluster import LocalCluster, free_port
 from elastic_harness.commands.jobargs import add_job_arguments, load_with_flags
 from elastic_harness.commands.report import check_reference, compare_with
+from elastic_harness.commands.support import resumepoint, spares
+from elastic_harness.commands.support.progress import Progress
+from elastic_harness.commands.support.scriptfiles import check_compiles
 from elastic_harness.deps import require_spec_extras
 from elastic_harness.errors import ClusterError, HarnessError, Preempted
 from elastic_harness.events import EventLog, EventTail, read_events
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.launch.policy import finish_bound_s
 from elastic_harness.launch.scratch import INDUCTOR_CACHE_VAR
-from elastic_harness.netns import NetnsTopology
-from elastic_harness.progress import Progress
-from elastic_harness.rundir import check_paths, prepare
-from elastic_harness.runstate import RunState
-from elastic_harness.scriptfiles import check_compiles
-from elastic_harness.summary import summarize
+from elastic_harness.records.rundir import check_paths, prepare
+from elastic_harness.records.runstate import RunState
+from elastic_harness.records.summary import summarize
+from elastic_harness.simcluster.cluster import AgentArgs, LocalCluster, free_port
+from elastic_harness.simcluster.netns import NetnsTopology
 from elastic_harness.torchcompat.host import check_and_warn
 
 
@@ -283,9 +284,9 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None, separate_hosts=separate_hosts)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
-    cluster = LocalCluster(run_dir / runfiles.RESOLVED_SPEC, run_dir, nodes, rdzv_id, endpoint,
-                           backend=spec.rendezvous.backend, netns=topology, separate_hosts=separate_hosts,
-                           extra_args=("--submission", submission) if submission else ())
+    agents = AgentArgs(run_dir / runfiles.RESOLVED_SPEC, run_dir, rdzv_id, endpoint, backend=spec.rendezvous.backend,
+                       extra=("--submission", submission) if submission else ())
+    cluster = LocalCluster(agents, nodes, netns=topology, separate_hosts=separate_hosts)
     progress = Progress(spec.train.steps, step_timeout=spec.timeouts.step)
     fatal, lingering = None, ""
     stop = StopSignal()

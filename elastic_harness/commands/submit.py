@@ -16,17 +16,18 @@ import sys
 import time
 from pathlib import Path
 
-from elastic_harness import resumepoint, runfiles
+from elastic_harness import runfiles
 from elastic_harness.checkpoint import lock
 from elastic_harness.commands import jobargs
 from elastic_harness.commands.jobargs import add_job_arguments
+from elastic_harness.commands.support import resumepoint
 from elastic_harness.errors import HarnessError, RunDirError
 from elastic_harness.launch.config import new_rdzv_id
 from elastic_harness.lifecycle import registry
 from elastic_harness.lifecycle.api import Submission
 from elastic_harness.lifecycle.schedulers import SCHEDULERS, scheduler_class, scheduler_for
 from elastic_harness.lifecycle.state import ACTIVE
-from elastic_harness.rundir import owner
+from elastic_harness.records.rundir import owner
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -117,7 +118,7 @@ def _check_local(args: argparse.Namespace, spec, root: Path) -> tuple:
     """What a job whose run dir is here (local, Slurm) is checked for before it is submitted,
     as ``run`` checks it: (the spec preflight resolved, the run dir, the local node count)."""
     from elastic_harness.commands.run import check_faults, preflight
-    from elastic_harness.rundir import check_paths
+    from elastic_harness.records.rundir import check_paths
     from elastic_harness.torchcompat.host import check_and_warn
 
     nodes = _local_nodes(args, spec)

@@ -42,7 +42,7 @@ Limits: the StatefulSet restarts pods that exit 0, so delete the plain job when 
 object names are baked into flags, so rename through the job's ``name``, not kustomize's
 ``namePrefix``.
 
-Secrets (issue 22, docs/security.md): nothing secret is rendered. The pods need
+Secrets (docs/security.md): nothing secret is rendered. The pods need
 ``<job>-key`` (key ``job.key``: the job's HMAC key, mounted at /etc/elastic-harness/key and
 named by ``ELASTIC_HARNESS_KEY_FILE``); with an etcd, ``<job>-etcd-tls`` (server and peer
 certificate, ``tls.crt``/``tls.key``/``ca.crt``) and ``<job>-etcd-client-tls`` (the agents'

@@ -1,14 +1,14 @@
-"""A three-member etcd for the etcd rendezvous backend (etcd's v3 API: ``launch.etcd_v3``).
+"""A three-member etcd for the etcd rendezvous backend (etcd's v3 API: ``rendezvous.etcd_v3``).
 
 The image is etcd 3.6 (``deploy.etcd_image``), which has no v2 API, so the rendered etcd
 cannot serve ``rendezvous.backend: etcd-v2`` (``check_backend`` refuses it). The agents'
 client learns every member from the one Service name it is given, and fails over between
-them (``launch.etcd_gateway``). Each member keeps its data on its own
+them (``rendezvous.etcd_gateway``). Each member keeps its data on its own
 volume: a member that restarts with an empty data dir cannot rejoin its cluster. The
 volumes are deleted with the StatefulSet, so a re-applied job starts with a fresh etcd
 (etcd remembers finished rendezvous ids for about two hours).
 
-TLS and authentication (issue 22): clients and peers speak https, and etcd admits only
+TLS and authentication (docs/security.md): clients and peers speak https, and etcd admits only
 clients with a certificate signed by the job's CA (``--client-cert-auth``). The server and
 peer certificate come from the Secret ``<job>-etcd-tls`` (``tls.crt``, ``tls.key``,
 ``ca.crt``: cert-manager's layout; SANs ``*.<job>-etcd``, ``<job>-etcd-client``; usages
@@ -35,6 +35,7 @@ from elastic_harness.k8s.common import (
     pod_labels,
 )
 from elastic_harness.k8s.pod import container_security, pod_security
+from elastic_harness.spec.backends import BY_NAME, RENDERED_ETCD
 
 _DATA = "/var/run/etcd"
 _VOLUME_SIZE = "1Gi"  # rendezvous state is a few keys
@@ -46,7 +47,8 @@ def client_endpoint(target: Target) -> str:
 
 def check_backend(target: Target) -> None:
     """The rendered etcd has no v2 API: ``etcd-v2`` cannot rendezvous through it."""
-    if target.spec.rendezvous.backend == "etcd-v2":
+    row = BY_NAME[target.spec.rendezvous.backend]
+    if not (row.hosts_store or row is RENDERED_ETCD):
         raise RenderError("rendezvous.backend is etcd-v2, but the rendered etcd (3.6 or newer) has no v2 API",
                           "use rendezvous.backend: etcd (the v3 API): --set rendezvous.backend=etcd")
 

@@ -14,11 +14,7 @@ from __future__ import annotations
 from elastic_harness.k8s.common import OPERATOR_PORT_NAME, Target, job_id, labels, metadata, obj
 from elastic_harness.k8s.etcd import check_backend, client_endpoint, client_tls_conf, etcd_objects
 from elastic_harness.k8s.pod import agent_args, pod_template
-
-# spec.rendezvous.backend -> the operator's RDZVBackend values (a plain string in the CRD;
-# the operator's Go type lists c10d, etcd and etcd-v2). It passes the value on as
-# PET_RDZV_BACKEND, which the agent reads as the spec's word: etcd is ours, on the v3 API.
-OPERATOR_BACKENDS = {"c10d": "c10d", "etcd": "etcd"}
+from elastic_harness.spec.backends import BY_NAME, RENDERED_ETCD
 
 
 def pods(spec) -> int:
@@ -44,7 +40,7 @@ def etcd_flags(target: Target) -> dict[str, object]:
     spec = target.spec
     check_backend(target)
     return {
-        "rdzv-backend": "etcd",
+        "rdzv-backend": RENDERED_ETCD.name,
         "rdzv-endpoint": client_endpoint(target),
         "rdzv-id": rendezvous_id(target),
         "nnodes": f"{spec.nodes.min}:{spec.nodes.max}",
@@ -84,7 +80,9 @@ def render_plain(target: Target) -> list[dict]:
 def render_pytorchjob(target: Target) -> list[dict]:
     spec = target.spec
     check_backend(target)
-    backend = OPERATOR_BACKENDS[spec.rendezvous.backend]
+    # The operator's rdzvBackend is the spec's word (a plain string in the CRD); it passes it on
+    # as PET_RDZV_BACKEND, which the agent reads as the spec's word: etcd is ours, on the v3 API.
+    backend = spec.rendezvous.backend
     policy, ports, extra = elastic_policy(target, backend)
     # With spares the operator's range (MIN:MAX+spares, from maxReplicas) would train them as
     # nodes: the agents' flag, which wins over PET_NNODES, keeps the job's range.
@@ -94,7 +92,7 @@ def render_pytorchjob(target: Target) -> list[dict]:
         # ExitCode retries 128..255 and fails on 1..127: a preempted agent exits 143 (128+15)
         # and an infrastructure failure 200 (exitcodes.INFRA), both retried; a mistake exits 2
         "restartPolicy": "ExitCode",
-        "template": pod_template(target, agent_args(target, flags), ports, etcd_client=backend != "c10d"),
+        "template": pod_template(target, agent_args(target, flags), ports, etcd_client=not BY_NAME[backend].hosts_store),
     }
     # spec.nprocPerNode, not elasticPolicy.nProcPerNode (deprecated since operator v1.7; the
     # webhook forbids both). The operator's elastic env generator turns only the deprecated
@@ -117,7 +115,7 @@ def elastic_policy(target: Target, backend: str) -> tuple[dict, list[dict], list
         "rdzvId": rendezvous_id(target),
         "maxRestarts": spec.max_restarts,
     }
-    if backend == "c10d":
+    if BY_NAME[backend].hosts_store:
         # the store lives in the first worker's agent: PET_RDZV_ENDPOINT=<job>-worker-0:port
         policy["rdzvPort"] = spec.deploy.rdzv_port
         return policy, [{"name": OPERATOR_PORT_NAME, "containerPort": spec.deploy.rdzv_port}], []

@@ -22,14 +22,10 @@ from pathlib import Path
 from elastic_harness import jobkey, runfiles
 from elastic_harness.errors import SpecError
 from elastic_harness.launch import slurm_env
-from elastic_harness.spec import JobSpec
+from elastic_harness.spec import JobSpec, backends
 
-# Backend names in torch's handler registry: "etcd" is ours on etcd's v3 API
-# (``launch.etcd_v3``), "etcd-v2" torch's own on the v2 API.
-_BACKENDS = {"c10d": "c10d", "etcd": "etcd-v3", "etcd-v2": "etcd-v2"}
-# The port an endpoint without one gets, per torch backend: torchrun's c10d default and
-# etcd's client port (what torch's own rendezvous backends assume).
-DEFAULT_PORTS = {"c10d": 29400, "etcd-v3": 2379, "etcd-v2": 2379}
+# The standalone rendezvous (``--standalone``): one node, its own store.
+_STANDALONE = backends.BY_NAME["c10d"]
 
 
 @dataclass(frozen=True)
@@ -129,14 +125,15 @@ def _rendezvous(spec: JobSpec, pick: _Picker, environ: Mapping[str, str],
                 pick_port: Callable[[], int] | None) -> dict:
     """Backend, endpoint, id and store host; ``standalone`` decides all four."""
     if pick.flag("standalone"):
-        port = pick_port() if pick_port is not None else DEFAULT_PORTS["c10d"]
-        return {"rdzv_backend": "c10d", "rdzv_endpoint": f"127.0.0.1:{port}",
+        port = pick_port() if pick_port is not None else _STANDALONE.port
+        return {"rdzv_backend": _STANDALONE.torch_name, "rdzv_endpoint": f"127.0.0.1:{port}",
                 "rdzv_id": new_rdzv_id(spec.name), "is_host": True}
     backend, source = pick("rdzv_backend", spec.rendezvous.backend)
-    if backend not in _BACKENDS:
-        raise SpecError(source or "rendezvous.backend", f"'{backend}' is not one of {list(_BACKENDS)}")
-    backend = _BACKENDS[str(backend)]
-    slurm_host = slurm_env.endpoint_host(environ) if backend == "c10d" else ""
+    if backend not in backends.BY_NAME:
+        raise SpecError(source or "rendezvous.backend", f"'{backend}' is not one of {list(backends.NAMES)}")
+    row = backends.BY_NAME[str(backend)]
+    backend = row.torch_name
+    slurm_host = slurm_env.endpoint_host(environ) if row.hosts_store else ""
     endpoint, source = pick("rdzv_endpoint", spec.rendezvous.endpoint or slurm_host)
     if not endpoint:
         raise SpecError(
@@ -144,7 +141,7 @@ def _rendezvous(spec: JobSpec, pick: _Picker, environ: Mapping[str, str],
         )
     endpoint = endpoints_with_ports(str(endpoint), backend, source or "rendezvous.endpoint")
     is_host = pick.flags.get("is_host")
-    if is_host is None and backend == "c10d":
+    if is_host is None and row.hosts_store:
         is_host = slurm_env.is_store_host(environ, endpoint)
     rdzv_id = pick("rdzv_id", spec.rendezvous.id or slurm_env.rdzv_id(environ))[0]
     return {"rdzv_backend": backend, "rdzv_endpoint": endpoint, "rdzv_id": str(rdzv_id or ""),
@@ -221,11 +218,12 @@ def with_port(endpoint: str, default_port: int, source: str = "rendezvous.endpoi
 def endpoints_with_ports(text: str, backend: str, source: str) -> str:
     """``with_port`` for each of an etcd's comma-separated members (the client fails over
     between them); c10d has one store, so one endpoint."""
+    row = backends.BY_TORCH_NAME[backend]
     parts = [p for p in (p.strip() for p in text.split(",")) if p]
-    if len(parts) > 1 and backend == "c10d":
-        raise SpecError(source, f"'{text}' names {len(parts)} endpoints, but the c10d store is one",
+    if len(parts) > 1 and row.hosts_store:
+        raise SpecError(source, f"'{text}' names {len(parts)} endpoints, but the {row.name} store is one",
                         "name the agent that hosts the store, or use rendezvous.backend: etcd")
-    return ",".join(with_port(p, DEFAULT_PORTS[backend], source) for p in parts or [text])
+    return ",".join(with_port(p, row.port, source) for p in parts or [text])
 
 
 def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
@@ -233,24 +231,18 @@ def rdzv_configs(spec: JobSpec, opts: NodeOptions) -> dict[str, object]:
     conf: dict[str, object] = {
         "timeout": r.join_timeout,
         "join_timeout": r.join_timeout,
-        "start_last_call_timeout": r.start_last_call_timeout,  # read by launch.rendezvous
+        "start_last_call_timeout": r.start_last_call_timeout,  # read by rendezvous.handler
         "last_call_timeout": r.last_call_timeout,
         "close_timeout": r.close_timeout,
         "heartbeat_timeout": r.heartbeat_timeout,
         "keep_alive_interval": r.keep_alive_interval,
         "keep_alive_max_attempt": r.keep_alive_max_attempt,
     }
-    if opts.rdzv_backend in ("etcd-v3", "etcd-v2"):
-        # torch's etcd-v2 backend reads these keys, and ours (etcd-v3) the same ones plus the
-        # user and the file holding its password; paths only, never key material.
-        conf["protocol"] = r.etcd_protocol
-        conf["isolation_timeout"] = r.isolation_timeout  # etcd down (restarting): how long calls ride it out
-        for key, value in (("ca_cert", r.etcd_ca_cert), ("ssl_cert", r.etcd_cert),
-                           ("ssl_cert_key", r.etcd_key), ("user", r.etcd_user),
-                           ("password_file", r.etcd_password_file)):
-            if value:
-                conf[key] = value
-    if opts.rdzv_backend == "c10d":
+    row = backends.BY_TORCH_NAME.get(opts.rdzv_backend)
+    for key, name, always in row.settings if row else ():  # the backend's own (spec/backends.py)
+        if always or getattr(r, name):
+            conf[key] = getattr(r, name)
+    if row and row.hosts_store:
         conf["read_timeout"] = max(r.join_timeout, 60)
         if opts.is_host is not None:
             conf["is_host"] = opts.is_host
@@ -290,7 +282,7 @@ def launch_config(spec: JobSpec, opts: NodeOptions):
 def worker_command(run_dir: Path) -> tuple[str, list[str]]:
     """Entrypoint and args the agent runs per rank: ``python -u -m elastic_harness.runtime.entry
     JOB RUN_DIR``. With ``warm_start`` the agent's zygote runs this same command in a fork that
-    already imported torch (``launch.warm``); otherwise torchelastic starts a fresh interpreter."""
+    already imported torch (``agent.warm``); otherwise torchelastic starts a fresh interpreter."""
     job = run_dir / runfiles.RESOLVED_SPEC
     return sys.executable, ["-u", "-m", "elastic_harness.runtime.entry", str(job), str(run_dir)]
 

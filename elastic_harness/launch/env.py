@@ -32,7 +32,7 @@ WORKER_VARS = ("RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LO
                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
                "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_TIMER_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-# The agent's "drain, a node joins" to its workers (``launch.elastic``; ``runtime.session.Drain``):
+# The agent's "drain, a node joins" to its workers (``agent.elastic``; ``runtime.session.Drain``):
 # a drain that may keep the state in memory, unlike SIGTERM's stop.
 JOIN_SIGNAL = signal.SIGUSR1
 

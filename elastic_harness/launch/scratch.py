@@ -7,7 +7,7 @@ during a run (read in its source, then checked by ``tests/e2e/test_leftovers.py`
 
 - ``torchinductor_$USER``: ``torch._dynamo`` creates its compile cache when imported, and
   DDP and FSDP import it. ``TORCHINDUCTOR_CACHE_DIR`` moves it (a user's own setting wins).
-- the step watchdog's FIFO (torchelastic's file timer): ``launch.watchdog`` makes it at
+- the step watchdog's FIFO (torchelastic's file timer): ``agent.watchdog`` makes it at
   ``watchdog_fifo``, named by a random token, beside a lock file its agent holds locked
   (``flock``) for its life. An agent that is SIGKILLed leaves both behind; the next agent
   to start removes those whose lock nobody holds (``stale_fifos``). Not by host name and

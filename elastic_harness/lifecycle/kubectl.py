@@ -14,7 +14,7 @@ The JSON shapes read are the Kubernetes API's: ``status.conditions`` of a Kubefl
 PyTorchJob (training-operator v1: types Created, Running, Restarting, Succeeded, Failed),
 ``spec.replicas``/``status.readyReplicas`` of a StatefulSet, and ``status.phase``,
 ``status.containerStatuses[].restartCount`` / ``state.terminated.exitCode`` of pods; and
-the agent endpoint's ``/progress`` (``launch.endpoint``) through the API server's pod proxy.
+the agent endpoint's ``/progress`` (``agent.endpoint``) through the API server's pod proxy.
 """
 
 from __future__ import annotations

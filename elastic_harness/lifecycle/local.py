@@ -78,7 +78,7 @@ def supervisor_of(run_dir: Path, start: dict) -> JobRecord:
     """A record for a run dir's newest submission that the registry does not know (started
     before it existed, or elsewhere): its host ``start`` event, and the run dir's lock for
     the supervisor's pid when the lock is that submission's."""
-    from elastic_harness.rundir import owner
+    from elastic_harness.records.rundir import owner
     from elastic_harness.spec import load_job
 
     try:

@@ -14,7 +14,7 @@ The script, top to bottom:
   ``RUN_DIR/logs/agent-<node index>.log``; c10d rendezvous on the allocation's first node
   (its agent hosts the store), or the job's etcd; the rendezvous id is the job's id plus
   Slurm's restart count, so a requeued attempt never meets a closed rendezvous;
-- a node kept out of the job (``nodes.exclude_after``, ``launch.exclusion``) exits 200 while
+- a node kept out of the job (``nodes.exclude_after``, ``rendezvous.exclusion``) exits 200 while
   the others go on: when this attempt's events hold the job's ``finish``, the job is done
   (exit 0), not requeued for that node's code;
 - requeue: when the agents exit with a code worth a retry (``exitcodes.retry``: preempted
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from elastic_harness import exitcodes, runfiles
 from elastic_harness.errors import HarnessError
 from elastic_harness.lifecycle.registry import LIFECYCLE_DIR
+from elastic_harness.spec import backends
 
 C10D_PORT = 29400  # torchrun's default
 SIGNAL_MARGIN_S = 30  # beyond the drain's own grace: Slurm may signal up to a minute late or early
@@ -83,9 +84,10 @@ def render(spec, job: ScriptJob, options: SlurmOptions) -> str:
     """The sbatch script (module doc). Raises ``HarnessError`` for an etcd job without an
     endpoint: the nodes would have nowhere to meet."""
     options.check()
-    if spec.rendezvous.backend != "c10d" and not spec.rendezvous.endpoint:
-        raise HarnessError("rendezvous.backend is etcd but rendezvous.endpoint is empty",
-                           "set rendezvous.endpoint to HOST:2379 of an etcd every node reaches")
+    row = backends.BY_NAME[spec.rendezvous.backend]
+    if not row.hosts_store and not spec.rendezvous.endpoint:
+        raise HarnessError(f"rendezvous.backend is {row.name} but rendezvous.endpoint is empty",
+                           f"set rendezvous.endpoint to HOST:{row.port} of an etcd every node reaches")
     spaced = [p for p in (job.run_dir, job.workdir) if any(c.isspace() for c in p)]
     if spaced:
         raise HarnessError(f"'{spaced[0]}' has white space, which #SBATCH lines cannot carry",
@@ -124,7 +126,7 @@ def _sbatch_options(spec, job: ScriptJob, o: SlurmOptions) -> list[str]:
 
 
 def _rendezvous(spec, o: SlurmOptions) -> list[str]:
-    if spec.rendezvous.backend == "c10d":
+    if backends.BY_NAME[spec.rendezvous.backend].hosts_store:
         return ['HOST0=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
                 f'ENDPOINT="$HOST0:{o.rdzv_port}"  # the first node\'s agent hosts the c10d store']
     return [f"ENDPOINT={shlex.quote(spec.rendezvous.endpoint)}"]

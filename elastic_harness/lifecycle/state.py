@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastic_harness import exitcodes
-from elastic_harness.runstate import fold, split_invocations
+from elastic_harness.records.runstate import fold, split_invocations
 
 STATES = ("pending", "running", "succeeded", "failed", "stopped", "preempted")
 ACTIVE = ("pending", "running")

@@ -1,6 +1,6 @@
 """What the ranks of a restore exchange, as raw tensors: offers, flags, a snapshot's bytes.
 
-Nothing received is unpickled (issue 22: the checkpoint group's gloo connections are not
+Nothing received is unpickled (the checkpoint group's gloo connections are not
 authenticated). Offers and flags travel as fixed-size int64 tensors (``Wire.gather``); a
 snapshot travels as its tensor bytes (sent straight from the sender's slot, received
 straight into the receiver's) plus its skeleton in a JSON form (``encode_skeleton``) that

@@ -1,7 +1,7 @@
 """Pure: a run's events -> per-fault recovery rows, step points and goodput. No I/O.
 
 The words (invocation, generation, final lineage, step span) and every goodput and badput
-term are defined once, in ``elastic_harness.goodput``; goodput here is that ledger's over
+term are defined once, in ``elastic_harness.records.goodput``; goodput here is that ledger's over
 the whole run dir, so ``report``, ``summary.json`` and the agent endpoint agree.
 
 A fault row follows one ``fault`` event: the first sign of the agents reacting after it
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from elastic_harness.goodput import BADPUT_KINDS, RDZV_COMPLETE, Goodput
+from elastic_harness.records.goodput import BADPUT_KINDS, RDZV_COMPLETE, Goodput
+from elastic_harness.records.runstate import fold, split_invocations
 from elastic_harness.report.inplace import Recovered, recovered
 from elastic_harness.report.probe import ProbeCost, probe_cost
-from elastic_harness.runstate import fold, split_invocations
 
 __all__ = ["BADPUT_KINDS", "FaultRow", "Goodput", "StepPoint", "Timeline", "build", "split_invocations"]
 _GEN_EVENTS = frozenset({"rendezvous", "resume", "step", "checkpoint", "drain", "finish"})

@@ -1,4 +1,4 @@
-"""The worker's end of its agent's control channel (``launch.control`` is the agent's).
+"""The worker's end of its agent's control channel (``agent.control`` is the agent's).
 
 A socket pair the agent makes for each worker it starts (the zygote hands this end over at
 the fork; ``CONTROL_FD_VAR`` names it). One JSON object per ``SOCK_SEQPACKET`` message:

@@ -144,7 +144,7 @@ _SERVED: dict[int, dist.TCPStore] = {}  # port -> rank 0's store, kept for the p
 
 def serve_for_script(env: WorkerEnv, timeout_s: float) -> None:
     """Rank 0 of a script our agent started: serve this generation's store on MASTER_ADDR
-    before the script runs (issue 33). A plain torchrun-style script calls
+    before the script runs. A plain torchrun-style script calls
     ``init_process_group`` itself, and torch's ``env://`` then makes rank 0's ``TCPStore``
     listen on every interface; but it asks for a multi-tenant store, which reuses a server
     this process already runs on that port. So the server is this one, bound as the

@@ -15,7 +15,7 @@ import traceback
 from typing import Any
 
 from elastic_harness.errors import HarnessError
-from elastic_harness.launch.liveness import peer_lost as _peer_lost
+from elastic_harness.rendezvous.liveness import peer_lost as _peer_lost
 
 
 def describe(exc: BaseException) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def describe(exc: BaseException) -> dict[str, Any]:
 def peer_lost(exc: BaseException) -> bool:
     """Did this rank fail because a peer's connection closed or was reset (its process is
     gone), rather than by an error of its own? The agent reads the same words in the
-    error file to drop a dead node sooner (``launch.liveness``)."""
+    error file to drop a dead node sooner (``rendezvous.liveness``)."""
     return _peer_lost(str(exc))
 
 

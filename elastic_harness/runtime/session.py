@@ -69,7 +69,7 @@ from elastic_harness.data.adapters import source_of
 from elastic_harness.data.sampler import DataState
 from elastic_harness.errors import HarnessError, UsageError
 from elastic_harness.launch.env import JOIN_SIGNAL, WorkerEnv
-from elastic_harness.rundir import check_paths
+from elastic_harness.records.rundir import check_paths
 from elastic_harness.runtime import build, failures, inplace, precision
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime import evaluate as ev
@@ -156,7 +156,7 @@ def _prepare_standalone(spec: JobSpec, run_dir: Path, env: WorkerEnv, group: Any
     """Under plain torchrun or python, rank 0 prepares and locks the run dir (for this
     torchrun submission, its rendezvous id); all ranks learn the result."""
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
 
     problem, claim = None, None
     if env.rank == 0:

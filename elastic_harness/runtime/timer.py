@@ -1,6 +1,6 @@
 """Progress watchdog on torchelastic's file-based timer.
 
-The agent runs a ``FileTimerServer`` (``launch.watchdog``) and workers find its FIFO in
+The agent runs a ``FileTimerServer`` (``agent.watchdog``) and workers find its FIFO in
 ``TORCHELASTIC_TIMER_FILE``. The loop re-arms one countdown at the start of every step
 (and with a longer budget before a blocking save); if a worker stops making progress, frozen
 by SIGSTOP, deadlocked anywhere in the loop, or stuck in a collective with a frozen peer,
@@ -18,7 +18,7 @@ progress (a step may still take the whole timeout), and a stuck worker is killed
 A checkpoint save is a phase whose budget is measured too (``save``, ``save_budget_s``): five
 times the longest recent save of its kind, at least ``SAVE_FLOOR_S``, renewed while its bytes
 move (``renew``); only the first save of a process gets the process group's whole timeout.
-With that timeout as every save's budget (issue 42), a worker frozen inside a save outlived
+With that timeout as every save's budget, a worker frozen inside a save outlived
 its healthy peer's collective (gloo's timeout, 120 s), and the peer was blamed.
 
 Each re-arm also sends a second deadline, ``STALL_SCOPE``, with no signal (torch's own
@@ -26,7 +26,7 @@ server ignores it): the worker's *stall bound* (``stall_bound_s``: five times th
 percentile of the recent steps, at least ``STALL_FLOOR_S``; the whole timeout until
 ``WARMUP_STEPS`` were measured, while the first steps compile and caches warm). Past it the
 agent stops nobody by itself: it looks for evidence that a peer node is gone (its
-keep-alives and beacon: ``launch.watchdog``, ``launch.verdict``), and stops the worker on
+keep-alives and beacon: ``agent.watchdog``, ``rendezvous.verdict``), and stops the worker on
 that evidence; the timeout stays the bound of a hang. Where steps legitimately stop, the
 worker announces it with a longer budget for the timeout (``arm(extra_s)``, ``phase``):
 saves and checkpoint I/O, evaluation, data loading that reports progress, and

@@ -1,5 +1,5 @@
 """The worker zygote: one process per agent that imports torch and the harness once, then
-forks a fresh worker for each request (``launch.warm`` is the agent's side).
+forks a fresh worker for each request (``agent.warm`` is the agent's side).
 
 A worker started this way skips the interpreter start and ``import torch`` (seconds on a
 small machine): the fork is ready in milliseconds. The zygote itself never trains, so

@@ -58,7 +58,7 @@ for _name, (_pattern, _first) in _CORE.items():
 class _FastLoader(getattr(yaml, "CSafeLoader", _Loader)):  # type: ignore[misc]
     """``_Loader`` on libyaml's parser, where PyYAML was built with it (its wheels are): the
     same nodes and marks, about 10x faster. A restarting worker parses its job first thing,
-    every rank of every node at once (issue 36). Its error texts are libyaml's, so a text
+    every rank of every node at once. Its error texts are libyaml's, so a text
     that does not parse is parsed again with ``_Loader`` for PyYAML's (``_yaml``)."""
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from elastic_harness.errors import SpecError, SpecErrors
-from elastic_harness.spec import layout
+from elastic_harness.spec import backends, layout
 
 
 def doc(default: Any, text: str, **kw: Any) -> Any:
@@ -162,7 +162,7 @@ def _check_endpoint(endpoint: str) -> None:
 
 @dataclass(frozen=True)
 class RendezvousSpec:
-    backend: Literal["c10d", "etcd", "etcd-v2"] = doc(
+    backend: Literal[backends.NAMES] = doc(  # the choices: spec/backends.py's table
         "c10d", "Rendezvous backend: c10d (store inside one agent), etcd (an etcd 3.4+ server, its "
         "v3 API), or etcd-v2 (torch's own, for an etcd 3.4/3.5 run with --enable-v2)."
     )
@@ -193,7 +193,7 @@ class RendezvousSpec:
         "agent (2 s did on a loaded 2-core machine: a new agent then formed a second group); "
         "keep interval x attempts >= 3. A node whose peers saw its connection close and whose "
         "agent process is gone (or silent for 2 intervals, on another host) is dropped at once "
-        "(launch.liveness).",
+        "(rendezvous.liveness).",
     )
     etcd_protocol: Literal["http", "https"] = doc("http", "etcd: http, or https for client TLS.")
     etcd_ca_cert: str = doc("", "etcd https: CA bundle path used to verify the server.")
@@ -226,7 +226,7 @@ class RendezvousSpec:
             given, missing = (("etcd_user", "etcd_password_file") if self.etcd_user
                               else ("etcd_password_file", "etcd_user"))
             raise SpecError(f"rendezvous.{given}", f"given without {missing}", "set both or neither")
-        if self.etcd_user and self.backend != "etcd":
+        if self.etcd_user and self.backend not in backends.WITH_USER:
             raise SpecError("rendezvous.etcd_user", f"authentication needs backend: etcd (not {self.backend})",
                             "set rendezvous.backend: etcd (torch's etcd-v2 client has no user and password)")
 

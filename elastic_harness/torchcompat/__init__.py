@@ -1,4 +1,4 @@
-"""One boundary to torch's internals (issue 35).
+"""One boundary to torch's internals.
 
 Every private torch name the harness reads or replaces is reached through this package, and
 nowhere else (tests/project/test_torch_boundary.py): ``rdzv`` (the dynamic rendezvous),

@@ -5,7 +5,7 @@ torchelastic's ``SimpleElasticAgent`` is meant to be subclassed, but its hooks a
 underscored (``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown``) and
 so is its state (``_pcontext``, ``_worker_group``, ``_remaining_restarts``). ``AgentBase``
 is ``LocalElasticAgent`` with those hooks forwarded to ``start_workers``, ``stop_workers``,
-``monitor_workers`` and ``shutdown``, and that state as properties; ``launch.elastic``
+``monitor_workers`` and ``shutdown``, and that state as properties; ``agent.elastic``
 subclasses it and never spells an underscored torch name. The same for ``ContextBase``
 (torchelastic's ``PContext``: ``start_processes``, ``poll_processes``, ``close_processes``) and ``TimerServerBase``
 (``FileTimerServer``: ``reap_worker``).

@@ -1,6 +1,6 @@
-"""torch's dynamic rendezvous: the private names ``launch.rendezvous`` reaches, and its patches.
+"""torch's dynamic rendezvous: the private names ``rendezvous.handler`` reaches, and its patches.
 
-torch has no hook for what ``launch.rendezvous`` adds to its ``DynamicRendezvousHandler``
+torch has no hook for what ``rendezvous.handler`` adds to its ``DynamicRendezvousHandler``
 (a last call decided per round, a dead peer dropped on evidence, events without
 ``inspect.stack()``), so these remain patches. Each is a feature of ``probe``:
 
@@ -8,18 +8,18 @@ torch has no hook for what ``launch.rendezvous`` adds to its ``DynamicRendezvous
   replaced (the same events, microseconds instead of 20-30 ms each);
 - ``rdzv-delay``: the module's ``_delay`` replaced (no start-up skew at a restart, 0.25 s polls);
 - ``rdzv-state``: the handler's state holder read and its cache duration set (per-round last
-  call, the state polls of issue 26 and 36, "is a group running?", "is my round broken?");
+  call, the state polls, "is a group running?", "is my round broken?");
 - ``rdzv-fast-path``: the holder's ``_sanitize`` and the executor's ``_keep_alive`` wrapped
   per handler (a lost node dropped on evidence, each agent's identity written with its
   keep-alive, the keep-alive gaps the stall verdict reads), torch's
   ``_remove_participant_epilogue`` called, the handler's heartbeat lock taken;
 - ``rdzv-early-close``: the executor's join operations wrapped (a later round closes once
-  everyone expected joined; a hot spare polls faster: issue 36; a round never holds more
-  than ``nodes.max``, and a round an admission filled is completed in that write: issue 42);
+  everyone expected joined; a hot spare polls faster; a round never holds more
+  than ``nodes.max``, and a round an admission filled is completed in that write);
 - ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store;
 - ``rdzv-sealed-state`` (required): torch's empty ``_RendezvousState``, what a refused
   (forged, corrupt) rendezvous value reads as before an authentic one was seen: the sealed
-  state (``launch.sealed``) is a security feature, never switched off.
+  state (``rendezvous.sealed``) is a security feature, never switched off.
 
 Module patches (``patch_module``) are applied by the agent's ``create_handler`` only, kept
 in ``PATCHED`` and undone by ``undo_module_patches``; handler hooks (``hook_handler``)

@@ -124,6 +124,6 @@ def test_a_tiny_churn_bench_fires_its_faults_and_prints_the_goodput(tmp_path):
 
 
 def recovery_badput() -> tuple[str, ...]:
-    from elastic_harness.goodput import BADPUT_KINDS
+    from elastic_harness.records.goodput import BADPUT_KINDS
 
     return BADPUT_KINDS

@@ -641,7 +641,7 @@ def test_a_failed_save_is_one_short_line_naming_each_ranks_cause():
     from torch.distributed.checkpoint.api import CheckpointException
 
     from elastic_harness.checkpoint.failure_text import detail, one_line
-    from elastic_harness.progress import Progress
+    from elastic_harness.commands.support.progress import Progress
 
     def wrapped(e):
         try:

@@ -144,7 +144,7 @@ def spec_with(**checkpoint):
 
 
 def test_prepare_locks_the_run_dir_for_one_job(tmp_path):
-    from elastic_harness.rundir import owner, prepare
+    from elastic_harness.records.rundir import owner, prepare
 
     spec = spec_with()
     with prepare(tmp_path / "run", spec, holder=holder("mlp-1")) as claim:
@@ -157,7 +157,7 @@ def test_prepare_locks_the_run_dir_for_one_job(tmp_path):
 
 
 def test_an_outside_checkpoint_dir_is_locked_too(tmp_path):
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
 
     spec = spec_with(dir=str(tmp_path / "shared-ckpts"))
     with prepare(tmp_path / "a", spec, holder=holder("a-1")):
@@ -168,7 +168,7 @@ def test_an_outside_checkpoint_dir_is_locked_too(tmp_path):
 
 
 def test_fresh_moves_an_outside_local_checkpoint_dir_aside(tmp_path):
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
 
     ckpts = tmp_path / "elsewhere" / "ckpts"
     (ckpts / "step-0000010").mkdir(parents=True)
@@ -183,7 +183,7 @@ def test_fresh_moves_an_outside_local_checkpoint_dir_aside(tmp_path):
 
 def test_fresh_refuses_an_object_store_prefix_that_holds_checkpoints(tmp_path):
     pytest.importorskip("fsspec")
-    from elastic_harness.rundir import owner, prepare
+    from elastic_harness.records.rundir import owner, prepare
 
     url = f"memory://eh-fresh-{uuid.uuid4().hex[:8]}/ckpts"
     store = open_storage(url)
@@ -205,7 +205,7 @@ def test_a_submission_whose_lock_another_live_job_took_over_knows_it_at_once_and
     comes back, the run directory's claim says so before its heartbeat's next beat
     (``Claim.lost(now=True)``: read before a worker generation starts), names the holder,
     and stays lost (issue 42: it bumped the generation fence and shut the holder out)."""
-    from elastic_harness.rundir import Claim
+    from elastic_harness.records.rundir import Claim
 
     store = LocalStorage(tmp_path / "run")
     store.ensure()

@@ -53,7 +53,7 @@ def test_a_live_agents_fifo_survives_another_agent_starting(tmp_path):
     host name took each other's FIFOs (named by host and pid) for stale ones. A FIFO goes
     only when its lock is free: here held by another live process (any namespace, any pid),
     while a dead agent's lock is free."""
-    from elastic_harness.launch import watchdog
+    from elastic_harness.agent import watchdog
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from elastic_harness import exitcodes
+from elastic_harness.agent.node import explain_rendezvous_error, hang_message, hang_reporter
 from elastic_harness.events import EventLog, read_events
-from elastic_harness.goodput import GoodputLedger
-from elastic_harness.launch.agent import explain_rendezvous_error, hang_message, hang_reporter
 from elastic_harness.launch.config import NodeOptions
 from elastic_harness.launch.policy import (
     budget_refill,
@@ -24,6 +23,7 @@ from elastic_harness.launch.policy import (
     failed_stop_grace,
     restarts_left,
 )
+from elastic_harness.records.goodput import GoodputLedger
 from elastic_harness.report.timeline import is_reaction
 from tests.conftest import MLP, cli
 
@@ -68,7 +68,7 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
-    from elastic_harness.launch.elastic import HarnessAgent
+    from elastic_harness.agent.elastic import HarnessAgent
 
     class NoRendezvous:  # the agent is never run here: only its restart bookkeeping
         def get_run_id(self) -> str:
@@ -117,7 +117,7 @@ def test_an_unreachable_backend_at_start_is_explained():
                                     opts("etcd-v2"), 60, at_start=True)
     assert "no v2 API" in line and "--enable-v2" in line and "\n" not in line
     # ... which is the job's configuration, not an outage: exit 2, no "re-run once it is up"
-    from elastic_harness.launch.agent import etcd_without_v2, rendezvous_exit_code
+    from elastic_harness.agent.node import etcd_without_v2, rendezvous_exit_code
 
     assert etcd_without_v2(opts("etcd-v2"), "Bad response : 404 page not found") and \
         not etcd_without_v2(opts("etcd-v3"), "404") and not etcd_without_v2(opts("etcd-v2"), "refused")
@@ -133,7 +133,7 @@ def test_an_unreachable_backend_at_start_is_explained():
 def test_the_watchdog_reports_the_worker_it_killed(tmp_path):
     """torch's FileTimerServer (ours, minus suicide) kills a worker that stopped re-arming its
     timer, and says which and after how long."""
-    from elastic_harness.launch import watchdog
+    from elastic_harness.agent import watchdog
 
     server = watchdog.start("t", tmp_path)
     heard: list[tuple[int, float]] = []
@@ -184,7 +184,7 @@ def test_a_failed_groups_survivor_is_stopped_within_the_bound(tmp_path):
     grace for one that ignores SIGTERM (the pytest timeout, 25 s, catches that)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from elastic_harness.launch.elastic import bound_failure_close
+    from elastic_harness.agent.elastic import bound_failure_close
 
     stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "open(__import__('sys').argv[1], 'w').close(); time.sleep(120)")
@@ -253,7 +253,7 @@ def test_a_second_submission_with_the_same_pinned_id_is_refused():
 
 def test_a_fenced_generation_that_finishes_does_not_report_success():
     from elastic_harness.commands.run import outcome
-    from elastic_harness.runstate import RunState
+    from elastic_harness.records.runstate import RunState
 
     state = RunState()
     for e in [{"event": "step", "pid": 7, "step": 59, "t": 1.0},

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_harness.agent.endpoint import Endpoint, health_verdict, stall_bound
 from elastic_harness.commands.chaos import cmd_chaos
 from elastic_harness.events import EventLog, EventTail
-from elastic_harness.launch.endpoint import Endpoint, health_verdict, stall_bound
 from elastic_harness.spec import parse_job
 from tests.conftest import MLP, REPO, cli, read_jsonl
 from tests.servers import free_port, wait_until

@@ -1,4 +1,4 @@
-"""``launch.changes``: word of a rendezvous change pushed through a real c10d store, from the
+"""``rendezvous.changes``: word of a rendezvous change pushed through a real c10d store, from the
 signal up to the agent's wait between monitor passes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from elastic_harness.launch.changes import ChangeSignal
+from elastic_harness.rendezvous.changes import ChangeSignal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,7 +104,7 @@ def test_a_process_hosting_the_store_ends_normally_with_a_signal_open(tmp_path):
     called without an active exception"): ``close_all`` runs at exit."""
     code = textwrap.dedent(f"""
         import torch.distributed as dist
-        from elastic_harness.launch.changes import ChangeSignal
+        from elastic_harness.rendezvous.changes import ChangeSignal
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False)
         signal = ChangeSignal(connect(), {KEY!r}, connect, {JOB_KEY!r})

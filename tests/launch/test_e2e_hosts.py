@@ -2,7 +2,7 @@
 
 Needs root (CI runs as root). No same-host shortcut can apply: the survivor cannot see the
 lost node's pids, so the lost node is judged by its host's kernel refusing its agent's
-beacon (``launch.probe``).
+beacon (``rendezvous.probe``).
 """
 
 from __future__ import annotations

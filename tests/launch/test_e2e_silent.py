@@ -2,7 +2,7 @@
 
 A frozen node (SIGSTOP of its agent and workers) resets no connection: the survivor's
 worker stalls, its agent finds the frozen node's keep-alives and beacon silent
-(``launch.verdict``) and the job goes on without it, long before ``timeouts.step``. A
+(``rendezvous.verdict``) and the job goes on without it, long before ``timeouts.step``. A
 node that is slow but alive (a rank pausing, unannounced) is waited for: no verdict, no
 restart. Work a script announces (``run.phase``) widens the step timeout itself.
 """

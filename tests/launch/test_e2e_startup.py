@@ -1,7 +1,7 @@
 """Agents that start seconds apart still form one group at start-up (real agents, one run).
 
 The second agent is started 4 s after the first (``add-node@4s``), with the later-round last
-call at 1 s. Before the per-round last call (``launch.rendezvous``), the first agent closed
+call at 1 s. Before the per-round last call (``rendezvous.handler``), the first agent closed
 round 0 alone 1 s after joining, and the second then forced a membership change (two
 worker generations, sizes 1 then 2). Now round 0 waits ``start_last_call_timeout`` for more.
 """

@@ -20,9 +20,9 @@ from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from elastic_harness.launch import etcd_gateway, etcd_v3, sealed
-from elastic_harness.launch.etcd_gateway import Gateway, Settings
-from elastic_harness.launch.etcd_v3 import EtcdMisconfigured
+from elastic_harness.rendezvous import etcd_gateway, etcd_v3, sealed
+from elastic_harness.rendezvous.etcd_gateway import Gateway, Settings
+from elastic_harness.rendezvous.etcd_v3 import EtcdMisconfigured
 from tests.launch.test_rendezvous import (
     a_broken_round_wakes_a_running_agent,
     a_waiting_agent_is_woken_by_the_round_it_waits_for,
@@ -101,7 +101,7 @@ def test_the_state_is_sealed_and_a_forgery_is_refused(etcd, tmp_path, caplog):
 
     forged = base64.b64encode(base64.b64encode(pickle.dumps(Plant()))).decode()
     raw(etcd, "kv/put", {"key": base64.b64encode(a.key).decode(), "value": forged})
-    with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+    with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
         state, forged_token = a.get_state()
     assert pickle.loads(state) == {"ours": 1}, "the last authentic state"
     assert not (tmp_path / "pwned").exists()
@@ -169,7 +169,7 @@ def test_two_agents_form_a_round_through_torchs_handler(etcd, monkeypatch, tmp_p
     registry) forms a group of two, and again after both rejoin."""
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     (tmp_path / "job.key").write_text(KEY.hex())
@@ -205,7 +205,7 @@ def test_a_watch_yields_each_put_of_its_key_and_ends_when_closed(etcd):
 
 
 def etcd_agent(endpoint: str, run_id: str):
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     return create_handler(params(endpoint, run_id), key=KEY)
 
@@ -228,7 +228,7 @@ def test_a_store_unreadable_for_a_moment_does_not_end_a_running_group(tmp_path, 
     have expired this node (keep-alive interval x attempts); then the error goes up. torch's
     own handler raises at the first failed read, and its agent then closes the rendezvous
     for every node."""
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with etcd_cluster(tmp_path, members=1) as [(endpoint, proc)]:
@@ -238,7 +238,7 @@ def test_a_store_unreadable_for_a_moment_does_not_end_a_running_group(tmp_path, 
             assert handler.next_rendezvous().world_size == 1
             proc.kill()
             proc.wait()
-            with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.rendezvous"):
+            with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.handler"):
                 wait_until(lambda: handler.num_nodes_waiting() == 0 and "Cannot read the rendezvous state" in caplog.text,
                            30, "the warning of a state that cannot be read")
                 with pytest.raises(RendezvousConnectionError):

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from elastic_harness.cluster import free_ports
+from elastic_harness.simcluster.cluster import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 

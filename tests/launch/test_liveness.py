@@ -1,4 +1,4 @@
-"""A dead node sooner (``launch.liveness``, issue 26 item 5): the rule, and real rounds.
+"""A dead node sooner (``rendezvous.liveness``, issue 26 item 5): the rule, and real rounds.
 
 The rounds are torch's own handlers (ours, from ``create_handler``) in threads of this
 process against a real c10d ``TCPStore``, as in ``test_rendezvous``. torch's keep-alive
@@ -18,9 +18,9 @@ import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
-from elastic_harness.launch import liveness
-from elastic_harness.launch.elastic import lost_a_peer
-from elastic_harness.launch.rendezvous import create_handler
+from elastic_harness.agent.elastic import lost_a_peer
+from elastic_harness.rendezvous import liveness
+from elastic_harness.rendezvous.handler import create_handler
 from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(90)
@@ -224,8 +224,8 @@ def test_a_failed_groups_account_says_the_cause_first():
     a survivor that only lost its peer comes after, whatever order the exits were seen in."""
     import io
 
-    from elastic_harness.launch.elastic import exit_account
-    from elastic_harness.progress import Progress
+    from elastic_harness.agent.elastic import exit_account
+    from elastic_harness.commands.support.progress import Progress
 
     killed = exit_account({0: exited(0, 500, 1, GLOO_RESET), 1: exited(1, 501, -9)})
     assert killed["message"] == "rank 1 (pid 501) was killed by SIGKILL; then rank 0 lost its peers"
@@ -263,8 +263,8 @@ def test_a_lost_node_is_one_line_and_its_survivors_symptom_only_when_nothing_nam
     cause nobody names by the time the job recovered (or ended) keeps the symptom, once."""
     import io
 
-    from elastic_harness.launch.elastic import exit_account
-    from elastic_harness.progress import Progress
+    from elastic_harness.agent.elastic import exit_account
+    from elastic_harness.commands.support.progress import Progress
 
     survivor = exit_account({2: exited(2, 8, 1, GLOO_RESET)})
     drop = ("Dropping node '127.0.0.1_4301_0' from round 0 of the rendezvous 'r' without waiting for its "
@@ -301,7 +301,7 @@ def test_a_spare_says_when_it_is_ready_and_whose_place_it_took():
     was, nor when it took a lost node's place."""
     import io
 
-    from elastic_harness.progress import Progress
+    from elastic_harness.commands.support.progress import Progress
 
     drop = ("Dropping node '127.0.0.1_4301_0' from round 0 of the rendezvous 'r' without waiting for its "
             "keep-alives to expire: its agent's process is gone")
@@ -329,9 +329,9 @@ def test_a_step_timeout_below_the_step_time_is_said_once_and_a_timeout_waits_for
     against a 0.01 s bound) and no word that the bound is below the measured step time."""
     import io
 
-    from elastic_harness.launch.agent import hang_message
-    from elastic_harness.launch.elastic import exit_account
-    from elastic_harness.progress import Progress
+    from elastic_harness.agent.elastic import exit_account
+    from elastic_harness.agent.node import hang_message
+    from elastic_harness.commands.support.progress import Progress
 
     assert "no progress for 0.01s after step 0" in hang_message("rank 0", 0, 0.0006, 0.01), "never less than the bound"
     progress = Progress(40, out=(out := io.StringIO()), step_timeout=0.01)

@@ -1,10 +1,10 @@
-"""A dead node sooner, end to end (``launch.liveness``, issue 26 item 5): two simulated
+"""A dead node sooner, end to end (``rendezvous.liveness``, issue 26 item 5): two simulated
 nodes (real agents with their workers), one SIGKILLed or SIGSTOPped mid-run.
 
 The SIGKILLed node is dropped by the new rule (its agent's process is gone and the
 survivor's worker lost its connection to it); the SIGSTOPped one is alive, its peers see a
 timeout rather than a closed connection: never dropped as a gone process, only as a silent
-one (``launch.verdict``) or by torch's keep-alive expiry.
+one (``rendezvous.verdict``) or by torch's keep-alive expiry.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_a_killed_node_is_dropped_by_the_survivor_without_waiting(tmp_path):
 
 def test_a_frozen_node_is_never_taken_for_a_gone_process(tmp_path):
     """Its agent's process lives: the pid rule never drops it. The silence rule does (issue
-    36: keep-alives and beacon silent while the survivor's group stalls, ``launch.verdict``)."""
+    36: keep-alives and beacon silent while the survivor's group stalls, ``rendezvous.verdict``)."""
     r = cli("run", str(MLP), "--nodes", "2", *ELASTIC, *HEAVY, "--set", "train.steps=80",
             "--set", "timeouts.step=5", "--set", "timeouts.shutdown_grace=5",
             "--chaos", "hang-node:1@30", run_dir=tmp_path)
@@ -46,5 +46,5 @@ def test_a_frozen_node_is_never_taken_for_a_gone_process(tmp_path):
     assert [f["kind"] for f in r.kinds("fault")] == ["hang-node"]
     assert r.kinds("rendezvous")[-1]["world_size"] == 1
     assert not [d for d in drops(r) if "process is gone" in d], "a SIGSTOPped (live) process was taken for gone"
-    assert all("launch.verdict" in d for d in drops(r)), drops(r)
+    assert all("rendezvous.verdict" in d for d in drops(r)), drops(r)
     audit(tmp_path, 1024, 30, 80)

@@ -1,4 +1,4 @@
-"""Another host's agent, gone or alive (``launch.probe``, issue 36 item 3): its beacon.
+"""Another host's agent, gone or alive (``rendezvous.probe``, issue 36 item 3): its beacon.
 
 The beacon's three answers from real sockets, then real rendezvous rounds (torch's handlers
 in threads against a real c10d store, as in ``test_liveness``) where node 1 is "another
@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from elastic_harness.launch import liveness, probe
+from elastic_harness.rendezvous import liveness, probe
 from tests.launch.test_liveness import agent, close, join_all
 from tests.launch.test_rendezvous import store  # noqa: F401 - fixture
 

@@ -1,4 +1,4 @@
-"""The last call per rendezvous round (``launch.rendezvous``): the decision, and real rounds.
+"""The last call per rendezvous round (``rendezvous.handler``): the decision, and real rounds.
 
 The rounds run torch's own rendezvous handlers, one per simulated agent, in threads of this
 process against a real c10d ``TCPStore`` (a node is a handler: torch names it by address,
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_harness.launch.config import NodeOptions, rdzv_configs
-from elastic_harness.launch.rendezvous import (
+from elastic_harness.rendezvous.handler import (
     POLL_S,
     RoundTimeout,
     create_handler,
@@ -139,7 +139,7 @@ def join_all(handlers, skews: list[float] | None = None) -> list[int]:
 def close(handlers) -> None:
     for h in handlers:
         h._stop_heartbeats()
-        getattr(h, "stop_changes", lambda: None)()  # before the store goes (``launch.changes``)
+        getattr(h, "stop_changes", lambda: None)()  # before the store goes (``rendezvous.changes``)
 
 
 def test_agents_starting_together_always_form_one_group(store):
@@ -193,7 +193,7 @@ def test_a_group_restarting_together_stays_one_group(store):
 def test_only_the_first_join_gets_torchs_start_up_skew(store, monkeypatch):
     """torch sleeps a random 0-0.3 s before joining while the state's round reads 0, which
     it still does at the first restart; our handler keeps it for the start only."""
-    from elastic_harness.launch import rendezvous
+    from elastic_harness.rendezvous import handler as rendezvous
 
     asked: list = []
     monkeypatch.setattr(rendezvous, "TORCH_DELAY", asked.append)
@@ -262,7 +262,7 @@ def test_a_waiting_agent_sees_its_round_complete_when_it_is_written(store, monke
 
 def a_waiting_agent_is_woken_by_the_round_it_waits_for(make_agent, monkeypatch) -> None:
     """The check of the test above, for any backend that pushes its changes."""
-    from elastic_harness.launch import rendezvous
+    from elastic_harness.rendezvous import handler as rendezvous
 
     monkeypatch.setattr(rendezvous, "POLL_S", 60.0)
     monkeypatch.setattr(rendezvous, "TORCH_DELAY",  # the start-up skew (a range) stays torch's sleep
@@ -279,8 +279,8 @@ def a_waiting_agent_is_woken_by_the_round_it_waits_for(make_agent, monkeypatch) 
 def test_event_names_match_torchs_without_inspecting_the_stack():
     """Each rendezvous event is named after the method that recorded it: ``method_name``
     gives what torch's ``get_method_name`` gives, called the way torch's ``_record`` does."""
-    from elastic_harness.launch.rendezvous import TORCH_METHOD_NAME as torch_own
-    from elastic_harness.launch.rendezvous import method_name
+    from elastic_harness.rendezvous.handler import TORCH_METHOD_NAME as torch_own
+    from elastic_harness.rendezvous.handler import method_name
 
     class Executor:
         def _record(self, lookup):
@@ -306,7 +306,7 @@ def test_rendezvous_events_match_torchs_own(monkeypatch):
         handlers,
     )
 
-    from elastic_harness.launch.rendezvous import record_event
+    from elastic_harness.rendezvous.handler import record_event
 
     seen: list[dict] = []
 
@@ -348,7 +348,7 @@ def test_only_an_end_that_ends_the_job_closes_its_rendezvous():
         RendezvousTimeoutError,
     )
 
-    from elastic_harness.launch.elastic import GroupLeft, closes_rendezvous
+    from elastic_harness.agent.elastic import GroupLeft, closes_rendezvous
 
     failed = ChildFailedError("worker", {0: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")})
     assert closes_rendezvous(None, excluded=False)
@@ -368,7 +368,7 @@ def test_a_file_store_has_no_change_signal_and_its_join_sleeps_as_torchs(tmp_pat
     handler's poll is torch's sleep of the poll interval, decided in the handler only."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch import rendezvous
+    from elastic_harness.rendezvous import handler as rendezvous
 
     slept: list = []
     monkeypatch.setattr(rendezvous, "TORCH_DELAY", slept.append)

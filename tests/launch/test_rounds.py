@@ -3,7 +3,7 @@
 torch's handlers (ours, from ``create_handler``) in threads of this process against a real
 c10d ``TCPStore``, as in ``test_rendezvous``. The later-round last call is a minute here and
 torch's keep-alive expiry a minute too: a round that closes in seconds closed because
-everyone expected was in (``launch.rounds``), not because a timeout ran out.
+everyone expected was in (``rendezvous.rounds``), not because a timeout ran out.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from elastic_harness.launch import rounds
-from elastic_harness.launch.rendezvous import create_handler
+from elastic_harness.rendezvous import rounds
+from elastic_harness.rendezvous.handler import create_handler
 from tests.launch.test_liveness import exited_identity
 from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
 
@@ -93,7 +93,7 @@ def test_only_a_crash_breaks_the_round_not_workers_that_drained():
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
-    from elastic_harness.launch.elastic import DRAINED, crashed
+    from elastic_harness.agent.elastic import DRAINED, crashed
     from elastic_harness.runtime.session import DRAIN_EXIT
 
     def failed(*codes: int) -> RunResult:
@@ -106,18 +106,18 @@ def test_only_a_crash_breaks_the_round_not_workers_that_drained():
 
 
 def test_a_large_group_reads_the_state_less_often():
-    from elastic_harness.launch.rendezvous import RUNNING_POLL_S, poll_for
+    from elastic_harness.rendezvous.handler import RUNNING_POLL_S, poll_for
 
     assert poll_for(2) == poll_for(16) == RUNNING_POLL_S
     assert poll_for(1000) == 5.0, "1000 agents read the state 200 times a second together, not 4000"
-    from elastic_harness.launch.rendezvous import REJOIN_POLL_S, rejoin_poll
+    from elastic_harness.rendezvous.handler import REJOIN_POLL_S, rejoin_poll
 
     assert rejoin_poll(8) == REJOIN_POLL_S and rejoin_poll(1000) == 1.25
 
 
 def test_a_spare_waits_reading_often_and_ends_cleanly_when_the_job_closes(store):  # noqa: F811
-    from elastic_harness.launch.agent import rendezvous_exit_code
-    from elastic_harness.launch.rendezvous import SPARE_POLL_S
+    from elastic_harness.agent.node import rendezvous_exit_code
+    from elastic_harness.rendezvous.handler import SPARE_POLL_S
 
     active, spare = agent(store, "spare", 1), agent(store, "spare", 1)
     try:
@@ -147,7 +147,7 @@ def test_a_spare_waits_reading_often_and_ends_cleanly_when_the_job_closes(store)
 
 
 def test_the_first_agent_of_an_open_round_admits_every_waiting_agent_with_itself():
-    from elastic_harness.launch.rounds import admitted
+    from elastic_harness.rendezvous.rounds import admitted
 
     assert admitted(participants={"a"}, waiting={"c", "b"}, max_nodes=8) == ["b", "c"]
     assert admitted(participants={"a"}, waiting={"d", "c", "b"}, max_nodes=3) == ["b", "c"], "no more than the room"

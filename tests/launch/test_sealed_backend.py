@@ -1,4 +1,4 @@
-"""Our rendezvous state backends (``launch.sealed``): torch's public ``RendezvousBackend``
+"""Our rendezvous state backends (``rendezvous.sealed``): torch's public ``RendezvousBackend``
 interface, the state sealed, made through torch's handler registry (no torch backend class
 subclassed); real c10d rounds show garbage and a deleted key never end or stall an agent."""
 
@@ -8,7 +8,7 @@ import base64
 
 import pytest
 
-from elastic_harness.launch import sealed
+from elastic_harness.rendezvous import sealed
 from tests.launch.test_rendezvous import join_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +50,7 @@ def store(monkeypatch):
 def handler(port: int, run_id: str, read_timeout: int = 30):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     conf = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=3, close_timeout=10,
                 heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, is_host=False,
@@ -63,7 +63,7 @@ def test_the_agent_gets_our_backend_through_torchs_registry(store, tmp_path):
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
     from elastic_harness import jobkey
-    from elastic_harness.launch.rendezvous import handler_for
+    from elastic_harness.rendezvous.handler import handler_for
 
     jobkey.ensure(tmp_path / "job.key")
     params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", "registry", 1, 1, is_host=False,

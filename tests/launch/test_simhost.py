@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_harness import pidns, simhost
+from elastic_harness.simcluster import pidns, simhost
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from elastic_harness.chaos.vocabulary import parse_fault
+from elastic_harness.commands.support.spares import Spares, check, faults_on_spares
 from elastic_harness.errors import HarnessError, SpecError
-from elastic_harness.launch import exclusion
-from elastic_harness.spares import Spares, check, faults_on_spares
+from elastic_harness.rendezvous import exclusion
 from elastic_harness.spec import parse_job
 from tests.conftest import MLP
 

@@ -1,4 +1,4 @@
-"""Is a silent node gone? (``launch.verdict``, issue 36 item 1): the pure verdict, the judge
+"""Is a silent node gone? (``rendezvous.verdict``, issue 36 item 1): the pure verdict, the judge
 that gathers its evidence, and the step watchdog that asks it (a real FIFO and worker)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from elastic_harness.launch import verdict
-from elastic_harness.launch.stall import StallJudge
-from elastic_harness.launch.verdict import ALIVE, GONE, SILENT, Peer
+from elastic_harness.agent.stall import StallJudge
+from elastic_harness.rendezvous import verdict
+from elastic_harness.rendezvous.verdict import ALIVE, GONE, SILENT, Peer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,7 +117,7 @@ time.sleep(60)  # stalled: blocked in a collective with a frozen peer
 def stalled_worker(tmp_path, timeout_s: float, judge):
     """A real worker process that measures 40 quick steps, then stalls; the agent's real
     step watchdog with ``judge``. Returns (exit code, stall bound, judge calls, reports)."""
-    from elastic_harness.launch import watchdog
+    from elastic_harness.agent import watchdog
 
     server = watchdog.start("test", tmp_path)
     calls, reports = [], []

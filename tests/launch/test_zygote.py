@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_harness.launch.warm import process_failure, warm_invocation
-from elastic_harness.launch.zygote import Zygote
+from elastic_harness.agent.warm import process_failure, warm_invocation
+from elastic_harness.agent.zygote import Zygote
 from tests.conftest import REPO
 from tests.servers import wait_until
 
@@ -113,7 +113,7 @@ def test_the_zygote_outlives_signals_sent_to_every_process_of_the_job(zygote, tm
 
 AGENT = textwrap.dedent("""
     import os, sys, time
-    from elastic_harness.launch.zygote import Zygote
+    from elastic_harness.agent.zygote import Zygote
     z = Zygote(preload=())
     z.start()
     pid = z.spawn("tests.zygote_child", ["sleep"], dict(os.environ), stdout=sys.argv[1],
@@ -208,10 +208,10 @@ def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():
 
 
 def test_a_worker_gets_its_control_channel_through_the_zygote(zygote, tmp_path):
-    """The agent's end and the worker's end of a control line (``launch.control``,
+    """The agent's end and the worker's end of a control line (``agent.control``,
     ``runtime.control``): the worker is told to leave and to re-form, answers, and exits when
     told to; nothing but JSON crosses."""
-    from elastic_harness.launch.control import Lines
+    from elastic_harness.agent.control import Lines
 
     lines = Lines()
     ours, theirs = lines.open_line()

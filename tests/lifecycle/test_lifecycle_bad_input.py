@@ -66,7 +66,7 @@ def test_logs_of_a_rank_or_node_the_job_never_had(cli_here, state, tmp_path):
 def test_fresh_keeps_an_earlier_submissions_record(cli_here, state, tmp_path):
     """`run --fresh` moves the run dir's events aside (rundir.set_aside_old): the earlier,
     successful submission is still found there, not turned into 'supervisor gone'."""
-    from elastic_harness.rundir import set_aside_old
+    from elastic_harness.records.rundir import set_aside_old
 
     run_dir = tmp_path / "run"
     finished_job(state, run_dir)

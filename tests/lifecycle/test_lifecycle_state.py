@@ -13,10 +13,10 @@ import time
 import pytest
 
 from elastic_harness import exitcodes
+from elastic_harness.agent.node import rendezvous_exit_code
 from elastic_harness.commands.jobs import parse_since
 from elastic_harness.commands.run import outcome
 from elastic_harness.errors import HarnessError
-from elastic_harness.launch.agent import rendezvous_exit_code
 from elastic_harness.lifecycle import display, registry
 from elastic_harness.lifecycle.registry import JobRecord
 from elastic_harness.lifecycle.state import (

@@ -10,11 +10,11 @@ import io
 
 import pytest
 
-from elastic_harness.goodput import BADPUT_KINDS, GoodputLedger
-from elastic_harness.progress import Progress
+from elastic_harness.commands.support.progress import Progress
+from elastic_harness.records.goodput import BADPUT_KINDS, GoodputLedger
+from elastic_harness.records.runstate import RunState, fold
+from elastic_harness.records.summary import summarize
 from elastic_harness.report.timeline import build
-from elastic_harness.runstate import RunState, fold
-from elastic_harness.summary import summarize
 from tests.report.test_report import ev, killed_worker_run, steps
 
 

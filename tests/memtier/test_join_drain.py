@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_harness.agent.elastic import JOIN_SIGNAL, workers_exited
 from elastic_harness.checkpoint.entries import EXTRA_PREFIX
-from elastic_harness.launch.elastic import JOIN_SIGNAL, workers_exited
 from elastic_harness.runtime import session
 from elastic_harness.runtime.hook import Keeping, Reporting, Signals, StepHook, Trained
 from elastic_harness.runtime.resume import memory_covers_join

@@ -25,7 +25,7 @@ PARAMS = 8
 WAITING_CLASSES: dict[str, str] = {
     "checkpoint/manager.py:CheckpointManager": "save, load, verify and purge in one object; checkpoint/ is being "
                                                "changed elsewhere: its split lands after that",
-    "launch/rendezvous.py:_Handler": "becomes pure rules over our own state plus a handler that applies them "
+    "rendezvous/handler.py:_Handler": "becomes pure rules over our own state plus a handler that applies them "
                                      "(the launch/ split)",
     "torchcompat/groups.py:LiveGroup": "stays: torch's ProcessGroup as Python sees it, one method per collective torch "
                                        "calls (each under every name torch 2.11-2.15 gives it)",
@@ -39,18 +39,17 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "checkpoint/collective.py:agreed_verdict": "checkpoint/ is being changed elsewhere",
     "checkpoint/lock.py:Lease.__init__": "checkpoint/ is being changed elsewhere",
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",
-    "cluster.py:LocalCluster.__init__": "goes with the simulated cluster's own folder",
     "commands/run.py:_launch": "commands/ is being changed elsewhere (the agent's run as one object)",
     "commands/run.py:outcome": "commands/ is being changed elsewhere (the agent's run as one object)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
-    "launch/agent.py:_outcome": "the relay _run -> _outcome -> _started -> _launch becomes one object for a node's "
+    "agent/node.py:_outcome": "the relay _run -> _outcome -> _started -> _launch becomes one object for a node's "
                                 "run (the launch/ split)",
-    "launch/elastic.py:HarnessAgent.__init__": "the launch/ split (the agent's room)",
-    "launch/elastic.py:Launch.__init__": "the launch/ split (the agent's room)",
-    "launch/endpoint.py:Endpoint.__init__": "the launch/ split (the agent's room)",
-    "launch/liveness.py:dead_peers": "the rendezvous as rules: its evidence becomes one value",
-    "launch/rendezvous.py:record_event": "the rendezvous as rules: an action applied, not a relay of fields",
+    "agent/elastic.py:HarnessAgent.__init__": "the launch/ split (the agent's room)",
+    "agent/elastic.py:Launch.__init__": "the launch/ split (the agent's room)",
+    "agent/endpoint.py:Endpoint.__init__": "the launch/ split (the agent's room)",
+    "rendezvous/liveness.py:dead_peers": "the rendezvous as rules: its evidence becomes one value",
+    "rendezvous/handler.py:record_event": "the rendezvous as rules: an action applied, not a relay of fields",
     "memtier/conduit.py:Conduit.connect": "the copies' link settings become one value",
     "memtier/tier.py:MemoryTier.__init__": "rank, world size, wire and generation become one value a generation "
                                            "hands the tier (its slots outlive it)",

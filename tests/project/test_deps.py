@@ -46,7 +46,7 @@ def test_extras_a_spec_uses():
     spec = parse_job(SMALL + "checkpoint: {dir: 's3://b/p'}\nmetrics: {tensorboard: true}\n"
                      "rendezvous: {backend: etcd-v2, endpoint: 'h:2379'}\n")
     assert deps.extras_for(spec) == ["s3", "tensorboard", "etcd"]
-    # etcd's v3 API is spoken without a client library (launch.etcd_gateway)
+    # etcd's v3 API is spoken without a client library (rendezvous.etcd_gateway)
     assert deps.extras_for(parse_job(SMALL + "rendezvous: {backend: etcd, endpoint: 'h:2379'}\n")) == []
 
 
@@ -98,7 +98,7 @@ PROVIDED_BY = {
     "torch": "torch", "numpy": "numpy", "yaml": "pyyaml", "fsspec": "fsspec",
     "prometheus_client": "prometheus_client", "safetensors": "safetensors",
     "s3fs": "s3fs", "tensorboard": "tensorboard", "matplotlib": "matplotlib", "etcd": "python-etcd",
-    "urllib3": "python-etcd",  # python-etcd's own client library, used beside it (launch/isolation.py)
+    "urllib3": "python-etcd",  # python-etcd's own client library, used beside it (agent/isolation.py)
     "transformers": "transformers", "datasets": "datasets", "pyarrow": "pyarrow", "PIL": "Pillow",
 }
 

@@ -236,12 +236,12 @@ def test_the_resume_check_reads_no_torch_and_no_pickle():
     import subprocess
     import sys
 
-    code = ("import sys, elastic_harness.resumepoint, elastic_harness.commands.jobargs\n"
+    code = ("import sys, elastic_harness.commands.support.resumepoint, elastic_harness.commands.jobargs\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pickle')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "torch" not in out.stdout, out.stdout
-    found = imports_of(PKG / "resumepoint.py")
+    found = imports_of(PKG / "commands" / "support" / "resumepoint.py")
     assert not {m for m in found if m.split(".")[0] in ("torch", "pickle")}
 
 

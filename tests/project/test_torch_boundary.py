@@ -38,7 +38,7 @@ NOT_TORCH = {
     "_ex_iterable": "datasets: a streaming dataset's source (data/adapters.py, a Hugging Face adapter)",
     "_run_exitfuncs": "atexit: run the exit handlers before os._exit (procexit)",
     "_registry": "weakref.finalize: the exit-time finalizers, to detach torch.library's teardown (procexit)",
-    "_getframe": "sys: the caller's frame (launch/rendezvous.py's event names)",
+    "_getframe": "sys: the caller's frame (rendezvous/handler.py's event names)",
     "_exit": "os: leave without the interpreter's teardown",
     "_fields": "collections.namedtuple: how a batch that is a namedtuple is recognised",
 }

@@ -166,7 +166,7 @@ def store(monkeypatch):
 def handler(endpoint: str, run_id: str):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     conf = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=3, close_timeout=10,
                 heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=2, is_host=False,
@@ -177,7 +177,7 @@ def handler(endpoint: str, run_id: str):
 def test_module_patches_and_handler_hooks_are_undone(store):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from elastic_harness.launch import rendezvous
+    from elastic_harness.rendezvous import handler as rendezvous
     from elastic_harness.torchcompat import rdzv
 
     theirs = (dr.get_method_name, dr.construct_and_record_rdzv_event, dr._delay)
@@ -204,7 +204,7 @@ def test_rounds_form_and_a_lost_node_goes_without_torchs_rendezvous_internals(st
     survivor forms the next round alone once its keep-alives expire. No AttributeError."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from elastic_harness.launch import rendezvous
+    from elastic_harness.rendezvous import handler as rendezvous
     from elastic_harness.torchcompat import rdzv
 
     for key in ("rdzv-events", "rdzv-delay", "rdzv-state", "rdzv-fast-path", "rdzv-early-close"):

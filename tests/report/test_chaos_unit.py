@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 
 from elastic_harness import exitcodes
+from elastic_harness.agent.isolation import (
+    IsolationWatchdog,
+    etcd_members,
+    exit_isolated,
+    isolated_for,
+)
+from elastic_harness.agent.node import explain_rendezvous_error
 from elastic_harness.chaos.inject import ChaosController, ready
 from elastic_harness.chaos.schedule import due, hits, unfired
 from elastic_harness.chaos.vocabulary import (
@@ -27,14 +34,7 @@ from elastic_harness.cli import main
 from elastic_harness.commands.chaos import cmd_chaos, kubectl_kill_node
 from elastic_harness.errors import HarnessError, SpecError
 from elastic_harness.events import EventLog, read_events
-from elastic_harness.launch.agent import explain_rendezvous_error
 from elastic_harness.launch.config import NodeOptions
-from elastic_harness.launch.isolation import (
-    IsolationWatchdog,
-    etcd_members,
-    exit_isolated,
-    isolated_for,
-)
 from elastic_harness.runtime.faults import WorkerFaults, children_of, node_processes, recipient
 from elastic_harness.spec import FaultSpec
 from tests.conftest import MLP

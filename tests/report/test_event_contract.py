@@ -39,7 +39,7 @@ def emitted() -> dict[str, set[str]]:
 
 def test_the_scan_sees_the_emitters():
     places = {where for where, _, _ in emit_calls()}
-    assert {"runtime/session.py", "checkpoint/manager.py", "launch/bridge.py", "chaos/inject.py"} <= places
+    assert {"runtime/session.py", "checkpoint/manager.py", "agent/bridge.py", "chaos/inject.py"} <= places
 
 
 def test_every_emit_names_a_documented_kind_and_fields():
@@ -133,12 +133,12 @@ def sample_event(kind: str) -> dict:
 def test_an_event_of_every_kind_is_read_by_every_reader(tmp_path):
     """Each kind, with each of its fields, written to a log and read back by everything that
     reads logs: nothing is skipped, nothing raises."""
+    from elastic_harness.commands.support.progress import Progress
     from elastic_harness.events import read_events, skipped_notes
     from elastic_harness.lifecycle.state import JobStatus, Liveness, status_from_events
-    from elastic_harness.progress import Progress
+    from elastic_harness.records.runstate import fold
+    from elastic_harness.records.summary import summarize
     from elastic_harness.report.timeline import build
-    from elastic_harness.runstate import fold
-    from elastic_harness.summary import summarize
 
     skipped_notes()
     log = tmp_path / "events.jsonl"

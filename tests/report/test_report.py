@@ -67,7 +67,7 @@ def test_fault_row_times_in_order_and_steps_lost():
 
 
 def account(t, pid, rank, message, **fields):
-    """An agent's account of a failed worker group (``launch.elastic.exit_account``)."""
+    """An agent's account of a failed worker group (``agent.elastic.exit_account``)."""
     return ev(t, "failure", pid, cause="exit", fatal=False, rank=rank, message=message, **fields)
 
 
@@ -258,11 +258,11 @@ def not_events() -> list[bytes]:
 def test_lines_that_are_not_events_are_skipped_counted_and_said_once(tmp_path, capsys):
     """Issue 33: one line of invalid UTF-8, or valid JSON of the wrong shape, crashed
     ``report``, ``status`` and the end of ``run``. Readers skip it, count it, say so once."""
+    from elastic_harness.commands.support.progress import Progress
     from elastic_harness.events import read_events, skipped_notes
     from elastic_harness.lifecycle.state import JobStatus, Liveness, status_from_events
-    from elastic_harness.progress import Progress
-    from elastic_harness.runstate import fold
-    from elastic_harness.summary import summarize
+    from elastic_harness.records.runstate import fold
+    from elastic_harness.records.summary import summarize
 
     good = killed_worker_run()
     bad = not_events()

@@ -69,8 +69,8 @@ def test_a_crash_loop_names_only_the_start_each_attempt_had(step, resumed, says,
 
 
 def test_the_agent_judges_the_failures_logged_since_it_started(tmp_path):
+    from elastic_harness.agent.node import Witness
     from elastic_harness.events import EventLog
-    from elastic_harness.launch.agent import Witness
 
     log = EventLog(tmp_path / "events.jsonl")
     log.emit("failure", node="n0", restart=0, signature="abc", step=7, message="old run")  # before the agent
@@ -244,7 +244,7 @@ def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    from elastic_harness.launch.elastic import HarnessAgent
+    from elastic_harness.agent.elastic import HarnessAgent
 
     spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=no_rendezvous(), entrypoint="true")
     agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
@@ -358,7 +358,7 @@ def test_the_agent_waits_for_news_between_monitor_passes(tmp_path):
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    from elastic_harness.launch.elastic import MONITOR_TICK_S, HarnessAgent
+    from elastic_harness.agent.elastic import MONITOR_TICK_S, HarnessAgent
 
     spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=no_rendezvous(), entrypoint="true",
                       monitor_interval=MONITOR_TICK_S)

@@ -14,7 +14,7 @@ import pytest
 from elastic_harness import runfiles
 from elastic_harness.errors import UsageError
 from elastic_harness.launch.env import WorkerEnv
-from elastic_harness.rundir import handed_resolved, prepare, write_resolved
+from elastic_harness.records.rundir import handed_resolved, prepare, write_resolved
 from elastic_harness.runtime import jobsource
 from elastic_harness.spec import dump_job, load_job
 from tests.conftest import MLP

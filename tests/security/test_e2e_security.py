@@ -25,8 +25,8 @@ from datetime import timedelta
 import pytest
 
 from elastic_harness import jobkey
-from elastic_harness.launch.sealed import StateSeal
 from elastic_harness.listen import is_loopback
+from elastic_harness.rendezvous.sealed import StateSeal
 from tests.conftest import MLP, REPO, read_jsonl
 from tests.sockets import descendants, listening_sockets, non_loopback_address
 

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from elastic_harness.launch.changes import Counts
+from elastic_harness.rendezvous.changes import Counts
 from tests.launch.test_rendezvous import join_all
 from tests.security.test_security import KEY, handler, store  # noqa: F401 - fixture
 
@@ -40,7 +40,7 @@ def test_a_forged_change_count_is_refused_and_rewritten_and_the_job_goes_on(stor
         assert join_all(pair) == [2, 2]
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         forger.set(counter, forged)
-        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
             pair[0].group_failed()  # a worker crash: its agent writes the round broken, a counted change
             assert join_all(pair) == [2, 2], "the round after the fault formed"
         assert Counts(KEY, "torch.rendezvous.count").open(forger.get(counter)) is not None, "rewritten as the job's"
@@ -65,7 +65,7 @@ def test_a_change_count_opens_only_as_this_jobs_for_this_rendezvous():
 def c10d_backend(port: int, run_id: str):
     import torch.distributed as dist
 
-    from elastic_harness.launch import sealed
+    from elastic_harness.rendezvous import sealed
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False)
     return sealed.SealedC10dBackend(client, run_id, sealed.StateSeal(KEY, run_id))

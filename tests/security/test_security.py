@@ -1,6 +1,6 @@
 """Issue 22, security: the job's key, sealed rendezvous state, sockets bound to one address.
 
-The rendezvous tests run torch's own handlers (ours: ``launch.rendezvous.create_handler``)
+The rendezvous tests run torch's own handlers (ours: ``rendezvous.handler.create_handler``)
 in threads of this process against a real c10d ``TCPStore``; the forger is a plain store
 client writing to the rendezvous key, as anyone who reaches the port could.
 """
@@ -141,7 +141,7 @@ def store(monkeypatch):
 def handler(endpoint: str, run_id: str, key: bytes = KEY, backend: str = "c10d"):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     conf = dict(join_timeout=30, last_call_timeout=1, start_last_call_timeout=5, close_timeout=10,
                 heartbeat_timeout=5, keep_alive_interval=1, keep_alive_max_attempt=3, read_timeout=30)
@@ -162,7 +162,7 @@ def test_forged_rendezvous_state_is_refused_and_the_job_goes_on(store, tmp_path,
         planted = tmp_path / "pwned"
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         forger.set("torch.rendezvous.forged", base64.b64encode(pickle.dumps(Plant(planted))))
-        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
             for h in pair:
                 h._state_holder.sync()  # what every poll and heartbeat does
                 h._state_holder.sync()  # the same forged value again: not logged twice
@@ -186,14 +186,14 @@ def test_non_utf8_bytes_in_the_rendezvous_key_are_refused_and_overwritten(store,
     write replaces them, and the agents form their next round."""
     import torch.distributed as dist
 
-    from elastic_harness.launch import sealed
+    from elastic_harness.rendezvous import sealed
 
     pair = [handler(f"127.0.0.1:{store.port}", "garbage") for _ in range(2)]
     try:
         assert join_all(pair) == [2, 2]
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         forger.set("torch.rendezvous.garbage", b"\xff\xfe\x80 not a state")
-        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
             for h in pair:
                 h._state_holder.sync()
                 assert h._state_holder.state.participants, "the last authentic state, not an empty one"
@@ -223,7 +223,7 @@ def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, c
         for h in pair:
             h._state_holder._cache_duration = 0  # every sync reads the store (a join sets its own)
         forger = dist.TCPStore("127.0.0.1", store.port, is_master=False)
-        with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+        with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
             forger.delete_key(key)
             t0 = time.monotonic()
             pair[1]._state_holder.sync()  # a read: took read_timeout (30 s here), then raised
@@ -243,11 +243,11 @@ def test_a_deleted_rendezvous_key_is_written_again_and_closing_survives(store, c
 def test_a_writer_in_a_loop_is_named_without_flooding_the_log(caplog):
     """One line at the first refusal, then at most one per ``LOG_EVERY_S`` saying how many
     more came and that something outside the job keeps writing the key."""
-    from elastic_harness.launch import sealed
+    from elastic_harness.rendezvous import sealed
 
     now = [0.0]
     seal = sealed.StateSeal(KEY, "loop", clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+    with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
         for i in range(50):
             now[0] = i * 0.1
             seal.open(b"\xff%d" % i)
@@ -276,7 +276,7 @@ def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, c
             forger = etcd.Client(host=host, port=int(port))
             forger.write("/torch/elastic/rendezvous/forged-etcd",
                          base64.b64encode(pickle.dumps(Plant(planted))).decode())
-            with caplog.at_level(logging.WARNING, logger="elastic_harness.launch.sealed"):
+            with caplog.at_level(logging.WARNING, logger="elastic_harness.rendezvous.sealed"):
                 for h in pair:
                     h._state_holder.sync()
                 assert join_all(pair) == [2, 2]
@@ -294,7 +294,7 @@ def test_forged_etcd_rendezvous_state_is_refused_and_the_job_goes_on(tmp_path, c
 
 def test_another_jobs_key_cannot_join(store):
     """State sealed with another key reads as forged: its agent is not let in."""
-    from elastic_harness.launch import sealed
+    from elastic_harness.rendezvous import sealed
 
     seal = sealed.StateSeal(KEY, "r")
     stranger = sealed.StateSeal(b"o" * 32, "r")
@@ -309,7 +309,7 @@ def test_another_jobs_key_cannot_join(store):
 def test_rendezvous_store_host_binds_only_the_endpoint_host(monkeypatch):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch import sealed
+    from elastic_harness.rendezvous import sealed
     from tests.sockets import listening_sockets
 
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -443,7 +443,7 @@ def json_copy(value):
 
 def test_run_dir_is_private_and_holds_the_key(tmp_path):
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import parse_job
 
     spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression",
@@ -468,7 +468,7 @@ def test_run_dir_is_private_and_holds_the_key(tmp_path):
 
 def test_a_provided_key_file_must_exist(tmp_path):
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import parse_job
 
     spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])
@@ -511,7 +511,7 @@ def test_a_missing_or_replaced_key_is_named_and_nothing_is_set_aside(cli_here, t
 
 def test_a_fresh_run_dir_still_makes_its_key_and_fresh_starts_over(tmp_path):
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
     from elastic_harness.spec import parse_job
 
     spec = parse_job("", ["task.target=elastic_harness.tasks.mlp:MLPRegression"])

@@ -102,7 +102,7 @@ def measure(size: int, args: argparse.Namespace, scratch: Path) -> dict:
     import torch.multiprocessing as mp
 
     from elastic_harness.bench.checkpoint.ranks import main
-    from elastic_harness.cluster import free_port
+    from elastic_harness.simcluster.cluster import free_port
     cfg = {"port": free_port(), "size": size, "repeats": args.repeats, "every": args.every,
            "steps": args.steps, "windows": args.windows, "train_only": args.train_only,
            "dir": str(scratch), "threads": threads_per_rank(os.cpu_count() or 1)}

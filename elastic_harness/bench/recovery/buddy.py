@@ -56,7 +56,7 @@ def cmd_buddy(args: argparse.Namespace) -> int:
 
     import torch.multiprocessing as mp
 
-    from elastic_harness.cluster import free_port
+    from elastic_harness.simcluster.cluster import free_port
 
     scratch = scratch_dir("eh-bench-buddy-", None)
     try:

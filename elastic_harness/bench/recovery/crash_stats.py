@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Sequence
 
 from elastic_harness.bench.recovery import kept
-from elastic_harness.goodput import RDZV_COMPLETE
+from elastic_harness.records.goodput import RDZV_COMPLETE
 from elastic_harness.report import inplace
 from elastic_harness.report.timeline import build
 

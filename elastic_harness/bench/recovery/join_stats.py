@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elastic_harness.bench.recovery.crash_stats import median_of
-from elastic_harness.goodput import RDZV_COMPLETE
+from elastic_harness.records.goodput import RDZV_COMPLETE
 
 JOIN = "_Handler.next_rendezvous"  # torchelastic's: a node attempts to join (and later: joined)
 PHASES = ("notice", "rendezvous", "spawn", "process_group", "restore", "first_step")

@@ -84,7 +84,7 @@ from elastic_harness.report.timeline import FaultRow, build, split_invocations
 MIN_REPEATS_FOR_GOALS = 5
 GOALS = {"kill_node_ratio": 0.03, "kill_worker_ratio": 0.25, "kill_worker_stretch": 0.10, "kill_worker_in_place": 0.03,
          "steps_redone": 1.0, "node_steps_redone": 1.0, "memory_cost": 0.03, "goodput": 0.97}
-NODE_CKPT_EVERY = 50  # kill-node: the spec's default durable interval (issue 26: memory covers it)
+NODE_CKPT_EVERY = 50  # kill-node: the spec's default durable interval (memory covers it)
 GOODPUT_CKPT_EVERY = 50
 CRASH_CKPT_EVERY = 50  # durable interval of the worker-crash runs: memory covers the rest
 ANYTIME_EVERY_S = 4.0  # about one host-sent kill this often in the anytime part

@@ -1,4 +1,4 @@
-"""``bench recovery`` parts for node failures as clusters have them (issue 36).
+"""``bench recovery`` parts for node failures as clusters have them.
 
 - kill-node (``--nodes N``): node 1 of N SIGKILLed at step 40 (agent and workers; its
   kernel resets their connections). Rows, measured in alternating runs: the harness with
@@ -48,7 +48,7 @@ from elastic_harness.report.timeline import build
 
 FAULT_STEP = 40
 HANG_BOUND_S = 240.0  # a frozen node not recovered from this long after the fault: stopped here
-GOAL_HANG_S = 5.0  # issue 36: a frozen node recovered within 5 s (quiet machine)
+GOAL_HANG_S = 5.0  # the goal: a frozen node recovered within 5 s (quiet machine)
 GOAL_SEPARATE_S = 0.5  # a killed node on another host within 0.5 s
 
 
@@ -197,8 +197,8 @@ def torchrun_fault(job: Path, run_dir: Path, nodes: int, kind: str, bound_s: flo
     bench at step ``FAULT_STEP``; stopped once it recovered, or ``bound_s`` after the fault."""
     from elastic_harness.chaos.vocabulary import parse_fault
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.cluster import free_port
-    from elastic_harness.rundir import prepare
+    from elastic_harness.records.rundir import prepare
+    from elastic_harness.simcluster.cluster import free_port
     from elastic_harness.spec import load_job
 
     spec = load_job(job, ["nproc_per_node=1"])
@@ -262,7 +262,7 @@ def _follow(run_dir: Path, procs: list[subprocess.Popen], kind: str, bound_s: fl
 
 # --- a spare ready ----------------------------------------------------------------------------
 
-GOAL_SPARE_S = 1.0  # issue 36: with a spare ready, the first step within 1 s at the same world size
+GOAL_SPARE_S = 1.0  # the goal: with a spare ready, the first step within 1 s at the same world size
 SPARE_READY_S = 300.0
 
 

@@ -1,4 +1,4 @@
-"""The training script of ``bench recovery --only soak`` (issue 36, item 1): steps that stop
+"""The training script of ``bench recovery --only soak``: steps that stop
 legitimately, on nodes that are alive, for as long as the job runs.
 
 ``soak_script.py SAVE_EVERY SAVE_S EVAL_EVERY EVAL_S PAUSE_EVERY PAUSE_S``: every

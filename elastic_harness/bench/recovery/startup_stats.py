@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from elastic_harness.goodput import RDZV_COMPLETE
+from elastic_harness.records.goodput import RDZV_COMPLETE
 
 PHASES = ("agents", "rendezvous", "spawn", "worker_init", "process_group", "build_restore")
 

@@ -1,10 +1,10 @@
 """``elastic-harness bench rendezvous``: a rendezvous round on etcd's v3 API vs its v2 API.
 
 One etcd (the ``etcd`` on PATH, started here on loopback with both APIs: ``--enable-v2``)
-serves both backends side by side: ``etcd-v3`` (ours, ``launch.etcd_v3``) and ``etcd-v2``
+serves both backends side by side: ``etcd-v3`` (ours, ``rendezvous.etcd_v3``) and ``etcd-v2``
 (torch's, through python-etcd: the ``etcd`` extra). For each of ``--repeats`` rendezvous
 ids, alternating which backend goes first, ``--nodes`` handlers (the agent's own:
-``launch.rendezvous.create_handler``, sealed state, workers' store private as the agent
+``rendezvous.handler.create_handler``, sealed state, workers' store private as the agent
 runs it) form a first round, then ``--rounds`` re-rendezvous rounds: every handler calls
 ``next_rendezvous`` at once, as after a worker failure, and the round's time is the
 slowest handler's. The first round is not timed: torch skews its joins by a random
@@ -16,7 +16,7 @@ v3 / v2 of the mean round (the goal's figure: ``summarize`` says why not the med
 median round and the backend time. Goal: v3 no slower (round ratio <= 1).
 
 What a round holds besides the backend: waiting handlers read the state every
-``launch.rendezvous.POLL_S`` (0.25 s), the same for both, so the round ratio leans
+``rendezvous.handler.POLL_S`` (0.25 s), the same for both, so the round ratio leans
 towards 1; the backend time is the part that differs.
 """
 
@@ -113,7 +113,7 @@ def measure(backend: str, endpoint: str, run_id: str, args: argparse.Namespace, 
     """One rendezvous id: a first round, then ``args.rounds`` timed ones (module doc)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     key = secrets.token_bytes(32)
     conf = dict(join_timeout=60, last_call_timeout=1, start_last_call_timeout=5, close_timeout=10,
@@ -188,7 +188,7 @@ def _time_backend(handler) -> dict:
 @contextlib.contextmanager
 def local_etcd(scratch: Path) -> Iterator[tuple[str, str]]:
     """An etcd on loopback serving both APIs, data in ``scratch``; (endpoint, version)."""
-    from elastic_harness.cluster import free_ports
+    from elastic_harness.simcluster.cluster import free_ports
 
     binary = shutil.which("etcd")
     if binary is None:

@@ -1,6 +1,6 @@
 """``elastic-harness bench rendezvous-scale``: messages and bytes the rendezvous costs per round.
 
-Many light agents (issue 36, item 5): ``N`` of our rendezvous handlers (``launch.rendezvous``,
+Many light agents: ``N`` of our rendezvous handlers (``rendezvous.handler``,
 torch's dynamic rendezvous with the state sealed under a job key), each with its own client
 connection, in threads of this process, against a real c10d ``TCPStore``; no workers. Every
 store call of every handler is counted at its client (one call is one request and one
@@ -12,7 +12,7 @@ the reply). Per ``N``:
   compare-and-set of the whole state) and the state reads a running agent makes (one every
   ``POLL_S``, as its monitor loop asks for waiting nodes);
 - ``node_loss``: node ``N-1`` stops without a word; the survivors, their agents having
-  judged it gone (``condemn``, as ``launch.verdict`` does), leave the round and form the
+  judged it gone (``condemn``, as ``rendezvous.verdict`` does), leave the round and form the
   next one;
 - the state's size (sealed, base64, as stored) and compare-and-set calls that lost the race.
 
@@ -55,7 +55,7 @@ def cmd_rendezvous(args: argparse.Namespace) -> int:
                            "e.g. --nodes 2,4,8,16 --idle 5 --to 1000")
     check_out(args.out)
     rows = [measure(n, args.idle) for n in counts]
-    report = {"bench": "rendezvous-scale", "backend": "c10d (TCPStore), state sealed (launch.sealed)",
+    report = {"bench": "rendezvous-scale", "backend": "c10d (TCPStore), state sealed (rendezvous.sealed)",
               "idle_s": args.idle, "rows": rows, "extrapolated": extrapolate(rows, args.to)}
     text = json.dumps(report, indent=1)
     print(text)
@@ -117,7 +117,7 @@ def measure(n: int, idle_s: float) -> dict:
     finally:
         for h in handlers:
             rdzv.stop_heartbeats(h)
-            h.stop_changes()  # before the store goes (``launch.changes``)
+            h.stop_changes()  # before the store goes (``rendezvous.changes``)
         del server
     keep = tally.calls.get("keep_alive", {})
     per_s = {k: round(v / idle_s, 1) for k, v in keep.items()}
@@ -129,7 +129,7 @@ def measure(n: int, idle_s: float) -> dict:
 def _handler(port: int, run_id: str, n: int, key: bytes):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_harness.launch.rendezvous import create_handler
+    from elastic_harness.rendezvous.handler import create_handler
 
     conf = dict(join_timeout=120, last_call_timeout=2, close_timeout=10, heartbeat_timeout=5,
                 keep_alive_interval=1, keep_alive_max_attempt=3, is_host=False, read_timeout=60,
@@ -158,7 +158,7 @@ def _all(handlers: Sequence) -> None:
 def _idle(handlers: Sequence, seconds: float) -> None:
     """A formed group: keep-alives run by themselves; each agent reads the state every
     ``POLL_S`` as its monitor loop does (``num_nodes_waiting``)."""
-    from elastic_harness.launch.rendezvous import POLL_S
+    from elastic_harness.rendezvous.handler import POLL_S
 
     end = time.monotonic() + seconds
     while time.monotonic() < end:

@@ -1,6 +1,6 @@
 """Every store call of a rendezvous handler, counted at its client (``bench rendezvous-scale``).
 
-A wrapper around the handler's c10d store client (and its change thread's, ``launch.changes``)
+A wrapper around the handler's c10d store client (and its change thread's, ``rendezvous.changes``)
 that reports each call with its bytes both ways. Bench-only: no agent counts its calls.
 """
 
@@ -39,7 +39,7 @@ class _CountingStore:
         self._tally("set", len(key) + len(value), 0, False)
 
     def wait(self, keys: list[str], *timeout: Any) -> None:
-        self._store.wait(keys, *timeout)  # a change counted (``launch.changes``): the reply wakes
+        self._store.wait(keys, *timeout)  # a change counted (``rendezvous.changes``): the reply wakes
         self._tally("wait", sum(len(k) for k in keys), 1, False)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:

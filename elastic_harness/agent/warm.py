@@ -1,9 +1,9 @@
 """Warm worker starts: torchelastic's worker group as forks of the agent's zygote.
 
-``WarmContext`` is a torchelastic ``PContext`` whose processes the zygote (``launch.zygote``,
+``WarmContext`` is a torchelastic ``PContext`` whose processes the zygote (``agent.zygote``,
 ``runtime.zygote``) forks, so torchelastic's agent monitors, stops and restarts them as it
 does its own subprocesses: the same environment, log files, error files and exit codes. The
-agent subclass (``launch.elastic``) uses it for worker commands ``warm_invocation`` accepts.
+agent subclass (``agent.elastic``) uses it for worker commands ``warm_invocation`` accepts.
 
 Why not torchelastic's own function entrypoints with the ``forkserver`` start method:
 they pass return values through ``multiprocessing`` queues and events, whose named
@@ -12,10 +12,10 @@ process in the agent's process group; killing that group (a node kill) leaves th
 Python's forkserver also binds a socket file in the temp dir. The zygote needs neither.
 
 In place (``Keep``: the job's ``recovery: in_place``), each worker also gets a control line
-(``launch.control``). A failed worker then no longer stops its siblings: they are told to
+(``agent.control``). A failed worker then no longer stops its siblings: they are told to
 ``leave`` the step (their collectives return), the failure is reported to torchelastic,
 which restarts the group; the agent ``release``s the survivors from this context before it
-stops it (``launch.elastic``), and the next context ``adopt``s them: torchelastic's
+stops it (``agent.elastic``), and the next context ``adopt``s them: torchelastic's
 variables for their place in the new generation go to them as a ``reform`` order, and only
 the local ranks without a live worker are forked.
 """
@@ -34,8 +34,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
 
-from elastic_harness.launch.control import Lines
-from elastic_harness.launch.zygote import STOP_WAIT_S, Zygote, ZygoteLost
+from elastic_harness.agent.control import Lines
+from elastic_harness.agent.zygote import STOP_WAIT_S, Zygote, ZygoteLost
 from elastic_harness.torchcompat.agent import ContextBase
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class WarmContext(ContextBase):
                  phase: Callable[[str], None] = lambda state: None, keep: Keep | None = None) -> None:
         super().__init__(name, sys.executable, args, envs, logs_specs, log_line_prefixes)
         self.zygote = zygote
-        self._phase = phase  # hears "failed" and "stopped" (launch.elastic's report)
+        self._phase = phase  # hears "failed" and "stopped" (agent.elastic's report)
         self._pids: dict[int, int] = {}
         self._failures: dict[int, ProcessFailure] = {}
         self.keep = keep  # in place: the control lines and the workers kept from the last group
@@ -174,9 +174,9 @@ class WarmContext(ContextBase):
 
     def _stopped(self) -> dict[int, tuple[int, str]]:
         """The workers still running that are stopped (a signal, a tracer, uninterruptible
-        sleep: ``launch.exclusion.OWN_HANG_STATES``): {local rank: (pid, state)}."""
-        from elastic_harness.launch.exclusion import OWN_HANG_STATES
-        from elastic_harness.launch.watchdog import process_state
+        sleep: ``rendezvous.exclusion.OWN_HANG_STATES``): {local rank: (pid, state)}."""
+        from elastic_harness.agent.watchdog import process_state
+        from elastic_harness.rendezvous.exclusion import OWN_HANG_STATES
 
         running = set(self._running())
         found = {lr: (pid, process_state(pid)) for lr, pid in self._pids.items() if pid in running}
@@ -246,7 +246,7 @@ class WarmContext(ContextBase):
 
 class Keep:
     """What in-place recovery carries from one worker group to the next on this node: the
-    control lines (``launch.control``) and the workers kept alive (local rank -> pid)."""
+    control lines (``agent.control``) and the workers kept alive (local rank -> pid)."""
 
     def __init__(self) -> None:
         self.lines = Lines()

@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from elastic_harness.events import EventTail
-from elastic_harness.runstate import RunState
+from elastic_harness.records.runstate import RunState
 
 Health = Callable[[], tuple[bool, str]]
 

@@ -1,4 +1,4 @@
-"""Pure: is a silent node gone? Decided from evidence, never from silence alone (issue 36).
+"""Pure: is a silent node gone? Decided from evidence, never from silence alone.
 
 A node that freezes or is cut off (a hung machine, a kernel panic, a NIC or switch failure)
 resets no connection: its peers' collectives just wait (gloo's timeout is minutes). What the
@@ -15,7 +15,7 @@ job knows instead, and what this module weighs:
    ``silence_bound_s``: two keep-alive intervals, or twice the longest gap between its
    keep-alives seen lately (a busy agent's run late, and so does its bound), never beyond
    torch's own expiry (where torch drops it anyway);
-3. **its beacon** (``launch.probe``), asked only for suspects: an answer means alive (it is
+3. **its beacon** (``rendezvous.probe``), asked only for suspects: an answer means alive (it is
    kept, however late its keep-alives), a refused connection means its process is gone, no
    answer corroborates the silence.
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-GONE, ALIVE, SILENT = "gone", "alive", "silent"  # a beacon's answers (``launch.probe``)
+GONE, ALIVE, SILENT = "gone", "alive", "silent"  # a beacon's answers (``rendezvous.probe``)
 GAPS_KEPT = 20  # keep-alive gaps remembered per node (about 20 s at the default interval)
 
 

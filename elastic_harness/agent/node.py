@@ -1,4 +1,4 @@
-"""Run one elastic agent (one node) in this process: torchelastic's agent (``launch.elastic``).
+"""Run one elastic agent (one node) in this process: torchelastic's agent (``agent.elastic``).
 
 Exit codes (documented for schedulers):
   0    every worker finished the job;
@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from elastic_harness import exitcodes, runfiles
+from elastic_harness.agent import bridge, isolation
 from elastic_harness.errors import LockLost
 from elastic_harness.events import EventLog, EventTail
-from elastic_harness.launch import bridge, isolation
 from elastic_harness.launch.config import NodeOptions, launch_config, worker_command
 from elastic_harness.launch.env import AGENT_PID_VAR, JOB_VAR, MEMORY_VAR, NODE_VAR, RUN_DIR_VAR
-from elastic_harness.launch.exclusion import HANG_WORDS
 from elastic_harness.launch.policy import exhausted_message, finish_bound_s, stop_reason
 from elastic_harness.memtier.host import BUDDY_SLOTS, SLOTS_PER_RANK, HostSlots
-from elastic_harness.spec import JobSpec
+from elastic_harness.rendezvous.exclusion import HANG_WORDS
+from elastic_harness.spec import JobSpec, backends
 
 EXIT_OK, EXIT_FAILED, EXIT_PERMANENT = exitcodes.OK, exitcodes.FAILED, exitcodes.PERMANENT
 EXIT_INFRA = exitcodes.INFRA
@@ -48,7 +48,7 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
               zygote: Any = None, lock_lost: Callable[[bool], str] | None = None) -> int:
     """Run this node's agent to the end; its exit code. ``on_health`` receives the agent's
     health callable (for the endpoint's ``/healthz``) once the agent exists. ``zygote``: a
-    started ``launch.zygote.Zygote`` for warm starts (``spec.warm_start``), or None; the
+    started ``agent.zygote.Zygote`` for warm starts (``spec.warm_start``), or None; the
     caller starts it before anything imports torch, so that its imports overlap this
     process's (``commands.agent``), and stops it. ``lock_lost(now)``: why this submission
     no longer holds the run directory ("" while it does: ``rundir.Claim.lost``)."""
@@ -109,7 +109,7 @@ class Witness:
 
 def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
          on_health: Callable | None, lock_lost: Callable[[bool], str] | None = None) -> int:
-    from elastic_harness.launch import watchdog
+    from elastic_harness.agent import watchdog
 
     run_dir = Path(opts.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -138,7 +138,7 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    from elastic_harness.launch.elastic import GroupLeft
+    from elastic_harness.agent.elastic import GroupLeft
 
     launch = None
     try:
@@ -154,7 +154,7 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
         if launch.agent.lost_lock:  # another job holds the run dir now: retrying cannot help
             return EXIT_PERMANENT, launch.agent.lost_lock
         reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
-        if launch.agent.excluded:  # kept out (``launch.exclusion``): the infrastructure's failure
+        if launch.agent.excluded:  # kept out (``rendezvous.exclusion``): the infrastructure's failure
             return EXIT_INFRA, launch.agent.excluded
         if reason:
             return EXIT_PERMANENT, reason
@@ -171,8 +171,8 @@ def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
 
 def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
              events: EventLog, timer_server: Any) -> Any:
-    """The launch (``launch.elastic.Launch``), its hang reports and health hooked up, ready to ``run``."""
-    from elastic_harness.launch.rendezvous import group_running
+    """The launch (``agent.elastic.Launch``), its hang reports and health hooked up, ready to ``run``."""
+    from elastic_harness.rendezvous.handler import group_running
 
     witness = Witness(Path(opts.run_dir) / runfiles.EVENTS, node, time.time())
     launch = _launch(spec, opts, node, command, zygote, events, witness)
@@ -186,7 +186,7 @@ def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
     if zygote is not None and group_running(launch.spec.rdzv_handler):
         # Join once workers can be forked at once: a node joining a running job makes the
         # group drain as soon as it waits in the rendezvous, and the whole group would
-        # then wait for these imports (seconds; issue 26: a join's pause). Not when no
+        # then wait for these imports (seconds: a join's pause). Not when no
         # group runs yet (the job's start): the first round then overlaps the imports,
         # and forking the workers waits for them (``Zygote.spawn``).
         zygote.wait_ready(ZYGOTE_READY_S)
@@ -195,8 +195,8 @@ def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote
 
 def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, events: EventLog,
             witness: Witness):
-    """This node's ``launch.elastic.Launch``: torchelastic's agent with our rendezvous handler."""
-    from elastic_harness.launch.elastic import Launch
+    """This node's ``agent.elastic.Launch``: torchelastic's agent with our rendezvous handler."""
+    from elastic_harness.agent.elastic import Launch
 
     config = launch_config(spec, opts)
     config.event_log_handler = bridge.install(events, node)
@@ -211,8 +211,8 @@ def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):
-    """This node's strikes (``launch.exclusion``), given to ``agent``; its ``excluded`` event."""
-    from elastic_harness.launch.exclusion import Strikes
+    """This node's strikes (``rendezvous.exclusion``), given to ``agent``; its ``excluded`` event."""
+    from elastic_harness.rendezvous.exclusion import Strikes
 
     strikes = Strikes(spec.nodes.exclude_after, spec.nodes.exclude_window)
     agent.strikes, agent._node_name = strikes, node
@@ -224,11 +224,11 @@ def keep_out(agent, spec: JobSpec, events: EventLog, node: str):
 
 def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
                   last_step: Callable[[], int], timeout_s: float, strikes: Any = None) -> Callable[[int, float], None]:
-    """The watchdog's report of a worker it killed (``launch.watchdog``): a ``hang`` failure
+    """The watchdog's report of a worker it killed (``agent.watchdog``): a ``hang`` failure
     naming the rank, the job's last completed step and how long the worker was silent; a
-    strike against this node when the worker hung itself (``launch.exclusion``). Called on
+    strike against this node when the worker hung itself (``rendezvous.exclusion``). Called on
     the watchdog's thread."""
-    from elastic_harness.launch.exclusion import OWN_HANG_STATES
+    from elastic_harness.rendezvous.exclusion import OWN_HANG_STATES
 
     def report(pid: int, silent_s: float, state: str = "") -> None:
         rank = rank_of(pid)
@@ -244,10 +244,10 @@ def hang_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | No
 
 
 def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: Callable[[], int]) -> None:
-    """The step watchdog asks ``launch.stall`` about workers past their stall bound
-    (``launch.watchdog``): a ``stall`` event when it starts looking, a ``node-lost`` failure
+    """The step watchdog asks ``agent.stall`` about workers past their stall bound
+    (``agent.watchdog``): a ``stall`` event when it starts looking, a ``node-lost`` failure
     for each worker it stopped on a verdict."""
-    from elastic_harness.launch.stall import StallJudge
+    from elastic_harness.agent.stall import StallJudge
 
     rank_of = launch.agent.rank_of
 
@@ -266,7 +266,7 @@ def watch_stalls(timer_server, launch, events: EventLog, node: str, last_step: C
 def verdict_reporter(events: EventLog, node: str, rank_of: Callable[[int], int | None],
                      last_step: Callable[[], int]) -> Callable[[int, float, Any], None]:
     """A ``node-lost`` failure for each worker the watchdog stopped on a verdict
-    (``launch.verdict``): which nodes are gone and why. Called on the watchdog's thread."""
+    (``rendezvous.verdict``): which nodes are gone and why. Called on the watchdog's thread."""
 
     def report(pid: int, stalled_s: float, found: Any) -> None:
         rank = rank_of(pid)
@@ -289,7 +289,7 @@ def hang_message(who: str, step: int, silent_s: float, timeout_s: float, state: 
 
 
 def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
-    """The agent's account of a failed worker group (``launch.elastic.exit_account``): which
+    """The agent's account of a failed worker group (``agent.elastic.exit_account``): which
     rank exited how, the cause first. Called on the agent's main thread."""
 
     def report(a: dict) -> None:
@@ -301,7 +301,7 @@ def exit_reporter(events: EventLog, node: str) -> Callable[[dict], None]:
 
 
 def phase_reporter(events: EventLog, node: str, *, warm: bool):
-    """The agent's account of its worker group (``launch.elastic.HarnessAgent``'s report)."""
+    """The agent's account of its worker group (``agent.elastic.HarnessAgent``'s report)."""
 
     def report(state: str, restart: int, kept: list[int] | None = None, forked: list[int] | None = None) -> None:
         events.emit("workers", node=node, state=state, restart=restart, warm=warm, kept=kept, forked=forked)
@@ -317,7 +317,7 @@ def _first_failure(err, max_restarts: int, window: int) -> str:
 
 
 # Rendezvous failures that fail again however often they are retried: a closed id (a new
-# id fixes it); etcd settings that etcd refused (``launch.etcd_v3``: fix the job); torch's
+# id fixes it); etcd settings that etcd refused (``rendezvous.etcd_v3``: fix the job); torch's
 # etcd-v2 rendezvous against an etcd that serves no v2 API (``etcd_without_v2``).
 PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured", "EtcdWithoutV2")
 
@@ -325,7 +325,8 @@ PERMANENT_RENDEZVOUS_ERRORS = ("RendezvousClosedError", "EtcdMisconfigured", "Et
 def etcd_without_v2(opts: NodeOptions, detail: str) -> bool:
     """Pure: torch's etcd-v2 rendezvous found an etcd that answers, without the v2 API (its
     client's 404): a configuration error, not an outage."""
-    return opts.rdzv_backend == "etcd-v2" and "404" in detail
+    word = _row(opts).refused_word
+    return bool(word) and word in detail
 
 
 def rendezvous_exit_code(kind: str) -> int:
@@ -351,7 +352,7 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
         return (f"too few nodes: fewer than nodes.min={opts.min_nodes} joined within "
                 f"rendezvous.join_timeout={join_timeout}s; checkpoints are intact, start enough "
                 "nodes and re-run to resume")
-    if kind == "RendezvousConnectionError" and opts.rdzv_backend == "c10d" and not opts.is_host:
+    if kind == "RendezvousConnectionError" and _row(opts).hosts_store and not opts.is_host:
         return (f"rendezvous host lost: the c10d store at {opts.rdzv_endpoint} lived in the agent "
                 "that hosted it, and it is gone, which ends a c10d job (use rendezvous.backend: etcd "
                 "to survive losing any node); re-run to resume with a new rendezvous id")
@@ -365,18 +366,18 @@ def explain_rendezvous_error(kind: str, detail: str, opts: NodeOptions, join_tim
 def unreachable_backend(opts: NodeOptions, detail: str) -> str:
     """Pure: the line for a rendezvous backend that cannot be used at start-up."""
     detail = " ".join(detail.split())[:200]
-    v2 = "--enable-v2 (torch's etcd-v2 rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
-    if opts.rdzv_backend == "c10d":
-        fix = ("start the agent that hosts the c10d store (--is-host) first, at that address, or fix "
-               "rendezvous.endpoint (--rdzv-endpoint)")
-    elif opts.rdzv_backend == "etcd-v3":
-        fix = ("start etcd there (3.4 or newer: the v3 API), or fix rendezvous.endpoint (--rdzv-endpoint; "
-               "name every member, comma-separated)")
-    elif "404" in detail:  # an etcd that answers, without the v2 API: the job's settings, not an outage
+    if etcd_without_v2(opts, detail):  # an etcd that answers, without the v2 API: the job's settings
+        v2 = "--enable-v2 (torch's etcd-v2 rendezvous speaks the v2 API: etcd 3.4 or 3.5; 3.6 has none)"
         return (f"the etcd at {opts.rdzv_endpoint} has no v2 API, which rendezvous.backend: etcd-v2 needs "
                 f"({detail}); use rendezvous.backend: etcd (the v3 API), or restart etcd with {v2}; "
                 "nothing was trained")
-    else:
-        fix = f"start etcd there with {v2}, or fix rendezvous.endpoint (--rdzv-endpoint)"
     return (f"cannot reach the {opts.rdzv_backend} rendezvous at {opts.rdzv_endpoint} ({detail}); "
-            f"{fix}; nothing was trained, re-run once it is up")
+            f"{_row(opts).unreachable_fix}; nothing was trained, re-run once it is up")
+
+
+def _row(opts: NodeOptions) -> backends.Backend:
+    """This agent's backend in the table (``spec/backends.py``); torch's own for any other
+    backend name: its store outside the job, no fix known."""
+    return backends.BY_TORCH_NAME.get(opts.rdzv_backend) or backends.Backend(
+        opts.rdzv_backend, opts.rdzv_backend, opts.rdzv_backend, 0, hosts_store=False, settings=(),
+        unreachable_fix="fix rendezvous.endpoint (--rdzv-endpoint)")

@@ -1,4 +1,4 @@
-"""Hot spares of a local run (``nodes.spares``, issue 36 item 4), on the host's side.
+"""Hot spares of a local run (``nodes.spares``), on the host's side.
 
 A spare is one more agent than ``nodes.max``: torch's dynamic rendezvous keeps it in its
 redundancy list, joined (it keeps alive) but in no group, and lets it into the next round

@@ -3,7 +3,7 @@ workers, signal them, learn their exit codes. No torch import here: the zygote i
 
 Call order (the agent's main thread): ``start()`` once, early (the zygote's imports then
 overlap the agent's own); ``wait_ready`` before the first rendezvous; ``spawn``/``signal``/``poll`` as torchelastic starts, watches
-and stops worker groups (``launch.warm.WarmContext``); ``stop()`` once at the end. If the
+and stops worker groups (``agent.warm.WarmContext``); ``stop()`` once at the end. If the
 zygote died, the next ``spawn`` starts a new one (and waits for its imports).
 
 ``preload`` names the modules the zygote imports (None: its default list, torch and the
@@ -62,7 +62,7 @@ class Zygote:
     def spawn(self, module: str, argv: list[str], env: dict[str, str], *, stdout: str, stderr: str,
               unbuffered: bool, line: socket.socket | None = None) -> int:
         """Fork a worker running ``python -m module argv`` with exactly ``env``; its pid.
-        ``line``: the worker's end of its control channel (``launch.control``), handed over
+        ``line``: the worker's end of its control channel (``agent.control``), handed over
         with the request; the worker finds it named by ``runtime.control.CONTROL_FD_VAR``."""
         if self._proc is None or self._proc.poll() is not None:
             if self._proc is not None:
@@ -82,7 +82,7 @@ class Zygote:
     def wait_ready(self, timeout: float) -> bool:
         """Block until the zygote finished its imports (its ``ready`` message), it died, or
         ``timeout`` s passed; whether it is ready. Called before the agent first joins the
-        rendezvous (``launch.agent``)."""
+        rendezvous (``agent.node``)."""
         deadline = time.monotonic() + timeout
         while self.threads is None and not self.lost():
             left = deadline - time.monotonic()

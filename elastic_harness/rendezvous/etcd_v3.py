@@ -2,15 +2,15 @@
 
 ``EtcdV3Backend`` is a ``RendezvousBackend`` (torch's public interface: ``get_state`` and
 ``set_state`` with a fencing token); torch's ``DynamicRendezvousHandler`` does everything
-else, as with its own c10d and etcd-v2 backends (``launch.rendezvous`` builds it and names
+else, as with its own c10d and etcd-v2 backends (``rendezvous.handler`` builds it and names
 ``etcd-v3`` in torch's handler registry). Spoken through the gateway of
-``launch.etcd_gateway`` (why no client library: there).
+``rendezvous.etcd_gateway`` (why no client library: there).
 
 - The state lives under ``/torch/elastic/rendezvous/<run id>``, sealed under the job's key
-  (``launch.sealed.StateSeal``: the same stored form as the etcd-v2 and c10d backends, a
+  (``rendezvous.sealed.StateSeal``: the same stored form as the etcd-v2 and c10d backends, a
   forged or corrupt value refused before torch unpickles it).
 - A refused value (``StateSeal`` refuses forgeries, garbage and older states of the job
-  written back) never becomes the base of a write (issue 42: a burst of garbage with a worker
+  written back) never becomes the base of a write (a burst of garbage with a worker
   crash inside it split the agents for good, 4 of 7 runs): the base is the newest value of the
   key's history the agent may use (etcd keeps every revision), and the token the refused
   value's revision, so the agent's next write replaces it with what it replaced.
@@ -24,7 +24,7 @@ else, as with its own c10d and etcd-v2 backends (``launch.rendezvous`` builds it
   with it: etcd v2's TTL, which torch's etcd-v2 backend sets to two hours, the same here.
   Which nodes are alive stays torch's own decision, from the keep-alive times in the state.
 
-- Changes pushed (``EtcdChanges``, ``launch.changes``): a write the handler judges worth
+- Changes pushed (``EtcdChanges``, ``rendezvous.changes``): a write the handler judges worth
   announcing also puts ``<state key>.changes`` in its transaction; each agent watches that
   key, so its join's poll and its monitor wait end at the change.
 
@@ -58,8 +58,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastic_harness.launch.changes import Announcing, PushedChanges
-from elastic_harness.launch.etcd_gateway import (
+from elastic_harness.rendezvous.changes import Announcing, PushedChanges
+from elastic_harness.rendezvous.etcd_gateway import (
     EtcdError,
     EtcdRefused,
     EtcdUnavailable,
@@ -79,7 +79,7 @@ _NOT_FOUND = 5  # etcd's gRPC code for a lease it no longer has
 _POLL_FIRST_S, _POLL_MAX_S = 0.005, 0.1
 # Reads back through the state key's history for the newest value an agent may use, after it
 # refused the current one (``EtcdV3Backend._history``): a burst of more writes than that since
-# the last authentic one leaves the agent its own newest state (``launch.sealed.freshness``
+# the last authentic one leaves the agent its own newest state (``rendezvous.sealed.freshness``
 # then sorts out whose is newer).
 HISTORY_READS = 64
 
@@ -148,7 +148,7 @@ def _with_lease(lease: Lease, write: Callable[[str], dict]) -> dict:
 
 
 class EtcdChanges(PushedChanges):
-    """Word of the rendezvous' counted changes from etcd (``launch.changes``): a write worth
+    """Word of the rendezvous' counted changes from etcd (``rendezvous.changes``): a write worth
     announcing also puts the change key in its transaction (``EtcdV3Backend._swap``), and one
     thread per agent watches that key (``etcd_gateway.Watch``); the version is the key's mod
     revision. The watch starts right after the revision its first read saw, so no change
@@ -178,7 +178,7 @@ class EtcdChanges(PushedChanges):
 
 class EtcdV3Backend(Announcing, RendezvousBackend):
     """torch's rendezvous state in one etcd key (module doc). ``seal``: a
-    ``launch.sealed.StateSeal`` (``close`` state -> sealed bytes, ``open`` stored text ->
+    ``rendezvous.sealed.StateSeal`` (``close`` state -> sealed bytes, ``open`` stored text ->
     state bytes, never raising). Its counted changes are pushed (``EtcdChanges``)."""
 
     def __init__(self, gateway: Gateway, run_id: str, seal: Any, lease: Lease) -> None:

@@ -122,7 +122,7 @@ def _provided_key(path: Path) -> bytes:
 def check_key(store: Storage, key: bytes | None, path: Path, run_dir: Path) -> None:
     """Before a job starts: checkpoints signed with a key it does not have (``key`` None:
     the run dir's key file is missing) are refused here, naming the file, rather than set
-    aside one by one as forgeries on resume while a new key is made (issue 33)."""
+    aside one by one as forgeries on resume while a new key is made."""
     try:
         signed, ours = integrity.signed_steps(store, key)
     except OSError:
@@ -145,7 +145,7 @@ def check_key(store: Storage, key: bytes | None, path: Path, run_dir: Path) -> N
         "or start over with --fresh (moves them aside)")
 
 
-# Run directories are the job's owner's alone (0700): checkpoints, logs, the key (issue 22).
+# Run directories are the job's owner's alone (0700): checkpoints, logs, the key (docs/security.md).
 DIR_MODE = 0o700
 
 

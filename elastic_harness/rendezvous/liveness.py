@@ -1,5 +1,5 @@
 """Which peers of the last round are certainly gone: closing a round without waiting for a
-lost node's keep-alives to expire (issue 26, item 5).
+lost node's keep-alives to expire.
 
 torch's dynamic rendezvous drops a node when its last keep-alive is older than
 ``keep_alive_interval * keep_alive_max_attempt`` (3 s here). A shorter expiry alone is not
@@ -22,7 +22,7 @@ on silence alone. It needs, all at once:
      that process is gone (no such pid, a zombie, or a pid reused by a process started
      later). A SIGSTOPped or slow agent is a live process: never dropped by this rule;
    - *another host, its process gone*: the node's host refused a connection to its
-     agent's beacon (``launch.probe``: the host's kernel answers, nothing listens: the
+     agent's beacon (``rendezvous.probe``: the host's kernel answers, nothing listens: the
      process died). Its ``lives`` entry names the beacon's address;
    - *another host, silent*: its last keep-alive is older than ``suspect_after_s`` (two
      keep-alive intervals, at most torch's expiry), and its beacon did not answer either
@@ -86,7 +86,7 @@ def dead_peers(*, participants: Collection, heartbeats: Mapping[Any, datetime], 
 
 def identity(beacon: str = "") -> str:
     """This process: ``boot/pid-namespace/pid/start``, then ``|HOST:PORT`` of its beacon
-    (``launch.probe``) if it has one; ``gone`` compares against it."""
+    (``rendezvous.probe``) if it has one; ``gone`` compares against it."""
     me = f"{_host()}/{os.getpid()}/{_start_ticks(os.getpid())}"
     return f"{me}|{beacon}" if beacon else me
 

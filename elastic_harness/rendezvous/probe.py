@@ -1,4 +1,4 @@
-"""Ask a peer's host whether its agent's process is still there (issue 36, item 3).
+"""Ask a peer's host whether its agent's process is still there.
 
 Each agent keeps a ``Beacon``: a listening socket on its node's address, and a thread that
 answers every connection with one byte and closes it. The address is written next to the
@@ -12,7 +12,7 @@ tells three answers apart, each from the peer's own kernel or process:
 - ``ALIVE``: the byte came back: the agent's process runs and answers;
 - ``SILENT``: neither within the timeout: the host is down or cut off, or the agent is
   frozen (a stopped process's kernel still accepts the connection, but nobody answers) or
-  just slow. Says nothing for certain: ``launch.verdict`` weighs it with other evidence.
+  just slow. Says nothing for certain: ``rendezvous.verdict`` weighs it with other evidence.
 
 Nothing is read from the connection and nothing but one constant byte is written: the
 beacon needs no authentication. It listens on the node's own address (the job's network),

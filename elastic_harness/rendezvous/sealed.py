@@ -3,7 +3,7 @@
 torch's dynamic rendezvous pickles its state (``_BackendRendezvousStateHolder``) and hands
 the bytes to a backend, which stores them base64-encoded under one key of the c10d store or
 etcd; on every sync it reads them back and ``pickle.loads`` them. Anyone who can write that
-key can make every agent run code (issue 22: a forged pickle ran a shell command within
+key can make every agent run code (a forged pickle ran a shell command within
 1 s; garbage ended the job). The backends here seal what they write and check what they read:
 
 - ``set_state`` stores ``HMAC(key, run id, state) || state`` (``jobkey.seal``);
@@ -12,18 +12,18 @@ key can make every agent run code (issue 22: a forged pickle ran a shell command
   not even UTF-8, another job's state, torch's "no state yet" marker once a state was seen)
   reads as the last authentic state this agent saw (a fresh, empty state before it saw
   any: ``torchcompat.rdzv.fresh_state``), with a logged line (rate-limited: ``LOG_EVERY_S``). The token stays the exact
-  value read, so the agent's next write replaces it, and the job goes on (issue 33: the
+  value read, so the agent's next write replaces it, and the job goes on (the
   token used to be the raw bytes torch then decoded as UTF-8, and non-UTF-8 bytes ended
   the agent).
 
 Both backends are ours, written on torch's public backend interface (``RendezvousBackend``:
-``name``, ``get_state``, ``set_state``), no torch class subclassed (issue 35). The c10d one
+``name``, ``get_state``, ``set_state``), no torch class subclassed. The c10d one
 (``SealedC10dBackend``): its reads never block on a deleted key and a deleted key is written
-again (issue 33: the agents blocked at the job's end for ``read_timeout`` each). The etcd-v2
+again (the agents blocked at the job's end for ``read_timeout`` each). The etcd-v2
 one (``SealedEtcdBackend``): one key of etcd's v2 API, written with ``prevIndex``/``prevExist``
 and a TTL of two hours, as torch's etcd-v2 backend does; etcd tells a missing key apart
-itself. The seal does not depend on the store: etcd v3's backend (``launch.etcd_v3``) uses
-``StateSeal`` the same way. Each backend's ``name`` is the one ``launch.rendezvous``
+itself. The seal does not depend on the store: etcd v3's backend (``rendezvous.etcd_v3``) uses
+``StateSeal`` the same way. Each backend's ``name`` is the one ``rendezvous.handler``
 registers the handler under in torch's handler registry (``harness-c10d``, ``harness-etcd-v2``).
 
 The c10d store itself: ``create_c10d_backend`` is torch's ``create_backend`` for a TCP
@@ -31,8 +31,8 @@ store, except that the agent hosting the store binds the endpoint's host (``list
 every interface: ``127.0.0.1`` for a local run, the address the job gave its nodes
 elsewhere. A file store (``store_type=file``) is torch's ``FileStore`` at the endpoint's path.
 
-Changes are pushed on a TCP store (``launch.changes``). After a write that the handler marks
-as worth announcing (``worth_announcing``, set by ``launch.rendezvous``: the round broken,
+Changes are pushed on a TCP store (``rendezvous.changes``). After a write that the handler marks
+as worth announcing (``worth_announcing``, set by ``rendezvous.handler``: the round broken,
 reopened, completed or closed, the first node waiting, the spares), the backend adds one to
 a change count in the store (sealed too, and by compare-and-set: never the store's ``add``);
 ``wait_for_change`` blocks until the count passes the one this
@@ -63,8 +63,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic_harness import jobkey
-from elastic_harness.launch.changes import Announcing, ChangeSignal
 from elastic_harness.listen import listener
+from elastic_harness.rendezvous.changes import Announcing, ChangeSignal
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class SealedC10dBackend(Announcing, RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self._store, self._seal = store, seal
         self._key = "torch.rendezvous." + run_id
-        # Word of each change pushed to every agent (``launch.changes``); a file store polls.
+        # Word of each change pushed to every agent (``rendezvous.changes``); a file store polls.
         self._init_announcing(ChangeSignal(store, self._key, connect, seal.job_key, seal.warn)
                               if connect is not None else None)
         self._call("compare_set", self._key, "", ABSENT)
@@ -238,7 +238,7 @@ class SealedC10dBackend(Announcing, RendezvousBackend):
 
 
 def _c10d_client(params: RendezvousParameters) -> TCPStore:
-    """One more client of the c10d store (``launch.changes``' waiting thread)."""
+    """One more client of the c10d store (``rendezvous.changes``' waiting thread)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)

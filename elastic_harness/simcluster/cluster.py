@@ -29,9 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic_harness import pidns, runfiles, simhost
+from elastic_harness import runfiles
 from elastic_harness.launch.config import agent_environ
-from elastic_harness.netns import NetnsTopology
+from elastic_harness.simcluster import pidns, simhost
+from elastic_harness.simcluster.netns import NetnsTopology
+from elastic_harness.spec import backends
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,25 +88,27 @@ def host_name(tag: str, index: int) -> str:
     return f"eh{tag}-node{index}"
 
 
+@dataclass(frozen=True)
+class AgentArgs:
+    """What every node's ``elastic-harness agent`` is started with (``LocalCluster.add_node``):
+    the resolved job, its run directory, the rendezvous (id, endpoint, the spec's backend name)
+    and any further flags."""
+
+    job_path: Path
+    run_dir: Path
+    rdzv_id: str
+    endpoint: str
+    backend: str = "c10d"
+    extra: tuple[str, ...] = ()
+
+
 class LocalCluster:
-    def __init__(
-        self,
-        job_path: Path,
-        run_dir: Path,
-        nodes: int,
-        rdzv_id: str,
-        endpoint: str,
-        backend: str = "c10d",
-        extra_args: tuple[str, ...] = (),
-        netns: NetnsTopology | None = None,
-        separate_hosts: bool = False,
-    ) -> None:
+    def __init__(self, agents: AgentArgs, nodes: int, netns: NetnsTopology | None = None,
+                 separate_hosts: bool = False) -> None:
         if separate_hosts and netns is None:
             raise AssertionError("separate hosts need their own network namespaces")
         self.separate_hosts = separate_hosts
-        self.job_path, self.run_dir, self.initial = job_path, run_dir, nodes
-        self.rdzv_id, self.endpoint, self.backend = rdzv_id, endpoint, backend
-        self.extra_args = extra_args
+        self.agents, self.run_dir, self.initial = agents, agents.run_dir, nodes
         self.netns = netns
         self.nodes: dict[int, Node] = {}
         self._stopped = False
@@ -115,19 +119,20 @@ class LocalCluster:
 
     def add_node(self, index: int | None = None) -> Node:
         index = max(self.nodes, default=-1) + 1 if index is None else index
+        a = self.agents
         cmd = [
-            sys.executable, "-m", "elastic_harness", "agent", str(self.job_path),
-            "--run-dir", str(self.run_dir), "--rdzv-endpoint", self.endpoint,
-            "--rdzv-id", self.rdzv_id, "--rdzv-backend", self.backend, "--node", str(index),
+            sys.executable, "-m", "elastic_harness", "agent", str(a.job_path),
+            "--run-dir", str(a.run_dir), "--rdzv-endpoint", a.endpoint,
+            "--rdzv-id", a.rdzv_id, "--rdzv-backend", a.backend, "--node", str(index),
             "--no-progress", "--no-summary",  # the host prints the progress, writes the summary
-            *self.extra_args,
+            *a.extra,
         ]
-        if self.backend == "c10d":
+        if backends.BY_NAME[a.backend].hosts_store:
             # One agent hosts the c10d store; it is explicit so no two agents race for it.
             cmd.append("--is-host" if index == 0 else "--no-host")
         env = agent_environ()
         if self.netns is None:
-            # One machine: every socket of the job (stores, gloo) on loopback (issue 22).
+            # One machine: every socket of the job (stores, gloo) on loopback (docs/security.md).
             cmd += ["--local-addr", "127.0.0.1"]
             env["GLOO_SOCKET_IFNAME"] = "lo"
             env["NCCL_SOCKET_IFNAME"] = "lo"  # NCCL's bootstrap sockets (GPU jobs)

@@ -7,14 +7,14 @@ import re
 import sys
 from typing import TextIO
 
-from elastic_harness.runstate import RunState
+from elastic_harness.records.runstate import RunState
 
 # A durable save is worth its own line only when it held training up this long; the rest
 # are folded into the progress line ("saved 100") and the closing tally.
 SLOW_SAVE_S = 1.0
 # A new in-memory snapshot interval is printed once it held this many steps.
 SETTLE_STEPS = 50
-# The rendezvous' own line when it drops a lost node (``launch.rendezvous._Handler.drop_dead``):
+# The rendezvous' own line when it drops a lost node (``rendezvous.handler._Handler.drop_dead``):
 # the node's name is torch's ``ADDR_PID_LOCALID`` of its agent, the reason follows the colon.
 _DROPPED = re.compile(r"Dropping node '(?P<name>[^']*?_(?P<pid>\d+)_\d+)' .*?: (?P<why>.*)$")
 

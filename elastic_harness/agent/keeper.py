@@ -1,7 +1,7 @@
 """The agent's part of in-place recovery (docs/in-place.md): which workers it keeps.
 
 ``Keeper`` belongs to a ``HarnessAgent`` with warm starts and ``recovery: in_place``. It holds
-the control lines and the workers kept from one group to the next (``launch.warm.Keep``), and
+the control lines and the workers kept from one group to the next (``agent.warm.Keep``), and
 answers the agent's questions at the points of torchelastic's loop where a fault is handled:
 
 - ``hear`` (each monitor pass): a worker said ``broken`` (a collective of its failed: a peer
@@ -12,7 +12,7 @@ answers the agent's questions at the points of torchelastic's loop where a fault
 - ``keep_survivors`` (torch stops the failed group for its restart): the workers that parked
   within the bound are released from the old process context and kept; the others are killed
   now (no drain is possible in a broken generation) and forked anew;
-- ``started``: the new group started (its kept workers adopted by ``launch.warm``).
+- ``started``: the new group started (its kept workers adopted by ``agent.warm``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import signal
 import time
 from typing import Any
 
-from elastic_harness.launch import liveness
-from elastic_harness.launch.warm import Keep, WarmContext
-from elastic_harness.launch.zygote import Zygote, ZygoteLost
+from elastic_harness.agent.warm import Keep, WarmContext
+from elastic_harness.agent.zygote import Zygote, ZygoteLost
+from elastic_harness.rendezvous import liveness
 
 log = logging.getLogger(__name__)
 

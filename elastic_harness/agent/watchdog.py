@@ -12,13 +12,13 @@ holds a lock file beside it for its life (``stale_fifos``: what another agent ma
 FUSE mounts), it goes to a private temp dir that ``stop()`` removes.
 A worker it kills leaves no exception behind, so the server says what it did: ``on_reap``
 (set by the agent once it knows its workers) hears the pid and how long since that worker
-last armed its timer, and the agent records a ``hang`` failure (``launch.agent``).
+last armed its timer, and the agent records a ``hang`` failure (``agent.node``).
 
-Two deadlines per worker (issue 36; ``runtime.timer``): the *progress* one (SIGKILL when
+Two deadlines per worker (``runtime.timer``): the *progress* one (SIGKILL when
 it lapses: a hang, after ``timeouts.step`` or a phase's budget) and the *stall* one, with
 no signal, derived from the worker's measured steps. A lapsed stall deadline kills nobody by
-itself: the server asks ``judge`` (``launch.stall``: is a peer of the group gone, by
-``launch.verdict``?) at each pass until the worker makes progress again, and stops the
+itself: the server asks ``judge`` (``agent.stall``: is a peer of the group gone, by
+``rendezvous.verdict``?) at each pass until the worker makes progress again, and stops the
 worker when the verdict says so (``on_verdict`` reports it instead of ``on_reap``);
 ``on_stall`` hears each stall once, when the looking starts.
 

@@ -9,7 +9,7 @@ without one success end the agent process with ``os._exit`` (which no blocked ca
 stop); its workers die with it (``PR_SET_PDEATHSIG``), so a node that comes back after a
 partition writes nothing more into the job's checkpoints, and a fresh agent can rejoin.
 
-etcd: the client fails over between the members the endpoint names (``launch.etcd_gateway``;
+etcd: the client fails over between the members the endpoint names (``rendezvous.etcd_gateway``;
 torch's etcd-v2 client, python-etcd, to every member the cluster advertises), so one success
 among all members counts (``etcd_members`` adds those the cluster advertises); losing the
 member named first in the endpoint does not isolate anyone.
@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from elastic_harness import exitcodes
+from elastic_harness.spec import backends
 
 EXIT_ISOLATED = exitcodes.INFRA  # cut off from the rendezvous: the infrastructure's failure, retry
 MEMBERS_REFRESH_S = 60.0  # etcd membership changes rarely: ask again this often
@@ -60,7 +61,7 @@ def etcd_members(endpoint: str, conf: dict | None = None, timeout: float = 2.0) 
     """Client endpoints (``HOST:PORT``) every member of the etcd cluster advertises (its v3
     member list, which etcd-v2 clusters serve too); [] when etcd cannot be asked right now.
     ``conf``: the rendezvous config (TLS, user; ``launch.config.rdzv_configs``)."""
-    from elastic_harness.launch import etcd_gateway
+    from elastic_harness.rendezvous import etcd_gateway
 
     conf = dict(conf or {})
     try:
@@ -151,7 +152,7 @@ def watch(spec, opts, events, node: str) -> IsolationWatchdog | None:
     if not limit:
         return None
     members = None
-    if opts.rdzv_backend != "c10d":  # etcd: every member the client could fail over to
+    if not backends.BY_TORCH_NAME[opts.rdzv_backend].hosts_store:  # etcd: every member the client could fail over to
         from elastic_harness.launch.config import rdzv_configs
 
         conf = rdzv_configs(spec, opts)

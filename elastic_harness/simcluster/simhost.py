@@ -1,7 +1,7 @@
-"""A simulated host's first process: ``python -m elastic_harness.simhost NAME ADDR SCRATCH -- CMD...``.
+"""A simulated host's first process: ``python -m elastic_harness.simcluster.simhost NAME ADDR SCRATCH -- CMD...``.
 
 ``run --separate-hosts`` starts each node as ``ip netns exec NS unshare --pid --uts --fork
---mount-proc --kill-child python -m elastic_harness.simhost ...`` (``command``): its own network, pid,
+--mount-proc --kill-child python -m elastic_harness.simcluster.simhost ...`` (``command``): its own network, pid,
 UTS and mount namespaces, so nothing in the job can use a same-host shortcut (a pid means
 nothing to another node, and the host names differ). This process is pid 1 there, the
 host's init. It
@@ -44,7 +44,7 @@ def command(name: str, addr: str, scratch: Path, cmd: list[str]) -> list[str]:
     namespace it is run in): its own pid, UTS and mount namespaces, this module as its init.
     ``--kill-child``: the host goes when ``unshare`` is killed."""
     return ["unshare", "--pid", "--uts", "--fork", "--mount-proc", "--kill-child",
-            sys.executable, "-m", "elastic_harness.simhost", name, addr, str(scratch), "--", *cmd]
+            sys.executable, "-m", "elastic_harness.simcluster.simhost", name, addr, str(scratch), "--", *cmd]
 
 
 def hosts_text(name: str, addr: str) -> str:
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     """``NAME ADDR SCRATCH -- CMD...``; ``SCRATCH``: a directory of the run (the private hosts
     file passes through it)."""
     if len(argv) < 5 or argv[3] != "--":
-        print("usage: python -m elastic_harness.simhost NAME ADDR SCRATCH -- CMD...", file=sys.stderr)
+        print("usage: python -m elastic_harness.simcluster.simhost NAME ADDR SCRATCH -- CMD...", file=sys.stderr)
         return 2
     name, addr, scratch, cmd = argv[0], argv[1], Path(argv[2]), argv[4:]
     name_host(name, addr, scratch)

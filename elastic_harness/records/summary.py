@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from elastic_harness.runstate import current_invocation, fold
+from elastic_harness.records.runstate import current_invocation, fold
 
 __all__ = ["current_invocation", "summarize"]
 

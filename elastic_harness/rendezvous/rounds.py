@@ -1,4 +1,4 @@
-"""Pure: close a later round as soon as everyone expected has joined it (issue 36, item 2).
+"""Pure: close a later round as soon as everyone expected has joined it.
 
 torch's dynamic rendezvous closes a round ``last_call`` after ``nodes.min`` joined it, or
 at once when ``nodes.max`` did. After a node loss ``nodes.max`` is never reached, so every
@@ -7,7 +7,7 @@ waited to rejoin: node loss took about 0.2 s at 2 nodes and 2.5-3.5 s at 4 to 8.
 
 Who is expected is in the state itself, so every agent decides alike, whichever joins last:
 the participants of the last completed round (``members``, written when a round completes)
-less the nodes known gone (``gone``: dropped by ``launch.liveness``/``launch.verdict`` or
+less the nodes known gone (``gone``: dropped by ``rendezvous.liveness``/``rendezvous.verdict`` or
 expired by torch, written when an agent sees it), the agents waiting for the round (torch's
 wait list), and as many hot spares (torch's redundancy list) as the round has room for. When all of them are participants, the round closes now; otherwise the
 last call runs as before (a node that is slow to rejoin, a preempted node whose keep-alives
@@ -23,7 +23,7 @@ writes in a row on one key. The first agent to join an open round adds every wai
 with itself, in its own write: they asked for exactly that, and their keep-alives are in the
 state. Each of them then finds itself a participant and waits for the round to close.
 
-Never more than ``nodes.max`` (issue 42): with hot spares, a worker crash puts the spares on
+Never more than ``nodes.max``: with hot spares, a worker crash puts the spares on
 the wait list (the round had room for a moment) next to the restarting members. The places of
 the members not known gone are theirs (``room_for_others``: whoever joins first admits them,
 never a spare in their place: ``admitted``, ``join_as``); a round so filled is complete in the same

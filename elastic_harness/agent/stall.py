@@ -1,9 +1,9 @@
-"""The agent's question when its workers stall: is a peer gone? (``launch.verdict`` decides.)
+"""The agent's question when its workers stall: is a peer gone? (``rendezvous.verdict`` decides.)
 
-The step watchdog (``launch.watchdog``) calls ``StallJudge`` once a worker is past the
+The step watchdog (``agent.watchdog``) calls ``StallJudge`` once a worker is past the
 stall bound it gave and before the hard bound (``timeouts.step``). It gathers the evidence
 (the peers of the last round from the rendezvous handler's last read of the state, and the
-beacons of the suspects: ``launch.probe``), asks ``verdict.judge``, and when peers are gone
+beacons of the suspects: ``rendezvous.probe``), asks ``verdict.judge``, and when peers are gone
 tells the handler (``condemn``: dropped at the next read of the state) before the watchdog
 stops the workers. It asks at most once every ``every_s``, from the watchdog's thread.
 """
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_harness.launch import verdict
-from elastic_harness.launch.probe import Asker
+from elastic_harness.rendezvous import verdict
+from elastic_harness.rendezvous.probe import Asker
 
 
 class StallJudge:

@@ -1,7 +1,7 @@
-"""Bad nodes: a node that fails twice within a window is kept out (issue 36, item 4).
+"""Bad nodes: a node that fails twice within a window is kept out.
 
 A node fails when its peers had to go on without it while its agent lived: it was dropped
-from the rendezvous (judged gone: frozen, cut off; ``launch.verdict``), or the step watchdog
+from the rendezvous (judged gone: frozen, cut off; ``rendezvous.verdict``), or the step watchdog
 stopped one of its own workers that hung itself (stopped by a signal, or stuck in the
 kernel: ``/proc`` state ``T`` or ``D``; not one that waited on its peers). Crashes of its
 workers are not counted here: the restart budget and the crash-loop rule (``policy``)

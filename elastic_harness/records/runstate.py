@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from elastic_harness.goodput import Goodput, GoodputLedger
+from elastic_harness.records.goodput import Goodput, GoodputLedger
 
 
 def split_invocations(events: Sequence[dict]) -> list[list[dict]]:

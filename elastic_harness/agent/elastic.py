@@ -20,16 +20,16 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
   last ran, so ``health()`` can tell a live agent from a stuck one. When the group failed
   it tells the rendezvous handler (``group_failed``: the round is written broken, so every
   peer stops its group at once), and when a worker failed because a peer's connection
-  closed, that too (``peer_lost``: ``launch.liveness``), before torch restarts the group.
+  closed, that too (``peer_lost``: ``rendezvous.liveness``), before torch restarts the group.
   A group still running in a round a peer wrote broken is stopped (SIGKILL: its workers
   may be blocked in a collective) instead of waiting for the failure to reach it through
-  its collectives, peer by peer (issue 36: node loss flat in the number of nodes); so is a
+  its collectives, peer by peer (node loss flat in the number of nodes); so is a
   drain for a join that is under way then. Between two passes it waits for news rather
   than sleeping (``await_news``): a worker's exit report from the zygote, or a ``nudge``
   from the rendezvous handler, ends the wait at once; torch's own loop only sleeps
   ``MONITOR_TICK_S``.
 - ``start_workers``: the process context it makes stops a failed group's survivors within
-  ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``launch.zygote``), the workers are forks of it
+  ``policy.failed_stop_grace`` (``bound_failure_close``), not torch's fixed 30 s. With a ``zygote`` (``agent.zygote``), the workers are forks of it
   instead of fresh interpreters. torch builds their environment and log files as usual and
   then calls its module-level ``start_processes``, which has no parameter for the kind of
   process context; for the duration of that call it is ``warm_processes`` instead
@@ -51,7 +51,7 @@ is gone; with cold starts also the first sign of a failure), ``started``.
 parameters from the config, the worker spec, run, record torchelastic's own events, shut
 the rendezvous down unless a signal ended the agent) with our agent class, which
 ``launch_agent`` does not let a caller choose, and the rendezvous handler of
-``launch.rendezvous``. Dynamic rendezvous only (c10d, etcd): the
+``rendezvous.handler``. Dynamic rendezvous only (c10d, etcd): the
 master address and port come from the rendezvous.
 """
 
@@ -73,10 +73,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_harness.agent.keeper import Keeper
+from elastic_harness.agent.warm import Keep, WarmContext, warm_invocation
+from elastic_harness.agent.zygote import Zygote
 from elastic_harness.errors import LockLost
-from elastic_harness.launch import liveness, rendezvous
 from elastic_harness.launch.env import JOIN_SIGNAL
-from elastic_harness.launch.keeper import Keeper
 from elastic_harness.launch.policy import (
     agent_health,
     budget_refill,
@@ -84,8 +85,8 @@ from elastic_harness.launch.policy import (
     failed_stop_grace,
     restarts_left,
 )
-from elastic_harness.launch.warm import Keep, WarmContext, warm_invocation
-from elastic_harness.launch.zygote import Zygote
+from elastic_harness.rendezvous import handler as rendezvous
+from elastic_harness.rendezvous import liveness
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class HarnessAgent(AgentBase):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # In place (``recovery: in_place``, warm starts only): a fault stops only what it broke
-        # (``launch.keeper``); ``park_bound_s``: how long a survivor may take to leave its
+        # (``agent.keeper``); ``park_bound_s``: how long a survivor may take to leave its
         # step before it is stopped and forked anew instead.
         self.keeper = Keeper(zygote, park_bound_s) if in_place and zygote is not None else None
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
@@ -133,7 +134,7 @@ class HarnessAgent(AgentBase):
         self._report = report or (lambda state, restart: None)
         self.stop_reason: str | None = None
         self._broken = False  # its group was stopped because a peer's failed (``_round_broken``)
-        self.strikes: Any = None  # ``launch.exclusion.Strikes`` of this node, when it may be kept out
+        self.strikes: Any = None  # ``rendezvous.exclusion.Strikes`` of this node, when it may be kept out
         self.excluded: str | None = None  # why this node is kept out of the job, once it is
         self.on_excluded: Callable[[str], None] = lambda message: None
         self._node_name = ""
@@ -319,7 +320,7 @@ class HarnessAgent(AgentBase):
                 self._settle_budget(result)
         if failed and self.strikes is not None and self.excluded is None:
             self.excluded = self.strikes.verdict(self._node_name)
-            if self.excluded:  # kept out (``launch.exclusion``): no restart, the rendezvous stays open
+            if self.excluded:  # kept out (``rendezvous.exclusion``): no restart, the rendezvous stays open
                 self.remaining_restarts = 0
                 self.on_excluded(self.excluded)
         if self.keeper is not None:
@@ -438,7 +439,7 @@ def exit_account(failures: dict[int, Any], stopped: dict[int, tuple[int, str]] |
 def _hung_account(failures: dict[int, Any], stopped: dict[int, tuple[int, str]]) -> dict[str, Any]:
     """Pure: ``exit_account`` of a group whose rank hung: that rank first, then each exit in
     short, without a survivor's gloo text ("rank 0 timed out waiting")."""
-    from elastic_harness.launch.exclusion import HANG_WORDS
+    from elastic_harness.rendezvous.exclusion import HANG_WORDS
 
     rank, (pid, state) = min(stopped.items())
     message = f"rank {rank} (pid {pid}) hung{HANG_WORDS.get(state, '')}: its peers waited on it"
@@ -520,7 +521,7 @@ def closes_rendezvous(error: BaseException | None, *, excluded: bool) -> bool:
     """Pure: does this agent's end close the job's rendezvous, ending every node's part?
     Yes when the job is over for all: it finished (``error`` None), its workers failed past
     the restart budget, or this agent met an error of its own. No when the others can go on
-    without this node: it was signalled (preempted), kept out (``launch.exclusion``), or it
+    without this node: it was signalled (preempted), kept out (``rendezvous.exclusion``), or it
     lost its connection to the rendezvous store (the others may still reach the store, and
     a close would end them too; torch's agent closes it there)."""
     if error is None:

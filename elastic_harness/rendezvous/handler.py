@@ -49,12 +49,12 @@ No start-up skew at restarts: see ``delay``.
 Authenticated state (issue 22): torch pickles the rendezvous state into the c10d store or
 etcd, and unpickles whatever it reads back; both are writable by anyone who reaches them.
 The backends here are ours, on torch's public ``RendezvousBackend`` interface, with the
-state sealed under the job's key (``launch.sealed``): a forged or corrupt value is refused before torch unpickles it, with
+state sealed under the job's key (``rendezvous.sealed``): a forged or corrupt value is refused before torch unpickles it, with
 one logged line, and the job carries on with the last authentic state.
 
 A dead node sooner (issue 26): an agent whose workers failed because a peer's connection
 closed tells its handler (``peer_lost``); at each sync of the state the handler then drops
-the peers of its last round that are certainly gone (``launch.liveness``: same host and
+the peers of its last round that are certainly gone (``rendezvous.liveness``: same host and
 the agent's process is gone, or another host and silent two keep-alive intervals), as
 torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
 Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
@@ -99,7 +99,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.launch import etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.rendezvous import etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.spec import backends
 from elastic_harness.torchcompat import rdzv
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def poll_for(nodes: int) -> float:
 
 
 # Reads of the state a job's agents make together at most when woken by a change
-# (``launch.changes``): every counted write wakes every agent at once, and each then reads
+# (``rendezvous.changes``): every counted write wakes every agent at once, and each then reads
 # the whole state (260 KB at 1000 nodes). An agent woken within ``wake_gap`` of its last
 # read reads when that gap is over: 8 ms at 8 nodes, a second at 1000.
 WAKE_READS_PER_S = 1000.0
@@ -246,17 +247,22 @@ def _expiry_s(handler: Any) -> float:
 
 def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
     """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state
-    sealed under ``key`` and a c10d store bound to one address (``launch.sealed``)."""
-    from elastic_harness.launch import sealed
+    sealed under ``key`` and a c10d store bound to one address (``rendezvous.sealed``)."""
+    from elastic_harness.rendezvous import sealed
 
-    c10d = name == "c10d"  # where the state lives, for the log: a store key, an etcd key
-    where = f"torch.rendezvous.{params.run_id}" if c10d else f"/torch/elastic/rendezvous/{params.run_id}"
+    in_store = backends.BY_TORCH_NAME[name].hosts_store  # where the state lives, for the log
+    where = f"torch.rendezvous.{params.run_id}" if in_store else f"/torch/elastic/rendezvous/{params.run_id}"
     seal = sealed.StateSeal(key, params.run_id, where=where)
-    if c10d:
-        return sealed.create_c10d_backend(params, seal)
-    if name == etcd_v3.BACKEND:
-        return etcd_v3.create_backend(params, seal)
-    return sealed.create_etcd_backend(params, seal)
+    return creators()[name](params, seal)
+
+
+def creators() -> dict[str, Callable[[RendezvousParameters, Any], tuple[Any, Any]]]:
+    """Each backend's state backend and store (torch's name: ``spec/backends.py``'s rows), the
+    state sealed: the one place in the rendezvous a new backend is named."""
+    from elastic_harness.rendezvous import sealed
+
+    return {"c10d": sealed.create_c10d_backend, "etcd-v3": etcd_v3.create_backend,
+            "etcd-v2": sealed.create_etcd_backend}
 
 
 class _Handler(DynamicRendezvousHandler):
@@ -269,7 +275,7 @@ class _Handler(DynamicRendezvousHandler):
     _evidence = False  # since then, its workers failed because a peer's connection was lost
     _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
     _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
-    _condemned: frozenset = frozenset()  # peers of its last round ``launch.verdict`` found gone
+    _condemned: frozenset = frozenset()  # peers of its last round ``rendezvous.verdict`` found gone
     _failed = False  # its workers failed since its last round completed (``group_failed``)
     _steady_poll: float | None = None  # its state holder's cache outside a join (``POLL_S``; ``poll_for`` once formed)
     _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
@@ -332,7 +338,7 @@ class _Handler(DynamicRendezvousHandler):
 
     def wait_for_change(self, timeout: float) -> None:
         """The join's poll (``delay``): until the state changes after this thread's last read
-        of it, or ``timeout`` s (``launch.changes``: c10d and etcd v3; else a sleep); after a
+        of it, or ``timeout`` s (``rendezvous.changes``: c10d and etcd v3; else a sleep); after a
         change, the next sync reads the state instead of serving its cache."""
         backend = rdzv.state_backend(self)
         waiter = getattr(backend, "wait_for_change", None)
@@ -349,7 +355,7 @@ class _Handler(DynamicRendezvousHandler):
 
     def on_change(self, callback: Callable[[], None]) -> bool:
         """Call ``callback()`` (on another thread) after each counted change of the state
-        (``launch.changes``); the caller then reads it with ``refresh``. False where the
+        (``rendezvous.changes``); the caller then reads it with ``refresh``. False where the
         backend pushes no changes (etcd-v2, a file store)."""
         changes = getattr(rdzv.state_backend(self), "changes", None)
         if changes is None:
@@ -359,7 +365,7 @@ class _Handler(DynamicRendezvousHandler):
 
     def worth_announcing(self) -> bool:
         """Does the write under way change what another agent acts on (``shape``)? The
-        backend counts only those (``launch.changes``): a keep-alive, a join or a leave,
+        backend counts only those (``rendezvous.changes``): a keep-alive, a join or a leave,
         another node added to a wait list that has one, are not; the first node waiting, a
         round broken, reopened, completed or closed, a spare more or less are."""
         state = rdzv.state(self)
@@ -374,7 +380,7 @@ class _Handler(DynamicRendezvousHandler):
 
     def stop_changes(self) -> None:
         """This agent needs no more word of changes (its workers are done): its signal's
-        thread ends (``launch.changes``: before the store's host may go)."""
+        thread ends (``rendezvous.changes``: before the store's host may go)."""
         changes = getattr(rdzv.state_backend(self), "changes", None)
         if changes is not None:
             changes.close()
@@ -445,7 +451,7 @@ class _Handler(DynamicRendezvousHandler):
             suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
                                                    settings.keep_alive_max_attempt))
         for node in dead:
-            how = ("its keep-alives and beacon silent while this node's workers stalled (launch.verdict)"
+            how = ("its keep-alives and beacon silent while this node's workers stalled (rendezvous.verdict)"
                    if node in self._condemned
                    else "its agent's process is gone, and this node's workers lost their connection to a peer"
                    if liveness.gone(lives.get(node), ask=self._ask)
@@ -469,7 +475,7 @@ class _Handler(DynamicRendezvousHandler):
 
     def install_liveness(self) -> Callable[[], None] | None:
         """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
-        agent's identity (and its beacon's address: ``launch.probe``) with each of its
+        agent's identity (and its beacon's address: ``rendezvous.probe``) with each of its
         keep-alives; returns the undo (None: ``rdzv-fast-path`` is off on this torch, and
         torch's expiry alone drops a lost node)."""
         if not rdzv.on("rdzv-fast-path"):
@@ -505,7 +511,7 @@ class _Handler(DynamicRendezvousHandler):
         self.drop_dead(state)
 
     def _close_rounds_early(self) -> None:
-        """A later round closes once everyone expected joined it (``launch.rounds``): each
+        """A later round closes once everyone expected joined it (``rendezvous.rounds``): each
         join checks, and each completed round records its members for the next one."""
         settings = rdzv.settings(self)
 
@@ -574,7 +580,7 @@ class _Handler(DynamicRendezvousHandler):
         rdzv.hook_operations(self, add_to_redundancy_list=after_spare)
 
     def condemn(self, nodes: Any) -> None:
-        """``launch.verdict`` found these peers of the last round gone (any thread): dropped
+        """``rendezvous.verdict`` found these peers of the last round gone (any thread): dropped
         at the next read of the state (``drop_dead``), as if their processes were gone."""
         self._condemned = self._condemned | frozenset(nodes)
 
@@ -635,7 +641,7 @@ def group_running(handler: Any) -> bool:
 
 
 def _nodes(state: Any, name: str) -> set:
-    """A set of nodes our rules keep in the state (``members``, ``gone``: ``launch.rounds``),
+    """A set of nodes our rules keep in the state (``members``, ``gone``: ``rendezvous.rounds``),
     made if missing; it rides in torch's pickled state object like ``lives``."""
     nodes = getattr(state, name, None)
     if nodes is None:
@@ -683,7 +689,7 @@ def delay(seconds: float | tuple[float, float]) -> None:
         TORCH_DELAY(seconds)
         return
     seconds = min(seconds, getattr(_JOIN, "poll", POLL_S))
-    wait = getattr(_JOIN, "wait", None)  # the joining handler's: woken by a change (``launch.changes``)
+    wait = getattr(_JOIN, "wait", None)  # the joining handler's: woken by a change (``rendezvous.changes``)
     if wait is None:
         TORCH_DELAY(seconds)
         return
@@ -718,8 +724,8 @@ def record_event(run_id: str, message: str, node_state: NodeState, name: str = "
 
 # Our handler in torch's rendezvous handler registry (its public extension point), under
 # names of its own (each is also its backend's ``name``): torch's ``c10d`` and ``etcd-v2``
-# stay torch's; ``etcd-v3`` (``launch.etcd_v3``) has no torch namesake.
-REGISTERED = {"c10d": "harness-c10d", "etcd-v2": "harness-etcd-v2", etcd_v3.BACKEND: etcd_v3.BACKEND}
+# stay torch's; ``etcd-v3`` (``rendezvous.etcd_v3``) has no torch namesake.
+REGISTERED = {b.torch_name: b.registered for b in backends.BACKENDS}  # spec/backends.py
 
 
 def register() -> None:
@@ -746,7 +752,7 @@ def handler_for(params: RendezvousParameters) -> RendezvousHandler:
 
 def create_handler(params: RendezvousParameters, key: bytes | None = None) -> RendezvousHandler:
     """The agent's rendezvous handler: torch's dynamic one with ``RoundTimeout`` for the
-    c10d, etcd-v3 (``launch.etcd_v3``) and etcd-v2 backends (``REGISTERED``'s names too), its
+    c10d, etcd-v3 (``rendezvous.etcd_v3``) and etcd-v2 backends (``REGISTERED``'s names too), its
     state sealed with the job's ``key`` (else the key in the file that the config's
     ``key_file`` names: ``launch.config.rdzv_configs``); any other backend exactly as torch's
     registry makes it."""
@@ -774,7 +780,7 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
         timeout.follow(lambda: holder.state)
     handler.install_liveness()
     if holder is not None and hasattr(backend, "worth_announcing"):
-        backend.worth_announcing = handler.worth_announcing  # counted changes only (``launch.changes``)
+        backend.worth_announcing = handler.worth_announcing  # counted changes only (``rendezvous.changes``)
     return handler
 
 

@@ -1,12 +1,12 @@
 """Word that the rendezvous state changed, pushed through the c10d store instead of polled.
 
 torch's agents learn of a change to the rendezvous state by reading it again: a waiting
-agent every second (``launch.rendezvous``: ``POLL_S``, ``rejoin_poll``), a running one every
+agent every second (``rendezvous.handler``: ``POLL_S``, ``rejoin_poll``), a running one every
 time its monitor loop asks ``num_nodes_waiting`` (``poll_for``). After a node loss, each
 survivor learnt that a peer's group failed, and later that the next round was complete, up
 to one poll after the write that said so; at 8 nodes the last survivor saw the round broken
-90 ms after the first, and the completed round 15-45 ms after it was written (issue 36,
-item 2). ``ChangeSignal`` makes each such write wake every agent instead:
+90 ms after the first, and the completed round 15-45 ms after it was written. ``ChangeSignal``
+makes each such write wake every agent instead:
 
 - a writer, after a state write that changes the rendezvous (a join, a leave, a completed
   or broken round), counts it (``n``: one more than the count in the key ``COUNTER``, by
@@ -25,7 +25,7 @@ Which writes count: each count wakes every agent, so a round in which each of N 
 counts its own write would cost N^2 wake-ups (millions at 1000 nodes), and a key per
 keep-alive (every ``keep_alive_interval`` from every node) would pile up in the store. The
 writer asks first (``SealedC10dBackend.worth_announcing``, the handler's: does the write
-change what another agent acts on? ``launch.rendezvous.shape``): a keep-alive, a join or a
+change what another agent acts on? ``rendezvous.handler.shape``): a keep-alive, a join or a
 leave, one more node on a wait list that has one, are not counted; the round broken,
 reopened, completed or closed, the first node waiting, a spare more or less are. A round
 after a node loss then costs a handful of counts, whatever N.
@@ -33,7 +33,7 @@ The keys of counted writes stay in the store (a few per round; nothing is read f
 so nothing is trusted: a process that forges one wakes the agents for one read of the
 sealed state).
 
-A count that is not ours (issue 42): the count is kept sealed (``Counts``: the number, a
+A count that is not ours: the count is kept sealed (``Counts``: the number, a
 nonce and an HMAC under the job's key), read and replaced by compare-and-set, never with the
 store's ``add``: the store parses the value an ``add`` finds as a number in its own thread,
 and a value that is not one (``b'\xff\x00garbage'``, 23 nines) made it log "Error processing
@@ -43,7 +43,7 @@ rate-limited like the state's) and rewritten from the newest count the agent kno
 waiters may miss one wake-up and read at their next poll.
 
 Carriers: a c10d TCP store (``ChangeSignal``: ``connect`` opens the thread's own client) and
-etcd's v3 API (``launch.etcd_v3.EtcdChanges``: the counted write puts a change key in its
+etcd's v3 API (``rendezvous.etcd_v3.EtcdChanges``: the counted write puts a change key in its
 own transaction, and the thread watches that key); etcd-v2 and a file store keep their
 polls. Backends of either kind share ``Announcing`` (the per-thread version, the join's
 wait). One thread per agent, started at its first use, ended by ``close``
@@ -53,7 +53,7 @@ out in practice, and ``close`` ends it by announcing one change (every agent rea
 state once more). A process must not end with the thread inside the store's wait: one that
 hosts the store then aborts ("terminate called without an active exception"), and a thread
 whose store went away logs a C++ trace. So the agent closes its signal once its workers
-succeeded, before torch's exit barrier lets the store's host go (``launch.elastic``), its
+succeeded, before torch's exit barrier lets the store's host go (``agent.elastic``), its
 handler's ``shutdown`` closes it, and whatever is left open is closed at the interpreter's
 exit (``close_all``, each within ``RELEASE_S``).
 """
