@@ -195,3 +195,11 @@ def test_bad_repeats_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(HarnessError):
         inflight.cmd_inflight(args)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_harness_fault_is_timed_to_the_reformation_the_finish_and_the_next_step():
+    events, records = loss_after_step_2(finished=True)
+    events.insert(-2, event("reformed", 1.18, pid=10, rank=0, mode="finish", phases_s={"reform": 0.01}))
+    fault = analyze_harness(events, records)["fault"]
+    assert (fault["to_reformed_s"], fault["to_finished_s"], fault["to_next_step_s"]) == (0.06, 0.13, 0.18)
+    assert fault["reformed_phases_s"] == {"reform": 0.01}

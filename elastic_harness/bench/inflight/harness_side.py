@@ -86,8 +86,28 @@ def analyze(events: list[dict], records: list[dict], *, steps: int, global_batch
     return {"discarded_micro_batches": discarded, "steps_redone": len(redone), "redone_steps": redone,
             "finished_in_place": sorted(finished), **gap_figures(events, lost_pids),
             **batch_figures(records, counts, steps, global_batch),
+            "fault": fault_figures(events, lost_pids),
             "recovery_modes": [e.get("mode") for e in events if e["event"] == "recovery"],
             "fell_back": [e.get("message") for e in events if e["event"] == "warning"][:3]}
+
+
+def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
+    """Seconds from the fault to a survivor's re-formation (with its phases), to the step in
+    flight finished in place, and to the next step event of a healthy process."""
+    fault = next((e for e in events if e["event"] == "fault"), None)
+    if fault is None:
+        return {"fired": False}
+    t = fault["t"]
+
+    def first(kind: str) -> dict | None:
+        return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids), None)
+
+    reformed, finished, step = first("reformed"), first("finished"), first("step")
+    return {"fired": True, "after_step": fault.get("step"),
+            "to_reformed_s": round(reformed["t"] - t, 3) if reformed else None,
+            "reformed_phases_s": reformed.get("phases_s") if reformed else None,
+            "to_finished_s": round(finished["t"] - t, 3) if finished else None,
+            "to_next_step_s": round(step["t"] - t, 3) if step else None}
 
 
 def gap_figures(events: list[dict], lost_pids: set[int]) -> dict:
