@@ -9,7 +9,7 @@ torch future it wraps, which torchft's own hook hands back to the reducer).
 from __future__ import annotations
 
 # What the bench's JSON says about the patched side (the private names it relies on).
-PRIVATE_NAMES = ("torchft.ddp.DistributedDataParallel._comm_hook", "torchft.work._ManagedFuture._fut")
+PRIVATE_NAMES = ("torchft.ddp.DistributedDataParallel._comm_hook", "torchft.manager._ManagedFuture._fut")
 
 
 def patched_torchft_ddp() -> type:
