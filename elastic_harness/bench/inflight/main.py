@@ -35,7 +35,7 @@ import statistics
 from pathlib import Path
 
 from elastic_harness.bench import check_out, scratch_dir
-from elastic_harness.bench.inflight import harness_side, job
+from elastic_harness.bench.inflight import job
 from elastic_harness.errors import HarnessError
 
 GAP_STEPS, GAP_SLACK_S = 2, 0.05  # the gap goal: 2 median step times + 50 ms
@@ -103,7 +103,10 @@ def run_all(scratch: Path, sides: dict[str, str | None], args: argparse.Namespac
 
 
 def run_side(side: str, run_dir: Path, args: argparse.Namespace) -> dict:
+    """One run of ``side`` (imported here: ``--help`` must not import torch)."""
     if side == "harness":
+        from elastic_harness.bench.inflight import harness_side
+
         return harness_side.run(run_dir, groups=args.groups, steps=job.STEPS, kill_at=job.KILL_AT,
                                 in_step=args.in_step, timeout_s=args.timeout)
     from elastic_harness.bench.inflight import torchft_run
