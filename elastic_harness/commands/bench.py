@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 BENCHES = {
     "buddy": "elastic_harness.bench.recovery.buddy",  # per-step cost of FSDP snapshots and buddy copies
     "checkpoint": "elastic_harness.bench.checkpoint.main",
+    "inflight": "elastic_harness.bench.inflight.main",  # a node lost mid-training: the harness vs torchft
     "recovery": "elastic_harness.bench.recovery.main",  # time to recover from faults
     "rendezvous": "elastic_harness.bench.rendezvous.main",  # a round on etcd's v3 API vs its v2 API
     "rendezvous-scale": "elastic_harness.bench.rendezvous.scale",  # rendezvous messages and bytes per round at N

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_harness import runfiles
+
 
 def content_hash(item: Any) -> str:
     """A short digest of a sample's content: whatever a dataset item can hold (module doc of
@@ -165,3 +167,16 @@ def record_samples(path: Path, generation: str, step: int, rank: int, world_size
         os.write(fd, (json.dumps(line) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def read_sample_records(run_dir: Path) -> list[dict]:
+    """Every rank's records of a run dir, rank file by rank file (a line cut short by a
+    killed writer is left out)."""
+    out = []
+    for path in sorted((run_dir / runfiles.SAMPLES).glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

@@ -194,6 +194,8 @@ def bad_arguments(i: SimpleNamespace) -> dict[str, list[list]]:
         "bench recovery": [["--repeats", "0"], ["--only", "nope"], ["--dir", i.afile],
                            ["--out", i.missing / "x.json"], ["--faults", "x"], ["--churn-every", "900"],
                            ["--nodes", "1"], ["--soak-jobs", "0"]],
+        "bench inflight": [["--repeats", "0"], ["--groups", "4"], ["--timeout", "0"], ["--dir", i.afile],
+                           ["--dir", i.missing], ["--out", i.missing / "x.json"], ["--out", i.adir]],
         "bench rendezvous-scale": [["--nodes", "1,2"], ["--nodes", "x"], ["--idle", "0"], ["--to", "1"],
                                    ["--out", i.missing / "x.json"], ["--out", i.adir]],
         "bench rendezvous": [["--repeats", "0"], ["--nodes", "0"], ["--rounds", "x"], ["--out", i.missing / "x.json"],

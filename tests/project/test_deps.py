@@ -100,6 +100,7 @@ PROVIDED_BY = {
     "s3fs": "s3fs", "tensorboard": "tensorboard", "matplotlib": "matplotlib", "etcd": "python-etcd",
     "urllib3": "python-etcd",  # python-etcd's own client library, used beside it (agent/isolation.py)
     "transformers": "transformers", "datasets": "datasets", "pyarrow": "pyarrow", "PIL": "Pillow",
+    "torchft": "torchft",
 }
 
 

@@ -32,21 +32,21 @@ nodes: {{min: 1, max: {max_nodes}}}
 nproc_per_node: 2
 max_restarts: {max_restarts}
 train: {{steps: {steps}, global_batch_size: {batch}, micro_batch_size: {micro}, seed: 0}}
-optimizer: {{name: adamw, lr: 0.001}}
+optimizer: {{name: adamw, lr: {lr}}}
 checkpoint: {{every_steps: {every}, keep: 3}}
 """
 
 
 def write_job(path: Path, *, steps: int, max_restarts: int, max_nodes: int = 1, hidden: int = 64,
               depth: int = 2, batch: int = 30, micro: int = 8, every: int = CKPT_EVERY,
-              parallelism: str = "ddp") -> Path:
+              parallelism: str = "ddp", lr: float = 0.001) -> Path:
     """The bench's job. One node at most unless asked: a rendezvous that may still grow waits
     its last-call timeout every round (torchrun's default: 30 s), which no single-node
     comparison should pay."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(JOB.format(steps=steps, max_restarts=max_restarts, max_nodes=max_nodes, hidden=hidden,
                                depth=depth, batch=batch, micro=micro, every=every,
-                               parallelism=parallelism))
+                               parallelism=parallelism, lr=lr))
     return path
 
 

@@ -1,0 +1,134 @@
+"""The harness's side of ``bench inflight``: one ``elastic-harness run`` of the job with the
+node loss (started as the recovery benches start theirs: ``recovery.main.run_harness``),
+and its figures from the run's events and sample records (``train.record_samples``).
+
+Healthy ranks: every rank but those of the lost node (the ``worker`` events of the
+generation the fault hit name each rank's node). A step's counting records are those of the
+latest generation that recorded it (as the audit reads them).
+
+- discarded micro-batches: those of a healthy rank's record of a redone step in a
+  generation that did not count (the record is written as the step starts);
+- steps redone: steps recorded by a healthy rank in a generation that did not count, except
+  the ones a ``finished`` event says were finished in place (their records carry on);
+- longest gap: between two consecutive ``step`` events (one per committed step, written by
+  rank 0) of healthy processes, beside the median of those intervals;
+- global batch held: every step's counting records hold exactly its global batch's positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from pathlib import Path
+
+from elastic_harness import runfiles
+from elastic_harness.bench.inflight import job
+from elastic_harness.bench.recovery.main import run_harness
+from elastic_harness.data.sampler import micro_batches
+from elastic_harness.events import read_events
+from elastic_harness.runtime.audit import read_sample_records
+
+RECORD_SAMPLES = "train.record_samples=true"
+
+
+def fault_spec(kill_at: int, in_step: bool) -> str:
+    """The chaos fault: node 1 right after step ``kill_at``, or in the next step's reduction."""
+    return f"kill-node:1@{kill_at}" + ("+reduction" if in_step else "")
+
+
+def run(run_dir: Path, *, groups: int, steps: int, kill_at: int, in_step: bool, timeout_s: float) -> dict:
+    """One run on ``groups`` nodes of one rank; its row and details."""
+    spec = job.write(run_dir.parent / f"{run_dir.name}.yaml", steps, groups)
+    code = run_harness(spec, run_dir, groups, 1, [fault_spec(kill_at, in_step)], int(timeout_s), [RECORD_SAMPLES])
+    out = analyze(read_events(run_dir / runfiles.EVENTS), read_sample_records(run_dir), steps=steps,
+                  global_batch=job.GLOBAL_BATCH, micro_batch=job.MICRO_BATCH)
+    verdict = "completed" if code == 0 and out["completed"] else f"exit {code}" if code else "incomplete"
+    done = verdict == "completed"
+    keys = ("discarded_micro_batches", "longest_gap_s", "median_step_s", "steps_redone")
+    row = {"verdict": verdict, **{k: out[k] if done else None for k in keys},
+           "global_batch_held": done and out["global_batch_held"]}
+    return {"row": row, "verdict": verdict, "exit": code, **out}
+
+
+def lost_ranks(events: list[dict]) -> tuple[str | None, set[int], set[int]]:
+    """The generation the first fault hit, the ranks it lost there and their pids."""
+    fault = next((e for e in events if e["event"] == "fault"), None)
+    if fault is None:
+        return None, set(), set()
+    before = [e for e in events if e["event"] == "rendezvous" and e["t"] <= fault["t"]]
+    if not before:
+        return None, set(), set()
+    restart = before[-1].get("restart")
+    hit = [e for e in events if e["event"] == "worker" and e.get("restart") == restart
+           and str(e.get("node")) == str(fault.get("target"))]
+    return before[-1].get("generation"), {e["rank"] for e in hit}, {e["pid"] for e in hit}
+
+
+def counting(records: list[dict]) -> dict[int, str]:
+    """Step -> the generation whose records count: the latest that recorded it."""
+    latest: dict[int, tuple[int, str]] = {}
+    for r in records:
+        if r["step"] not in latest or r["t_ns"] > latest[r["step"]][0]:
+            latest[r["step"]] = (r["t_ns"], r["generation"])
+    return {step: gen for step, (_, gen) in latest.items()}
+
+
+def analyze(events: list[dict], records: list[dict], *, steps: int, global_batch: int, micro_batch: int) -> dict:
+    """The module doc's figures (pure)."""
+    fault_gen, lost, lost_pids = lost_ranks(events)
+    counts = counting(records)
+    healthy = [r for r in records if not (r["generation"] == fault_gen and r["rank"] in lost)]
+    stale = [r for r in healthy if r["generation"] != counts[r["step"]]]
+    finished = {e["step"] for e in events if e["event"] == "finished"}
+    redone = sorted({r["step"] for r in stale} - finished)
+    discarded = sum(min(micro_batches(global_batch, r["dp_size"], micro_batch), len(r["positions"]))
+                    for r in stale if r["step"] in redone)
+    return {"discarded_micro_batches": discarded, "steps_redone": len(redone), "redone_steps": redone,
+            "finished_in_place": sorted(finished), **gap_figures(events, lost_pids),
+            **batch_figures(records, counts, steps, global_batch),
+            "fault": fault_figures(events, lost_pids),
+            "recovery_modes": [e.get("mode") for e in events if e["event"] == "recovery"],
+            "fell_back": [e.get("message") for e in events if e["event"] == "warning"][:3]}
+
+
+def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
+    """Seconds from the fault to a survivor's re-formation (with its phases), to the step in
+    flight finished in place, and to the next step event of a healthy process."""
+    fault = next((e for e in events if e["event"] == "fault"), None)
+    if fault is None:
+        return {"fired": False}
+    t = fault["t"]
+
+    def first(kind: str) -> dict | None:
+        return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids), None)
+
+    reformed, finished, step = first("reformed"), first("finished"), first("step")
+    return {"fired": True, "after_step": fault.get("step"),
+            "to_reformed_s": round(reformed["t"] - t, 3) if reformed else None,
+            "reformed_phases_s": reformed.get("phases_s") if reformed else None,
+            "to_finished_s": round(finished["t"] - t, 3) if finished else None,
+            "to_next_step_s": round(step["t"] - t, 3) if step else None}
+
+
+def gap_figures(events: list[dict], lost_pids: set[int]) -> dict:
+    """The longest interval between consecutive step events of healthy processes, and the
+    median interval (both in seconds)."""
+    points = sorted((e["t"], e["step"]) for e in events
+                    if e["event"] == "step" and e.get("pid") not in lost_pids)
+    gaps = [(b[0] - a[0], a[1], b[1]) for a, b in itertools.pairwise(points)]
+    longest = max(gaps, default=None, key=lambda g: g[0])
+    return {"longest_gap_s": round(longest[0], 3) if longest else None,
+            "longest_gap_between_steps": list(longest[1:]) if longest else None,
+            "median_step_s": round(statistics.median(g[0] for g in gaps), 4) if gaps else None}
+
+
+def batch_figures(records: list[dict], counts: dict[int, str], steps: int, global_batch: int) -> dict:
+    """Did every step's counting records hold exactly its global batch's positions?"""
+    held: dict[int, list[int]] = {}
+    for r in records:
+        if r["generation"] == counts[r["step"]]:
+            held.setdefault(r["step"], []).extend(r["positions"])
+    short = [s for s in range(1, steps + 1)
+             if sorted(held.get(s, [])) != list(range((s - 1) * global_batch, s * global_batch))]
+    return {"global_batch_held": not short, "steps_not_whole": short[:20],
+            "completed": all(s in held for s in range(1, steps + 1))}
