@@ -1,5 +1,5 @@
 """The harness's side of ``bench inflight``: one ``elastic-harness run`` of the job with the
-node loss (started as the recovery benches start theirs: ``recovery.main.run_harness``),
+node loss (started as the recovery benches start theirs: ``recovery.launching.run_harness``),
 and its figures from the run's events and sample records (``train.record_samples``).
 
 Healthy ranks: every rank but those of the lost node (the ``worker`` events of the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from elastic_harness import runfiles
 from elastic_harness.bench.inflight import job
-from elastic_harness.bench.recovery.main import run_harness
+from elastic_harness.bench.recovery.launching import run_harness
 from elastic_harness.data.sampler import micro_batches
 from elastic_harness.events import read_events
 from elastic_harness.runtime.audit import read_sample_records

@@ -122,8 +122,8 @@ def run_torchrun(job: Path, run_dir: Path, nodes: int, nproc: int, chaos: list[s
 
     from elastic_harness.chaos.vocabulary import parse_fault
     from elastic_harness.checkpoint.lock import Holder
-    from elastic_harness.simcluster.cluster import free_port
     from elastic_harness.records.rundir import prepare
+    from elastic_harness.simcluster.cluster import free_port
     from elastic_harness.spec import load_job
 
     spec = load_job(job, [f"nproc_per_node={nproc}"])
