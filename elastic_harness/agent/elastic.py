@@ -102,6 +102,8 @@ MONITOR_TICK_S = 0.001
 
 
 class HarnessAgent(AgentBase):
+    _failure_said = False  # the last failed group's account was said (``_account``)
+
     def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
                  zygote: Zygote | None = None, report: Report | None = None,
                  progress: Callable[[], int] | None = None, restart_window: int = 0,
@@ -216,6 +218,10 @@ class HarnessAgent(AgentBase):
         state)}. The cause of a group whose collectives timed out waiting on them, with the
         step watchdog off too."""
         found = getattr(self.pcontext, "stopped", None) or {}
+        if not found and self.keeper is not None and isinstance(self.pcontext, WarmContext):
+            # in place: still running; only a stopped one is the cause (D-state passes: a
+            # new worker's imports read the disk)
+            found = {lr: h for lr, h in self.pcontext.hung().items() if h[1] in ("T", "t")}
         ranks = {w.local_rank: w.global_rank for w in self.worker_group.workers}
         return {ranks[lr]: hung for lr, hung in found.items() if lr in ranks}
 
@@ -234,7 +240,9 @@ class HarnessAgent(AgentBase):
             # join): the workers drain for a join, which may keep their state in memory.
             self._drain_for_join(self.shutdown_grace)
         elif self.keeper is not None and self.keeper.restart_follows:
-            if not self.keeper.keep_survivors(self.pcontext):
+            kept_all = self.keeper.keep_survivors(self.pcontext)
+            self._say_late_exits()
+            if not kept_all:
                 self._phase("unparked")
             super().shutdown(timeout=self.shutdown_grace)  # the kept workers are no longer in it
             return
@@ -263,6 +271,16 @@ class HarnessAgent(AgentBase):
                 self._kill_workers()
                 return
             time.sleep(self.monitor_interval)
+
+    def _say_late_exits(self) -> None:
+        """In place, a survivor's failed collective may be heard before this node's worker's
+        exit is: the group then failed with no failure to say. The exits seen by the time the
+        survivors parked are said now, as the group's account."""
+        ranks = {w.local_rank: w.global_rank for w in self.worker_group.workers}
+        failures = {ranks[lr]: f for lr, f in self.keeper.ended.items() if lr in ranks}
+        if failures and not self._failure_said:
+            self._failure_said = True
+            self._on_failure({**exit_account(failures), "step": self._progress()})
 
     def _round_broken(self) -> bool:
         check = getattr(self.worker_group.spec.rdzv_handler, "round_broken", None)
@@ -303,9 +321,12 @@ class HarnessAgent(AgentBase):
         failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
         if failed and self._zygote is None:
             self._phase("stopped")  # torch's own process context stopped the rest already
-        if failed and (result.failures or self.keeper is None):  # in place, a peer's failure is said where it failed
-            self._on_failure({**exit_account(result.failures, self._stopped_workers()),
-                              "step": self._progress()})
+        hung = self._stopped_workers() if failed else {}
+        # In place, a peer's failure is said where it failed; a worker of this node found
+        # stopped (it never parks: its peers' collectives timed out on it) is said here.
+        self._failure_said = bool(failed and (result.failures or self.keeper is None or hung))
+        if self._failure_said:
+            self._on_failure({**exit_account(result.failures, hung), "step": self._progress()})
         handler = worker_group.spec.rdzv_handler  # ``rendezvous._Handler`` tells its peers
         if failed and crashed(result) and hasattr(handler, "group_failed"):
             handler.group_failed()

@@ -29,6 +29,7 @@ from elastic_harness.agent.zygote import Zygote, ZygoteLost
 from elastic_harness.rendezvous import liveness
 
 log = logging.getLogger(__name__)
+LATE_EXIT_S = 1.0  # how long a survivor's group waits, parked, for a dead peer's exit to be reported
 
 
 class Keeper:
@@ -38,6 +39,7 @@ class Keeper:
         self.leave_reason: str | None = None  # a peer's failure the group must leave for
         self.verdict: str | None = None  # the watchdog's verdict the group must leave for
         self.restart_follows = False  # the last failed pass left restarts: torch restarts the group
+        self.ended: dict[int, Any] = {}  # local rank -> ProcessFailure: workers ended when the group parked
 
     def fds(self) -> list[int]:
         """The control lines' descriptors (the agent's wait for news ends on a message)."""
@@ -93,9 +95,12 @@ class Keeper:
         worker waited for parked."""
         if not isinstance(pcontext, WarmContext):
             return True
-        live = pcontext.live()
+        hung = pcontext.hung()  # stopped (a signal, a tracer, D-state): it cannot park, nor be waited for
+        live = {lr: pid for lr, pid in pcontext.live().items() if lr not in hung}
         parked, wanted = await_parked(self.keep.lines, live, self.zygote,
                                       self.park_bound_s if bound_s is None else bound_s)
+        await_exits(self.zygote, {pid for pid in live.values() if pid not in parked}, LATE_EXIT_S)
+        self.ended = pcontext.ended()  # before the unparked are killed: the exits that are the fault
         self.keep.kept = {lr: pid for lr, pid in live.items() if pid in parked}
         pcontext.release(self.keep.kept)
         for pid in wanted - parked:  # stuck somewhere it cannot leave: no drain is possible
@@ -109,6 +114,14 @@ class Keeper:
 
     def discard(self) -> None:
         self.keep.discard(self.zygote)
+
+
+def await_exits(zygote: Zygote | None, pids: set[int], bound_s: float) -> None:
+    """Until the zygote reported the exit of each of ``pids`` or ``bound_s`` passed: a worker
+    that died may be reported after its peers' failed collective was heard and they parked."""
+    deadline = time.monotonic() + bound_s
+    while zygote is not None and pids - set(zygote.poll(0.0)) and time.monotonic() < deadline:
+        zygote.poll(min(0.05, max(0.0, deadline - time.monotonic())))
 
 
 def await_parked(lines: Any, live: dict[int, int], zygote: Zygote | None, bound_s: float

@@ -156,13 +156,13 @@ class WarmContext(ContextBase):
             # In place: the survivors leave the step and wait for their next place; the
             # agent releases them from this context before stopping it (``release``).
             self._phase("failed")
-            self.stopped = self._stopped()  # a frozen rank among them is the cause (it never parks)
+            self.stopped = self.hung()  # a frozen rank among them is the cause (it never parks)
             self.leave(f"local rank(s) {sorted(self._failures)} of this node ended")
             return RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
         if self._failures:
             self._phase("failed")
             self._await_exits(SURVIVOR_GRACE_S)
-            self.stopped = self._stopped()  # before the close kills them: a hung rank is the cause
+            self.stopped = self.hung()  # before the close kills them: a hung rank is the cause
         self.close()  # a failure ends the group: stop the rest
         if self._failures:
             self._phase("stopped")
@@ -172,7 +172,7 @@ class WarmContext(ContextBase):
             result.return_values = dict.fromkeys(range(self.nprocs))
         return result
 
-    def _stopped(self) -> dict[int, tuple[int, str]]:
+    def hung(self) -> dict[int, tuple[int, str]]:
         """The workers still running that are stopped (a signal, a tracer, uninterruptible
         sleep: ``rendezvous.exclusion.OWN_HANG_STATES``): {local rank: (pid, state)}."""
         from elastic_harness.agent.watchdog import process_state
@@ -198,6 +198,11 @@ class WarmContext(ContextBase):
 
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
+
+    def ended(self) -> dict[int, Any]:
+        """The workers that ended with an error so far (local rank -> ProcessFailure)."""
+        self._note_failures(self._codes())
+        return dict(self._failures)
 
     def live(self) -> dict[int, int]:
         """local rank -> pid of the workers that have not ended."""

@@ -135,8 +135,11 @@ def _store(env: WorkerEnv, timeout: dt.timedelta) -> dist.Store:
     # Rank 0 serves on MASTER_ADDR only (the node's --local-addr, 127.0.0.1 in a local run),
     # not on every interface as TCPStore would: see ``elastic_harness.listen``.
     sock = listener(env.master_addr, env.master_port)
-    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
-                         timeout=timeout, multi_tenant=True, master_listen_fd=sock.detach())
+    # Kept: a survivor re-formed in place serves this store before its script runs again,
+    # whose ``serve_for_script`` then finds it instead of binding the port a second time.
+    _SERVED[env.master_port] = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                                             timeout=timeout, multi_tenant=True, master_listen_fd=sock.detach())
+    return _SERVED[env.master_port]
 
 
 _SERVED: dict[int, dist.TCPStore] = {}  # port -> rank 0's store, kept for the process's life

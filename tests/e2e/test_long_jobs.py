@@ -358,13 +358,17 @@ def test_a_frozen_rank_with_the_watchdog_off_is_still_named_as_hung(tmp_path):
     """timeouts.step=0 (no step watchdog): rank 1 frozen at step 5 was reported 120 s later
     by gloo's source path ("RuntimeError: [.../gloo/transport/tcp/unbound_buffer.cc:78] Timed
     out waiting ..."), the survivor's words. The agent finds rank 1 stopped when its group
-    fails, and names it: "rank 1 (pid N) hung (it was stopped by a signal)"."""
+    fails, and names it: "rank 1 (pid N) hung (it was stopped by a signal)". In place, rank 0
+    leaves its step and keeps its process; rank 1 is not waited for (it cannot park)."""
     r = cli("run", str(MLP), "--set", "timeouts.step=0", "--set", "timeouts.process_group=8",
             "--set", "train.steps=12", "--chaos", "hang:1@5", run_dir=tmp_path)
     assert r.code == 0, r.err
     said = [line for line in r.err.splitlines() if line.startswith("failure:")]
     assert len(said) == 1 and said[0].startswith("failure: rank 1 (pid "), said
-    assert "hung (it was stopped by a signal): its peers waited on it; then rank 0 timed out waiting" in said[0]
-    assert "gloo" not in r.err
+    assert "hung (it was stopped by a signal): its peers waited on it" in said[0]
+    assert "gloo" not in r.err and "did not leave its step in time" not in r.err
+    (rec,) = r.kinds("recovery")
+    first = {e["rank"]: e["pid"] for e in r.kinds("worker") if e["restart"] == 0}
+    assert rec["kept"] == [first[0]] and first[1] not in rec["new"]
     (account,) = [e for e in r.kinds("failure") if e.get("cause") == "exit"]
     assert (account["rank"], account["recorded"]) == (1, False)
