@@ -7,7 +7,12 @@ and stops worker groups (``agent.warm.WarmContext``); ``stop()`` once at the end
 zygote died, the next ``spawn`` starts a new one (and waits for its imports).
 
 ``preload`` names the modules the zygote imports (None: its default list, torch and the
-harness's worker side); tests pass an empty tuple to get a zygote that starts at once.
+harness's worker side); tests pass an empty tuple to get a zygote that starts at once;
+``also``: more on top (the host's zygote of a local run, which forks agents).
+
+An agent that its host's zygote forked (``run`` on one machine) finds a worker zygote forked
+with it, already importing nothing (``launch.env.ZYGOTE_VAR``): ``start`` adopts that one
+instead of starting a process, and ``release_inherited`` ends it where no zygote is used.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from elastic_harness.launch.env import ZYGOTE_VAR
 
 log = logging.getLogger(__name__)
 ZYGOTE_MODULE = "elastic_harness.runtime.zygote"
@@ -35,15 +43,22 @@ class ZygoteLost(RuntimeError):
 class Zygote:
     """One agent's zygote process, and the exit codes of the workers it forked."""
 
-    def __init__(self, preload: Sequence[str] | None = None) -> None:
-        self.preload = preload
-        self._proc: subprocess.Popen | None = None
+    def __init__(self, preload: Sequence[str] | None = None, also: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        self.preload, self.also, self.env = preload, tuple(also), env
+        self._proc: subprocess.Popen | Forked | None = None
         self._sock: socket.socket | None = None
         self.exits: dict[int, int] = {}  # pid -> exit code, as reported by the zygote
         self.threads: int | None = None  # threads the zygote ran after its imports
 
     def start(self) -> None:
-        """Start the zygote (returns at once; it imports in the background)."""
+        """Start the zygote (returns at once; it imports in the background), or adopt the
+        one forked with this process (module doc)."""
+        self.threads = None
+        inherited = take_inherited()
+        if inherited is not None:
+            self._sock, self._proc = inherited
+            return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             # Its own session, like torchelastic's workers: signals for the agent's process
@@ -52,12 +67,13 @@ class Zygote:
             cmd = [sys.executable, "-m", ZYGOTE_MODULE, str(theirs.fileno()), str(os.getpid())]
             if self.preload is not None:
                 cmd += ["--preload", ",".join(self.preload)]
+            if self.also:
+                cmd += ["--also", ",".join(self.also)]
             self._proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                          start_new_session=True)
+                                          start_new_session=True, env=self.env)
         finally:
             theirs.close()
         self._sock = ours
-        self.threads = None
 
     def spawn(self, module: str, argv: list[str], env: dict[str, str], *, stdout: str, stderr: str,
               unbuffered: bool, line: socket.socket | None = None) -> int:
@@ -69,15 +85,31 @@ class Zygote:
                 log.warning("worker zygote exited (%s); starting a new one", self._proc.returncode)
                 self.stop()
             self.start()
-        self._send({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": os.getcwd(),
-                    "stdout": stdout, "stderr": stderr, "unbuffered": unbuffered},
-                   fds=[line.fileno()] if line is not None else [])
+        return self._spawned({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": os.getcwd(),
+                              "stdout": stdout, "stderr": stderr, "unbuffered": unbuffered},
+                             fds=[line.fileno()] if line is not None else [])
+
+    def spawn_agent(self, module: str, argv: list[str], env: dict[str, str], log_path: str) -> int:
+        """Fork a node's agent (the host zygote, module doc): ``python -m module argv`` with
+        ``env``, both streams appended to ``log_path``, and a worker zygote of its own forked
+        with it; its pid. Raises ``ZygoteLost`` if the zygote is gone (no restart here)."""
+        return self._spawned({"op": "spawn", "module": module, "argv": argv, "env": env, "cwd": os.getcwd(),
+                              "stdout": log_path, "stderr": log_path, "unbuffered": True, "append": True,
+                              "zygote": True})
+
+    def _spawned(self, request: dict, fds: Sequence[int] = ()) -> int:
+        self._send(request, fds=fds)
         while True:
             msg = self._recv(timeout=None)
             if msg["op"] == "spawned":
                 return int(msg["pid"])
             if msg["op"] == "error":
                 raise ZygoteLost(msg["message"])
+
+    def import_more(self, modules: Sequence[str], env: Mapping[str, str]) -> None:
+        """Have the zygote import ``modules`` now (after anything asked before), with
+        ``env`` added to its environment first; forks made later inherit them."""
+        self._send({"op": "preload", "modules": list(modules), "env": dict(env)})
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until the zygote finished its imports (its ``ready`` message), it died, or
@@ -106,6 +138,11 @@ class Zygote:
         except ZygoteLost:
             pass
         return self.exits
+
+    @property
+    def pid(self) -> int | None:
+        """The zygote's pid while it runs (started or adopted), else None."""
+        return None if self._proc is None else self._proc.pid
 
     def fileno(self) -> int | None:
         """The socket the zygote reports on (readable when a report waits), None when gone."""
@@ -162,3 +199,64 @@ class Zygote:
             self.threads = int(msg["threads"])
             log.info("worker zygote ready: %d thread(s) after its imports", self.threads)
         return msg
+
+
+class Forked:
+    """A child this process forked itself (the worker zygote forked with an agent), with
+    the part of ``Popen``'s interface the handle uses: ``pid``, ``poll``, ``wait``, ``kill``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its code is lost
+                self.returncode = -9
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None:
+            try:
+                fd = os.pidfd_open(self.pid)
+            except ProcessLookupError:  # gone already: ``poll`` says so
+                return self.poll()
+            try:
+                ready, _, _ = select.select([fd], [], [], timeout)
+            finally:
+                os.close(fd)
+            if not ready:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+        return self.poll()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def take_inherited() -> tuple[socket.socket, Forked] | None:
+    """The worker zygote forked with this process (``ZYGOTE_VAR``), taken out of the
+    environment (workers must not inherit the name), or None."""
+    value = os.environ.pop(ZYGOTE_VAR, None)
+    if not value:
+        return None
+    fd, pid = (int(v) for v in value.split(","))
+    return socket.socket(fileno=fd), Forked(pid)
+
+
+def release_inherited() -> None:
+    """End the worker zygote forked with this process, if any (an agent without warm
+    starts): its socket closed, it exits; reaped here."""
+    inherited = take_inherited()
+    if inherited is not None:
+        sock, proc = inherited
+        sock.close()
+        try:
+            proc.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -115,14 +115,17 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, job_id: str, lock_lost) -> int:
-    from elastic_harness.agent.zygote import Zygote
+    from elastic_harness.agent.zygote import Zygote, release_inherited
     from elastic_harness.runtime.zygote import preload_for  # stdlib only: the zygote imports torch
 
     # Warm starts: the zygote imports torch and the harness (seconds) while this process
-    # does and the first rendezvous runs, so it is started before anything here imports torch.
+    # does and the first rendezvous runs, so it is started before anything here imports torch
+    # (or, forked by its host's zygote, this agent adopts the zygote forked with it).
     zygote = Zygote(preload_for(tensorboard=spec.metrics.tensorboard)) if spec.warm_start else None
     if zygote is not None:
         zygote.start()
+    else:
+        release_inherited()
     try:
         return _serve_with(args, spec, opts, run_dir, node, job_id, zygote, lock_lost)
     finally:

@@ -34,7 +34,13 @@ from elastic_harness.launch.scratch import INDUCTOR_CACHE_VAR
 from elastic_harness.records.rundir import check_paths, prepare
 from elastic_harness.records.runstate import RunState
 from elastic_harness.records.summary import summarize
-from elastic_harness.simcluster.cluster import AgentArgs, LocalCluster, free_port
+from elastic_harness.simcluster.cluster import (
+    AgentArgs,
+    Hosts,
+    LocalCluster,
+    free_port,
+    start_host_zygote,
+)
 from elastic_harness.simcluster.netns import NetnsTopology
 from elastic_harness.torchcompat.host import check_and_warn
 
@@ -60,12 +66,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HarnessError(f"--nodes {nodes} is outside nodes.min..max ({spec.nodes.min}..{spec.nodes.max})",
                            "pick a count in range or change nodes in the job")
     spares.check(spec.nodes.spares, nodes, spec.nodes.max)
-    from_epochs = bool(spec.train.epochs)
     check_faults(spec, nodes, args.netns)
     check_paths(Path(args.run_dir or Path("runs") / spec.name), spec)  # in well under a second
     if args.verify:  # the reference is read before anything trains, not after
         check_reference(Path(args.verify))
     require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
+    # The agents' zygote imports torch while this process checks the job (``simcluster``).
+    zygote = None if args.netns else start_host_zygote()
+    try:
+        return _checked(spec, args, nodes, zygote)
+    finally:
+        if zygote is not None:
+            zygote.stop()
+
+
+def _checked(spec, args: argparse.Namespace, nodes: int, zygote) -> int:
+    from_epochs = bool(spec.train.epochs)
     check_and_warn(spec)  # the installed torch can run the harness (torchcompat.host)
     spec = preflight(spec, Path(args.job))
     if from_epochs:  # train.epochs became train.steps: each fault's step must fall inside
@@ -73,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path("runs") / spec.name)
     done = "" if args.fresh else resumepoint.check(spec, run_dir)  # finished: nothing to start
     if not done:
-        return _run(spec, args, run_dir, nodes)  # --verify: part of its outcome (``_finish``)
+        return _run(spec, args, run_dir, nodes, zygote)  # --verify: part of its outcome (``_finish``)
     print(done)
     problem = compare_with(run_dir, args.verify) if args.verify else None
     if problem is not None:
@@ -81,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
+def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int, zygote=None) -> int:
     rdzv_id = args.job_id or spec.rendezvous.id or new_rdzv_id(spec.name)
     # The agents join this submission's locks: by its token, so that another submission that
     # pinned the same rendezvous id (rendezvous.id, --job-id) is refused, not joined.
@@ -91,8 +107,8 @@ def _run(spec, args: argparse.Namespace, run_dir: Path, nodes: int) -> int:
     with prepare(run_dir, spec, fresh=args.fresh, holder=holder, key_file=Path(given) if given else None) as claim:
         register_run(spec, claim.path, Path(args.job), rdzv_id)
         try:
-            return launch_local(spec, claim.path, nodes, use_netns=args.netns, rdzv_id=rdzv_id,
-                                submission=holder.submission, separate_hosts=getattr(args, "separate_hosts", False),
+            hosts = Hosts(netns=args.netns, separate=getattr(args, "separate_hosts", False), zygote=zygote)
+            return launch_local(spec, claim.path, nodes, hosts, rdzv_id=rdzv_id, submission=holder.submission,
                                 verify=args.verify)
         finally:
             record_outcome(rdzv_id)
@@ -245,19 +261,19 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
-def launch_local(spec, run_dir: Path, nodes: int, use_netns: bool = False, rdzv_id: str = "",
-                 submission: str = "", separate_hosts: bool = False, verify: str | None = None) -> int:
-    """Train on this machine, with the job's faults (``spec.chaos``); ``verify``: a reference
-    run's directory, compared with the final model before the exit is recorded (a model that
-    differs is the run's failure)."""
+def launch_local(spec, run_dir: Path, nodes: int, hosts: Hosts, rdzv_id: str = "", submission: str = "",
+                 verify: str | None = None) -> int:
+    """Train on this machine, with the job's faults (``spec.chaos``), on ``hosts``;
+    ``verify``: a reference run's directory, compared with the final model before the exit is
+    recorded (a model that differs is the run's failure)."""
     events = EventLog(run_dir / runfiles.EVENTS)
     chaos = ChaosController(spec.chaos, events, run_dir)
     rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
-    topology = NetnsTopology() if use_netns else None
+    topology = NetnsTopology() if hosts.netns else None
     try:
         endpoint = _endpoint(spec, topology)
         return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission,
-                       separate_hosts, verify)
+                       hosts, verify)
     finally:
         if topology is not None:
             topology.teardown()
@@ -278,15 +294,14 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
 
 
 def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None, submission: str = "", separate_hosts: bool = False,
-            verify: str | None = None) -> int:
+            topology: NetnsTopology | None, submission: str, hosts: Hosts, verify: str | None = None) -> int:
     tail = EventTail(run_dir / runfiles.EVENTS)
     events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
-                run_dir=str(run_dir), netns=topology is not None, separate_hosts=separate_hosts)
+                run_dir=str(run_dir), netns=topology is not None, separate_hosts=hosts.separate)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
     agents = AgentArgs(run_dir / runfiles.RESOLVED_SPEC, run_dir, rdzv_id, endpoint, backend=spec.rendezvous.backend,
                        extra=("--submission", submission) if submission else ())
-    cluster = LocalCluster(agents, nodes, netns=topology, separate_hosts=separate_hosts)
+    cluster = LocalCluster(agents, nodes, netns=topology, separate_hosts=hosts.separate, zygote=hosts.zygote)
     progress = Progress(spec.train.steps, step_timeout=spec.timeouts.step)
     fatal, lingering = None, ""
     stop = StopSignal()

@@ -25,6 +25,9 @@ NODE_VAR = "ELASTIC_HARNESS_NODE"  # set by our agent for its workers
 JOB_VAR = "ELASTIC_HARNESS_JOB"  # the resolved job YAML (set by our agent)
 RUN_DIR_VAR = "ELASTIC_HARNESS_RUN_DIR"  # the run directory (set by our agent)
 AGENT_PID_VAR = "ELASTIC_HARNESS_AGENT_PID"  # our agent's pid (a worker's parent may be its zygote)
+# An agent forked by its host's zygote: the worker zygote forked with it, ``FD,PID``
+# (``runtime.zygote.fork_worker_zygote``), adopted by ``agent.zygote``.
+ZYGOTE_VAR = "ELASTIC_HARNESS_ZYGOTE"
 MEMORY_VAR = "ELASTIC_HARNESS_MEMORY"  # the agent's in-memory checkpoint slots (memtier.host)
 # The variables torchelastic sets for each worker it starts: in place (``runtime.inplace``) a
 # kept worker takes these from its agent's reform order; the agent's own stay as they were.

@@ -20,12 +20,23 @@ Protocol (one JSON object per ``SOCK_SEQPACKET`` message), requests from the age
       the worker inherits it, named by ``CONTROL_FD_VAR``, and the zygote closes its copy
   ``{"op": "signal", "pid", "sig"}``: sent only while ``pid`` is an unreaped child, so a
       recycled pid is never signalled; no reply.
+  ``{"op": "preload", "modules", "env"}``: import more now, with ``env`` added to this
+      process's environment first (``AFTER_RUN_DIR``); no reply.
 and unprompted: ``{"op": "ready", "threads"}`` once the imports are done, and
 ``{"op": "exit", "pid", "code"}`` when a worker ends (``code`` as ``Popen.returncode``:
 negative for a signal).
 
 Usage (by the agent): ``python -m elastic_harness.runtime.zygote FD AGENT_PID [--preload
-MODULE,...]`` (default: ``PRELOAD``; tests preload nothing).
+MODULE,...] [--also MODULE,...]`` (default: ``PRELOAD``; tests preload nothing; ``--also``:
+more on top, as the host's zygote of a local run does for its agents).
+
+The same process serves ``run`` on one machine as the *host's* zygote: it forks each
+simulated node's agent (``python -m elastic_harness agent ...`` in the fork, ``"append"``:
+onto the node's log). A request with ``"zygote": true`` also gives the new process its own
+worker zygote, forked from it at once (``fork_worker_zygote``): torch is imported already
+and no thread runs yet, so neither the agent nor its zygote pays an interpreter start and
+``import torch`` (seconds of CPU each). The agent adopts it (``agent.zygote``) through
+``ZYGOTE_VAR``.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import os
 import signal
 import sys
 
+from elastic_harness.launch.env import ZYGOTE_VAR  # torch-free
 from elastic_harness.torchcompat.modules import DYNAMO  # torch-free
 
 # What every worker imports before its first step; the user's task or script modules are
@@ -59,6 +71,10 @@ PRELOAD = (
     "elastic_harness.memtier.tier",
     "encodings.idna",  # the first host name lookup (the store, gloo) imports this codec
 )
+# What a host's zygote imports only once the run directory is known (``"preload"``):
+# torch._dynamo makes torch's compile cache directory as it is imported, in the temp dir
+# unless ``TORCHINDUCTOR_CACHE_DIR`` names the run dir's (``launch.scratch``).
+AFTER_RUN_DIR = (DYNAMO,)
 MAX_MESSAGE = 1 << 20
 CONTROL_FD_VAR = "ELASTIC_HARNESS_CONTROL_FD"  # the worker's end of its control channel (runtime.control)
 
@@ -90,6 +106,11 @@ def preload_for(*, tensorboard: bool) -> tuple[str, ...]:
     return PRELOAD if tensorboard else tuple(m for m in PRELOAD if m != TENSORBOARD)
 
 
+# What this process preloaded so far (``preload``): a worker zygote forked from it
+# (``fork_worker_zygote``) has these already and imports nothing more.
+PRELOADED: list[str] = []
+
+
 def preload(modules: tuple[str, ...] = PRELOAD) -> int:
     """Import what workers need; the number of threads this process then runs."""
     import importlib
@@ -100,6 +121,7 @@ def preload(modules: tuple[str, ...] = PRELOAD) -> int:
         if name in OPTIONAL and not has_module(OPTIONAL[name]):
             continue
         importlib.import_module(name)
+        PRELOADED.append(name)
     loader = sys.modules.get("elastic_harness.spec.loader")
     if loader is not None:  # every worker reads its job: the schema's types, resolved once here
         loader.prepare()
@@ -175,6 +197,10 @@ def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int], p
             with contextlib.suppress(ProcessLookupError):
                 os.kill(msg["pid"], msg["sig"])
         return
+    if msg["op"] == "preload":
+        os.environ.update(msg.get("env") or {})
+        preload(tuple(msg["modules"]))
+        return
     if msg["op"] != "spawn":
         _send(sock, {"op": "error", "message": f"unknown request {msg['op']!r}"})
         return
@@ -219,20 +245,50 @@ def become_worker(msg: dict, zygote: int, mask: set, passed: list[int] = ()) -> 
     os.environ.update(msg["env"])
     if passed:
         os.environ[CONTROL_FD_VAR] = str(passed[0])
-    _redirect(1, msg.get("stdout"))
-    _redirect(2, msg.get("stderr"))
+    append = bool(msg.get("append"))
+    _redirect(1, msg.get("stdout"), append)
+    _redirect(2, msg.get("stderr"), append)
     if msg.get("unbuffered"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
+    if msg.get("zygote"):
+        fork_worker_zygote()
     return run_module(msg["module"], msg["argv"])
 
 
-def _redirect(fd: int, path: str | None) -> None:
+def _redirect(fd: int, path: str | None, append: bool = False) -> None:
+    """``fd`` onto ``path``: truncated, or appended to (two descriptors on one file, stdout
+    and stderr, then interleave whole writes instead of overwriting each other)."""
     if not path:
         return
-    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     os.dup2(target, fd)
     os.close(target)
+
+
+def fork_worker_zygote() -> int:
+    """In a fresh fork about to run an agent: fork that agent's worker zygote from it now,
+    while it runs one thread and has torch imported (module doc). The zygote's end of their
+    socket and its pid are named by ``ZYGOTE_VAR`` (``FD,PID``) for the agent to adopt; the
+    zygote's pid."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    agent = os.getpid()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ours.close()
+            os.setsid()  # its own session, as the agent's ``Popen`` would start it
+            code = serve_as_zygote(theirs, agent, tuple(PRELOADED), mask=mask)
+        finally:
+            os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    theirs.close()
+    os.environ[ZYGOTE_VAR] = f"{ours.detach()},{pid}"
+    return pid
 
 
 def run_module(module: str, argv: list[str]) -> int:
@@ -269,21 +325,34 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def main(argv: list[str]) -> int:
-    import socket
-
-    fd, agent = int(argv[0]), int(argv[1])
+def serve_as_zygote(sock, agent: int, modules: tuple[str, ...], mask: set | None = None) -> int:
+    """Be ``agent``'s zygote on ``sock``: import ``modules``, say ready, serve until the
+    agent is gone. ``mask``: the signal mask to restore once the shielded signals are
+    ignored (a fork that blocked them across ``fork``)."""
     die_with_parent(agent)
     for sig in SHIELDED:
         signal.signal(sig, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-    modules = PRELOAD
-    if argv[2:3] == ["--preload"]:
-        modules = tuple(m for m in argv[3].split(",") if m)
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     threads = preload(modules)
     _send(sock, {"op": "ready", "threads": threads})
     serve(sock)
     return 0
+
+
+def parse_modules(argv: list[str]) -> tuple[str, ...]:
+    """Pure: the modules ``main``'s flags name (``--preload`` replaces ``PRELOAD``,
+    ``--also`` adds to it)."""
+    flags = dict(zip(argv[::2], argv[1::2], strict=True))
+    names = lambda key: tuple(m for m in flags.get(key, "").split(",") if m)  # noqa: E731
+    return (names("--preload") if "--preload" in flags else PRELOAD) + names("--also")
+
+
+def main(argv: list[str]) -> int:
+    import socket
+
+    fd, agent = int(argv[0]), int(argv[1])
+    return serve_as_zygote(socket.socket(fileno=fd), agent, parse_modules(argv[2:]))
 
 
 if __name__ == "__main__":

@@ -240,3 +240,72 @@ def test_a_worker_without_a_line_has_no_control_channel(zygote, tmp_path):
     pid = zygote.spawn("tests.control_child", [], {"PATH": os.environ.get("PATH", "")},
                        stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), unbuffered=True)
     assert _exit_of(zygote, pid) == 3
+
+
+# The host zygote of a local run (``simcluster.cluster``): agents forked with a worker
+# zygote of their own. Nothing preloaded here either; the agent is ``tests.agent_child``.
+
+
+def _stat(pid: int) -> list[str]:
+    """State and parent of ``pid`` (``/proc/PID/stat``), or [] once it is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except FileNotFoundError:
+        return []
+
+
+def _ppid(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def _dead(pid: int) -> bool:
+    return _stat(pid)[:1] in ([], ["Z"])
+
+
+def test_an_agent_forked_by_the_host_zygote_adopts_the_worker_zygote_forked_with_it(zygote, tmp_path):
+    """``spawn_agent``: the agent finds its own worker zygote (its child, not a process it
+    had to start), the name that handed it over is gone from its environment (workers must
+    not inherit it), workers fork from it and report their exit codes, and the agent's exit
+    code comes back through the host zygote. A second agent appends to the same log."""
+    log = tmp_path / "agent.log"
+    env = {"PATH": os.environ.get("PATH", "")}
+    first = zygote.spawn_agent("tests.agent_child", ["run", str(tmp_path / "w1")], env, str(log))
+    assert _exit_of(zygote, first) == 7
+    second = zygote.spawn_agent("tests.agent_child", ["run", str(tmp_path / "w2")], env, str(log))
+    assert _exit_of(zygote, second) == 7
+    lines = log.read_text().splitlines()
+    agents = [line.split() for line in lines if line.startswith("agent ")]
+    assert [int(a[1]) for a in agents] == [first, second], lines  # appended, not truncated
+    for a in agents:
+        assert a[3] != "None" and a[5] == "None", lines  # adopted; the variable taken out
+    assert [line for line in lines if line.startswith("worker ")][0].endswith("exit 3"), lines
+    assert lines.count("zygote stopped True") == 2, lines
+    worker_out = (tmp_path / "w1").read_text()
+    assert worker_out.startswith("w ['3']") and f"parent={agents[0][3]}" in worker_out
+
+
+def test_an_agent_and_its_zygote_die_with_the_host_zygote(zygote, tmp_path):
+    """The chain of parent-death signals: the host zygote killed outright (a ``run`` killed
+    with it), its agent goes, and the agent's worker zygote with it; the agent's exit reads
+    as a kill."""
+    from elastic_harness.simcluster.cluster import Hosted
+
+    log = tmp_path / "agent.log"
+    agent = zygote.spawn_agent("tests.agent_child", ["sleep"], {"PATH": os.environ.get("PATH", "")}, str(log))
+    wait_until(lambda: log.exists() and "zygote" in log.read_text(), 30, "the agent to adopt its zygote")
+    worker_zygote = int(log.read_text().split()[3])
+    assert _ppid(worker_zygote) == agent and _ppid(agent) == zygote.pid
+    hosted = Hosted(zygote, agent)
+    assert hosted.poll() is None
+    os.kill(zygote.pid, signal.SIGKILL)
+    wait_until(lambda: _dead(agent) and _dead(worker_zygote), 30, "the agent and its zygote to die with the host zygote")
+    assert hosted.poll() == -signal.SIGKILL and hosted.wait(timeout=1) == -signal.SIGKILL
+
+
+def test_the_zygotes_flags_name_its_modules():
+    from elastic_harness.runtime.zygote import PRELOAD, parse_modules
+
+    assert parse_modules([]) == PRELOAD
+    assert parse_modules(["--preload", ""]) == ()
+    assert parse_modules(["--preload", "a,b", "--also", "c"]) == ("a", "b", "c")
+    assert parse_modules(["--also", "x"]) == (*PRELOAD, "x")
