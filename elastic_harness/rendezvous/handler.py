@@ -609,7 +609,7 @@ class _Handler(DynamicRendezvousHandler):
             lock.release()
 
 
-_BEACONS: list = []  # this process's beacon (one agent per process), kept open for its life
+_BEACONS: list = []  # this process's beacon (one agent per process), open until ``close_beacon``
 
 
 def _beacon(addr: str) -> str:
@@ -623,6 +623,15 @@ def _beacon(addr: str) -> str:
                         "node's keep-alives to expire if it dies", addr, e)
             return ""
     return _BEACONS[0].address
+
+
+def close_beacon() -> None:
+    """Close this process's beacon and end its thread; peers on other hosts then find its
+    agent gone, and the next handler made here starts another. An agent's process needs no
+    call (its exit closes the beacon); a process that made handlers and lives on does (a
+    test's: every later fork of it would inherit the thread's state)."""
+    while _BEACONS:
+        _BEACONS.pop().close()
 
 
 def group_running(handler: Any) -> bool:
