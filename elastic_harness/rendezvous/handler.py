@@ -219,7 +219,8 @@ class RoundTimeout(RendezvousTimeout):
         if state is None:
             return self.later_last_call
         others = len(state.wait_list) + len(state.redundancy_list)
-        missing = len(self._peers - set(state.participants))
+        missing = len((self._peers - set(state.participants)) | rounds.still_expected(
+            members=getattr(state, "members", ()), gone=getattr(state, "gone", ()), participants=state.participants))
         return timedelta(seconds=last_call_s(state.round, others, missing,
                                              start_s=self.start_last_call.total_seconds(),
                                              later_s=self.later_last_call.total_seconds()))
@@ -578,6 +579,13 @@ class _Handler(DynamicRendezvousHandler):
             rdzv.set_state_cache(self, SPARE_POLL_S)
 
         rdzv.hook_operations(self, add_to_redundancy_list=after_spare)
+        rdzv.guard_vacancy(self, self._take_vacancy)
+
+    def _take_vacancy(self, state: Any) -> str:
+        """The join operation a hot spare that found a free place runs in the write that takes
+        it off the redundancy list (``rounds.vacancy_join``: never on no list at all)."""
+        return rounds.vacancy_join(complete=state.complete, participants=state.participants,
+                                   max_nodes=rdzv.settings(self).max_nodes)
 
     def condemn(self, nodes: Any) -> None:
         """``rendezvous.verdict`` found these peers of the last round gone (any thread): dropped
