@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,43 @@ def _undo_torch_patches():
     rdzv = sys.modules.get("elastic_harness.torchcompat.rdzv")
     if rdzv is not None:
         rdzv.undo_module_patches()
+
+
+# Names our code gives its threads (``threading.Thread(name=...)``, executors' prefixes).
+HARNESS_THREADS = ("harness-", "endpoint", "isolation-watchdog", "isolated-report", "lock-heartbeat", "ckpt-",
+                   "rendezvous-changes", "liveness-beacon", "agent-progress", "cpu-sampler")
+THREAD_END_GRACE_S = 2.0  # a thread told to stop as its test ended gets this long to finish
+
+
+def harness_thread(thread: threading.Thread) -> bool:
+    """Did our code start ``thread``: one of our names, or the loop of one of our objects
+    (the step watchdog runs torch's loop on ours; a test's thread running a handler's join)."""
+    if thread.name.startswith(HARNESS_THREADS):
+        return True
+    owner = getattr(getattr(thread, "_target", None), "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("elastic_harness.")
+
+
+@pytest.fixture(autouse=True)
+def _no_harness_threads_left():
+    """A test that leaves a thread of the harness running in the pytest process fails: every
+    later test shares the process. Library singletons (tqdm's monitor, fsspec's loop) are
+    not ours to stop and not counted. This process's liveness beacon (one per agent process,
+    for the process's life: ``rendezvous.handler.close_beacon``) is closed first, as an agent's
+    exit closes it."""
+    before = set(threading.enumerate())
+    yield
+    handler = sys.modules.get("elastic_harness.rendezvous.handler")
+    if handler is not None:
+        handler.close_beacon()
+    deadline = time.monotonic() + THREAD_END_GRACE_S
+    left = []
+    for thread in threading.enumerate():
+        if thread not in before and harness_thread(thread):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                left.append(thread.name)
+    assert not left, f"the test left threads of the harness running in the pytest process: {', '.join(left)}"
 
 
 REPO = Path(__file__).resolve().parents[1]

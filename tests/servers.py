@@ -17,9 +17,30 @@ import pytest
 
 from elastic_harness.simcluster.cluster import free_port, free_ports
 
-# What every rank of ``spawn_ranks`` imports anyway (the forkserver imports it once).
-_RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
-                 "elastic_harness.checkpoint.manager", "tests.servers"]
+# What the ranks of ``rank_context`` import anyway (the forkserver imports it once).
+# ``torch._dynamo``: DDP's first construction imports it (~800 modules, 2.5 s on 2 cores).
+_RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
+                 "torch._dynamo", "elastic_harness.checkpoint.manager", "elastic_harness.runtime.generations",
+                 "tests.servers"]
+
+
+def rank_context():
+    """The ``multiprocessing`` context for rank processes a test starts from the pytest
+    process: forked from one forkserver that imported ``_RANK_PRELOAD`` once for the session
+    (``spawn`` pays ``import torch``, seconds, in every rank), never from pytest itself.
+
+    By the time a test runs, earlier tests of the session have left the pytest process with
+    threads: OpenMP's pool after any parallel torch op in the process, library singletons
+    (tqdm's monitor, fsspec's loop). A child forked from it inherits their locks but not the
+    threads: a rank forked after one in-process ``exp()`` of a large tensor hung in its first
+    parallel region until killed. The forkserver is a fresh interpreter, started once, that
+    runs no torch op. One preload list for every caller: the server starts with the first
+    caller's list and ignores later ones."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_RANK_PRELOAD)
+    return ctx
 
 
 def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
@@ -27,18 +48,16 @@ def spawn_ranks(fn, root: Path, nprocs: int = 2) -> list[dict]:
     free loopback port for their process group; each writes ``root/rank{r}.json``, returned
     in rank order.
 
-    The ranks are forked from one forkserver that imported torch and DCP once for the whole
-    test session (``spawn`` paid those imports in every rank of every fixture: ~4 CPU
-    seconds each); the server forks from a clean single-threaded process, not from pytest,
-    and exits with it. Ranks still running when the wait ends early are stopped."""
+    The ranks are forked from the session's forkserver (``rank_context``: ``spawn`` paid
+    torch's and DCP's imports in every rank of every fixture, ~4 CPU seconds each). Ranks
+    still running when the wait ends early are stopped."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
     from elastic_harness.bench.checkpoint.main import stop_ranks
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_RANK_PRELOAD)
+    rank_context()  # torch's start_processes takes the forkserver with our preload
     try:
         ranks = mp.start_processes(fn, args=(free_port(), str(root)), nprocs=nprocs, join=False,
                                    start_method="forkserver")

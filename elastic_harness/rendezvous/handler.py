@@ -219,7 +219,8 @@ class RoundTimeout(RendezvousTimeout):
         if state is None:
             return self.later_last_call
         others = len(state.wait_list) + len(state.redundancy_list)
-        missing = len(self._peers - set(state.participants))
+        missing = len((self._peers - set(state.participants)) | rounds.still_expected(
+            members=getattr(state, "members", ()), gone=getattr(state, "gone", ()), participants=state.participants))
         return timedelta(seconds=last_call_s(state.round, others, missing,
                                              start_s=self.start_last_call.total_seconds(),
                                              later_s=self.later_last_call.total_seconds()))
@@ -578,6 +579,13 @@ class _Handler(DynamicRendezvousHandler):
             rdzv.set_state_cache(self, SPARE_POLL_S)
 
         rdzv.hook_operations(self, add_to_redundancy_list=after_spare)
+        rdzv.guard_vacancy(self, self._take_vacancy)
+
+    def _take_vacancy(self, state: Any) -> str:
+        """The join operation a hot spare that found a free place runs in the write that takes
+        it off the redundancy list (``rounds.vacancy_join``: never on no list at all)."""
+        return rounds.vacancy_join(complete=state.complete, participants=state.participants,
+                                   max_nodes=rdzv.settings(self).max_nodes)
 
     def condemn(self, nodes: Any) -> None:
         """``rendezvous.verdict`` found these peers of the last round gone (any thread): dropped
@@ -609,7 +617,7 @@ class _Handler(DynamicRendezvousHandler):
             lock.release()
 
 
-_BEACONS: list = []  # this process's beacon (one agent per process), kept open for its life
+_BEACONS: list = []  # this process's beacon (one agent per process), open until ``close_beacon``
 
 
 def _beacon(addr: str) -> str:
@@ -623,6 +631,15 @@ def _beacon(addr: str) -> str:
                         "node's keep-alives to expire if it dies", addr, e)
             return ""
     return _BEACONS[0].address
+
+
+def close_beacon() -> None:
+    """Close this process's beacon and end its thread; peers on other hosts then find its
+    agent gone, and the next handler made here starts another. An agent's process needs no
+    call (its exit closes the beacon); a process that made handlers and lives on does (a
+    test's: every later fork of it would inherit the thread's state)."""
+    while _BEACONS:
+        _BEACONS.pop().close()
 
 
 def group_running(handler: Any) -> bool:

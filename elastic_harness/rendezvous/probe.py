@@ -19,7 +19,8 @@ beacon needs no authentication. It listens on the node's own address (the job's 
 never on every interface.
 
 Call order: ``Beacon(host).start()`` once per agent, ``address`` into the identity,
-``close()`` at the end (or the process's exit); ``probe(...)`` from any thread.
+``close()`` at the end (or the process's exit; ``close`` ends the thread too); ``probe(...)``
+from any thread.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from elastic_harness.listen import listener
 
 GONE, ALIVE, SILENT = "gone", "alive", "silent"
 ANSWER = b"\x01"
+CLOSE_WAIT_S = 5.0  # ``Beacon.close`` waits this long at most for its thread to end
 
 
 class Beacon:
@@ -59,9 +61,13 @@ class Beacon:
                 conn.sendall(ANSWER)
 
     def close(self) -> None:
+        """Stop listening (the kernel refuses connections from now on) and end the thread:
+        the shutdown wakes its ``accept``."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
 
 
 def probe(address: str, timeout_s: float) -> str:

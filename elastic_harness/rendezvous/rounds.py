@@ -32,6 +32,17 @@ a full round waits as a spare (``join_as``). Before,
 the round stayed open at ``nodes.max``, a spare's own join made it ``nodes.max + 1``, and no
 rule of torch's completes such a round: no worker started, and the job ended at the join
 timeout with a false "rendezvous is closed".
+
+A hot spare is never out of sight (``vacancy_join``, ``still_expected``): a spare that a
+node loss left room for took the lost node's place only if it won a race. torch takes a
+spare off the redundancy list, with its keep-alive, in one write and joins it in the next;
+a survivor that opened the next round between those two writes saw nobody coming (no
+spare listed, its lost peer known gone) and closed it alone, and the spare joined the round
+after: world sizes 2, 1, 2 instead of 2, 2, and a reshard each way. Now the spare leaves
+the redundancy list in the write that lists it elsewhere. And a spare (or a new node) that
+opens the round itself was in no round with the survivors, so it did not wait for them: it
+now waits for the last round's members not known gone, read from the state as everyone
+reads them.
 """
 
 from __future__ import annotations
@@ -95,6 +106,25 @@ def join_as(*, node: object, participants: Collection, max_nodes: int, members: 
         return None if len(participants) < max_nodes else "add_to_redundancy_list"
     room = room_for_others(participants=participants, members=members, gone=gone, max_nodes=max_nodes)
     return None if room > 0 else "add_to_redundancy_list"
+
+
+def vacancy_join(*, complete: bool, participants: Collection, max_nodes: int) -> str:
+    """Pure: the join operation a hot spare runs when it finds a free place, in the write
+    that takes it off the redundancy list (module doc): while the round is complete with room,
+    the next round's wait list (``add_to_wait_list``: whoever opens that round admits it);
+    while it is open, ``add_to_participants`` (which ``join_as`` may still turn into a wait as
+    a spare, the free places being the last round's members'); a full round keeps it a spare
+    (``add_to_redundancy_list``)."""
+    if max_nodes and len(participants) >= max_nodes:
+        return "add_to_redundancy_list"
+    return "add_to_wait_list" if complete else "add_to_participants"
+
+
+def still_expected(*, members: Collection, gone: Collection, participants: Collection) -> set:
+    """Pure: the members of the last completed round, not known ``gone``, that have not joined
+    this round yet: the peers a round waits a moment for (``handler.PEER_GRACE_S``), whichever
+    agent decides, a spare or a new node included, since every agent reads them from the state."""
+    return set(members) - set(gone) - set(participants)
 
 
 def _expected(node: object, members: Collection, gone: Collection) -> bool:

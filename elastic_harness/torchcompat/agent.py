@@ -8,7 +8,7 @@ is ``LocalElasticAgent`` with those hooks forwarded to ``start_workers``, ``stop
 ``monitor_workers`` and ``shutdown``, and that state as properties; ``agent.elastic``
 subclasses it and never spells an underscored torch name. The same for ``ContextBase``
 (torchelastic's ``PContext``: ``start_processes``, ``poll_processes``, ``close_processes``) and ``TimerServerBase``
-(``FileTimerServer``: ``reap_worker``).
+(``FileTimerServer``: ``reap_worker``, and a ``stop`` that ends the watchdog's thread).
 
 The shutdown grace is ours (``shutdown_grace``): torch 2.11's agent has no
 ``shutdown_timeout`` and stops workers with a fixed 30 s; there the process context is
@@ -24,7 +24,9 @@ rendezvous' stay out of events.jsonl).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +40,7 @@ from elastic_harness.torchcompat.probe import attrs, feature, instance_attrs, on
 
 _HOOKS = ("_start_workers", "_stop_workers", "_monitor_workers", "_shutdown")
 _CONTEXT_ABSTRACT = {"_start", "_poll", "_close", "pids"}  # what ``ContextBase`` implements
+TIMER_STOP_S = 5.0  # how long ``TimerServerBase.stop`` waits for the watchdog's thread to end
 
 
 @feature("agent", "elastic agent", "nothing: the harness's agent is built on these", required=True)
@@ -159,8 +162,28 @@ class ContextBase(PContext):
 
 class TimerServerBase(FileTimerServer):
     """torchelastic's ``FileTimerServer`` with ``reap_worker(pid, signal) -> bool`` public
-    (called where torch reaps) and its timer table readable (``timers``); only run where
-    ``watchdog-reap`` is on."""
+    (called where torch reaps), its timer table readable (``timers``), and a ``stop`` that
+    ends its thread; only run where ``watchdog-reap`` is on."""
+
+    def stop(self) -> None:
+        """torch's ``stop``, once the watchdog's thread ended (at most ``TIMER_STOP_S``).
+
+        torch signals the thread and waits one ``max_interval`` for it. A thread that no
+        worker ever wrote to (an agent whose workers never started) is not in its loop but
+        in ``open()`` of the FIFO, waiting for a first writer, and torch's removal of the
+        FIFO does not wake it: it stayed for the life of the process. Opening the FIFO for
+        writing without blocking wakes it (a reader waiting in ``open()`` counts as one);
+        it then sees the stop and ends. Without the private names (another torch):
+        torch's own ``stop``."""
+        thread, fifo = getattr(self, "_watchdog_thread", None), getattr(self, "_file_path", None)
+        if thread is not None and fifo:
+            self._stop_signaled = True
+            deadline = time.monotonic() + TIMER_STOP_S
+            while thread.is_alive() and time.monotonic() < deadline:
+                with contextlib.suppress(OSError):  # ENXIO: nobody has it open for reading (yet)
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                thread.join(0.05)
+        super().stop()
 
     def _reap_worker(self, worker_pid: int, signal: int) -> bool:
         return self.reap_worker(worker_pid, signal)

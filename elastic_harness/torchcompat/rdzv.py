@@ -14,8 +14,9 @@ torch has no hook for what ``rendezvous.handler`` adds to its ``DynamicRendezvou
   keep-alive, the keep-alive gaps the stall verdict reads), torch's
   ``_remove_participant_epilogue`` called, the handler's heartbeat lock taken;
 - ``rdzv-early-close``: the executor's join operations wrapped (a later round closes once
-  everyone expected joined; a hot spare polls faster; a round never holds more
-  than ``nodes.max``, and a round an admission filled is completed in that write);
+  everyone expected joined; a hot spare polls faster, and leaves the redundancy list in the
+  write that lists it elsewhere; a round never holds more than ``nodes.max``, and a round an
+  admission filled is completed in that write);
 - ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store;
 - ``rdzv-sealed-state`` (required): torch's empty ``_RendezvousState``, what a refused
   (forged, corrupt) rendezvous value reads as before an authentic one was seen: the sealed
@@ -88,7 +89,8 @@ def _fast_path() -> list[str]:
             *attrs(_dr, "_remove_participant_epilogue", label="dynamic_rendezvous")]
 
 
-_OPERATIONS = ("_add_to_participants", "_mark_rendezvous_complete", "_add_to_redundancy_list")
+_OPERATIONS = ("_add_to_participants", "_mark_rendezvous_complete", "_add_to_redundancy_list",
+               "_remove_from_redundancy_list", "_add_to_wait_list")
 
 
 @feature("rdzv-early-close", "early round close",
@@ -270,6 +272,32 @@ def guard_join(handler: Any, instead: Callable[[Any], str | None]) -> Callable[[
 
     def undo() -> None:
         executor.__dict__.pop("_add_to_participants", None)
+
+    return undo
+
+
+def guard_vacancy(handler: Any, instead: Callable[[Any], str]) -> Callable[[], None] | None:
+    """In place of torch's ``_remove_from_redundancy_list`` (a hot spare that found a free
+    place: torch drops it from the list and its keep-alive, and joins in its next write), run
+    the join operation ``instead(state)`` names (``add_to_wait_list``, ``add_to_participants``
+    with any ``guard_join``, ``add_to_redundancy_list``), off the redundancy list unless that:
+    the spare is listed somewhere in every write. None (nothing hooked) when
+    ``rdzv-early-close`` is off; else the undo."""
+    if not on("rdzv-early-close"):
+        return None
+    executor = handler._op_executor
+
+    def moved() -> None:
+        state = executor._state
+        other = instead(state)
+        if other != "add_to_redundancy_list":
+            state.redundancy_list.discard(handler._this_node)
+        getattr(executor, f"_{other}")()
+
+    executor.__dict__["_remove_from_redundancy_list"] = moved
+
+    def undo() -> None:
+        executor.__dict__.pop("_remove_from_redundancy_list", None)
 
     return undo
 

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,26 @@ def test_a_live_agents_fifo_survives_another_agent_starting(tmp_path):
         assert {p.name for p in tmp.iterdir()} == {live.name, live.with_suffix(".lock").name}
     finally:
         holder.communicate("")
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_watchdog_leaves_no_thread_even_when_no_worker_wrote_to_it(tmp_path):
+    """An agent whose workers never started stops a step watchdog nobody wrote to. torch's
+    thread then waits in ``open()`` of the FIFO for a first writer, which removing the FIFO
+    does not end: it stayed in the process for good (the pytest process too, for every test
+    that started one)."""
+    from elastic_harness.agent import watchdog
+
+    before = set(threading.enumerate())
+    server = watchdog.start("run-x", tmp_path)
+    try:
+        started = set(threading.enumerate()) - before
+        assert started, "the watchdog's thread"
+    finally:
+        server.stop()
+        os.environ.pop("TORCHELASTIC_TIMER_FILE", None)
+    assert [t.name for t in started if t.is_alive()] == []
+    assert not (tmp_path / "tmp").exists(), "its FIFO and lock are gone too"
 
 
 @pytest.mark.e2e  # the control of the e2e test below; imports torch in a subprocess

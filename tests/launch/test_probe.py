@@ -8,6 +8,7 @@ host": its identity names another boot, so only its beacon can tell.
 from __future__ import annotations
 
 import socket
+import threading
 from datetime import timedelta
 
 import pytest
@@ -24,6 +25,23 @@ def test_a_beacon_answers_while_open_and_is_refused_once_closed():
     assert probe.probe(beacon.address, 5.0) == probe.ALIVE
     beacon.close()
     assert probe.probe(beacon.address, 5.0) == probe.GONE
+
+
+def test_a_closed_beacon_ends_its_thread_and_the_next_handler_opens_another():
+    """One beacon per process (``handler._beacon``), open until ``close_beacon``: a process that
+    made handlers and lives on (this one) is left without the beacon's thread."""
+    from elastic_harness.rendezvous import handler
+
+    first = handler._beacon("127.0.0.1")
+    assert handler._beacon("127.0.0.1") == first
+    handler.close_beacon()
+    assert probe.probe(first, 5.0) == probe.GONE
+    assert "liveness-beacon" not in [t.name for t in threading.enumerate()]
+    second = handler._beacon("127.0.0.1")
+    try:
+        assert second != first and probe.probe(second, 5.0) == probe.ALIVE
+    finally:
+        handler.close_beacon()
 
 
 def test_a_frozen_agent_is_silent_not_gone():

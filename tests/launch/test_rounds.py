@@ -298,3 +298,113 @@ def test_the_places_of_the_last_rounds_members_are_theirs_and_a_round_never_over
     assert rounds.join_as(node="c", participants={"a"}, max_nodes=0) is None, "no nodes.max: no limit"
     assert rounds.stay_spares(participants={"a", "b"}, waiting={"s", "t"}, max_nodes=2) == ["s", "t"]
     assert rounds.stay_spares(participants={"a"}, waiting={"s"}, max_nodes=2) == [], "room: it waits to join"
+
+
+# --- a hot spare takes a lost node's place in the first round after the loss ---------------
+
+def test_a_spare_that_finds_a_free_place_is_listed_elsewhere_in_the_same_write():
+    assert rounds.vacancy_join(complete=True, participants={"a"}, max_nodes=2) == "add_to_wait_list"
+    assert rounds.vacancy_join(complete=False, participants={"a"}, max_nodes=2) == "add_to_participants"
+    assert rounds.vacancy_join(complete=False, participants=set(), max_nodes=2) == "add_to_participants"
+    assert rounds.vacancy_join(complete=False, participants={"a", "b"}, max_nodes=2) == "add_to_redundancy_list"
+    assert rounds.still_expected(members={"a", "b"}, gone={"b"}, participants={"s"}) == {"a"}
+    assert rounds.still_expected(members={"a", "b"}, gone={"b"}, participants={"s", "a"}) == set()
+    assert rounds.still_expected(members=(), gone=(), participants={"s"}) == set(), "round 0: no members yet"
+
+
+def test_a_spare_that_opens_the_round_after_a_loss_waits_for_the_survivor_not_its_own_peers():
+    """Node b was lost; survivor a has left round 0 and not yet joined round 1 (its exit and
+    its join are two writes), and spare s joins round 1 first. s was in no round with a: it
+    waited for nobody, closed round 1 alone, and a joined the round after (world sizes 2, 1,
+    2). The last round's members not known gone are in the state, for every agent to wait for."""
+    from types import SimpleNamespace
+
+    from elastic_harness.rendezvous.handler import PEER_GRACE_S, RoundTimeout
+
+    timeout = RoundTimeout(join=60, start_last_call=15, last_call=2, close=10, heartbeat=5)
+    state = SimpleNamespace(round=1, participants={"s": 0}, wait_list=set(), redundancy_list=set(),
+                            members={"a", "b"}, gone={"b"})
+    timeout.follow(lambda: state)
+    assert timeout.last_call.total_seconds() == PEER_GRACE_S
+    state.participants = {"s": 0, "a": 0}
+    assert timeout.last_call.total_seconds() == 0.0, "everyone expected is in: no wait"
+    state.members = set()  # a fresh round 1 (no round completed before): as before
+    state.participants = {"s": 0}
+    assert timeout.last_call.total_seconds() == 0.0
+
+
+def recorded_writes(handler) -> list[tuple[set, bool]]:
+    """Each state ``handler`` writes from now on, as (the lists it is on, has it a keep-alive)."""
+    holder, me, seen = handler._state_holder, handler._this_node, []
+    sync = holder.sync
+
+    def recording():
+        wrote = sync()
+        if wrote:
+            state = holder.state
+            lists = {name for name, nodes in (("participants", state.participants), ("waiting", state.wait_list),
+                                              ("spares", state.redundancy_list)) if me in nodes}
+            seen.append((lists, me in state.last_heartbeats))
+        return wrote
+
+    holder.sync = recording
+    return seen
+
+
+def test_a_spare_is_on_a_list_in_every_write_and_takes_the_lost_nodes_place(store):  # noqa: F811
+    """Node b was lost and dropped from round 3; survivor a is still its participant; spare s
+    sees the free place. torch took s off the redundancy list, and its keep-alive, in one
+    write, and listed it for the next round in another: a survivor opening that round in
+    between saw nobody coming and closed it alone. Now s is listed in every write it makes,
+    and a, opening round 4, admits it: the same world size, in one round."""
+    a, spare, writer = (agent(store, "vacancy", 2) for _ in range(3))
+    b = writer._this_node  # the lost node: its name only
+    me = {a._this_node: "a", spare._this_node: "spare"}
+    try:
+        write_state(writer, round=3, complete=True, participants={a._this_node: 0},
+                    redundancy_list={spare._this_node}, wait_list=set(), members={a._this_node, b}, gone={b},
+                    deadline=None)
+        writes = recorded_writes(spare)
+        spare_join = joining(spare)
+        for _ in range(200):
+            if spare._this_node in read_state(writer).wait_list:
+                break
+            threading.Event().wait(0.05)
+        assert writes and all(lists and alive for lists, alive in writes), writes
+        a_join = joining(a)  # its exit from round 3 opens round 4, and its join admits the spare
+        for thread, _ in (a_join, spare_join):
+            thread.join(20)
+        assert [j[1].get("info") and j[1]["info"].world_size for j in (a_join, spare_join)] == [2, 2], (a_join, spare_join)
+        state = read_state(writer)
+        assert state.round == 4 and state.complete and {me[n] for n in state.participants} == {"a", "spare"}
+    finally:
+        close([a, spare, writer])
+
+
+def test_a_spare_that_joins_before_the_survivor_waits_for_it(store, monkeypatch):  # noqa: F811
+    """Round 4 opened by survivor a's exit (its participants empty), a not in it yet: spare s
+    joins first. It used to close the round alone at once. The grace is widened here so that a
+    loaded machine cannot make a's join late: what is tested is that s waits at all."""
+    from elastic_harness.rendezvous import handler
+
+    monkeypatch.setattr(handler, "PEER_GRACE_S", 20.0)
+    a, spare, writer = (agent(store, "first", 2) for _ in range(3))
+    b = writer._this_node
+    me = {a._this_node: "a", spare._this_node: "spare"}
+    try:
+        write_state(writer, round=4, complete=False, participants={}, redundancy_list={spare._this_node},
+                    wait_list=set(), members={a._this_node, b}, gone={b}, deadline=None)
+        spare_join = joining(spare)
+        for _ in range(200):
+            if spare._this_node in read_state(writer).participants:
+                break
+            threading.Event().wait(0.05)
+        assert not read_state(writer).complete, "the spare closed the round without the survivor"
+        a_join = joining(a)
+        for thread, _ in (a_join, spare_join):
+            thread.join(20)
+        assert [j[1].get("info") and j[1]["info"].world_size for j in (a_join, spare_join)] == [2, 2], (a_join, spare_join)
+        state = read_state(writer)
+        assert state.round == 4 and {me[n] for n in state.participants} == {"a", "spare"}
+    finally:
+        close([a, spare, writer])

@@ -1,11 +1,12 @@
 """Live process groups (``torchcompat.groups``, ``runtime.generations``): real gloo ranks,
-forked from the test process (torch is imported once), each exiting with ``os._exit``."""
+forked from the session's forkserver (``tests.servers.rank_context``: torch imported once,
+never a fork of the pytest process and whatever earlier tests left running in it), each
+exiting with ``os._exit``."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import multiprocessing
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_harness.runtime import generations
+from tests.servers import rank_context
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]  # real processes: 10-30 s each on 2 cores
 TIMEOUT = dt.timedelta(seconds=60)
@@ -31,11 +33,11 @@ def free_port() -> int:
 
 def run_ranks(target, world: int, *args, timeout: float = 90.0, awaited: tuple[int, ...] | None = None,
               port: int | None = None) -> list[int]:
-    """``target(rank, world, port, *args)`` in ``world`` forked processes; their exit codes.
+    """``target(rank, world, port, *args)`` in ``world`` processes; their exit codes.
     ``awaited``: the ranks whose end is waited for (the others, frozen or waiting for a peer
     that is gone, are SIGKILLed then)."""
     port = port or free_port()
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     procs = [ctx.Process(target=_guard, args=(target, r, world, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
@@ -228,7 +230,7 @@ def test_survivors_reform_in_place_beside_a_new_process_and_train_on(tmp_path):
     assert run_ranks(_uninterrupted, 3, str(ref)) == [0, 0, 0]
     port2 = free_port()
     out = tmp_path / "replaced"
-    ctx = multiprocessing.get_context("fork")
+    ctx = rank_context()
     newcomer = ctx.Process(target=_guard, args=(_new_rank_2, port2, 3, str(out)))
     newcomer.start()
     codes = run_ranks(_replaced_rank, 3, str(out), {"port2": port2}, awaited=(0, 1, 2), timeout=60)
