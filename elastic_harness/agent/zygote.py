@@ -151,14 +151,16 @@ class Zygote:
     def lost(self) -> bool:
         return self._sock is None or self._proc is None or self._proc.poll() is not None
 
-    def stop(self) -> None:
-        """Close the socket (the zygote exits) and reap it; safe to call twice."""
+    def stop(self, grace_s: float = STOP_WAIT_S) -> None:
+        """Close the socket (the zygote exits) and reap it, killed after ``grace_s`` (0: a
+        zygote nothing was asked of, which would only finish its imports first); safe to
+        call twice."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
             try:
-                self._proc.wait(timeout=STOP_WAIT_S)
+                self._proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()

@@ -76,8 +76,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         return _checked(spec, args, nodes, zygote)
     finally:
-        if zygote is not None:
-            zygote.stop()
+        if zygote is not None:  # stopped by the cluster after a run; else refused, done: unused
+            zygote.stop(grace_s=0)
 
 
 def _checked(spec, args: argparse.Namespace, nodes: int, zygote) -> int:
