@@ -205,23 +205,34 @@ def _handle(sock, msg: dict, children: set[int], private_fds: tuple[int, int], p
         _send(sock, {"op": "error", "message": f"unknown request {msg['op']!r}"})
         return
     parent = os.getpid()
-    # Blocked across the fork: a signal sent to the new worker before it has reset the
-    # zygote's SIG_IGN (an agent stopping a group it just started) stays pending and is
-    # delivered once the default disposition is back, instead of being ignored.
+
+    def child(mask: set) -> int:
+        sock.close()
+        for fd in private_fds:
+            os.close(fd)
+        return become_worker(msg, parent, mask, passed)
+
+    pid = fork_shielded(child)
+    children.add(pid)
+    _send(sock, {"op": "spawned", "pid": pid})
+
+
+def fork_shielded(child) -> int:
+    """Fork; the child runs ``child(mask)`` and exits with its code; the child's pid.
+    ``SHIELDED`` is blocked across the fork: a signal sent to the new process before it has
+    reset the zygote's SIG_IGN (an agent stopping a group it just started) stays pending and
+    is delivered once the default disposition is back, instead of being ignored; ``mask`` is
+    the mask to restore then."""
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            sock.close()
-            for fd in private_fds:
-                os.close(fd)
-            code = become_worker(msg, parent, mask, passed)
+            code = child(mask)
         finally:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    children.add(pid)
-    _send(sock, {"op": "spawned", "pid": pid})
+    return pid
 
 
 def _send(sock, msg: dict) -> None:
@@ -275,17 +286,13 @@ def fork_worker_zygote() -> int:
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     agent = os.getpid()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            ours.close()
-            os.setsid()  # its own session, as the agent's ``Popen`` would start it
-            code = serve_as_zygote(theirs, agent, tuple(PRELOADED), mask=mask)
-        finally:
-            os._exit(code)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def child(mask: set) -> int:
+        ours.close()
+        os.setsid()  # its own session, as the agent's ``Popen`` would start it
+        return serve_as_zygote(theirs, agent, tuple(PRELOADED), mask=mask)
+
+    pid = fork_shielded(child)
     theirs.close()
     os.environ[ZYGOTE_VAR] = f"{ours.detach()},{pid}"
     return pid
