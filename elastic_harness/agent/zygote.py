@@ -11,7 +11,7 @@ harness's worker side); tests pass an empty tuple to get a zygote that starts at
 ``also``: more on top (the host's zygote of a local run, which forks agents).
 
 An agent that its host's zygote forked (``run`` on one machine) finds a worker zygote forked
-with it, already importing nothing (``launch.env.ZYGOTE_VAR``): ``start`` adopts that one
+with it, with nothing left to import (``launch.env.ZYGOTE_VAR``): ``start`` adopts that one
 instead of starting a process, and ``release_inherited`` ends it where no zygote is used.
 """
 
@@ -215,7 +215,7 @@ class Forked:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # reaped elsewhere: its code is lost
-                self.returncode = -9
+                self.returncode = -signal.SIGKILL
             else:
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
@@ -252,13 +252,8 @@ def take_inherited() -> tuple[socket.socket, Forked] | None:
 
 def release_inherited() -> None:
     """End the worker zygote forked with this process, if any (an agent without warm
-    starts): its socket closed, it exits; reaped here."""
-    inherited = take_inherited()
-    if inherited is not None:
-        sock, proc = inherited
-        sock.close()
-        try:
-            proc.wait(timeout=STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    starts): adopted, then stopped as any zygote is."""
+    if os.environ.get(ZYGOTE_VAR):
+        zygote = Zygote()
+        zygote.start()  # adopts it: nothing is started
+        zygote.stop()
