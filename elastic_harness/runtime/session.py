@@ -296,8 +296,6 @@ class Run:
         buffers = BufferSync.of(model, self.topology.dp_degree)
         state = build_state(model, optimizer, self._train, scheduler=scheduler, scaler=scaler, extra=extra)
         self._trained = Trained(state, self._train, model, optimizer, scaler, buffers, replicas)
-        if self._in_place is not None:  # the step in flight may be finished in place (``runtime.inflight``)
-            self._in_place.registered(model)
 
     def resume(self, before_saying: Callable[[], None] | None = None) -> int:
         """Restore the newest snapshot every rank holds in memory, else load the newest
@@ -312,6 +310,10 @@ class Run:
                              "call run.register(model, optimizer, ...) first")
         check_schedulers(trained.optimizer, self._registered)  # one built after register()
         self._resumed = True
+        if self._in_place is not None:  # the step in flight may be finished in place (``runtime.inflight``):
+            # hooked here, not in register(), so that a script may still register its own
+            # communication hook after run.register() (DDP takes one; the step is then redone)
+            self._in_place.registered(trained.model)
         if self.recovery is not None:
             self.recovery.restoring()
         found = restore(trained.state, trained.model, topology=self.topology, memory=self.parts.memory,

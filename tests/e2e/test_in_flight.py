@@ -68,3 +68,44 @@ def test_a_fault_while_the_step_is_finished_falls_back_to_a_restore_said_once(tm
     redone = [line for line in r.err.splitlines() if "is redone after a restore" in line]
     assert len(redone) == 1 and "a fault came while it was being finished" in redone[0], r.err
     audit(tmp_path, N, G, STEPS)
+
+
+OWN_HOOK = '''
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+import elastic_harness as eh
+
+run = eh.init()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+run.register(model, optimizer)
+model.register_comm_hook(dist.group.WORLD, allreduce_hook)  # after register(): still the script's
+data = torch.arange(64.0).reshape(16, 4)
+for step in run.steps(data):
+    for x in step.batches():
+        step.backward(model(x).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    step.done()
+run.close()
+'''
+
+
+def test_a_script_hook_registered_after_register_is_kept_and_the_step_is_redone(tmp_path):
+    """A script registers its own DDP communication hook after ``run.register``: DDP takes
+    one hook, so the harness does not take that slot first; the run trains with the script's
+    hook, and a node lost mid-step is redone after a restore, said once with that reason."""
+    script = tmp_path / "own_hook.py"
+    script.write_text(OWN_HOOK)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: own-hook\nscript: {{path: {script}}}\nnproc_per_node: 1\n"
+                   "train: {steps: 10, global_batch_size: 4, micro_batch_size: 2}\n"
+                   "checkpoint: {every_steps: 0}\nmetrics: {tensorboard: false}\n")
+    r = cli("run", str(job), *nodes(2), "--chaos", "kill-node:1@4+backward", run_dir=tmp_path / "run")
+    assert r.code == 0, r.err[-3000:]
+    redone = [line for line in r.err.splitlines() if "is redone after a restore" in line]
+    assert len(redone) == 1 and "communication hook of its own" in redone[0], r.err[-3000:]
+    assert r.kinds("finished") == []
