@@ -50,7 +50,7 @@ with medians, ratios and whether each goal was met:
   (the run is ended by a preempt, then resumed to check that).
 - scale-up: a node joining, arrival to the first step at the new size, from peers / from
   storage, medians of ``--repeats``; churn: goodput with a node killed and replaced every
-  ``--churn-every`` s over ``--churn-duration`` s >= 0.95 (``bench.recovery.resize``).
+  ``--churn-every`` s over ``--churn-duration`` s >= 0.98 (``bench.recovery.resize``).
 
 What torchrun is given beyond its defaults, and why: the job's ``--nnodes`` (1:2 for
 kill-node, 1:1 otherwise) and ``--max-restarts``, without which it survives no fault,
