@@ -43,8 +43,6 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "commands/run.py:outcome": "commands/ is being changed elsewhere (the agent's run as one object)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
-    "agent/node.py:_outcome": "the relay _run -> _outcome -> _started -> _launch becomes one object for a node's "
-                                "run (the launch/ split)",
     "agent/elastic.py:HarnessAgent.__init__": "the launch/ split (the agent's room)",
     "agent/elastic.py:Launch.__init__": "the launch/ split (the agent's room)",
     "agent/endpoint.py:Endpoint.__init__": "the launch/ split (the agent's room)",
