@@ -39,8 +39,6 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "checkpoint/collective.py:agreed_verdict": "checkpoint/ is being changed elsewhere",
     "checkpoint/lock.py:Lease.__init__": "checkpoint/ is being changed elsewhere",
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",
-    "commands/run.py:_launch": "commands/ is being changed elsewhere (the agent's run as one object)",
-    "commands/run.py:outcome": "commands/ is being changed elsewhere (the agent's run as one object)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
     "agent/elastic.py:HarnessAgent.__init__": "the launch/ split (the agent's room)",
