@@ -189,19 +189,20 @@ class NodeRun:
     def built(self, witness: Witness) -> Any:
         """This node's ``agent.elastic.Launch``: torchelastic's agent with our rendezvous
         handler, judged and budgeted by what ``witness`` reads in the run's log."""
-        from elastic_harness.agent.elastic import Launch
+        from elastic_harness.agent.elastic import AgentSettings, Launch
 
         spec, events, node, zygote = self.spec, self.events, self.node, self.zygote
         config = launch_config(spec, self.opts)
         config.event_log_handler = bridge.install(events, node)
         r, t = spec.rendezvous, spec.timeouts
-        return Launch(config, *self.command, judge=witness.judge, progress=witness.progress,
-                      restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
-                      quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
-                      zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
-                      exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
-                      on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace,
-                      in_place=spec.recovery == "in_place", park_bound_s=t.step or PARK_BOUND_S)
+        settings = AgentSettings(judge=witness.judge, progress=witness.progress, restart_window=spec.restart_window,
+                                 tick=lambda: witness.poll(force=False),
+                                 quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
+                                 zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
+                                 on_failure=exit_reporter(events, node), in_place=spec.recovery == "in_place",
+                                 park_bound_s=t.step or PARK_BOUND_S)
+        return Launch(config, *self.command, settings,
+                      exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace), shutdown_grace=t.shutdown_grace)
 
 
 @dataclasses.dataclass(frozen=True)

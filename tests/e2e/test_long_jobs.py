@@ -68,7 +68,7 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
-    from elastic_harness.agent.elastic import HarnessAgent
+    from elastic_harness.agent.elastic import AgentSettings, HarnessAgent
 
     class NoRendezvous:  # the agent is never run here: only its restart bookkeeping
         def get_run_id(self) -> str:
@@ -77,8 +77,8 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     high = [0]
     spec = WorkerSpec(role="w", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint=sys.executable,
                       args=("-c", "pass"), max_restarts=1)
-    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), judge=lambda: None,
-                         progress=lambda: high[0], restart_window=10)
+    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                         settings=AgentSettings(judge=lambda: None, progress=lambda: high[0], restart_window=10))
     failed = RunResult(state=WorkerState.FAILED, failures={
         0: ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "none.json"))})
     attempts = []
