@@ -41,7 +41,6 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
-    "agent/endpoint.py:Endpoint.__init__": "the launch/ split (the agent's room)",
     "rendezvous/liveness.py:dead_peers": "the rendezvous as rules: its evidence becomes one value",
     "rendezvous/handler.py:record_event": "the rendezvous as rules: an action applied, not a relay of fields",
     "memtier/conduit.py:Conduit.connect": "the copies' link settings become one value",
