@@ -111,9 +111,8 @@ class Witness:
 class NodeRun:
     """One node's run of the agent, from its ``start`` event to its ``exit`` event: what
     ``run_agent`` was given (the job, this node's options, its worker command, zygote and
-    hooks) and what the run builds on the way (its event log, step watchdog, log witness and
-    launch), so that each step is a method over those instead of a relay of parameters.
-    ``run`` once."""
+    hooks) and what the run builds on the way (its event log, step watchdog and launch), so
+    that each step is a method over those instead of a relay of parameters. ``run`` once."""
 
     def __init__(self, spec: JobSpec, opts: NodeOptions, node: str, command: tuple[str, list[str]], zygote: Any = None,
                  on_health: Callable | None = None, lock_lost: Callable[[bool], str] | None = None) -> None:
