@@ -58,6 +58,7 @@ master address and port come from the rendezvous.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import select
@@ -101,39 +102,57 @@ MONITOR_TICK_S = 0.001
 # from there: the agent does not import the worker side.
 
 
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    """What the harness gives torch's agent beyond torch's own settings (``HarnessAgent``):
+    ``judge()`` the reason to stop restarting (fatal error, crash loop) or None;
+    ``quiet_bound_s`` how long the agent may go without a monitor pass and still be healthy;
+    the ``zygote`` its workers fork from (None: cold starts); ``report(state, restart)`` hears
+    the group's phases; ``progress()`` the job's highest completed step and
+    ``restart_window`` the steps of progress that refill the restart budget; ``tick()`` runs
+    at each monitor pass; ``on_failure(account)`` hears a failed group's ``exit_account``;
+    ``in_place`` (``recovery: in_place``, warm starts only): a fault stops only what it broke
+    (``agent.keeper``), and ``park_bound_s`` is how long a survivor may take to leave its
+    step before it is stopped and forked anew instead."""
+
+    judge: Callable[[], str | None]
+    quiet_bound_s: float = 300.0
+    zygote: Zygote | None = None
+    report: Report | None = None
+    progress: Callable[[], int] | None = None
+    restart_window: int = 0
+    tick: Callable[[], None] | None = None
+    on_failure: Callable[[dict[str, Any]], None] | None = None
+    in_place: bool = False
+    park_bound_s: float = 60.0
+
+
 class HarnessAgent(AgentBase):
     _failure_said = False  # the last failed group's account was said (``_account``)
 
-    def __init__(self, *args: Any, judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 zygote: Zygote | None = None, report: Report | None = None,
-                 progress: Callable[[], int] | None = None, restart_window: int = 0,
-                 tick: Callable[[], None] | None = None,
-                 on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 monitor_interval: float | None = None, in_place: bool = False, park_bound_s: float = 10.0,
+    def __init__(self, *args: Any, settings: AgentSettings, monitor_interval: float | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # In place (``recovery: in_place``, warm starts only): a fault stops only what it broke
-        # (``agent.keeper``); ``park_bound_s``: how long a survivor may take to leave its
-        # step before it is stopped and forked anew instead.
-        self.keeper = Keeper(zygote, park_bound_s) if in_place and zygote is not None else None
+        zygote = settings.zygote
+        self.keeper = Keeper(zygote, settings.park_bound_s) if settings.in_place and zygote is not None else None
         # Seconds between looks at the workers when nothing happens (torch's spec holds its tick).
         self.monitor_interval = monitor_interval or self.worker_group.spec.monitor_interval
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._judge = judge
-        self._on_failure = on_failure or (lambda account: None)  # hears ``exit_account`` of a failed group
-        self._progress = progress or (lambda: 0)
-        self._tick = tick or (lambda: None)  # each monitor pass: keeps the log reader current
-        self._window = restart_window
+        self._judge = settings.judge
+        self._on_failure = settings.on_failure or (lambda account: None)  # hears ``exit_account`` of a failed group
+        self._progress = settings.progress or (lambda: 0)
+        self._tick = settings.tick or (lambda: None)  # each monitor pass: keeps the log reader current
+        self._window = settings.restart_window
         self._budget = self.worker_group.spec.max_restarts  # the user's, before any refill
         self._failure_steps: list[int] = []
         self.exhausted: str | None = None  # why the restart budget ran out, when it did
         self.formed = False  # a rendezvous completed and workers were started
-        self._quiet_bound_s = quiet_bound_s
+        self._quiet_bound_s = settings.quiet_bound_s
         self._last_monitor = time.monotonic()
         self._zygote = zygote
-        self._report = report or (lambda state, restart: None)
+        self._report = settings.report or (lambda state, restart: None)
         self.stop_reason: str | None = None
         self._broken = False  # its group was stopped because a peer's failed (``_round_broken``)
         self.strikes: Any = None  # ``rendezvous.exclusion.Strikes`` of this node, when it may be kept out
@@ -556,13 +575,8 @@ class Launch:
     """One node's agent for ``config``; ``run()`` once. ``agent.stop_reason`` says why it
     stopped restarting, when it did."""
 
-    def __init__(self, config: Any, entrypoint: Callable | str, args: list[Any],
-                 judge: Callable[[], str | None], quiet_bound_s: float = 300.0,
-                 zygote: Zygote | None = None, report: Report | None = None,
-                 progress: Callable[[], int] | None = None, restart_window: int = 0,
-                 tick: Callable[[], None] | None = None, exit_barrier_s: float = 300.0,
-                 on_failure: Callable[[dict[str, Any]], None] | None = None,
-                 shutdown_grace: float = 30.0, in_place: bool = False, park_bound_s: float = 60.0) -> None:
+    def __init__(self, config: Any, entrypoint: Callable | str, args: list[Any], settings: AgentSettings,
+                 exit_barrier_s: float = 300.0, shutdown_grace: float = 30.0) -> None:
         params = RendezvousParameters(
             backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
             min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -577,13 +591,9 @@ class Launch:
             event_log_handler=config.event_log_handler,
         )
         self.agent = HarnessAgent(spec=self.spec, logs_specs=config.logs_specs,
-                                  start_method=config.start_method,
-                                  shutdown_grace=shutdown_grace, judge=judge,
-                                  quiet_bound_s=quiet_bound_s, zygote=zygote, report=report,
-                                  progress=progress, restart_window=restart_window, tick=tick,
-                                  exit_barrier_timeout=exit_barrier_s, on_failure=on_failure,
-                                  monitor_interval=config.monitor_interval, in_place=in_place,
-                                  park_bound_s=park_bound_s)
+                                  start_method=config.start_method, shutdown_grace=shutdown_grace,
+                                  exit_barrier_timeout=exit_barrier_s, settings=settings,
+                                  monitor_interval=config.monitor_interval)
         on_change = getattr(self.spec.rdzv_handler, "on_change", None)
         if on_change is not None:  # a peer's write ends the agent's wait between monitor passes
             on_change(self.agent.nudge)

@@ -28,6 +28,7 @@ never blocking); ``close()`` stops both threads (idempotent).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -119,23 +120,37 @@ class _Collector:
             yield metric
 
 
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """How an ``Endpoint`` serves and reads: the address it listens on (port 0: any free
+    one), ``stall_s`` (None: no stall verdict), ``refresh_s``, ``max_connections`` and
+    ``idle_timeout_s`` as the module says, and its clocks (monotonic for ages, wall for times)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    stall_s: float | None = None
+    refresh_s: float = 1.0
+    max_connections: int = 8
+    idle_timeout_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+
+
 class Endpoint:
-    def __init__(self, events_path: Path, *, job: str, node: str, host: str = "127.0.0.1",
-                 port: int = 0, health: Health | None = None, stall_s: float | None = None,
-                 refresh_s: float = 1.0, max_connections: int = 8, idle_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, events_path: Path, *, job: str, node: str, health: Health | None = None,
+                 serving: Serving = Serving()) -> None:
         self.job, self.node = job, node
-        self.agent_health, self.stall_s = health, stall_s
-        self.wall_clock, self.refresh_s = wall_clock, refresh_s
-        self.view = _View(node, clock)
+        self.agent_health, self.stall_s = health, serving.stall_s
+        self.wall_clock, self.refresh_s = serving.wall_clock, serving.refresh_s
+        self.view = _View(node, serving.clock)
         self._tail = EventTail(Path(events_path), start_at_end=True)
         self._reading = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._follow, name="endpoint-reader", daemon=True)
-        self._server = _BoundedServer((host, port), _handler(self, idle_timeout_s), max_connections)
+        self._server = _BoundedServer((serving.host, serving.port), _handler(self, serving.idle_timeout_s),
+                                      serving.max_connections)
         self.port = self._server.server_address[1]
         self._serving = threading.Thread(target=self._server.serve_forever, name="endpoint", daemon=True)
         self._reader.start()

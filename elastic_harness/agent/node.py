@@ -14,6 +14,7 @@ Exit codes (documented for schedulers):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -64,7 +65,7 @@ def run_agent(spec: JobSpec, opts: NodeOptions, node: str = "",
     if slots is not None:
         os.environ[MEMORY_VAR] = slots.describe()
     try:
-        return _run(spec, opts, node, (entrypoint, args), zygote, on_health, lock_lost)
+        return NodeRun(spec, opts, node, (entrypoint, args), zygote, on_health, lock_lost).run()
     finally:
         if slots is not None:
             slots.close()
@@ -107,107 +108,150 @@ class Witness:
         return self.high_step
 
 
-def _run(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote,
-         on_health: Callable | None, lock_lost: Callable[[bool], str] | None = None) -> int:
-    from elastic_harness.agent import watchdog
+class NodeRun:
+    """One node's run of the agent, from its ``start`` event to its ``exit`` event: what
+    ``run_agent`` was given (the job, this node's options, its worker command, zygote and
+    hooks) and what the run builds on the way (its event log, step watchdog and launch), so
+    that each step is a method over those instead of a relay of parameters. ``run`` once."""
 
-    run_dir = Path(opts.run_dir)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    events = EventLog(run_dir / runfiles.EVENTS)
-    events.emit("start", who="agent", node=node, run_id=opts.rdzv_id, nproc_per_node=opts.nproc_per_node,
-                nodes=f"{opts.min_nodes}:{opts.max_nodes}", endpoint=opts.rdzv_endpoint)
-    # Step watchdog: workers renew a file timer around each step (runtime.timer); a hung
-    # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
-    timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
-    cutoff = isolation.watch(spec, opts, events, node)  # None when isolation_timeout is 0
-    try:
-        code, message = _outcome(spec, opts, node, command, zygote, on_health, events, timer_server, lock_lost)
-    finally:
-        if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
-            timer_server.stop()
-        if cutoff is not None:
-            cutoff.stop()
-    events.emit("exit", who="agent", node=node, code=code, message=message)
-    return code
+    def __init__(self, spec: JobSpec, opts: NodeOptions, node: str, command: tuple[str, list[str]], zygote: Any = None,
+                 on_health: Callable | None = None, lock_lost: Callable[[bool], str] | None = None) -> None:
+        self.spec, self.opts, self.node, self.command = spec, opts, node, command
+        self.zygote, self.on_health, self.lock_lost = zygote, on_health, lock_lost
+        self.events = EventLog(Path(opts.run_dir) / runfiles.EVENTS)
+        self.timer_server: Any = None  # the step watchdog (``agent.watchdog``), once started
+        self.launch: Any = None  # ``agent.elastic.Launch``, once built and hooked up
+
+    def run(self) -> int:
+        """Run the agent to its end: ``start``, the step watchdog and the isolation watch,
+        the agent, then ``exit``; its exit code."""
+        from elastic_harness.agent import watchdog
+
+        opts = self.opts
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.events.emit("start", who="agent", node=self.node, run_id=opts.rdzv_id,
+                         nproc_per_node=opts.nproc_per_node, nodes=f"{opts.min_nodes}:{opts.max_nodes}",
+                         endpoint=opts.rdzv_endpoint)
+        # Step watchdog: workers renew a file timer around each step (runtime.timer); a hung
+        # or frozen worker is SIGKILLed when it lapses, and this agent restarts the group.
+        self.timer_server = watchdog.start(opts.rdzv_id, Path(opts.run_dir))
+        cutoff = isolation.watch(self.spec, opts, self.events, self.node)  # None when isolation_timeout is 0
+        try:
+            code, message = self.outcome()
+        finally:
+            if self.timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
+                self.timer_server.stop()
+            if cutoff is not None:
+                cutoff.stop()
+        self.events.emit("exit", who="agent", node=self.node, code=code, message=message)
+        return code
+
+    def outcome(self) -> tuple[int, str]:
+        """Run the agent: its exit code and the line saying why (empty when it ended well)."""
+        try:
+            # Inside the try: the rendezvous handler is built here, and a backend that cannot
+            # be reached at start-up raises then (a RendezvousConnectionError).
+            self.launch = self.started()
+            if self.lock_lost is not None:
+                self.launch.agent.lock_lost = self.lock_lost
+            self.launch.run()
+        except Exception as e:  # noqa: BLE001 - ``ending`` says which end an agent's; the rest propagate
+            facts = AgentFacts() if self.launch is None else AgentFacts.of(self.launch.agent)
+            said = ending(e, facts, self.spec, self.opts)
+            if said is None:
+                raise
+            return said
+        return EXIT_OK, ""
+
+    def started(self) -> Any:
+        """The launch, its hang reports and health hooked up, ready to ``run``."""
+        from elastic_harness.rendezvous.handler import group_running
+
+        witness = Witness(Path(self.opts.run_dir) / runfiles.EVENTS, self.node, time.time())
+        launch = self.built(witness)
+        strikes = keep_out(launch.agent, self.spec, self.events, self.node)
+        if self.timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
+            self.timer_server.on_reap = hang_reporter(self.events, self.node, launch.agent.rank_of,
+                                                      lambda: witness.high_step, self.spec.timeouts.step, strikes)
+            watch_stalls(self.timer_server, launch, self.events, self.node, lambda: witness.high_step)
+        if self.on_health is not None:
+            self.on_health(launch.agent.health)
+        if self.zygote is not None and group_running(launch.spec.rdzv_handler):
+            # Join once workers can be forked at once: a node joining a running job makes the
+            # group drain as soon as it waits in the rendezvous, and the whole group would
+            # then wait for these imports (seconds: a join's pause). Not when no
+            # group runs yet (the job's start): the first round then overlaps the imports,
+            # and forking the workers waits for them (``Zygote.spawn``).
+            self.zygote.wait_ready(ZYGOTE_READY_S)
+        return launch
+
+    def built(self, witness: Witness) -> Any:
+        """This node's ``agent.elastic.Launch``: torchelastic's agent with our rendezvous
+        handler, judged and budgeted by what ``witness`` reads in the run's log."""
+        from elastic_harness.agent.elastic import AgentSettings, Launch
+
+        spec, events, node, zygote = self.spec, self.events, self.node, self.zygote
+        config = launch_config(spec, self.opts)
+        config.event_log_handler = bridge.install(events, node)
+        r, t = spec.rendezvous, spec.timeouts
+        settings = AgentSettings(judge=witness.judge, progress=witness.progress, restart_window=spec.restart_window,
+                                 tick=lambda: witness.poll(force=False),
+                                 quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
+                                 zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
+                                 on_failure=exit_reporter(events, node), in_place=spec.recovery == "in_place",
+                                 park_bound_s=t.step or PARK_BOUND_S)
+        return Launch(config, *self.command, settings,
+                      exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace), shutdown_grace=t.shutdown_grace)
 
 
-def _outcome(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
-             events: EventLog, timer_server: Any, lock_lost: Callable[[bool], str] | None = None) -> tuple[int, str]:
-    """Run the agent to its end: its exit code and the line saying why (empty when it ended well)."""
+@dataclasses.dataclass(frozen=True)
+class AgentFacts:
+    """What the agent knew when it ended (``agent.elastic.HarnessAgent``'s fields); the
+    defaults when it was never built."""
+
+    formed: bool = False  # a rendezvous completed and workers started
+    lost_lock: str = ""  # why this submission no longer holds the run dir
+    excluded: str | None = None  # why this node is kept out of the job
+    stop_reason: str | None = None  # why it stopped restarting (fatal error, crash loop)
+    exhausted: str | None = None  # why the restart budget ran out
+
+    @classmethod
+    def of(cls, agent: Any) -> AgentFacts:
+        return cls(formed=agent.formed, lost_lock=agent.lost_lock, excluded=agent.excluded,
+                   stop_reason=agent.stop_reason, exhausted=agent.exhausted)
+
+
+def ending(error: BaseException, facts: AgentFacts, spec: JobSpec, opts: NodeOptions) -> tuple[int, str] | None:
+    """Pure: the agent's exit code and line for the exception that ended it (``facts``: what
+    the agent knew then); None for an exception that is no agent's end (a bug: it propagates).
+    A signal is 128 + its number; a worker failure (or a lost lock, or a group that left in
+    place) is a lost lock's, an exclusion's, a stop reason's or the restart budget's; a
+    rendezvous failure is ``rendezvous_exit_code``'s, explained by ``explain_rendezvous_error``."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from elastic_harness.agent.elastic import GroupLeft
 
-    launch = None
-    try:
-        # Inside the try: the rendezvous handler is built here, and a backend that cannot
-        # be reached at start-up raises then (a RendezvousConnectionError).
-        launch = _started(spec, opts, node, command, zygote, on_health, events, timer_server)
-        if lock_lost is not None:
-            launch.agent.lock_lost = lock_lost
-        launch.run()
-    except SignalException as e:
-        return 128 + int(e.sigval), f"agent received {e.sigval.name}"
-    except (ChildFailedError, LockLost, GroupLeft) as e:
-        if launch.agent.lost_lock:  # another job holds the run dir now: retrying cannot help
-            return EXIT_PERMANENT, launch.agent.lost_lock
-        reason, exhausted = launch.agent.stop_reason, launch.agent.exhausted
-        if launch.agent.excluded:  # kept out (``rendezvous.exclusion``): the infrastructure's failure
-            return EXIT_INFRA, launch.agent.excluded
-        if reason:
-            return EXIT_PERMANENT, reason
-        first = _first_failure(e, opts.max_restarts, spec.restart_window) if isinstance(e, ChildFailedError) else str(e)
-        return EXIT_FAILED, exhausted or first
-    except RendezvousError as e:
-        detail = str(e.__cause__ or e)  # torch's own text says "see inner exception"
-        at_start = launch is None or not launch.agent.formed
-        kind = "EtcdWithoutV2" if at_start and etcd_without_v2(opts, detail) else type(e).__name__
+    if isinstance(error, SignalException):
+        return 128 + int(error.sigval), f"agent received {error.sigval.name}"
+    if isinstance(error, (ChildFailedError, LockLost, GroupLeft)):
+        if facts.lost_lock:  # another job holds the run dir now: retrying cannot help
+            return EXIT_PERMANENT, facts.lost_lock
+        if facts.excluded:  # kept out (``rendezvous.exclusion``): the infrastructure's failure
+            return EXIT_INFRA, facts.excluded
+        if facts.stop_reason:
+            return EXIT_PERMANENT, facts.stop_reason
+        first = (_first_failure(error, opts.max_restarts, spec.restart_window)
+                 if isinstance(error, ChildFailedError) else str(error))
+        return EXIT_FAILED, facts.exhausted or first
+    if isinstance(error, RendezvousError):
+        detail = str(error.__cause__ or error)  # torch's own text says "see inner exception"
+        at_start = not facts.formed
+        kind = "EtcdWithoutV2" if at_start and etcd_without_v2(opts, detail) else type(error).__name__
         return rendezvous_exit_code(kind), explain_rendezvous_error(kind, detail, opts, spec.rendezvous.join_timeout,
                                                                     at_start=at_start)
-    return EXIT_OK, ""
-
-
-def _started(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, on_health: Callable | None,
-             events: EventLog, timer_server: Any) -> Any:
-    """The launch (``agent.elastic.Launch``), its hang reports and health hooked up, ready to ``run``."""
-    from elastic_harness.rendezvous.handler import group_running
-
-    witness = Witness(Path(opts.run_dir) / runfiles.EVENTS, node, time.time())
-    launch = _launch(spec, opts, node, command, zygote, events, witness)
-    strikes = keep_out(launch.agent, spec, events, node)
-    if timer_server is not None:  # None: no step watchdog on this torch (``watchdog.start``)
-        timer_server.on_reap = hang_reporter(events, node, launch.agent.rank_of, lambda: witness.high_step,
-                                             spec.timeouts.step, strikes)
-        watch_stalls(timer_server, launch, events, node, lambda: witness.high_step)
-    if on_health is not None:
-        on_health(launch.agent.health)
-    if zygote is not None and group_running(launch.spec.rdzv_handler):
-        # Join once workers can be forked at once: a node joining a running job makes the
-        # group drain as soon as it waits in the rendezvous, and the whole group would
-        # then wait for these imports (seconds: a join's pause). Not when no
-        # group runs yet (the job's start): the first round then overlaps the imports,
-        # and forking the workers waits for them (``Zygote.spawn``).
-        zygote.wait_ready(ZYGOTE_READY_S)
-    return launch
-
-
-def _launch(spec: JobSpec, opts: NodeOptions, node: str, command: tuple, zygote, events: EventLog,
-            witness: Witness):
-    """This node's ``agent.elastic.Launch``: torchelastic's agent with our rendezvous handler."""
-    from elastic_harness.agent.elastic import Launch
-
-    config = launch_config(spec, opts)
-    config.event_log_handler = bridge.install(events, node)
-    r, t = spec.rendezvous, spec.timeouts
-    return Launch(config, *command, judge=witness.judge, progress=witness.progress,
-                  restart_window=spec.restart_window, tick=lambda: witness.poll(force=False),
-                  quiet_bound_s=r.join_timeout + r.last_call_timeout + t.shutdown_grace + 30,
-                  zygote=zygote, report=phase_reporter(events, node, warm=zygote is not None),
-                  exit_barrier_s=finish_bound_s(t.process_group, t.shutdown_grace),
-                  on_failure=exit_reporter(events, node), shutdown_grace=t.shutdown_grace,
-                  in_place=spec.recovery == "in_place", park_bound_s=t.step or PARK_BOUND_S)
+    return None
 
 
 def keep_out(agent, spec: JobSpec, events: EventLog, node: str):

@@ -143,12 +143,12 @@ def _serve_with(args: argparse.Namespace, spec, opts, run_dir: Path, node: str, 
 
     endpoint = None
     if args.endpoint_port is not None:
-        from elastic_harness.agent.endpoint import Endpoint, stall_bound
+        from elastic_harness.agent.endpoint import Endpoint, Serving, stall_bound
 
         try:
             endpoint = Endpoint(run_dir / runfiles.EVENTS, job=spec.name, node=node,
-                                host=args.endpoint_host, port=args.endpoint_port,
-                                stall_s=stall_bound(spec))
+                                serving=Serving(host=args.endpoint_host, port=args.endpoint_port,
+                                                stall_s=stall_bound(spec)))
         except OSError as e:  # port taken, or a host name that does not resolve here
             raise HarnessError(f"cannot serve the endpoint on {args.endpoint_host}:{args.endpoint_port}: "
                                f"{e.strerror or e}", "pick another --endpoint-port (0 = any free port) "

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from elastic_harness import exitcodes, jobkey, runfiles
 from elastic_harness.chaos.inject import ChaosController
@@ -261,6 +262,21 @@ def resolve_script(path: str, job_path: Path) -> Path:
                        "directory it is relative to")
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalRun:
+    """What one run on this machine is given (``launch_local``): the job, its run dir, how
+    many nodes on which hosts, its rendezvous id, the submission whose locks the agents join
+    ("": none), and a reference run's directory to compare the final model with (None: none)."""
+
+    spec: Any
+    run_dir: Path
+    nodes: int
+    hosts: Hosts
+    rdzv_id: str
+    submission: str = ""
+    verify: str | None = None
+
+
 def launch_local(spec, run_dir: Path, nodes: int, hosts: Hosts, rdzv_id: str = "", submission: str = "",
                  verify: str | None = None) -> int:
     """Train on this machine, with the job's faults (``spec.chaos``), on ``hosts``;
@@ -268,12 +284,12 @@ def launch_local(spec, run_dir: Path, nodes: int, hosts: Hosts, rdzv_id: str = "
     recorded (a model that differs is the run's failure)."""
     events = EventLog(run_dir / runfiles.EVENTS)
     chaos = ChaosController(spec.chaos, events, run_dir)
-    rdzv_id = rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name)
+    run = LocalRun(spec, run_dir, nodes, hosts, rdzv_id or spec.rendezvous.id or new_rdzv_id(spec.name),
+                   submission, verify)
     topology = NetnsTopology() if hosts.netns else None
     try:
         endpoint = _endpoint(spec, topology)
-        return _launch(spec, run_dir, nodes, events, chaos, rdzv_id, endpoint, topology, submission,
-                       hosts, verify)
+        return _launch(run, events, chaos, endpoint, topology)
     finally:
         if topology is not None:
             topology.teardown()
@@ -293,14 +309,15 @@ def _endpoint(spec, topology: NetnsTopology | None) -> str:
     return f"{topology.gateway}:{port}" if host in ("127.0.0.1", "localhost") else endpoint
 
 
-def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: str, endpoint: str,
-            topology: NetnsTopology | None, submission: str, hosts: Hosts, verify: str | None = None) -> int:
+def _launch(run: LocalRun, events: EventLog, chaos, endpoint: str, topology: NetnsTopology | None) -> int:
+    spec, run_dir, nodes, hosts = run.spec, run.run_dir, run.nodes, run.hosts
     tail = EventTail(run_dir / runfiles.EVENTS)
-    events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=rdzv_id,
+    events.emit("start", who="host", nodes=nodes, nproc_per_node=spec.nproc_per_node, run_id=run.rdzv_id,
                 run_dir=str(run_dir), netns=topology is not None, separate_hosts=hosts.separate)
     print(f"run dir: {run_dir}  (logs in {run_dir / 'logs'})")
-    agents = AgentArgs(run_dir / runfiles.RESOLVED_SPEC, run_dir, rdzv_id, endpoint, backend=spec.rendezvous.backend,
-                       extra=("--submission", submission) if submission else ())
+    agents = AgentArgs(run_dir / runfiles.RESOLVED_SPEC, run_dir, run.rdzv_id, endpoint,
+                       backend=spec.rendezvous.backend,
+                       extra=("--submission", run.submission) if run.submission else ())
     cluster = LocalCluster(agents, nodes, netns=topology, separate_hosts=hosts.separate, zygote=hosts.zygote)
     progress = Progress(spec.train.steps, step_timeout=spec.timeouts.step)
     fatal, lingering = None, ""
@@ -320,7 +337,7 @@ def _launch(spec, run_dir: Path, nodes: int, events: EventLog, chaos, rdzv_id: s
             chaos.observe(e, cluster)
         progress.close()
     _what_did_not_happen(chaos, unjoined, progress.state.step)
-    return _finish(run_dir, events, cluster, fatal, stop.signum, progress.state, lingering, verify)
+    return _finish(run, events, cluster, fatal, stop.signum, progress.state, lingering)
 
 
 def _what_did_not_happen(chaos: ChaosController, unjoined: list[int], step: int) -> None:
@@ -448,21 +465,22 @@ def cut_short(running: Sequence[int], ranks: dict[str, set[int]], bound_s: float
             "and after) was cut short")
 
 
-def _finish(run_dir: Path, events: EventLog, cluster: LocalCluster, fatal: str | None,
-            stopped_by: int | None, state: RunState, lingering: str = "", verify: str | None = None) -> int:
+def _finish(run: LocalRun, events: EventLog, cluster: LocalCluster, fatal: str | None,
+            stopped_by: int | None, state: RunState, lingering: str = "") -> int:
     """Decide the outcome (``outcome``) from ``state`` (this invocation's events, folded as
-    they were read; ``verify``: a finished run's model is compared with that run's,
+    they were read; ``run.verify``: a finished run's model is compared with that run's,
     ``compare_with``), log the host's ``exit``, then write ``summary.json`` from the whole log
     (exit included, so its goodput is the one ``report`` prints).
 
     Re-reading and folding the log before the ``exit`` event took ~1 s per 10,000 events
     (a 5-minute run): time every stopped or finished job spent after its agents were gone."""
+    run_dir, verify = run.run_dir, run.verify
     codes = {i: n.returncode() for i, n in cluster.nodes.items()}
     permanent = [m for c, m in state.agent_exits if c == exitcodes.PERMANENT]
-    code, message = outcome(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
-                            stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
-                            agent_exits=state.agent_exits, superseded=state.superseded, cut_short=lingering,
-                            sessions=state.generations)
+    code, message = outcome(Happened(finished=state.finished, fatal=fatal, permanent=(permanent or [""])[-1],
+                                     stopped_by=stopped_by, codes=codes, drained_at=state.drained_at,
+                                     agent_exits=state.agent_exits, superseded=state.superseded,
+                                     cut_short=lingering, sessions=state.generations))
     unverified = compare_with(run_dir, verify) if code == exitcodes.OK and verify else None
     if unverified is not None:  # recorded as the run's exit: `status` of a submission says it too
         code, message = unverified.exit_code, unverified.message
@@ -495,16 +513,34 @@ def finished_line(summary: dict) -> str:
             f"restarts {summary['restarts']}, world sizes {summary['world_sizes']}")
 
 
-def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: int | None,
-            codes: dict[int, int | None], drained_at: int | None = None,
-            agent_exits: Sequence[tuple[int, str]] = (), superseded: str = "",
-            cut_short: str = "", sessions: int = -1) -> tuple[int, str]:
-    """Pure: the host's exit code and message (``exitcodes``), from what happened
-    (``drained_at``, ``agent_exits`` and ``superseded`` as ``runstate.RunState`` keeps them;
-    ``cut_short``: ranks still running ``policy.finish_bound_s`` after the last step;
-    ``sessions``: worker groups that started the harness's session, ``RunState.generations``).
-    A script that never starts one (a plain torchrun script) has finished when every agent
+@dataclasses.dataclass(frozen=True)
+class Happened:
+    """What the host saw of a run, for ``outcome``: whether it finished, the fatal failure
+    logged, the last agent's exit-2 line (``permanent``), the signal that stopped the host,
+    each agent's exit code; ``drained_at``, ``agent_exits`` and ``superseded`` as
+    ``runstate.RunState`` keeps them; ``cut_short``: ranks still running
+    ``policy.finish_bound_s`` after the last step; ``sessions``: worker groups that started
+    the harness's session (``RunState.generations``; -1: not counted)."""
+
+    finished: bool
+    fatal: str | None
+    permanent: str
+    stopped_by: int | None
+    codes: dict[int, int | None]
+    drained_at: int | None = None
+    agent_exits: Sequence[tuple[int, str]] = ()
+    superseded: str = ""
+    cut_short: str = ""
+    sessions: int = -1
+
+
+def outcome(happened: Happened) -> tuple[int, str]:
+    """Pure: the host's exit code and message (``exitcodes``), from what happened. A script
+    that never starts a session (a plain torchrun script) has finished when every agent
     exited 0, its workers having exited 0: then the message says so (the only OK with one)."""
+    h = happened
+    finished, fatal, permanent, stopped_by, codes = h.finished, h.fatal, h.permanent, h.stopped_by, h.codes
+    drained_at, superseded, cut_short = h.drained_at, h.superseded, h.cut_short
     if fatal:
         return exitcodes.PERMANENT, fatal
     if finished and cut_short:
@@ -515,13 +551,13 @@ def outcome(*, finished: bool, fatal: str | None, permanent: str, stopped_by: in
         return exitcodes.FAILED, superseded
     if permanent:  # a crash loop (or a fatal error): restarting cannot help
         return exitcodes.PERMANENT, permanent
-    if sessions == 0 and stopped_by is None and codes and all(c == 0 for c in codes.values()):
+    if h.sessions == 0 and stopped_by is None and codes and all(c == 0 for c in codes.values()):
         return exitcodes.OK, ("the script exited 0 on every rank (it does not use elastic_harness's API, "
                               "so no steps, checkpoints or resumes were recorded)")
     saved = "no step was drained" if drained_at is None else f"drained and saved at step {drained_at}"
     if stopped_by is not None:
         return 128 + stopped_by, f"job stopped by {signal.Signals(stopped_by).name}; {saved}"
-    message = _failure_message(agent_exits, drained_at, codes)
+    message = _failure_message(h.agent_exits, drained_at, codes)
     kinds = {exitcodes.kind(c) for c in codes.values()}
     if "preempted" in kinds:
         return exitcodes.PREEMPTED, message

@@ -68,7 +68,7 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
-    from elastic_harness.agent.elastic import HarnessAgent
+    from elastic_harness.agent.elastic import AgentSettings, HarnessAgent
 
     class NoRendezvous:  # the agent is never run here: only its restart bookkeeping
         def get_run_id(self) -> str:
@@ -77,8 +77,8 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     high = [0]
     spec = WorkerSpec(role="w", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint=sys.executable,
                       args=("-c", "pass"), max_restarts=1)
-    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), judge=lambda: None,
-                         progress=lambda: high[0], restart_window=10)
+    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                         settings=AgentSettings(judge=lambda: None, progress=lambda: high[0], restart_window=10))
     failed = RunResult(state=WorkerState.FAILED, failures={
         0: ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "none.json"))})
     attempts = []
@@ -252,7 +252,7 @@ def test_a_second_submission_with_the_same_pinned_id_is_refused():
 
 
 def test_a_fenced_generation_that_finishes_does_not_report_success():
-    from elastic_harness.commands.run import outcome
+    from elastic_harness.commands.run import Happened, outcome
     from elastic_harness.records.runstate import RunState
 
     state = RunState()
@@ -261,8 +261,8 @@ def test_a_fenced_generation_that_finishes_does_not_report_success():
               {"event": "finish", "pid": 7, "step": 60, "t": 3.0}]:
         state.update(e)
     assert not state.finished and "superseded" in state.superseded and "1 of its saves" in state.superseded
-    code, message = outcome(finished=state.finished, fatal=None, permanent="", stopped_by=None, codes={0: 0},
-                            superseded=state.superseded)
+    code, message = outcome(Happened(finished=state.finished, fatal=None, permanent="", stopped_by=None, codes={0: 0},
+                                     superseded=state.superseded))
     assert code == exitcodes.FAILED and message == state.superseded
     # A newer generation (another pid) that finishes is the job's success.
     state.update({"event": "finish", "pid": 8, "step": 60, "t": 4.0})
@@ -285,7 +285,7 @@ def test_the_same_command_twice_with_a_pinned_id_trains_once(tmp_path):
 
 # ----- 4. every rank is waited for after the last step, within a bound ------------------------
 def test_what_is_still_running_after_the_bound_is_reported():
-    from elastic_harness.commands.run import cut_short, group_members, outcome
+    from elastic_harness.commands.run import Happened, cut_short, group_members, outcome
     from elastic_harness.launch.policy import finish_bound_s
 
     where = {0: "1", 1: "0", 2: "0", 3: "2", -1: "3"}  # rank 3 (node 2) belonged to an older, larger group
@@ -293,8 +293,8 @@ def test_what_is_still_running_after_the_bound_is_reported():
     line = cut_short([0], group_members(where), finish_bound_s(120, 30))
     assert "node 0 (ranks 1, 2)" in line and "150s" in line and "cut short" in line
     assert cut_short([], {}, 150) == ""
-    code, message = outcome(finished=True, fatal=None, permanent="", stopped_by=None, codes={0: 143},
-                            cut_short=line)
+    code, message = outcome(Happened(finished=True, fatal=None, permanent="", stopped_by=None, codes={0: 143},
+                                     cut_short=line))
     assert (code, message) == (exitcodes.FAILED, line)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_harness.agent.endpoint import Endpoint, health_verdict, stall_bound
+from elastic_harness.agent.endpoint import Endpoint, Serving, health_verdict, stall_bound
 from elastic_harness.commands.chaos import cmd_chaos
 from elastic_harness.events import EventLog, EventTail
 from elastic_harness.spec import parse_job
@@ -63,7 +63,7 @@ def served(tmp_path):
     """An endpoint on an empty log whose reader runs only when the test calls refresh()."""
     path = tmp_path / "events.jsonl"
     clock = FakeClock()
-    ep = Endpoint(path, job="mlp", node="n0", stall_s=50.0, refresh_s=3600, clock=clock)
+    ep = Endpoint(path, job="mlp", node="n0", serving=Serving(stall_s=50.0, refresh_s=3600, clock=clock))
     try:
         yield ep, EventLog(path), f"http://127.0.0.1:{ep.port}", clock
     finally:
@@ -142,7 +142,7 @@ def handler_threads() -> list[threading.Thread]:
 
 
 def test_connections_beyond_the_bound_are_refused_not_queued(tmp_path):
-    ep = Endpoint(tmp_path / "events.jsonl", job="j", node="n", max_connections=2, idle_timeout_s=60)
+    ep = Endpoint(tmp_path / "events.jsonl", job="j", node="n", serving=Serving(max_connections=2, idle_timeout_s=60))
     idle = []
     try:
         for _ in range(5):  # one at a time, so the first two are the ones the server keeps
@@ -167,7 +167,7 @@ def test_connections_beyond_the_bound_are_refused_not_queued(tmp_path):
 
 
 def test_an_idle_connection_is_dropped(tmp_path):
-    ep = Endpoint(tmp_path / "events.jsonl", job="j", node="n", idle_timeout_s=0.2)
+    ep = Endpoint(tmp_path / "events.jsonl", job="j", node="n", serving=Serving(idle_timeout_s=0.2))
     try:
         with socket.create_connection(("127.0.0.1", ep.port), timeout=30) as s:
             assert s.recv(1) == b"", "the server closed it after its idle timeout"

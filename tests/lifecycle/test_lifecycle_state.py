@@ -15,7 +15,7 @@ import pytest
 from elastic_harness import exitcodes
 from elastic_harness.agent.node import rendezvous_exit_code
 from elastic_harness.commands.jobs import parse_since
-from elastic_harness.commands.run import outcome
+from elastic_harness.commands.run import Happened, outcome
 from elastic_harness.errors import HarnessError
 from elastic_harness.lifecycle import display, registry
 from elastic_harness.lifecycle.registry import JobRecord
@@ -45,28 +45,28 @@ def test_exit_codes_say_whether_a_retry_can_help():
 
 def test_the_hosts_exit_code_follows_what_the_agents_said():
     base = dict(finished=False, fatal=None, permanent="", stopped_by=None)
-    assert outcome(**{**base, "finished": True}, codes={0: 0}) == (0, "")
-    assert outcome(**{**base, "fatal": "bad checkpoint"}, codes={0: 2})[0] == exitcodes.PERMANENT
-    assert outcome(**{**base, "permanent": "crash loop"}, codes={0: 2}) == (2, "crash loop")
-    code, message = outcome(**{**base, "stopped_by": signal.SIGINT, "drained_at": 7}, codes={0: 143})
+    assert outcome(Happened(**{**base, "finished": True}, codes={0: 0})) == (0, "")
+    assert outcome(Happened(**{**base, "fatal": "bad checkpoint"}, codes={0: 2}))[0] == exitcodes.PERMANENT
+    assert outcome(Happened(**{**base, "permanent": "crash loop"}, codes={0: 2})) == (2, "crash loop")
+    code, message = outcome(Happened(**{**base, "stopped_by": signal.SIGINT, "drained_at": 7}, codes={0: 143}))
     assert (code, message) == (130, "job stopped by SIGINT; drained and saved at step 7")
-    code, message = outcome(**base, codes={0: 143}, drained_at=7, agent_exits=[(143, "agent received SIGTERM")])
+    code, message = outcome(Happened(**base, codes={0: 143}, drained_at=7, agent_exits=[(143, "agent received SIGTERM")]))
     assert message == "job stopped by agent received SIGTERM; drained and saved at step 7"
-    assert outcome(**base, codes={0: 1}, agent_exits=[(0, ""), (1, "boom")])[1] == "job failed: boom"
-    assert outcome(**base, codes={0: 143, 1: exitcodes.INFRA})[0] == exitcodes.PREEMPTED
-    assert outcome(**base, codes={0: exitcodes.INFRA, 1: -9})[0] == exitcodes.INFRA
-    assert outcome(**base, codes={0: 1})[0] == exitcodes.FAILED
+    assert outcome(Happened(**base, codes={0: 1}, agent_exits=[(0, ""), (1, "boom")]))[1] == "job failed: boom"
+    assert outcome(Happened(**base, codes={0: 143, 1: exitcodes.INFRA}))[0] == exitcodes.PREEMPTED
+    assert outcome(Happened(**base, codes={0: exitcodes.INFRA, 1: -9}))[0] == exitcodes.INFRA
+    assert outcome(Happened(**base, codes={0: 1}))[0] == exitcodes.FAILED
 
 
 def test_a_plain_script_that_exited_0_everywhere_has_finished():
     """Issue 33: a torchrun-style script (no harness session, so no ``finish`` event) that
     exited 0 on every rank was reported as "job failed: agents exited with {0: 0}", exit 1."""
     base = dict(finished=False, fatal=None, permanent="", stopped_by=None)
-    code, message = outcome(**base, codes={0: 0, 1: 0}, sessions=0)
+    code, message = outcome(Happened(**base, codes={0: 0, 1: 0}, sessions=0))
     assert code == exitcodes.OK and "exited 0 on every rank" in message
-    assert outcome(**base, codes={0: 0, 1: 1}, sessions=0)[0] == exitcodes.FAILED
-    assert outcome(**base, codes={0: 0}, sessions=1)[0] == exitcodes.FAILED, "a session that did not finish"
-    assert outcome(**{**base, "stopped_by": signal.SIGTERM}, codes={0: 0}, sessions=0)[0] == 128 + signal.SIGTERM
+    assert outcome(Happened(**base, codes={0: 0, 1: 1}, sessions=0))[0] == exitcodes.FAILED
+    assert outcome(Happened(**base, codes={0: 0}, sessions=1))[0] == exitcodes.FAILED, "a session that did not finish"
+    assert outcome(Happened(**{**base, "stopped_by": signal.SIGTERM}, codes={0: 0}, sessions=0))[0] == 128 + signal.SIGTERM
 
 
 GONE, RUNNING, QUEUED = Liveness("gone", detail="pid 5 is gone"), Liveness("running"), Liveness("queued")

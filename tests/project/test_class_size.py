@@ -39,15 +39,8 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "checkpoint/collective.py:agreed_verdict": "checkpoint/ is being changed elsewhere",
     "checkpoint/lock.py:Lease.__init__": "checkpoint/ is being changed elsewhere",
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",
-    "commands/run.py:_launch": "commands/ is being changed elsewhere (the agent's run as one object)",
-    "commands/run.py:outcome": "commands/ is being changed elsewhere (the agent's run as one object)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
-    "agent/node.py:_outcome": "the relay _run -> _outcome -> _started -> _launch becomes one object for a node's "
-                                "run (the launch/ split)",
-    "agent/elastic.py:HarnessAgent.__init__": "the launch/ split (the agent's room)",
-    "agent/elastic.py:Launch.__init__": "the launch/ split (the agent's room)",
-    "agent/endpoint.py:Endpoint.__init__": "the launch/ split (the agent's room)",
     "rendezvous/liveness.py:dead_peers": "the rendezvous as rules: its evidence becomes one value",
     "rendezvous/handler.py:record_event": "the rendezvous as rules: an action applied, not a relay of fields",
     "memtier/conduit.py:Conduit.connect": "the copies' link settings become one value",

@@ -244,11 +244,11 @@ def test_agent_stops_workers_with_the_jobs_grace_not_torchs_30s(tmp_path):
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    from elastic_harness.agent.elastic import HarnessAgent
+    from elastic_harness.agent.elastic import AgentSettings, HarnessAgent
 
     spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=no_rendezvous(), entrypoint="true")
     agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
-                         shutdown_grace=77, judge=lambda: None)
+                         shutdown_grace=77, settings=AgentSettings(judge=lambda: None))
     seen = []
     agent.shutdown = lambda death_sig=None, timeout=30: seen.append(timeout)
     agent.stop_workers(agent.worker_group)
@@ -358,12 +358,12 @@ def test_the_agent_waits_for_news_between_monitor_passes(tmp_path):
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    from elastic_harness.agent.elastic import MONITOR_TICK_S, HarnessAgent
+    from elastic_harness.agent.elastic import MONITOR_TICK_S, AgentSettings, HarnessAgent
 
     spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=no_rendezvous(), entrypoint="true",
                       monitor_interval=MONITOR_TICK_S)
-    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), judge=lambda: None,
-                         monitor_interval=600.0)
+    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                         settings=AgentSettings(judge=lambda: None), monitor_interval=600.0)
     assert agent.monitor_interval == 600.0
     assert not agent.await_news(0.05)  # nothing happened: the whole (short) wait
     threading.Thread(target=agent.nudge).start()
