@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -68,9 +70,10 @@ def _readable(pid: str) -> bool:
 @pytest.mark.parametrize("case", [pytest.param("ranks", marks=pytest.mark.e2e), "command"])
 def test_sigint_ends_a_running_pytest_and_what_it_started(tmp_path, case):
     token = f"eh-sigint-{uuid.uuid4().hex[:12]}"
-    ready, tmp = tmp_path / "ready", tmp_path / "tmp"
+    # The inner pytest's TMPDIR, short: multiprocessing's forkserver puts its AF_UNIX socket
+    # there (107 bytes at most), and under xdist tmp_path is deeper (``popen-gwN/``).
+    ready, tmp = tmp_path / "ready", Path(tempfile.mkdtemp(prefix="eh-sigint-"))
     ready.mkdir()
-    tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "EH_INTERRUPT_READY": str(ready),
            "EH_INTERRUPT_TOKEN": token, "EH_INTERRUPT_HOLDER": str(os.getpid())}
     cmd = [sys.executable, "-m", "pytest", str(SLOW), "-k", CASES[case], "-p", "no:cacheprovider", "-q"]
@@ -95,6 +98,7 @@ def test_sigint_ends_a_running_pytest_and_what_it_started(tmp_path, case):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_ctrl_c_while_the_commands_load_is_one_line_and_exit_130():
