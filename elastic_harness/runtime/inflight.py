@@ -16,6 +16,14 @@ Call order, per step, on every rank: ``Kept.begin`` when the step starts; the ho
 local gradients as the last micro-batch's backward reduces them; after a re-formation,
 ``Kept.restore`` (the local gradients back), the extra micro-batches' backward with gradient
 synchronisation off, then ``reduce`` (one all-reduce of every gradient).
+
+Across HSDP replicas (``KeptShards``) the same holds one level up: a node is a whole replica,
+sharded inside, and FSDP2 reduce-scatters a step's gradients within the node before it
+all-reduces the result across replicas. The replica group's tap (``torchcompat.groups``) keeps
+each buffer before that all-reduce: the survivors hold their replica's shard-local gradient of
+the step, 1/shard of the model. Finishing: the lost replicas' share as extra micro-batches at
+the new membership (FSDP2 reduces those as usual), then ``reduce_kept`` adds the kept shard-local
+gradients summed over the surviving replicas, divided by the step's own replica count.
 """
 
 from __future__ import annotations
@@ -65,6 +73,88 @@ class Kept:
                 return False
             param.grad.copy_(kept)
         return True
+
+
+class KeptShards:
+    """HSDP: this rank's shard-local gradients of the current step, before the replica all-reduce.
+
+    FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) reduce-scatters a parameter group's
+    gradients over the shard group (ReduceOp.AVG in float32/bfloat16: divided by the shard
+    degree), all-reduces that buffer in place over the replica group (AVG again) and makes each
+    parameter's gradient a view of it. ``keep`` (the replica group's tap) copies the buffer before
+    its all-reduce is launched; ``local`` finds each gradient's copy by its storage. FSDP2's own
+    switch, ``set_requires_all_reduce(False)``, would skip the all-reduce but writes no gradient:
+    the reduce-scattered result stays in a private buffer of the parameter group until a later
+    backward all-reduces it (it is made for gradient accumulation), so it is not used here.
+    The copies are the step's only when every work of the shard group since ``begin`` ran
+    (``intact``): a reduce-scatter left on a broken generation wrote nothing.
+    """
+
+    def __init__(self, replicate: Any, shard: Any) -> None:
+        self.replicate, self.shard = replicate.lineage, shard.lineage  # of the mesh's LiveGroups
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (all-reduced buffer, its copy)
+        self.step = -1
+        self._skipped = self.shard.skipped
+
+    def install(self) -> KeptShards:
+        self.replicate.tap = self.keep
+        return self
+
+    def begin(self, step: int) -> None:
+        self.buffers, self.step, self._skipped = [], step, self.shard.skipped
+
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        """The replica group's tap: copy each buffer before it is all-reduced."""
+        self.buffers.extend((t, t.detach().clone()) for t in tensors)
+        fire_armed("reduction")  # a chaos fault keyed to this reduction, if armed (runtime.faults)
+
+    def intact(self) -> bool:
+        """Did every collective of the shard group since ``begin`` run (none left or failed)?"""
+        return self.shard.skipped == self._skipped
+
+    def local(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Every gradient's shard-local value before the replica all-reduce, by parameter name;
+        None when some gradient is not a view of a kept buffer (accumulated into a gradient
+        that existed, cast to another dtype) or the shard group's collectives did not all run."""
+        if not self.intact():
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for name, param in model.named_parameters():
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            copy = self._copy_of(grad)
+            if copy is None:
+                return None
+            out[name] = copy
+        return out
+
+    def _copy_of(self, grad: torch.Tensor) -> torch.Tensor | None:
+        ptr = grad.untyped_storage().data_ptr()
+        for buffer, copy in self.buffers:
+            if buffer.untyped_storage().data_ptr() == ptr and buffer.is_contiguous():
+                offset = grad.storage_offset() - buffer.storage_offset()
+                return copy.as_strided(grad.size(), grad.stride(), copy.storage_offset() + offset).clone()
+        return None
+
+
+def reduce_kept(model: nn.Module, kept: dict[str, torch.Tensor], group: Any, old_replicas: int) -> None:
+    """Finish an HSDP step: add to every gradient (the extra micro-batches', reduced at the new
+    membership) the kept shard-local gradients summed over the surviving replicas (one all-reduce
+    over ``group``, the new replica group) and divided by the step's own replica count: each
+    replica's kept value is ``replicas / G`` times its samples' gradient sum (the loss scale times
+    the shard average), so the result is the mean over the step's ``G`` samples."""
+    named = [(param, kept[name]) for name, param in model.named_parameters() if name in kept]
+    if not named:
+        return
+    flat = torch.cat([k.reshape(-1) for _, k in named])
+    dist.all_reduce(flat, group=group)
+    flat.div_(old_replicas)
+    offset = 0
+    for param, k in named:
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        grad.add_(flat[offset:offset + k.numel()].view_as(grad))
+        offset += k.numel()
 
 
 def install(model: nn.Module, kept: Kept, group_of: Any) -> str | None:
