@@ -80,81 +80,90 @@ class KeptShards:
 
     FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) reduce-scatters a parameter group's
     gradients over the shard group (ReduceOp.AVG in float32/bfloat16: divided by the shard
-    degree), all-reduces that buffer in place over the replica group (AVG again) and makes each
-    parameter's gradient a view of it. ``keep`` (the replica group's tap) copies the buffer before
-    its all-reduce is launched; ``local`` finds each gradient's copy by its storage. FSDP2's own
-    switch, ``set_requires_all_reduce(False)``, would skip the all-reduce but writes no gradient:
-    the reduce-scattered result stays in a private buffer of the parameter group until a later
-    backward all-reduces it (it is made for gradient accumulation), so it is not used here.
-    The copies are the step's only when every work of the shard group since ``begin`` ran
-    (``intact``): a reduce-scatter left on a broken generation wrote nothing.
+    degree), all-reduces the result in place over the replica group (AVG again) and makes each
+    parameter's gradient a view of it. During a step's micro-batches (``begin`` .. ``end``) the
+    replica group defers those all-reduces (``torchcompat.groups``: ``Lineage.defer``): the
+    backward pass meets only the ranks of its own node, and its gradients stay shard-local.
+    ``end`` keeps a copy of them, then all-reduces every gradient at once over the replica
+    group (AVG: what FSDP2's would have done; a gradient FSDP2 reduced itself, under another
+    op, is equal on every replica and averages to itself). FSDP2's own switch,
+    ``set_requires_all_reduce(False)``, is not used: it writes no gradient, the
+    reduce-scattered result stays in a private buffer of the parameter group until a later
+    backward all-reduces it (it is made for gradient accumulation).
+
+    The copy is the step's only when every collective of the shard group in the step ran
+    (``Lineage.skipped`` unchanged: a reduce-scatter left on a broken generation wrote
+    nothing) and every replica all-reduce of it was deferred.
     """
 
     def __init__(self, replicate: Any, shard: Any) -> None:
-        self.replicate, self.shard = replicate.lineage, shard.lineage  # of the mesh's LiveGroups
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (all-reduced buffer, its copy)
+        self.group = replicate  # the mesh's replica group (a LiveGroup)
+        self.replicate, self.shard = replicate.lineage, shard.lineage
+        self.kept: dict[str, torch.Tensor] | None = None  # the step's shard-local gradients, by name
         self.step = -1
+        self._deferring = False
+        self._native = False  # some all-reduce of the step was not deferred (another op)
         self._skipped = self.shard.skipped
 
     def install(self) -> KeptShards:
-        self.replicate.tap = self.keep
+        self.replicate.defer = self._defer
         return self
 
     def begin(self, step: int) -> None:
-        self.buffers, self.step, self._skipped = [], step, self.shard.skipped
+        """A step's micro-batches start."""
+        self.kept, self.step, self._deferring, self._native = None, step, True, False
+        self._skipped = self.shard.skipped
 
-    def keep(self, tensors: list[torch.Tensor]) -> None:
-        """The replica group's tap: copy each buffer before it is all-reduced."""
-        self.buffers.extend((t, t.detach().clone()) for t in tensors)
+    def _defer(self, tensors: Any, opts: Any) -> bool:
+        if not self._deferring:
+            return False
+        if opts.reduceOp != dist.ReduceOp.AVG:
+            self._native = True
+            return False
+        return True
+
+    def end(self, model: nn.Module) -> None:
+        """The step's last backward is done: keep the shard-local gradients, then reduce them
+        over the replicas (the chaos point ``reduction`` fires in between)."""
+        self._deferring = False
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        intact = self.shard.skipped == self._skipped and not self._native
+        self.kept = ({name: _local(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
+                     if intact else None)
         fire_armed("reduction")  # a chaos fault keyed to this reduction, if armed (runtime.faults)
+        if grads:
+            _all_reduce_into(grads, self.group, dist.ReduceOp.AVG)
 
-    def intact(self) -> bool:
-        """Did every collective of the shard group since ``begin`` run (none left or failed)?"""
-        return self.shard.skipped == self._skipped
 
-    def local(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Every gradient's shard-local value before the replica all-reduce, by parameter name;
-        None when some gradient is not a view of a kept buffer (accumulated into a gradient
-        that existed, cast to another dtype) or the shard group's collectives did not all run."""
-        if not self.intact():
-            return None
-        out: dict[str, torch.Tensor] = {}
-        for name, param in model.named_parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-            copy = self._copy_of(grad)
-            if copy is None:
-                return None
-            out[name] = copy
-        return out
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's gradients), else the tensor."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
 
-    def _copy_of(self, grad: torch.Tensor) -> torch.Tensor | None:
-        ptr = grad.untyped_storage().data_ptr()
-        for buffer, copy in self.buffers:
-            if buffer.untyped_storage().data_ptr() == ptr and buffer.is_contiguous():
-                offset = grad.storage_offset() - buffer.storage_offset()
-                return copy.as_strided(grad.size(), grad.stride(), copy.storage_offset() + offset).clone()
-        return None
+
+def _all_reduce_into(tensors: list[torch.Tensor], group: Any, op: Any) -> torch.Tensor:
+    """One all-reduce of ``tensors`` (flattened together) over ``group``, written back; the flat sum."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=op, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat
 
 
 def reduce_kept(model: nn.Module, kept: dict[str, torch.Tensor], group: Any, old_replicas: int) -> None:
     """Finish an HSDP step: add to every gradient (the extra micro-batches', reduced at the new
     membership) the kept shard-local gradients summed over the surviving replicas (one all-reduce
     over ``group``, the new replica group) and divided by the step's own replica count: each
-    replica's kept value is ``replicas / G`` times its samples' gradient sum (the loss scale times
-    the shard average), so the result is the mean over the step's ``G`` samples."""
+    replica's kept value is ``replicas / G`` times its samples' gradient sum (the loss scale
+    ``dp / G`` times the shard average), so the result is the mean over the step's ``G`` samples."""
     named = [(param, kept[name]) for name, param in model.named_parameters() if name in kept]
     if not named:
         return
-    flat = torch.cat([k.reshape(-1) for _, k in named])
-    dist.all_reduce(flat, group=group)
-    flat.div_(old_replicas)
-    offset = 0
-    for param, k in named:
-        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-        grad.add_(flat[offset:offset + k.numel()].view_as(grad))
-        offset += k.numel()
+    sums = [k.clone() for _, k in named]
+    _all_reduce_into(sums, group, dist.ReduceOp.SUM)
+    for (param, _), total in zip(named, sums, strict=True):
+        _local(param.grad).add_(total.div_(old_replicas))
 
 
 def install(model: nn.Module, kept: Kept, group_of: Any) -> str | None:

@@ -235,9 +235,10 @@ class Lineage:
         # works that completed without their operation's result (failed, left, or never
         # launched), across generations: a caller compares counts around its collectives
         self.skipped = 0
-        # called with an all-reduce's tensors before it is launched (``runtime.inflight``
-        # keeps HSDP's shard-local gradients there, before the replica all-reduce)
-        self.tap: Callable[[Any], None] | None = None
+        # asked with an all-reduce's tensors and options before it is launched: True, and the
+        # all-reduce is not launched but completes as it is (``runtime.inflight`` defers HSDP's
+        # replica all-reduce of a step's gradients to the step's end, where it runs it itself)
+        self.defer: Callable[[Any, Any], bool] | None = None
         self._lock = threading.Lock()
         self._pending: set[HeldWork] = set()
         self._waits: queue.SimpleQueue | None = None
@@ -286,6 +287,14 @@ class Lineage:
         except BaseException:  # refused at launch (an op this backend lacks): the caller's error
             self.settle(work)
             raise
+
+    def deferred(self, result: Any) -> HeldWork:
+        """A work completed at once, nothing launched (``defer``): not a skipped one."""
+        work = HeldWork(self, result)
+        with self._lock:
+            self._pending.add(work)
+        work.complete(None)
+        return work
 
     def settle(self, work: HeldWork) -> bool:
         """Remove ``work`` from the pending set; False if it was settled already."""
@@ -387,8 +396,8 @@ class LiveGroup(dist.ProcessGroup):
     # collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> HeldWork:
         o = _opts(opts, c10d.AllreduceOptions)
-        if self.lineage.tap is not None:
-            self.lineage.tap(tensors)
+        if self.lineage.defer is not None and self.lineage.defer(tensors, o):
+            return self.lineage.deferred(tensors)
         return self._run(tensors, tensors, lambda b: b.allreduce(tensors, o))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> HeldWork:

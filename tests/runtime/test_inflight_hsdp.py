@@ -1,7 +1,7 @@
 """The step in flight across HSDP replicas (``runtime.inflight.KeptShards``), on live groups:
 four real gloo ranks, a (dp_replicate 2, dp_shard 2) mesh, FSDP2 on it. Each rank keeps its
-replica's shard-local gradient of the step before the replica all-reduce (the replica group's
-tap); when replica 1 (ranks 2 and 3, one node) dies in the step's backward pass or in its
+replica's shard-local gradient of the step before the replica all-reduce (deferred to the
+step's end); when replica 1 (ranks 2 and 3, one node) dies in the step's backward pass or in its
 replica all-reduce, the survivors re-form at world size 2, compute the lost replica's samples as
 extra micro-batches at the new membership and add their kept gradients (``reduce_kept``): the
 gradient is the mean over the step's 16 samples, as the uninterrupted step's."""
@@ -54,12 +54,14 @@ def _fault_free(rank, world, port, out):
     join(rank, world, port, True)
     mesh, m = _hsdp(world, (R, S))
     kept = inflight.KeptShards(mesh["dp_replicate"].get_group(), mesh["dp_shard"].get_group()).install()
+    _, native = _hsdp(world, (R, S))  # FSDP2's own replica all-reduce (outside begin .. end)
+    scaled_loss(native, per_rank(rank, world), R * S).backward()
     kept.begin(1)
     scaled_loss(m, per_rank(rank, world), R * S).backward()
-    local = kept.local(m)
-    assert local is not None
-    Path(f"{out}.{rank}").write_text(json.dumps({"kept": {n: t.tolist() for n, t in local.items()},
-                                                 "grad": _locals(m)}))
+    kept.end(m)
+    assert kept.kept is not None
+    Path(f"{out}.{rank}").write_text(json.dumps({"kept": {n: t.tolist() for n, t in kept.kept.items()},
+                                                 "grad": _locals(m), "native": _locals(native)}))
 
 
 def _die(*_args) -> None:
@@ -75,14 +77,15 @@ def _lost_replica(rank, world, port, out, port2, during):
     kept = inflight.KeptShards(mesh["dp_replicate"].get_group(), mesh["dp_shard"].get_group()).install()
     kept.begin(1)
     loss = scaled_loss(m, per_rank(rank, world), R * S)
-    if rank >= S and during == "reduction":
-        kept.replicate.tap = _die  # replica 1's node dies as the replica all-reduce starts
-    elif rank >= S:
-        loss.register_hook(_die)  # ... or as its backward pass begins
-    loss.backward()  # the replica all-reduce fails here: nothing raises
+    if rank >= S and during == "backward":
+        loss.register_hook(_die)  # replica 1's node dies as its backward pass begins
+    loss.backward()
+    if rank >= S:
+        _die()  # ... or as the replica all-reduce starts
+    kept.end(m)  # the replica all-reduce fails here: nothing raises
     assert gens.broken is not None
     gens.leave("replica 1 is lost")  # what the agent's word does
-    local = kept.local(m)
+    local = kept.kept
     assert local is not None, "the survivors hold their shard-local gradients"
     store2 = dist.TCPStore("127.0.0.1", port2, S, rank == 0, timeout=TIMEOUT)
     gens.reform(store2, rank, S, generations.tag_of(port2))
@@ -112,6 +115,7 @@ def test_each_rank_keeps_its_replicas_shard_local_gradient_before_the_replica_al
             kept = [torch.tensor(got[r * S + s]["kept"][name]) for r in range(R)]
             grad = torch.tensor(got[s]["grad"][name])
             assert torch.allclose(sum(kept) / R, grad, atol=1e-7), name  # the replica average
+            assert torch.allclose(grad, torch.tensor(got[s]["native"][name]), rtol=1e-6, atol=1e-8), name
             assert torch.allclose(grad, torch.chunk(want, S)[s], atol=1e-6), name
             assert not torch.allclose(kept[0], grad, atol=1e-6), f"{name}: kept before the all-reduce"
 
