@@ -159,7 +159,7 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, gen: Generation, key: bytes) -> 
 
 
 def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, parts: Parts, trained: Trained,
-              drain: Any, in_flight: Any = None) -> StepHook:
+              drain: Any, in_flight: Any = None, replicas: Any = None) -> StepHook:
     """What every ``step.done()`` runs (``runtime.hook``): the generation's parts, the
     script's registered objects, the drain's requests and the job's scheduled faults."""
     top = gen.topology
@@ -172,7 +172,7 @@ def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, par
         spec, top, trained,
         Keeping(parts.ckpt, parts.memory, parts.cadence, join_in_memory=covered, on_failure=on_failure),
         Signals(lambda: drain.requested, lambda: drain.stop, parts.watchdog, faults,
-                broken=_broken(), in_flight=in_flight or (lambda step: None)),
+                broken=_broken(), in_flight=in_flight or (lambda step: None), replicas=replicas),
         Reporting(gen.events, parts.metrics, env.restart_count))
 
 

@@ -122,9 +122,13 @@ class KeptShards:
             return False
         return True
 
-    def end(self, model: nn.Module) -> None:
+    def end(self, model: nn.Module | None) -> None:
         """The step's last backward is done: keep the shard-local gradients, then reduce them
-        over the replicas (the chaos point ``reduction`` fires in between)."""
+        over the replicas (the chaos point ``reduction`` fires in between). ``model`` None, or
+        called twice: only stop deferring (a loop left early)."""
+        if not self._deferring or model is None:
+            self._deferring = False
+            return
         self._deferring = False
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         intact = self.shard.skipped == self._skipped and not self._native
