@@ -93,11 +93,12 @@ class KeptShards:
 
     The copy is the step's only when every collective of the shard group in the step ran
     (``Lineage.skipped`` unchanged: a reduce-scatter left on a broken generation wrote
-    nothing) and every replica all-reduce of it was deferred.
+    nothing) and every replica all-reduce of it was deferred. The shard group is the node (a
+    node is a replica, tensor degree 1: ``runtime.repoint`` installs it only there).
     """
 
     def __init__(self, replicate: Any, shard: Any) -> None:
-        self.group = replicate  # the mesh's replica group (a LiveGroup)
+        self.group, self.node = replicate, shard  # the mesh's replica and shard groups (LiveGroups)
         self.replicate, self.shard = replicate.lineage, shard.lineage
         self.kept: dict[str, torch.Tensor] | None = None  # the step's shard-local gradients, by name
         self.step = -1
@@ -134,6 +135,10 @@ class KeptShards:
         intact = self.shard.skipped == self._skipped and not self._native
         self.kept = ({name: _local(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
                      if intact else None)
+        # No rank of the node meets another node before all of them are past their backward: a
+        # rank that fails there first leaves its groups (and its agent tells the node's others
+        # to leave), which would cut a slower neighbour's reduce-scatter short.
+        dist.barrier(group=self.node)
         fire_armed("reduction")  # a chaos fault keyed to this reduction, if armed (runtime.faults)
         if grads:
             _all_reduce_into(grads, self.group, dist.ReduceOp.AVG)

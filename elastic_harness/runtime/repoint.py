@@ -86,14 +86,17 @@ class RunInPlace:
         self.cannot_finish = inflight.install(model, self.kept, lambda: dist.group.WORLD) or ""
 
     def _shards(self, model: Any) -> inflight.KeptShards | None:
-        """HSDP (FSDP2 over a mesh with replicas): the replica all-reduce deferred to each step's
-        end, the shard-local gradients kept before it; None for any other layout or model."""
+        """HSDP (FSDP2 over a mesh with replicas, no tensor parallelism: the shard group is the
+        node): the replica all-reduce deferred to each step's end, the shard-local gradients
+        kept before it; None for any other layout or model (a tensor group's collectives would
+        need the same care: not built)."""
         from torch.distributed.fsdp import FSDPModule
 
         from elastic_harness.torchcompat.nn import unwrap_compiled
 
         top, mesh = self.run.topology, self.run.mesh
-        if top.kind != "mesh" or top.replicate < 2 or mesh is None or not isinstance(unwrap_compiled(model), FSDPModule):
+        if top.kind != "mesh" or top.replicate < 2 or top.tensor > 1 or mesh is None \
+                or not isinstance(unwrap_compiled(model), FSDPModule):
             return None
         return inflight.KeptShards(mesh["dp_replicate"].get_group(), mesh["dp_shard"].get_group()).install()
 
@@ -181,8 +184,9 @@ class RunInPlace:
         why = self._why_not(step)
         if not why and (shards.kept is None or shards.step != step.number):
             why = "a collective of the step within a node was left, so its shard-local gradients are not whole"
-        memory = run.parts.memory
-        if not why and step.number - 1 not in (kept, memory.newest if memory is not None else None):
+        if not why and step.number - 1 not in (kept, self._newest()):
+            kept = self._keep_now()
+        if not why and step.number - 1 not in (kept, self._newest()):
             why = "the step before it is not kept in memory"
         old = (run.topology.dp_rank(), run.topology.dp_degree)
         env, hand = recovery.reform(recovery.park(run.step, kept), run.spec, old_dp=old,
@@ -195,6 +199,21 @@ class RunInPlace:
             recovery.pending = Pending(step.number, shards.kept, list(step.plan), run._loop.loader.meta, old[1],
                                        run.topology.replicate, lost)
         raise inplace.Rerun()
+
+    def _newest(self) -> int | None:
+        memory = self.run.parts.memory
+        return memory.newest if memory is not None else None
+
+    def _keep_now(self) -> int | None:
+        """Publish the state as it is (the step before the one in flight: the optimizer did not
+        step) in this rank's memory, where the cadence had not armed it (arming every step costs
+        more than its budget share); the step kept, or None (no tier, or it failed)."""
+        run = self.run
+        memory = run.parts.memory
+        if memory is None or run._trained is None:
+            return None
+        memory.arm(run.step, run._trained.state)
+        return memory.keep_armed()
 
     def _replicas_lost(self, hand: inplace.Handshake, step: int, lost: list[int], env: WorkerEnv) -> str:
         """Pure over what every rank agreed: why the survivors cannot finish ``step`` across
