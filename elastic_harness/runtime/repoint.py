@@ -73,6 +73,9 @@ class RunInPlace:
         self.shards: inflight.KeptShards | None = None  # HSDP with replicas: the shard-local gradients
         self._finishing = -1  # the step being finished after a re-run (a fault in it: redone)
         self._said: set[str] = set()
+        drain = run.drain
+        run._loop.in_place(lambda: run.recovery.broken() is not None, self.recover,
+                           joinable=lambda: drain.requested and not drain.stop, opening=self.opening)
 
     def registered(self, model: Any) -> None:
         """``run.register``: keep the model's local gradients each step, where the step in flight
@@ -297,7 +300,7 @@ class RunInPlace:
             os._exit(inplace.REFORM_FAILED_EXIT)  # a second fault while the step is being finished
         inflight.reduce(run._trained.model, dist.group.WORLD, old[1])
         hook = build.step_hook(run.spec, run.env, run.run_dir, run.gen, run.parts, run._trained, run.drain,
-                               in_flight=self.finish)
+                               in_place=self)
         if run.recovery.broken() is not None:  # the reduction failed: the update is not the step's
             self._say(f"step {step.number} is redone after a restore: a fault came while it was being finished")
             step.thrown = True
