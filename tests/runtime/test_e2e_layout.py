@@ -118,12 +118,19 @@ def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path
     print(f"resume seconds: shrink {shrunk['load_s']}, grow {grown['load_s']}")
     assert r.kinds("drain")[-1]["saved"] == "memory", "a join under HSDP drains to memory: no storage write"
     # Node 1 (replica 1) dies in step 11's replica all-reduce: the survivors finish that step
-    # (tests/e2e/test_in_flight.py), it is not redone. (Killed between two steps instead, the
-    # survivors may learn of it in the middle of their next step's collectives within the node:
-    # then that step is redone, said once.)
-    assert "is redone" not in r.err, r.err
-    (finished,) = r.kinds("finished")
-    assert (finished["step"], finished["lost_dp_ranks"], finished["world_size"]) == (11, [2, 3], 2), finished
+    # (docs/in-place.md; deterministic on the MLP: tests/e2e/test_in_flight.py). Here a survivor
+    # may learn of the loss from its agent, or from a save in flight, while its own node's
+    # collectives of the step still run (the nodes drift apart within a step, more so on a
+    # loaded machine): then the step is redone after a restore, said once, for that reason.
+    finished = r.kinds("finished")
+    redone = [line for line in r.err.splitlines() if "is redone after a restore" in line]
+    if finished:
+        (one,) = finished
+        assert (one["step"], one["lost_dp_ranks"], one["world_size"]) == (11, [2, 3], 2), one
+        assert not redone, r.err
+    else:
+        assert len(redone) == 1 and "step 11 is redone" in redone[0], r.err
+        assert any(why in redone[0] for why in ("shard-local gradients", "not kept in memory")), redone[0]
     seen = audit(tmp_path, N, G, steps)
     assert set(seen["dp_sizes"].values()) == {2, 4}, "data-parallel degree 4 -> 2 -> 4"
     # parameters within the stated tolerance of the same job uninterrupted at (replicate 2, shard 2)
