@@ -19,9 +19,9 @@ synchronisation off, then ``reduce`` (one all-reduce of every gradient).
 
 Across HSDP replicas (``KeptShards``) the same holds one level up: a node is a whole replica,
 sharded inside, and FSDP2 reduce-scatters a step's gradients within the node before it
-all-reduces the result across replicas. The replica group's tap (``torchcompat.groups``) keeps
-each buffer before that all-reduce: the survivors hold their replica's shard-local gradient of
-the step, 1/shard of the model. Finishing: the lost replicas' share as extra micro-batches at
+all-reduces the result across replicas. The replica group defers that all-reduce to the step's
+end (``torchcompat.groups``: ``Lineage.defer``), where a copy is kept before it runs: the
+survivors hold their replica's shard-local gradient of the step, 1/shard of the model. Finishing: the lost replicas' share as extra micro-batches at
 the new membership (FSDP2 reduces those as usual), then ``reduce_kept`` adds the kept shard-local
 gradients summed over the surviving replicas, divided by the step's own replica count.
 """
