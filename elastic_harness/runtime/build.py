@@ -159,9 +159,11 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, gen: Generation, key: bytes) -> 
 
 
 def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, parts: Parts, trained: Trained,
-              drain: Any, in_flight: Any = None) -> StepHook:
+              drain: Any, in_place: Any = None) -> StepHook:
     """What every ``step.done()`` runs (``runtime.hook``): the generation's parts, the
-    script's registered objects, the drain's requests and the job's scheduled faults."""
+    script's registered objects, the drain's requests and the job's scheduled faults;
+    ``in_place`` (the run's ``runtime.repoint.RunInPlace``, or None): how a step in flight is
+    finished, and HSDP's replica all-reduce deferred to a step's end."""
     top = gen.topology
     faults = WorkerFaults(spec.chaos, rank=top.rank, node=env.node, local_rank=env.local_rank,
                           marker_dir=run_dir / runfiles.CHAOS, events=gen.log, agent=env.agent_pid or os.getppid())
@@ -172,7 +174,8 @@ def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, par
         spec, top, trained,
         Keeping(parts.ckpt, parts.memory, parts.cadence, join_in_memory=covered, on_failure=on_failure),
         Signals(lambda: drain.requested, lambda: drain.stop, parts.watchdog, faults,
-                broken=_broken(), in_flight=in_flight or (lambda step: None)),
+                broken=_broken(), in_flight=in_place.finish if in_place is not None else (lambda step: None),
+                replicas=in_place.shards if in_place is not None else None),
         Reporting(gen.events, parts.metrics, env.restart_count))
 
 

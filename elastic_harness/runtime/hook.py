@@ -121,6 +121,9 @@ class Signals:
     # The run's way to finish the step in flight in place (``runtime.repoint``): given the
     # step, its extra micro-batches and their end, or None (the step is thrown away).
     in_flight: Callable[[Any], Any] = lambda step: None
+    # HSDP's replica all-reduce, deferred to a step's end, with the shard-local gradients kept
+    # before it (``runtime.inflight.KeptShards``), or None
+    replicas: Any = None
 
     def stop(self) -> bool:
         return (self.stop_requested or self.drain_requested)()
@@ -201,6 +204,17 @@ class StepHook:
         step changes the state on gradients that were never reduced."""
         if self.keeping.on_failure and self.memory is not None and self.signals.broken() is not None:
             self.memory.keep_armed()
+
+    def begin_batches(self, step: Step) -> None:
+        """A step's micro-batches start (``Step.batches``): HSDP defers its replica all-reduce."""
+        if self.signals.replicas is not None:
+            self.signals.replicas.begin(step.number)
+
+    def end_batches(self, reduce: bool = True) -> None:
+        """Their last backward is done: HSDP keeps the shard-local gradients and all-reduces them
+        over the replicas (``reduce``; without it, a loop left early: only stop deferring)."""
+        if self.signals.replicas is not None:
+            self.signals.replicas.end(self.model if reduce else None)
 
     def finish_in_flight(self, step: Step) -> Any:
         """After this rank's micro-batches (``Step.batches``): when the generation broke under

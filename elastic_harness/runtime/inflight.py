@@ -16,6 +16,14 @@ Call order, per step, on every rank: ``Kept.begin`` when the step starts; the ho
 local gradients as the last micro-batch's backward reduces them; after a re-formation,
 ``Kept.restore`` (the local gradients back), the extra micro-batches' backward with gradient
 synchronisation off, then ``reduce`` (one all-reduce of every gradient).
+
+Across HSDP replicas (``KeptShards``) the same holds one level up: a node is a whole replica,
+sharded inside, and FSDP2 reduce-scatters a step's gradients within the node before it
+all-reduces the result across replicas. The replica group defers that all-reduce to the step's
+end (``torchcompat.groups``: ``Lineage.defer``), where a copy is kept before it runs: the
+survivors hold their replica's shard-local gradient of the step, 1/shard of the model. Finishing: the lost replicas' share as extra micro-batches at
+the new membership (FSDP2 reduces those as usual), then ``reduce_kept`` adds the kept shard-local
+gradients summed over the surviving replicas, divided by the step's own replica count.
 """
 
 from __future__ import annotations
@@ -65,6 +73,106 @@ class Kept:
                 return False
             param.grad.copy_(kept)
         return True
+
+
+class KeptShards:
+    """HSDP: this rank's shard-local gradients of the current step, before the replica all-reduce.
+
+    FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) reduce-scatters a parameter group's
+    gradients over the shard group (ReduceOp.AVG in float32/bfloat16: divided by the shard
+    degree), all-reduces the result in place over the replica group (AVG again) and makes each
+    parameter's gradient a view of it. During a step's micro-batches (``begin`` .. ``end``) the
+    replica group defers those all-reduces (``torchcompat.groups``: ``Lineage.defer``): the
+    backward pass meets only the ranks of its own node, and its gradients stay shard-local.
+    ``end`` keeps a copy of them, then all-reduces every gradient at once over the replica
+    group (AVG: what FSDP2's would have done; a gradient FSDP2 reduced itself, under another
+    op, is equal on every replica and averages to itself). FSDP2's own switch,
+    ``set_requires_all_reduce(False)``, is not used: it writes no gradient, the
+    reduce-scattered result stays in a private buffer of the parameter group until a later
+    backward all-reduces it (it is made for gradient accumulation).
+
+    The copy is the step's only when every collective of the shard group in the step ran
+    (``Lineage.skipped`` unchanged: a reduce-scatter left on a broken generation wrote
+    nothing) and every replica all-reduce of it was deferred. The shard group is the node (a
+    node is a replica, tensor degree 1: ``runtime.repoint`` installs it only there).
+    """
+
+    def __init__(self, replicate: Any, shard: Any) -> None:
+        self.group, self.node = replicate, shard  # the mesh's replica and shard groups (LiveGroups)
+        self.replicate, self.shard = replicate.lineage, shard.lineage
+        self.kept: dict[str, torch.Tensor] | None = None  # the step's shard-local gradients, by name
+        self.step = -1
+        self._deferring = False
+        self._native = False  # some all-reduce of the step was not deferred (another op)
+        self._skipped = self.shard.skipped
+
+    def install(self) -> KeptShards:
+        self.replicate.defer = self._defer
+        return self
+
+    def begin(self, step: int) -> None:
+        """A step's micro-batches start."""
+        self.kept, self.step, self._deferring, self._native = None, step, True, False
+        self._skipped = self.shard.skipped
+
+    def _defer(self, tensors: Any, opts: Any) -> bool:
+        if not self._deferring:
+            return False
+        if opts.reduceOp != dist.ReduceOp.AVG:
+            self._native = True
+            return False
+        return True
+
+    def end(self, model: nn.Module | None) -> None:
+        """The step's last backward is done: keep the shard-local gradients, then reduce them
+        over the replicas (the chaos point ``reduction`` fires in between). ``model`` None, or
+        called twice: only stop deferring (a loop left early)."""
+        if not self._deferring or model is None:
+            self._deferring = False
+            return
+        self._deferring = False
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        intact = self.shard.skipped == self._skipped and not self._native
+        self.kept = ({name: _local(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
+                     if intact else None)
+        # No rank of the node meets another node before all of them are past their backward: a
+        # rank that fails there first leaves its groups (and its agent tells the node's others
+        # to leave), which would cut a slower neighbour's reduce-scatter short.
+        dist.barrier(group=self.node)
+        fire_armed("reduction")  # a chaos fault keyed to this reduction, if armed (runtime.faults)
+        if grads:
+            _all_reduce_into(grads, self.group, dist.ReduceOp.AVG)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's gradients), else the tensor."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _all_reduce_into(tensors: list[torch.Tensor], group: Any, op: Any) -> torch.Tensor:
+    """One all-reduce of ``tensors`` (flattened together) over ``group``, written back; the flat sum."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=op, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat
+
+
+def reduce_kept(model: nn.Module, kept: dict[str, torch.Tensor], group: Any, old_replicas: int) -> None:
+    """Finish an HSDP step: add to every gradient (the extra micro-batches', reduced at the new
+    membership) the kept shard-local gradients summed over the surviving replicas (one all-reduce
+    over ``group``, the new replica group) and divided by the step's own replica count: each
+    replica's kept value is ``replicas / G`` times its samples' gradient sum (the loss scale
+    ``dp / G`` times the shard average), so the result is the mean over the step's ``G`` samples."""
+    named = [(param, kept[name]) for name, param in model.named_parameters() if name in kept]
+    if not named:
+        return
+    sums = [k.clone() for _, k in named]
+    _all_reduce_into(sums, group, dist.ReduceOp.SUM)
+    for (param, _), total in zip(named, sums, strict=True):
+        _local(param.grad).add_(total.div_(old_replicas))
 
 
 def install(model: nn.Module, kept: Kept, group_of: Any) -> str | None:

@@ -127,6 +127,7 @@ class Recovery:
     phases: dict[str, float] = field(default_factory=dict)  # the last fault's, in seconds
     forced: str = ""  # a failure of the in-place path a test forces on this rank (``FAULT_VAR``)
     underway: bool = False  # parked for a fault and not re-formed yet: a failure now ends the process
+    pending: Any = None  # a step in flight to finish once the training function runs again (``runtime.repoint``)
     _since: float = 0.0
     _reforming: bool = False
 

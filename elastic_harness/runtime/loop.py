@@ -80,13 +80,17 @@ class Loop:
         self._broken: Callable[[], bool] = lambda: False
         self._recover: Callable[[], None] | None = None
         self._joinable: Callable[[], bool] = lambda: False
+        self._opening: Callable[[StepHook, Any], Step | None] = lambda hook, loader: None
 
     def in_place(self, broken: Callable[[], bool], recover: Callable[[], None],
-                 joinable: Callable[[], bool] = lambda: False) -> None:
+                 joinable: Callable[[], bool] = lambda: False,
+                 opening: Callable[[StepHook, Any], Step | None] = lambda hook, loader: None) -> None:
         """A fault may be recovered in place: ``broken()`` says the generation broke,
         ``recover()`` parks and re-forms (or raises ``Rerun``); ``joinable()``: a drain the
-        agent asked for a joining node is waited out parked, in place, not by exiting."""
-        self._broken, self._recover, self._joinable = broken, recover, joinable
+        agent asked for a joining node is waited out parked, in place, not by exiting;
+        ``opening(hook, loader)``: the step a loop starts with instead of its next one (a step
+        in flight finished after the training function ran again), or None."""
+        self._broken, self._recover, self._joinable, self._opening = broken, recover, joinable, opening
 
     def rebind(self, watchdog: ProgressWatchdog, cadence: Cadence, rank: int) -> None:
         """The parts of the generation a recovery in place made."""
@@ -152,7 +156,7 @@ class Loop:
                     loader, hook, samples = self._rebound(bind, hook_of(), samples_of)
                     continue
                 self.watchdog.arm()
-                step = self._next_step(hook, loader, samples)
+                step = self._opening(hook, loader) or self._next_step(hook, loader, samples)
                 self.yielded = step
                 yield step
                 todo = self._after(step)

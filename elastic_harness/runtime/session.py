@@ -237,10 +237,7 @@ class Run:
         self._resumed_at: int | None = None  # the step this attempt started from (crash loops)
         self._kept: int | None = None  # the step kept in memory on a failure (``_keep_on_failure``)
         self._loop = Loop(spec, self._train, self.parts.watchdog, self.parts.cadence, self.rank)
-        self._in_place = RunInPlace(self) if recovery is not None else None  # runtime.repoint
-        if self._in_place is not None:
-            self._loop.in_place(lambda: recovery.broken() is not None, self._in_place.recover,
-                                joinable=lambda: self.drain.requested and not self.drain.stop)
+        self._in_place = RunInPlace(self) if recovery is not None else None  # runtime.repoint: its loop's part too
         self._quiet_close = False  # closing on the way down (an exception, the interpreter's exit)
         # Our agent's entry records escaping exceptions itself; under plain torchrun or
         # python, the interpreter's last-chance hook does. ``close`` at the interpreter's exit.
@@ -341,7 +338,7 @@ class Run:
         return self._loop.start(
             lambda: self._bound_loader(source_of(dataset), collate_fn),
             lambda: build.step_hook(self.spec, self.env, self.run_dir, self.gen, self.parts, self._trained,
-                                    self.drain, in_flight=self._in_place.finish if self._in_place else None),
+                                    self.drain, in_place=self._in_place),
             lambda: Samples.of(self.spec, self.run_dir, self.gen.id, self.topology))
 
     def _bound_loader(self, source: Any, collate_fn: Callable | None) -> StepLoader | StreamLoader:

@@ -45,6 +45,10 @@ class Owner(Protocol):
 
     def after_backward(self) -> None: ...
 
+    def begin_batches(self, step: Step) -> None: ...
+
+    def end_batches(self, reduce: bool = True) -> None: ...
+
     def finish_in_flight(self, step: Step) -> Any: ...
 
     def after_step(self, step: Step, metrics: dict[str, float]) -> None: ...
@@ -83,6 +87,9 @@ class Step:
         self.thrown = False  # its generation broke: nothing of it was counted (``runtime.inplace``)
         self.reformed = False  # finished in place, in a generation re-formed under it (``runtime.inflight``)
         self.shared: Any = None  # the step's vote all-reduce, once launched (``StepHook.start_vote``)
+        # what ends a step finished after a re-run of the training function, once its (extra)
+        # micro-batches are done (``runtime.repoint``: the kept gradients of the lost replicas' step)
+        self.completing: Any = None
 
     @property
     def is_last(self) -> bool:
@@ -105,14 +112,19 @@ class Step:
         """
         model = self.hook.model
         last = len(self._batches) - 1
+        self.hook.begin_batches(self)
         try:
             for i, batch in enumerate(self._batches):
                 self._current, self._current_index = len(self.plan[i]), i
                 if model is not None:
                     set_grad_sync(model, i == last)
                 yield batch
+            self.hook.end_batches()  # HSDP: the replica all-reduce, deferred to here (``runtime.inflight``)
+            if self.completing is not None:
+                self.completing()
             yield from self._finish_in_flight(model)
         finally:
+            self.hook.end_batches(reduce=False)
             if model is not None:
                 set_grad_sync(model, True)
         self.hook.start_vote(self)

@@ -549,6 +549,12 @@ class JobSpec:
         "and re-form their process groups (only the lost ranks start anew; needs warm_start); "
         "restart = every worker of the job restarts (forked anew from the zygote)."
     )
+    finish_hsdp_step: bool = doc(
+        False, "HSDP: a replica (a node) lost in the middle of a step costs the survivors no step: its "
+        "replica all-reduce waits for the step's end and each rank keeps its shard-local gradients "
+        "before it (docs/in-place.md). Off by default: that all-reduce then no longer overlaps the "
+        "backward pass, so measure it on your cluster; off, such a step is redone once after a restore."
+    )
     rendezvous: RendezvousSpec = doc(RendezvousSpec(), "How nodes find each other.")
     train: TrainSpec = doc(TrainSpec(), "Steps, batch sizes, seed.")
     optimizer: OptimizerSpec = doc(OptimizerSpec(), "Optimizer and learning-rate schedule.")

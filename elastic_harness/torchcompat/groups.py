@@ -178,9 +178,13 @@ class HeldWork(dist._Work):
         if last or error is not None:
             self.complete(error)
 
-    def complete(self, error: BaseException | str | None) -> None:
+    def complete(self, error: BaseException | str | None, ran: bool = True) -> None:
+        """Done: its inner operation completed (``ran``; ``error`` if it failed), or it was
+        left or never launched (``ran`` False: its outputs are not the collective's)."""
         if not self._lineage.settle(self):
             return
+        if error is not None or not ran:
+            self._lineage.skipped += 1
         if error is not None:
             self.failed = True
             self._lineage.broke(error)
@@ -228,6 +232,13 @@ class Lineage:
         self.broken: str | None = None  # why the current generation cannot be used
         self.stale = False  # its members no longer exist as such (a mesh after a resize)
         self.on_broken: Callable[[str], None] = lambda reason: None
+        # works that completed without their operation's result (failed, left, or never
+        # launched), across generations: a caller compares counts around its collectives
+        self.skipped = 0
+        # asked with an all-reduce's tensors and options before it is launched: True, and the
+        # all-reduce is not launched but completes as it is (``runtime.inflight`` defers HSDP's
+        # replica all-reduce of a step's gradients to the step's end, where it runs it itself)
+        self.defer: Callable[[Any, Any], bool] | None = None
         self._lock = threading.Lock()
         self._pending: set[HeldWork] = set()
         self._waits: queue.SimpleQueue | None = None
@@ -246,7 +257,7 @@ class Lineage:
         with self._lock:
             pending = list(self._pending)
         for work in pending:
-            work.complete(f"left: {reason}" if self.raises else None)
+            work.complete(f"left: {reason}" if self.raises else None, ran=False)
         if inner is not None:
             inner.end()
         return inner
@@ -269,13 +280,21 @@ class Lineage:
             self._pending.add(work)
         inner = self.inner
         if inner is None or self.broken is not None:
-            work.complete(self.broken or "the group has no backend (between generations)")
+            work.complete(self.broken or "the group has no backend (between generations)", ran=False)
             return work
         try:
             return work.follow(launch(inner.for_device(device_type)))
         except BaseException:  # refused at launch (an op this backend lacks): the caller's error
             self.settle(work)
             raise
+
+    def deferred(self, result: Any) -> HeldWork:
+        """A work completed at once, nothing launched (``defer``): not a skipped one."""
+        work = HeldWork(self, result)
+        with self._lock:
+            self._pending.add(work)
+        work.complete(None)
+        return work
 
     def settle(self, work: HeldWork) -> bool:
         """Remove ``work`` from the pending set; False if it was settled already."""
@@ -377,6 +396,8 @@ class LiveGroup(dist.ProcessGroup):
     # collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> HeldWork:
         o = _opts(opts, c10d.AllreduceOptions)
+        if self.lineage.defer is not None and self.lineage.defer(tensors, o):
+            return self.lineage.deferred(tensors)
         return self._run(tensors, tensors, lambda b: b.allreduce(tensors, o))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> HeldWork:

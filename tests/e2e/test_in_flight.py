@@ -3,13 +3,16 @@ under DDP a node killed in the middle of a step's backward pass, or of its gradi
 reduction, costs the survivors no step: they compute the lost share as extra micro-batches
 and take the step at the new membership. The result is the uninterrupted run's within the
 tolerance of a change of reduction order (docs/tolerance.md), and every sample is used once
-(the audit by content). Where the step cannot be finished, it is redone after a restore,
-said once (HSDP: tests/runtime/test_e2e_layout.py)."""
+(the audit by content). Under HSDP a node is a whole replica: the survivors finish the step
+the same way after their training function runs again (its mesh is built for the new
+membership), from the step before it in their own memory. Where the step cannot be finished
+(FSDP without replicas: tests/e2e/test_in_place.py), it is redone after a restore, said once."""
 
 from __future__ import annotations
 
 import pytest
 
+from elastic_harness.data.sampler import rank_share
 from tests.audit import audit
 from tests.conftest import MLP, cli, final_ckpt, model_of
 from tests.e2e.test_e2e_core import assert_close
@@ -109,3 +112,39 @@ def test_a_script_hook_registered_after_register_is_kept_and_the_step_is_redone(
     redone = [line for line in r.err.splitlines() if "is redone after a restore" in line]
     assert len(redone) == 1 and "communication hook of its own" in redone[0], r.err[-3000:]
     assert r.kinds("finished") == []
+
+
+HSDP = ["--nodes", "2", "--nproc-per-node", "2", "--set", "nodes.min=1", "--set", "nodes.max=2",
+        "--set", "parallelism={shard: 2, tensor: 1}", "--set", "train.record_samples=true", "--set", "train.steps=16",
+        "--set", "finish_hsdp_step=true"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory):
+    r = cli("run", str(MLP), *HSDP, run_dir=tmp_path_factory.mktemp("hsdp-ref"))
+    assert r.code == 0, r.err
+    return r
+
+
+@pytest.mark.parametrize("during", ["backward", "reduction"])
+def test_a_replica_lost_mid_step_under_hsdp_costs_the_survivors_no_step(hsdp_reference, tmp_path, during):
+    """2 nodes x 2 ranks, HSDP (replicate 2, shard 2): node 1, a whole replica, is SIGKILLed in
+    step 9's backward pass or in its replica all-reduce; node 0's two ranks finish step 9 with
+    their kept shard-local gradients and the lost replica's 14 samples as extra micro-batches."""
+    r = cli("run", str(MLP), *HSDP, "--chaos", f"kill-node:1@8+{during}", run_dir=tmp_path)
+    assert r.code == 0, r.err
+    assert "is redone" not in r.err, r.err
+    (finished,) = r.kinds("finished")
+    assert (finished["step"], finished["lost_dp_ranks"], finished["world_size"]) == (9, [2, 3], 2)
+    lost = sum(rank_share(G, 4, d)[1] - rank_share(G, 4, d)[0] for d in (2, 3))
+    assert finished["extra_samples"] == lost // 2, "rank 0's half of the lost replica's share, no more"
+    assert [e["mode"] for e in r.kinds("reformed")] == ["finish", "finish"]
+    (rec,) = r.kinds("recovery")
+    first = {e["rank"]: e["pid"] for e in r.kinds("worker") if e["restart"] == 0}
+    assert sorted(rec["kept"]) == sorted(first[k] for k in range(2)) and rec["new"] == []
+    # the mesh is built again for one replica: the state is the step before, from the survivors' own memory
+    (restored,) = [e for e in r.kinds("resume") if not e.get("fresh")]
+    assert (restored["step"], restored["source"]) == (8, "memory"), restored
+    audit(tmp_path, N, G, 16)
+    diff = assert_close(model_of(final_ckpt(tmp_path)), model_of(final_ckpt(hsdp_reference.run_dir)))
+    print(f"HSDP 2x2, a replica lost mid-{during}, vs uninterrupted: {diff}")
