@@ -31,7 +31,7 @@ on silence alone. It needs, all at once:
      (one membership change), since its group had already failed.
 
 A node dropped by the rule is also no longer waited for as a peer of the previous round
-(``rendezvous.PEER_GRACE_S``). Everything else stays torch's: a node without evidence
+(``rendezvous.rules.PEER_GRACE_S``). Everything else stays torch's: a node without evidence
 against it expires as before.
 
 Call order: ``identity(beacon)`` once per agent (its ``lives`` entry); ``peer_lost(message)``

@@ -410,3 +410,26 @@ def test_a_spare_that_joins_before_the_survivor_waits_for_it(store, monkeypatch)
         assert state.round == 4 and {me[n] for n in state.participants} == {"a", "spare"}
     finally:
         close([a, spare, writer])
+
+
+def test_our_fields_travel_beside_torchs_state_sealed_never_on_its_object(store):  # noqa: F811
+    """``members``, ``gone``, ``broken`` and ``lives`` are ours (``rules.Ours``): sealed with
+    torch's pickled state (``sealed.pack``), read back by every agent, and torch's object
+    carries its own fields only."""
+    from elastic_harness.torchcompat.rdzv import STATE_FIELDS
+
+    pair = [agent(store, "beside", 2) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        pair[0].group_failed()
+        read_state(pair[0])
+        pair[0]._state_holder.mark_dirty()  # its next write carries the round broken
+        with pair[0]._heartbeat_lock:
+            pair[0]._state_holder.sync()
+        state = read_state(pair[1])
+        assert set(vars(state)) <= set(STATE_FIELDS), "nothing of ours on torch's object"
+        beside = pair[1]._seal.beside
+        nodes = {h._this_node for h in pair}
+        assert beside.members == nodes and beside.broken == state.round and set(beside.lives) == nodes
+    finally:
+        close(pair)
