@@ -194,16 +194,17 @@ class StateSeal:
 
 
 def pack(state: bytes, beside: Any) -> bytes:
-    """torch's pickled state and our fields beside it (``StateSeal.beside``), as one payload
-    to seal: torch's bytes are never changed, and nothing of ours is set on its object."""
-    return len(state).to_bytes(8, "big") + state + pickle.dumps(beside)
+    """Our fields beside torch's pickled state (``StateSeal.beside``) and that state, as one
+    payload to seal: torch's bytes come last, unchanged, and nothing of ours is set on its object."""
+    ours = pickle.dumps(beside)
+    return len(ours).to_bytes(8, "big") + ours + state
 
 
 def unpack(payload: bytes) -> tuple[bytes, Any]:
-    """``pack`` undone. Only ever called on an authentic payload (the job's seal checked):
-    our fields are unpickled only when the job's own agents wrote them."""
+    """``pack`` undone: (torch's state, our fields). Only ever called on an authentic payload
+    (the job's seal checked): our fields are unpickled only when the job's own agents wrote them."""
     size = int.from_bytes(payload[:8], "big")
-    return payload[8:8 + size], pickle.loads(payload[8 + size:])
+    return payload[8 + size:], pickle.loads(payload[8:8 + size])
 
 
 class SealedC10dBackend(Announcing, RendezvousBackend):
