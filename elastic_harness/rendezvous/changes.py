@@ -25,7 +25,7 @@ Which writes count: each count wakes every agent, so a round in which each of N 
 counts its own write would cost N^2 wake-ups (millions at 1000 nodes), and a key per
 keep-alive (every ``keep_alive_interval`` from every node) would pile up in the store. The
 writer asks first (``SealedC10dBackend.worth_announcing``, the handler's: does the write
-change what another agent acts on? ``rendezvous.handler.shape``): a keep-alive, a join or a
+change what another agent acts on? ``rendezvous.rules.shape``): a keep-alive, a join or a
 leave, one more node on a wait list that has one, are not counted; the round broken,
 reopened, completed or closed, the first node waiting, a spare more or less are. A round
 after a node loss then costs a handful of counts, whatever N.

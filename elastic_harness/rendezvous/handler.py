@@ -1,71 +1,15 @@
-"""torch's dynamic rendezvous (c10d, etcd-v3, etcd-v2) with a last call decided per round.
+"""torch's dynamic rendezvous (c10d, etcd-v3, etcd-v2), its decisions ours: the handler.
 
-torch's ``DynamicRendezvousHandler`` closes a round ``last_call`` seconds after ``nodes.min``
-nodes joined it (or at once when ``nodes.max`` did). One value serves two opposite needs:
-
-- at start-up, agents start together but not at once (importing torch alone takes seconds,
-  more on a loaded machine): a short last call lets the first agent form a group alone,
-  and the others then force a membership change (the start-up race seen with 1 s);
-- after a node loss, every surviving agent is already listed in the rendezvous state,
-  waiting for the next round: a long last call only delays the restart.
-
-So the last call is decided from the rendezvous state at the moment it is set
-(``last_call_s``): round 0 of a submission (each submission has its own rendezvous id)
-waits ``start_last_call`` for the rest; a later round waits ``last_call`` if other agents are
-known to be waiting for it (torch's wait and redundancy lists); else ``PEER_GRACE_S`` if a
-peer of this agent's previous round has not joined yet; else not at all (a node that
-arrives later joins by a membership change).
-
-Why the previous round's peers: after a worker crash every agent of the group restarts at
-about the same moment. torch opens the next round only once every participant of the last
-one left it (its exit), and an agent joins right after its exit, in the same call; so two
-agents that both exit can each find the new round open and the other one not in it yet,
-and the first would close a group of one. A peer that left is one store round trip from
-joining, so a short grace suffices; a lost peer is no longer waited for once it is known
-gone: dropped by ``liveness``/``verdict`` or seen expiring at a read of the state.
-
-The deciding happens where torch reads the value: ``RoundTimeout.last_call`` is read only
-when an agent's join brings a round to ``nodes.min`` (``_add_to_participants``), on the
-executor's freshly synced state, which is the state holder's. ``create_handler`` builds
-torch's handler exactly as torch's own c10d/etcd-v2 creators do, with that timeout.
-
-Limits: the state is read through the handler's state holder (``torchcompat.rdzv``: where a
-torch lacks it, every round waits the start last call); keep-alive expiry compares the
-writer's and the reader's wall clocks, so clock skew between hosts adds to (or eats into)
-``keep_alive_interval * keep_alive_max_attempt``.
-
-Events without ``inspect.stack()``: every rendezvous operation records an event (the report
-reads them, through ``bridge``), named after the method and file that recorded it, which
-torch finds with ``inspect.stack()`` twice per event. That reads the source of every frame
-and searches ``sys.modules`` for each: 20-30 ms per event with torch loaded, 100-150 ms of
-each restart's rendezvous on a 2-core machine, most of the time it took. torch skips it
-only when nobody listens. ``create_handler`` replaces both lookups in torch's
-``dynamic_rendezvous`` module with ``method_name`` and ``record_event``, which read the same
-frames directly: the same events, in microseconds (``torchcompat.rdzv.patch_module``: only in
-the agent's process, undone by tests).
-
-No start-up skew at restarts: see ``delay``.
-
-Authenticated state (issue 22): torch pickles the rendezvous state into the c10d store or
-etcd, and unpickles whatever it reads back; both are writable by anyone who reaches them.
-The backends here are ours, on torch's public ``RendezvousBackend`` interface, with the
-state sealed under the job's key (``rendezvous.sealed``): a forged or corrupt value is refused before torch unpickles it, with
-one logged line, and the job carries on with the last authentic state.
-
-A dead node sooner (issue 26): an agent whose workers failed because a peer's connection
-closed tells its handler (``peer_lost``); at each sync of the state the handler then drops
-the peers of its last round that are certainly gone (``rendezvous.liveness``: same host and
-the agent's process is gone, or another host and silent two keep-alive intervals), as
-torch's own expiry would, and no longer waits for them as peers (``RoundTimeout.forget``).
-Each agent writes its process identity next to its keep-alive (a ``lives`` entry in the
-state, which is sealed like the rest). Never on silence alone: see ``liveness``. Limits: it hooks
-private methods of torch's dynamic rendezvous, the state holder's ``_sanitize`` (run after
-every sync, where torch's own expiry happens), the executor's ``_keep_alive`` and the join
-operations a later round closes early on (``torchcompat.rdzv``: where a torch lacks them,
-torch's expiry alone drops a lost node and a round waits its last call).
-
-Call order: ``handler_for(params)`` once per agent (torch's registry, which calls
-``create_handler``); the agent then uses the handler as torch's own.
+``create_handler`` builds torch's ``DynamicRendezvousHandler`` as torch's own creators do,
+on our sealed state backends (``rendezvous.sealed``, ``rendezvous.etcd_v3``), and ``_Handler``
+applies, at torch's hook points (``torchcompat.rdzv``), what the pure rules of
+``rendezvous.rules`` decide over a frozen view of torch's state, our own fields sealed beside
+it and the evidence (``rendezvous.liveness``, ``rendezvous.verdict``): the last call of each
+round, who is admitted, stays a spare or takes a vacancy, which peers are dropped as dead,
+whether a round is broken, how a join polls. Why each rule is as it is, and its limits:
+docs/how-it-works.md ("Rendezvous rounds" and after). Call order: ``handler_for(params)`` once
+per agent (torch's registry, which calls ``create_handler``); the agent then uses the handler
+as torch's own.
 """
 
 from __future__ import annotations
@@ -74,10 +18,10 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -99,7 +43,20 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_harness import jobkey
-from elastic_harness.rendezvous import etcd_v3, liveness, probe, rounds, verdict
+from elastic_harness.rendezvous import etcd_v3, liveness, probe, rules, verdict
+from elastic_harness.rendezvous.rules import (  # noqa: F401 - the rendezvous' settings, named here too
+    PEER_GRACE_S,
+    POLL_S,
+    REJOIN_POLL_S,
+    RUNNING_POLL_S,
+    SPARE_POLL_S,
+    STATE_READS_PER_S,
+    WAKE_READS_PER_S,
+    last_call_s,
+    poll_for,
+    rejoin_poll,
+    wake_gap,
+)
 from elastic_harness.spec import backends
 from elastic_harness.torchcompat import rdzv
 
@@ -109,86 +66,18 @@ log = logging.getLogger(__name__)
 _DEFAULTS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "close_timeout": 30.0,
              "heartbeat_timeout": 5.0, "keep_alive_interval": 5.0, "keep_alive_max_attempt": 3}
 
-
-# Seconds a later round waits for a peer of the previous round that has not joined it yet
-# (see the module docstring); a store round trip, well within torch's own 1 s poll.
-PEER_GRACE_S = 1.0
-
-# Seconds between a waiting agent's reads of the rendezvous state (torch's SYNC action: 1 s),
-# and the oldest copy of the state torch serves instead of reading it (its state holder's
-# ``cache_duration``: 1 s), which is also how late a running agent, asking every
-# ``timeouts.monitor_interval``, sees a node waiting to join. At torch's 1 s a join paid
-# about a second three times over: the running agent noticing the joiner, then each of the
-# two agents seeing the other in the new round (issue 26). One store read per agent per
-# ``POLL_S`` while it waits or runs.
-POLL_S = 0.25
-
-# Seconds between a running agent's reads of the state: how late it sees that a peer's group
-# failed (``_Handler.round_broken``: it then stops its own workers at once). Without that, the
-# failure reaches a worker through its collectives, one worker's exit after another (50-150 ms
-# a hop); at 0.25 s the last survivor of an 8-node group still saw it 0.17 s after the first
-# (issue 36, item 2). One read costs an agent well under a millisecond.
-RUNNING_POLL_S = 0.1
-
-# Store reads per second a job's running agents make together at most (issue 36: each read is
-# the whole state, ~260 bytes a node; at 1000 nodes and ``POLL_S`` that was 4000 reads and ~1 GB
-# a second on the one store). A group of more than ``STATE_READS_PER_S * RUNNING_POLL_S`` nodes
-# reads the state less often (``poll_for``): a waiting node or a broken round is seen that much later.
-STATE_READS_PER_S = 200.0
-SPARE_POLL_S = 0.05  # a hot spare's reads of the state while it waits (``_Handler._wait_as_spare``)
-
-
-def poll_for(nodes: int) -> float:
-    """Pure: seconds between a running agent's reads of the state in a group of ``nodes``."""
-    return max(RUNNING_POLL_S, nodes / STATE_READS_PER_S)
-
-
-# Reads of the state a job's agents make together at most when woken by a change
-# (``rendezvous.changes``): every counted write wakes every agent at once, and each then reads
-# the whole state (260 KB at 1000 nodes). An agent woken within ``wake_gap`` of its last
-# read reads when that gap is over: 8 ms at 8 nodes, a second at 1000.
-WAKE_READS_PER_S = 1000.0
-
-
-def wake_gap(nodes: int) -> float:
-    """Pure: the least seconds between an agent's reads of the state that a change woke."""
-    return nodes / WAKE_READS_PER_S
-
-
-REJOIN_POLL_S = 0.05  # an agent rejoining after a restart: its peers arrive within moments
-
-
-def rejoin_poll(nodes: int) -> float:
-    """Pure: seconds between a rejoining agent's reads of the state (a round after a failure
-    lasts a fraction of a second; the same cap on a job's reads as ``poll_for``, times 4)."""
-    return max(REJOIN_POLL_S, nodes / (4 * STATE_READS_PER_S))
-
-
-def last_call_s(round_: int, others_waiting: int, peers_missing: int = 0, *, start_s: float,
-                later_s: float) -> float:
-    """Pure: seconds a round stays open for more agents once ``nodes.min`` have joined it.
-
-    ``round_`` 0 is the start of a submission: ``start_s``. Later rounds: ``later_s`` while
-    ``others_waiting`` agents (listed as waiting for this round, besides the one deciding)
-    may still join, and at least two of their polls (``POLL_S``): a waiting agent reads
-    the state once a poll, and the deciding agent checks its deadline on the same beat, so
-    a deadline one poll away is a coin toss between "joined" and "closed without it" (seen:
-    two agents restarting together split into two groups of one); else ``PEER_GRACE_S`` (at
-    most ``later_s``) while ``peers_missing`` agents of the deciding agent's previous round
-    have not joined; else 0: no agent is known to be coming, so close now.
-    """
-    if round_ == 0:
-        return start_s
-    if others_waiting > 0:
-        return max(later_s, 2 * POLL_S)
-    return min(later_s, PEER_GRACE_S) if peers_missing > 0 else 0.0
+# Why a node was dropped (``rules.Drop.why``), in the rendezvous' log line.
+_WHY = {"condemned": "its keep-alives and beacon silent while this node's workers stalled (rendezvous.verdict)",
+        "gone": "its agent's process is gone, and this node's workers lost their connection to a peer",
+        "silent": "silent, and this node's workers lost their connection to a peer"}
 
 
 class RoundTimeout(RendezvousTimeout):
-    """torch's rendezvous timeouts, with ``last_call`` decided per round by ``last_call_s``.
+    """torch's rendezvous timeouts, with ``last_call`` decided per round (``rules.last_call``).
 
-    ``follow(state)`` gives it the callable returning the handler's current rendezvous
-    state; before that (or if it returns None) ``last_call`` is the configured value.
+    ``follow(state, ours)`` gives it the callables returning the handler's current view of
+    torch's state and our fields beside it; before that (or if ``state`` returns None)
+    ``last_call`` is the configured value.
     """
 
     def __init__(self, *, join: float, start_last_call: float, last_call: float, close: float,
@@ -200,10 +89,11 @@ class RoundTimeout(RendezvousTimeout):
         self.start_last_call = timedelta(seconds=start_last_call)
         self.later_last_call = timedelta(seconds=last_call)  # torch's copy is private to it
         self._state: Callable[[], Any] = lambda: None
+        self._ours: Callable[[], rules.Ours] = rules.Ours
         self._peers: frozenset = frozenset()  # the participants of this agent's last round
 
-    def follow(self, state: Callable[[], Any]) -> None:
-        self._state = state
+    def follow(self, state: Callable[[], Any], ours: Callable[[], rules.Ours] = rules.Ours) -> None:
+        self._state, self._ours = state, ours
 
     def remember(self, participants: Any) -> None:
         """The participants of the round this agent just completed (``_Handler``)."""
@@ -218,12 +108,9 @@ class RoundTimeout(RendezvousTimeout):
         state = self._state()
         if state is None:
             return self.later_last_call
-        others = len(state.wait_list) + len(state.redundancy_list)
-        missing = len((self._peers - set(state.participants)) | rounds.still_expected(
-            members=getattr(state, "members", ()), gone=getattr(state, "gone", ()), participants=state.participants))
-        return timedelta(seconds=last_call_s(state.round, others, missing,
-                                             start_s=self.start_last_call.total_seconds(),
-                                             later_s=self.later_last_call.total_seconds()))
+        return timedelta(seconds=rules.last_call(state, self._ours(), self._peers,
+                                                 start_s=self.start_last_call.total_seconds(),
+                                                 later_s=self.later_last_call.total_seconds()))
 
 
 def timeout_from(params: RendezvousParameters) -> RoundTimeout:
@@ -246,15 +133,15 @@ def _expiry_s(handler: Any) -> float:
     return settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt
 
 
-def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any]:
-    """Our state backend and store for backend ``name`` (c10d, etcd-v3, etcd-v2), the state
-    sealed under ``key`` and a c10d store bound to one address (``rendezvous.sealed``)."""
+def _backend(params: RendezvousParameters, name: str, key: bytes) -> tuple[Any, Any, Any]:
+    """Our state backend, store and seal for backend ``name`` (c10d, etcd-v3, etcd-v2), the
+    state sealed under ``key`` and a c10d store bound to one address (``rendezvous.sealed``)."""
     from elastic_harness.rendezvous import sealed
 
     in_store = backends.BY_TORCH_NAME[name].hosts_store  # where the state lives, for the log
     where = f"torch.rendezvous.{params.run_id}" if in_store else f"/torch/elastic/rendezvous/{params.run_id}"
     seal = sealed.StateSeal(key, params.run_id, where=where)
-    return creators()[name](params, seal)
+    return (*creators()[name](params, seal), seal)
 
 
 def creators() -> dict[str, Callable[[RendezvousParameters, Any], tuple[Any, Any]]]:
@@ -266,51 +153,64 @@ def creators() -> dict[str, Callable[[RendezvousParameters, Any], tuple[Any, Any
             "etcd-v2": sealed.create_etcd_backend}
 
 
-class _Handler(DynamicRendezvousHandler):
-    """torch's handler; after each round it tells its ``RoundTimeout`` who was in it, and
-    it drops peers of that round that are certainly gone once told ``peer_lost``."""
+@dataclass
+class _Join:
+    """What torch's delay (``delay``) asks of a handler's join; found through the handler's
+    executor or the handler itself (``torchcompat.rdzv.pace_with``), never a thread-local."""
 
-    _formed = False  # a rendezvous of this handler completed: later joins are restarts
-    _round: int | None = None  # the round it completed last
-    _peers: frozenset = frozenset()  # who was in that round
-    _evidence = False  # since then, its workers failed because a peer's connection was lost
-    _identity = ""  # ``liveness.identity()`` of this agent, written next to its keep-alives
-    _ask: Any = None  # ``probe.Asker``: peers' beacons, asked when judging them
-    _condemned: frozenset = frozenset()  # peers of its last round ``rendezvous.verdict`` found gone
-    _failed = False  # its workers failed since its last round completed (``group_failed``)
-    _steady_poll: float | None = None  # its state holder's cache outside a join (``POLL_S``; ``poll_for`` once formed)
-    _read_at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
-    _gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
-    _unreadable_since: float | None = None  # monotonic time its reads of the state began failing
-    _synced_at = 0.0  # monotonic time it last read (or wrote) the state
-    _synced_shape: tuple | None = None  # ``shape`` of the state it last read or wrote
+    pace: rules.Pace = rules.Pace()
+    wait: Callable[[float], None] | None = None  # while it joins: its ``wait_for_change``
+    steady: float | None = None  # its state holder's cache outside a join (``POLL_S``; ``poll_for`` once formed)
+
+
+@dataclass
+class _Reads:
+    """This agent's reads of the state."""
+
+    at: datetime | None = None  # when it last read the state (wall clock, as keep-alives)
+    synced_at: float = 0.0  # monotonic time it last read (or wrote) the state
+    shape: tuple | None = None  # ``rules.shape`` of the state it last read or wrote
+    unreadable_since: float | None = None  # monotonic time its reads of the state began failing
+    gaps: Any = None  # ``verdict.KeepAliveGaps`` of every node, from each read of the state
+
+
+class _Handler(DynamicRendezvousHandler):
+    """torch's handler, applying at torch's hook points what ``rules`` decide (module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # torch's, as ``from_backend`` calls it
+        self._seal: Any = None  # ``sealed.StateSeal``: our fields beside the state (``_ours``)
+        self._mine = rules.Memory()  # this agent's rounds
+        self._condemned: frozenset = frozenset()  # peers of its last round ``rendezvous.verdict`` found gone
+        self._join, self._reads = _Join(), _Reads()
+        self._identity, self._ask = "", None  # ``liveness.identity()`` written with its keep-alives; beacons asked
+        rdzv.pace_with(self, self._join)
 
     def peer_lost(self) -> None:
         """The agent's workers failed because a peer's connection closed (``liveness``);
         the agent's main thread calls it before it restarts the group."""
-        self._evidence = True
+        self._mine = replace(self._mine, evidence=True)
 
     def group_failed(self) -> None:
         """The agent's workers failed (any cause; main thread, before it restarts them): the
         round is written broken with this agent's next change of the state, so that every
         peer stops its workers at once instead of waiting for the failure to reach them
         through their collectives, peer by peer (``round_broken``)."""
-        self._failed = True
+        self._mine = replace(self._mine, failed=True)
 
     def round_broken(self) -> bool:
-        """Is this agent's last round over while its workers may still run in it? A peer
-        wrote it broken (its group failed), or the round moved on (everyone else left, or
-        this node was dropped). From the last read of the state (the agent reads it every
-        ``POLL_S`` while its workers run); never before a round completed."""
+        """Is this agent's last round over while its workers may still run in it
+        (``rules.round_broken``)? From the last read of the state (the agent reads it every
+        ``RUNNING_POLL_S`` while its workers run); never before a round completed."""
         state = rdzv.state(self)
-        return state is not None and self._round is not None and (
-            state.round != self._round or getattr(state, "broken", None) == self._round)
+        return state is not None and rules.round_broken(rdzv.view(state), _ours(self), self._mine)
 
     def was_dropped(self) -> bool:
         """Is this agent no longer a participant of the round it joined last (its peers
         dropped it, or torch's expiry did), by the last read of the state?"""
         state = rdzv.state(self)
-        return state is not None and self._round is not None and rdzv.this_node(self) not in state.participants
+        return (state is not None and self._mine.round is not None
+                and rdzv.this_node(self) not in rdzv.view(state).participants)
 
     def num_nodes_waiting(self) -> int:
         """torch's, asked by the agent every monitor interval while its workers run; a
@@ -320,21 +220,22 @@ class _Handler(DynamicRendezvousHandler):
         counts as no node waiting, with one warning, until the store has been unreadable for
         as long as the peers take to expire this node (``keep_alive_interval *
         keep_alive_max_attempt``): then the error goes up as before."""
+        reads = self._reads
         try:
             waiting = super().num_nodes_waiting()
         except RendezvousConnectionError as e:
             now = time.monotonic()
-            if self._unreadable_since is None:
-                self._unreadable_since = now
+            if reads.unreadable_since is None:
+                reads.unreadable_since = now
                 log.warning("Cannot read the rendezvous state (%s); the workers go on while it "
                             "recovers, for up to %.0f s", e, _expiry_s(self))
-            if now - self._unreadable_since > _expiry_s(self):
+            if now - reads.unreadable_since > _expiry_s(self):
                 raise
             return 0
-        if self._unreadable_since is not None:
+        if reads.unreadable_since is not None:
             log.warning("The rendezvous state can be read again after %.1f s",
-                        time.monotonic() - self._unreadable_since)
-            self._unreadable_since = None
+                        time.monotonic() - reads.unreadable_since)
+            reads.unreadable_since = None
         return waiting
 
     def wait_for_change(self, timeout: float) -> None:
@@ -349,7 +250,7 @@ class _Handler(DynamicRendezvousHandler):
             TORCH_DELAY(timeout)
             return
         if changed:
-            early = min(self._read_due(), deadline) - time.monotonic()
+            early = min(_read_due(self), deadline) - time.monotonic()
             if early > 0:  # the job's read budget (``wake_gap``)
                 time.sleep(early)
             rdzv.expire_state_cache(self)
@@ -365,19 +266,12 @@ class _Handler(DynamicRendezvousHandler):
         return True
 
     def worth_announcing(self) -> bool:
-        """Does the write under way change what another agent acts on (``shape``)? The
+        """Does the write under way change what another agent acts on (``rules.shape``)? The
         backend counts only those (``rendezvous.changes``): a keep-alive, a join or a leave,
         another node added to a wait list that has one, are not; the first node waiting, a
         round broken, reopened, completed or closed, a spare more or less are."""
         state = rdzv.state(self)
-        return state is None or shape(state) != self._synced_shape
-
-    def _read_due(self) -> float:
-        """When this agent may read the state again after a change woke it (``wake_gap``
-        after its last read, for the agents the state lists)."""
-        state = rdzv.state(self)
-        nodes = 1 if state is None else len(state.participants) + len(state.wait_list) + len(state.redundancy_list)
-        return self._synced_at + wake_gap(nodes)
+        return state is None or rules.shape(rdzv.view(state), _ours(self)) != self._reads.shape
 
     def stop_changes(self) -> None:
         """This agent needs no more word of changes (its workers are done): its signal's
@@ -399,7 +293,7 @@ class _Handler(DynamicRendezvousHandler):
         lock, holder = rdzv.heartbeat_lock(self), rdzv.state_holder(self)
         if lock is None or holder is None:
             return
-        early = self._read_due() - time.monotonic()
+        early = _read_due(self) - time.monotonic()
         if early > 0:
             time.sleep(early)
         rdzv.expire_state_cache(self)
@@ -410,64 +304,49 @@ class _Handler(DynamicRendezvousHandler):
             pass  # ``num_nodes_waiting``, next in torch's loop, says how long that may last
 
     def next_rendezvous(self) -> Any:
-        _JOIN.restart = self._formed  # read by ``delay``, on this thread, inside this call
-        _JOIN.wait = self.wait_for_change
-        if self._steady_poll is None:
-            self._steady_poll = rdzv.state_cache(self)  # ``POLL_S`` (``create_handler``), or a caller's
-        if self._formed:  # a restart: the peers rejoin within moments; see them at once
-            _JOIN.poll = rejoin_poll(len(self._peers))
-            rdzv.set_state_cache(self, _JOIN.poll)
+        join, mine = self._join, self._mine
+        if join.steady is None:
+            join.steady = rdzv.state_cache(self)  # ``POLL_S`` (``create_handler``), or a caller's
+        join.pace = rules.Pace(restart=mine.formed, poll=rejoin_poll(len(mine.peers)) if mine.formed else POLL_S)
+        join.wait = self.wait_for_change
+        if mine.formed:  # a restart: the peers rejoin within moments; see them at once
+            rdzv.set_state_cache(self, join.pace.poll)
         try:
             info = super().next_rendezvous()
         finally:
-            _JOIN.restart, _JOIN.poll, _JOIN.wait = False, POLL_S, None
-            rdzv.set_state_cache(self, self._steady_poll)
-        self._formed = True
+            join.pace, join.wait = rules.Pace(), None
+            rdzv.set_state_cache(self, join.steady)
         state = rdzv.state(self)
         if state is None:  # ``rdzv-state`` off: torch's own timeouts, no per-round memory
+            self._mine = replace(self._mine, formed=True)
             return info
-        rdzv.set_state_cache(self, poll_for(len(state.participants)))  # a large group reads less often
-        self._round, self._peers, self._evidence = state.round, frozenset(state.participants), False
-        self._condemned, self._failed = frozenset(), False
+        view = rdzv.view(state)
+        rdzv.set_state_cache(self, poll_for(len(view.participants)))  # a large group reads less often
+        self._mine, self._condemned = rules.Memory(formed=True, round=view.round, peers=frozenset(view.participants)), frozenset()
         timeout = rdzv.settings(self).timeout
         if isinstance(timeout, RoundTimeout):
-            timeout.remember(state.participants)
+            timeout.remember(view.participants)
         return info
 
     def drop_dead(self, state: Any) -> frozenset:
-        """Remove from ``state`` (this agent's copy, just synced) the peers ``liveness``
-        finds certainly gone, as torch's expiry removes a node; returns them."""
-        if (self._failed or self._evidence or self._condemned) and state.round == self._round and state.complete:
-            state.broken = self._round  # written with this agent's exit from the round (``group_failed``)
-        lives = _lives(state)
-        for node in [n for n in lives if n not in state.last_heartbeats]:
-            del lives[node]  # left or expired: its entry goes with its keep-alive
+        """Apply ``rules.on_sync`` to ``state`` (torch's, this agent's copy just synced): its
+        round written broken if its group failed, and the peers ``liveness`` finds certainly
+        gone removed as torch's expiry removes a node; returns them."""
         settings = rdzv.settings(self)
-        dead = liveness.dead_peers(
-            participants=state.participants, heartbeats=state.last_heartbeats, complete=state.complete,
-            round_=state.round, my_round=self._round, peers=self._peers, me=rdzv.this_node(self),
-            evidence=self._evidence or bool(self._condemned),
-            gone=lambda node: node in self._condemned or liveness.gone(lives.get(node), ask=self._ask),
-            now=datetime.now(timezone.utc),
-            suspect_after=liveness.suspect_after_s(settings.keep_alive_interval.total_seconds(),
-                                                   settings.keep_alive_max_attempt))
-        for node in dead:
-            how = ("its keep-alives and beacon silent while this node's workers stalled (rendezvous.verdict)"
-                   if node in self._condemned
-                   else "its agent's process is gone, and this node's workers lost their connection to a peer"
-                   if liveness.gone(lives.get(node), ask=self._ask)
-                   else "silent, and this node's workers lost their connection to a peer")
-            message = (f"Dropping node '{node}' from round {state.round} of the rendezvous '{settings.run_id}' "
-                       f"without waiting for its keep-alives to expire: {how}")
+        stale = datetime.now(timezone.utc) - timedelta(seconds=liveness.suspect_after_s(
+            settings.keep_alive_interval.total_seconds(), settings.keep_alive_max_attempt))
+        view = rdzv.view(state)
+        sync = rules.on_sync(view, _ours(self), self._mine, me=rdzv.this_node(self), condemned=self._condemned,
+                             gone=lambda who: liveness.gone(who, ask=self._ask), stale=stale)
+        _set_ours(self, sync.ours)
+        for drop in sync.drops:
+            message = (f"Dropping node '{drop.node}' from round {view.round} of the rendezvous '{settings.run_id}' "
+                       f"without waiting for its keep-alives to expire: {_WHY[drop.why]}")
             log.warning(message)
-            record_event(
-                name="_Handler.drop_dead", run_id=settings.run_id, message=message,
-                node_state=NodeState.RUNNING)
-            for table in (state.last_heartbeats, state.participants, lives):
-                table.pop(node, None)
-            _nodes(state, "gone").add(node)
-            state.wait_list.discard(node)
-            state.redundancy_list.discard(node)
+            record_event(name="_Handler.drop_dead", run_id=settings.run_id, message=message,
+                         node_state=NodeState.RUNNING)
+            rdzv.drop(state, drop.node)
+        dead = frozenset(drop.node for drop in sync.drops)
         if dead:
             rdzv.remove_participant_epilogue(state, settings)
             if isinstance(settings.timeout, RoundTimeout):
@@ -475,117 +354,78 @@ class _Handler(DynamicRendezvousHandler):
         return dead
 
     def install_liveness(self) -> Callable[[], None] | None:
-        """Hook ``drop_dead`` after torch's expiry at each sync of the state, and write this
-        agent's identity (and its beacon's address: ``rendezvous.probe``) with each of its
-        keep-alives; returns the undo (None: ``rdzv-fast-path`` is off on this torch, and
-        torch's expiry alone drops a lost node)."""
+        """Hook ``_on_sync`` after torch's expiry at each sync of the state, write this agent's
+        identity (and its beacon's address: ``rendezvous.probe``) with each of its keep-alives,
+        and hook the joins (``_hook_joins``); returns the undo (None: ``rdzv-fast-path`` is off
+        on this torch, and torch's expiry alone drops a lost node)."""
         if not rdzv.on("rdzv-fast-path"):
             return None
         me = rdzv.this_node(self)
         self._identity = liveness.identity(_beacon(me.addr))
         self._ask = probe.Asker()
-        self._gaps = verdict.KeepAliveGaps()
+        self._reads.gaps = verdict.KeepAliveGaps()
 
         def write_identity(state: Any) -> None:
-            _lives(state)[me] = self._identity
+            ours = _ours(self)
+            _set_ours(self, replace(ours, lives={**ours.lives, me: self._identity}))
 
-        undo = rdzv.hook_handler(self, self._sanitize_and_judge, write_identity)
-        self._close_rounds_early()
+        undo = rdzv.hook_handler(self, self._on_sync, write_identity)
+        self._hook_joins()
         return undo
 
-    def _sanitize_and_judge(self, expire: Callable[[], None]) -> None:
+    def _on_sync(self, expire: Callable[[], None]) -> None:
         """At each sync of the state: torch's expiry (``expire``), then ours (``drop_dead``)."""
-        self._synced_at = time.monotonic()
-        self._read_at = now = datetime.now(timezone.utc)
-        self._synced_shape = shape(rdzv.state(self))
-        state = rdzv.state(self)
-        beats = state.last_heartbeats
-        self._gaps.observe(beats)
-        settings = rdzv.settings(self)
-        expiry = now - settings.keep_alive_interval * settings.keep_alive_max_attempt
-        expired = [node for node, beat in beats.items() if beat < expiry]
+        reads, state, settings = self._reads, rdzv.state(self), rdzv.settings(self)
+        reads.synced_at, reads.at = time.monotonic(), datetime.now(timezone.utc)
+        view = rdzv.view(state)
+        reads.shape = rules.shape(view, _ours(self))
+        reads.gaps.observe(view.last_heartbeats)
+        expired = rules.expired(view, now=reads.at,
+                                expiry=settings.keep_alive_interval * settings.keep_alive_max_attempt)
         expire()  # torch drops those; not peers to wait for either (``RoundTimeout.forget``)
         if expired:
-            _nodes(state, "gone").update(expired)
+            ours = _ours(self)
+            _set_ours(self, replace(ours, gone=ours.gone | expired))
             if isinstance(settings.timeout, RoundTimeout):
                 settings.timeout.forget(expired)
         self.drop_dead(state)
 
-    def _close_rounds_early(self) -> None:
-        """A later round closes once everyone expected joined it (``rendezvous.rounds``): each
-        join checks, and each completed round records its members for the next one."""
-        settings = rdzv.settings(self)
+    def _hook_joins(self) -> None:
+        """At torch's join operations (``torchcompat.rdzv``), what ``rules`` decide: admit the
+        waiting agents, start or end the last call, complete a full round, keep spares spares,
+        join as a spare instead, take a vacancy in one write; a spare polls faster."""
+        settings, me = rdzv.settings(self), rdzv.this_node(self)
 
         def after_add(state: Any) -> None:
-            if state.complete:
-                return
-            self._admit_waiting(state)
-            if not state.complete and len(state.participants) >= settings.min_nodes and rounds.everyone_in(
-                    round_=state.round, members=_nodes(state, "members"), gone=_nodes(state, "gone"),
-                    participants=state.participants, waiting=state.wait_list, spares=state.redundancy_list,
-                    max_nodes=settings.max_nodes):
-                state.deadline = datetime.now(timezone.utc)
+            act = rules.admission(rdzv.view(state), _ours(self), min_nodes=settings.min_nodes,
+                                  max_nodes=settings.max_nodes)
+            rdzv.admit(state, act.admit)
+            if act.last_call_starts:
+                rdzv.set_deadline(state, datetime.now(timezone.utc) + settings.timeout.last_call)
+            if act.complete:
+                rdzv.mark_complete(self)  # in this write: no one else's join can overfill it
+            if act.close_now:
+                rdzv.set_deadline(state, datetime.now(timezone.utc))
 
         def after_complete(state: Any) -> None:
-            state.members, state.gone = set(state.participants), set()
-            for node in rounds.stay_spares(participants=state.participants, waiting=state.wait_list,
-                                           max_nodes=settings.max_nodes):
-                if node in state.last_heartbeats:  # torch's own spares keep alive: a spare without one is none
-                    state.wait_list.discard(node)
-                    state.redundancy_list.add(node)
+            done = rules.completion(rdzv.view(state), _ours(self), max_nodes=settings.max_nodes)
+            _set_ours(self, done.ours)
+            rdzv.make_spares(state, done.spares)
 
-        rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
-        rdzv.guard_join(self, self._join_as)
-        self._wait_as_spare()
-
-    def _join_as(self, state: Any) -> str | None:
-        """What this agent's join of an open round does instead of adding it (``rounds.join_as``):
-        waiting as a spare, off the wait list (torch's own ``add_to_redundancy_list`` leaves it
-        there: a node on both lists was admitted as a participant it then never joined as, or
-        lost its keep-alive leaving one list while another agent moved it to the other)."""
-        me, settings = rdzv.this_node(self), rdzv.settings(self)
-        instead = rounds.join_as(node=me, participants=state.participants, max_nodes=settings.max_nodes,
-                                 members=_nodes(state, "members"), gone=_nodes(state, "gone"))
-        if instead:
-            state.wait_list.discard(me)
-        return instead
-
-    def _admit_waiting(self, state: Any) -> None:
-        """Add every agent of the wait list to the open round with this one (``rounds``:
-        joining all at once), with torch's bookkeeping of an add: the last call starts when
-        ``nodes.min`` are in, the round is complete at once when ``nodes.max`` are."""
-        settings = rdzv.settings(self)
-        before = len(state.participants)
-        for node in rounds.admitted(participants=state.participants, waiting=state.wait_list,
-                                    max_nodes=settings.max_nodes, members=_nodes(state, "members"),
-                                    gone=_nodes(state, "gone")):
-            state.wait_list.discard(node)
-            state.redundancy_list.discard(node)  # one list at a time (``_join_as``)
-            state.participants[node] = 0
-        if len(state.participants) == before:
-            return
-        if before < settings.min_nodes <= len(state.participants):
-            state.deadline = datetime.now(timezone.utc) + settings.timeout.last_call
-        if rounds.full(state.participants, settings.max_nodes):
-            rdzv.mark_complete(self)  # in this write: no one else's join can overfill it
-
-    def _wait_as_spare(self) -> None:
-        """A hot spare (torch's redundancy list: the round is full) reads the state every
-        ``SPARE_POLL_S`` instead of ``POLL_S``: it takes a lost node's place as soon as
-        the round has room (issue 36; a few spares, a few reads more a second)."""
+        def join_as(state: Any) -> str | None:
+            instead = rules.join_as(rdzv.view(state), _ours(self), me=me, max_nodes=settings.max_nodes)
+            if instead:  # off the wait list: a node on both lists lost its keep-alive to torch
+                rdzv.off_wait_list(state, me)
+            return instead
 
         def after_spare(state: Any) -> None:
-            _JOIN.poll = SPARE_POLL_S  # this join's thread (``delay``)
+            self._join.pace = replace(self._join.pace, poll=SPARE_POLL_S)  # this join's (``delay``)
             rdzv.set_state_cache(self, SPARE_POLL_S)
 
+        rdzv.hook_operations(self, add_to_participants=after_add, mark_rendezvous_complete=after_complete)
+        rdzv.guard_join(self, join_as)
         rdzv.hook_operations(self, add_to_redundancy_list=after_spare)
-        rdzv.guard_vacancy(self, self._take_vacancy)
-
-    def _take_vacancy(self, state: Any) -> str:
-        """The join operation a hot spare that found a free place runs in the write that takes
-        it off the redundancy list (``rounds.vacancy_join``: never on no list at all)."""
-        return rounds.vacancy_join(complete=state.complete, participants=state.participants,
-                                   max_nodes=rdzv.settings(self).max_nodes)
+        rdzv.guard_vacancy(self, lambda state: rules.vacancy(rdzv.view(state), max_nodes=settings.max_nodes))
 
     def condemn(self, nodes: Any) -> None:
         """``rendezvous.verdict`` found these peers of the last round gone (any thread): dropped
@@ -596,25 +436,46 @@ class _Handler(DynamicRendezvousHandler):
         """The peers of the last completed round as the last read of the state saw them
         (``verdict.Peer``), and their beacons' addresses; None before any round or while the
         state is being read for longer than ``wait_s`` (any thread)."""
-        lock = rdzv.heartbeat_lock(self)
-        if self._round is None or self._gaps is None or lock is None or not lock.acquire(timeout=wait_s):
+        lock, mine, reads = rdzv.heartbeat_lock(self), self._mine, self._reads
+        if mine.round is None or reads.gaps is None or lock is None or not lock.acquire(timeout=wait_s):
             return None
         try:
-            state, read_at, settings = rdzv.state(self), self._read_at, rdzv.settings(self)
+            view, settings, lives = rdzv.view(rdzv.state(self)), rdzv.settings(self), _ours(self).lives
             interval = settings.keep_alive_interval.total_seconds()
             expiry = interval * settings.keep_alive_max_attempt
-            ours = state.round == self._round and state.complete
-            lives = _lives(state)
+            ours = view.round == mine.round and view.complete
             peers = []
-            for node in sorted(self._peers - {rdzv.this_node(self)}):
-                beat = state.last_heartbeats.get(node)
-                silent = (read_at - beat).total_seconds() if beat is not None and read_at is not None else None
-                bound = verdict.silence_bound_s(interval, self._gaps.usual(node), expiry)
-                peers.append(verdict.Peer(node, ours and node in state.participants, silent, bound))
-            beacons = {n: lives[n].partition("|")[2] for n in self._peers if "|" in lives.get(n, "")}
+            for node in sorted(mine.peers - {rdzv.this_node(self)}):
+                beat = view.last_heartbeats.get(node)
+                silent = (reads.at - beat).total_seconds() if beat is not None and reads.at is not None else None
+                bound = verdict.silence_bound_s(interval, reads.gaps.usual(node), expiry)
+                peers.append(verdict.Peer(node, ours and node in view.participants, silent, bound))
+            beacons = {n: lives[n].partition("|")[2] for n in mine.peers if "|" in lives.get(n, "")}
             return peers, beacons
         finally:
             lock.release()
+
+
+def _ours(handler: _Handler) -> rules.Ours:
+    """Our fields beside the state the handler last read or wrote (its seal keeps them)."""
+    seal = handler._seal
+    beside = None if seal is None else seal.beside
+    return beside if isinstance(beside, rules.Ours) else rules.Ours()
+
+
+def _set_ours(handler: _Handler, ours: rules.Ours) -> None:
+    """Our fields to write beside the state with the handler's next write."""
+    if handler._seal is not None:
+        handler._seal.beside = ours
+
+
+def _read_due(handler: _Handler) -> float:
+    """When the agent may read the state again after a change woke it (``wake_gap`` after its
+    last read, for the agents the state lists)."""
+    state = rdzv.state(handler)
+    view = rdzv.view(state) if state is not None else None
+    nodes = 1 if view is None else len(view.participants) + len(view.wait_list) + len(view.redundancy_list)
+    return handler._reads.synced_at + wake_gap(nodes)
 
 
 _BEACONS: list = []  # this process's beacon (one agent per process), open until ``close_beacon``
@@ -653,64 +514,27 @@ def group_running(handler: Any) -> bool:
         holder.sync()
     except Exception:  # noqa: BLE001 - the join that follows reports the backend's trouble
         return True
-    state = holder.state
-    return bool(state.complete and state.participants)
-
-
-def _nodes(state: Any, name: str) -> set:
-    """A set of nodes our rules keep in the state (``members``, ``gone``: ``rendezvous.rounds``),
-    made if missing; it rides in torch's pickled state object like ``lives``."""
-    nodes = getattr(state, name, None)
-    if nodes is None:
-        nodes = set()
-        setattr(state, name, nodes)
-    return nodes
-
-
-def shape(state: Any) -> tuple | None:
-    """Pure: what of the rendezvous state other agents act on (``_Handler.worth_announcing``):
-    the round, whether it is complete, closed or broken, whether anyone waits, the spares.
-    Not the participants: a join or a leave concerns the others only through one of those
-    (the round closing, or opening once everyone left); a round's last call is checked at
-    each poll, as before."""
-    if state is None:
-        return None
-    return (state.round, state.complete, state.closed, getattr(state, "broken", None), bool(state.wait_list),
-            len(state.redundancy_list))
-
-
-def _lives(state: Any) -> dict:
-    """The state's ``lives`` table (node -> ``liveness.identity()``), made if missing: it
-    rides in torch's pickled state object, which our sealed backends carry whole."""
-    lives = getattr(state, "lives", None)
-    if lives is None:
-        lives = state.lives = {}
-    return lives
+    view = rdzv.view(holder.state)
+    return bool(view.complete and view.participants)
 
 
 TORCH_METHOD_NAME = rdzv.TORCH_GET_METHOD_NAME  # torch's own, kept for comparison
 TORCH_DELAY = rdzv.TORCH_DELAY
-_JOIN = threading.local()  # ``restart``: the handler joining on this thread was in a group
 
 
 def delay(seconds: float | tuple[float, float]) -> None:
-    """torch's ``_delay``, less the random 0-0.3 s it sleeps before a join while the
-    rendezvous state's round is 0, when the joining handler has been in a group. That skew is meant
-    for agents starting together; but the round still reads 0 at the first restart (the next
-    round opens only when an agent joins it), so every job paid it (0.15 s on average) on
-    its first restart. The fixed one-second poll (a bare number, torch's only one) is
-    ``POLL_S``."""
-    if isinstance(seconds, tuple):
-        if getattr(_JOIN, "restart", False):
-            return
-        TORCH_DELAY(seconds)
-        return
-    seconds = min(seconds, getattr(_JOIN, "poll", POLL_S))
-    wait = getattr(_JOIN, "wait", None)  # the joining handler's: woken by a change (``rendezvous.changes``)
+    """torch's ``_delay``, replaced: the join of the handler whose code calls it paces it
+    (``rules.pause``: no random start-up skew on a restart, ``POLL_S`` polls at most, woken by
+    a change of the state), found from torch's caller (``torchcompat.rdzv.caller_pace``);
+    torch's own delay, its poll cut to ``POLL_S``, for any other caller."""
+    join = rdzv.caller_pace() or _Join()
+    wait = rules.pause(seconds, join.pace)
     if wait is None:
-        TORCH_DELAY(seconds)
         return
-    wait(seconds)
+    if isinstance(wait, tuple) or join.wait is None:
+        TORCH_DELAY(wait)
+        return
+    join.wait(wait)
 
 
 def method_name(depth: int = 2) -> str:
@@ -773,7 +597,7 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
     state sealed with the job's ``key`` (else the key in the file that the config's
     ``key_file`` names: ``launch.config.rdzv_configs``); any other backend exactly as torch's
     registry makes it."""
-    rdzv.patch_module(method_name, record_event, delay)  # see the module docstring
+    rdzv.patch_module(method_name, record_event, delay)  # docs/how-it-works.md
     register()  # a handler torch's registry makes for these names is this one, too
     backend_name = {v: k for k, v in REGISTERED.items()}.get(params.backend, params.backend)
     if backend_name not in REGISTERED:
@@ -784,17 +608,18 @@ def create_handler(params: RendezvousParameters, key: bytes | None = None) -> Re
         if not params.get("key_file"):
             raise ValueError("the rendezvous needs the job's key (key_file in its config)")
         key = jobkey.read(Path(params.get("key_file")))
-    backend, store = _backend(params, backend_name, key)
+    backend, store, seal = _backend(params, backend_name, key)
     timeout = timeout_from(params) if rdzv.on("rdzv-state") else torch_timeout(params)
     handler = _Handler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeout,
         keep_alive_interval=int(_seconds(params, "keep_alive_interval")),
         keep_alive_max_attempt=int(params.get("keep_alive_max_attempt", 3)),
     )
+    handler._seal = seal  # our fields travel beside the state, sealed with it
     holder = rdzv.state_holder(handler)  # the state torch's join operation is changing
     if holder is not None:
         rdzv.set_state_cache(handler, POLL_S)  # see ``POLL_S``
-        timeout.follow(lambda: holder.state)
+        timeout.follow(lambda: rdzv.view(holder.state), lambda: _ours(handler))
     handler.install_liveness()
     if holder is not None and hasattr(backend, "worth_announcing"):
         backend.worth_announcing = handler.worth_announcing  # counted changes only (``rendezvous.changes``)

@@ -31,7 +31,7 @@ on silence alone. It needs, all at once:
      (one membership change), since its group had already failed.
 
 A node dropped by the rule is also no longer waited for as a peer of the previous round
-(``rendezvous.PEER_GRACE_S``). Everything else stays torch's: a node without evidence
+(``rendezvous.rules.PEER_GRACE_S``). Everything else stays torch's: a node without evidence
 against it expires as before.
 
 Call order: ``identity(beacon)`` once per agent (its ``lives`` entry); ``peer_lost(message)``
@@ -42,8 +42,8 @@ on each failure of its group; ``dead_peers(...)`` at each sync of the state (pur
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping
-from datetime import datetime, timedelta
+from collections.abc import Callable, Collection
+from datetime import datetime
 from typing import Any
 
 # How a gloo (or TCP) collective says its peer's process is gone; lower case.
@@ -63,21 +63,21 @@ def suspect_after_s(keep_alive_s: float, max_attempt: int) -> float:
     return min(2 * keep_alive_s, keep_alive_s * max_attempt)
 
 
-def dead_peers(*, participants: Collection, heartbeats: Mapping[Any, datetime], complete: bool,
-               round_: int, my_round: int | None, peers: Collection, me: Any, evidence: bool,
-               gone: Callable[[Any], bool | None], now: datetime, suspect_after: float) -> frozenset:
+def dead_peers(state: Any, *, my_round: int | None, peers: Collection, me: Any, evidence: bool,
+               gone: Callable[[Any], bool | None], stale: datetime) -> frozenset:
     """Pure: the peers of this agent's last round to drop now (module doc).
 
-    ``participants``/``heartbeats``/``complete``/``round_``: the rendezvous state;
-    ``my_round``/``peers``: the round this agent completed last and who was in it;
-    ``evidence``: its group failed with a peer's connection lost since; ``gone(node)``:
-    True if the node's agent is certainly gone, False if certainly alive, None if it ran
-    on another host (unknown)."""
-    if not evidence or not complete or round_ != my_round:
+    ``state``: the rendezvous state as read (``participants``, ``last_heartbeats``,
+    ``complete``, ``round``: a ``torchcompat.rdzv.StateView``); ``my_round``/``peers``: the
+    round this agent completed last and who was in it; ``evidence``: its group failed with a
+    peer's connection lost since; ``gone(node)``: True if the node's agent is certainly gone,
+    False if certainly alive, None if it ran on another host (unknown); ``stale``: a node of
+    another host silent since before then is suspect (``suspect_after_s`` ago)."""
+    if not evidence or not state.complete or state.round != my_round:
         return frozenset()
-    stale = now - timedelta(seconds=suspect_after)
+    heartbeats = state.last_heartbeats
     dead = set()
-    for node in set(peers) & set(participants) - {me}:
+    for node in set(peers) & set(state.participants) - {me}:
         verdict = gone(node)
         if verdict is True or (verdict is None and node in heartbeats and heartbeats[node] < stale):
             dead.add(node)

@@ -122,7 +122,7 @@ def vacancy_join(*, complete: bool, participants: Collection, max_nodes: int) ->
 
 def still_expected(*, members: Collection, gone: Collection, participants: Collection) -> set:
     """Pure: the members of the last completed round, not known ``gone``, that have not joined
-    this round yet: the peers a round waits a moment for (``handler.PEER_GRACE_S``), whichever
+    this round yet: the peers a round waits a moment for (``rules.PEER_GRACE_S``), whichever
     agent decides, a spare or a new node included, since every agent reads them from the state."""
     return set(members) - set(gone) - set(participants)
 

@@ -6,7 +6,9 @@ etcd; on every sync it reads them back and ``pickle.loads`` them. Anyone who can
 key can make every agent run code (a forged pickle ran a shell command within
 1 s; garbage ended the job). The backends here seal what they write and check what they read:
 
-- ``set_state`` stores ``HMAC(key, run id, state) || state`` (``jobkey.seal``);
+- ``set_state`` stores ``HMAC(key, run id, state) || state`` (``jobkey.seal``), where the
+  state is torch's pickled state and, beside it, the rendezvous' own fields (``pack``:
+  ``rendezvous.rules.Ours``, kept in ``StateSeal.beside``, never set on torch's object);
 - every value read back goes through ``StateSeal.open`` before torch sees it: one that is
   not sealed with this job's key for this rendezvous id (a forgery, garbage, bytes that are
   not even UTF-8, another job's state, torch's "no state yet" marker once a state was seen)
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import binascii
 import logging
+import pickle
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable
@@ -107,13 +110,14 @@ class StateSeal:
         self.run_id, self.where, self._clock = run_id, where or f"torch.rendezvous.{run_id}", clock
         self._last: bytes | None = None
         self._seq = -1  # the sequence number of ``_last``
+        self.beside: Any = None  # our fields beside the state last opened (``rendezvous.rules.Ours``): ``pack``
         self.last_sealed: bytes | None = None  # the stored form of ``_last`` (base64)
         self._logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged, not logged since)
         self.refused = 0
 
     def close(self, state: bytes) -> bytes:
-        """``state`` sealed as the successor of this agent's newest state."""
-        return jobkey.seal(self._key, (self._seq + 1).to_bytes(8, "big") + state, self._context)
+        """``state`` sealed as the successor of this agent's newest state, with ``beside``."""
+        return jobkey.seal(self._key, (self._seq + 1).to_bytes(8, "big") + pack(state, self.beside), self._context)
 
     def open(self, stored: bytes) -> bytes:
         """``stored``: the value as kept in the store (base64 text, or anything at all)."""
@@ -121,7 +125,7 @@ class StateSeal:
         why = "" if sealed is None else freshness(*sealed, self._seq, self._last)
         if sealed is not None and not why:
             self._seq, self._last, self.last_sealed = sealed[0], sealed[1], bytes(stored)
-            return sealed[1]
+            return self._take(sealed[1])
         if sealed is not None:
             self.refused += 1
             self.warn("replayed", f"refused an older rendezvous state of '{self.run_id}' ({why}) in the "
@@ -142,7 +146,7 @@ class StateSeal:
     def authentic(self, stored: bytes) -> bytes | None:
         """The state sealed in ``stored``, or None when it is not this job's (never raises)."""
         sealed = self._unseal(stored)
-        return None if sealed is None else sealed[1]
+        return None if sealed is None else unpack(sealed[1])[0]
 
     def _unseal(self, stored: bytes) -> tuple[int, bytes] | None:
         try:
@@ -160,8 +164,17 @@ class StateSeal:
                   f"(key '{self.where}'); writing it again from this agent's last authentic state")
 
     def fallback(self) -> bytes:
-        """The last authentic state, else a fresh one (what a refused value reads as)."""
-        return self._last if self._last is not None else rdzv.fresh_state()
+        """The last authentic state, else a fresh one (what a refused value reads as), with
+        what was beside it (nothing beside a fresh one)."""
+        if self._last is None:
+            self.beside = None
+            return rdzv.fresh_state()
+        return self._take(self._last)
+
+    def _take(self, packed: bytes) -> bytes:
+        """torch's state in ``packed`` (authentic); ``beside`` becomes what was sealed with it."""
+        state, self.beside = unpack(packed)
+        return state
 
     def warn(self, kind: str, message: str) -> None:
         """Log ``message`` now, unless a line of this ``kind`` went out within ``LOG_EVERY_S``:
@@ -178,6 +191,20 @@ class StateSeal:
                         "it does; find it among the store's connections)")
         self._logged[kind] = (now, 0)
         log.warning(message)
+
+
+def pack(state: bytes, beside: Any) -> bytes:
+    """Our fields beside torch's pickled state (``StateSeal.beside``) and that state, as one
+    payload to seal: torch's bytes come last, unchanged, and nothing of ours is set on its object."""
+    ours = pickle.dumps(beside)
+    return len(ours).to_bytes(8, "big") + ours + state
+
+
+def unpack(payload: bytes) -> tuple[bytes, Any]:
+    """``pack`` undone: (torch's state, our fields). Only ever called on an authentic payload
+    (the job's seal checked): our fields are unpickled only when the job's own agents wrote them."""
+    size = int.from_bytes(payload[:8], "big")
+    return payload[8 + size:], pickle.loads(payload[8:8 + size])
 
 
 class SealedC10dBackend(Announcing, RendezvousBackend):

@@ -20,7 +20,12 @@ torch has no hook for what ``rendezvous.handler`` adds to its ``DynamicRendezvou
 - ``rdzv-host-guess``: torch's guess whether this machine hosts the c10d store;
 - ``rdzv-sealed-state`` (required): torch's empty ``_RendezvousState``, what a refused
   (forged, corrupt) rendezvous value reads as before an authentic one was seen: the sealed
-  state (``rendezvous.sealed``) is a security feature, never switched off.
+  state (``rendezvous.sealed``) is a security feature, never switched off; and each of its
+  fields (``STATE_FIELDS``), probed one by one on a fresh state: the rendezvous reads torch's
+  state only as a ``StateView`` made here, so a field torch renames is one line at start-up.
+
+Every field name of torch's state is spelled in this module: read through ``view`` (a frozen
+copy), written through the few writers below (``admit``, ``make_spares``, ``drop``, ...).
 
 Module patches (``patch_module``) are applied by the agent's ``create_handler`` only, kept
 in ``PATCHED`` and undone by ``undo_module_patches``; handler hooks (``hook_handler``)
@@ -31,7 +36,12 @@ from __future__ import annotations
 
 import pickle
 import socket
-from collections.abc import Callable
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import MappingProxyType
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as _dr
@@ -102,10 +112,73 @@ def _early_close() -> list[str]:
     return [*_fast_path(), *attrs(_Executor, *_OPERATIONS, label="_DistributedRendezvousOpExecutor")]
 
 
+# torch's ``_RendezvousState`` fields the rendezvous reads (``StateView``), in torch's order.
+STATE_FIELDS = ("round", "complete", "deadline", "closed", "participants", "wait_list", "redundancy_list",
+                "last_heartbeats")
+
+
 @feature("rdzv-sealed-state", "sealed rendezvous state",
          "nothing: a forged or corrupt state must read as a fresh one", required=True)
 def _sealed_state() -> list[str]:
-    return attrs(_dr, "_RendezvousState", label="dynamic_rendezvous")
+    found = attrs(_dr, "_RendezvousState", label="dynamic_rendezvous")
+    return found or attrs(_dr._RendezvousState(), *STATE_FIELDS, label="_RendezvousState")
+
+
+@dataclass(frozen=True)
+class StateView:
+    """torch's rendezvous state as the rendezvous reads it: a frozen copy (``view``), never
+    the object torch keeps changing. The defaults are torch's fresh state."""
+
+    round: int = 0
+    complete: bool = False
+    deadline: datetime | None = None
+    closed: bool = False
+    participants: Mapping = field(default_factory=lambda: MappingProxyType({}))  # node -> rank
+    wait_list: frozenset = frozenset()
+    redundancy_list: frozenset = frozenset()
+    last_heartbeats: Mapping = field(default_factory=lambda: MappingProxyType({}))  # node -> last keep-alive (UTC)
+
+
+def view(state: Any) -> StateView:
+    """A frozen copy of torch's ``state`` (its fields: ``STATE_FIELDS``)."""
+    return StateView(round=state.round, complete=state.complete, deadline=state.deadline, closed=state.closed,
+                     participants=MappingProxyType(dict(state.participants)),
+                     wait_list=frozenset(state.wait_list), redundancy_list=frozenset(state.redundancy_list),
+                     last_heartbeats=MappingProxyType(dict(state.last_heartbeats)))
+
+
+# --- writers of torch's state (inside a join operation or a sync: the state about to be written)
+
+def admit(state: Any, nodes: Iterable) -> None:
+    """Make ``nodes`` participants of the open round (off the wait and redundancy lists)."""
+    for node in nodes:
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+        state.participants[node] = 0
+
+
+def make_spares(state: Any, nodes: Iterable) -> None:
+    """Move ``nodes`` from the wait list to the redundancy list (hot spares)."""
+    for node in nodes:
+        state.wait_list.discard(node)
+        state.redundancy_list.add(node)
+
+
+def off_wait_list(state: Any, node: Any) -> None:
+    state.wait_list.discard(node)
+
+
+def set_deadline(state: Any, when: datetime | None) -> None:
+    """When the open round closes (torch's last call)."""
+    state.deadline = when
+
+
+def drop(state: Any, node: Any) -> None:
+    """Remove ``node`` from the state as torch's expiry does (keep-alive, participant, lists)."""
+    state.last_heartbeats.pop(node, None)
+    state.participants.pop(node, None)
+    state.wait_list.discard(node)
+    state.redundancy_list.discard(node)
 
 
 def fresh_state() -> bytes:
@@ -132,6 +205,29 @@ def patch_module(method_name: Callable, record_event: Callable, delay: Callable)
     for name, ours in wanted.items():
         PATCHED.setdefault(name, getattr(_dr, name))
         setattr(_dr, name, ours)
+
+
+_PACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # handler or executor -> its pace
+
+
+def pace_with(handler: Any, pace: Any) -> None:
+    """``pace`` answers for the handler's joins where torch calls its module's ``_delay``:
+    the handler's ``next_rendezvous`` (the start-up skew) and its executor's ``run`` (the
+    poll). Found again by ``caller_pace`` from the caller's ``self``: no thread-local."""
+    _PACES[handler] = pace
+    executor = getattr(handler, "_op_executor", None)
+    if executor is not None:
+        _PACES[executor] = pace
+
+
+def caller_pace(depth: int = 2) -> Any | None:
+    """The pace ``pace_with`` gave the handler or executor whose method called the function
+    ``depth`` frames up from this one (torch's ``_delay``, replaced); None for any other."""
+    try:
+        owner = sys._getframe(depth).f_locals.get("self")
+        return _PACES.get(owner) if owner is not None else None
+    except (ValueError, TypeError):  # the stack is not that deep; an owner that cannot be weakly referenced
+        return None
 
 
 def undo_module_patches() -> None:

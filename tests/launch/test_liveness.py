@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 from elastic_harness.agent.elastic import lost_a_peer
 from elastic_harness.rendezvous import liveness
 from elastic_harness.rendezvous.handler import create_handler
+from elastic_harness.torchcompat.rdzv import StateView
 from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(90)
@@ -70,9 +71,10 @@ def decide(*, evidence=True, complete=True, round_=4, participants=("a", "b"), p
     verdicts = verdicts or {}
     silent_s = silent_s or {}
     beats = {n: NOW - timedelta(seconds=silent_s.get(n, 0.5)) for n in participants}
-    return liveness.dead_peers(participants=set(participants), heartbeats=beats, complete=complete,
-                               round_=round_, my_round=4, peers=set(peers), me="me", evidence=evidence,
-                               gone=lambda n: verdicts.get(n), now=NOW, suspect_after=2.0)
+    state = StateView(round=round_, complete=complete, participants=dict.fromkeys(participants, 0),
+                      last_heartbeats=beats)
+    return liveness.dead_peers(state, my_round=4, peers=set(peers), me="me", evidence=evidence,
+                               gone=lambda n: verdicts.get(n), stale=NOW - timedelta(seconds=2.0))
 
 
 def test_a_gone_process_on_this_host_is_dropped_at_once():

@@ -9,11 +9,12 @@ everyone expected was in (``rendezvous.rounds``), not because a timeout ran out.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from elastic_harness.rendezvous import rounds
+from elastic_harness.rendezvous import rounds, rules
 from elastic_harness.rendezvous.handler import create_handler
 from tests.launch.test_liveness import exited_identity
 from tests.launch.test_rendezvous import TEST_KEY, close, join_all, store  # noqa: F401 - fixture
@@ -169,10 +170,13 @@ def pair_agent(endpoint: str, run_id: str):
 
 def write_state(handler, **fields) -> None:
     """Write the rendezvous state through ``handler``'s holder with ``fields`` changed (its
-    own sealed write, as an agent's)."""
+    own sealed write, as an agent's): torch's fields on its state, ``members`` and ``gone``
+    beside it (``rules.Ours``)."""
     holder = handler._state_holder
     holder.sync()
     state = holder.state
+    ours = {name: frozenset(fields.pop(name)) for name in ("members", "gone") if name in fields}
+    handler._seal.beside = replace(handler._seal.beside or rules.Ours(), **ours)  # our fields, beside torch's
     for name, value in fields.items():
         setattr(state, name, value)
     now = datetime.now(timezone.utc)
@@ -322,13 +326,13 @@ def test_a_spare_that_opens_the_round_after_a_loss_waits_for_the_survivor_not_it
     from elastic_harness.rendezvous.handler import PEER_GRACE_S, RoundTimeout
 
     timeout = RoundTimeout(join=60, start_last_call=15, last_call=2, close=10, heartbeat=5)
-    state = SimpleNamespace(round=1, participants={"s": 0}, wait_list=set(), redundancy_list=set(),
-                            members={"a", "b"}, gone={"b"})
-    timeout.follow(lambda: state)
+    state = SimpleNamespace(round=1, participants={"s": 0}, wait_list=set(), redundancy_list=set())
+    ours = SimpleNamespace(now=rules.Ours(members=frozenset({"a", "b"}), gone=frozenset({"b"})))
+    timeout.follow(lambda: state, lambda: ours.now)
     assert timeout.last_call.total_seconds() == PEER_GRACE_S
     state.participants = {"s": 0, "a": 0}
     assert timeout.last_call.total_seconds() == 0.0, "everyone expected is in: no wait"
-    state.members = set()  # a fresh round 1 (no round completed before): as before
+    ours.now = replace(ours.now, members=frozenset())  # a fresh round 1 (no round completed before): as before
     state.participants = {"s": 0}
     assert timeout.last_call.total_seconds() == 0.0
 
@@ -385,9 +389,7 @@ def test_a_spare_that_joins_before_the_survivor_waits_for_it(store, monkeypatch)
     """Round 4 opened by survivor a's exit (its participants empty), a not in it yet: spare s
     joins first. It used to close the round alone at once. The grace is widened here so that a
     loaded machine cannot make a's join late: what is tested is that s waits at all."""
-    from elastic_harness.rendezvous import handler
-
-    monkeypatch.setattr(handler, "PEER_GRACE_S", 20.0)
+    monkeypatch.setattr(rules, "PEER_GRACE_S", 20.0)
     a, spare, writer = (agent(store, "first", 2) for _ in range(3))
     b = writer._this_node
     me = {a._this_node: "a", spare._this_node: "spare"}
@@ -408,3 +410,26 @@ def test_a_spare_that_joins_before_the_survivor_waits_for_it(store, monkeypatch)
         assert state.round == 4 and {me[n] for n in state.participants} == {"a", "spare"}
     finally:
         close([a, spare, writer])
+
+
+def test_our_fields_travel_beside_torchs_state_sealed_never_on_its_object(store):  # noqa: F811
+    """``members``, ``gone``, ``broken`` and ``lives`` are ours (``rules.Ours``): sealed with
+    torch's pickled state (``sealed.pack``), read back by every agent, and torch's object
+    carries its own fields only."""
+    from elastic_harness.torchcompat.rdzv import STATE_FIELDS
+
+    pair = [agent(store, "beside", 2) for _ in range(2)]
+    try:
+        assert join_all(pair, [0.0, 0.0]) == [2, 2]
+        pair[0].group_failed()
+        read_state(pair[0])
+        pair[0]._state_holder.mark_dirty()  # its next write carries the round broken
+        with pair[0]._heartbeat_lock:
+            pair[0]._state_holder.sync()
+        state = read_state(pair[1])
+        assert set(vars(state)) <= set(STATE_FIELDS), "nothing of ours on torch's object"
+        beside = pair[1]._seal.beside
+        nodes = {h._this_node for h in pair}
+        assert beside.members == nodes and beside.broken == state.round and set(beside.lives) == nodes
+    finally:
+        close(pair)

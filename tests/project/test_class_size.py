@@ -25,8 +25,6 @@ PARAMS = 8
 WAITING_CLASSES: dict[str, str] = {
     "checkpoint/manager.py:CheckpointManager": "save, load, verify and purge in one object; checkpoint/ is being "
                                                "changed elsewhere: its split lands after that",
-    "rendezvous/handler.py:_Handler": "becomes pure rules over our own state plus a handler that applies them "
-                                     "(the launch/ split)",
     "torchcompat/groups.py:LiveGroup": "stays: torch's ProcessGroup as Python sees it, one method per collective torch "
                                        "calls (each under every name torch 2.11-2.15 gives it)",
 }
@@ -41,8 +39,8 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
-    "rendezvous/liveness.py:dead_peers": "the rendezvous as rules: its evidence becomes one value",
-    "rendezvous/handler.py:record_event": "the rendezvous as rules: an action applied, not a relay of fields",
+    "rendezvous/handler.py:record_event": "stays: torch's construct_and_record_rdzv_event, replaced in torch's "
+                                          "module (rdzv-events), so torch's callers pass its 9 keywords",
     "memtier/conduit.py:Conduit.connect": "the copies' link settings become one value",
     "memtier/tier.py:MemoryTier.__init__": "rank, world size, wire and generation become one value a generation "
                                            "hands the tier (its slots outlive it)",

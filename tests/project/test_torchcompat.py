@@ -74,6 +74,23 @@ def test_a_missing_required_name_is_refused_naming_it(monkeypatch):
         host.check_host()
 
 
+def test_a_renamed_field_of_torchs_rendezvous_state_is_refused_in_one_line_naming_it(monkeypatch):
+    """The rendezvous reads torch's state only through ``rdzv.view``: each field is probed."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    fresh = dynamic_rendezvous._RendezvousState.__init__
+
+    def renamed(state) -> None:  # a torch that calls the wait list something else
+        fresh(state)
+        state.waiting = state.__dict__.pop("wait_list")
+
+    monkeypatch.setattr(dynamic_rendezvous._RendezvousState, "__init__", renamed)
+    with pytest.raises(TorchUnsupported) as e:
+        host.check_host()
+    assert "\n" not in e.value.message
+    assert "has no _RendezvousState.wait_list" in e.value.message and "sealed rendezvous state" in e.value.message
+
+
 def test_a_missing_optional_name_is_one_warning_said_once(monkeypatch, caplog):
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 

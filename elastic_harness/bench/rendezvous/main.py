@@ -16,7 +16,7 @@ v3 / v2 of the mean round (the goal's figure: ``summarize`` says why not the med
 median round and the backend time. Goal: v3 no slower (round ratio <= 1).
 
 What a round holds besides the backend: waiting handlers read the state every
-``rendezvous.handler.POLL_S`` (0.25 s), the same for both, so the round ratio leans
+``rendezvous.rules.POLL_S`` (0.25 s), the same for both, so the round ratio leans
 towards 1; the backend time is the part that differs.
 """
 
