@@ -148,16 +148,26 @@ def _type_name(x: Any) -> str:
     return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
-def record_samples(path: Path, generation: str, step: int, rank: int, world_size: int,
-                   plan: list, meta: list | None, *, dp_rank: int | None = None,
-                   dp_size: int | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Writer:
+    """Who wrote a sample record: the generation, the rank and its place in the layout
+    (``dp_rank``/``dp_size`` default to ``rank`` and ``world_size``: a one-dimensional one)."""
+
+    generation: str
+    rank: int
+    world_size: int
+    dp_rank: int | None = None
+    dp_size: int | None = None
+
+
+def record_samples(path: Path, writer: Writer, step: int, plan: list, meta: list | None) -> None:
     """Append this step's line (``plan``: micro-batches of (position, index); ``meta``: per
-    sample (id, hash) in plan order). ``dp_rank``/``dp_size`` default to ``rank`` and
-    ``world_size`` (a one-dimensional layout)."""
+    sample (id, hash) in plan order)."""
     pairs = [pair for chunk in plan for pair in chunk]
-    line = {"t_ns": time.time_ns(), "generation": generation, "step": step, "rank": rank,
-            "world_size": world_size, "dp_rank": rank if dp_rank is None else dp_rank,
-            "dp_size": world_size if dp_size is None else dp_size, "positions": [p for p, _ in pairs],
+    w = writer
+    line = {"t_ns": time.time_ns(), "generation": w.generation, "step": step, "rank": w.rank,
+            "world_size": w.world_size, "dp_rank": w.rank if w.dp_rank is None else w.dp_rank,
+            "dp_size": w.world_size if w.dp_size is None else w.dp_size, "positions": [p for p, _ in pairs],
             "indices": [i for _, i in pairs]}
     if meta is not None:
         line["ids"] = [list(i) if isinstance(i, tuple) else i for i, _ in meta]

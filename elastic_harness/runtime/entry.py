@@ -156,8 +156,8 @@ def _record(exc: BaseException, run_dir: str) -> None:
         run.record_failure(exc)
         return
     env = WorkerEnv.from_environ(standalone_ok=True)
-    failures.record(EventLog(Path(run_dir) / runfiles.EVENTS), exc, rank=env.rank, step=None,
-                    node=env.node, restart=env.restart_count)
+    failures.record(EventLog(Path(run_dir) / runfiles.EVENTS), exc,
+                    failures.Who(env.rank, env.node, env.restart_count), step=None)
 
 
 if __name__ == "__main__":

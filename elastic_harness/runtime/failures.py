@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from elastic_harness.errors import HarnessError
@@ -35,20 +36,29 @@ def peer_lost(exc: BaseException) -> bool:
     return _peer_lost(str(exc))
 
 
-def record(events: Any, exc: BaseException, *, rank: int, step: int | None, node: str = "",
-           restart: int = 0, generation: str = "", resumed_at: int | None = None,
-           kept: int | None = None) -> None:
+@dataclass(frozen=True)
+class Who:
+    """Who failed: the rank, its node, the agent's restart count and the generation."""
+
+    rank: int
+    node: str = ""
+    restart: int = 0
+    generation: str = ""
+
+
+def record(events: Any, exc: BaseException, who: Who, *, step: int | None,
+           resumed_at: int | None = None, kept: int | None = None) -> None:
     """Emit a ``failure`` event for ``exc`` (never raises: it runs on the way down); ``kept``:
     the step this rank kept in its agent's memory on its way down (``memory_on_failure``)."""
     try:
         if isinstance(exc, HarnessError):
-            events.emit("failure", fatal=True, message=str(exc), rank=rank, step=step, node=node,
-                        restart=restart, generation=generation)
+            events.emit("failure", fatal=True, message=str(exc), rank=who.rank, step=step, node=who.node,
+                        restart=who.restart, generation=who.generation)
             return
         d = describe(exc)
         events.emit("failure", fatal=False, message=d["message"], where=d["where"],
-                    signature=d["signature"], rank=rank, step=step, node=node, restart=restart,
-                    generation=generation, resumed_at=resumed_at, peer_lost=peer_lost(exc), kept=kept)
+                    signature=d["signature"], rank=who.rank, step=step, node=who.node, restart=who.restart,
+                    generation=who.generation, resumed_at=resumed_at, peer_lost=peer_lost(exc), kept=kept)
     except Exception:  # noqa: BLE001 - the original exception must win
         pass
 

@@ -44,7 +44,7 @@ from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.digest import model_digest
 from elastic_harness.runtime.faults import WorkerFaults
-from elastic_harness.runtime.metrics import Metrics
+from elastic_harness.runtime.metrics import Metrics, StepFigures
 from elastic_harness.runtime.registration import replicas_differ, unwrapped_error
 from elastic_harness.runtime.state import TrainState
 from elastic_harness.runtime.step import Step
@@ -303,10 +303,9 @@ class StepHook:
         spec, train, now = self.spec, self.trained.train, time.monotonic()
         self.last_loss = vote.loss_sum / (spec.train.global_batch_size * self.topology.ranks_per_share)
         if train.step % spec.train.log_every == 0 or final:
-            self.reporting.metrics.step(train.step, loss=self.last_loss, world_size=self.world_size,
-                                        samples=train.data.cursor, step_s=now - self.last_done,
-                                        global_batch=spec.train.global_batch_size,
-                                        restart=self.reporting.restart, lr=step.lr, extra=user_metrics)
+            figures = StepFigures(self.last_loss, self.world_size, train.data.cursor, now - self.last_done,
+                                  spec.train.global_batch_size, self.reporting.restart, step.lr, user_metrics)
+            self.reporting.metrics.step(train.step, figures)
         self.last_done = now
 
     def _keep(self, step: int, vote: StepVote, *, final: bool) -> bool:

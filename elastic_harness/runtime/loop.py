@@ -32,7 +32,7 @@ from typing import Any
 from elastic_harness import runfiles
 from elastic_harness.errors import UsageError
 from elastic_harness.memtier.cadence import Cadence
-from elastic_harness.runtime.audit import record_samples
+from elastic_harness.runtime.audit import Writer, record_samples
 from elastic_harness.runtime.hook import StepHook
 from elastic_harness.runtime.seeding import seed_everything, step_seed
 from elastic_harness.runtime.state import TrainState
@@ -62,8 +62,8 @@ class Samples:
 
     def record(self, step: Step, meta: Any) -> None:
         top = self.topology
-        record_samples(self.path, self.generation, step.number, top.rank, top.world_size, step.plan, meta,
-                       dp_rank=top.dp_rank(), dp_size=top.dp_degree)
+        writer = Writer(self.generation, top.rank, top.world_size, top.dp_rank(), top.dp_degree)
+        record_samples(self.path, writer, step.number, step.plan, meta)
 
 
 class Loop:

@@ -9,11 +9,28 @@ never imports TensorBoard.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elastic_harness import runfiles
 from elastic_harness.deps import require_extra
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """A step's figures: its mean loss, the world it ran on, the samples consumed so far, its
+    seconds and global batch (for samples/s), the agent's restart count, the learning rate
+    and the script's own metrics."""
+
+    loss: float
+    world_size: int
+    samples: int
+    step_s: float
+    global_batch: int
+    restart: int
+    lr: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Metrics:
@@ -29,19 +46,19 @@ class Metrics:
         """Steps after ``step`` are redone by this generation (hide earlier copies of them)."""
         self._purge_step = step + 1
 
-    def step(self, step: int, *, loss: float, world_size: int, samples: int, step_s: float,
-             global_batch: int, restart: int, lr: float | None, extra: dict[str, float]) -> None:
+    def step(self, step: int, figures: StepFigures) -> None:
         if not self.main:
             return
-        samples_per_s = round(global_batch / step_s, 2) if step_s > 0 else None
-        self.events.emit("step", step=step, loss=round(loss, 6), world_size=world_size,
-                         samples=samples, restart=restart, step_s=round(step_s, 5),
-                         samples_per_s=samples_per_s, lr=lr,
-                         metrics={k: round(v, 6) for k, v in extra.items()} or None)
-        scalars = {"train/loss": loss, "train/samples_per_s": samples_per_s,
-                   "train/world_size": world_size, **{f"train/{k}": v for k, v in extra.items()}}
-        if lr is not None:
-            scalars["train/lr"] = lr
+        f = figures
+        samples_per_s = round(f.global_batch / f.step_s, 2) if f.step_s > 0 else None
+        self.events.emit("step", step=step, loss=round(f.loss, 6), world_size=f.world_size,
+                         samples=f.samples, restart=f.restart, step_s=round(f.step_s, 5),
+                         samples_per_s=samples_per_s, lr=f.lr,
+                         metrics={k: round(v, 6) for k, v in f.extra.items()} or None)
+        scalars = {"train/loss": f.loss, "train/samples_per_s": samples_per_s,
+                   "train/world_size": f.world_size, **{f"train/{k}": v for k, v in f.extra.items()}}
+        if f.lr is not None:
+            scalars["train/lr"] = f.lr
         self._scalars(step, scalars)
 
     def evaluation(self, step: int, metrics: dict[str, float], seconds: float) -> None:

@@ -440,9 +440,9 @@ class Run:
         """On the way down: the ``failure`` event, after keeping the last completed step in
         memory (``_keep_on_failure``)."""
         self._keep_on_failure(exc)
-        failures.record(self.gen.log, exc, rank=self.rank, step=self._train.step, node=self.env.node,
-                        restart=self.env.restart_count, generation=self.gen.id,
-                        resumed_at=self._resumed_at, kept=self._kept)
+        who = failures.Who(self.rank, self.env.node, self.env.restart_count, self.gen.id)
+        failures.record(self.gen.log, exc, who, step=self._train.step, resumed_at=self._resumed_at,
+                        kept=self._kept)
 
     def _keep_on_failure(self, exc: BaseException | None = None) -> None:
         """An exception ends this worker (``exc``, or the one propagating through ``close``,

@@ -196,7 +196,7 @@ class Honest(IgnoresIndex):
 @pytest.mark.parametrize("dataset, caught", [(IgnoresIndex, True), (Honest, False)])
 def test_content_audit_catches_data_that_does_not_follow_its_index(tmp_path, dataset, caught):
     from elastic_harness.data.sampler import EpochOrder
-    from elastic_harness.runtime.audit import record_samples
+    from elastic_harness.runtime.audit import Writer, record_samples
     from elastic_harness.runtime.loader import StepLoader, planner
     from tests.audit import content_audit
 
@@ -209,7 +209,8 @@ def test_content_audit_catches_data_that_does_not_follow_its_index(tmp_path, dat
                             collate=None, workers=0, prefetch=2, pin_memory=False, record=True)
         for step in range(first, last):
             plan, _ = loader.next_step()
-            record_samples(tmp_path / "samples" / "rank-0.jsonl", generation, step + 1, 0, 1, plan, loader.meta)
+            record_samples(tmp_path / "samples" / "rank-0.jsonl", Writer(generation, 0, 1), step + 1, plan,
+                           loader.meta)
 
     attempt("a", 0, 5)  # killed after step 5, resumed from a checkpoint at step 3
     attempt("b", 3, steps)

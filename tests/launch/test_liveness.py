@@ -208,7 +208,7 @@ def test_a_workers_failure_event_says_when_it_lost_a_peer(tmp_path):
         try:
             raise exc
         except Exception as e:  # noqa: BLE001 - recorded as a worker records it
-            failures.record(log, e, rank=0, step=3)
+            failures.record(log, e, failures.Who(rank=0), step=3)
     lost = [e["peer_lost"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "failure"]
     assert lost == [True, False]
 

@@ -109,7 +109,7 @@ def test_the_data_split_and_the_sample_records_follow_the_data_parallel_ranks(tm
     import json
 
     from elastic_harness.data.sampler import EpochOrder
-    from elastic_harness.runtime.audit import record_samples
+    from elastic_harness.runtime.audit import Writer, record_samples
     from elastic_harness.runtime.loader import planner
 
     t = Topology.build(8, 4, 2, {"replicate": "auto", "shard": 1, "tensor": 2})
@@ -119,7 +119,7 @@ def test_the_data_split_and_the_sample_records_follow_the_data_parallel_ranks(tm
         assert len({json.dumps(plans[r]) for r in group}) == 1
     shares = [p for r in range(t.world_size) if t.coords(r)[2] == 0 for chunk in plans[r] for p, _ in chunk]
     assert sorted(shares) == list(range(g))
-    record_samples(tmp_path / "r.jsonl", "gen", 1, 3, t.world_size, plans[3], None,
-                   dp_rank=t.dp_rank(3), dp_size=t.dp_degree)
+    record_samples(tmp_path / "r.jsonl", Writer("gen", 3, t.world_size, t.dp_rank(3), t.dp_degree), 1,
+                   plans[3], None)
     line = json.loads((tmp_path / "r.jsonl").read_text())
     assert (line["rank"], line["world_size"], line["dp_rank"], line["dp_size"]) == (3, 8, 1, 4)
