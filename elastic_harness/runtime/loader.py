@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
@@ -35,6 +36,9 @@ from elastic_harness.data.stream import Stream
 from elastic_harness.errors import HarnessError
 from elastic_harness.runtime.audit import content_hash
 from elastic_harness.runtime.seeding import seed_torch
+
+if TYPE_CHECKING:
+    from elastic_harness.spec import JobSpec
 
 Plan = list[list[tuple[int, int]]]  # micro-batches of (stream position, dataset index)
 
@@ -95,6 +99,26 @@ class _Hashed:
         return self.collate(items), [content_hash(x) for x in items]
 
 
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What both loaders take besides their data and steps: the job's seed, the device the
+    batches go to, the collate function, the loader processes and their prefetch, pinned
+    memory, and whether each sample's (index, content hash) is kept (``record``)."""
+
+    seed: int
+    device: torch.device
+    collate: Callable | None
+    workers: int
+    prefetch: int
+    pin_memory: bool
+    record: bool = False
+
+    @classmethod
+    def of(cls, spec: JobSpec, device: torch.device, collate: Callable | None) -> LoaderSettings:
+        return cls(spec.train.seed, device, collate, spec.data.workers, spec.data.prefetch,
+                   spec.data.pin_memory, spec.train.record_samples)
+
+
 class StepLoader:
     """Per step, this rank's micro-batches (collated, on the device) and the plan behind them.
 
@@ -105,21 +129,21 @@ class StepLoader:
     """
 
     def __init__(self, dataset: Any, plan_of: Callable[[int], Plan], first_step: int,
-                 last_step: int, *, seed: int, device: torch.device, collate: Callable | None,
-                 workers: int, prefetch: int, pin_memory: bool, record: bool = False) -> None:
-        self.plan_of, self.device, self.record = plan_of, device, record
-        self.collate = _Hashed(collate or default_collate) if record else (collate or default_collate)
-        self.items = PositionedItems(dataset, seed)
+                 last_step: int, settings: LoaderSettings) -> None:
+        s = settings
+        self.plan_of, self.device, self.record = plan_of, s.device, s.record
+        self.collate = _Hashed(s.collate or default_collate) if s.record else (s.collate or default_collate)
+        self.items = PositionedItems(dataset, s.seed)
         self.step = first_step
         self.meta: list | None = None
         self.order: Any = None  # the stream's epoch order, set by ``runtime.resume.bind_data``
         self._iter: Iterator | None = None
         self._loader: DataLoader | None = None
-        if workers > 0 and last_step > first_step:
+        if s.workers > 0 and last_step > first_step:
             self._loader = DataLoader(
                 self.items, batch_sampler=PlannedBatches(plan_of, first_step, last_step),
-                num_workers=workers, collate_fn=self.collate, prefetch_factor=prefetch,
-                pin_memory=pin_memory and device.type == "cuda",
+                num_workers=s.workers, collate_fn=self.collate, prefetch_factor=s.prefetch,
+                pin_memory=s.pin_memory and s.device.type == "cuda",
             )
             self._iter = iter(self._loader)
 
@@ -206,19 +230,18 @@ class StreamLoader:
     """``StepLoader``'s contract for a stream: loader processes split this rank's lanes."""
 
     def __init__(self, stream: Stream, order: StreamOrder, plan_of: Callable[[int], Plan],
-                 first_step: int, last_step: int, *, dp_size: int, seed: int,
-                 device: torch.device, collate: Callable | None, workers: int, prefetch: int,
-                 pin_memory: bool, record: bool = False) -> None:
-        self.plan_of, self.device, self.record = plan_of, device, record
-        self.collate = collate or default_collate
-        self.pin = pin_memory and device.type == "cuda"
+                 first_step: int, last_step: int, *, dp_size: int, settings: LoaderSettings) -> None:
+        s = settings
+        self.plan_of, self.device, self.record = plan_of, s.device, s.record
+        self.collate = s.collate or default_collate
+        self.pin = s.pin_memory and s.device.type == "cuda"
         self.step, self.meta = first_step, None
-        self.parts = max(workers, 1)
-        items = StreamSteps(stream, order, plan_of, first_step, last_step, dp_size, seed, record)
+        self.parts = max(s.workers, 1)
+        items = StreamSteps(stream, order, plan_of, first_step, last_step, dp_size, s.seed, s.record)
         self._loader: DataLoader | None = None
-        if workers > 0 and last_step > first_step:
-            self._loader = DataLoader(items, batch_size=None, num_workers=workers,
-                                      collate_fn=_as_is, prefetch_factor=prefetch)
+        if s.workers > 0 and last_step > first_step:
+            self._loader = DataLoader(items, batch_size=None, num_workers=s.workers,
+                                      collate_fn=_as_is, prefetch_factor=s.prefetch)
             self._iter: Iterator | None = iter(self._loader)
         else:
             self._iter = iter(items)

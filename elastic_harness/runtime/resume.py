@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from elastic_harness.checkpoint.manager import CheckpointManager, Loaded
@@ -32,10 +31,16 @@ from elastic_harness.errors import CheckpointError
 from elastic_harness.memtier.peer import portable, restore_rules
 from elastic_harness.memtier.restore import Restored, restored_message
 from elastic_harness.memtier.tier import MemoryTier
-from elastic_harness.runtime.loader import StepLoader, StreamLoader, planner, stream_planner
+from elastic_harness.runtime.loader import (
+    LoaderSettings,
+    StepLoader,
+    StreamLoader,
+    planner,
+    stream_planner,
+)
 from elastic_harness.runtime.metrics import Metrics
 from elastic_harness.runtime.state import TrainState
-from elastic_harness.runtime.stream_index import bind_stream
+from elastic_harness.runtime.stream_index import Counting, bind_stream
 from elastic_harness.runtime.topology import Topology
 from elastic_harness.spec import JobSpec
 
@@ -131,8 +136,8 @@ def _from_memory(restored: Restored, train: TrainState, *, events: Any, metrics:
     return restored.step
 
 
-def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology, *,
-              device: torch.device, collate_fn: Callable | None, group: Any, cache_dir: Path,
+def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology,
+              settings: LoaderSettings, *, group: Any, cache_dir: Path,
               on_progress: Callable[[], None]) -> StepLoader | StreamLoader:
     """Check the saved position against the data (or start it) and build the loader.
 
@@ -141,23 +146,19 @@ def bind_data(source: Any, train: TrainState, spec: JobSpec, topology: Topology,
     stream's shards."""
     g, mb = spec.train.global_batch_size, spec.train.micro_batch_size
     dp_size, dp_rank = topology.dp_degree, topology.dp_rank()
-    common = dict(seed=spec.train.seed, device=device, collate=collate_fn,
-                  workers=spec.data.workers, prefetch=spec.data.prefetch,
-                  pin_memory=spec.data.pin_memory, record=spec.train.record_samples)
     if isinstance(source, Stream):
-        order, digests = bind_stream(source, seed=spec.train.seed, global_batch=g, dp_size=dp_size,
-                                     rank=topology.rank, world_size=topology.world_size, group=group,
-                                     cache_dir=cache_dir, on_progress=on_progress)
+        counting = Counting(topology.rank, topology.world_size, group, cache_dir, on_progress)
+        order, digests = bind_stream(source, counting, seed=spec.train.seed, global_batch=g, dp_size=dp_size)
         _refuse_unresolved_epochs(spec, order.n)
         check_data(train, spec.train.seed, order.n, *digests)
         plan_of = stream_planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
         return StreamLoader(source, order, plan_of, train.step, spec.train.steps,
-                            dp_size=dp_size, **common)
+                            dp_size=dp_size, settings=settings)
     _refuse_unresolved_epochs(spec, len(source))
     check_data(train, spec.train.seed, len(source), 0, 0)
     order = EpochOrder(spec.train.seed, len(source))
     plan_of = planner(order, train.data.cursor, train.step, g, dp_size, dp_rank, mb)
-    loader = StepLoader(source, plan_of, train.step, spec.train.steps, **common)
+    loader = StepLoader(source, plan_of, train.step, spec.train.steps, settings)
     loader.order = order  # the step in flight's extra samples are read from it (``runtime.inflight``)
     return loader
 

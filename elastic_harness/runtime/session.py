@@ -77,7 +77,7 @@ from elastic_harness.runtime.buffers import BufferSync
 from elastic_harness.runtime.build import job_identity
 from elastic_harness.runtime.hook import ReplicaCheck, Trained, save_due_by_steps, save_due_by_time
 from elastic_harness.runtime.jobsource import resolve_job, script_flags
-from elastic_harness.runtime.loader import StepLoader, StreamLoader, to_device
+from elastic_harness.runtime.loader import LoaderSettings, StepLoader, StreamLoader, to_device
 from elastic_harness.runtime.loop import DRAIN_EXIT, Loop, Samples
 from elastic_harness.runtime.registration import (
     check_registration,
@@ -347,8 +347,9 @@ class Run:
         spec, watchdog = self.spec, self.parts.watchdog
 
         def bind() -> Any:
-            return bind_data(source, self._train, spec, self.topology, device=self.device, collate_fn=collate_fn,
-                             group=self.groups.ckpt, cache_dir=self.run_dir / "data",
+            settings = LoaderSettings.of(spec, self.device, collate_fn)
+            return bind_data(source, self._train, spec, self.topology, settings, group=self.groups.ckpt,
+                             cache_dir=self.run_dir / "data",
                              on_progress=lambda: watchdog.arm(extra_s=spec.timeouts.process_group))
 
         bound: list = []

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +35,29 @@ def digest63(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1 or 1
 
 
-def bind_stream(stream: Stream, *, seed: int, global_batch: int, dp_size: int, rank: int,
-                world_size: int, group: Any, cache_dir: Path | None,
-                on_progress: Callable[[], None] | None = None) -> tuple[StreamOrder, tuple[int, int]]:
+@dataclass(frozen=True)
+class Counting:
+    """Who counts a stream's shards: this process (``rank``/``world_size``) among those of
+    ``group``, which share the counting; the run's ``cache_dir`` of counts (None: none), and
+    ``on_progress``, called after each shard counted (the step watchdog's re-arm)."""
+
+    rank: int
+    world_size: int
+    group: Any
+    cache_dir: Path | None
+    on_progress: Callable[[], None] | None = None
+
+
+def bind_stream(stream: Stream, counting: Counting, *, seed: int, global_batch: int,
+                dp_size: int) -> tuple[StreamOrder, tuple[int, int]]:
     """The stream's order and its ``(shard list, order settings)`` digests for ``TrainState``.
-    ``dp_size``: the data-parallel degree the lanes are shared over; ``rank``/``world_size``:
-    this process among those of ``group``, which share the counting.
-    ``on_progress`` is called after each shard counted (the step watchdog's re-arm)."""
+    ``dp_size``: the data-parallel degree the lanes are shared over."""
     lanes = stream.lanes or min(global_batch, MAX_LANES_DEFAULT)
     problem = check_sizes(lanes, global_batch, dp_size)
     if problem:
         raise UsageError(problem, "set Stream(lanes=...) between the largest world size and the global "
                          "batch size, on a new run (the lane count fixes the order)")
-    units = shard_units(stream, rank=rank, world_size=world_size, group=group, cache_dir=cache_dir,
-                        on_progress=on_progress)
+    units = shard_units(stream, counting)
     unit = stream.pack.seq_len if stream.pack is not None else 1
     layout = Layout(tuple(units), unit, lanes, stream.window, stream.shuffle_shards)
     if layout.samples_per_epoch < global_batch:
@@ -57,8 +67,9 @@ def bind_stream(stream: Stream, *, seed: int, global_batch: int, dp_size: int, r
     return StreamOrder(seed, layout), (digest63(stream.digest()), digest63(settings))
 
 
-def shard_units(stream: Stream, *, rank: int, world_size: int, group: Any,
-                cache_dir: Path | None, on_progress: Callable[[], None] | None = None) -> list[int]:
+def shard_units(stream: Stream, counting: Counting) -> list[int]:
+    c = counting
+    rank, world_size, group, cache_dir, on_progress = c.rank, c.world_size, c.group, c.cache_dir, c.on_progress
     known = stream.known_units()
     if known is not None:
         return list(known)

@@ -14,7 +14,7 @@ from elastic_harness.data.read import LaneReaders
 from elastic_harness.data.sampler import DataState
 from elastic_harness.errors import UsageError
 from elastic_harness.runtime.audit import content_hash
-from elastic_harness.runtime.loader import StreamLoader, stream_planner
+from elastic_harness.runtime.loader import LoaderSettings, StreamLoader, stream_planner
 from elastic_harness.runtime.state import TrainState
 from elastic_harness.tasks.streamlm import build_corpus, ids_of, shard_docs, stdlib_documents
 
@@ -154,9 +154,9 @@ def test_stream_loader_with_processes_matches_without(world):
 
     def batches(workers, rank, first=0):
         plan_of = stream_planner(order, first * g, first, g, world, rank, 2)
-        loader = StreamLoader(stream, order, plan_of, first, steps, dp_size=world, seed=5,
-                              device=torch.device("cpu"), collate=None, workers=workers,
-                              prefetch=2, pin_memory=False, record=True)
+        settings = LoaderSettings(seed=5, device=torch.device("cpu"), collate=None, workers=workers,
+                                  prefetch=2, pin_memory=False, record=True)
+        loader = StreamLoader(stream, order, plan_of, first, steps, dp_size=world, settings=settings)
         out = []
         for _ in range(first, steps):
             plan, got = loader.next_step()
@@ -205,8 +205,9 @@ def test_content_audit_catches_data_that_does_not_follow_its_index(tmp_path, dat
 
     def attempt(generation, first, last):  # a fresh process resumes at `first`
         plan_of = planner(order, first * g, first, g, 1, 0, 2)
-        loader = StepLoader(dataset(), plan_of, first, last, seed=0, device=torch.device("cpu"),
-                            collate=None, workers=0, prefetch=2, pin_memory=False, record=True)
+        loader = StepLoader(dataset(), plan_of, first, last,
+                            LoaderSettings(seed=0, device=torch.device("cpu"), collate=None, workers=0,
+                                           prefetch=2, pin_memory=False, record=True))
         for step in range(first, last):
             plan, _ = loader.next_step()
             record_samples(tmp_path / "samples" / "rank-0.jsonl", Writer(generation, 0, 1), step + 1, plan,
@@ -223,15 +224,15 @@ def test_content_audit_catches_data_that_does_not_follow_its_index(tmp_path, dat
 
 def test_a_shard_that_cannot_be_counted_is_retried_then_named(tmp_path):
     from elastic_harness.data.read import DataError
-    from elastic_harness.runtime.stream_index import shard_units
+    from elastic_harness.runtime.stream_index import Counting, shard_units
 
     (tmp_path / "a.jsonl").write_text('{"ids": [1]}\n')
     (tmp_path / "b.jsonl").mkdir()  # exists, cannot be opened
     stream = jsonl_stream([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], retries=2)
     with pytest.raises(DataError, match=r"shard 1 \('.*b.jsonl'\) cannot be read after 2 tries"):
-        shard_units(stream, rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache")
+        shard_units(stream, Counting(rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache"))
     ok = jsonl_stream([tmp_path / "a.jsonl"])
-    assert shard_units(ok, rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache") == [1]
+    assert shard_units(ok, Counting(rank=0, world_size=1, group=None, cache_dir=tmp_path / "cache")) == [1]
     assert list((tmp_path / "cache").glob("units-*.json")), "counted once, then cached"
 
 

@@ -45,10 +45,6 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "memtier/tier.py:MemoryTier.__init__": "rank, world size, wire and generation become one value a generation "
                                            "hands the tier (its slots outlive it)",
     "memtier/tier.py:MemoryTier.open": "as MemoryTier.__init__",
-    "runtime/loader.py:StepLoader.__init__": "the loaders' common settings become one value",
-    "runtime/loader.py:StreamLoader.__init__": "the loaders' common settings become one value",
-    "runtime/resume.py:bind_data": "the loaders' common settings become one value",
-    "runtime/stream_index.py:bind_stream": "the loaders' common settings become one value",
     "tasks/cnn.py:BarCNN.__init__": "a task's constructor: each parameter is a task.args key of the job file",
     "tasks/streamlm.py:StreamLM.__init__": "a task's constructor: each parameter is a task.args key of the job file",
 }

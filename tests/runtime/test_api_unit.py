@@ -15,7 +15,7 @@ from elastic_harness.launch.policy import stop_reason
 from elastic_harness.runtime import failures, precision
 from elastic_harness.runtime.digest import model_digest, tensor_bytes
 from elastic_harness.runtime.evaluate import eval_batches
-from elastic_harness.runtime.loader import StepLoader, planner
+from elastic_harness.runtime.loader import LoaderSettings, StepLoader, planner
 from elastic_harness.runtime.session import check_registration
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,9 +138,9 @@ class Noisy(torch.utils.data.Dataset):
 def test_loaded_batches_do_not_depend_on_loader_processes_or_resume_point(workers):
     plan_of = planner(EpochOrder(3, 40), 0, 0, 8, 2, 1, 2)
     kw = dict(seed=3, device=torch.device("cpu"), collate=None, prefetch=2, pin_memory=False)
-    reference = StepLoader(Noisy(), plan_of, 0, 6, workers=0, **kw)
+    reference = StepLoader(Noisy(), plan_of, 0, 6, LoaderSettings(workers=0, **kw))
     want = [reference.next_step() for _ in range(6)]
-    resumed = StepLoader(Noisy(), plan_of, 2, 6, workers=workers, **kw)  # a restart at step 2
+    resumed = StepLoader(Noisy(), plan_of, 2, 6, LoaderSettings(workers=workers, **kw))  # a restart at step 2
     got = [resumed.next_step() for _ in range(4)]
     resumed.close()
     for (plan_a, batches_a), (plan_b, batches_b) in zip(want[2:], got, strict=True):
