@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -126,11 +127,20 @@ def _head(storage: Storage, name: str, mode: str, key: bytes | None) -> tuple[di
         return None, integrity.Verdict(False, f"{name} cannot be listed ({os_reason(e)})", "unreadable")
 
 
-def agreed_verdict(storage: Storage, name: str, mode: str, *, rank: int, world_size: int, group: Any,
-                   round_bytes: int = ROUND_BYTES, on_bytes: Callable[[int], None] | None = None,
-                   key: bytes | None = None) -> integrity.Verdict:
-    """Verify ``name`` on all ranks together (its signature with the job's ``key`` first);
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks that act together: this one, how many, and their process group."""
+
+    rank: int
+    world_size: int
+    group: Any
+
+
+def agreed_verdict(storage: Storage, name: str, mode: str, ranks: Ranks, *, round_bytes: int = ROUND_BYTES,
+                   on_bytes: Callable[[int], None] | None = None, key: bytes | None = None) -> integrity.Verdict:
+    """Verify ``name`` on all ``ranks`` together (its signature with the job's ``key`` first);
     every rank returns the same verdict."""
+    rank, world_size, group = ranks.rank, ranks.world_size, ranks.group
     manifest, verdict = broadcast(_head(storage, name, mode, key) if rank == 0 else None, group)
     if not verdict.ok or mode != "full":
         return verdict

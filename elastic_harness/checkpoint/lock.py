@@ -182,15 +182,26 @@ def read_record(store: RootFiles, filename: str = LOCK_FILE) -> dict | None:
     return record if isinstance(record, dict) else {}
 
 
+@dataclass(frozen=True)
+class LeaseSettings:
+    """How a lease is kept: its file, the heartbeat's period, the age after which another
+    host's record is stale, the clock, and whether a record's process on this host lives."""
+
+    filename: str = LOCK_FILE
+    beat_s: float = BEAT_S
+    stale_s: float = STALE_S
+    clock: Callable[[], float] = time.time
+    alive: Callable[[dict], bool] = pid_alive
+
+
 class Lease:
     """A lock held (as its owner) or shared (``joined``) by this process."""
 
-    def __init__(self, store: RootFiles, me: Holder, *, owner: bool, took_over: str = "",
-                 filename: str = LOCK_FILE, beat_s: float = BEAT_S, stale_s: float = STALE_S,
-                 clock: Callable[[], float] = time.time, alive: Callable[[dict], bool] = pid_alive) -> None:
+    def __init__(self, store: RootFiles, me: Holder, settings: LeaseSettings = LeaseSettings(), *,
+                 owner: bool, took_over: str = "") -> None:
         self.store, self.me, self.owner, self.took_over = store, me, owner, took_over
-        self.filename, self.beat_s, self.stale_s = filename, beat_s, stale_s
-        self._clock, self._alive = clock, alive
+        self.filename, self.beat_s, self.stale_s = settings.filename, settings.beat_s, settings.stale_s
+        self._clock, self._alive = settings.clock, settings.alive
         self.lost: dict | None = None  # set by the heartbeat when another job holds it now
         self._stop = threading.Event()
         self._beating = threading.Lock()  # ``check`` and the heartbeat thread read and write one file
@@ -198,16 +209,17 @@ class Lease:
 
     @classmethod
     def acquire(cls, store: RootFiles, me: Holder, **kw: Any) -> Lease:
-        """Take, join or take over the lock; raise ``LockHeld`` naming a live other holder."""
-        clock, alive = kw.get("clock", time.time), kw.get("alive", pid_alive)
-        filename, stale_s = kw.get("filename", LOCK_FILE), kw.get("stale_s", STALE_S)
+        """Take, join or take over the lock; raise ``LockHeld`` naming a live other holder.
+        ``kw``: the fields of ``LeaseSettings``."""
+        settings = LeaseSettings(**kw)
+        clock, alive, filename, stale_s = settings.clock, settings.alive, settings.filename, settings.stale_s
         for _ in range(3):  # a lost race re-reads and decides again
             record = read_record(store, filename)
             d = decide(record, me, clock(), alive, stale_s)
             if d.action == "refuse":
                 raise LockHeld(record or {})
             if d.action == "join":
-                lease = cls(store, me, owner=record.get("token") == me.token, **kw)
+                lease = cls(store, me, settings, owner=record.get("token") == me.token)
                 return lease._start()
             data = json.dumps(me.record(clock())).encode()
             if d.action == "take" and not store.create_root(filename, data):
@@ -215,8 +227,8 @@ class Lease:
             if d.action == "takeover":
                 store.write_root(filename, data)
             if (read_record(store, filename) or {}).get("token") == me.token:
-                return cls(store, me, owner=True, took_over=d.reason and describe(record or {}) + ": " + d.reason,
-                           **kw)._start()
+                return cls(store, me, settings, owner=True,
+                           took_over=d.reason and describe(record or {}) + ": " + d.reason)._start()
         raise LockHeld(read_record(store, filename) or {})
 
     def _start(self) -> Lease:

@@ -241,8 +241,8 @@ class CheckpointManager:
 
     def _verify(self, name: str) -> integrity.Verdict:
         return collective.agreed_verdict(
-            self.storage, name, self.policy.verify, rank=self.rank, world_size=self.world_size,
-            group=self.group, round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick, key=self.key)
+            self.storage, name, self.policy.verify, collective.Ranks(self.rank, self.world_size, self.group),
+            round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick, key=self.key)
 
     def _report_skipped(self, choice: layout.Choice) -> None:
         """Rank 0: set failed checkpoints aside; warn about newer incomplete ones."""

@@ -23,8 +23,9 @@ PARAMS = 8
 # "path:class": classes over METHODS, each with the reason it waits: a split to come (remove
 # it when it lands), or a signature that stays (a public one).
 WAITING_CLASSES: dict[str, str] = {
-    "checkpoint/manager.py:CheckpointManager": "save, load, verify and purge in one object; checkpoint/ is being "
-                                               "changed elsewhere: its split lands after that",
+    "checkpoint/manager.py:CheckpointManager": "save, load, verify and purge in one object: it splits into a saver, "
+                                               "a loader, a verifier and a purger sharing the storage and ranks; "
+                                               "that split is a change of its own, still to come",
     "torchcompat/groups.py:LiveGroup": "stays: torch's ProcessGroup as Python sees it, one method per collective torch "
                                        "calls (each under every name torch 2.11-2.15 gives it)",
 }
@@ -34,9 +35,8 @@ WAITING_FUNCTIONS: dict[str, str] = {
     "bench/checkpoint/train.py:_save_kinds": "a bench's timing loop: its settings become one value",
     "bench/recovery/launching.py:write_job": "a bench's job file: its settings become one value",
     "bench/throughput/stream.py:_harness": "a bench's side of a row: its settings become one value",
-    "checkpoint/collective.py:agreed_verdict": "checkpoint/ is being changed elsewhere",
-    "checkpoint/lock.py:Lease.__init__": "checkpoint/ is being changed elsewhere",
-    "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (checkpoint/)",
+    "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (save / load / verify / "
+                                                        "purge), a change of its own still to come",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
     "rendezvous/handler.py:record_event": "stays: torch's construct_and_record_rdzv_event, replaced in torch's "
