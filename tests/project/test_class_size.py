@@ -32,9 +32,6 @@ WAITING_CLASSES: dict[str, str] = {
 
 # "path:qualified name": functions over PARAMS, each with its reason, as above.
 WAITING_FUNCTIONS: dict[str, str] = {
-    "bench/checkpoint/train.py:_save_kinds": "a bench's timing loop: its settings become one value",
-    "bench/recovery/launching.py:write_job": "a bench's job file: its settings become one value",
-    "bench/throughput/stream.py:_harness": "a bench's side of a row: its settings become one value",
     "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (save / load / verify / "
                                                         "purge), a change of its own still to come",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root
     step = iter(range(1, 10**9))
     scratch = root / "scratch"
     (root / "raw").mkdir(exist_ok=True)
-    kinds = _save_kinds(rank, full, state, root, g2, ckpt_group, step, sync_m, async_m)
+    kinds = _save_kinds(rank, full, state, root, g2, Savers(sync_m, async_m, step, ckpt_group))
     kinds["async_blocking"]()  # warm-ups: the first DCP save plans and allocates the staging buffer
     async_m.wait()
     sync_m.save(next(step), state, blocking=True)
@@ -80,10 +81,21 @@ def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root
     sync_m.close()
 
 
-def _save_kinds(rank: int, full: dict, state: dict, root: Path, g2: Any, ckpt_group: Any, step: Any,
-                sync_m: Any, async_m: Any) -> dict:
-    """Each save measured, by name (the module doc), as a call; ``step`` numbers the saves."""
+@dataclass(frozen=True)
+class Savers:
+    """What the DCP saves go through: the blocking and the async manager, the counter that
+    numbers the saves (``step``), and the checkpoint group."""
+
+    sync_m: Any
+    async_m: Any
+    step: Any
+    ckpt_group: Any
+
+
+def _save_kinds(rank: int, full: dict, state: dict, root: Path, g2: Any, savers: Savers) -> dict:
+    """Each save measured, by name (the module doc), as a call."""
     legacy, scratch = root / "legacy.pt", root / "scratch"
+    sync_m, async_m, step, ckpt_group = savers.sync_m, savers.async_m, savers.step, savers.ckpt_group
 
     def baseline() -> None:
         if rank == 0:

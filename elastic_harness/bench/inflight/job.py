@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_harness.bench.recovery.launching import write_job
+from elastic_harness.bench.recovery.launching import BenchJob, write_job
 
 STEPS = 100
 KILL_AT = 40
@@ -21,5 +21,6 @@ TASK_ARGS = {"samples": 1024, "dim": 16, "hidden": HIDDEN, "depth": DEPTH}  # la
 
 def write(path: Path, steps: int, nodes: int) -> Path:
     """The harness's job file (the recovery benches' template, with jobs/mlp.yaml's rate)."""
-    return write_job(path, steps=steps, max_restarts=3, max_nodes=nodes, hidden=HIDDEN, depth=DEPTH,
-                     batch=GLOBAL_BATCH, micro=MICRO_BATCH, lr=LR)
+    return write_job(path,
+                     BenchJob(steps=steps, max_restarts=3, max_nodes=nodes, hidden=HIDDEN, depth=DEPTH,
+                              batch=GLOBAL_BATCH, micro=MICRO_BATCH, lr=LR))

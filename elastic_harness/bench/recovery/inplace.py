@@ -34,7 +34,7 @@ from pathlib import Path
 
 from elastic_harness.bench import cpuwindow
 from elastic_harness.bench.recovery import nodeloss
-from elastic_harness.bench.recovery.launching import write_job
+from elastic_harness.bench.recovery.launching import BenchJob, write_job
 
 SIDES = ("in_place", "restart")  # the job's ``recovery`` setting, as the JSON names each side
 SIZES = (2, 4, 8)
@@ -67,8 +67,9 @@ def bench_in_place(scratch: Path, repeats: int, sizes: Sequence[int], parallelis
         str(n): {p: {side: [] for side in SIDES} for p in placements} for n in sizes}
     for r in range(repeats):
         for n in sizes:
-            job = nodeloss._one_rank_per_node(write_job(scratch / f"in-place-{n}.yaml", steps=100, max_restarts=3,
-                                                        max_nodes=n, every=50, parallelism=parallelism))
+            job = nodeloss._one_rank_per_node(write_job(scratch / f"in-place-{n}.yaml",
+                                                        BenchJob(steps=100, max_restarts=3, max_nodes=n,
+                                                                 every=50, parallelism=parallelism)))
             for placement in placements:
                 for side in order(r):
                     run_dir = scratch / f"in-place-{n}-{placement}-{side}-{r}"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from elastic_harness import runfiles
@@ -37,16 +38,30 @@ checkpoint: {{every_steps: {every}, keep: 3}}
 """
 
 
-def write_job(path: Path, *, steps: int, max_restarts: int, max_nodes: int = 1, hidden: int = 64,
-              depth: int = 2, batch: int = 30, micro: int = 8, every: int = CKPT_EVERY,
-              parallelism: str = "ddp", lr: float = 0.001) -> Path:
+@dataclass(frozen=True)
+class BenchJob:
+    """The bench job's settings (``JOB``'s fields): its length and restarts, its nodes at most,
+    the model's width and depth, the global and micro batch, the checkpoint period, the
+    layout and the learning rate."""
+
+    steps: int
+    max_restarts: int
+    max_nodes: int = 1
+    hidden: int = 64
+    depth: int = 2
+    batch: int = 30
+    micro: int = 8
+    every: int = CKPT_EVERY
+    parallelism: str = "ddp"
+    lr: float = 0.001
+
+
+def write_job(path: Path, job: BenchJob) -> Path:
     """The bench's job. One node at most unless asked: a rendezvous that may still grow waits
     its last-call timeout every round (torchrun's default: 30 s), which no single-node
     comparison should pay."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(JOB.format(steps=steps, max_restarts=max_restarts, max_nodes=max_nodes, hidden=hidden,
-                               depth=depth, batch=batch, micro=micro, every=every,
-                               parallelism=parallelism, lr=lr))
+    path.write_text(JOB.format(**asdict(job)))
     return path
 
 

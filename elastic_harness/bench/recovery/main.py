@@ -75,7 +75,7 @@ from pathlib import Path
 from elastic_harness import runfiles
 from elastic_harness.bench import check_out, cpuwindow, scratch_dir
 from elastic_harness.bench.recovery import crash_stats, inplace, kept, nodeloss, resize
-from elastic_harness.bench.recovery.launching import launch, log_tails, write_job
+from elastic_harness.bench.recovery.launching import BenchJob, launch, log_tails, write_job
 from elastic_harness.errors import HarnessError
 from elastic_harness.events import read_events
 from elastic_harness.report.probe import probe_cost
@@ -205,8 +205,9 @@ def _settings(args: argparse.Namespace, parts: list[str], scratch: Path) -> dict
 def bench_kill_node(scratch: Path, repeats: int, parallelism: str = "ddp", nodes: int = 2) -> dict:
     """Kill node 1 of ``nodes`` at step 40; harness (same host, and separate hosts where
     root: ``bench.recovery.nodeloss``) and torchrun runs alternate."""
-    job = write_job(scratch / "kill-node.yaml", steps=100, max_restarts=3, max_nodes=nodes,
-                    every=NODE_CKPT_EVERY, parallelism=parallelism)
+    job = write_job(scratch / "kill-node.yaml",
+                    BenchJob(steps=100, max_restarts=3, max_nodes=nodes, every=NODE_CKPT_EVERY,
+                             parallelism=parallelism))
     launchers = ["harness", *(["separate_hosts"] if os.geteuid() == 0 else []), "torchrun"]
     out: dict[str, list] = {name: [] for name in launchers}
     skipped = 0
@@ -260,7 +261,8 @@ def bench_kill_worker(scratch: Path, faults: int) -> dict:
     restart``) and torchrun; every fault's survivors that kept their process (``kept``)."""
     schedule = kill_worker_schedule(faults, CRASH_CKPT_EVERY)
     steps = faults * CRASH_CKPT_EVERY + 2 * CRASH_CKPT_EVERY
-    job = write_job(scratch / "kill-worker.yaml", steps=steps, max_restarts=faults + 10, every=CRASH_CKPT_EVERY)
+    job = write_job(scratch / "kill-worker.yaml",
+                    BenchJob(steps=steps, max_restarts=faults + 10, every=CRASH_CKPT_EVERY))
     out: dict[str, dict] = {}
     for side, (launcher, sets) in KILL_WORKER_SIDES.items():
         run_dir = scratch / f"kill-worker-{side}"
@@ -294,7 +296,8 @@ def bench_kill_worker(scratch: Path, faults: int) -> dict:
 def bench_anytime(scratch: Path, faults: int, seed: int) -> dict:
     """Host-sent kills at seeded random moments of one harness run, then a drain ends it."""
     duration = ANYTIME_EVERY_S * (faults + 1)
-    job = write_job(scratch / "anytime.yaml", steps=10**7, max_restarts=faults + 10, every=CRASH_CKPT_EVERY)
+    job = write_job(scratch / "anytime.yaml",
+                    BenchJob(steps=10**7, max_restarts=faults + 10, every=CRASH_CKPT_EVERY))
     run_dir = scratch / "anytime"
     schedule = goodput_schedule(duration, ANYTIME_EVERY_S, seed, ranks=2)
     code = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=int(duration) + 300)
@@ -312,8 +315,9 @@ def bench_memory_cost(scratch: Path, repeats: int) -> dict:
     """``repeats`` uninterrupted runs probing the in-memory tier (``checkpoint.memory_probe``):
     blocks of ``PROBE_BLOCK`` steps with it on and off alternate inside each run, and each
     block is compared with its neighbours (``report.probe``)."""
-    job = write_job(scratch / "memory-cost.yaml", steps=COST_STEPS, max_restarts=0, hidden=256, depth=3,
-                    batch=64, micro=32, every=CRASH_CKPT_EVERY)
+    job = write_job(scratch / "memory-cost.yaml",
+                    BenchJob(steps=COST_STEPS, max_restarts=0, hidden=256, depth=3, batch=64, micro=32,
+                             every=CRASH_CKPT_EVERY))
     runs = []
     for r in range(repeats):
         run_dir = scratch / f"memory-cost-{r}"
@@ -343,8 +347,9 @@ def bench_buddy_cost(scratch: Path, repeats: int) -> dict:
     """FSDP on 2 nodes x 1 rank, the in-memory tier probed (as ``bench_memory_cost``) in
     alternating runs without and with buddy copies: two rows side by side, the same minutes
     of the machine. The ``with_copies`` row's cost is snapshots and copies together."""
-    job = write_job(scratch / "buddy-cost.yaml", steps=COST_STEPS, max_restarts=0, max_nodes=2, hidden=256,
-                    depth=3, batch=64, micro=32, every=CRASH_CKPT_EVERY, parallelism="fsdp")
+    job = write_job(scratch / "buddy-cost.yaml",
+                    BenchJob(steps=COST_STEPS, max_restarts=0, max_nodes=2, hidden=256, depth=3, batch=64,
+                             micro=32, every=CRASH_CKPT_EVERY, parallelism="fsdp"))
     rows: dict[str, list] = {"own_only": [], "with_copies": []}
     for r in range(repeats):
         for name, copies in (("own_only", "false"), ("with_copies", "true")):
@@ -389,8 +394,9 @@ def _buddy_cost_run(job: Path, run_dir: Path, copies: str) -> dict:
 def bench_goodput(scratch: Path, long: bool, seed: int) -> dict:
     """Seeded kill-worker faults until a graceful preempt ends the run; then resume it."""
     duration, interval = (300.0, 60.0) if long else (120.0, 20.0)
-    job = write_job(scratch / "goodput.yaml", steps=10**7, max_restarts=100, hidden=256, depth=3,
-                    batch=64, micro=32, every=GOODPUT_CKPT_EVERY)
+    job = write_job(scratch / "goodput.yaml",
+                    BenchJob(steps=10**7, max_restarts=100, hidden=256, depth=3, batch=64, micro=32,
+                             every=GOODPUT_CKPT_EVERY))
     run_dir = scratch / "goodput"
     schedule = goodput_schedule(duration, interval, seed, ranks=2)
     first = launch("harness", job, run_dir, nodes=1, nproc=2, chaos=schedule, timeout=int(duration) + 300)

@@ -35,6 +35,7 @@ from elastic_harness import runfiles
 from elastic_harness.bench import cpuwindow
 from elastic_harness.bench.recovery import crash_stats, kept
 from elastic_harness.bench.recovery.launching import (
+    BenchJob,
     _signal_group,
     _spawn,
     _wait_for_port,
@@ -59,8 +60,8 @@ def rows_for(root: bool) -> list[str]:
 
 def bench_node_fault(scratch: Path, kind: str, repeats: int, nodes: int, parallelism: str = "ddp") -> dict:
     """``kind`` (kill-node or hang-node) on node 1 of ``nodes``; rows alternate per repeat."""
-    job = write_job(scratch / f"{kind}.yaml", steps=100, max_restarts=3, max_nodes=nodes, every=50,
-                    parallelism=parallelism)
+    job = write_job(scratch / f"{kind}.yaml",
+                    BenchJob(steps=100, max_restarts=3, max_nodes=nodes, every=50, parallelism=parallelism))
     job = _one_rank_per_node(job)
     rows = rows_for(os.geteuid() == 0)
     runs: dict[str, list] = {name: [] for name in [*rows, "torchrun"]}
@@ -270,8 +271,8 @@ def bench_spare(scratch: Path, repeats: int, nodes: int) -> dict:
     """``nodes`` nodes and one spare (``nodes.spares``); once the spare waits in the
     redundancy list, node 1 is SIGKILLed (``chaos`` request); the run is stopped once a few
     steps followed. Recovery and the world size after it, per run."""
-    job = _one_rank_per_node(write_job(scratch / "spare.yaml", steps=10**6, max_restarts=3, max_nodes=nodes,
-                                       every=50))
+    job = _one_rank_per_node(write_job(scratch / "spare.yaml",
+                                       BenchJob(steps=10**6, max_restarts=3, max_nodes=nodes, every=50)))
     runs = []
     for r in range(repeats):
         run_dir = scratch / f"spare-{nodes}-{r}"

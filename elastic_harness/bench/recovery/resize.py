@@ -34,7 +34,13 @@ from pathlib import Path
 
 from elastic_harness import runfiles
 from elastic_harness.bench.recovery import crash_stats, join_stats, startup_stats
-from elastic_harness.bench.recovery.launching import _signal_group, _spawn, log_tails, write_job
+from elastic_harness.bench.recovery.launching import (
+    BenchJob,
+    _signal_group,
+    _spawn,
+    log_tails,
+    write_job,
+)
 from elastic_harness.chaos.inject import request
 from elastic_harness.events import EventTail, read_events
 from elastic_harness.report.timeline import build
@@ -51,8 +57,9 @@ MODEL = {"hidden": 256, "depth": 3, "batch": 64, "micro": 32}  # the goodput ben
 def bench_scale_up(scratch: Path, repeats: int, hidden: int = MODEL["hidden"]) -> dict:
     """``repeats`` runs of each arm, alternating; see the module doc. ``hidden``: the MLP's
     width (the state grows with its square: 256 is 1.6 MB with AdamW, 2048 about 100 MB)."""
-    job = write_job(scratch / "scale-up.yaml", steps=10**7, max_restarts=3, max_nodes=2,
-                    every=CHURN_CKPT_EVERY, **{**MODEL, "hidden": hidden})
+    job = write_job(scratch / "scale-up.yaml",
+                    BenchJob(steps=10**7, max_restarts=3, max_nodes=2, every=CHURN_CKPT_EVERY,
+                             **{**MODEL, "hidden": hidden}))
     runs: dict[str, list] = {arm: [] for arm in ARMS}
     for r in range(repeats):
         for arm, sets in ARMS.items():
@@ -89,8 +96,8 @@ def scale_up_result(runs: dict[str, list], repeats: int) -> dict:
 
 def bench_churn(scratch: Path, duration: float, every: float, replace_after: float) -> dict:
     """One harness run under a kill-and-replace schedule; see the module doc."""
-    job = write_job(scratch / "churn.yaml", steps=10**7, max_restarts=1000, max_nodes=2,
-                    every=CHURN_CKPT_EVERY, **MODEL)
+    job = write_job(scratch / "churn.yaml",
+                    BenchJob(steps=10**7, max_restarts=1000, max_nodes=2, every=CHURN_CKPT_EVERY, **MODEL))
     run_dir = scratch / "churn"
     schedule = churn_schedule(duration, every, replace_after)
     code = run_harness_until(job, run_dir, nodes=2, chaos=[], sets=[], done=_churn(run_dir, schedule, duration),

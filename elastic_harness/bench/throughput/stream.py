@@ -153,10 +153,23 @@ def _common(args: argparse.Namespace, shards: Path, out: Path, side: str, lanes:
             str(args.global_batch), "--micro-batch", str(args.micro_batch), "--lanes", str(lanes)]
 
 
-def _harness(args: argparse.Namespace, run_dir: Path, shards: Path, nproc: int, steps: int,
-             lanes: int, every: int = 0, data: str = "cheap", workers: int = 0) -> dict:
-    """One harness run; without durable saves (``every`` 0) the in-memory tier is off too."""
+@dataclass(frozen=True)
+class HarnessRun:
+    """One harness run's settings: processes, steps, stream lanes, the checkpoint period (0:
+    no durable saves, and the in-memory tier off too), the data's cost and loader processes."""
+
+    nproc: int
+    steps: int
+    lanes: int
+    every: int = 0
+    data: str = "cheap"
+    workers: int = 0
+
+
+def _harness(args: argparse.Namespace, run_dir: Path, shards: Path, run: HarnessRun) -> dict:
+    """One harness run (``run``)."""
     import yaml
+    nproc, steps, lanes, every, data, workers = run.nproc, run.steps, run.lanes, run.every, run.data, run.workers
 
     from elastic_harness.bench.throughput import sides
 
@@ -249,8 +262,9 @@ def _row(args: argparse.Namespace, scratch: Path, row: StreamRow, steady_rate) -
     for r in range(args.repeats):
         for side in (("harness", "plain") if r % 2 == 0 else ("plain", "harness")):
             run_dir = scratch / f"stream-{row.name}-{side}-{r}"
-            rec = (_harness(args, run_dir, shards, nproc, args.steps, lanes=nproc * 4, data=row.data,
-                            workers=workers) if side == "harness"
+            rec = (_harness(args, run_dir, shards,
+                            HarnessRun(nproc, args.steps, lanes=nproc * 4, data=row.data, workers=workers))
+                   if side == "harness"
                    else _plain(args, run_dir, shards, nproc, data=row.data))
             rates[side].append(steady_rate(rec["stamps"], args.warmup, args.global_batch))
             cpu[side].append(cpu_per_step_ms(rec["cpu"], args.warmup))
@@ -293,8 +307,8 @@ def restart(args: argparse.Namespace, scratch: Path) -> dict:
     for r in range(max(1, min(args.repeats, 2))):
         for where in (("boundary", "mid") if r % 2 == 0 else ("mid", "boundary")):
             run_dir = scratch / f"restart-{where}-{r}"
-            _harness(args, run_dir, shards, 1, at[where], lanes=1, every=at[where])
-            rec = _harness(args, run_dir, shards, 1, at[where] + 2, lanes=1, every=0)
+            _harness(args, run_dir, shards, HarnessRun(1, at[where], lanes=1, every=at[where]))
+            rec = _harness(args, run_dir, shards, HarnessRun(1, at[where] + 2, lanes=1, every=0))
             stream = tar_stream(paths, shuffle_shards=False)
             order = StreamOrder(0, Layout((per, per), 1, 1, 1, False))
             t0 = time.perf_counter()
