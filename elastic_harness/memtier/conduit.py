@@ -32,6 +32,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from elastic_harness import jobkey
 
@@ -84,6 +85,18 @@ def proof(key: bytes, nonce: bytes, generation: int, sender: int, holder: int, s
     """Pure: what an end of the link from ``sender`` to ``holder`` answers to ``nonce``: bound
     to the generation, both ranks and the side answering, so no answer is valid elsewhere."""
     return jobkey.tag(key, nonce + struct.pack("<qqq", generation, sender, holder) + side, _CONTEXT)
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """The copies' link settings, the same on every rank: the generation whose copies it
+    carries, the job's key its ends prove, the address this rank listens on, and the seconds
+    the setup may take."""
+
+    generation: int
+    key: bytes
+    host: str
+    timeout: float
 
 
 class Conduit:
@@ -144,14 +157,15 @@ class Conduit:
 
     # ----- setting up ----------------------------------------------------------------------
     @classmethod
-    def connect(cls, *, rank: int, holder: int, source: int, generation: int, key: bytes, host: str,
-                gather: Callable[[list[int]], list[list[int]]], timeout: float, able: bool = True,
+    def connect(cls, link: LinkSettings, *, rank: int, holder: int, source: int,
+                gather: Callable[[list[int]], list[list[int]]], able: bool = True,
                 warn: Callable[[str], None] = lambda message: None) -> Conduit | None:
         """Collective over ``gather`` (every rank calls it, ``able`` or not): the link of
         ``rank`` to ``holder`` and from ``source``, or None on every rank unless every rank
         was ``able`` (has buddy slots) and set its link up (a failure is ``warn``-ed where it
         happened; the ranks then agree in a last gather, so none waits on a copy that no one
         sends)."""
+        generation, key, host, timeout = link.generation, link.key, link.host, link.timeout
         listening = None
         mine = [0] * ADDRESS_INTS
         if able:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from elastic_harness.errors import os_reason
 from elastic_harness.memtier import buddy, peer, snapshot
 from elastic_harness.memtier.choose import Plan
-from elastic_harness.memtier.conduit import Conduit
+from elastic_harness.memtier.conduit import Conduit, LinkSettings
 from elastic_harness.memtier.exchange import BuddyLink
 from elastic_harness.memtier.host import SLOTS_PER_RANK, slot_paths
 from elastic_harness.memtier.region import Region, unpublish
@@ -38,17 +39,28 @@ from elastic_harness.memtier.slots import HEADER_SIZE, SLACK, Header
 LINK_SETUP_S = 30.0  # the buddy copies' streams: connect and prove the key, every rank at once
 
 
+@dataclass(frozen=True)
+class Place:
+    """What a generation hands its tier (the tier's slots outlive it): this rank, the world
+    size, the wire the ranks' collectives go over, and the generation's number."""
+
+    rank: int
+    world_size: int
+    wire: peer.Wire
+    generation: int = 0
+
+
 class MemoryTier:
-    def __init__(self, regions: list[Region], *, rank: int, world_size: int, wire: peer.Wire,
-                 warn: Callable[[str], None], buddy_regions: list[Region] | None = None, local_size: int = 0,
-                 generation: int = 0, link_key: bytes | None = None, link_host: str = "127.0.0.1") -> None:
-        self.regions, self.rank, self.world_size, self.wire = regions, rank, world_size, wire
+    def __init__(self, regions: list[Region], place: Place, *, warn: Callable[[str], None],
+                 buddy_regions: list[Region] | None = None, local_size: int = 0, link_key: bytes | None = None,
+                 link_host: str = "127.0.0.1") -> None:
+        self.regions, self.rank, self.world_size, self.wire = regions, place.rank, place.world_size, place.wire
         # The buddy copies' link (``conduit``): the job's key its ends prove, the address this
         # rank listens on. No key: no copies (the same on every rank: it comes from the job).
         self.link_key, self.link_host = link_key, link_host
         # Copies of another node's rank's snapshot (``buddy``); used under sharded state only.
         self.buddy_regions = buddy_regions or []
-        self.local_size, self.generation = local_size, generation
+        self.local_size, self.generation = local_size, place.generation
         self.link: BuddyLink | None = None  # set by ``restore`` when copies are kept
         self.copy_s = 0.0  # seconds the last ``save`` spent starting a buddy copy (0: none)
         self._warn = warn  # every rank may report its own trouble
@@ -69,9 +81,8 @@ class MemoryTier:
         self.newest: int | None = None
 
     @classmethod
-    def open(cls, described: str, local_rank: int, *, rank: int, world_size: int, wire: peer.Wire,
-             warn: Callable[[str], None], local_size: int = 0, generation: int = 0,
-             link_key: bytes | None = None, link_host: str = "127.0.0.1") -> MemoryTier:
+    def open(cls, described: str, local_rank: int, place: Place, *, warn: Callable[[str], None],
+             local_size: int = 0, link_key: bytes | None = None, link_host: str = "127.0.0.1") -> MemoryTier:
         """This rank's slots from the agent's description (``host.describe``): its own first
         (``SLOTS_PER_RANK``), then its buddy slots (with ``link_key``, the job's key: buddy
         copies are kept where the state is sharded, over a link on ``link_host``)."""
@@ -83,15 +94,15 @@ class MemoryTier:
             for region in regions:
                 region.close()
             regions = []
-            warn(f"rank {rank}: cannot open its in-memory checkpoint slots ({os_reason(e)}); "
+            warn(f"rank {place.rank}: cannot open its in-memory checkpoint slots ({os_reason(e)}); "
                  "restarts restore from storage")
         own, spare = regions[:SLOTS_PER_RANK], regions[SLOTS_PER_RANK:]
         if link_key is None:
             for region in spare:
                 region.close()
             spare = []
-        return cls(own, rank=rank, world_size=world_size, wire=wire, warn=warn, buddy_regions=spare,
-                   local_size=local_size, generation=generation, link_key=link_key, link_host=link_host)
+        return cls(own, place, warn=warn, buddy_regions=spare, local_size=local_size, link_key=link_key,
+                   link_host=link_host)
 
     def restore(self, state: dict[str, Any], layout: peer.Layout | None = None, *, portable: bool = True,
                 durable: Callable[[], int | None] = lambda: None) -> Restored | None:
@@ -123,9 +134,9 @@ class MemoryTier:
         assert self.link_key is not None
         holder = buddy.holder_of(self.rank, self.world_size, self.local_size)
         source = buddy.source_of(self.rank, self.world_size, self.local_size)
-        conduit = Conduit.connect(rank=self.rank, holder=holder, source=source, generation=self.generation,
-                                  key=self.link_key, host=self.link_host, gather=self.wire.gather,
-                                  timeout=LINK_SETUP_S, able=bool(self.buddy_regions), warn=self._warn)
+        link = LinkSettings(self.generation, self.link_key, self.link_host, LINK_SETUP_S)
+        conduit = Conduit.connect(link, rank=self.rank, holder=holder, source=source, gather=self.wire.gather,
+                                  able=bool(self.buddy_regions), warn=self._warn)
         if conduit is None:
             return None
         return BuddyLink(self.buddy_regions, rank=self.rank, world_size=self.world_size, local_size=self.local_size,

@@ -39,7 +39,7 @@ from elastic_harness.launch.env import WorkerEnv
 from elastic_harness.memtier.cadence import Cadence
 from elastic_harness.memtier.conduit import local_address
 from elastic_harness.memtier.peer import Wire
-from elastic_harness.memtier.tier import MemoryTier
+from elastic_harness.memtier.tier import MemoryTier, Place
 from elastic_harness.runtime import dist as hdist
 from elastic_harness.runtime.faults import WorkerFaults
 from elastic_harness.runtime.hook import Keeping, Reporting, Signals, StepHook, Trained
@@ -150,10 +150,10 @@ def _memory_tier(spec: JobSpec, env: WorkerEnv, gen: Generation, key: bytes) -> 
     if not (env.by_harness and spec.checkpoint.memory_every > 0):
         return None
     top, log = gen.topology, gen.log
-    return MemoryTier.open(env.memory, env.local_rank, rank=top.rank, world_size=top.world_size,
-                           wire=Wire.of(gen.groups.ckpt, top.world_size),
+    place = Place(top.rank, top.world_size, Wire.of(gen.groups.ckpt, top.world_size), int(gen.id, 16))
+    return MemoryTier.open(env.memory, env.local_rank, place,
                            warn=lambda message: log.emit("warning", message=message),
-                           local_size=env.local_world_size, generation=int(gen.id, 16),
+                           local_size=env.local_world_size,
                            link_key=key if spec.checkpoint.memory_buddy else None,
                            link_host=local_address(env.master_addr))
 

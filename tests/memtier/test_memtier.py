@@ -18,7 +18,7 @@ from elastic_harness.memtier.host import describe, slot_paths
 from elastic_harness.memtier.peer import Wire, encode_offers
 from elastic_harness.memtier.region import Region
 from elastic_harness.memtier.slots import HEADER_SIZE, Header, next_slot
-from elastic_harness.memtier.tier import MemoryTier
+from elastic_harness.memtier.tier import MemoryTier, Place
 from elastic_harness.runtime.state import TrainState, build_state
 
 pytestmark = pytest.mark.timeout(60)
@@ -232,8 +232,7 @@ def _tier(regions, rank=1, others=(), world_size=2):
     def no_p2p(tensor, peer):
         raise AssertionError("no transfer expected")
 
-    return MemoryTier(regions, rank=rank, world_size=world_size, wire=Wire(gather, no_p2p, no_p2p),
-                      warn=lambda m: None)
+    return MemoryTier(regions, Place(rank, world_size, Wire(gather, no_p2p, no_p2p)), warn=lambda m: None)
 
 
 def test_a_snapshot_restores_every_entry_bit_for_bit(slots):

@@ -246,7 +246,7 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
     from elastic_harness.memtier.host import HostSlots, slot_paths
     from elastic_harness.memtier.region import Region
     from elastic_harness.memtier.slots import HEADER_SIZE
-    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.memtier.tier import MemoryTier, Place
     from elastic_harness.runtime.state import TrainState, build_state
 
     def state(trained: bool):
@@ -264,7 +264,7 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
     regions = [[Region(p) for p in slot_paths(h.describe(), 0)] for h in hosts]
     try:
         saved, model = state(trained=True)
-        old = MemoryTier(regions[0][:2], rank=0, world_size=2, wire=_Net(1).wire(0), warn=print, generation=GEN)
+        old = MemoryTier(regions[0][:2], Place(0, 2, _Net(1).wire(0), GEN), warn=print)
         old.save(7, saved)  # old rank 0's own snapshot; then its copy of old rank 1's, as received
         cap = snapshot.capture(saved)
         raw = encode_skeleton(snapshot.unpack(cap.skeleton))
@@ -277,8 +277,8 @@ def test_a_replacement_rank_receives_every_old_piece_and_both_restore_the_same_s
         net, results, fresh = _Net(2), [None, None], [state(trained=False) for _ in range(2)]
 
         def restore(rank):
-            tier = MemoryTier(regions[rank][:2], rank=rank, world_size=2, wire=net.wire(rank), warn=print,
-                              buddy_regions=regions[rank][2:], local_size=1, generation=GEN + 1)
+            tier = MemoryTier(regions[rank][:2], Place(rank, 2, net.wire(rank), GEN + 1), warn=print,
+                              buddy_regions=regions[rank][2:], local_size=1)
             results[rank] = tier.restore(fresh[rank][0], Topology.build(2, 1, 2, "fsdp", rank=rank))
 
         threads = [threading.Thread(target=restore, args=(r,)) for r in range(2)]

@@ -15,6 +15,7 @@ import torch
 from elastic_harness.memtier import buddy
 from elastic_harness.memtier.conduit import (
     Conduit,
+    LinkSettings,
     decode_address,
     encode_address,
     local_address,
@@ -55,8 +56,8 @@ def connect(n: int = 2, keys: list[bytes] | None = None, warn=None) -> list[Cond
     keys = keys or [KEY] * n
 
     def one(r: int) -> None:
-        out[r] = Conduit.connect(rank=r, holder=(r - 1) % n, source=(r + 1) % n, generation=GEN, key=keys[r],
-                                 host="127.0.0.1", gather=lambda v, r=r: gather(r, v), timeout=20,
+        out[r] = Conduit.connect(LinkSettings(GEN, keys[r], "127.0.0.1", 20), rank=r, holder=(r - 1) % n,
+                                 source=(r + 1) % n, gather=lambda v, r=r: gather(r, v),
                                  warn=warn or (lambda m: None))
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(n)]
@@ -276,8 +277,8 @@ def test_a_stranger_who_connects_first_is_never_taken_for_the_source_nor_holds_i
                 else:
                     assert first.wait(10)
             return everyone
-        out[r] = Conduit.connect(rank=r, holder=1 - r, source=1 - r, generation=GEN, key=KEY, host="127.0.0.1",
-                                 gather=g, timeout=8, warn=warnings.append)
+        out[r] = Conduit.connect(LinkSettings(GEN, KEY, "127.0.0.1", 8), rank=r, holder=1 - r, source=1 - r,
+                                 gather=g, warn=warnings.append)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
     try:
@@ -307,11 +308,11 @@ def test_addresses_and_proofs():
 
 def test_a_copy_that_never_lands_is_given_up_and_own_snapshots_go_on(pair):
     from elastic_harness.memtier.peer import Wire
-    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.memtier.tier import MemoryTier, Place
 
     links, own, copies, warnings = pair
-    tier = MemoryTier(own[0], rank=0, world_size=2, wire=Wire(None, None, None), warn=warnings.append,
-                      buddy_regions=copies[0], local_size=1, generation=GEN)
+    tier = MemoryTier(own[0], Place(0, 2, Wire(None, None, None), GEN), warn=warnings.append,
+                      buddy_regions=copies[0], local_size=1)
     tier.link = links[0]
     state = {"model": {"w": torch.arange(4.0)}}
     # Step 1's copy goes both ways and lands; then rank 1 stops taking part: the copy of step 2

@@ -153,7 +153,7 @@ def test_a_survivors_snapshot_restores_unless_storage_holds_a_newer_step(tmp_pat
     from elastic_harness.memtier.host import HostSlots, slot_paths
     from elastic_harness.memtier.peer import Wire
     from elastic_harness.memtier.region import Region
-    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.memtier.tier import MemoryTier, Place
     from tests.memtier.test_memtier_peer import _state
 
     host = HostSlots.create(1)
@@ -161,12 +161,12 @@ def test_a_survivors_snapshot_restores_unless_storage_holds_a_newer_step(tmp_pat
     try:
         wire = Wire(lambda values: [values], lambda t, dst: None, lambda t, src: None)
         state, model, _ = _state()
-        saver = MemoryTier(regions, rank=1, world_size=2, wire=wire, warn=print, generation=GEN)
+        saver = MemoryTier(regions, Place(1, 2, wire, GEN), warn=print)
         saver.rules = restore_rules(layout(2, (1, 1), rank=1), 2)
         assert saver.save(3, state)
         warned: list[str] = []
         fresh, fresh_model, _ = _state(steps=0)
-        tier = MemoryTier(regions, rank=0, world_size=1, wire=wire, warn=warned.append, generation=NEXT_GEN)
+        tier = MemoryTier(regions, Place(0, 1, wire, NEXT_GEN), warn=warned.append)
         assert tier.restore(fresh, layout(1, (1, 1)), durable=lambda: 5) is None
         assert "older than the checkpoint of step 5" in warned[0] and fresh["train"].step == 0
         assert saver.save(3, state)  # the fallback unpublished the slots: write it again
@@ -197,7 +197,7 @@ def _hsdp_rank(rank: int, port: int, root: str) -> None:
 
     from elastic_harness.data.sampler import DataState
     from elastic_harness.memtier.peer import Wire
-    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.memtier.tier import MemoryTier, Place
     from elastic_harness.runtime.state import TrainState, build_state
 
     phase = json.loads(Path(root, "phase.json").read_text())
@@ -213,8 +213,8 @@ def _hsdp_rank(rank: int, port: int, root: str) -> None:
         optim = torch.optim.AdamW(model.parameters(), lr=0.01)
         train = TrainState(DataState(0, 64), world_size=world)
         state = build_state(model, optim, train)
-        tier = MemoryTier.open(phase["slots"][rank], 0, rank=rank, world_size=world, wire=Wire.of(group, world),
-                               warn=print, generation=phase["generation"])
+        tier = MemoryTier.open(phase["slots"][rank], 0,
+                               Place(rank, world, Wire.of(group, world), phase["generation"]), warn=print)
         got = tier.restore(state, layout(world, (1, 1), rank=rank))
         out["restored"] = None if got is None else [got.source, got.step, got.saved_world_size]
         out["tensors"] = _leaves(model, optim)

@@ -32,7 +32,7 @@ from elastic_harness.memtier.peer import (
     restore_rules,
 )
 from elastic_harness.memtier.region import Region
-from elastic_harness.memtier.tier import MemoryTier
+from elastic_harness.memtier.tier import MemoryTier, Place
 from elastic_harness.runtime.state import TrainState, build_state
 from elastic_harness.runtime.topology import Topology
 from tests.servers import free_port
@@ -186,20 +186,20 @@ def _published(regions):
 
 def test_a_joining_rank_receives_the_state_bit_for_bit_and_keeps_it(nodes):
     state, model, optim = _state()
-    saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
+    saver = MemoryTier(nodes[0], Place(0, 1, Recorder(0, []).wire()), warn=print)
     saver.rules = Rules(replicated=True)  # a DDP job at world size 1 saved step 3
     saver.save(3, state)
     assert _published(nodes[0]) == [(3, 1, 0, True)]
     # Scale-up to 2: rank 0 (the old node) holds step 3, rank 1 (the new node) has nothing.
     holder = Recorder(0, [encode_offers([]), [0], [0], [0]])  # offers; layout, transfer, load agreed
     fresh0, model0, optim0 = _state(steps=0)
-    got0 = MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(fresh0, ddp(2, 0))
+    got0 = MemoryTier(nodes[0], Place(0, 2, holder.wire()), warn=print).restore(fresh0, ddp(2, 0))
     assert (got0.source, got0.step, got0.senders, got0.receivers) == (PEER, 3, (0,), 1)
     assert len(holder.sent) == 3  # [ok, data bytes, json bytes], the skeleton's JSON, the tensor bytes
     joiner = Recorder(1, [encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)]), [0], [0], [0]],
                       inbox=holder.sent)
     fresh1, model1, optim1 = _state(steps=0)
-    got1 = MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(fresh1, ddp(2, 1))
+    got1 = MemoryTier(nodes[1], Place(1, 2, joiner.wire()), warn=print).restore(fresh1, ddp(2, 1))
     assert (got1.source, got1.step) == (PEER, 3)
     assert [name for name, _ in got1.phases] == ["offers", "layout", "transfer", "load", "keep"]
     assert fresh1["train"].step == 3 and fresh1["train"].data == state["train"].data
@@ -215,38 +215,38 @@ def test_a_joining_rank_receives_the_state_bit_for_bit_and_keeps_it(nodes):
 
 def test_a_sender_that_cannot_encode_makes_every_rank_use_storage(nodes):
     state, *_ = _state(extra={"odd": {"s": {1, 2}}})
-    saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
+    saver = MemoryTier(nodes[0], Place(0, 1, Recorder(0, []).wire()), warn=print)
     saver.rules = Rules(replicated=True)
     saver.save(3, state)
     holder = Recorder(0, [encode_offers([]), [0], [1]])  # the receiver reports it got nothing
     fresh, _, optim = _state(steps=0, extra={"odd": {"s": set()}})
-    assert MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(fresh, ddp(2, 0)) is None
+    assert MemoryTier(nodes[0], Place(0, 2, holder.wire()), warn=print).restore(fresh, ddp(2, 0)) is None
     assert [int(t[0]) for t in holder.sent] == [0]  # it said "cannot" and sent nothing else
     assert fresh["train"].step == 0 and _published(nodes[0]) == []  # untouched; storage next
 
 
 def test_a_receiver_of_another_layout_makes_every_rank_use_storage_before_any_transfer(nodes):
     state, *_ = _state()
-    saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
+    saver = MemoryTier(nodes[0], Place(0, 1, Recorder(0, []).wire()), warn=print)
     saver.rules = Rules(replicated=True)
     saver.save(3, state)
     offers = encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)])
     wider = build_state(nn.Linear(4, 9), torch.optim.SGD(nn.Linear(4, 9).parameters(), lr=0.1),
                         TrainState(DataState(0, 100), world_size=2))
     joiner = Recorder(1, [offers, [0]])  # rank 0's layout matches (it holds the snapshot)
-    assert MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(wider, ddp(2, 1)) is None
+    assert MemoryTier(nodes[1], Place(1, 2, joiner.wire()), warn=print).restore(wider, ddp(2, 1)) is None
     holder = Recorder(0, [encode_offers([]), [1]])  # rank 1 said: another layout
     fresh, _, optim = _state(steps=0)
-    assert MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(fresh, ddp(2, 0)) is None
+    assert MemoryTier(nodes[0], Place(0, 2, holder.wire()), warn=print).restore(fresh, ddp(2, 0)) is None
     assert holder.sent == [] and not optim.state and _published(nodes[0]) == []
 
 
 def test_fsdp_snapshots_at_another_world_size_fall_back_and_are_cleared(nodes):
     state, *_ = _state()
-    MemoryTier(nodes[0], rank=1, world_size=4, wire=Recorder(1, []).wire(), warn=print).save(35, state)
+    MemoryTier(nodes[0], Place(1, 4, Recorder(1, []).wire()), warn=print).save(35, state)
     other = encode_offers([Offer(35, 4, 0, snapshot.capture(state).digest, False)])
     fresh, _, optim = _state(steps=0)
-    tier = MemoryTier(nodes[0], rank=1, world_size=2, wire=Recorder(1, [other]).wire(), warn=print)
+    tier = MemoryTier(nodes[0], Place(1, 2, Recorder(1, [other]).wire()), warn=print)
     assert tier.restore(fresh, Topology.build(2, 1, 2, "fsdp", rank=1)) is None
     assert not optim.state and _published(nodes[0]) == []
 
@@ -269,8 +269,7 @@ def _rank(rank: int, port: int, described: str, out: str) -> None:
         assert replicated_layout("ddp", model, state) and not replicated_layout("fsdp", model, state)
         assert not replicated_layout("ddp", model.module, state)
         assert not replicated_layout("ddp", model, {**state, "extra.rng": {}})
-        tier = MemoryTier.open(described if rank == 0 else "", 0, rank=rank, world_size=2,
-                               wire=Wire.of(group, 2), warn=print)
+        tier = MemoryTier.open(described if rank == 0 else "", 0, Place(rank, 2, Wire.of(group, 2)), warn=print)
         if rank == 0:  # rank 0's node trained 5 steps alone earlier (its snapshot, world size 1)
             for i in range(5):
                 model.module(torch.full((2, 4), float(i))).sum().backward()
@@ -349,7 +348,7 @@ class Posted(Recorder):
 
 def test_a_sender_posts_the_bytes_in_pieces_and_takes_its_state_dicts_while_they_move(nodes, monkeypatch):
     state, model, optim = _state()
-    saver = MemoryTier(nodes[0], rank=0, world_size=1, wire=Recorder(0, []).wire(), warn=print)
+    saver = MemoryTier(nodes[0], Place(0, 1, Recorder(0, []).wire()), warn=print)
     saver.rules = Rules(replicated=True)
     saver.save(3, state)
     data_len = nodes[0][0].header().data_len
@@ -358,7 +357,7 @@ def test_a_sender_posts_the_bytes_in_pieces_and_takes_its_state_dicts_while_they
     real = snapshot.targets
     monkeypatch.setattr(snapshot, "targets", lambda s: (holder.log.append("targets"), real(s))[1])
     fresh0, model0, _ = _state(steps=0)
-    got0 = MemoryTier(nodes[0], rank=0, world_size=2, wire=holder.wire(), warn=print).restore(fresh0, ddp(2, 0))
+    got0 = MemoryTier(nodes[0], Place(0, 2, holder.wire()), warn=print).restore(fresh0, ddp(2, 0))
     n = -(-data_len // 256)
     assert n > 1 and got0.source == PEER
     # every piece posted, then the sender's own state dicts, then the waits
@@ -367,6 +366,6 @@ def test_a_sender_posts_the_bytes_in_pieces_and_takes_its_state_dicts_while_they
     joiner = Posted(1, [encode_offers([Offer(3, 1, 0, snapshot.capture(state).digest, True)]), [0], [0], [0]],
                     inbox=holder.sent)
     fresh1, model1, _ = _state(steps=0)
-    assert MemoryTier(nodes[1], rank=1, world_size=2, wire=joiner.wire(), warn=print).restore(fresh1, ddp(2, 1)).source == PEER
+    assert MemoryTier(nodes[1], Place(1, 2, joiner.wire()), warn=print).restore(fresh1, ddp(2, 1)).source == PEER
     for a, b, c in zip(model.parameters(), model0.parameters(), model1.parameters(), strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)

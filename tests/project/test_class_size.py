@@ -38,10 +38,6 @@ WAITING_FUNCTIONS: dict[str, str] = {
                                       "(docs/streaming.md)",
     "rendezvous/handler.py:record_event": "stays: torch's construct_and_record_rdzv_event, replaced in torch's "
                                           "module (rdzv-events), so torch's callers pass its 9 keywords",
-    "memtier/conduit.py:Conduit.connect": "the copies' link settings become one value",
-    "memtier/tier.py:MemoryTier.__init__": "rank, world size, wire and generation become one value a generation "
-                                           "hands the tier (its slots outlive it)",
-    "memtier/tier.py:MemoryTier.open": "as MemoryTier.__init__",
     "tasks/cnn.py:BarCNN.__init__": "a task's constructor: each parameter is a task.args key of the job file",
     "tasks/streamlm.py:StreamLM.__init__": "a task's constructor: each parameter is a task.args key of the job file",
 }

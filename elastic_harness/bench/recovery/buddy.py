@@ -148,7 +148,7 @@ def _job(rank: int, hosts, opts: dict) -> tuple:
 
     from elastic_harness.data.sampler import DataState
     from elastic_harness.memtier.peer import Wire
-    from elastic_harness.memtier.tier import MemoryTier
+    from elastic_harness.memtier.tier import MemoryTier, Place
     from elastic_harness.runtime.state import TrainState, build_state
     from elastic_harness.runtime.topology import Topology
     from elastic_harness.tasks.mlp import MLPRegression
@@ -160,9 +160,8 @@ def _job(rank: int, hosts, opts: dict) -> tuple:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train = TrainState(DataState(0, 1024), world_size=2)
     state = build_state(model, optim, train)
-    tier = MemoryTier.open(hosts.describe(), 0, rank=rank, world_size=2, wire=Wire.of(group, 2), warn=print,
-                           local_size=1, generation=0x5EED, link_key=b"bench buddy, not secret",
-                           link_host="127.0.0.1")
+    tier = MemoryTier.open(hosts.describe(), 0, Place(rank, 2, Wire.of(group, 2), 0x5EED), warn=print,
+                           local_size=1, link_key=b"bench buddy, not secret", link_host="127.0.0.1")
     tier.restore(state, Topology.build(2, 1, 2, "fsdp", rank=rank))
     return model, optim, train, state, tier
 
