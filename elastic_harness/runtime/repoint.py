@@ -275,6 +275,9 @@ class RunInPlace:
             os._exit(inplace.REFORM_FAILED_EXIT)  # a second fault while the step is being finished
         inflight.reduce_kept(run._trained.model, pending.kept, run.mesh["dp_replicate"].get_group(),
                              pending.replicas)
+        # One replica left: its replica group is this rank alone, so a shard peer that failed
+        # while finishing is seen only by a collective of the whole generation.
+        dist.barrier()
         if run.recovery.broken() is not None:
             return
         samples = Samples.of(run.spec, run.run_dir, run.gen.id, run.topology)
