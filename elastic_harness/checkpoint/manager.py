@@ -1,16 +1,29 @@
 """Save and load training state through DCP, on every rank, with one commit point.
 
-Every rank calls every public method, in the same order (they run collectives on the
-checkpoint process group passed in). Rank 0 alone decides (which checkpoint to load, whether
-a step directory may be written), writes the manifest, sets failed checkpoints aside and
-purges; the others follow its broadcast decision. The manager is given rank, world size,
-group and storage: it never asks ``torch.distributed`` who it is.
+The checkpoint manager is four objects, one per job, built together by
+``Checkpoints.build`` over one ``site.Site`` (the storage, the ranks and their checkpoint
+process group, the event log, the job's identity and key, the progress callback, the
+clock) and one ``site.Tenure`` (the generation joined, the steps in use: the only state
+they share):
 
-Call order: ``restore`` once per worker generation, first (it starts the generation in the
-checkpoint directory, see ``fence``, and checks that every rank sees that directory), or
-``join`` alone when the state came from elsewhere (the in-memory tier); then
-``save`` any number of times; ``wait`` before reading results; ``close`` at the end (safe
-twice).
+- ``Saver`` (here): saves, sync or async, staging, commit, failure judging, ``wait``, ``close``;
+- ``restorer.Restorer``: ``restore`` (the newest complete checkpoint that verifies and
+  loads), ``join``, ``newest_complete``;
+- ``verifier.Verifier``: the shared listing, agreed verdicts, setting aside what fails;
+- ``purger.Purger``: retention and leftovers after each commit (never a step in use).
+
+A caller takes the part it uses (the step hook the saver, the resume the restorer).
+Every rank calls every public method, in the same order (they run collectives on the
+checkpoint process group). Rank 0 alone decides (which checkpoint to load, whether a step
+directory may be written), writes the manifest, sets failed checkpoints aside and purges;
+the others follow its broadcast decision. The parts are given rank, world size, group and
+storage: they never ask ``torch.distributed`` who they are.
+
+Call order: ``restorer.restore`` once per worker generation, first (it starts the generation
+in the checkpoint directory, see ``fence``, and checks that every rank sees that directory),
+or ``restorer.join`` alone when the state came from elsewhere (the in-memory tier); then
+``saver.save`` any number of times; ``saver.wait`` before reading results; ``saver.close``
+at the end (safe twice).
 
 Who writes what: DCP splits the state so that each rank writes its own shards (replicated
 DDP tensors are written once, spread over ranks), each rank checksumming its files as they
@@ -25,12 +38,12 @@ copied into host-memory staging buffers (see ``staging``; only what this rank wr
 save plans are cached), then DCP plans and serialises from that copy in a background thread,
 which writes and syncs the bytes, and the commit follows in a second thread (``scheduling``:
 both threads yield the CPU to training, and are raised back while anyone waits on them).
-Save plans are cached per manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
+Save plans are cached per saver (``plans``). At most one save is in flight. The group must be a dedicated gloo
 group: the background collectives would otherwise interleave with training's and can
 deadlock.
 
-Time: no fixed budgets. ``on_progress()`` is called (at most once a second, on the calling
-thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
+Time: no fixed budgets. The site's ``ticker`` calls its callback (at most once a second, on
+the calling thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
 verification and loading. A write whose rank moves no byte for ``stall_s`` is stopped
 before its directory is touched (``progress.await_write``).
 
@@ -96,6 +109,11 @@ def give_up(failures: int, failing_s: float, limit_s: float) -> bool:
 
 
 class Saver:
+    """Every rank's part in each save (the module's doc: async saves, time, the failure
+    policy): ``save``, ``wait``, ``raise_if_failing``, ``close``. It holds the background
+    threads, the staging buffers and its cached save plans; after each commit rank 0's
+    purger runs (in the commit thread)."""
+
     def __init__(self, site: Site, tenure: Tenure, policy: CheckpointSpec, verifier: Verifier, purger: Purger,
                  stall_s: float = STALL_S) -> None:
         self.tenure, self.verifier, self.purger = tenure, verifier, purger

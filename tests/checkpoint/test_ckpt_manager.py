@@ -1,5 +1,6 @@
-"""CheckpointManager on two real gloo ranks: fallback, quarantine, agreement, retention,
-async + DTensor, the generation fence, storage that fails or is not shared, progress.
+"""The checkpoint manager's parts (``Checkpoints.build``) on two real gloo ranks: fallback,
+quarantine, agreement, retention, async + DTensor, the generation fence, storage that fails
+or is not shared, progress.
 
 One ``torch.multiprocessing`` spawn runs every scenario (each in its own directory); the
 ranks write what they saw to JSON and the assertions run here. Storage faults come from

@@ -4,7 +4,7 @@ Save measurements (per repeat, interleaved, order rotating):
 
 - ``raw_write``: each rank writes its shard's bytes to one file + fsync (+ directory fsync):
   the disk's bandwidth with DCP's durability.
-- ``dcp_sync_save``: ``CheckpointManager.save(blocking=True)``: DCP write, ``.metadata`` and
+- ``dcp_sync_save``: ``Saver.save(blocking=True)`` (``checkpoint.manager``): DCP write, ``.metadata`` and
   the checksummed manifest (the harness's full commit).
 - ``dcp_only_sync_save``: plain ``dcp.save`` to a fresh directory (no manifest).
 - ``async_blocking``: how long ``save`` blocks with async on (staging into host memory);
