@@ -52,7 +52,7 @@ class Verifier:
 
     def verify(self, name: str) -> integrity.Verdict:
         return collective.agreed_verdict(
-            self.storage, name, self.policy.verify, collective.Ranks(self.rank, self.world_size, self.group),
+            self.storage, name, self.policy.verify, self.site.ranks,
             round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick, key=self.key)
 
     def report_skipped(self, choice: layout.Choice) -> None:
