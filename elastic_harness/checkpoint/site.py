@@ -35,7 +35,7 @@ class Site:
 
     storage: Storage
     ranks: collective.Ranks  # this rank, the world size, the checkpoint group (a dedicated gloo group)
-    events: Any  # the event log; only rank 0 emits (the others follow its broadcast decisions)
+    events: Any  # the event log: rank 0 narrates (the parts emit only there)
     # What a checkpoint records as its producer (``task``, ``parallelism``, ``job``); ``job``
     # also names the generation in the fence, and a checkpoint of another task is refused.
     info: dict
