@@ -1,11 +1,11 @@
 """Retention: rank 0 removes old checkpoints and the leftovers of crashed saves after a commit.
 
 Called by the saver (``manager.Saver``) right after a save committed, on rank 0, in the
-commit thread. Which complete checkpoints go is ``layout.to_purge``'s decision (keep the
-newest ``checkpoint.keep``, every ``keep_every``-th, and none that is not this job's);
-incomplete ones older than the committed step are leftovers (``stale_incomplete``). Never
-removed: the step just committed and every step in the tenure's ``busy`` set (being loaded
-or written, ``site.Tenure``).
+commit thread. Which complete checkpoints go is ``layout.to_purge``'s decision (the newest
+``checkpoint.keep`` stay, and steps that are multiples of ``keep_every``; one that is not this
+job's is neither counted nor removed); incomplete ones older than the committed step are
+leftovers (``stale_incomplete``). Never removed: the step just committed and every step in
+the tenure's ``busy`` set (being loaded or written, ``site.Tenure``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Every rank calls ``shared_listing`` and ``verify`` together (collectives on the 
 group); rank 0 alone lists the root, and alone reports and sets aside (``report_skipped``,
 ``report_unloadable``, ``quarantine``: ``quarantine`` moves a checkpoint where nothing loads
 or counts it, unless this generation was superseded, ``site.Tenure``). ``ours`` says whether
-a checkpoint is this job's, signed with its key: the saver and the purger never take or
-remove one that is not.
+a checkpoint is this job's, signed with its key: the saver sets aside one that is not when
+it holds the name of a step it saves, and the purger neither counts nor removes one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Verifier:
                  verify_round_bytes: int = collective.ROUND_BYTES) -> None:
         self.site, self.tenure, self.policy = site, tenure, policy
         self.storage, self.events, self.key = site.storage, site.events, site.key
-        self.rank, self.world_size, self.group = site.ranks.rank, site.ranks.world_size, site.ranks.group
+        self.rank, self.group = site.ranks.rank, site.ranks.group
         self.verify_round_bytes, self._clock, self._ticker = verify_round_bytes, site.clock, site.ticker
 
     def report_unloadable(self, unloadable: list[tuple[str, str]], set_aside: bool) -> None:
