@@ -1,11 +1,11 @@
-"""Save plans cached per checkpoint manager, so a periodic save does not plan from scratch.
+"""Save plans cached per checkpoint saver, so a periodic save does not plan from scratch.
 
 Every DCP save plans what each rank writes: local plans, gathered on the coordinator,
 deduplicated into a global plan, scattered back. Here, as with torch's own
 ``enable_plan_caching``, a rank whose local plan equals the previous save's sends an empty
 plan (``SavePlan([], usable=False)``) and reuses its cached final plan, and the coordinator
 reuses the cached global plan and metadata; a changed plan is planned again. The cache is
-ours (``PlanCache``, one per manager key) and the planner a ``DefaultSavePlanner`` subclass
+ours (``PlanCache``, one per saver's key) and the planner a ``DefaultSavePlanner`` subclass
 overriding DCP's public planner methods: torch keeps its own cache in class-level dicts
 keyed by a private attribute, which a release may rename. Our plans compare equal
 when their items write the same index with the same tensor metadata (chunk, size, dtype and
@@ -19,8 +19,8 @@ their shape instead of a copy): half the staging copy for two DDP ranks. The pla
 refuses to write a placeholder, should a plan ever change unseen.
 
 Call order: ``written_elsewhere(key, state)`` before staging (then agree across ranks);
-``planner(key)`` for every save of one manager (a new planner each time: it holds that
-save's state dict); ``forget(key)`` once, when the manager closes.
+``planner(key)`` for every save of one saver (a new planner each time: it holds that
+save's state dict); ``forget(key)`` once, when the saver closes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ UNCHANGED = SavePlan([], usable=False)  # "same as the cached plan", as torch's 
 
 @dataclass
 class PlanCache:
-    """One manager's plans from its last save: this rank's local and final plans; on the
+    """One saver's plans from its last save: this rank's local and final plans; on the
     coordinator, every rank's local plan, the global plan and the metadata."""
 
     local: SavePlan | None = None

@@ -343,7 +343,7 @@ class RunInPlace:
         run.env, topology = env, Topology.from_env(env, run.spec.parallelism)
         run.gen = build.join(run.spec, env, run.groups, run.run_dir, topology, 0.0, agreed=hand)
         run.topology, run.rank, run.world_size = topology, topology.rank, topology.world_size
-        for close in (old.ckpt.close, old.metrics.close, old.memory.close if old.memory is not None else None):
+        for close in (old.ckpt.saver.close, old.metrics.close, old.memory.close if old.memory is not None else None):
             if close is not None:
                 close()
         run.parts = build.equip(run.spec, env, run.gen, run.run_dir)
@@ -356,5 +356,6 @@ class RunInPlace:
                                    BufferSync.of(trained.model, topology.dp_degree), replicas)
         run._resumed, run._kept = not restore, None
         if not restore and trained is not None:
-            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory, ckpt=run.parts.ckpt)
+            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory,
+                  ckpt=run.parts.ckpt.restorer)
         run._loop.rebind(run.parts.watchdog, run.parts.cadence, run.rank)

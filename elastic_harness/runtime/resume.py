@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from elastic_harness.checkpoint.manager import CheckpointManager, Loaded
+from elastic_harness.checkpoint.restorer import Loaded, Restorer
 from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
@@ -46,7 +46,7 @@ from elastic_harness.spec import JobSpec
 
 
 def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topology,
-            memory: MemoryTier | None, ckpt: CheckpointManager) -> Restored | Loaded | None:
+            memory: MemoryTier | None, ckpt: Restorer) -> Restored | Loaded | None:
     """Every rank: fill ``state`` from memory, else from storage; what restored it, or None.
     The memory tier reads the layout itself (``memtier.peer.restore_rules``)."""
     ckpt.join()  # every generation enters the fence, whichever tier restores it
@@ -59,7 +59,7 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topolog
 
 
 def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology, memory: MemoryTier | None,
-          ckpt: CheckpointManager) -> None:
+          ckpt: Restorer) -> None:
     """Every rank of a generation whose state is already the job's (a step finished in place
     by the same processes): what ``restore`` would set up besides filling the state (the
     checkpoint fence; the memory tier's rules for the snapshots it takes from now on)."""

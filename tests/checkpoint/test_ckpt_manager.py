@@ -1,5 +1,6 @@
-"""CheckpointManager on two real gloo ranks: fallback, quarantine, agreement, retention,
-async + DTensor, the generation fence, storage that fails or is not shared, progress.
+"""The checkpoint manager's parts (``Checkpoints.build``) on two real gloo ranks: fallback,
+quarantine, agreement, retention, async + DTensor, the generation fence, storage that fails
+or is not shared, progress.
 
 One ``torch.multiprocessing`` spawn runs every scenario (each in its own directory); the
 ranks write what they saw to JSON and the assertions run here. Storage faults come from
@@ -33,7 +34,10 @@ class Events:
 
 
 def _manager(rank: int, root: Path, group, storage=None, manager_kw=None, **policy):
-    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.collective import Ranks
+    from elastic_harness.checkpoint.manager import Checkpoints
+    from elastic_harness.checkpoint.progress import Ticker
+    from elastic_harness.checkpoint.site import Site
     from elastic_harness.checkpoint.storage import LocalStorage
     from elastic_harness.spec import CheckpointSpec
 
@@ -41,8 +45,10 @@ def _manager(rank: int, root: Path, group, storage=None, manager_kw=None, **poli
     if storage is None:
         storage = LocalStorage(root)
         storage.ensure()
-    return CheckpointManager(storage, CheckpointSpec(**policy), rank=rank, world_size=2, group=group,
-                             events=events, info={"task": "t", "job": "j"}, **(manager_kw or {})), events
+    kw = dict(manager_kw or {})
+    site = Site(storage, Ranks(rank, 2, group), events, {"task": "t", "job": "j"},
+                ticker=Ticker(kw.pop("on_progress", None)))
+    return Checkpoints.build(site, CheckpointSpec(**policy), **kw), events
 
 
 class Wrapped:
@@ -129,12 +135,12 @@ def _restore(rank, root, group, storage=None, **policy) -> dict:
     mgr, events = _manager(rank, root, group, storage, **policy)
     st = _state(0.0)
     try:
-        loaded = mgr.restore(st)
+        loaded = mgr.restorer.restore(st)
         out = {"step": loaded.step if loaded else None, "value": float(st["model"]["w0"][0, 0])}
     except CheckpointError as e:
         out = {"error": str(e)}
     dist.barrier()
-    mgr.close()
+    mgr.saver.close()
     return {**out, "warnings": [e["message"] for e in events.seen if e["event"] in ("warning", "quarantine")],
             "quarantined": [(e["name"], e["kind"]) for e in events.seen if e["event"] == "quarantine"],
             "dirs": _dirs(root)}
@@ -147,8 +153,8 @@ def _dirs(root: Path) -> list[str]:
 def _save_steps(rank, root, group, steps, **policy) -> None:
     mgr, _ = _manager(rank, root, group, **policy)
     for s in steps:
-        assert mgr.save(s, _state(float(s)), blocking=True)
-    mgr.close()
+        assert mgr.saver.save(s, _state(float(s)), blocking=True)
+    mgr.saver.close()
 
 
 def scenario_verify_fallback(rank, root, group) -> dict:
@@ -209,14 +215,14 @@ def scenario_async_retention(rank, root, group) -> dict:
         (root / "step-0000000" / "__0_0.distcp").write_bytes(b"partial")
     dist.barrier()
     mgr, events = _manager(rank, root, group, keep=2, keep_every=3, async_save=True)
-    started = [mgr.save(s, _state(float(s), mesh), blocking=False) for s in range(1, 8)]
-    mgr.wait()
-    again = mgr.save(7, _state(7.0, mesh), blocking=False)
-    mgr.close()
+    started = [mgr.saver.save(s, _state(float(s), mesh), blocking=False) for s in range(1, 8)]
+    mgr.saver.wait()
+    again = mgr.saver.save(7, _state(7.0, mesh), blocking=False)
+    mgr.saver.close()
     st = _state(0.0, mesh)
     loaded, _ = _manager(rank, root, group)
-    step = loaded.restore(st).step
-    loaded.close()
+    step = loaded.restorer.restore(st).step
+    loaded.saver.close()
     dist.barrier()
     return {"started": started, "again": again, "step": step, "dirs": _dirs(root),
             "sharded": st["model"]["sharded"].to_local().unique().tolist(),
@@ -237,12 +243,12 @@ def scenario_quarantine_then_save_again(rank, root, group) -> dict:
         _truncate(root / "step-0000002" / ".metadata")
     dist.barrier()
     mgr, events = _manager(rank, root, group, keep=3, async_save=False)
-    loaded = mgr.restore(_state(0.0))
-    saved = [mgr.save(s, _state(float(s)), blocking=True) for s in (2, 3)]
-    again = mgr.save(3, _state(3.0), blocking=True)
-    saved.append(mgr.save(4, _state(4.0), blocking=True))
-    mgr.wait()
-    mgr.close()
+    loaded = mgr.restorer.restore(_state(0.0))
+    saved = [mgr.saver.save(s, _state(float(s)), blocking=True) for s in (2, 3)]
+    again = mgr.saver.save(3, _state(3.0), blocking=True)
+    saved.append(mgr.saver.save(4, _state(4.0), blocking=True))
+    mgr.saver.wait()
+    mgr.saver.close()
     dist.barrier()
     good = [d for d in _dirs(root) if d.startswith("step-") and "." not in d
             and integrity.verify(LocalStorage(root), d, "full").ok]
@@ -303,8 +309,8 @@ def scenario_commit_needs_every_reported_file(rank, root, group) -> dict:
     """Rank 0 cannot see rank 1's shard: the save is not committed (no manifest blesses it)."""
     storage = Wrapped(root, hide=lambda f: f.startswith("__1_"))
     mgr, events = _manager(rank, root, group, storage, async_save=False)
-    ok = mgr.save(1, _state(1.0), blocking=False)
-    mgr.close()
+    ok = mgr.saver.save(1, _state(1.0), blocking=False)
+    mgr.saver.close()
     return {"ok": ok, "dirs": _dirs(root),
             "failures": [e["message"] for e in events.seen if e["event"] == "failure"]}
 
@@ -324,16 +330,16 @@ def scenario_fence(rank, root, group) -> dict:
 
     storage.writer = writer_then_new_generation
     old, old_events = _manager(rank, root, group, storage, async_save=True)
-    old.restore(_state(0.0))
-    started = old.save(6, _state(6.0), blocking=False)
-    old.wait()
+    old.restorer.restore(_state(0.0))
+    started = old.saver.save(6, _state(6.0), blocking=False)
+    old.saver.wait()
     new, _ = _manager(rank, root, group)
-    new.restore(_state(0.0))
-    refused = old.save(5, _state(5.0), blocking=True)
-    committed = new.save(7, _state(7.0), blocking=True)
-    new.wait()
-    old.close()
-    new.close()
+    new.restorer.restore(_state(0.0))
+    refused = old.saver.save(5, _state(5.0), blocking=True)
+    committed = new.saver.save(7, _state(7.0), blocking=True)
+    new.saver.wait()
+    old.saver.close()
+    new.saver.close()
     return {"started": started, "refused": refused, "committed": committed, "dirs": _dirs(root),
             "manifests": sorted(p.parent.name for p in root.glob("*/manifest.json")),
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
@@ -345,17 +351,17 @@ def scenario_fenced_before_its_first_save(rank, root, group) -> dict:
     from elastic_harness.errors import CheckpointError
 
     old, old_events = _manager(rank, root, group, async_save=False)
-    old.restore(_state(0.0))
+    old.restorer.restore(_state(0.0))
     new, _ = _manager(rank, root, group, async_save=False)
-    new.restore(_state(0.0))
+    new.restorer.restore(_state(0.0))
     try:
-        refused = old.save(3, _state(3.0), blocking=True)
+        refused = old.saver.save(3, _state(3.0), blocking=True)
     except CheckpointError as e:
         refused = str(e)
-    committed = new.save(4, _state(4.0), blocking=True)
-    new.wait()
-    old.close()
-    new.close()
+    committed = new.saver.save(4, _state(4.0), blocking=True)
+    new.saver.wait()
+    old.saver.close()
+    new.saver.close()
     return {"refused": refused, "committed": committed, "dirs": _dirs(root),
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
 
@@ -365,15 +371,15 @@ def scenario_round_trips_per_save(rank, root, group) -> dict:
     the fence once, on rank 0; the other ranks do neither."""
     storage = Counting(root)
     mgr, events = _manager(rank, root, group, storage, keep=2)
-    mgr.restore(_state(0.0))
+    mgr.restorer.restore(_state(0.0))
     counts = {}
     for kind, steps in (("sync", (1, 2, 3)), ("async", (4, 5, 6))):
         storage.listings = storage.fence_reads = 0
         for s in steps:
-            assert mgr.save(s, _state(float(s)), blocking=kind == "sync")
-            mgr.wait()
+            assert mgr.saver.save(s, _state(float(s)), blocking=kind == "sync")
+            mgr.saver.wait()
         counts[kind] = (storage.listings, storage.fence_reads)
-    mgr.close()
+    mgr.saver.close()
     return {"counts": counts, "dirs": _dirs(root)}
 
 
@@ -386,9 +392,9 @@ def scenario_split_verification_and_progress(rank, root, group) -> dict:
     for what in ("save", "restore"):  # a manager each: progress calls are throttled to 1/s
         mgr, _ = _manager(rank, root, group, storage, manager_kw=kw, async_save=False)
         ticks["n"] = 0
-        mgr.save(1, _state(1.0), blocking=True) if what == "save" else mgr.restore(_state(0.0))
+        mgr.saver.save(1, _state(1.0), blocking=True) if what == "save" else mgr.restorer.restore(_state(0.0))
         counts[what] = ticks["n"]
-        mgr.close()
+        mgr.saver.close()
     return {"ticks": counts, "opened": storage.opened}
 
 
@@ -450,9 +456,9 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
 
     storage.writer = blocking_writer
     mgr, events = _manager(rank, root, own, storage, manager_kw={"stall_s": 1.0}, async_save=True)
-    assert mgr.save(1, _state(1.0), blocking=False)
+    assert mgr.saver.save(1, _state(1.0), blocking=False)
     try:
-        mgr.wait()
+        mgr.saver.wait()
         raised = None
     except WriterStuck as e:
         raised = str(e)

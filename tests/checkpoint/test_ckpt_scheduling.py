@@ -121,7 +121,9 @@ def _state(value: float, extra: bool = False) -> dict:
 def _ranks(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
-    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.collective import Ranks
+    from elastic_harness.checkpoint.manager import Checkpoints
+    from elastic_harness.checkpoint.site import Site
     from elastic_harness.spec import CheckpointSpec
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -130,25 +132,25 @@ def _ranks(rank: int, port: int, root: str) -> None:
     seen: dict = {"hold": "step-0000001"}
     entered = threading.Event()
     storage = _observed_storage(Path(root), seen, entered)
-    mgr = CheckpointManager(storage, CheckpointSpec(keep=5, async_save=True), rank=rank, world_size=2,
-                            group=group, events=Events(), info={"task": "t", "job": "j"})
+    mgr = Checkpoints.build(Site(storage, Ranks(rank, 2, group), Events(), {"task": "t", "job": "j"}),
+                            CheckpointSpec(keep=5, async_save=True))
     try:
-        mgr.save(1, _state(1.0), blocking=False)  # async: nobody waits on it ...
+        mgr.saver.save(1, _state(1.0), blocking=False)  # async: nobody waits on it ...
         assert entered.wait(60), "the write of step 1 never started"
-        mgr.wait()  # ... until now: the held write is lifted
-        after_wait = sorted(set(mgr.threads.classes().values()))
-        mgr.save(3, _state(3.0), blocking=True)
-        mgr.save(4, _state(4.0, extra=True), blocking=False)
-        mgr.save(5, _state(5.0, extra=True), blocking=False)
-        mgr.wait()
+        mgr.saver.wait()  # ... until now: the held write is lifted
+        after_wait = sorted(set(mgr.saver.threads.classes().values()))
+        mgr.saver.save(3, _state(3.0), blocking=True)
+        mgr.saver.save(4, _state(4.0, extra=True), blocking=False)
+        mgr.saver.save(5, _state(5.0, extra=True), blocking=False)
+        mgr.saver.wait()
         back = _state(0.0, extra=True)
-        loaded = mgr.restore(back)
+        loaded = mgr.restorer.restore(back)
         values = sorted({float(t.unique()) for t in back["model"].values()})
     finally:
-        mgr.close()
+        mgr.saver.close()
         dist.destroy_process_group()
     out = {"seen": {k: v for k, v in seen.items() if k != "hold"}, "after_wait": after_wait,
-           "lowered": mgr.threads.lowered, "loaded": loaded.step, "values": values}
+           "lowered": mgr.saver.threads.lowered, "loaded": loaded.step, "values": values}
     Path(root, f"rank{rank}.json").write_text(json.dumps(out))
 
 
