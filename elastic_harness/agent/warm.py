@@ -209,12 +209,13 @@ class WarmContext(ContextBase):
         exits = self.zygote.exits
         return {lr: pid for lr, pid in self._pids.items() if pid not in exits}
 
-    def leave(self, reason: str) -> None:
-        """Tell every live worker to leave its step (in place)."""
+    def leave(self, reason: str, remote: bool = False) -> None:
+        """Tell every live worker to leave its step (in place); ``remote``: for another node's
+        failure (``runtime.control``)."""
         if self.keep is None:
             return
         for pid in self.live().values():
-            self.keep.lines.say(pid, "leave", reason=reason)
+            self.keep.lines.say(pid, "leave", reason=reason, remote=remote)
 
     def release(self, local_ranks: dict[int, int]) -> None:
         """Forget these live workers (local rank -> pid): this context no longer stops them;

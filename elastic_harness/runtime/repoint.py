@@ -85,6 +85,9 @@ class RunInPlace:
         if top.kind != "ddp":
             self.shards = self._shards(model) if self.run.spec.finish_hsdp_step else None
             self.cannot_finish = "" if self.shards is not None else self._why_shards(top)
+            if self.shards is not None:
+                self.run.recovery.holding = self.shards.holding
+                self.shards.on_begin = self.run.recovery.late_for_word
             return
         self.cannot_finish = inflight.install(model, self.kept, lambda: dist.group.WORLD) or ""
 

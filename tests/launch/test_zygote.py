@@ -228,9 +228,11 @@ def test_a_worker_gets_its_control_channel_through_the_zygote(zygote, tmp_path):
 
     assert heard("parked")["step"] == 7
     assert lines.say(pid, "leave", reason="rank 3 died")
+    assert lines.say(pid, "leave", reason="node 2 is gone", remote=True)  # another node's failure
     assert lines.say(pid, "reform", env={"RANK": "5"})
     got = heard("reformed")
-    assert got["rank"] == "5" and got["left"] == ["rank 3 died"] and got["pid"] == pid
+    assert got["rank"] == "5" and got["pid"] == pid
+    assert got["left"] == [["rank 3 died", False], ["node 2 is gone", True]]
     assert lines.say(pid, "exit")
     assert _exit_of(zygote, pid) == 0
     lines.close()
