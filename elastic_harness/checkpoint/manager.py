@@ -164,6 +164,7 @@ class CheckpointManager:
         self._fenced = ""  # rank 0: why this generation was found superseded (for good)
         self._failures, self._failing_since, self._give_up = 0, None, False  # saves failed in a row (``_judged``)
         self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
+        self._waited_s = 0.0  # the save in flight's wait for the one before it (its blocking_s has it)
         self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
 
@@ -317,14 +318,15 @@ class CheckpointManager:
         written is said later, as for the write itself (``checkpoint``, ``skipped``, ``fenced``
         or ``failure`` event; ``wait`` raises past the failure limit).
         """
+        t0 = time.perf_counter()  # training is blocked from here: a wait for the last save too
         self.wait()  # at most one save in flight
+        self._waited_s = time.perf_counter() - t0
         name = layout.step_dirname(step)
-        t0 = time.perf_counter()
         write = without_zip_crc(on_callers_device(dcp.save))
         if self.policy.async_save and not blocking:
             self._start_async(write, state, step, name, t0)
             return True
-        action, detail = collective.broadcast(self._prepare_dir(name) if self.rank == 0 else None, self.group)
+        action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
         if action != "go":
             self._not_written(step, name, action, detail)
             return False
@@ -369,7 +371,7 @@ class CheckpointManager:
         blocked = time.perf_counter() - t0
 
         def in_background() -> bool:
-            action, detail = collective.broadcast(self._prepare_dir(name) if self.rank == 0 else None, self.group)
+            action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
             if action != "go":
                 self._not_written(step, name, action, detail, asynchronous=True)
                 return False
@@ -485,7 +487,8 @@ class CheckpointManager:
         if self.rank == 0:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
-                total_s=round(time.perf_counter() - t0, 4), asynchronous=asynchronous,
+                waited_s=round(self._waited_s, 4), total_s=round(time.perf_counter() - t0, 4),
+                asynchronous=asynchronous,
             )
             if asynchronous:  # already in the background thread
                 self._purge(step)
