@@ -35,12 +35,18 @@ threads that serialise (it cost a third of the write; torch keeps that setting p
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
 copied into host-memory staging buffers (see ``staging``; only what this rank writes, once the
-save plans are cached), then DCP plans and serialises from that copy in a background thread,
-which writes and syncs the bytes, and the commit follows in a second thread (``scheduling``:
-both threads yield the CPU to training, and are raised back while anyone waits on them).
-Save plans are cached per saver (``plans``). At most one save is in flight. The group must be a dedicated gloo
-group: the background collectives would otherwise interleave with training's and can
-deadlock.
+save plans are cached), and meets no other rank meanwhile: no collective, no storage access.
+Everything else runs in two background threads (``scheduling``: both yield the CPU to
+training, and are raised back while anyone waits on them): the commit thread has the ranks
+agree that the step may be written (rank 0 looks at its directory), the write thread runs DCP
+(planning, serialising, writing and syncing the bytes) from the copy, and the commit thread
+settles the save. Which tensors another rank writes is decided by each rank alone, from its
+cached plans (``plans.written_elsewhere``): a rank whose state no longer plans as cached copies
+everything. Should another rank's changed plan hand this rank a tensor it left out, the
+planner refuses to write it: that save fails and is reported like any other, and the next one
+plans anew. Save plans are cached per saver (``plans``). At most one save is in flight. The
+group must be a dedicated gloo group: the background collectives would otherwise interleave
+with training's and can deadlock.
 
 Time: no fixed budgets. The site's ``ticker`` calls its callback (at most once a second, on
 the calling thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
@@ -130,6 +136,7 @@ class Saver:
         self._stager: Any = None
         self._failures, self._failing_since, self._give_up = 0, None, False  # saves failed in a row (``_judged``)
         self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
+        self._waited_s = 0.0  # the save in flight's wait for the one before it (its blocking_s has it)
         self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
 
@@ -139,29 +146,24 @@ class Saver:
 
         Returns False if nothing was committed: the step already has a complete checkpoint
         (``skipped`` event), this generation was superseded (``fenced`` event), or a
-        tolerated periodic save failed. Async: True once the write started.
+        tolerated periodic save failed. Async: True once the copy is staged; whether it was
+        written is said later, as for the write itself (``checkpoint``, ``skipped``, ``fenced``
+        or ``failure`` event; ``wait`` raises past the failure limit).
         """
+        t0 = time.perf_counter()  # training is blocked from here: a wait for the last save too
         self.wait()  # at most one save in flight
+        self._waited_s = time.perf_counter() - t0
         name = layout.step_dirname(step)
-        t0 = time.perf_counter()
-        asynchronous = self.policy.async_save and not blocking
-        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()} if asynchronous else {}
-        skip = plans.written_elsewhere(self._plan_key, plain) if asynchronous else None
-        said = collective.all_gather((self._prepare_dir(name) if self.rank == 0 else None, skip is not None),
-                                     self.group, self.world_size)
-        action, detail = said[0][0]
+        write = without_zip_crc(on_callers_device(dcp.save))
+        if self.policy.async_save and not blocking:
+            self._start_async(write, state, step, name, t0)
+            return True
+        action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
         if action != "go":
             self._not_written(step, name, action, detail)
             return False
         self.tenure.busy.add(step)
         writer = self.storage.writer(name)
-        write = without_zip_crc(on_callers_device(dcp.save))
-        if asynchronous:
-            # What dcp.async_save does, in our write thread: a copy training cannot change
-            # (of what this rank writes, when every rank's cached plan still holds).
-            agreed = all(same for _, same in said)
-            self._start_async(write, writer, plain, skip if agreed else frozenset(), step, name, t0)
-            return True
         # Written in a thread so this one can watch progress (and report it) meanwhile.
         with self.threads.foreground():
             fut = self.threads.write(write, state, storage_writer=writer, process_group=self.group,
@@ -174,28 +176,46 @@ class Saver:
         self.raise_if_failing()
         return ok
 
-    def _not_written(self, step: int, name: str, action: str, detail: str) -> None:
-        """Rank 0 said ``name`` is not to be written (``_prepare_dir``): an error (it could
-        not look at the storage: a failure), or the ``skipped`` or ``fenced`` event."""
+    def _not_written(self, step: int, name: str, action: str, detail: str, asynchronous: bool = False) -> None:
+        """Rank 0 said ``name`` is not to be written (``_prepare_dir``, broadcast to every rank):
+        an error (it could not look at the storage: a failure), or the ``skipped`` or ``fenced``
+        event."""
         message = f"checkpoint at step {step} not written: {detail}"
         if action == "error":
-            self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
-            self.raise_if_failing()
+            self._on_failure(step, name, CheckpointError(detail), asynchronous=asynchronous)
+            if not asynchronous:  # (in the background: the next save or wait raises)
+                self.raise_if_failing()
         elif self.rank == 0 and action == "skipped":
             self.events.emit("skipped", step=step, name=name, reason=detail, message=message)
         elif self.rank == 0:
             self.events.emit("fenced", step=step, name=name, reason=detail, message=message)
 
-    def _start_async(self, write: Any, writer: Any, plain: dict[str, Any], skip: frozenset, step: int,
-                     name: str, t0: float) -> None:
-        """Stage this rank's part of ``plain`` (less what ``skip`` says another rank writes),
-        then write and commit it in the background."""
-        staged = self._staging().stage(plain, skip)
+    def _start_async(self, write: Any, state: dict[str, Any], step: int, name: str, t0: float) -> None:
+        """On the calling thread only what later optimizer steps could change: the copy of this
+        rank's part of ``state`` (less what its cached plans have another rank write, as this
+        rank alone decides: ``plans.written_elsewhere``) into the staging buffers. Then, in the
+        commit thread, every rank: whether ``name`` may be written (rank 0's word, broadcast),
+        DCP's write of the copy in the write thread, and the settling (``_finish``). The
+        checkpoint group's collectives of one save follow one another there (this agreement,
+        DCP's, the settling), and no other save's run meanwhile."""
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        staged = self._staging().stage(plain, plans.written_elsewhere(self._plan_key, plain) or frozenset())
         blocked = time.perf_counter() - t0
-        fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
-                                 planner=plans.planner(self._plan_key))
-        self._pending_watch = (write_watch(writer), name)
-        self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
+
+        def in_background() -> bool:
+            action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
+            if action != "go":
+                self._not_written(step, name, action, detail, asynchronous=True)
+                return False
+            self.tenure.busy.add(step)
+            writer = self.storage.writer(name)
+            self._pending_watch = (write_watch(writer), name)
+            fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
+                                     planner=plans.planner(self._plan_key))
+            return self._finish(fut, writer, step, name, t0, blocked, True)
+
+        self._pending_watch = (None, name)
+        self._pending = self.threads.commit(in_background)
 
     def _staging(self) -> Any:
         """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""
@@ -283,7 +303,8 @@ class Saver:
         if self.rank == 0:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
-                total_s=round(time.perf_counter() - t0, 4), asynchronous=asynchronous,
+                waited_s=round(self._waited_s, 4), total_s=round(time.perf_counter() - t0, 4),
+                asynchronous=asynchronous,
             )
             if asynchronous:  # already in the background thread
                 self.purger.purge(step)

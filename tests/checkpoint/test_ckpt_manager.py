@@ -226,6 +226,7 @@ def scenario_async_retention(rank, root, group) -> dict:
     dist.barrier()
     return {"started": started, "again": again, "step": step, "dirs": _dirs(root),
             "sharded": st["model"]["sharded"].to_local().unique().tolist(),
+            "skipped": [(e["step"], e["reason"]) for e in events.seen if e["event"] == "skipped"],
             "checkpoints": [(e["step"], e["asynchronous"]) for e in events.seen if e["event"] == "checkpoint"]}
 
 
@@ -478,12 +479,56 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
             "events": [e["event"] for e in events.seen]}
 
 
+def scenario_async_save_meets_no_peer(rank, root, group) -> dict:
+    """An async save returns on a rank before any other rank began its own: the copy is all it
+    does on the calling thread; the agreement that the step may be written, DCP's planning and
+    the write meet the other ranks in the background. Rank 1 saves only once rank 0's save
+    returned (a barrier on the default group): a save that met its peers on the calling thread
+    would leave both ranks waiting until the checkpoint group's timeout."""
+    import torch.distributed as dist
+
+    ckpt = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=20))
+    mgr, events = _manager(rank, root, ckpt, async_save=True)
+    returned = []
+    for s in (1, 2, 3):  # from the 2nd on, the cached plans: each rank copies only its share
+        if rank == 1:
+            dist.barrier()
+        returned.append(mgr.saver.save(s, _state(float(s)), blocking=False))
+        if rank == 0:
+            dist.barrier()
+    mgr.saver.wait()
+    copied = mgr.saver._stager.copied  # the last save's copy: one of the two ranks' shares
+    mgr.saver.close()
+    return {"returned": returned, "copied": copied, "dirs": _dirs(root),
+            "checkpoints": [e["step"] for e in events.seen if e["event"] == "checkpoint"]}
+
+
+def scenario_async_save_rank_0_cannot_look(rank, root, group) -> dict:
+    """Rank 0 cannot list the step's directory when an async save starts (its agreement runs in
+    the background): that save is a failure event on rank 0, nothing is written, the caller
+    is not stopped (one failure), and the next save is written."""
+    class Blind(Wrapped):
+        def files(self, name):
+            if name == "step-0000002":
+                raise PermissionError(errno.EACCES, "Permission denied", name)
+            return super().files(name)
+
+    mgr, events = _manager(rank, root, group, Blind(root) if rank == 0 else None, async_save=True)
+    returned = [mgr.saver.save(s, _state(float(s)), blocking=False) for s in (2, 3)]
+    mgr.saver.wait()
+    mgr.saver.close()
+    return {"returned": returned, "dirs": _dirs(root),
+            "failures": [(e["step"], e["asynchronous"], e["message"]) for e in events.seen if e["event"] == "failure"],
+            "checkpoints": [e["step"] for e in events.seen if e["event"] == "checkpoint"]}
+
+
 SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_nothing_usable,
              scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
              scenario_metadata_unreadable_on_one_rank, scenario_not_shared, scenario_join,
              scenario_commit_needs_every_reported_file, scenario_fence, scenario_fenced_before_its_first_save,
              scenario_round_trips_per_save,
-             scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed]
+             scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed,
+             scenario_async_save_meets_no_peer, scenario_async_save_rank_0_cannot_look]
 
 
 def _ranks(rank: int, port: int, root: str) -> None:
@@ -543,7 +588,11 @@ def test_a_checkpoint_is_set_aside_for_failing_to_load_only_if_an_older_one_load
 
 def test_async_saves_retention_and_dtensor_round_trip(seen):
     a, b = (r["scenario_async_retention"] for r in seen)
-    assert a["started"] == [True] * 7 and a["again"] is False  # step 7 exists: nothing written
+    assert a["started"] == [True] * 7
+    # Step 7 exists: the copy was staged (True), and the background found the step complete
+    # before anything was written: a skipped event, no second checkpoint of it.
+    assert a["again"] is b["again"] is True
+    assert a["skipped"] == [[7, "a complete checkpoint step-0000007 already exists"]]
     assert a["checkpoints"] == [[s, True] for s in range(1, 8)]
     assert a["dirs"] == ["step-0000003", "step-0000006", "step-0000007"]  # leftover step-0 gone too
     assert a["step"] == b["step"] == 7 and a["sharded"] == b["sharded"] == [7.0]
@@ -618,6 +667,24 @@ def test_a_save_lists_the_root_once_and_reads_the_fence_once(seen):
     assert a["counts"] == {"sync": [3, 3], "async": [3, 3]}  # (listings, fence reads) for 3 saves
     assert b["counts"] == {"sync": [0, 0], "async": [0, 0]}
     assert a["dirs"] == ["step-0000005", "step-0000006"]  # retention still purged
+
+
+def test_an_async_save_returns_before_its_peers_began_theirs(seen):
+    a, b = (r["scenario_async_save_meets_no_peer"] for r in seen)
+    assert a["returned"] == b["returned"] == [True, True, True]
+    assert a["checkpoints"] == [1, 2, 3] and a["dirs"] == ["step-0000001", "step-0000002", "step-0000003"]
+    # The last save copied each tensor on one rank only (the cached plans, no agreement first):
+    # four 256x64 float32 tensors and the 8-byte step, split between the two ranks.
+    assert a["copied"] + b["copied"] == 4 * 256 * 64 * 4 + 8 and min(a["copied"], b["copied"]) > 0
+
+
+def test_an_async_save_rank_0_cannot_prepare_is_a_failure_and_training_goes_on(seen):
+    a, b = (r["scenario_async_save_rank_0_cannot_look"] for r in seen)
+    assert a["returned"] == b["returned"] == [True, True]
+    ((step, asynchronous, message),) = a["failures"]
+    assert step == 2 and asynchronous is True and "cannot prepare" in message and "Permission denied" in message
+    assert b["failures"] == []  # rank 0 narrates
+    assert a["checkpoints"] == [3] and a["dirs"] == ["step-0000003"]
 
 
 def test_verification_is_split_over_ranks_and_progress_is_reported(seen):

@@ -197,6 +197,19 @@ def test_the_zygote_resolves_the_job_schema_before_its_forks_read_a_job(preloade
     assert len(printed) >= 2 and int(printed[1]) >= 5, preloaded_entry.stderr[-2000:]
 
 
+def test_the_host_zygote_imports_tensorboard_only_for_a_job_that_writes_it():
+    """``run``'s host zygote preloads before any agent can start: TensorBoard's writer (a third
+    of a CPU second) only when ``metrics.tensorboard`` is on, as the agents' own zygotes do;
+    the modules that wait for the run dir never."""
+    from elastic_harness.runtime.zygote import AFTER_RUN_DIR, TENSORBOARD
+    from elastic_harness.simcluster.cluster import host_preload
+
+    assert TENSORBOARD not in host_preload(tensorboard=False)
+    assert TENSORBOARD in host_preload(tensorboard=True)
+    assert not set(AFTER_RUN_DIR) & set(host_preload(tensorboard=True))
+    assert "torch" in host_preload(tensorboard=False)
+
+
 def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():
     """The zygote and its workers start with fixed glibc thresholds (the dynamic ones left
     forked workers faulting ~1500 pages a step); any MALLOC_* of the user's wins."""
