@@ -92,22 +92,32 @@ def analyze(events: list[dict], records: list[dict], *, steps: int, global_batch
 
 
 def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
-    """Seconds from the fault to a survivor's re-formation (with its phases), to the step in
-    flight finished in place, and to the next step event of a healthy process."""
+    """Seconds from the fault to each moment of the first survivor's recovery, in order: its
+    generation broke under it (``to_detected_s``: its ``reformed`` event less its phases,
+    which are consecutive from that moment), its agent handed the places of the next
+    generation (``to_placed_s``: the first ``workers`` event that started a group after the
+    fault), it re-formed (with its phases), the step in flight finished in place (with the
+    ``finished`` event's phases) and the next step event of a healthy process."""
     fault = next((e for e in events if e["event"] == "fault"), None)
     if fault is None:
         return {"fired": False}
     t = fault["t"]
 
-    def first(kind: str) -> dict | None:
-        return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids), None)
+    def first(kind: str, **match: str) -> dict | None:
+        return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids
+                     and all(e.get(k) == v for k, v in match.items())), None)
+
+    def since(e: dict | None, back: float = 0.0) -> float | None:
+        return round(e["t"] - back - t, 3) if e else None
 
     reformed, finished, step = first("reformed"), first("finished"), first("step")
+    phases = (reformed or {}).get("phases_s") or {}
     return {"fired": True, "after_step": fault.get("step"),
-            "to_reformed_s": round(reformed["t"] - t, 3) if reformed else None,
-            "reformed_phases_s": reformed.get("phases_s") if reformed else None,
-            "to_finished_s": round(finished["t"] - t, 3) if finished else None,
-            "to_next_step_s": round(step["t"] - t, 3) if step else None}
+            "to_detected_s": since(reformed, sum(phases.values())) if phases else None,
+            "to_placed_s": since(first("workers", state="started")),
+            "to_reformed_s": since(reformed), "reformed_phases_s": phases or None,
+            "to_finished_s": since(finished), "finished_phases_s": (finished or {}).get("phases_s"),
+            "to_next_step_s": since(step)}
 
 
 def gap_figures(events: list[dict], lost_pids: set[int]) -> dict:
