@@ -209,7 +209,9 @@ class CheckpointManager:
 
     def join(self) -> None:
         """Start this worker generation in the checkpoint directory (the fence), once; every
-        rank. ``restore`` calls it; call it first when the state is restored from memory."""
+        rank. ``restore`` calls it; call it first when the state is restored from memory.
+        ``save`` calls it before a generation's first write, for a generation that restored
+        nothing (the survivors that finished the step in flight in place)."""
         if self._generation is None:
             self._generation = collective.join_generation(
                 self.storage, str(self.info.get("job", "")), rank=self.rank, world_size=self.world_size,
@@ -310,6 +312,7 @@ class CheckpointManager:
         tolerated periodic save failed. Async: True once the write started.
         """
         self.wait()  # at most one save in flight
+        self.join()  # a generation that restored nothing enters the fence before it writes
         name = layout.step_dirname(step)
         t0 = time.perf_counter()
         asynchronous = self.policy.async_save and not blocking

@@ -361,7 +361,7 @@ class RunInPlace:
                                    BufferSync.of(trained.model, topology.dp_degree), replicas)
         run._resumed, run._kept = not restore, None
         if not restore and trained is not None:
-            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory, ckpt=run.parts.ckpt)
+            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory)
         run._loop.rebind(run.parts.watchdog, run.parts.cadence, run.rank)
 
 
