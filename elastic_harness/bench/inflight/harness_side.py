@@ -93,19 +93,18 @@ def analyze(events: list[dict], records: list[dict], *, steps: int, global_batch
 
 def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
     """Seconds from the fault to each moment of the first survivor's recovery, in order: its
-    generation broke under it (``to_detected_s``: its ``reformed`` event less its phases,
-    which are consecutive from that moment), its agent handed the places of the next
-    generation (``to_placed_s``: the first ``workers`` event that started a group after the
-    fault), it re-formed (with its phases), the step in flight finished in place (with the
-    ``finished`` event's phases) and the next step event of a healthy process."""
+    generation broke under it (``to_detected_s``), it had its place in the next generation
+    from its agent (``to_placed_s``), it re-formed (with its phases), the step in flight
+    finished in place (with the ``finished`` event's phases) and the next step event of a
+    healthy process. The first two are its ``reformed`` event less its phases, which are
+    consecutive from the break (leave, park, reform; ``report.inplace`` reads them so)."""
     fault = next((e for e in events if e["event"] == "fault"), None)
     if fault is None:
         return {"fired": False}
     t = fault["t"]
 
-    def first(kind: str, **match: str) -> dict | None:
-        return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids
-                     and all(e.get(k) == v for k, v in match.items())), None)
+    def first(kind: str) -> dict | None:
+        return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids), None)
 
     def since(e: dict | None, back: float = 0.0) -> float | None:
         return round(e["t"] - back - t, 3) if e else None
@@ -114,7 +113,7 @@ def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
     phases = (reformed or {}).get("phases_s") or {}
     return {"fired": True, "after_step": fault.get("step"),
             "to_detected_s": since(reformed, sum(phases.values())) if phases else None,
-            "to_placed_s": since(first("workers", state="started")),
+            "to_placed_s": since(reformed, phases.get("reform", 0.0)) if phases else None,
             "to_reformed_s": since(reformed), "reformed_phases_s": phases or None,
             "to_finished_s": since(finished), "finished_phases_s": (finished or {}).get("phases_s"),
             "to_next_step_s": since(step)}
