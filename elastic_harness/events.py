@@ -264,6 +264,9 @@ CONTRACT: dict[str, EventKind] = {
         "extra_samples": "the samples of those shares this rank computed (rank 0's part)",
         "world_size": _WORLD,
         "message": "one line",
+        "phases_s": "seconds, DDP (rank 0's): repoint (from its re-formation until its extra micro-batches "
+                    "were loaded), extra (their forward and backward), reduce (the reduction at the new "
+                    "membership)",
     }),
     "reformed": EventKind("each worker that kept its process (runtime.inplace)", "its re-formation's phases", {
         "rank": "its rank in the new generation",

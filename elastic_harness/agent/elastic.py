@@ -539,6 +539,8 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None], keep: Keep | N
         if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
             return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
                         log_line_prefixes=log_line_prefixes, **rest)
+        if keep is not None:
+            keep.hand_over(envs, zygote.exits)  # before torch's log files for the group: kept workers need none
         context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase, keep=keep)
         try:
             context.start()

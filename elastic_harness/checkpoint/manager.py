@@ -158,6 +158,7 @@ class Saver:
         if self.policy.async_save and not blocking:
             self._start_async(write, state, step, name, t0)
             return True
+        self.tenure.join()
         action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
         if action != "go":
             self._not_written(step, name, action, detail)
@@ -203,6 +204,7 @@ class Saver:
         blocked = time.perf_counter() - t0
 
         def in_background() -> bool:
+            self.tenure.join()  # a generation that restored nothing enters the fence before it writes
             action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
             if action != "go":
                 self._not_written(step, name, action, detail, asynchronous=True)

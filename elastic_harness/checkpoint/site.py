@@ -61,7 +61,9 @@ class Tenure:
 
     def join(self) -> None:
         """Start this worker generation in the checkpoint directory (the fence), once; every
-        rank. ``restore`` calls it; call it first when the state is restored from memory."""
+        rank. ``restore`` calls it; call it first when the state is restored from memory.
+        ``Saver.save`` calls it before a generation's first write, for a generation that restored
+        nothing (the survivors that finished the step in flight in place)."""
         if self.generation is None:
             ranks = self.site.ranks
             self.generation = collective.join_generation(

@@ -58,12 +58,14 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topolog
     return ckpt.restore(state)
 
 
-def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology, memory: MemoryTier | None,
-          ckpt: Restorer) -> None:
+def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology,
+          memory: MemoryTier | None) -> None:
     """Every rank of a generation whose state is already the job's (a step finished in place
     by the same processes): what ``restore`` would set up besides filling the state (the
-    checkpoint fence; the memory tier's rules for the snapshots it takes from now on)."""
-    ckpt.join()
+    memory tier's rules for the snapshots it takes from now on). Such a generation enters the
+    checkpoint fence at its first save (``Saver.save``), not here: the fence's
+    write, its two fsyncs and collectives are then off the healthy ranks' path from the step
+    in flight to the next."""
     if memory is not None:  # only a replicated layout finishes a step in place: no buddy link
         memory.rules = restore_rules(topology, memory.world_size, portable(topology, model, state))
 

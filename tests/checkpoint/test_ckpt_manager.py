@@ -367,6 +367,26 @@ def scenario_fenced_before_its_first_save(rank, root, group) -> dict:
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
 
 
+def scenario_joins_at_its_first_save(rank, root, group) -> dict:
+    """A generation that restored nothing (the survivors that finished the step in flight in
+    place) enters the fence at its first save: it commits, and the generation before it, which
+    restored, is fenced from then on."""
+    from elastic_harness.checkpoint import fence
+
+    old, old_events = _manager(rank, root, group, async_save=False)
+    old.restore(_state(0.0))
+    before = fence.read(Wrapped(root).inner)
+    new, _ = _manager(rank, root, group, async_save=False)  # no restore: its state went on in place
+    committed = new.save(4, _state(4.0), blocking=True)
+    after = fence.read(Wrapped(root).inner)
+    refused = old.save(5, _state(5.0), blocking=False)
+    old.close()
+    new.close()
+    return {"committed": committed, "refused": refused, "bumped": after.number - before.number,
+            "manifests": sorted(p.parent.name for p in root.glob("*/manifest.json")),
+            "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
+
+
 def scenario_round_trips_per_save(rank, root, group) -> dict:
     """Issue 34: a save (sync or async, with retention purging) lists the root once and reads
     the fence once, on rank 0; the other ranks do neither."""
@@ -526,6 +546,7 @@ SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_
              scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
              scenario_metadata_unreadable_on_one_rank, scenario_not_shared, scenario_join,
              scenario_commit_needs_every_reported_file, scenario_fence, scenario_fenced_before_its_first_save,
+             scenario_joins_at_its_first_save,
              scenario_round_trips_per_save,
              scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed,
              scenario_async_save_meets_no_peer, scenario_async_save_rank_0_cannot_look]
@@ -660,6 +681,14 @@ def test_a_generation_superseded_before_a_blocking_save_is_fenced_not_failed(see
     assert a["committed"] is b["committed"] is True
     assert a["events"] == [["fenced", 3]]
     assert a["dirs"] == ["step-0000004"]
+
+
+def test_a_generation_that_restored_nothing_enters_the_fence_at_its_first_save(seen):
+    a, b = (r["scenario_joins_at_its_first_save"] for r in seen)
+    assert a["committed"] is b["committed"] is True
+    assert a["bumped"] == 1, "the save bumped the generation before it wrote"
+    assert a["refused"] is b["refused"] is False and a["events"] == [["fenced", 5]]
+    assert a["manifests"] == ["step-0000004"]
 
 
 def test_a_save_lists_the_root_once_and_reads_the_fence_once(seen):

@@ -44,6 +44,7 @@ def test_a_node_lost_mid_step_costs_the_survivors_no_step(three_node_reference, 
     (finished,) = r.kinds("finished")
     assert (finished["step"], finished["lost_dp_ranks"], finished["world_size"]) == (21, [n - 1], n - 1)
     assert finished["extra_samples"] == G // n // (n - 1), "rank 0's part of the lost rank's share, no more"
+    assert sorted(finished["phases_s"]) == ["extra", "reduce", "repoint"] and min(finished["phases_s"].values()) >= 0
     assert all(e["mode"] == "finish" for e in r.kinds("reformed")) and len(r.kinds("reformed")) == n - 1
     (rec,) = r.kinds("recovery")
     first = {e["rank"]: e["pid"] for e in r.kinds("worker") if e["restart"] == 0}

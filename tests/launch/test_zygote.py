@@ -251,6 +251,41 @@ def test_a_worker_gets_its_control_channel_through_the_zygote(zygote, tmp_path):
     lines.close()
 
 
+def test_a_kept_worker_has_its_next_place_before_the_groups_context_is_made_and_once(zygote, tmp_path):
+    """In place, a kept worker's ``reform`` order goes out as soon as torch made the next
+    group's variables (``Keep.hand_over``), before torch sets up that group's log files (the
+    context's construction); the context then adopts it without a second order."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elastic_harness.agent.warm import Keep, WarmContext
+
+    keep = Keep()
+    ours, theirs = keep.lines.open_line()
+    pid = zygote.spawn("tests.control_child", [], {"PATH": os.environ.get("PATH", "")},
+                       stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), unbuffered=True, line=theirs)
+    theirs.close()
+    keep.lines.adopt(pid, ours)
+    said = []
+
+    def heard(op):
+        wait_until(lambda: said.extend(m for _, m in keep.lines.hear()) or any(m["op"] == op for m in said),
+                   30, f"the worker's {op}")
+
+    heard("parked")
+    keep.kept = {0: pid}
+    envs = {0: {"RANK": "5", "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_RESTART_COUNT": "1"}}
+    keep.hand_over(envs, zygote.exits)
+    heard("reformed")  # before any context of the next group exists
+    context = WarmContext("w", zygote, {0: ("-u", "-m", "tests.control_child")}, envs,
+                          DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), keep=keep)
+    assert context._adopt(0) and context.adopted == {0: pid} and keep.kept == {}
+    assert keep.lines.say(pid, "exit")
+    assert _exit_of(zygote, pid) == 0
+    said.extend(m for _, m in keep.lines.hear())
+    assert [m["rank"] for m in said if m["op"] == "reformed"] == ["5"], "one order, not two"
+    keep.lines.close()
+
+
 def test_a_worker_without_a_line_has_no_control_channel(zygote, tmp_path):
     pid = zygote.spawn("tests.control_child", [], {"PATH": os.environ.get("PATH", "")},
                        stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), unbuffered=True)
