@@ -374,14 +374,14 @@ def scenario_joins_at_its_first_save(rank, root, group) -> dict:
     from elastic_harness.checkpoint import fence
 
     old, old_events = _manager(rank, root, group, async_save=False)
-    old.restore(_state(0.0))
+    old.restorer.restore(_state(0.0))
     before = fence.read(Wrapped(root).inner)
     new, _ = _manager(rank, root, group, async_save=False)  # no restore: its state went on in place
-    committed = new.save(4, _state(4.0), blocking=True)
+    committed = new.saver.save(4, _state(4.0), blocking=True)
     after = fence.read(Wrapped(root).inner)
-    refused = old.save(5, _state(5.0), blocking=False)
-    old.close()
-    new.close()
+    refused = old.saver.save(5, _state(5.0), blocking=False)
+    old.saver.close()
+    new.saver.close()
     return {"committed": committed, "refused": refused, "bumped": after.number - before.number,
             "manifests": sorted(p.parent.name for p in root.glob("*/manifest.json")),
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
