@@ -266,7 +266,7 @@ CONTRACT: dict[str, EventKind] = {
         "message": "one line",
         "phases_s": "seconds, DDP (rank 0's): repoint (from its re-formation until its extra micro-batches "
                     "were loaded), extra (their forward and backward), reduce (the reduction at the new "
-                    "membership)",
+                    "membership); empty for HSDP's finish",
     }),
     "reformed": EventKind("each worker that kept its process (runtime.inplace)", "its re-formation's phases", {
         "rank": "its rank in the new generation",

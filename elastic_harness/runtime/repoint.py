@@ -295,7 +295,7 @@ class RunInPlace:
     def _said_finished(self, number: int, lost: list[int], extra: int, phases: dict | None = None) -> None:
         run = self.run
         run.gen.events.emit("finished", step=number, lost_dp_ranks=lost, world_size=run.world_size,
-                            extra_samples=extra, **({"phases_s": phases} if phases else {}),
+                            extra_samples=extra, phases_s=phases or {},
                             message=f"step {number} finished without data-parallel rank(s) {lost}: the "
                                     f"{run.world_size} survivor(s) computed their shares as extra micro-batches")
 
