@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class Recovery:
     holding: Callable[[], tuple] = lambda: ()
     _since: float = 0.0
     _reforming: bool = False
+    _telling: threading.Lock = field(default_factory=threading.Lock)  # ``broken`` vs ``parked``: one order
 
     def start(self) -> Recovery:
         self.control.on_leave = self._left
@@ -160,10 +162,16 @@ class Recovery:
             self.gens.leave(reason)
 
     def _broke(self, reason: str) -> None:  # a backend's thread: a collective failed here
+        """Told before the groups are left: leaving lets the training thread park, and the
+        agent must hear ``broken`` before ``parked`` (after it, the word would reach the agent
+        once the next group started, and break that group). Not told once parked: the fault
+        is being handled."""
         self._mark()
         _say(f"a collective failed ({reason[:300]}); leaving the step")
+        with self._telling:
+            if not self.underway:
+                self.control.tell("broken", reason=reason[:500])
         self.gens.leave(reason)  # our peers blocked on us see our connections close now
-        self.control.tell("broken", reason=reason[:500])
 
     def _mark(self) -> None:
         if not self._since:
@@ -183,7 +191,8 @@ class Recovery:
         step it kept in memory on the way, if any), or finishes the next in place; wait for
         the next place (its variables)."""
         t0 = time.monotonic()
-        self.underway = True
+        with self._telling:  # a ``broken`` told from now on would come after ``parked``
+            self.underway = True
         self.phases = {"leave": round(t0 - (self._since or t0), 4)}
         if self.force("silent"):  # never says it parked: the agent's bound ends it
             while True:
