@@ -61,3 +61,45 @@ def test_the_hook_keeps_each_local_gradient_and_a_script_hook_is_a_reason(one_ra
     why = inflight.install(other, inflight.Kept(), lambda: dist.group.WORLD)
     assert why is not None and why.startswith("the model has a communication hook of its own")
     assert inflight.install(nn.Linear(2, 2), inflight.Kept(), lambda: None) == "the model is not DistributedDataParallel"
+
+
+def _kept_on_two_ranks(rank: int, world: int, port: int, out: str, as_view: bool) -> None:
+    from tests.runtime.test_live_groups import batch, join, model
+
+    join(rank, world, port, live=False)
+    ddp = DistributedDataParallel(model(), gradient_as_bucket_view=as_view, bucket_cap_mb=0.0001)  # a bucket per layer
+    kept = inflight.Kept()
+    assert inflight.install(ddp, kept, lambda: dist.group.WORLD) is None
+    alone = model()
+    for step in range(2):  # the second step runs on the buckets DDP rebuilt after the first
+        kept.begin(step)
+        ddp.zero_grad()
+        alone.zero_grad()
+        x = batch(step, rank, world)
+        ddp(x).pow(2).sum().backward()
+        alone(x).pow(2).sum().backward()
+        local = [p.grad for p in alone.parameters()]
+        mean = [g.clone() for g in local]
+        for g in mean:
+            dist.all_reduce(g)
+            g.div_(world)
+        params = list(ddp.parameters())
+        assert all(torch.allclose(kept.grads[p], g) for p, g in zip(params, local, strict=True)), "kept: local"
+        assert all(torch.allclose(p.grad, g) for p, g in zip(params, mean, strict=True)), "trained on: the mean"
+    assert kept.copies == as_view
+    dist.destroy_process_group()
+    with open(out, "a") as f:
+        f.write(f"{rank}\n")
+
+
+@pytest.mark.e2e  # real processes
+@pytest.mark.parametrize("as_view", [False, True])
+def test_the_hook_keeps_the_local_gradients_of_a_real_reduction(tmp_path, as_view):
+    """Two gloo ranks: after DDP's reduction the kept gradients are each rank's own, the
+    parameters' the mean. DDP's default buckets keep the local values themselves (reduced out of
+    place); buckets that are the gradients (``gradient_as_bucket_view``) are copied."""
+    from tests.runtime.test_live_groups import run_ranks
+
+    out = tmp_path / "done"
+    assert run_ranks(_kept_on_two_ranks, 2, str(out), as_view) == [0, 0]
+    assert sorted(out.read_text().split()) == ["0", "1"]
