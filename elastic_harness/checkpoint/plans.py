@@ -9,7 +9,7 @@ ours (``PlanCache``, one per saver's key) and the planner a ``DefaultSavePlanner
 overriding DCP's public planner methods: torch keeps its own cache in class-level dicts
 keyed by a private attribute, which a release may rename. Our plans compare equal
 when their items write the same index with the same tensor metadata (chunk, size, dtype and
-the other properties): a little stricter than torch's comparison, which ignores the dtype.
+the other properties but pinning): a little stricter than torch's comparison, which ignores the dtype.
 
 The cached plans also say, before a save, which of this rank's plain tensors another rank
 will write (DDP replicas: DCP has each written once): ``written_elsewhere`` returns them
@@ -64,10 +64,21 @@ _CACHES: dict[str, PlanCache] = {}
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
-    """Pure: do two save plans write the same items (index, type, tensor metadata)?"""
+    """Pure: do two save plans write the same items (index, type, tensor metadata)? Whether a
+    tensor is in pinned memory is not compared: it is where a staged copy lives (pinned on a
+    CUDA node), not what is written, and a plan of the live state (on the device) is compared
+    with the cached plan of the staged one (``written_elsewhere``)."""
     def items(p: SavePlan) -> list[tuple]:
-        return [(i.type, i.index.fqn, i.index.offset, i.index.index, i.tensor_data) for i in p.items]
+        return [(i.type, i.index.fqn, i.index.offset, i.index.index, _written(i.tensor_data)) for i in p.items]
     return a.usable == b.usable and items(a) == items(b)
+
+
+def _written(data: Any) -> tuple | None:
+    """Pure: a write item's tensor metadata, less its pinning."""
+    if data is None:
+        return None
+    p = data.properties
+    return (data.chunk, data.size, p.dtype, p.layout, p.requires_grad, p.memory_format)
 
 
 class _Planner(DefaultSavePlanner):

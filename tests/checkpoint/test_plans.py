@@ -85,3 +85,32 @@ def test_a_tensor_subclass_that_plans_itself_has_no_signature():
     own = torch.ones(2).as_subclass(Own)
     assert plans.signature({"a": own}) is None
     assert plans.signature({"a": torch.ones(2), "b": [1, "x", None]}) is not None
+
+
+def test_a_plan_cached_from_a_pinned_staging_copy_still_answers_for_the_live_state(tmp_path):
+    """On a CUDA node the saved (staged) copies are in pinned host memory, the live state on the
+    device: their plans differ only in ``pin_memory``, which is where a copy lives, not what is
+    written. The cached plan still answers (else no tensor was ever left out of staging there)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    def pinned(plan: SavePlan) -> SavePlan:
+        items = [dataclasses.replace(i, tensor_data=dataclasses.replace(
+            i.tensor_data, properties=dataclasses.replace(i.tensor_data.properties, pin_memory=True)))
+            if i.tensor_data is not None else i for i in plan.items]
+        return dataclasses.replace(plan, items=items)
+
+    key = "pinned"
+    state = _state()
+    _planned(key, state, tmp_path)
+    try:
+        cache = plans._CACHES[key]
+        cache.local, cache.final, cache.answer = pinned(cache.local), pinned(cache.final), None
+        assert plans.written_elsewhere(key, state) == frozenset()
+        live, _ = plans.local_plan(state)
+        assert plans.same_plan(live, cache.local)
+        state["model"]["w"].requires_grad_(True)  # what is written still counts
+        assert not plans.same_plan(plans.local_plan(state)[0], cache.local)
+    finally:
+        plans.forget(key)
