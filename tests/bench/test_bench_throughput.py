@@ -286,3 +286,12 @@ def test_a_failed_side_is_named_by_its_error_not_torchruns_banner():
     assert said(torchrun) == "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:4000"
     assert said("step 10\nerror: data_dir is not readable\n  fix: ...\n") == "error: data_dir is not readable"
     assert said("step 10\n=====\n") == "step 10" and said("") == "(empty log)"
+
+
+def test_restart_row_is_the_cheap_row_with_restarts_and_sets_no_goal(tmp_path):
+    args = bench_args()
+    cheap = parse_job(yaml.safe_dump(sides.harness_job(args, tp.ROWS["cheap"], tmp_path, tmp_path / "o.json", 2, 10)))
+    spec = parse_job(yaml.safe_dump(sides.harness_job(args, tp.ROWS["restart"], tmp_path, tmp_path / "o.json", 2, 10)))
+    assert cheap.recovery == "in_place" and spec.recovery == "restart"
+    assert dataclasses.replace(spec, recovery="in_place", name=cheap.name) == cheap
+    assert tp.GOALS["restart"] is None and tp.ROWS["restart"].opt_in

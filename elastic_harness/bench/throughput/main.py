@@ -6,6 +6,9 @@ DDP script, side by side in one run, one row per comparison (``ROWS``):
 - ``defaults``: what a user meets: the harness with its defaults (the in-memory tier, a
   durable async DCP save every ``--save-every`` steps) against a plain script that
   ``torch.save``s model and optimizer on rank 0 at the same interval;
+- ``restart`` (opt-in, ``--only restart``): the ``cheap`` row with ``recovery: restart`` (no
+  live groups, no gradient kept for the step in flight): ``cheap`` minus this row is what
+  in-place recovery costs per step.
 - ``durable`` (opt-in, ``--only durable``): the ``defaults`` row with the in-memory tier off
   (``checkpoint.memory_every: 0``): the durable saves' own cost; the two rows' difference is
   the tier's.
@@ -98,6 +101,7 @@ class Row:
     tier: bool = True  # with saves: the in-memory tier on (the default) or off
     hsdp: bool = False  # --nproc-layout ranks as replicate x shard (2 x nproc/2), FSDP2 on both sides
     opt_in: bool = False  # run only when named in --only
+    recovery: str = "in_place"  # the harness job's ``recovery``
 
 
 ROWS = {
@@ -108,6 +112,9 @@ ROWS = {
     # this row is the tier's share, which its budget, 3% of step time, bounds). Opt-in.
     "durable": Row("durable", "cheap", None, saves=True, tier=False, opt_in=True),
     "hsdp": Row("hsdp", "cheap", 0.97, hsdp=True, opt_in=True),
+    # The cheap row with every fault a restart: what in-place recovery's per-step path (live
+    # groups, the step in flight's gradient keep) costs, against the cheap row. Opt-in.
+    "restart": Row("restart", "cheap", None, recovery="restart", opt_in=True),
 }
 CASES = tuple(ROWS)
 SIDES = ("harness", "plain")

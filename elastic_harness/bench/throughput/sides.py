@@ -63,6 +63,7 @@ def harness_job(args: argparse.Namespace, row: Any, data_dir: Path, out: Path, n
                   "micro_batch_size": args.micro_batch, "log_every": log_every, "seed": 0},
         "data": {"workers": args.workers if row.costly else 0},
         "checkpoint": checkpoint,
+        **({} if row.recovery == "in_place" else {"recovery": row.recovery}),
     }
 
 
