@@ -3,8 +3,8 @@
 Under DDP each rank computes its share of a step's global batch and only then reduces the
 gradients. A node that dies in the middle of a step takes its share with it, but every
 survivor has computed its own: ``Kept`` keeps each survivor's local gradient of the step (a
-DDP communication hook, torch's public way, copies a bucket's local tensor before it is
-reduced). When the generation breaks under the step, the survivors re-form without the lost
+DDP communication hook, torch's public way, reduces a copy of each bucket and leaves the
+bucket itself, the local gradients, as it was). When the generation breaks under the step, the survivors re-form without the lost
 rank (``runtime.inplace``), put their local gradients back, compute the lost share's samples
 among themselves as extra micro-batches (``extra_plan``: the same positions of the same step,
 split over the survivors), reduce at the new membership and divide by the step's own
