@@ -63,25 +63,33 @@ def test_refill_keeps_torchs_restart_count():
         assert new_remaining - 1 == left  # after torch's decrement: exactly `left` more
 
 
-def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
-    """torch's own LocalElasticAgent, driven as its ``_invoke_run`` drives it."""
+def _bookkeeping_agent(tmp_path, high: list[int]):
+    """torch's own LocalElasticAgent (ours on it, ``max_restarts=1``, a 10-step window), never
+    run: only its restart bookkeeping, driven as torch's ``_invoke_run`` drives it; progress is
+    ``high[0]``. The agent, and one failed group's result."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 
     from elastic_harness.agent.elastic import AgentSettings, HarnessAgent
 
-    class NoRendezvous:  # the agent is never run here: only its restart bookkeeping
+    class NoRendezvous:
         def get_run_id(self) -> str:
             return "t"
 
-    high = [0]
     spec = WorkerSpec(role="w", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint=sys.executable,
                       args=("-c", "pass"), max_restarts=1)
     agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
                          settings=AgentSettings(judge=lambda: None, progress=lambda: high[0], restart_window=10))
     failed = RunResult(state=WorkerState.FAILED, failures={
         0: ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "none.json"))})
+    return agent, failed
+
+
+def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
+    high = [0]
+    agent, failed = _bookkeeping_agent(tmp_path, high)
+    spec = agent.worker_group.spec
     attempts = []
     for step in (20, 40, 60, 80):  # four failures, each after 20 steps of progress
         high[0] = step
@@ -101,27 +109,13 @@ def test_a_peers_failure_heard_first_is_judged_by_the_refilled_budget(tmp_path):
     follows) or killed. torch's counter still reads what the last restart left (0 with
     max_restarts=1); the window forgave that restart since (CI: the survivors were killed, and
     the kill counted as a second failure without progress, ending the job)."""
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import ProcessFailure
-
-    from elastic_harness.agent.elastic import AgentSettings, HarnessAgent
-
     assert restarts_after_failure([13], 30, 1, 10) == 1  # 17 steps since: forgiven, one restart follows
     assert restarts_after_failure([13], 20, 1, 10) == 0  # within the window: the budget is spent
     assert restarts_after_failure([], 5, 3, 0) == 3
 
-    class NoRendezvous:
-        def get_run_id(self) -> str:
-            return "t"
-
     high = [13]
-    spec = WorkerSpec(role="w", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint=sys.executable,
-                      args=("-c", "pass"), max_restarts=1)
-    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
-                         settings=AgentSettings(judge=lambda: None, progress=lambda: high[0], restart_window=10))
-    agent._settle_budget(RunResult(state=WorkerState.FAILED, failures={
-        0: ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "none.json"))}))
+    agent, failed = _bookkeeping_agent(tmp_path, high)
+    agent._settle_budget(failed)
     agent.remaining_restarts -= 1  # torch restarts
     high[0] = 30
     assert agent.remaining_restarts == 0 and agent._restarts_after_failure() == 1
