@@ -13,10 +13,10 @@ monitoring, restarts: all torch's) with three overrides, through ``torchcompat.a
 - ``monitor_workers``: when the group failed, ask ``judge()`` (``launch.policy``: fatal
   error or crash loop?) and, if it gives a reason, spend no more restarts. Otherwise it
   settles the restart budget: torch's ``max_restarts`` counts every failure of the agent's
-  life; here only failures without progress count (``policy.restarts_left`` over the job's
-  highest completed step at each failure, from ``progress()``), and torch's counter is
-  refilled accordingly (``policy.budget_refill``, which keeps torch's restart count, the
-  attempt number, as it is) or emptied with ``exhausted`` saying why. It also notes when it
+  life; here only failures without progress count (``agent.budget.RestartBudget``, over the
+  job's highest completed step at each failure, from ``progress()``), and torch's counter is
+  refilled accordingly (keeping torch's restart count, the attempt number, as it is) or
+  emptied with the budget's ``exhausted`` saying why. It also notes when it
   last ran, so ``health()`` can tell a live agent from a stuck one. When the group failed
   it tells the rendezvous handler (``group_failed``: the round is written broken, so every
   peer stops its group at once), and when a worker failed because a peer's connection
@@ -74,19 +74,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from elastic_harness.agent.budget import RestartBudget
 from elastic_harness.agent.keeper import Keeper
 from elastic_harness.agent.warm import Keep, WarmContext, warm_invocation
 from elastic_harness.agent.zygote import Zygote
 from elastic_harness.errors import LockLost
 from elastic_harness.launch.env import JOIN_SIGNAL
-from elastic_harness.launch.policy import (
-    agent_health,
-    budget_refill,
-    exhausted_message,
-    failed_stop_grace,
-    restarts_after_failure,
-    restarts_left,
-)
+from elastic_harness.launch.policy import agent_health, failed_stop_grace
 from elastic_harness.rendezvous import handler as rendezvous
 from elastic_harness.rendezvous import liveness
 from elastic_harness.torchcompat.agent import AgentBase, processes_from
@@ -145,10 +139,7 @@ class HarnessAgent(AgentBase):
         self._on_failure = settings.on_failure or (lambda account: None)  # hears ``exit_account`` of a failed group
         self._progress = settings.progress or (lambda: 0)
         self._tick = settings.tick or (lambda: None)  # each monitor pass: keeps the log reader current
-        self._window = settings.restart_window
-        self._budget = self.worker_group.spec.max_restarts  # the user's, before any refill
-        self._failure_steps: list[int] = []
-        self.exhausted: str | None = None  # why the restart budget ran out, when it did
+        self.budget = RestartBudget(self.worker_group.spec.max_restarts, settings.restart_window)
         self.formed = False  # a rendezvous completed and workers were started
         self._quiet_bound_s = settings.quiet_bound_s
         self._last_monitor = time.monotonic()
@@ -328,8 +319,9 @@ class HarnessAgent(AgentBase):
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
         if self.keeper is not None and self._broken:  # in place: a group whose peer failed restarts, workers alive
-            result = self.keeper.restarting(result, self.pcontext, self._restarts_after_failure(),
-                                            self.stop_reason is not None)
+            # a peer's failure heard first: torch's counter is refilled only once it is settled
+            result = self.keeper.restarting(result, self.pcontext, self.budget.after_failure(self._progress()),
+                                            self.stop_reason is not None or self.excluded is not None)
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
         self._account(worker_group, result, disabled_by_torch=before > 0 and self.remaining_restarts == 0)
@@ -392,32 +384,20 @@ class HarnessAgent(AgentBase):
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
-        if self.keeper is not None and self.keeper.applies(self.pcontext, self._restarts_after_failure(),
-                                                             self.stop_reason is not None):
+        if self.keeper is not None and self.keeper.applies(self.pcontext, self.budget.after_failure(self._progress()),
+                                                             self.stop_reason is not None or self.excluded is not None):
             self.keeper.leave(self.pcontext)
             return
         self._kill_workers()
 
-    def _restarts_after_failure(self) -> int:
-        """The restarts torch's counter will hold once a failure seen now is settled
-        (``_settle_budget``). A peer's failure heard before any exit of this node comes before
-        that refill: torch's own counter may read 0 after a restart the window has since
-        forgiven, and the group would be killed, not kept, for a failure that is restarted."""
-        if self.excluded is not None or self.exhausted is not None:
-            return 0
-        return restarts_after_failure(self._failure_steps, self._progress(), self._budget, self._window)
-
     def _settle_budget(self, result: RunResult) -> None:
         """One failure seen: refill torch's counter for the restarts left, or empty it."""
-        self._failure_steps.append(self._progress())
-        left = restarts_left(self._failure_steps, self._budget, self._window)
         spec = self.worker_group.spec
-        if left < 0:
-            counted = self._budget - left
-            self.exhausted = exhausted_message(counted, self._budget, self._window, first_failure(result))
+        refill = self.budget.settle(self._progress(), first_failure(result), (spec.max_restarts, self.remaining_restarts))
+        if refill is None:
             self.remaining_restarts = 0
             return
-        spec.max_restarts, self.remaining_restarts = budget_refill(spec.max_restarts, self.remaining_restarts, left)
+        spec.max_restarts, self.remaining_restarts = refill
 
 
 def workers_exited(pcontext: Any) -> bool:

@@ -218,7 +218,7 @@ class AgentFacts:
     @classmethod
     def of(cls, agent: Any) -> AgentFacts:
         return cls(formed=agent.formed, lost_lock=agent.lost_lock, excluded=agent.excluded,
-                   stop_reason=agent.stop_reason, exhausted=agent.exhausted)
+                   stop_reason=agent.stop_reason, exhausted=agent.budget.exhausted)
 
 
 def ending(error: BaseException, facts: AgentFacts, spec: JobSpec, opts: NodeOptions) -> tuple[int, str] | None:

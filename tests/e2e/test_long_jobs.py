@@ -94,13 +94,13 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     for step in (20, 40, 60, 80):  # four failures, each after 20 steps of progress
         high[0] = step
         agent._settle_budget(failed)
-        assert agent.exhausted is None and agent.remaining_restarts > 0, step
+        assert agent.budget.exhausted is None and agent.remaining_restarts > 0, step
         agent.remaining_restarts -= 1  # what torch does before restarting
         attempts.append(spec.max_restarts - agent.remaining_restarts)
     assert attempts == [1, 2, 3, 4]  # torch's restart count goes on counting
     agent._settle_budget(failed)  # no progress since the last one: 2 within the window > 1
     assert agent.remaining_restarts == 0
-    assert "max_restarts=1" in agent.exhausted and "rank 0 exit -9" in agent.exhausted
+    assert "max_restarts=1" in agent.budget.exhausted and "rank 0 exit -9" in agent.budget.exhausted
 
 
 def test_a_peers_failure_heard_first_is_judged_by_the_refilled_budget(tmp_path):
@@ -118,9 +118,9 @@ def test_a_peers_failure_heard_first_is_judged_by_the_refilled_budget(tmp_path):
     agent._settle_budget(failed)
     agent.remaining_restarts -= 1  # torch restarts
     high[0] = 30
-    assert agent.remaining_restarts == 0 and agent._restarts_after_failure() == 1
+    assert agent.remaining_restarts == 0 and agent.budget.after_failure(high[0]) == 1
     high[0] = 20
-    assert agent._restarts_after_failure() == 0
+    assert agent.budget.after_failure(high[0]) == 0
 
 
 # ----- 6. the restarts-exhausted message -------------------------------------------------------
