@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.lanes import pytest_runtest_protocol  # noqa: F401  (the hook: @pytest.mark.alone)
+
 KEEP_TMP_VAR = "ELASTIC_HARNESS_KEEP_TEST_TMP"
 
 

@@ -1,0 +1,63 @@
+"""Tests that must have the machine to themselves while pytest-xdist runs the others in
+parallel (the README's command: ``pytest -n 2 --dist loadgroup``).
+
+``@pytest.mark.alone``: no other test of this session runs while it does. Each test takes a
+lock shared between the session's workers (``flock`` on a file in the session's temp dir,
+the parent of every worker's): shared by ordinary tests, exclusive by an ``alone`` one. A
+gate taken before either keeps new ordinary tests from starting while an ``alone`` test
+waits for the ones under way to end, so it is never starved. Without xdist (one process)
+nothing is locked. The lock is taken outside the test's timeout (pytest-timeout starts its
+timer inside), and waiting for it is bounded by the timeouts of the tests it waits for.
+
+``xdist_group`` (xdist's own mark) is the other tool: the tests of one group run one after
+the other on one worker, so a module's reference run is computed once and two heavy tests
+of the group never overlap, while tests of other groups run beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ALONE = "alone"
+GATE, LOCK = "lanes.gate", "lanes.lock"
+
+
+def session_dir(config: pytest.Config) -> Path | None:
+    """The temp dir every worker of this session shares, or None outside an xdist worker."""
+    if not hasattr(config, "workerinput") or config.option.basetemp is None:
+        return None
+    return Path(config.option.basetemp).parent  # a worker's basetemp is SESSION/popen-gwN
+
+
+@contextlib.contextmanager
+def turn(directory: Path, alone: bool) -> Iterator[None]:
+    """Hold the session's lock for one test: exclusive when ``alone``, shared otherwise."""
+    with open(directory / GATE, "a") as gate, open(directory / LOCK, "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if alone:  # keep the gate until the tests under way have ended: none starts meanwhile
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        yield  # closing the files releases both
+
+
+def wants_alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker(ALONE) is not None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Each test of an xdist worker holds the session's lock (``turn``) while it runs: set up,
+    called and torn down. Taken outside its timeout, which starts inside this wrapper."""
+    where = session_dir(item.config)
+    if where is None:
+        return (yield)
+    with turn(where, wants_alone(item)):
+        return (yield)
