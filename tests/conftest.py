@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.lanes import pytest_runtest_protocol  # noqa: F401  (the hook: @pytest.mark.alone)
+# Under pytest-xdist: @pytest.mark.alone, and the order tests are handed out in (tests/lanes.py)
+from tests.lanes import pytest_collection_modifyitems, pytest_runtest_protocol  # noqa: F401
 
 KEEP_TMP_VAR = "ELASTIC_HARNESS_KEEP_TEST_TMP"
 

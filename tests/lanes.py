@@ -9,9 +9,14 @@ waits for the ones under way to end, so it is never starved. Without xdist (one 
 nothing is locked. The lock is taken outside the test's timeout (pytest-timeout starts its
 timer inside), and waiting for it is bounded by the timeouts of the tests it waits for.
 
-``xdist_group`` (xdist's own mark) is the other tool: the tests of one group run one after
-the other on one worker, so a module's reference run is computed once and two heavy tests
-of the group never overlap, while tests of other groups run beside them.
+``xdist_group`` (xdist's own mark, with ``--dist loadgroup``) is the other tool: the tests of
+one group run one after the other on one worker, while tests of other groups run beside
+them. ``DETECTION`` is the group of the tests that time a failure's detection or a
+survivor's way through a recovery (keep-alive expiry against the stall verdict, watchdogs,
+the bound a survivor has to leave its step, restart budgets): two of them never run at
+once, so each has at most one other test beside it, as on one loaded core. Tests that share
+an expensive module-scoped reference run are one group of their own, so it is computed once.
+A test takes one group only (xdist joins several into a new name).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import pytest
 
 ALONE = "alone"
 GATE, LOCK = "lanes.gate", "lanes.lock"
+DETECTION = pytest.mark.xdist_group("detection")
 
 
 def session_dir(config: pytest.Config) -> Path | None:
@@ -61,3 +67,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
         return (yield)
     with turn(where, wants_alone(item)):
         return (yield)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On xdist workers the end-to-end tests come first (in their order), the fast tier after:
+    the scheduler hands tests out in this order, so the minutes-long ones start early and the
+    second-long ones fill the gaps at the end, instead of one worker running the suite's last
+    long test while the other has nothing left. Every worker sorts alike (xdist requires one
+    collection)."""
+    if session_dir(config) is not None:
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
