@@ -14,8 +14,9 @@ import pytest
 from tests.audit import audit
 from tests.conftest import MLP, REPO, cli
 from tests.e2e.test_e2e_cluster import ELASTIC, HEAVY
+from tests.lanes import DETECTION
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420), DETECTION]
 
 STRAGGLER = REPO / "tests" / "scripts" / "straggler.py"
 TWO_NODES = ["--nodes", "2", *ELASTIC, "--nproc-per-node", "1"]

@@ -19,9 +19,10 @@ import yaml
 from elastic_harness import exitcodes
 from tests.conftest import MLP, REPO, Result, cli, read_jsonl
 from tests.e2e.test_e2e_cluster import HEAVY
+from tests.lanes import DETECTION
 from tests.servers import wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480), DETECTION]
 
 
 def in_redundancy_list(events: list[dict], node: str) -> bool:
