@@ -1,7 +1,7 @@
-"""``@pytest.mark.alone`` under pytest-xdist (``tests/lanes.py``): with two workers free, an
-``alone`` test and an ordinary one never run at the same time. Each runs on its own worker
-and watches for the other while it runs (``lanes_beside.py``); without the lock both see
-each other."""
+"""The suite's lanes under pytest-xdist (``tests/lanes.py``), in a pytest of its own with two
+workers (``lanes_beside.py``): an ``alone`` test never runs beside another, each watching for
+the other while it runs (without the lock they see each other); and the two tests of one
+``xdist_group`` run on one worker (pytest 9.2 made xdist 3.8 ignore the groups silently)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 BESIDE = Path(__file__).with_name("lanes_beside.py")
 
 
-def test_an_alone_test_never_runs_beside_another(tmp_path):
+def test_an_alone_test_never_runs_beside_another_and_a_group_keeps_to_one_worker(tmp_path):
     seen = tmp_path / "seen"
     seen.mkdir()
     # The lanes plugin alone, not the suite's conftest (whose fixtures import torch in each worker)
@@ -28,6 +28,7 @@ def test_an_alone_test_never_runs_beside_another(tmp_path):
     r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "EH_LANES_DIR": str(seen)}, capture_output=True, text=True,
                        timeout=100)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    alone, beside = (json.loads((seen / f"{name}.json").read_text()) for name in ("alone", "beside"))
-    assert alone["worker"] != beside["worker"], "both ran on one worker: nothing was tested"
-    assert not alone["saw"] and not beside["saw"], (alone, beside)
+    alone, one, two = (json.loads((seen / f"{name}.json").read_text()) for name in ("alone", "beside1", "beside2"))
+    assert one["worker"] == two["worker"], "the group was split over the workers"
+    assert alone["worker"] != one["worker"], "everything ran on one worker: nothing was tested"
+    assert not alone["saw"] and not one["saw"] and not two["saw"], (alone, one, two)
