@@ -112,8 +112,10 @@ CONTRACT: dict[str, EventKind] = {
     "checkpoint": EventKind("rank 0 (async: its background thread)", "a checkpoint was committed", {
         "step": "step saved",
         "path": "where it lives (path or URL)",
-        "blocking_s": "seconds training was blocked",
-        "total_s": "seconds until committed",
+        "blocking_s": "seconds training was blocked: the save's call until it returned (async: "
+                      "the copy), a wait for the save before it included",
+        "waited_s": "of blocking_s, the wait for the save before it to finish (at most one is in flight)",
+        "total_s": "seconds from the save's call until committed",
         "asynchronous": "written in the background",
     }),
     "memory": EventKind("rank 0", "the in-memory tier's snapshot interval was set or changed "
@@ -262,6 +264,9 @@ CONTRACT: dict[str, EventKind] = {
         "extra_samples": "the samples of those shares this rank computed (rank 0's part)",
         "world_size": _WORLD,
         "message": "one line",
+        "phases_s": "seconds, DDP (rank 0's): repoint (from its re-formation until its extra micro-batches "
+                    "were loaded), extra (their forward and backward), reduce (the reduction at the new "
+                    "membership); empty for HSDP's finish",
     }),
     "reformed": EventKind("each worker that kept its process (runtime.inplace)", "its re-formation's phases", {
         "rank": "its rank in the new generation",
@@ -366,7 +371,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pid": _INT, "step": _INT, "world_size": _INT, "saved_world_size": _INT, "rank": _INT,
     "local_rank": _INT, "restart": _INT, "resumed_at": _INT, "samples": _INT, "code": _INT,
     "every": _INT, "nodes": (int, str), "node": (int, str),
-    "loss": _NUM, "step_s": _NUM, "load_s": _NUM, "copy_s": _NUM, "blocking_s": _NUM,
+    "loss": _NUM, "step_s": _NUM, "load_s": _NUM, "copy_s": _NUM, "blocking_s": _NUM, "waited_s": _NUM,
     "total_s": _NUM, "samples_per_s": _NUM, "eval_s": _NUM, "seconds": _NUM,
     "message": _STR, "name": _STR, "state": _STR, "who": _STR, "kind": _STR, "source": _STR,
     "signature": _STR, "cause": _STR, "digest": _STR, "where": _STR,

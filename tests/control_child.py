@@ -13,7 +13,7 @@ if control is None:
     print("no control channel", flush=True)
     sys.exit(3)
 left = []
-control.on_leave = left.append
+control.on_leave = lambda reason, remote: left.append([reason, remote])
 control.start()
 control.tell("parked", step=7)
 while True:

@@ -84,6 +84,7 @@ from elastic_harness.launch.policy import (
     budget_refill,
     exhausted_message,
     failed_stop_grace,
+    restarts_after_failure,
     restarts_left,
 )
 from elastic_harness.rendezvous import handler as rendezvous
@@ -327,7 +328,8 @@ class HarnessAgent(AgentBase):
         before = self.remaining_restarts
         result = super().monitor_workers(worker_group)
         if self.keeper is not None and self._broken:  # in place: a group whose peer failed restarts, workers alive
-            result = self.keeper.restarting(result, self.pcontext, self.remaining_restarts, self.stop_reason is not None)
+            result = self.keeper.restarting(result, self.pcontext, self._restarts_after_failure(),
+                                            self.stop_reason is not None)
         if result.state == WorkerState.SUCCEEDED:  # torch's exit barrier next: then the store's host may go
             getattr(worker_group.spec.rdzv_handler, "stop_changes", lambda: None)()
         self._account(worker_group, result, disabled_by_torch=before > 0 and self.remaining_restarts == 0)
@@ -390,11 +392,20 @@ class HarnessAgent(AgentBase):
         self._phase("broken")
         if getattr(worker_group.spec.rdzv_handler, "was_dropped", lambda: False)() and self.strikes:
             self.strikes.add("dropped from the rendezvous while its agent lived (its peers went on without it)")
-        if self.keeper is not None and self.keeper.applies(self.pcontext, self.remaining_restarts,
+        if self.keeper is not None and self.keeper.applies(self.pcontext, self._restarts_after_failure(),
                                                              self.stop_reason is not None):
             self.keeper.leave(self.pcontext)
             return
         self._kill_workers()
+
+    def _restarts_after_failure(self) -> int:
+        """The restarts torch's counter will hold once a failure seen now is settled
+        (``_settle_budget``). A peer's failure heard before any exit of this node comes before
+        that refill: torch's own counter may read 0 after a restart the window has since
+        forgiven, and the group would be killed, not kept, for a failure that is restarted."""
+        if self.excluded is not None or self.exhausted is not None:
+            return 0
+        return restarts_after_failure(self._failure_steps, self._progress(), self._budget, self._window)
 
     def _settle_budget(self, result: RunResult) -> None:
         """One failure seen: refill torch's counter for the restarts left, or empty it."""
@@ -539,6 +550,8 @@ def _processes_from(zygote: Zygote, phase: Callable[[str], None], keep: Keep | N
         if warm_invocation(entrypoint, [str(a) for a in args.get(0, ())]) is None:
             return cold(name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
                         log_line_prefixes=log_line_prefixes, **rest)
+        if keep is not None:
+            keep.hand_over(envs, zygote.exits)  # before torch's log files for the group: kept workers need none
         context = WarmContext(name, zygote, args, envs, logs_specs, log_line_prefixes, phase=phase, keep=keep)
         try:
             context.start()

@@ -60,7 +60,9 @@ class Keeper:
         return result
 
     def leave(self, pcontext: Any) -> None:
-        pcontext.leave(self.leave_reason or self.verdict or "a peer's group failed")
+        """Every worker leaves its step (``leave_word``)."""
+        reason, remote = leave_word(self.leave_reason, self.verdict)
+        pcontext.leave(reason, remote=remote)
 
     def hear(self, handler: Any, healthy: bool) -> bool:
         """What the workers said on their lines; True when one said ``broken`` and the group
@@ -114,6 +116,16 @@ class Keeper:
 
     def discard(self) -> None:
         self.keep.discard(self.zygote)
+
+
+def leave_word(leave_reason: str | None, verdict: str | None) -> tuple[str, bool]:
+    """Pure: what the workers are told when their group's round broke: the reason, and whether
+    the failure is another node's (``remote``): so it is unless a worker of this node said a
+    collective of its failed (that collective may have been within the node). The watchdog's
+    verdict is evidence against another node (``rendezvous.verdict``: gone or silent), a
+    worker of this node only waiting on it. A remote word leaves the collectives within the
+    node running until the step's backward is done (``runtime.inplace``)."""
+    return leave_reason or verdict or "a peer's group failed", leave_reason is None
 
 
 def await_exits(zygote: Zygote | None, pids: set[int], bound_s: float) -> None:

@@ -15,9 +15,10 @@ In place (``Keep``: the job's ``recovery: in_place``), each worker also gets a c
 (``agent.control``). A failed worker then no longer stops its siblings: they are told to
 ``leave`` the step (their collectives return), the failure is reported to torchelastic,
 which restarts the group; the agent ``release``s the survivors from this context before it
-stops it (``agent.elastic``), and the next context ``adopt``s them: torchelastic's
-variables for their place in the new generation go to them as a ``reform`` order, and only
-the local ranks without a live worker are forked.
+stops it (``agent.elastic``); torchelastic's variables for their place in the new generation
+go to them as a ``reform`` order as soon as torch has made them (``Keep.hand_over``, before
+the next context sets up its log files), the next context ``adopt``s them, and only the local
+ranks without a live worker are forked.
 """
 
 from __future__ import annotations
@@ -132,8 +133,7 @@ class WarmContext(ContextBase):
         pid = self.keep.kept.pop(local_rank, None)
         if pid is None or pid in self.zygote.exits:
             return False
-        self.keep.lines.take(pid)  # what it said in the last generation (its ``parked``) is done
-        if not self.keep.lines.say(pid, "reform", env=self.envs[local_rank]):
+        if not self.keep.ordered.pop(pid, False) and not self.keep.order(pid, self.envs[local_rank]):
             self.zygote.signal(pid, signal.SIGKILL)  # its line is gone: it cannot be re-formed
             return False
         self._pids[local_rank] = self.adopted[local_rank] = pid
@@ -209,12 +209,13 @@ class WarmContext(ContextBase):
         exits = self.zygote.exits
         return {lr: pid for lr, pid in self._pids.items() if pid not in exits}
 
-    def leave(self, reason: str) -> None:
-        """Tell every live worker to leave its step (in place)."""
+    def leave(self, reason: str, remote: bool = False) -> None:
+        """Tell every live worker to leave its step (in place); ``remote``: for another node's
+        failure (``runtime.control``)."""
         if self.keep is None:
             return
         for pid in self.live().values():
-            self.keep.lines.say(pid, "leave", reason=reason)
+            self.keep.lines.say(pid, "leave", reason=reason, remote=remote)
 
     def release(self, local_ranks: dict[int, int]) -> None:
         """Forget these live workers (local rank -> pid): this context no longer stops them;
@@ -256,6 +257,23 @@ class Keep:
     def __init__(self) -> None:
         self.lines = Lines()
         self.kept: dict[int, int] = {}
+        self.ordered: dict[int, bool] = {}  # kept pids told their next place (``hand_over``), not adopted yet
+
+    def order(self, pid: int, env: dict[str, str]) -> bool:
+        """Tell kept worker ``pid`` its place in the next group (a ``reform`` order with
+        torchelastic's variables for it); False if its line is gone."""
+        self.lines.take(pid)  # what it said in the last generation (its ``parked``) is done
+        return self.lines.say(pid, "reform", env=env)
+
+    def hand_over(self, envs: dict[int, dict[str, str]], exits: Any) -> None:
+        """Each kept worker's place, as soon as torch has made the next group's variables
+        (``envs``, by local rank): before torch sets up that group's log files, which a kept
+        worker does not write to (its log goes on in the file of the attempt it started in),
+        so its re-formation overlaps the rest of the agent's start. The group's context adopts
+        it (``WarmContext._adopt``); one whose line is gone is told again there, and replaced."""
+        for local_rank, pid in self.kept.items():
+            if local_rank in envs and pid not in exits and self.order(pid, envs[local_rank]):
+                self.ordered[pid] = True
 
     def discard(self, zygote: Zygote) -> None:
         """Kept workers no group adopted (the agent stops): SIGKILL them."""
@@ -264,3 +282,4 @@ class Keep:
                 zygote.signal(pid, signal.SIGKILL)
             self.lines.drop(pid)
         self.kept.clear()
+        self.ordered.clear()

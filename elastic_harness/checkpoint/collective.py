@@ -58,6 +58,21 @@ def broadcast_ints(values: list[int], group: Any) -> list[int]:
     return t.tolist()
 
 
+ACTIONS = ("go", "skipped", "fenced", "error")
+
+
+def decision(said: tuple[str, str] | None, group: Any) -> tuple[str, str]:
+    """Rank 0's ``(action, detail)`` (an ``ACTIONS`` entry, and why), the same on every rank
+    (every rank calls it; the others pass None): one tensor broadcast when it is "go" (every
+    save asks, and an async save asks from its background thread, whose collectives wait for
+    both ranks' threads to be scheduled), the words in a second only otherwise."""
+    action, detail = said if said is not None else ("go", "")
+    (code,) = broadcast_ints([ACTIONS.index(action)], group)
+    if code == 0:
+        return "go", ""
+    return ACTIONS[code], broadcast(detail, group)
+
+
 def generation_ints(g: fence.Generation | None) -> list[int]:
     """Pure: a generation as three integers (its number, its 128-bit token in two halves);
     ``[-1, 0, 0]`` for none."""

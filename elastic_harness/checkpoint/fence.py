@@ -1,8 +1,9 @@
 """The generation fence: only the newest worker generation may commit or purge checkpoints.
 
 ``generation.json`` at the checkpoint root holds a counter and a random token. Each worker
-generation bumps it when it restores (rank 0 writes, every rank reads it back: that read
-also proves all ranks see the same directory). Before committing a checkpoint, setting one
+generation bumps it when it restores, or, one that restores nothing (the survivors that
+finished the step in flight in place), before its first save (rank 0 writes, every rank reads
+it back: that read also proves all ranks see the same directory). Before committing a checkpoint, setting one
 aside or removing a stale directory a save is about to reuse, rank 0 re-reads it: if another
 generation has bumped it since, this one is stale (for example a partitioned node that did
 not notice the job restarted without it) and its commit is refused. One read per save: the

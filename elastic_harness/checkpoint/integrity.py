@@ -29,7 +29,7 @@ Cost: each rank checksums its own shards while DCP writes them (``streams``), so
 commit reads nothing large back, which matters for object stores. Verification modes trade
 safety for load time: ``full`` re-checksums everything, ``size`` only compares sizes
 (catches truncation and missing files, not flipped bytes), ``none`` only requires the
-manifest. ``verify`` checks in one process (``ckpt`` commands); the manager splits a full
+manifest. ``verify`` checks in one process (``ckpt`` commands); the verifier splits a full
 check over all ranks with ``shares`` and ``ShareCheck``, a bounded number of bytes per round.
 
 Unreadable files (EACCES, EIO) give a failed ``Verdict`` of kind ``unreadable``, never an

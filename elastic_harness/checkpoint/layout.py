@@ -83,8 +83,8 @@ def to_purge(
 ) -> list[StepDir]:
     """Complete checkpoints beyond the newest ``keep``, oldest first.
 
-    Never purged: incomplete directories (a save may be writing them; the manager deals
-    with stale ones), milestones (``step % keep_every == 0``), ``protected`` steps (being
+    Never purged: incomplete directories (a save may be writing them; the purger removes
+    stale ones, ``purger.stale_incomplete``), milestones (``step % keep_every == 0``), ``protected`` steps (being
     loaded or written), and ``foreign`` ones (names of checkpoints that are not this job's:
     unsigned or forged), which are not counted either: a planted directory takes no place
     of the job's own.

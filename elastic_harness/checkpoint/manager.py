@@ -1,16 +1,29 @@
 """Save and load training state through DCP, on every rank, with one commit point.
 
-Every rank calls every public method, in the same order (they run collectives on the
-checkpoint process group passed in). Rank 0 alone decides (which checkpoint to load, whether
-a step directory may be written), writes the manifest, sets failed checkpoints aside and
-purges; the others follow its broadcast decision. The manager is given rank, world size,
-group and storage: it never asks ``torch.distributed`` who it is.
+The checkpoint manager is four objects, one per job, built together by
+``Checkpoints.build`` over one ``site.Site`` (the storage, the ranks and their checkpoint
+process group, the event log, the job's identity and key, the progress callback, the
+clock) and one ``site.Tenure`` (the generation joined, the steps in use: the only state
+they share):
 
-Call order: ``restore`` once per worker generation, first (it starts the generation in the
-checkpoint directory, see ``fence``, and checks that every rank sees that directory), or
-``join`` alone when the state came from elsewhere (the in-memory tier); then
-``save`` any number of times; ``wait`` before reading results; ``close`` at the end (safe
-twice).
+- ``Saver`` (here): saves, sync or async, staging, commit, failure judging, ``wait``, ``close``;
+- ``restorer.Restorer``: ``restore`` (the newest complete checkpoint that verifies and
+  loads), ``join``, ``newest_complete``;
+- ``verifier.Verifier``: the shared listing, agreed verdicts, setting aside what fails;
+- ``purger.Purger``: retention and leftovers after each commit (never a step in use).
+
+A caller takes the part it uses (the step hook the saver, the resume the restorer).
+Every rank calls every public method, in the same order (they run collectives on the
+checkpoint process group). Rank 0 alone decides (which checkpoint to load, whether a step
+directory may be written), writes the manifest, sets failed checkpoints aside and purges;
+the others follow its broadcast decision. The parts are given rank, world size, group and
+storage: they never ask ``torch.distributed`` who they are.
+
+Call order: ``restorer.restore`` once per worker generation, first (it starts the generation
+in the checkpoint directory, see ``fence``, and checks that every rank sees that directory),
+or ``restorer.join`` alone when the state came from elsewhere (the in-memory tier); then
+``saver.save`` any number of times; ``saver.wait`` before reading results; ``saver.close``
+at the end (safe twice).
 
 Who writes what: DCP splits the state so that each rank writes its own shards (replicated
 DDP tensors are written once, spread over ranks), each rank checksumming its files as they
@@ -22,15 +35,21 @@ threads that serialise (it cost a third of the write; torch keeps that setting p
 
 Asynchronous saves (the default for periodic saves): ``save`` blocks only while the state is
 copied into host-memory staging buffers (see ``staging``; only what this rank writes, once the
-save plans are cached), then DCP plans and serialises from that copy in a background thread,
-which writes and syncs the bytes, and the commit follows in a second thread (``scheduling``:
-both threads yield the CPU to training, and are raised back while anyone waits on them).
-Save plans are cached per manager (``plans``). At most one save is in flight. The group must be a dedicated gloo
-group: the background collectives would otherwise interleave with training's and can
-deadlock.
+save plans are cached), and meets no other rank meanwhile: no collective, no storage access.
+Everything else runs in two background threads (``scheduling``: both yield the CPU to
+training, and are raised back while anyone waits on them): the commit thread has the ranks
+agree that the step may be written (rank 0 looks at its directory), the write thread runs DCP
+(planning, serialising, writing and syncing the bytes) from the copy, and the commit thread
+settles the save. Which tensors another rank writes is decided by each rank alone, from its
+cached plans (``plans.written_elsewhere``): a rank whose state no longer plans as cached copies
+everything. Should another rank's changed plan hand this rank a tensor it left out, the
+planner refuses to write it: that save fails and is reported like any other, and the next one
+plans anew. Save plans are cached per saver (``plans``). At most one save is in flight. The
+group must be a dedicated gloo group: the background collectives would otherwise interleave
+with training's and can deadlock.
 
-Time: no fixed budgets. ``on_progress()`` is called (at most once a second, on the calling
-thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
+Time: no fixed budgets. The site's ``ticker`` calls its callback (at most once a second, on
+the calling thread) while a blocking call moves bytes: blocking saves, waits for an in-flight save,
 verification and loading. A write whose rank moves no byte for ``stall_s`` is stopped
 before its directory is touched (``progress.await_write``).
 
@@ -51,48 +70,41 @@ import concurrent.futures as cf
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic_harness.checkpoint import (
     collective,
-    fence,
     integrity,
     layout,
     plans,
-    quarantine,
 )
-from elastic_harness.checkpoint.compat import check_compatible
 from elastic_harness.checkpoint.failure_text import detail, one_line
 from elastic_harness.checkpoint.progress import (
     BACKGROUND_POLL_S,
     POLL_S,
     Progress,
-    Ticker,
     await_write,
     on_callers_device,
     without_zip_crc,
 )
-from elastic_harness.checkpoint.safe_load import WeightsOnlyLoadPlanner
+from elastic_harness.checkpoint.purger import Purger
+from elastic_harness.checkpoint.restorer import Restorer
 from elastic_harness.checkpoint.scheduling import BackgroundThreads
+from elastic_harness.checkpoint.site import FIX_STORAGE, SAVE_ERRORS, Site, Tenure
 from elastic_harness.checkpoint.staging import ReusedBufferStager
-from elastic_harness.checkpoint.storage import Storage
-from elastic_harness.checkpoint.streams import Counter, watch_reader, write_watch, written_files
-from elastic_harness.errors import CheckpointError, os_reason
+from elastic_harness.checkpoint.streams import write_watch, written_files
+from elastic_harness.checkpoint.verifier import Verifier
+from elastic_harness.errors import CheckpointError
 from elastic_harness.spec import CheckpointSpec
 
-# DCP's CheckpointException derives from BaseException: name it explicitly.
-SAVE_ERRORS = (Exception, CheckpointException)
 MAX_CONSECUTIVE_SAVE_FAILURES = 3
 STALL_S = 300.0
-_FIX_STORAGE = "free space or fix permissions on the checkpoint directory, then re-run to resume"
 
 
 def give_up(failures: int, failing_s: float, limit_s: float) -> bool:
@@ -102,204 +114,31 @@ def give_up(failures: int, failing_s: float, limit_s: float) -> bool:
     return failures >= MAX_CONSECUTIVE_SAVE_FAILURES and failing_s >= limit_s
 
 
-@dataclass(frozen=True)
-class Loaded:
-    step: int
-    name: str
-    manifest: dict
-    seconds: float
+class Saver:
+    """Every rank's part in each save (the module's doc: async saves, time, the failure
+    policy): ``save``, ``wait``, ``raise_if_failing``, ``close``. It holds the background
+    threads, the staging buffers and its cached save plans; after each commit rank 0's
+    purger runs (in the commit thread)."""
 
-
-def stale_incomplete(dirs: list[layout.StepDir], below: int) -> list[layout.StepDir]:
-    """Incomplete step directories older than step ``below``: leftovers of interrupted saves.
-
-    Only called right after step ``below`` committed, when no other save of this job is in
-    flight, so none of these is being written.
-    """
-    return [d for d in dirs if not d.complete and d.step < below]
-
-
-class CheckpointManager:
-    def __init__(
-        self,
-        storage: Storage,
-        policy: CheckpointSpec,
-        *,
-        rank: int,
-        world_size: int,
-        group: Any,
-        events: Any,
-        info: dict,
-        on_progress: Callable[[], None] | None = None,
-        stall_s: float = STALL_S,
-        verify_round_bytes: int = collective.ROUND_BYTES,
-        clock: Callable[[], float] = time.time,
-        key: bytes | None = None,
-        optional_keys: frozenset[str] = frozenset(),
-    ) -> None:
-        # ``optional_keys``: flattened state keys a checkpoint may lack (fields added later,
-        # whose current value is what an older checkpoint meant: ``safe_load``).
-        self.optional_keys = optional_keys
-        # ``key``: the job's (``jobkey``); commits are signed with it and a checkpoint not
-        # signed with it is refused before it is read. None: unsigned, trusted (tests, benches).
-        self.key = key
-        self.storage, self.policy = storage, policy
-        self.rank, self.world_size, self.group = rank, world_size, group
-        self.events, self.info = events, info
-        self.stall_s, self.verify_round_bytes, self._clock = stall_s, verify_round_bytes, clock
-        self._ticker = Ticker(on_progress)
+    def __init__(self, site: Site, tenure: Tenure, policy: CheckpointSpec, verifier: Verifier, purger: Purger,
+                 stall_s: float = STALL_S) -> None:
+        self.tenure, self.verifier, self.purger = tenure, verifier, purger
+        self.key = site.key
+        self.storage, self.policy = site.storage, policy
+        self.rank, self.world_size, self.group = site.ranks.rank, site.ranks.world_size, site.ranks.group
+        self.events, self.info = site.events, site.info
+        self.stall_s, self._clock = stall_s, site.clock
+        self._ticker = site.ticker
         self._pending: cf.Future | None = None
         self._pending_watch: tuple[Any, str] = (None, "")
         self.threads = BackgroundThreads.here()
-        self._plan_key = f"ckpt-{uuid.uuid4().hex}"  # this manager's entries in DCP's plan cache
+        self._plan_key = f"ckpt-{uuid.uuid4().hex}"  # this saver's entries in DCP's plan cache
         self._stager: Any = None
-        self._busy: set[int] = set()  # steps being loaded or written: never purged
-        self._generation: fence.Generation | None = None
-        self._fenced = ""  # rank 0: why this generation was found superseded (for good)
         self._failures, self._failing_since, self._give_up = 0, None, False  # saves failed in a row (``_judged``)
         self._outcome = ""  # every rank: the last settled save's ("ok", "fenced", "failed")
+        self._waited_s = 0.0  # the save in flight's wait for the one before it (its blocking_s has it)
         self._last_failure = ""  # the newest failed save's one line (``failure_text``)
         self._closed = False
-
-    # ----- load ------------------------------------------------------------------------
-    def restore(self, state: dict[str, Any]) -> Loaded | None:
-        """Load the newest complete, verified, loadable checkpoint into ``state``.
-
-        Checkpoints that fail verification or loading are set aside (``quarantine`` event)
-        and the next older one is tried; ``None`` when there is no complete checkpoint at
-        all. Raises ``CheckpointError`` (on every rank) for a checkpoint of another model or
-        job, when the ranks do not share the checkpoint directory, and when complete
-        checkpoints existed but none is usable (``--fresh`` starts over on purpose).
-        """
-        self.join()
-        unusable: set[str] = set()
-        unloadable: list[tuple[str, str]] = []  # set aside only once an older one loads
-        seen_complete = None
-        unsigned = False
-        while True:
-            choice = layout.choose(self._shared_listing(), self._verify, exclude=unusable)
-            seen_complete = choice.complete if seen_complete is None else seen_complete
-            self._report_skipped(choice)
-            unusable |= {s.name for s in choice.failed}
-            unsigned = unsigned or any(s.kind == "unsigned" for s in choice.failed)
-            if choice.chosen is None:
-                self._report_unloadable(unloadable, set_aside=False)
-                if seen_complete:
-                    raise CheckpointError(
-                        f"none of the {seen_complete} checkpoints in {self.storage.root} is usable "
-                        "(see the quarantine and warning events)",
-                        "an unsigned one (an older run's, another tool's, or planted) loads only once you have "
-                        "reviewed it with 'elastic-harness ckpt trust RUN_DIR --step N'; or re-run with --fresh "
-                        "to start over"
-                        if unsigned else "restore a good copy, or re-run with --fresh to start over",
-                    )
-                return None
-            loaded, why = self._load(choice.chosen, state)
-            if loaded is not None:
-                self._report_unloadable(unloadable, set_aside=True)
-                return loaded
-            unusable.add(choice.chosen.name)
-            unloadable.append((choice.chosen.name, why))
-
-    def newest_complete(self) -> int | None:
-        """Collective: the step of the newest complete checkpoint listed (not verified), the
-        same on every rank; None if none."""
-        candidates = layout.load_candidates(layout.scan(self._shared_listing(), True))
-        return candidates[0].step if candidates else None
-
-    def join(self) -> None:
-        """Start this worker generation in the checkpoint directory (the fence), once; every
-        rank. ``restore`` calls it; call it first when the state is restored from memory."""
-        if self._generation is None:
-            self._generation = collective.join_generation(
-                self.storage, str(self.info.get("job", "")), rank=self.rank, world_size=self.world_size,
-                group=self.group)
-
-    def _report_unloadable(self, unloadable: list[tuple[str, str]], set_aside: bool) -> None:
-        """Rank 0: checkpoints that verified but failed to load. They are set aside only when an
-        older one loaded (the fault is theirs); if none loads, the fault may be this job's code
-        or environment, and they stay where they are."""
-        for name, why in unloadable if self.rank == 0 else ():
-            if set_aside:
-                self._quarantine(name, f"loading failed: {why}", "unloadable")
-            else:
-                self.events.emit("warning", message=f"skipping {name}: loading failed: {why} (left in place: "
-                                 "no checkpoint loaded, the fault may not be the checkpoint's)")
-
-    def _shared_listing(self) -> dict[str, list[str]]:
-        """Rank 0 lists the root; every rank gets the same listing (or the same error)."""
-        listing: Any = None
-        if self.rank == 0:
-            try:
-                listing = self.storage.listing()
-            except OSError as e:
-                listing = f"cannot list {self.storage.root}: {os_reason(e)}"
-        listing = collective.broadcast(listing, self.group)
-        if isinstance(listing, str):
-            raise CheckpointError(listing, _FIX_STORAGE)
-        return listing
-
-    def _verify(self, name: str) -> integrity.Verdict:
-        return collective.agreed_verdict(
-            self.storage, name, self.policy.verify, collective.Ranks(self.rank, self.world_size, self.group),
-            round_bytes=self.verify_round_bytes, on_bytes=self._ticker.tick, key=self.key)
-
-    def _report_skipped(self, choice: layout.Choice) -> None:
-        """Rank 0: set failed checkpoints aside; warn about newer incomplete ones."""
-        if self.rank != 0:
-            return
-        for s in choice.failed:
-            self._quarantine(s.name, s.reason, s.kind)
-        for s in choice.incomplete:
-            self.events.emit("warning", message=f"ignoring incomplete checkpoint {s.name} ({s.reason})")
-
-    def _quarantine(self, name: str, reason: str, kind: str, move_unsigned: bool = False) -> str | None:
-        """Rank 0: move a checkpoint that cannot be used where nothing will load or count it
-        (an unsigned one stays, unless ``move_unsigned``); its new name, or None."""
-        return quarantine.set_aside(self.storage, name, reason, kind, events=self.events, now=self._clock(),
-                                    blocked=self._superseded(), move_unsigned=move_unsigned)
-
-    def _load(self, choice: layout.StepDir, state: dict[str, Any]) -> tuple[Loaded | None, str]:
-        """Every rank: load ``choice`` into ``state``; ``(None, why)`` on every rank if any failed.
-
-        Compatibility is agreed first (a rank that cannot read ``.metadata`` says so instead
-        of leaving), then DCP loads (its own collectives share errors between ranks).
-        DCP reads into the tensors of ``state`` on whatever device they live (shards are
-        deserialised on CPU first), so a checkpoint saved on GPUs loads on CPUs and back.
-        """
-        t0 = time.perf_counter()
-        self._busy.add(choice.step)
-        try:
-            manifest = integrity.read_manifest(self.storage, choice.name) or {}
-            mismatch, error = self._compatible(choice.name, state, manifest)
-            agreed = collective.all_min(0 if mismatch else 1 if error else 2, self.group)
-            if agreed == 0:
-                raise mismatch or CheckpointError(
-                    f"{self.storage.uri(choice.name)} does not match this job on another rank",
-                    "see that rank's failure event; use a new --run-dir or --fresh for another model")
-            if agreed == 2:
-                try:
-                    reader = watch_reader(self.storage.reader(choice.name), Counter(self._ticker.tick))
-                    dcp.load(state, storage_reader=reader, process_group=self.group,
-                             planner=WeightsOnlyLoadPlanner(self.optional_keys))
-                except SAVE_ERRORS as e:  # a shard that fails to deserialise, unreadable files
-                    error = e
-            ok = collective.all_min(int(error is None and agreed == 2), self.group) == 1
-        finally:
-            self._busy.discard(choice.step)
-        if ok:
-            return Loaded(choice.step, choice.name, manifest, time.perf_counter() - t0), ""
-        return None, one_line(error) if error is not None else "another rank failed to read it"
-
-    def _compatible(self, name: str, state: dict, manifest: dict) -> tuple[CheckpointError | None, BaseException | None]:
-        """(why ``name`` belongs to another model or job, why it could not be read)."""
-        try:
-            check_compatible(self.storage.reader(name), state, manifest, self.info)
-        except CheckpointError as e:
-            return e, None
-        except SAVE_ERRORS as e:  # unreadable or garbled .metadata
-            return None, e
-        return None, None
 
     # ----- save ------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], *, blocking: bool) -> bool:
@@ -307,29 +146,25 @@ class CheckpointManager:
 
         Returns False if nothing was committed: the step already has a complete checkpoint
         (``skipped`` event), this generation was superseded (``fenced`` event), or a
-        tolerated periodic save failed. Async: True once the write started.
+        tolerated periodic save failed. Async: True once the copy is staged; whether it was
+        written is said later, as for the write itself (``checkpoint``, ``skipped``, ``fenced``
+        or ``failure`` event; ``wait`` raises past the failure limit).
         """
+        t0 = time.perf_counter()  # training is blocked from here: a wait for the last save too
         self.wait()  # at most one save in flight
+        self._waited_s = time.perf_counter() - t0
         name = layout.step_dirname(step)
-        t0 = time.perf_counter()
-        asynchronous = self.policy.async_save and not blocking
-        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()} if asynchronous else {}
-        skip = plans.written_elsewhere(self._plan_key, plain) if asynchronous else None
-        said = collective.all_gather((self._prepare_dir(name) if self.rank == 0 else None, skip is not None),
-                                     self.group, self.world_size)
-        action, detail = said[0][0]
+        write = without_zip_crc(on_callers_device(dcp.save))
+        if self.policy.async_save and not blocking:
+            self._start_async(write, state, step, name, t0)
+            return True
+        self.tenure.join()
+        action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
         if action != "go":
             self._not_written(step, name, action, detail)
             return False
-        self._busy.add(step)
+        self.tenure.busy.add(step)
         writer = self.storage.writer(name)
-        write = without_zip_crc(on_callers_device(dcp.save))
-        if asynchronous:
-            # What dcp.async_save does, in our write thread: a copy training cannot change
-            # (of what this rank writes, when every rank's cached plan still holds).
-            agreed = all(same for _, same in said)
-            self._start_async(write, writer, plain, skip if agreed else frozenset(), step, name, t0)
-            return True
         # Written in a thread so this one can watch progress (and report it) meanwhile.
         with self.threads.foreground():
             fut = self.threads.write(write, state, storage_writer=writer, process_group=self.group,
@@ -338,49 +173,57 @@ class CheckpointManager:
         if not ok and blocking and self._outcome != "fenced":  # superseded: an event, not an error
             raise CheckpointError(
                 f"the required checkpoint at step {step} could not be written ({self._last_failure}; "
-                f"details in events.jsonl); {self._left()}", _FIX_STORAGE)
+                f"details in events.jsonl); {self._left()}", FIX_STORAGE)
         self.raise_if_failing()
         return ok
 
-    def _not_written(self, step: int, name: str, action: str, detail: str) -> None:
-        """Rank 0 said ``name`` is not to be written (``_prepare_dir``): an error (it could
-        not look at the storage: a failure), or the ``skipped`` or ``fenced`` event."""
+    def _not_written(self, step: int, name: str, action: str, detail: str, asynchronous: bool = False) -> None:
+        """Rank 0 said ``name`` is not to be written (``_prepare_dir``, broadcast to every rank):
+        an error (it could not look at the storage: a failure), or the ``skipped`` or ``fenced``
+        event."""
         message = f"checkpoint at step {step} not written: {detail}"
         if action == "error":
-            self._on_failure(step, name, CheckpointError(detail), asynchronous=False)
-            self.raise_if_failing()
+            self._on_failure(step, name, CheckpointError(detail), asynchronous=asynchronous)
+            if not asynchronous:  # (in the background: the next save or wait raises)
+                self.raise_if_failing()
         elif self.rank == 0 and action == "skipped":
             self.events.emit("skipped", step=step, name=name, reason=detail, message=message)
         elif self.rank == 0:
             self.events.emit("fenced", step=step, name=name, reason=detail, message=message)
 
-    def _start_async(self, write: Any, writer: Any, plain: dict[str, Any], skip: frozenset, step: int,
-                     name: str, t0: float) -> None:
-        """Stage this rank's part of ``plain`` (less what ``skip`` says another rank writes),
-        then write and commit it in the background."""
-        staged = self._staging().stage(plain, skip)
+    def _start_async(self, write: Any, state: dict[str, Any], step: int, name: str, t0: float) -> None:
+        """On the calling thread only what later optimizer steps could change: the copy of this
+        rank's part of ``state`` (less what its cached plans have another rank write, as this
+        rank alone decides: ``plans.written_elsewhere``) into the staging buffers. Then, in the
+        commit thread, every rank: whether ``name`` may be written (rank 0's word, broadcast),
+        DCP's write of the copy in the write thread, and the settling (``_finish``). The
+        checkpoint group's collectives of one save follow one another there (this agreement,
+        DCP's, the settling), and no other save's run meanwhile."""
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        staged = self._staging().stage(plain, plans.written_elsewhere(self._plan_key, plain) or frozenset())
         blocked = time.perf_counter() - t0
-        fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
-                                 planner=plans.planner(self._plan_key))
-        self._pending_watch = (write_watch(writer), name)
-        self._pending = self.threads.commit(self._finish, fut, writer, step, name, t0, blocked, True)
+
+        def in_background() -> bool:
+            self.tenure.join()  # a generation that restored nothing enters the fence before it writes
+            action, detail = collective.decision(self._prepare_dir(name) if self.rank == 0 else None, self.group)
+            if action != "go":
+                self._not_written(step, name, action, detail, asynchronous=True)
+                return False
+            self.tenure.busy.add(step)
+            writer = self.storage.writer(name)
+            self._pending_watch = (write_watch(writer), name)
+            fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
+                                     planner=plans.planner(self._plan_key))
+            return self._finish(fut, writer, step, name, t0, blocked, True)
+
+        self._pending_watch = (None, name)
+        self._pending = self.threads.commit(in_background)
 
     def _staging(self) -> Any:
         """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""
         if self._stager is None:
             self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
         return self._stager
-
-    def _superseded(self) -> str:
-        """Rank 0: why this generation may no longer change the directory ("" if it may).
-        Reads the fence until it says so once: a generation never becomes current again."""
-        if self._fenced:
-            return self._fenced
-        try:
-            self._fenced = fence.superseded(self._generation, fence.read(self.storage) if self._generation else None)
-        except OSError as e:
-            return f"the generation record cannot be read: {os_reason(e)}"
-        return self._fenced
 
     def _prepare_dir(self, name: str) -> tuple[str, str]:
         """Rank 0: may ``name`` be written? Removes a stale incomplete dir of that name.
@@ -391,15 +234,15 @@ class CheckpointManager:
         to write over a ``.metadata``.)
         ("go", ""), ("skipped", why), ("fenced", why) or ("error", why).
         """
-        if self._fenced:
-            return "fenced", self._fenced
+        if self.tenure.fenced:
+            return "fenced", self.tenure.fenced
         try:
             present = self._files(name)
             if present is None:
                 return "go", ""
             if layout.scan({name: present}, require_manifest=True)[0].complete:
                 return self._complete_in_the_way(name)
-            fenced = self._superseded()
+            fenced = self.tenure.superseded()
             if fenced:
                 return "fenced", fenced
             self.events.emit("warning", message=f"removing stale incomplete {name}")
@@ -419,18 +262,13 @@ class CheckpointManager:
         """Rank 0: a complete ``name`` where this save would go: this job's (skipped), or one
         it did not sign, set aside (which reads the fence) so that it takes neither the step's
         name nor a keep slot."""
-        if self._ours(name):
+        if self.verifier.ours(name):
             return "skipped", f"a complete checkpoint {name} already exists"
         verdict = integrity.signed_by(self.storage, name, self.key)
-        if not self._quarantine(name, f"{verdict.reason}; in the way of this job's checkpoint of that step",
-                                verdict.kind, move_unsigned=True):
+        if not self.verifier.quarantine(name, f"{verdict.reason}; in the way of this job's checkpoint of that step",
+                                         verdict.kind, move_unsigned=True):
             return "skipped", f"{name} is not this job's and could not be set aside"
         return "go", ""
-
-    def _ours(self, name: str) -> bool:
-        """Rank 0: is ``name`` this job's (signed with its key)? True without a key (tests,
-        benches: everything is trusted there)."""
-        return self.key is None or integrity.signed_by(self.storage, name, self.key).ok
 
     def _finish(self, fut: Any, writer: Any, step: int, name: str, t0: float, blocking_s: float | None,
                 asynchronous: bool) -> bool:
@@ -454,7 +292,7 @@ class CheckpointManager:
         outcome = self._judged(self._commit(step, name, reports)) if self.rank == 0 else None
         status, why, self._give_up = collective.broadcast(outcome, self.group)
         self._outcome = status
-        self._busy.discard(step)
+        self.tenure.busy.discard(step)
         if status == "fenced":
             if self.rank == 0:
                 self.events.emit("fenced", step=step, name=name, reason=why,
@@ -467,13 +305,14 @@ class CheckpointManager:
         if self.rank == 0:
             self.events.emit(
                 "checkpoint", step=step, path=self.storage.uri(name), blocking_s=round(blocking_s, 4),
-                total_s=round(time.perf_counter() - t0, 4), asynchronous=asynchronous,
+                waited_s=round(self._waited_s, 4), total_s=round(time.perf_counter() - t0, 4),
+                asynchronous=asynchronous,
             )
             if asynchronous:  # already in the background thread
-                self._purge(step)
+                self.purger.purge(step)
             else:  # deleting files is slow on some filesystems: keep it off the training path
                 self._pending_watch = (None, "")
-                self._pending = self.threads.commit(self._purge, step)
+                self._pending = self.threads.commit(self.purger.purge, step)
         return True
 
     def _judged(self, outcome: tuple[str, str]) -> tuple[str, str, bool]:
@@ -493,7 +332,7 @@ class CheckpointManager:
         errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
         if errors:
             return "failed", "; ".join(errors)
-        fenced = self._superseded()
+        fenced = self.tenure.superseded()
         if fenced:
             return "fenced", fenced
         reported = {f: h for files, _ in reports for f, h in files.items()}
@@ -506,23 +345,6 @@ class CheckpointManager:
         except Exception as e:  # storage errors: a failed save like any other
             return "failed", one_line(e)
         return "ok", ""
-
-    def _purge(self, committed: int) -> None:
-        """Rank 0, right after ``committed``: retention, then leftovers of crashed saves.
-
-        The fence is not read again: the commit read it moments ago. A generation that
-        started since is still restoring, from the newest checkpoint, which is kept (keep >= 2),
-        and has written nothing a leftover could be."""
-        try:
-            dirs = layout.scan(self.storage.listing(), require_manifest=True)
-            protect = self._busy | {committed}
-            foreign = {d.name for d in dirs if d.complete and not self._ours(d.name)}
-            doomed = layout.to_purge(dirs, self.policy.keep, self.policy.keep_every, protect, foreign)
-            for d in doomed + stale_incomplete(dirs, committed):
-                if d.step not in protect:
-                    self.storage.remove(d.name)
-        except OSError as e:  # a purge that fails costs space, not correctness
-            self.events.emit("warning", message=f"purging old checkpoints failed: {e!r:.300}")
 
     def _explain(self, err: BaseException) -> str:
         """``err`` in one line; the storage's free space names a full disk behind a short write."""
@@ -549,7 +371,7 @@ class CheckpointManager:
                 f"{self._failures} checkpoint saves in a row failed, for {self.policy.give_up_after:.0f} s at least "
                 f"(checkpoint.give_up_after; last: {self._last_failure}; details in events.jsonl); "
                 f"stopping so no more work goes unsaved; {self._left()}",
-                _FIX_STORAGE,
+                FIX_STORAGE,
             )
 
     def _left(self) -> str:
@@ -611,3 +433,29 @@ class CheckpointManager:
             plans.forget(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """The manager's parts, built together over one ``Site`` (``build``): a caller takes the
+    part it uses (the loop saves, the resume loads) and closes the saver at the end."""
+
+    tenure: Tenure
+    verifier: Verifier
+    restorer: Restorer
+    purger: Purger
+    saver: Saver
+
+    @classmethod
+    def build(cls, site: Site, policy: CheckpointSpec, *, stall_s: float = STALL_S,
+              verify_round_bytes: int = collective.ROUND_BYTES,
+              optional_keys: frozenset[str] = frozenset()) -> Checkpoints:
+        """``stall_s``: a write whose rank moves no byte that long is stopped
+        (``progress.await_write``); ``verify_round_bytes``: each rank's share of a full
+        verification per round (``collective.agreed_verdict``); ``optional_keys``: as
+        ``Restorer``'s."""
+        tenure = Tenure(site)
+        verifier = Verifier(site, tenure, policy, verify_round_bytes)
+        purger = Purger(site, tenure, verifier, policy)
+        return cls(tenure, verifier, Restorer(site, tenure, verifier, optional_keys), purger,
+                   Saver(site, tenure, policy, verifier, purger, stall_s))

@@ -1,11 +1,11 @@
-"""Save plans cached per checkpoint manager, so a periodic save does not plan from scratch.
+"""Save plans cached per checkpoint saver, so a periodic save does not plan from scratch.
 
 Every DCP save plans what each rank writes: local plans, gathered on the coordinator,
 deduplicated into a global plan, scattered back. Here, as with torch's own
 ``enable_plan_caching``, a rank whose local plan equals the previous save's sends an empty
 plan (``SavePlan([], usable=False)``) and reuses its cached final plan, and the coordinator
 reuses the cached global plan and metadata; a changed plan is planned again. The cache is
-ours (``PlanCache``, one per manager key) and the planner a ``DefaultSavePlanner`` subclass
+ours (``PlanCache``, one per saver's key) and the planner a ``DefaultSavePlanner`` subclass
 overriding DCP's public planner methods: torch keeps its own cache in class-level dicts
 keyed by a private attribute, which a release may rename. Our plans compare equal
 when their items write the same index with the same tensor metadata (chunk, size, dtype and
@@ -18,9 +18,15 @@ plans are what DCP will use, so the stager may leave those tensors out (a placeh
 their shape instead of a copy): half the staging copy for two DDP ranks. The planner
 refuses to write a placeholder, should a plan ever change unseen.
 
+That answer is kept with the ``signature`` of the state it was given (everything DCP's local
+plan depends on: the containers' types, keys and lengths, each tensor's type, shape and
+properties, a DTensor's layout; not its values), and given again while the signature and
+the cached plans stay the same: planning the state again took 1-2 ms of a save's time on
+the training thread on the loaded 2-core machine; the signature a tenth of that.
+
 Call order: ``written_elsewhere(key, state)`` before staging (then agree across ranks);
-``planner(key)`` for every save of one manager (a new planner each time: it holds that
-save's state dict); ``forget(key)`` once, when the manager closes.
+``planner(key)`` for every save of one saver (a new planner each time: it holds that
+save's state dict); ``forget(key)`` once, when the saver closes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from elastic_harness.errors import CheckpointError
 
@@ -39,7 +46,7 @@ UNCHANGED = SavePlan([], usable=False)  # "same as the cached plan", as torch's 
 
 @dataclass
 class PlanCache:
-    """One manager's plans from its last save: this rank's local and final plans; on the
+    """One saver's plans from its last save: this rank's local and final plans; on the
     coordinator, every rank's local plan, the global plan and the metadata."""
 
     local: SavePlan | None = None
@@ -48,6 +55,9 @@ class PlanCache:
     global_plan: list[SavePlan] | None = None
     metadata: Any = None
     pending: SavePlan | None = None  # this save's local plan, kept once the save planned whole
+    # ``written_elsewhere``'s last answer: (signature, local, final, answer), valid while the
+    # signature is the same and ``local`` and ``final`` are still the cached plans
+    answer: tuple | None = None
 
 
 _CACHES: dict[str, PlanCache] = {}
@@ -134,7 +144,18 @@ def written_elsewhere(key: str, state: dict[str, Any]) -> frozenset[str] | None:
     c = _CACHES.get(key)
     if c is None or c.local is None or c.final is None:
         return None
-    try:  # never raise here: the ranks are about to agree, and DCP reports what is wrong itself
+    sig = signature(state)
+    kept = c.answer
+    if sig is not None and kept is not None and kept[0] == sig and kept[1] is c.local and kept[2] is c.final:
+        return kept[3]
+    answer = _planned_elsewhere(c, state)
+    c.answer = None if sig is None else (sig, c.local, c.final, answer)
+    return answer
+
+
+def _planned_elsewhere(c: PlanCache, state: dict[str, Any]) -> frozenset[str] | None:
+    """``written_elsewhere``'s answer, from planning ``state`` again."""
+    try:  # never raise here: DCP reports what is wrong itself when it saves
         plan, flat = local_plan(state)
     except Exception:  # noqa: BLE001 - e.g. a duplicated flattened key: stage everything
         return None
@@ -143,6 +164,42 @@ def written_elsewhere(key: str, state: dict[str, Any]) -> frozenset[str] | None:
     mine = {item.index.fqn for item in c.final.items}
     return frozenset(item.index.fqn for item in c.local.items if item.type == WriteItemType.TENSOR
                      and item.index.fqn not in mine and type(flat.get(item.index.fqn)) in (torch.Tensor, torch.nn.Parameter))
+
+
+def signature(obj: Any) -> tuple | None:
+    """Pure: what DCP's local save plan of ``obj`` depends on, as a value to compare: the
+    containers' types, keys and lengths; a tensor's type, shape, dtype, layout, autograd flag
+    and pinning (``TensorProperties``); a DTensor's placements, mesh (this object) and local
+    tensor's; for any other value its type. None for an object that plans itself
+    (``__create_write_items__``) other than a DTensor, or another tensor subclass."""
+    try:
+        return _signature(obj)
+    except _PlansItself:
+        return None
+
+
+class _PlansItself(Exception):
+    pass
+
+
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _signature(obj: Any) -> tuple:
+    kind = type(obj)
+    if kind in _SCALARS:
+        return (kind,)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return (kind, obj.shape, obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned())
+    if isinstance(obj, dict):
+        return (kind, tuple((k, _signature(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (kind, tuple(_signature(v) for v in obj))
+    if isinstance(obj, DTensor):
+        return (DTensor, obj.shape, tuple(obj.placements), id(obj.device_mesh), _signature(obj.to_local()))
+    if isinstance(obj, torch.Tensor) or hasattr(obj, "__create_write_items__"):
+        raise _PlansItself
+    return (kind,)
 
 
 def forget(key: str) -> None:

@@ -144,7 +144,7 @@ def without_zip_crc(fn: Callable) -> Callable:
     """``fn`` with ``torch.save``'s per-record zip CRC32 off in the thread that runs it.
 
     torch 2.13 keeps that setting per thread (its config overrides are thread-local): set in
-    the thread that created the manager, it did not reach the write thread, which computed
+    the thread that created the saver, it did not reach the write thread, which computed
     the CRC of every byte (about 5 ms per 10 MB here). The manifest's checksums replace it.
     """
 

@@ -1,4 +1,4 @@
-"""The checkpoint manager's background threads, and how they share the CPU with training.
+"""The checkpoint saver's background threads, and how they share the CPU with training.
 
 Two threads, one job each: ``write`` runs DCP's write of a save (planning collectives,
 serialising, checksumming, writing and syncing files) and ``commit`` waits for that write,
@@ -74,7 +74,7 @@ def can_lift() -> bool:
 
 
 class BackgroundThreads:
-    """The ``write`` and ``commit`` threads of one manager (one worker thread each)."""
+    """The ``write`` and ``commit`` threads of one saver (one worker thread each)."""
 
     def __init__(self, lowered: bool) -> None:
         """``lowered``: run in ``SCHED_IDLE`` while nobody waits (see ``here``)."""
@@ -132,6 +132,6 @@ class BackgroundThreads:
                     set_class(tid, NORMAL if self._waiting else IDLE)
 
     def shutdown(self) -> None:
-        """Stop taking work; running work is not waited for (the manager waited already)."""
+        """Stop taking work; running work is not waited for (the saver waited already)."""
         self._write.shutdown(wait=False)
         self._commit.shutdown(wait=False)

@@ -15,7 +15,7 @@ from an earlier save is released).
 
 Limits: tensor subclasses other than DTensor, and objects that are neither tensors,
 containers nor immutable scalars, are deep-copied (correct, not fast). At most one save
-may use the buffers at a time: the manager waits for the previous save before staging.
+may use the buffers at a time: the saver waits for the previous save before staging.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where checkpoints live: a small interface, a local implementation, an fsspec one.
 
-Call order, per save (see ``manager``):
+Call order, per save (see ``manager``: the saver, and the purger in step 4):
 
 1. rank 0: ``files(name)`` to find an existing step directory of that name; ``remove(name)``
    of a stale *incomplete* one (never a complete one).

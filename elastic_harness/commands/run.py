@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_reference(Path(args.verify))
     require_spec_extras(spec)  # a missing extra is named before torch is imported (preflight)
     # The agents' zygote imports torch while this process checks the job (``simcluster``).
-    zygote = None if args.netns else start_host_zygote()
+    zygote = None if args.netns else start_host_zygote(tensorboard=spec.metrics.tensorboard)
     try:
         return _checked(spec, args, nodes, zygote)
     finally:

@@ -110,6 +110,15 @@ def restarts_left(failure_steps: list[int], max_restarts: int, window: int) -> i
     return max_restarts - len(counted)
 
 
+def restarts_after_failure(failure_steps: list[int], progress: int, max_restarts: int, window: int) -> int:
+    """Pure: torch's restart counter once a failure at step ``progress`` is settled
+    (``budget_refill``: this restart and those left after it), 0 when none follows. Asked
+    before that failure is settled (a peer's failure heard first), where torch's own counter
+    still reads what the last restart left, though the window may have forgiven it since."""
+    left = restarts_left([*failure_steps, progress], max_restarts, window)
+    return left + 1 if left >= 0 else 0
+
+
 def budget_refill(max_restarts: int, remaining: int, left: int) -> tuple[int, int]:
     """Pure: torchelastic's ``(spec.max_restarts, _remaining_restarts)`` that let it make
     this restart and ``left`` more, keeping its restart count (``max - remaining``, which

@@ -32,9 +32,10 @@ so productive time plus every badput below adds up to the wall time exactly:
   then starts at the kill.
 - **restart**: from that rendezvous completion to the new generation's ``resume`` event:
   spawning workers, process group, model build and the checkpoint load.
-- **checkpoint_blocking**: the ``blocking_s`` of every checkpoint, taken out of the segment
-  it interrupted (the step span after the step saved, or whatever follows a generation's
-  last step), never more than that segment's length.
+- **checkpoint_blocking**: the ``blocking_s`` of every checkpoint (the save's call: its copy,
+  or its whole write when synchronous, and any wait for the save before it), taken out of the
+  segment it interrupted (the step span after the step saved, or whatever follows a
+  generation's last step), never more than that segment's length.
 - **shutdown**: after the last step event of an invocation to its last event: final save,
   digest, agents and host exiting (or, for an invocation that failed, its failed attempts).
   While a run is live this tail is whatever is in progress (a step, a restart).

@@ -402,10 +402,8 @@ class _Handler(DynamicRendezvousHandler):
             rdzv.admit(state, act.admit)
             if act.last_call_starts:
                 rdzv.set_deadline(state, datetime.now(timezone.utc) + settings.timeout.last_call)
-            if act.complete:
-                rdzv.mark_complete(self)  # in this write: no one else's join can overfill it
-            if act.close_now:
-                rdzv.set_deadline(state, datetime.now(timezone.utc))
+            if act.complete:  # in this write: no one else's join can overfill it, no second write
+                rdzv.mark_complete(self)
 
         def after_complete(state: Any) -> None:
             done = rules.completion(rdzv.view(state), _ours(self), max_nodes=settings.max_nodes)

@@ -9,9 +9,10 @@ Who is expected is in the state itself, so every agent decides alike, whichever 
 the participants of the last completed round (``members``, written when a round completes)
 less the nodes known gone (``gone``: dropped by ``rendezvous.liveness``/``rendezvous.verdict`` or
 expired by torch, written when an agent sees it), the agents waiting for the round (torch's
-wait list), and as many hot spares (torch's redundancy list) as the round has room for. When all of them are participants, the round closes now; otherwise the
-last call runs as before (a node that is slow to rejoin, a preempted node whose keep-alives
-have not expired yet).
+wait list), and as many hot spares (torch's redundancy list) as the round has room for. When
+all of them are participants, the round completes in the write that made them so
+(``rules.admission``); otherwise the last call runs as before (a node that is slow to rejoin,
+a preempted node whose keep-alives have not expired yet).
 
 Not for round 0: no round completed before it (the start of a submission has its own last
 call, ``start_last_call_timeout``).

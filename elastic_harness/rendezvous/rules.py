@@ -109,8 +109,9 @@ class Admission:
 
     admit: tuple = ()  # waiting agents added with the one joining
     last_call_starts: bool = False  # the add brought the round to ``nodes.min``: its deadline is the last call
-    complete: bool = False  # the round is full: complete in this write
-    close_now: bool = False  # everyone expected is in: its deadline is now
+    # the round is full, or everyone expected is in: complete in this write (not at torch's
+    # next pass after a deadline of now: one more write and read of the state for each agent)
+    complete: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,8 @@ def vacancy(view: Any, *, max_nodes: int) -> str:
 def admission(view: Any, ours: Ours, *, min_nodes: int, max_nodes: int) -> Admission:
     """After an add to the open round in ``view``: every waiting agent joins with it
     (``rounds.admitted``), the last call starts when that brings the round to ``nodes.min``,
-    a round so filled completes (``rounds.full``), and one that everyone expected has joined
-    closes now (``rounds.everyone_in``). Nothing for a complete round."""
+    and a round so filled (``rounds.full``), or one that everyone expected has joined
+    (``rounds.everyone_in``), completes in this write. Nothing for a complete round."""
     if view.complete:
         return Admission()
     admit = tuple(rounds.admitted(participants=view.participants, waiting=view.wait_list, max_nodes=max_nodes,
@@ -207,7 +208,7 @@ def admission(view: Any, ours: Ours, *, min_nodes: int, max_nodes: int) -> Admis
     close = not full and len(participants) >= min_nodes and rounds.everyone_in(
         round_=view.round, members=ours.members, gone=ours.gone, participants=participants, waiting=waiting,
         spares=view.redundancy_list - set(admit), max_nodes=max_nodes)
-    return Admission(admit=admit, last_call_starts=starts, complete=full, close_now=close)
+    return Admission(admit=admit, last_call_starts=starts, complete=full or close)
 
 
 def completion(view: Any, ours: Ours, *, max_nodes: int) -> Completion:

@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic_harness import jobkey, runfiles
-from elastic_harness.checkpoint.manager import CheckpointManager
+from elastic_harness.checkpoint.collective import Ranks
+from elastic_harness.checkpoint.manager import Checkpoints
+from elastic_harness.checkpoint.progress import Ticker
+from elastic_harness.checkpoint.site import Site
 from elastic_harness.checkpoint.storage import open_storage
 from elastic_harness.checkpoint.where import checkpoint_root
 from elastic_harness.events import EventLog
@@ -79,7 +82,7 @@ class Parts:
 
     metrics: Metrics
     watchdog: ProgressWatchdog  # re-armed every step, and by checkpoint I/O while bytes move
-    ckpt: CheckpointManager
+    ckpt: Checkpoints  # the storage checkpoints' parts: the hook saves, the resume loads
     memory: MemoryTier | None  # None: not under our agent, or ``checkpoint.memory_every`` 0
     cadence: Cadence  # when the next in-memory snapshot is due
 
@@ -127,17 +130,14 @@ def equip(spec: JobSpec, env: WorkerEnv, gen: Generation, run_dir: Path) -> Part
 
 
 def _checkpoints(spec: JobSpec, run_dir: Path, gen: Generation, watchdog: ProgressWatchdog,
-                 key: bytes) -> CheckpointManager:
+                 key: bytes) -> Checkpoints:
     """The job's storage checkpoints, every rank's part in them (DCP over the checkpoint
     group); checkpoint I/O re-arms the step watchdog while bytes move."""
-    return CheckpointManager(
-        open_storage(checkpoint_root(spec.checkpoint.dir, run_dir)), spec.checkpoint,
-        rank=gen.topology.rank, world_size=gen.topology.world_size, group=gen.groups.ckpt, events=gen.events,
-        info={"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
-        on_progress=watchdog.renew,
-        key=key,
-        optional_keys=TrainState.OPTIONAL_KEYS,
-    )
+    site = Site(open_storage(checkpoint_root(spec.checkpoint.dir, run_dir)),
+                Ranks(gen.topology.rank, gen.topology.world_size, gen.groups.ckpt), gen.events,
+                {"task": job_identity(spec), "parallelism": spec.parallelism, "job": spec.name},
+                key=key, ticker=Ticker(watchdog.renew))
+    return Checkpoints.build(site, spec.checkpoint, optional_keys=TrainState.OPTIONAL_KEYS)
 
 
 def _memory_tier(spec: JobSpec, env: WorkerEnv, gen: Generation, key: bytes) -> MemoryTier | None:
@@ -172,7 +172,7 @@ def step_hook(spec: JobSpec, env: WorkerEnv, run_dir: Path, gen: Generation, par
                                        spec.checkpoint.memory_on_failure)
     return StepHook(
         spec, top, trained,
-        Keeping(parts.ckpt, parts.memory, parts.cadence, join_in_memory=covered, on_failure=on_failure),
+        Keeping(parts.ckpt.saver, parts.memory, parts.cadence, join_in_memory=covered, on_failure=on_failure),
         Signals(lambda: drain.requested, lambda: drain.stop, parts.watchdog, faults,
                 broken=_broken(), in_flight=in_place.finish if in_place is not None else (lambda step: None),
                 replicas=in_place.shards if in_place is not None else None),

@@ -5,9 +5,11 @@ the fork; ``CONTROL_FD_VAR`` names it). One JSON object per ``SOCK_SEQPACKET`` m
 nothing read here is unpickled, and only this worker's agent holds the other end.
 
 From the agent:
-  ``{"op": "leave", "reason"}``  a peer failed: end the current generation now (``on_leave``,
-                                 on the reader thread: a collective blocked on the lost
-                                 peer returns, the training thread reaches a park point);
+  ``{"op": "leave", "reason", "remote"}``  a peer failed: end the current generation now
+                                 (``on_leave``, on the reader thread: a collective blocked on
+                                 the lost peer returns, the training thread reaches a park
+                                 point); ``remote``: the failure is another node's (no rank of
+                                 this node is known failed or stalled);
   ``{"op": "reform", "env"}``    this worker's place in the next generation (the variables
                                  torchelastic would start a worker with);
   ``{"op": "exit"}``             no next generation for this process: exit (the agent
@@ -40,7 +42,7 @@ class Control:
         self._send_lock = threading.Lock()
         self._orders: queue.SimpleQueue = queue.SimpleQueue()  # reform / exit / closed
         self._reader: threading.Thread | None = None
-        self.on_leave: Callable[[str], None] = lambda reason: None
+        self.on_leave: Callable[[str, bool], None] = lambda reason, remote: None
         self.left: str | None = None  # the reason of the last ``leave`` not yet answered by a reform
 
     @classmethod
@@ -82,7 +84,7 @@ class Control:
                 continue
             if msg.get("op") == "leave":
                 self.left = str(msg.get("reason", "a peer failed"))
-                self.on_leave(self.left)
+                self.on_leave(self.left, msg.get("remote") is True)
             elif msg.get("op") in ("reform", "exit"):
                 self._orders.put(msg)
 

@@ -36,7 +36,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -119,10 +119,13 @@ class Generations:
         return None
 
     # -- a fault --------------------------------------------------------------------------
-    def leave(self, reason: str) -> None:
-        """End the current generation on this rank (any thread; twice is harmless)."""
+    def leave(self, reason: str, spare: Collection[tg.Lineage] = ()) -> None:
+        """End the current generation on this rank (any thread; twice is harmless). ``spare``:
+        groups left running for now (their members all alive: the step's collectives within a
+        node, ``inplace.Recovery``); the re-formation ends them (a mesh's groups go stale)."""
         for lineage, _ in self.made:
-            lineage.leave(reason)
+            if lineage not in spare:
+                lineage.leave(reason)
 
     @contextlib.contextmanager
     def raising(self) -> Iterator[None]:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_harness.checkpoint import collective
-from elastic_harness.checkpoint.manager import CheckpointManager
+from elastic_harness.checkpoint.manager import Saver
 from elastic_harness.memtier.cadence import Cadence
 from elastic_harness.memtier.tier import MemoryTier
 from elastic_harness.runtime.buffers import BufferSync
@@ -96,7 +96,7 @@ class Trained:
 class Keeping:
     """Where the state is kept: storage checkpoints, and the in-memory tier with its cadence."""
 
-    ckpt: CheckpointManager
+    ckpt: Saver
     memory: MemoryTier | None
     cadence: Cadence
     join_in_memory: bool = False  # memory covers a join's restore (``resume.memory_covers_join``)

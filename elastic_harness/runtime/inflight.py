@@ -28,6 +28,7 @@ gradients summed over the surviving replicas, divided by the step's own replica 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,8 +104,10 @@ class KeptShards:
         self.kept: dict[str, torch.Tensor] | None = None  # the step's shard-local gradients, by name
         self.step = -1
         self._deferring = False
+        self._holding = False  # from ``begin`` until the node is past its backward (``holding``)
         self._native = False  # some all-reduce of the step was not deferred (another op)
         self._skipped = self.shard.skipped
+        self.on_begin: Callable[[int], None] = lambda step: None  # a test's forced lateness (``inplace``)
 
     def install(self) -> KeptShards:
         self.replicate.defer = self._defer
@@ -113,7 +116,23 @@ class KeptShards:
     def begin(self, step: int) -> None:
         """A step's micro-batches start."""
         self.kept, self.step, self._deferring, self._native = None, step, True, False
+        self._holding = True
         self._skipped = self.shard.skipped
+        self.on_begin(step)
+
+    def holding(self) -> tuple:
+        """The groups a word of another node's loss leaves running now: the shard group (this
+        node) from ``begin`` until every rank of the node is past its backward (``end``'s
+        barrier). Its reduce-scatters then complete, and the copy is whole."""
+        return (self.shard,) if self._holding else ()
+
+    def _release(self) -> None:
+        """Past the backward: a shard group left running through a word of a loss is left now,
+        before anything else of this rank meets the node on it (the word's leave checks
+        ``holding`` again after it, so one of the two leaves it, whichever thread is first)."""
+        self._holding = False
+        if self.replicate.broken is not None:
+            self.shard.leave(self.replicate.broken)
 
     def _defer(self, tensors: Any, opts: Any) -> bool:
         if not self._deferring:
@@ -129,6 +148,7 @@ class KeptShards:
         called twice: only stop deferring (a loop left early)."""
         if not self._deferring or model is None:
             self._deferring = False
+            self._release()
             return
         self._deferring = False
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
@@ -139,6 +159,7 @@ class KeptShards:
         # rank that fails there first leaves its groups (and its agent tells the node's others
         # to leave), which would cut a slower neighbour's reduce-scatter short.
         dist.barrier(group=self.node)
+        self._release()
         fire_armed("reduction")  # a chaos fault keyed to this reduction, if armed (runtime.faults)
         if grads:
             _all_reduce_into(grads, self.group, dist.ReduceOp.AVG)

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +50,12 @@ from elastic_harness.runtime.control import Control
 
 REPOINT, RERUN, FINISH = "repoint", "rerun", "finish"
 # Tests force each way the in-place path can fail, once per process (docs/in-place.md):
-# "KIND:RANK" with KIND one of ``FORCED`` and RANK the rank that fails (in the generation that broke).
+# "KIND:RANK" with KIND one of ``FORCED`` and RANK the rank that fails (in the generation that broke);
+# "told:RANK@STEP": that rank starts step STEP's micro-batches only once its agent's word of a loss
+# came (``late_for_word``), so its node's collectives of the step run after the word.
 FAULT_VAR = "ELASTIC_HARNESS_INPLACE_FAULT"
-FORCED = ("silent", "reform", "restore", "die", "finish")
+FORCED = ("silent", "reform", "restore", "die", "finish", "told")
+WORD_BOUND_S = 60.0  # how long the forced ``told`` waits for the word
 REFORM_FAILED_EXIT = 75  # a second fault came while this worker re-formed: it starts anew
 
 class Rerun(BaseException):
@@ -126,10 +130,15 @@ class Recovery:
     agreed: Handshake | None = None  # the handshake of a re-formation, for the rerun's ``join``
     phases: dict[str, float] = field(default_factory=dict)  # the last fault's, in seconds
     forced: str = ""  # a failure of the in-place path a test forces on this rank (``FAULT_VAR``)
+    forced_at: int | None = None  # the step it is forced at, where it names one
     underway: bool = False  # parked for a fault and not re-formed yet: a failure now ends the process
     pending: Any = None  # a step in flight to finish once the training function runs again (``runtime.repoint``)
+    # the groups within this node a word of another node's loss leaves running for now (HSDP: its
+    # shard group while the step's backward is under way, ``inflight.KeptShards.holding``)
+    holding: Callable[[], tuple] = lambda: ()
     _since: float = 0.0
     _reforming: bool = False
+    _telling: threading.Lock = field(default_factory=threading.Lock)  # ``broken`` vs ``parked``: one order
 
     def start(self) -> Recovery:
         self.control.on_leave = self._left
@@ -138,19 +147,31 @@ class Recovery:
         self.control.tell("live")  # the agent keeps this worker's process through a fault
         return self
 
-    def _left(self, reason: str) -> None:  # the control line's thread
+    def _left(self, reason: str, remote: bool = False) -> None:  # the control line's thread
+        """The agent's word: leave the step. Another node's loss (``remote``) leaves the groups
+        this node's step still needs running (``holding``): their members are all alive, and a
+        reduce-scatter cut short would spoil the gradients the survivors finish the step with."""
         if self._reforming:  # a fault while the groups form: a connect in flight cannot be left
             _say(f"a fault while this worker's groups form ({reason}); it ends and starts anew")
             os._exit(REFORM_FAILED_EXIT)
         self._mark()
         _say(f"leaving the step: {reason}")
-        self.gens.leave(reason)
+        spare = self.holding() if remote else ()
+        self.gens.leave(reason, spare=spare)
+        if spare and not self.holding():  # the node got past its backward meanwhile
+            self.gens.leave(reason)
 
     def _broke(self, reason: str) -> None:  # a backend's thread: a collective failed here
+        """Told before the groups are left: leaving lets the training thread park, and the
+        agent must hear ``broken`` before ``parked`` (after it, the word would reach the agent
+        once the next group started, and break that group). Not told once parked: the fault
+        is being handled."""
         self._mark()
         _say(f"a collective failed ({reason[:300]}); leaving the step")
+        with self._telling:
+            if not self.underway:
+                self.control.tell("broken", reason=reason[:500])
         self.gens.leave(reason)  # our peers blocked on us see our connections close now
-        self.control.tell("broken", reason=reason[:500])
 
     def _mark(self) -> None:
         if not self._since:
@@ -163,14 +184,15 @@ class Recovery:
         """The job's work in this process is done (its run closed): what fails from now on
         (peers ending their groups) is no fault to recover."""
         self.gens.on_broken = lambda reason: None
-        self.control.on_leave = lambda reason: None
+        self.control.on_leave = lambda reason, remote: None
 
     def park(self, step: int, kept: int | None) -> dict[str, str]:
         """Tell the agent this rank left its step and rolls back to ``step`` (``kept``: the
         step it kept in memory on the way, if any), or finishes the next in place; wait for
         the next place (its variables)."""
         t0 = time.monotonic()
-        self.underway = True
+        with self._telling:  # a ``broken`` told from now on would come after ``parked``
+            self.underway = True
         self.phases = {"leave": round(t0 - (self._since or t0), 4)}
         if self.force("silent"):  # never says it parked: the agent's bound ends it
             while True:
@@ -243,6 +265,15 @@ class Recovery:
         _say(f"forced failure of the in-place path: {kind}")
         return True
 
+    def late_for_word(self, step: int) -> None:
+        """The forced ``told`` (a test's): before ``step``'s micro-batches, wait for the agent's
+        word of a loss (at most ``WORD_BOUND_S``)."""
+        if self.forced_at != step or not self.force("told"):
+            return
+        deadline = time.monotonic() + WORD_BOUND_S
+        while self.control.left is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def take_agreed(self) -> Handshake | None:
         """The handshake a re-formation made, once (the rerun's ``join`` uses it instead of
         shaking again: the new workers shook once)."""
@@ -276,14 +307,19 @@ def install(spec: Any, env: WorkerEnv) -> Recovery | None:
         return None
     gens = generations.install(rank=env.rank, world_size=env.world_size, timeout_s=spec.timeouts.process_group)
     bound = max(float(spec.timeouts.process_group), float(spec.rendezvous.join_timeout))
-    _RECOVERY = Recovery(control, gens, bound, forced=forced_here(os.environ.get(FAULT_VAR, ""), env.rank)).start()
+    forced, at = forced_here(os.environ.get(FAULT_VAR, ""), env.rank)
+    _RECOVERY = Recovery(control, gens, bound, forced=forced, forced_at=at).start()
     return _RECOVERY
 
 
-def forced_here(value: str, rank: int) -> str:
-    """Pure: the forced failure (``FAULT_VAR``: "KIND:RANK") for this rank, or ""."""
+def forced_here(value: str, rank: int) -> tuple[str, int | None]:
+    """Pure: the forced failure (``FAULT_VAR``: "KIND:RANK" or "KIND:RANK@STEP") for this rank
+    and its step, or ("", None)."""
     kind, _, who = value.partition(":")
-    return kind if kind in FORCED and who.isdigit() and int(who) == rank else ""
+    who, _, at = who.partition("@")
+    if kind not in FORCED or not who.isdigit() or int(who) != rank or (at and not at.isdigit()):
+        return "", None
+    return kind, int(at) if at else None
 
 
 def current() -> Recovery | None:

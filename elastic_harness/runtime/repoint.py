@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,9 @@ class RunInPlace:
         if top.kind != "ddp":
             self.shards = self._shards(model) if self.run.spec.finish_hsdp_step else None
             self.cannot_finish = "" if self.shards is not None else self._why_shards(top)
+            if self.shards is not None:
+                self.run.recovery.holding = self.shards.holding
+                self.shards.on_begin = self.run.recovery.late_for_word
             return
         self.cannot_finish = inflight.install(model, self.kept, lambda: dist.group.WORLD) or ""
 
@@ -157,6 +161,7 @@ class RunInPlace:
         old = (run.topology.dp_rank(), run.topology.dp_degree)
         env, hand = recovery.reform(recovery.park(run.step, kept), run.spec, old_dp=old,
                                     finishing=-1 if why else step.number)
+        reformed = time.monotonic()
         if inplace.how(hand, run.spec.parallelism) == inplace.RERUN:
             if why:
                 self._say(f"step {step.number} is redone after a restore: {why}")
@@ -170,7 +175,8 @@ class RunInPlace:
             step.thrown = True
             return None
         batches, meta = loader.fetch(plan)
-        return Finishing(plan, batches, lambda st: self._finished(st, plan, meta, old, hand))
+        ready = (reformed, time.monotonic())
+        return Finishing(plan, batches, lambda st: self._finished(st, plan, meta, old, hand, ready))
 
     def _why_not(self, step: Any) -> str:
         """Why this rank cannot finish ``step`` in place, whatever the others hold; "" if it can."""
@@ -286,10 +292,10 @@ class RunInPlace:
             samples.record(merged, (pending.meta + meta) if pending.meta is not None and meta is not None else None)
         self._said_finished(step.number, pending.lost, sum(len(c) for c in plan))
 
-    def _said_finished(self, number: int, lost: list[int], extra: int) -> None:
+    def _said_finished(self, number: int, lost: list[int], extra: int, phases: dict | None = None) -> None:
         run = self.run
         run.gen.events.emit("finished", step=number, lost_dp_ranks=lost, world_size=run.world_size,
-                            extra_samples=extra,
+                            extra_samples=extra, phases_s=phases or {},
                             message=f"step {number} finished without data-parallel rank(s) {lost}: the "
                                     f"{run.world_size} survivor(s) computed their shares as extra micro-batches")
 
@@ -301,11 +307,12 @@ class RunInPlace:
                                    lost, env.world_size, env.rank, spec.train.micro_batch_size)
 
     def _finished(self, step: Any, plan: list, meta: list | None, old: tuple[int, int],
-                  hand: inplace.Handshake) -> Any:
+                  hand: inplace.Handshake, ready: tuple[float, float]) -> Any:
         """The extra micro-batches' backward done: reduce at the new membership (divided by
         the step's own data-parallel degree), record the step's samples in this generation,
-        say it; the new generation's step hook."""
-        run = self.run
+        say it with its phases (``ready``: when this rank had re-formed, and when its extra
+        micro-batches were loaded); the new generation's step hook."""
+        run, began = self.run, time.monotonic()
         if run.recovery.force("finish"):
             os._exit(inplace.REFORM_FAILED_EXIT)  # a second fault while the step is being finished
         inflight.reduce(run._trained.model, dist.group.WORLD, old[1])
@@ -322,7 +329,8 @@ class RunInPlace:
             merged = Step(step.hook, step.number, [*step.plan, *plan], [])
             samples.record(merged, (own + meta) if meta is not None else None)
         lost = sorted(set(range(old[1])) - {r for r, _ in hand.old_dp})
-        self._said_finished(step.number, lost, sum(len(c) for c in plan))
+        self._said_finished(step.number, lost, sum(len(c) for c in plan),
+                            finish_phases(*ready, began, time.monotonic()))
         return hook
 
     def _say(self, line: str) -> None:
@@ -343,7 +351,7 @@ class RunInPlace:
         run.env, topology = env, Topology.from_env(env, run.spec.parallelism)
         run.gen = build.join(run.spec, env, run.groups, run.run_dir, topology, 0.0, agreed=hand)
         run.topology, run.rank, run.world_size = topology, topology.rank, topology.world_size
-        for close in (old.ckpt.close, old.metrics.close, old.memory.close if old.memory is not None else None):
+        for close in (old.ckpt.saver.close, old.metrics.close, old.memory.close if old.memory is not None else None):
             if close is not None:
                 close()
         run.parts = build.equip(run.spec, env, run.gen, run.run_dir)
@@ -356,5 +364,13 @@ class RunInPlace:
                                    BufferSync.of(trained.model, topology.dp_degree), replicas)
         run._resumed, run._kept = not restore, None
         if not restore and trained is not None:
-            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory, ckpt=run.parts.ckpt)
+            go_on(trained.state, trained.model, topology=topology, memory=run.parts.memory)
         run._loop.rebind(run.parts.watchdog, run.parts.cadence, run.rank)
+
+
+def finish_phases(reformed: float, ready: float, began: float, done: float) -> dict[str, float]:
+    """Pure: the ``finished`` event's phases (monotonic seconds): ``repoint`` from the
+    re-formation until the extra micro-batches were loaded (the run's parts re-pointed, the
+    local gradients put back), ``extra`` their forward and backward, ``reduce`` the reduction
+    at the new membership and the new step hook."""
+    return {"repoint": round(ready - reformed, 4), "extra": round(began - ready, 4), "reduce": round(done - began, 4)}

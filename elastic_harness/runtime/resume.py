@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from elastic_harness.checkpoint.manager import CheckpointManager, Loaded
+from elastic_harness.checkpoint.restorer import Loaded, Restorer
 from elastic_harness.data.epochs import unresolved_epochs
 from elastic_harness.data.sampler import DataState, EpochOrder
 from elastic_harness.data.stream import Stream
@@ -46,7 +46,7 @@ from elastic_harness.spec import JobSpec
 
 
 def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topology,
-            memory: MemoryTier | None, ckpt: CheckpointManager) -> Restored | Loaded | None:
+            memory: MemoryTier | None, ckpt: Restorer) -> Restored | Loaded | None:
     """Every rank: fill ``state`` from memory, else from storage; what restored it, or None.
     The memory tier reads the layout itself (``memtier.peer.restore_rules``)."""
     ckpt.join()  # every generation enters the fence, whichever tier restores it
@@ -58,12 +58,14 @@ def restore(state: dict[str, Any], model: nn.Module | None, *, topology: Topolog
     return ckpt.restore(state)
 
 
-def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology, memory: MemoryTier | None,
-          ckpt: CheckpointManager) -> None:
+def go_on(state: dict[str, Any], model: nn.Module | None, *, topology: Topology,
+          memory: MemoryTier | None) -> None:
     """Every rank of a generation whose state is already the job's (a step finished in place
     by the same processes): what ``restore`` would set up besides filling the state (the
-    checkpoint fence; the memory tier's rules for the snapshots it takes from now on)."""
-    ckpt.join()
+    memory tier's rules for the snapshots it takes from now on). Such a generation enters the
+    checkpoint fence at its first save (``Saver.save``), not here: the fence's
+    write, its two fsyncs and collectives are then off the healthy ranks' path from the step
+    in flight to the next."""
     if memory is not None:  # only a replicated layout finishes a step in place: no buddy link
         memory.rules = restore_rules(topology, memory.world_size, portable(topology, model, state))
 

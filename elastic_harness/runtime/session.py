@@ -314,7 +314,7 @@ class Run:
         if self.recovery is not None:
             self.recovery.restoring()
         found = restore(trained.state, trained.model, topology=self.topology, memory=self.parts.memory,
-                        ckpt=self.parts.ckpt)
+                        ckpt=self.parts.ckpt.restorer)
         self._resumed_at = found.step if found is not None else 0
         short = short_schedule(self._registered, self._train.step, self.spec.train.steps)
         if short is not None:  # before "resumed from": it would raise past its total every restart
@@ -410,7 +410,7 @@ class Run:
         if unfinished:  # a script that left its loop early: said, so its end is not a silent failure
             self.gen.events.emit("warning", message=unfinished)
         try:
-            self.parts.ckpt.close()
+            self.parts.ckpt.saver.close()
             self.parts.metrics.close()
             if self.parts.memory is not None:
                 self.parts.memory.close()

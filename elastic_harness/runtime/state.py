@@ -6,7 +6,10 @@ state through ``build_state`` so the key sets cannot drift apart.
 
 - ``model`` / ``optim`` go through torch's ``get_*_state_dict``/``set_*_state_dict``:
   world-size-independent names (no ``module.``/``_orig_mod.`` prefixes) and DTensor shards
-  under FSDP2, so DCP can reshard them to any world size. Buffers (BatchNorm's running
+  under FSDP2, so DCP can reshard them to any world size. The names torch gives are kept from
+  its first answer and applied to the module's and optimizer's own state dicts while their
+  structure stays the same (``statenames``: torch's answer exactly, checked when kept), so
+  a save does not walk the model again on the training thread. Buffers (BatchNorm's running
   statistics and its 0-dim int64 ``num_batches_tracked``) are part of ``model``;
   non-persistent buffers are not (the model recomputes them).
 - ``train`` is world-size-free by construction: step, the data stream cursor, the seed and
@@ -47,14 +50,25 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic_harness.checkpoint.entries import EXTRA_PREFIX, MODEL, OPTIM, SCALER, SCHED, TRAIN
 from elastic_harness.data.sampler import STATE_VERSION, DataState
+from elastic_harness.runtime import statenames
 
 
 class ModelState(Stateful):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self._names: tuple[tuple, list | None] | None = None  # (model_key, torch's names or None)
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        """``get_model_state_dict``'s answer; from the module's own state dict renamed with the
+        names torch gave the last time, while the module's keys are the same (``statenames``)."""
+        own = self.model.state_dict()
+        key = statenames.model_key(own)
+        if self._names is not None and self._names[0] == key and self._names[1] is not None:
+            return statenames.named_model(own, self._names[1])
+        full = get_model_state_dict(self.model)
+        if self._names is None or self._names[0] != key:
+            self._names = (key, statenames.model_names(own, full))
+        return full
 
     def load_state_dict(self, sd: dict) -> None:
         set_model_state_dict(self.model, sd)
@@ -75,9 +89,19 @@ class ModelState(Stateful):
 class OptimState(Stateful):
     def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model, self.optim = model, optim
+        self._names: tuple[tuple, dict | None] | None = None  # (optim_key, torch's names or None)
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optim)
+        """``get_optimizer_state_dict``'s answer; from the optimizer's own state dict renamed
+        with the names torch gave the last time, while its parameters and the model's names are
+        the same (``statenames``). An optimizer without state yet goes to torch, which makes it."""
+        key = statenames.optim_key(self.model, self.optim)
+        if self.optim.state and self._names is not None and self._names[0] == key and self._names[1] is not None:
+            return statenames.named_optim(self.optim.state_dict(), self._names[1])
+        full = get_optimizer_state_dict(self.model, self.optim)
+        if self._names is None or self._names[0] != key:
+            self._names = (key, statenames.optim_names(self.optim.state_dict(), full))
+        return full
 
     def load_state_dict(self, sd: dict) -> None:
         set_optimizer_state_dict(self.model, self.optim, sd)

@@ -128,6 +128,30 @@ def test_harness_step_finished_in_place_discards_nothing_and_holds_the_batch():
     assert out["median_step_s"] == 0.1
 
 
+def test_a_stall_away_from_the_loss_is_not_the_loss_gap_but_is_reported_beside_it():
+    """A save's wait or a scheduling stall three steps later is longer than the loss's gap: the
+    goal's figure stays the loss's (the gap the fault falls in and the next), the whole run's is
+    beside it; without a fault there is no loss gap."""
+    events, records = loss_after_step_2(finished=True)
+    events += steps_at(10, (5, 1.4), (6, 2.4))
+    out = analyze_harness(events, records)
+    assert (out["longest_gap_s"], out["longest_gap_between_steps"]) == (0.2, [2, 3])
+    assert (out["longest_gap_anywhere_s"], out["longest_gap_anywhere_between_steps"]) == (1.0, [5, 6])
+    no_fault = [e for e in events if e["event"] != "fault"]
+    assert harness_side.gap_figures(no_fault, set())["longest_gap_s"] is None
+
+
+def test_torchft_loss_gap_is_each_healthy_groups_own():
+    """Three groups, group 1 killed: each healthy group's gap around the fault counts (group 2's
+    is the longer), not a stall of group 0's later on."""
+    records = [attempt(g, s, t) for s, t in ((1, 1.0), (2, 1.1)) for g in (0, 1, 2)]
+    records += [kill(1.11), attempt(0, 3, 1.5), attempt(2, 3, 2.0), attempt(0, 4, 1.6), attempt(2, 4, 2.1),
+                attempt(0, 5, 9.0), attempt(2, 5, 2.2)]
+    out = torchft_stats.analyze(records, Config(groups=3, steps=5, kill_group=1, kill_at_step=2), [])
+    assert (out["longest_gap_s"], out["longest_gap_between_steps"]) == (0.9, [2, 3])
+    assert out["longest_gap_anywhere_s"] == 7.4
+
+
 def test_harness_step_redone_counts_the_survivors_micro_batches_only():
     events, records = loss_after_step_2(finished=False)
     records.insert(3, record("a", 3, 1, [10, 11], 3))  # the lost rank had started it too: not healthy
@@ -199,7 +223,18 @@ def test_bad_repeats_are_refused_before_anything_runs(tmp_path):
 
 def test_harness_fault_is_timed_to_the_reformation_the_finish_and_the_next_step():
     events, records = loss_after_step_2(finished=True)
-    events.insert(-2, event("reformed", 1.18, pid=10, rank=0, mode="finish", phases_s={"reform": 0.01}))
+    phases = {"leave": 0.01, "park": 0.02, "reform": 0.01}
+    events.insert(-2, event("reformed", 1.18, pid=10, rank=0, mode="finish", phases_s=phases))
+    next(e for e in events if e["event"] == "finished")["phases_s"] = {"repoint": 0.01, "extra": 0.02, "reduce": 0.0}
     fault = analyze_harness(events, records)["fault"]
     assert (fault["to_reformed_s"], fault["to_finished_s"], fault["to_next_step_s"]) == (0.06, 0.13, 0.18)
-    assert fault["reformed_phases_s"] == {"reform": 0.01}
+    assert fault["reformed_phases_s"] == phases
+    assert fault["finished_phases_s"] == {"repoint": 0.01, "extra": 0.02, "reduce": 0.0}
+    # the re-formation less its consecutive phases: the break noticed, the place had
+    assert (fault["to_detected_s"], fault["to_placed_s"]) == (0.02, 0.05)
+
+
+def test_harness_fault_without_a_reformation_has_no_detection_or_place():
+    fault = analyze_harness(*loss_after_step_2(finished=True))["fault"]
+    assert fault["to_detected_s"] is fault["to_placed_s"] is fault["finished_phases_s"] is None
+    assert fault["to_finished_s"] == 0.13

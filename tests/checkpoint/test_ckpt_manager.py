@@ -1,5 +1,6 @@
-"""CheckpointManager on two real gloo ranks: fallback, quarantine, agreement, retention,
-async + DTensor, the generation fence, storage that fails or is not shared, progress.
+"""The checkpoint manager's parts (``Checkpoints.build``) on two real gloo ranks: fallback,
+quarantine, agreement, retention, async + DTensor, the generation fence, storage that fails
+or is not shared, progress.
 
 One ``torch.multiprocessing`` spawn runs every scenario (each in its own directory); the
 ranks write what they saw to JSON and the assertions run here. Storage faults come from
@@ -33,7 +34,10 @@ class Events:
 
 
 def _manager(rank: int, root: Path, group, storage=None, manager_kw=None, **policy):
-    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.collective import Ranks
+    from elastic_harness.checkpoint.manager import Checkpoints
+    from elastic_harness.checkpoint.progress import Ticker
+    from elastic_harness.checkpoint.site import Site
     from elastic_harness.checkpoint.storage import LocalStorage
     from elastic_harness.spec import CheckpointSpec
 
@@ -41,8 +45,10 @@ def _manager(rank: int, root: Path, group, storage=None, manager_kw=None, **poli
     if storage is None:
         storage = LocalStorage(root)
         storage.ensure()
-    return CheckpointManager(storage, CheckpointSpec(**policy), rank=rank, world_size=2, group=group,
-                             events=events, info={"task": "t", "job": "j"}, **(manager_kw or {})), events
+    kw = dict(manager_kw or {})
+    site = Site(storage, Ranks(rank, 2, group), events, {"task": "t", "job": "j"},
+                ticker=Ticker(kw.pop("on_progress", None)))
+    return Checkpoints.build(site, CheckpointSpec(**policy), **kw), events
 
 
 class Wrapped:
@@ -129,12 +135,12 @@ def _restore(rank, root, group, storage=None, **policy) -> dict:
     mgr, events = _manager(rank, root, group, storage, **policy)
     st = _state(0.0)
     try:
-        loaded = mgr.restore(st)
+        loaded = mgr.restorer.restore(st)
         out = {"step": loaded.step if loaded else None, "value": float(st["model"]["w0"][0, 0])}
     except CheckpointError as e:
         out = {"error": str(e)}
     dist.barrier()
-    mgr.close()
+    mgr.saver.close()
     return {**out, "warnings": [e["message"] for e in events.seen if e["event"] in ("warning", "quarantine")],
             "quarantined": [(e["name"], e["kind"]) for e in events.seen if e["event"] == "quarantine"],
             "dirs": _dirs(root)}
@@ -147,8 +153,8 @@ def _dirs(root: Path) -> list[str]:
 def _save_steps(rank, root, group, steps, **policy) -> None:
     mgr, _ = _manager(rank, root, group, **policy)
     for s in steps:
-        assert mgr.save(s, _state(float(s)), blocking=True)
-    mgr.close()
+        assert mgr.saver.save(s, _state(float(s)), blocking=True)
+    mgr.saver.close()
 
 
 def scenario_verify_fallback(rank, root, group) -> dict:
@@ -209,17 +215,18 @@ def scenario_async_retention(rank, root, group) -> dict:
         (root / "step-0000000" / "__0_0.distcp").write_bytes(b"partial")
     dist.barrier()
     mgr, events = _manager(rank, root, group, keep=2, keep_every=3, async_save=True)
-    started = [mgr.save(s, _state(float(s), mesh), blocking=False) for s in range(1, 8)]
-    mgr.wait()
-    again = mgr.save(7, _state(7.0, mesh), blocking=False)
-    mgr.close()
+    started = [mgr.saver.save(s, _state(float(s), mesh), blocking=False) for s in range(1, 8)]
+    mgr.saver.wait()
+    again = mgr.saver.save(7, _state(7.0, mesh), blocking=False)
+    mgr.saver.close()
     st = _state(0.0, mesh)
     loaded, _ = _manager(rank, root, group)
-    step = loaded.restore(st).step
-    loaded.close()
+    step = loaded.restorer.restore(st).step
+    loaded.saver.close()
     dist.barrier()
     return {"started": started, "again": again, "step": step, "dirs": _dirs(root),
             "sharded": st["model"]["sharded"].to_local().unique().tolist(),
+            "skipped": [(e["step"], e["reason"]) for e in events.seen if e["event"] == "skipped"],
             "checkpoints": [(e["step"], e["asynchronous"]) for e in events.seen if e["event"] == "checkpoint"]}
 
 
@@ -237,12 +244,12 @@ def scenario_quarantine_then_save_again(rank, root, group) -> dict:
         _truncate(root / "step-0000002" / ".metadata")
     dist.barrier()
     mgr, events = _manager(rank, root, group, keep=3, async_save=False)
-    loaded = mgr.restore(_state(0.0))
-    saved = [mgr.save(s, _state(float(s)), blocking=True) for s in (2, 3)]
-    again = mgr.save(3, _state(3.0), blocking=True)
-    saved.append(mgr.save(4, _state(4.0), blocking=True))
-    mgr.wait()
-    mgr.close()
+    loaded = mgr.restorer.restore(_state(0.0))
+    saved = [mgr.saver.save(s, _state(float(s)), blocking=True) for s in (2, 3)]
+    again = mgr.saver.save(3, _state(3.0), blocking=True)
+    saved.append(mgr.saver.save(4, _state(4.0), blocking=True))
+    mgr.saver.wait()
+    mgr.saver.close()
     dist.barrier()
     good = [d for d in _dirs(root) if d.startswith("step-") and "." not in d
             and integrity.verify(LocalStorage(root), d, "full").ok]
@@ -303,8 +310,8 @@ def scenario_commit_needs_every_reported_file(rank, root, group) -> dict:
     """Rank 0 cannot see rank 1's shard: the save is not committed (no manifest blesses it)."""
     storage = Wrapped(root, hide=lambda f: f.startswith("__1_"))
     mgr, events = _manager(rank, root, group, storage, async_save=False)
-    ok = mgr.save(1, _state(1.0), blocking=False)
-    mgr.close()
+    ok = mgr.saver.save(1, _state(1.0), blocking=False)
+    mgr.saver.close()
     return {"ok": ok, "dirs": _dirs(root),
             "failures": [e["message"] for e in events.seen if e["event"] == "failure"]}
 
@@ -324,16 +331,16 @@ def scenario_fence(rank, root, group) -> dict:
 
     storage.writer = writer_then_new_generation
     old, old_events = _manager(rank, root, group, storage, async_save=True)
-    old.restore(_state(0.0))
-    started = old.save(6, _state(6.0), blocking=False)
-    old.wait()
+    old.restorer.restore(_state(0.0))
+    started = old.saver.save(6, _state(6.0), blocking=False)
+    old.saver.wait()
     new, _ = _manager(rank, root, group)
-    new.restore(_state(0.0))
-    refused = old.save(5, _state(5.0), blocking=True)
-    committed = new.save(7, _state(7.0), blocking=True)
-    new.wait()
-    old.close()
-    new.close()
+    new.restorer.restore(_state(0.0))
+    refused = old.saver.save(5, _state(5.0), blocking=True)
+    committed = new.saver.save(7, _state(7.0), blocking=True)
+    new.saver.wait()
+    old.saver.close()
+    new.saver.close()
     return {"started": started, "refused": refused, "committed": committed, "dirs": _dirs(root),
             "manifests": sorted(p.parent.name for p in root.glob("*/manifest.json")),
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
@@ -345,18 +352,38 @@ def scenario_fenced_before_its_first_save(rank, root, group) -> dict:
     from elastic_harness.errors import CheckpointError
 
     old, old_events = _manager(rank, root, group, async_save=False)
-    old.restore(_state(0.0))
+    old.restorer.restore(_state(0.0))
     new, _ = _manager(rank, root, group, async_save=False)
-    new.restore(_state(0.0))
+    new.restorer.restore(_state(0.0))
     try:
-        refused = old.save(3, _state(3.0), blocking=True)
+        refused = old.saver.save(3, _state(3.0), blocking=True)
     except CheckpointError as e:
         refused = str(e)
-    committed = new.save(4, _state(4.0), blocking=True)
-    new.wait()
-    old.close()
-    new.close()
+    committed = new.saver.save(4, _state(4.0), blocking=True)
+    new.saver.wait()
+    old.saver.close()
+    new.saver.close()
     return {"refused": refused, "committed": committed, "dirs": _dirs(root),
+            "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
+
+
+def scenario_joins_at_its_first_save(rank, root, group) -> dict:
+    """A generation that restored nothing (the survivors that finished the step in flight in
+    place) enters the fence at its first save: it commits, and the generation before it, which
+    restored, is fenced from then on."""
+    from elastic_harness.checkpoint import fence
+
+    old, old_events = _manager(rank, root, group, async_save=False)
+    old.restorer.restore(_state(0.0))
+    before = fence.read(Wrapped(root).inner)
+    new, _ = _manager(rank, root, group, async_save=False)  # no restore: its state went on in place
+    committed = new.saver.save(4, _state(4.0), blocking=True)
+    after = fence.read(Wrapped(root).inner)
+    refused = old.saver.save(5, _state(5.0), blocking=False)
+    old.saver.close()
+    new.saver.close()
+    return {"committed": committed, "refused": refused, "bumped": after.number - before.number,
+            "manifests": sorted(p.parent.name for p in root.glob("*/manifest.json")),
             "events": [(e["event"], e.get("step")) for e in old_events.seen if e["event"] in ("fenced", "failure")]}
 
 
@@ -365,15 +392,15 @@ def scenario_round_trips_per_save(rank, root, group) -> dict:
     the fence once, on rank 0; the other ranks do neither."""
     storage = Counting(root)
     mgr, events = _manager(rank, root, group, storage, keep=2)
-    mgr.restore(_state(0.0))
+    mgr.restorer.restore(_state(0.0))
     counts = {}
     for kind, steps in (("sync", (1, 2, 3)), ("async", (4, 5, 6))):
         storage.listings = storage.fence_reads = 0
         for s in steps:
-            assert mgr.save(s, _state(float(s)), blocking=kind == "sync")
-            mgr.wait()
+            assert mgr.saver.save(s, _state(float(s)), blocking=kind == "sync")
+            mgr.saver.wait()
         counts[kind] = (storage.listings, storage.fence_reads)
-    mgr.close()
+    mgr.saver.close()
     return {"counts": counts, "dirs": _dirs(root)}
 
 
@@ -386,9 +413,9 @@ def scenario_split_verification_and_progress(rank, root, group) -> dict:
     for what in ("save", "restore"):  # a manager each: progress calls are throttled to 1/s
         mgr, _ = _manager(rank, root, group, storage, manager_kw=kw, async_save=False)
         ticks["n"] = 0
-        mgr.save(1, _state(1.0), blocking=True) if what == "save" else mgr.restore(_state(0.0))
+        mgr.saver.save(1, _state(1.0), blocking=True) if what == "save" else mgr.restorer.restore(_state(0.0))
         counts[what] = ticks["n"]
-        mgr.close()
+        mgr.saver.close()
     return {"ticks": counts, "opened": storage.opened}
 
 
@@ -450,9 +477,9 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
 
     storage.writer = blocking_writer
     mgr, events = _manager(rank, root, own, storage, manager_kw={"stall_s": 1.0}, async_save=True)
-    assert mgr.save(1, _state(1.0), blocking=False)
+    assert mgr.saver.save(1, _state(1.0), blocking=False)
     try:
-        mgr.wait()
+        mgr.saver.wait()
         raised = None
     except WriterStuck as e:
         raised = str(e)
@@ -472,12 +499,57 @@ def scenario_stuck_async_write_is_not_removed(rank, root, group) -> dict:
             "events": [e["event"] for e in events.seen]}
 
 
+def scenario_async_save_meets_no_peer(rank, root, group) -> dict:
+    """An async save returns on a rank before any other rank began its own: the copy is all it
+    does on the calling thread; the agreement that the step may be written, DCP's planning and
+    the write meet the other ranks in the background. Rank 1 saves only once rank 0's save
+    returned (a barrier on the default group): a save that met its peers on the calling thread
+    would leave both ranks waiting until the checkpoint group's timeout."""
+    import torch.distributed as dist
+
+    ckpt = dist.new_group(backend="gloo", timeout=dt.timedelta(seconds=20))
+    mgr, events = _manager(rank, root, ckpt, async_save=True)
+    returned = []
+    for s in (1, 2, 3):  # from the 2nd on, the cached plans: each rank copies only its share
+        if rank == 1:
+            dist.barrier()
+        returned.append(mgr.saver.save(s, _state(float(s)), blocking=False))
+        if rank == 0:
+            dist.barrier()
+    mgr.saver.wait()
+    copied = mgr.saver._stager.copied  # the last save's copy: one of the two ranks' shares
+    mgr.saver.close()
+    return {"returned": returned, "copied": copied, "dirs": _dirs(root),
+            "checkpoints": [e["step"] for e in events.seen if e["event"] == "checkpoint"]}
+
+
+def scenario_async_save_rank_0_cannot_look(rank, root, group) -> dict:
+    """Rank 0 cannot list the step's directory when an async save starts (its agreement runs in
+    the background): that save is a failure event on rank 0, nothing is written, the caller
+    is not stopped (one failure), and the next save is written."""
+    class Blind(Wrapped):
+        def files(self, name):
+            if name == "step-0000002":
+                raise PermissionError(errno.EACCES, "Permission denied", name)
+            return super().files(name)
+
+    mgr, events = _manager(rank, root, group, Blind(root) if rank == 0 else None, async_save=True)
+    returned = [mgr.saver.save(s, _state(float(s)), blocking=False) for s in (2, 3)]
+    mgr.saver.wait()
+    mgr.saver.close()
+    return {"returned": returned, "dirs": _dirs(root),
+            "failures": [(e["step"], e["asynchronous"], e["message"]) for e in events.seen if e["event"] == "failure"],
+            "checkpoints": [e["step"] for e in events.seen if e["event"] == "checkpoint"]}
+
+
 SCENARIOS = [scenario_verify_fallback, scenario_load_failure_fallback, scenario_nothing_usable,
              scenario_nothing_loads, scenario_async_retention, scenario_quarantine_then_save_again, scenario_unreadable_shard,
              scenario_metadata_unreadable_on_one_rank, scenario_not_shared, scenario_join,
              scenario_commit_needs_every_reported_file, scenario_fence, scenario_fenced_before_its_first_save,
+             scenario_joins_at_its_first_save,
              scenario_round_trips_per_save,
-             scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed]
+             scenario_split_verification_and_progress, scenario_stuck_async_write_is_not_removed,
+             scenario_async_save_meets_no_peer, scenario_async_save_rank_0_cannot_look]
 
 
 def _ranks(rank: int, port: int, root: str) -> None:
@@ -537,7 +609,11 @@ def test_a_checkpoint_is_set_aside_for_failing_to_load_only_if_an_older_one_load
 
 def test_async_saves_retention_and_dtensor_round_trip(seen):
     a, b = (r["scenario_async_retention"] for r in seen)
-    assert a["started"] == [True] * 7 and a["again"] is False  # step 7 exists: nothing written
+    assert a["started"] == [True] * 7
+    # Step 7 exists: the copy was staged (True), and the background found the step complete
+    # before anything was written: a skipped event, no second checkpoint of it.
+    assert a["again"] is b["again"] is True
+    assert a["skipped"] == [[7, "a complete checkpoint step-0000007 already exists"]]
     assert a["checkpoints"] == [[s, True] for s in range(1, 8)]
     assert a["dirs"] == ["step-0000003", "step-0000006", "step-0000007"]  # leftover step-0 gone too
     assert a["step"] == b["step"] == 7 and a["sharded"] == b["sharded"] == [7.0]
@@ -607,11 +683,37 @@ def test_a_generation_superseded_before_a_blocking_save_is_fenced_not_failed(see
     assert a["dirs"] == ["step-0000004"]
 
 
+def test_a_generation_that_restored_nothing_enters_the_fence_at_its_first_save(seen):
+    a, b = (r["scenario_joins_at_its_first_save"] for r in seen)
+    assert a["committed"] is b["committed"] is True
+    assert a["bumped"] == 1, "the save bumped the generation before it wrote"
+    assert a["refused"] is b["refused"] is False and a["events"] == [["fenced", 5]]
+    assert a["manifests"] == ["step-0000004"]
+
+
 def test_a_save_lists_the_root_once_and_reads_the_fence_once(seen):
     a, b = (r["scenario_round_trips_per_save"] for r in seen)
     assert a["counts"] == {"sync": [3, 3], "async": [3, 3]}  # (listings, fence reads) for 3 saves
     assert b["counts"] == {"sync": [0, 0], "async": [0, 0]}
     assert a["dirs"] == ["step-0000005", "step-0000006"]  # retention still purged
+
+
+def test_an_async_save_returns_before_its_peers_began_theirs(seen):
+    a, b = (r["scenario_async_save_meets_no_peer"] for r in seen)
+    assert a["returned"] == b["returned"] == [True, True, True]
+    assert a["checkpoints"] == [1, 2, 3] and a["dirs"] == ["step-0000001", "step-0000002", "step-0000003"]
+    # The last save copied each tensor on one rank only (the cached plans, no agreement first):
+    # four 256x64 float32 tensors and the 8-byte step, split between the two ranks.
+    assert a["copied"] + b["copied"] == 4 * 256 * 64 * 4 + 8 and min(a["copied"], b["copied"]) > 0
+
+
+def test_an_async_save_rank_0_cannot_prepare_is_a_failure_and_training_goes_on(seen):
+    a, b = (r["scenario_async_save_rank_0_cannot_look"] for r in seen)
+    assert a["returned"] == b["returned"] == [True, True]
+    ((step, asynchronous, message),) = a["failures"]
+    assert step == 2 and asynchronous is True and "cannot prepare" in message and "Permission denied" in message
+    assert b["failures"] == []  # rank 0 narrates
+    assert a["checkpoints"] == [3] and a["dirs"] == ["step-0000003"]
 
 
 def test_verification_is_split_over_ranks_and_progress_is_reported(seen):

@@ -121,7 +121,9 @@ def _state(value: float, extra: bool = False) -> dict:
 def _ranks(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
-    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.collective import Ranks
+    from elastic_harness.checkpoint.manager import Checkpoints
+    from elastic_harness.checkpoint.site import Site
     from elastic_harness.spec import CheckpointSpec
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -130,25 +132,27 @@ def _ranks(rank: int, port: int, root: str) -> None:
     seen: dict = {"hold": "step-0000001"}
     entered = threading.Event()
     storage = _observed_storage(Path(root), seen, entered)
-    mgr = CheckpointManager(storage, CheckpointSpec(keep=5, async_save=True), rank=rank, world_size=2,
-                            group=group, events=Events(), info={"task": "t", "job": "j"})
+    events = Events()
+    mgr = Checkpoints.build(Site(storage, Ranks(rank, 2, group), events, {"task": "t", "job": "j"}),
+                            CheckpointSpec(keep=5, async_save=True))
     try:
-        mgr.save(1, _state(1.0), blocking=False)  # async: nobody waits on it ...
+        mgr.saver.save(1, _state(1.0), blocking=False)  # async: nobody waits on it ...
         assert entered.wait(60), "the write of step 1 never started"
-        mgr.wait()  # ... until now: the held write is lifted
-        after_wait = sorted(set(mgr.threads.classes().values()))
-        mgr.save(3, _state(3.0), blocking=True)
-        mgr.save(4, _state(4.0, extra=True), blocking=False)
-        mgr.save(5, _state(5.0, extra=True), blocking=False)
-        mgr.wait()
+        mgr.saver.save(2, _state(2.0), blocking=False)  # ... until the next save: the held write is lifted
+        after_wait = sorted(set(mgr.saver.threads.classes().values()))
+        mgr.saver.save(3, _state(3.0), blocking=True)
+        mgr.saver.save(4, _state(4.0, extra=True), blocking=False)
+        mgr.saver.save(5, _state(5.0, extra=True), blocking=False)
+        mgr.saver.wait()
         back = _state(0.0, extra=True)
-        loaded = mgr.restore(back)
+        loaded = mgr.restorer.restore(back)
         values = sorted({float(t.unique()) for t in back["model"].values()})
     finally:
-        mgr.close()
+        mgr.saver.close()
         dist.destroy_process_group()
     out = {"seen": {k: v for k, v in seen.items() if k != "hold"}, "after_wait": after_wait,
-           "lowered": mgr.threads.lowered, "loaded": loaded.step, "values": values}
+           "saved": [(e["step"], e["blocking_s"], e["waited_s"]) for e in events.seen if e["event"] == "checkpoint"],
+           "lowered": mgr.saver.threads.lowered, "loaded": loaded.step, "values": values}
     Path(root, f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -163,9 +167,13 @@ def test_async_writes_run_idle_until_waited_on_and_blocking_saves_normal(ranks):
         assert r["lowered"] is True
         seen = r["seen"]
         assert seen["step-0000001"] == [os.SCHED_IDLE, os.SCHED_OTHER], \
-            "idle while nobody waited (training keeps the CPU), lifted by wait()"
+            "idle while nobody waited (training keeps the CPU), lifted by the next save's wait"
         assert r["after_wait"] == [os.SCHED_IDLE], "and lowered it again after"
         assert seen["step-0000003"] == [os.SCHED_OTHER], "a blocking save is waited on throughout"
+    saved = {step: (blocking, waited) for step, blocking, waited in ranks[0]["saved"]}
+    assert sorted(saved) == [1, 2, 3, 4, 5]
+    assert saved[2][1] > 0, "step 2's save waited for step 1's held write ..."
+    assert all(blocking >= waited for blocking, waited in saved.values()), "... and its blocking_s counts that wait"
 
 
 def test_cached_plans_follow_a_changed_state(ranks):

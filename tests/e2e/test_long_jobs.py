@@ -21,6 +21,7 @@ from elastic_harness.launch.policy import (
     budget_refill,
     exhausted_message,
     failed_stop_grace,
+    restarts_after_failure,
     restarts_left,
 )
 from elastic_harness.records.goodput import GoodputLedger
@@ -93,6 +94,40 @@ def test_the_agent_refills_torchs_counter_on_progress(tmp_path):
     agent._settle_budget(failed)  # no progress since the last one: 2 within the window > 1
     assert agent.remaining_restarts == 0
     assert "max_restarts=1" in agent.exhausted and "rank 0 exit -9" in agent.exhausted
+
+
+def test_a_peers_failure_heard_first_is_judged_by_the_refilled_budget(tmp_path):
+    """In place, a survivor's failed collective may be heard before any exit of this node:
+    the agent then decides, before the failure is settled, whether the group is kept (a restart
+    follows) or killed. torch's counter still reads what the last restart left (0 with
+    max_restarts=1); the window forgave that restart since (CI: the survivors were killed, and
+    the kill counted as a second failure without progress, ending the job)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+
+    from elastic_harness.agent.elastic import AgentSettings, HarnessAgent
+
+    assert restarts_after_failure([13], 30, 1, 10) == 1  # 17 steps since: forgiven, one restart follows
+    assert restarts_after_failure([13], 20, 1, 10) == 0  # within the window: the budget is spent
+    assert restarts_after_failure([], 5, 3, 0) == 3
+
+    class NoRendezvous:
+        def get_run_id(self) -> str:
+            return "t"
+
+    high = [13]
+    spec = WorkerSpec(role="w", local_world_size=1, rdzv_handler=NoRendezvous(), entrypoint=sys.executable,
+                      args=("-c", "pass"), max_restarts=1)
+    agent = HarnessAgent(spec=spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+                         settings=AgentSettings(judge=lambda: None, progress=lambda: high[0], restart_window=10))
+    agent._settle_budget(RunResult(state=WorkerState.FAILED, failures={
+        0: ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=str(tmp_path / "none.json"))}))
+    agent.remaining_restarts -= 1  # torch restarts
+    high[0] = 30
+    assert agent.remaining_restarts == 0 and agent._restarts_after_failure() == 1
+    high[0] = 20
+    assert agent._restarts_after_failure() == 0
 
 
 # ----- 6. the restarts-exhausted message -------------------------------------------------------

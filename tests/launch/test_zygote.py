@@ -197,6 +197,19 @@ def test_the_zygote_resolves_the_job_schema_before_its_forks_read_a_job(preloade
     assert len(printed) >= 2 and int(printed[1]) >= 5, preloaded_entry.stderr[-2000:]
 
 
+def test_the_host_zygote_imports_tensorboard_only_for_a_job_that_writes_it():
+    """``run``'s host zygote preloads before any agent can start: TensorBoard's writer (a third
+    of a CPU second) only when ``metrics.tensorboard`` is on, as the agents' own zygotes do;
+    the modules that wait for the run dir never."""
+    from elastic_harness.runtime.zygote import AFTER_RUN_DIR, TENSORBOARD
+    from elastic_harness.simcluster.cluster import host_preload
+
+    assert TENSORBOARD not in host_preload(tensorboard=False)
+    assert TENSORBOARD in host_preload(tensorboard=True)
+    assert not set(AFTER_RUN_DIR) & set(host_preload(tensorboard=True))
+    assert "torch" in host_preload(tensorboard=False)
+
+
 def test_workers_get_fixed_malloc_thresholds_unless_the_user_chose():
     """The zygote and its workers start with fixed glibc thresholds (the dynamic ones left
     forked workers faulting ~1500 pages a step); any MALLOC_* of the user's wins."""
@@ -228,12 +241,49 @@ def test_a_worker_gets_its_control_channel_through_the_zygote(zygote, tmp_path):
 
     assert heard("parked")["step"] == 7
     assert lines.say(pid, "leave", reason="rank 3 died")
+    assert lines.say(pid, "leave", reason="node 2 is gone", remote=True)  # another node's failure
     assert lines.say(pid, "reform", env={"RANK": "5"})
     got = heard("reformed")
-    assert got["rank"] == "5" and got["left"] == ["rank 3 died"] and got["pid"] == pid
+    assert got["rank"] == "5" and got["pid"] == pid
+    assert got["left"] == [["rank 3 died", False], ["node 2 is gone", True]]
     assert lines.say(pid, "exit")
     assert _exit_of(zygote, pid) == 0
     lines.close()
+
+
+def test_a_kept_worker_has_its_next_place_before_the_groups_context_is_made_and_once(zygote, tmp_path):
+    """In place, a kept worker's ``reform`` order goes out as soon as torch made the next
+    group's variables (``Keep.hand_over``), before torch sets up that group's log files (the
+    context's construction); the context then adopts it without a second order."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elastic_harness.agent.warm import Keep, WarmContext
+
+    keep = Keep()
+    ours, theirs = keep.lines.open_line()
+    pid = zygote.spawn("tests.control_child", [], {"PATH": os.environ.get("PATH", "")},
+                       stdout=str(tmp_path / "out"), stderr=str(tmp_path / "err"), unbuffered=True, line=theirs)
+    theirs.close()
+    keep.lines.adopt(pid, ours)
+    said = []
+
+    def heard(op):
+        wait_until(lambda: said.extend(m for _, m in keep.lines.hear()) or any(m["op"] == op for m in said),
+                   30, f"the worker's {op}")
+
+    heard("parked")
+    keep.kept = {0: pid}
+    envs = {0: {"RANK": "5", "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_RESTART_COUNT": "1"}}
+    keep.hand_over(envs, zygote.exits)
+    heard("reformed")  # before any context of the next group exists
+    context = WarmContext("w", zygote, {0: ("-u", "-m", "tests.control_child")}, envs,
+                          DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), keep=keep)
+    assert context._adopt(0) and context.adopted == {0: pid} and keep.kept == {}
+    assert keep.lines.say(pid, "exit")
+    assert _exit_of(zygote, pid) == 0
+    said.extend(m for _, m in keep.lines.hear())
+    assert [m["rank"] for m in said if m["op"] == "reformed"] == ["5"], "one order, not two"
+    keep.lines.close()
 
 
 def test_a_worker_without_a_line_has_no_control_channel(zygote, tmp_path):

@@ -23,17 +23,12 @@ PARAMS = 8
 # "path:class": classes over METHODS, each with the reason it waits: a split to come (remove
 # it when it lands), or a signature that stays (a public one).
 WAITING_CLASSES: dict[str, str] = {
-    "checkpoint/manager.py:CheckpointManager": "save, load, verify and purge in one object: it splits into a saver, "
-                                               "a loader, a verifier and a purger sharing the storage and ranks; "
-                                               "that split is a change of its own, still to come",
     "torchcompat/groups.py:LiveGroup": "stays: torch's ProcessGroup as Python sees it, one method per collective torch "
                                        "calls (each under every name torch 2.11-2.15 gives it)",
 }
 
 # "path:qualified name": functions over PARAMS, each with its reason, as above.
 WAITING_FUNCTIONS: dict[str, str] = {
-    "checkpoint/manager.py:CheckpointManager.__init__": "goes with the manager's split (save / load / verify / "
-                                                        "purge), a change of its own still to come",
     "data/stream.py:Stream.__init__": "the public stream constructor: each parameter is a documented keyword "
                                       "(docs/streaming.md)",
     "rendezvous/handler.py:record_event": "stays: torch's construct_and_record_rdzv_event, replaced in torch's "

@@ -4,7 +4,10 @@ replica's shard-local gradient of the step before the replica all-reduce (deferr
 step's end); when replica 1 (ranks 2 and 3, one node) dies in the step's backward pass or in its
 replica all-reduce, the survivors re-form at world size 2, compute the lost replica's samples as
 extra micro-batches at the new membership and add their kept gradients (``reduce_kept``): the
-gradient is the mean over the step's 16 samples, as the uninterrupted step's."""
+gradient is the mean over the step's 16 samples, as the uninterrupted step's. Also when the
+survivors' agent tells them of the loss before their own backward has reduce-scattered anything
+(``told``): the word of another node's loss leaves the shard group running until the node is
+past its backward (``KeptShards.holding``)."""
 
 from __future__ import annotations
 
@@ -70,6 +73,23 @@ def _die(*_args) -> None:
     os._exit(3)
 
 
+def _told(gens, kept):
+    """A hook that gives this rank its agent's word of another node's loss, as the control line
+    does (``Recovery._left``, remote), before the backward pass has reduce-scattered anything."""
+    import socket
+
+    from elastic_harness.runtime.control import Control
+    from elastic_harness.runtime.inplace import Recovery
+
+    recovery = Recovery(Control(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)[0]), gens, 30.0,
+                        holding=kept.holding)
+
+    def hook(grad):
+        recovery._left("node 1 is gone", remote=True)
+        return grad
+    return hook
+
+
 def _lost_replica(rank, world, port, out, port2, during):
     join(rank, world, port, True)
     gens = generations.current()
@@ -77,8 +97,10 @@ def _lost_replica(rank, world, port, out, port2, during):
     kept = inflight.KeptShards(mesh["dp_replicate"].get_group(), mesh["dp_shard"].get_group()).install()
     kept.begin(1)
     loss = scaled_loss(m, per_rank(rank, world), R * S)
-    if rank >= S and during == "backward":
+    if rank >= S and during in ("backward", "told"):
         loss.register_hook(_die)  # replica 1's node dies as its backward pass begins
+    if rank < S and during == "told":
+        loss.register_hook(_told(gens, kept))  # the survivors' agent says so before their reduce-scatters
     loss.backward()
     if rank >= S:
         _die()  # ... or as the replica all-reduce starts
@@ -120,7 +142,7 @@ def test_each_rank_keeps_its_replicas_shard_local_gradient_before_the_replica_al
             assert not torch.allclose(kept[0], grad, atol=1e-6), f"{name}: kept before the all-reduce"
 
 
-@pytest.mark.parametrize("during", ["backward", "reduction"])
+@pytest.mark.parametrize("during", ["backward", "reduction", "told"])
 def test_the_survivors_finish_the_step_of_a_lost_replica_with_the_mean_of_its_samples(tmp_path, during):
     out = tmp_path / "finished.json"
     codes = run_ranks(_lost_replica, R * S, str(out), free_port(), during, awaited=(0, 1, 2, 3))

@@ -124,7 +124,9 @@ def _manager_scenarios(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from elastic_harness.checkpoint import integrity
-    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.collective import Ranks
+    from elastic_harness.checkpoint.manager import Checkpoints
+    from elastic_harness.checkpoint.site import Site
     from elastic_harness.checkpoint.storage import LocalStorage
     from elastic_harness.spec import CheckpointSpec
     from tests.checkpoint.test_ckpt_manager import Events
@@ -137,9 +139,8 @@ def _manager_scenarios(rank: int, port: int, root: str) -> None:
         storage = LocalStorage(where)
         storage.ensure()
         events = Events()
-        return storage, CheckpointManager(storage, CheckpointSpec(async_save=False, verify="size", keep=2),
-                                          rank=0, world_size=1, group=dist.group.WORLD, events=events,
-                                          info={"task": "t", "job": "j"}, key=KEY), events
+        site = Site(storage, Ranks(0, 1, dist.group.WORLD), events, {"task": "t", "job": "j"}, key=KEY)
+        return storage, Checkpoints.build(site, CheckpointSpec(async_save=False, verify="size", keep=2)), events
 
     def state(v: float) -> dict:
         return {"model": {"w": torch.full((4,), v)}, "train": {"step": torch.tensor(int(v))}}
@@ -147,23 +148,23 @@ def _manager_scenarios(rank: int, port: int, root: str) -> None:
     try:
         storage, mgr, _ = manager(Path(root) / "trusted")
         for step in (1, 2):
-            mgr.save(step, state(float(step)), blocking=True)
-        mgr.close()
+            mgr.saver.save(step, state(float(step)), blocking=True)
+        mgr.saver.close()
         storage.remove("step-0000002")
         plant(storage, "step-0000002", Path(root) / "pwned-trusted", step=2)
         out["trusted"] = integrity.trust(storage, "step-0000002", KEY).ok  # as `ckpt trust RUN_DIR` did
         storage, mgr, events = manager(Path(root) / "trusted")
         target = state(0.0)
-        out["loaded"], out["value"] = mgr.restore(target).step, float(target["model"]["w"][0])
+        out["loaded"], out["value"] = mgr.restorer.restore(target).step, float(target["model"]["w"][0])
         out["set_aside"] = [(e["name"], e["kind"]) for e in events.seen if e["event"] == "quarantine"]
-        mgr.close()
+        mgr.saver.close()
 
         storage, mgr, events = manager(Path(root) / "slots")
         plant(storage, "step-0000003", None, step=3)  # the step this job saves next
         plant(storage, "step-9999999", None, step=9999999)  # far ahead: the newest there is
         for step in (1, 2, 3):
-            out[f"saved{step}"] = mgr.save(step, state(float(step)), blocking=True)
-        mgr.close()
+            out[f"saved{step}"] = mgr.saver.save(step, state(float(step)), blocking=True)
+        mgr.saver.close()
         out["listing"] = sorted(storage.listing())
         out["ours"] = sorted(n for n in out["listing"] if integrity.signed_by(storage, n, KEY).ok)
         out["events"] = [(e["event"], e.get("name"), e.get("kind")) for e in events.seen

@@ -351,7 +351,9 @@ def _one_rank(rank: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from elastic_harness.checkpoint import integrity
-    from elastic_harness.checkpoint.manager import CheckpointManager
+    from elastic_harness.checkpoint.collective import Ranks
+    from elastic_harness.checkpoint.manager import Checkpoints
+    from elastic_harness.checkpoint.site import Site
     from elastic_harness.checkpoint.storage import LocalStorage
     from elastic_harness.errors import CheckpointError
     from elastic_harness.spec import CheckpointSpec
@@ -365,9 +367,8 @@ def _one_rank(rank: int, port: int, root: str) -> None:
         storage = LocalStorage(where)
         storage.ensure()
         events = Events()
-        return CheckpointManager(storage, CheckpointSpec(async_save=False, verify="size"), rank=0, world_size=1,
-                                 group=dist.group.WORLD, events=events, info={"task": "t", "job": "j"},
-                                 key=key), events
+        site = Site(storage, Ranks(0, 1, dist.group.WORLD), events, {"task": "t", "job": "j"}, key=key)
+        return Checkpoints.build(site, CheckpointSpec(async_save=False, verify="size")), events
 
     def state(v: float) -> dict:
         return {"model": {"w": torch.full((8,), v)}, "train": {"step": torch.tensor(int(v))}}
@@ -376,31 +377,31 @@ def _one_rank(rank: int, port: int, root: str) -> None:
         signed = Path(root) / "signed"
         mgr, _ = manager(signed, KEY)
         for step in (1, 2):
-            mgr.save(step, state(float(step)), blocking=True)
-        mgr.close()
+            mgr.saver.save(step, state(float(step)), blocking=True)
+        mgr.saver.close()
         _forge_metadata(signed / "step-0000002", str(Path(root) / "pwned"))
         mgr, events = manager(signed, KEY)
         target = state(0.0)
-        loaded = mgr.restore(target)
+        loaded = mgr.restorer.restore(target)
         out["loaded"], out["value"] = loaded.step, float(target["model"]["w"][0])
         out["quarantined"] = [(e["name"], e["kind"]) for e in events.seen if e["event"] == "quarantine"]
-        mgr.close()
+        mgr.saver.close()
 
         legacy = Path(root) / "legacy"
         mgr, _ = manager(legacy, None)  # as written before checkpoints were signed
-        mgr.save(3, state(3.0), blocking=True)
-        mgr.close()
+        mgr.saver.save(3, state(3.0), blocking=True)
+        mgr.saver.close()
         mgr, _ = manager(legacy, KEY)
         try:
-            mgr.restore(state(0.0))
+            mgr.restorer.restore(state(0.0))
             out["legacy"] = "loaded"
         except CheckpointError as e:
             out["legacy"] = str(e)
         out["legacy_left_in_place"] = (legacy / "step-0000003").is_dir()
         out["trusted"] = integrity.trust(LocalStorage(legacy), "step-0000003", KEY).ok
         target = state(0.0)
-        out["after_trust"] = mgr.restore(target).step
-        mgr.close()
+        out["after_trust"] = mgr.restorer.restore(target).step
+        mgr.saver.close()
     finally:
         dist.destroy_process_group()
         (Path(root) / "rank0.json").write_text(json.dumps(out))

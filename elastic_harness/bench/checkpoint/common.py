@@ -1,7 +1,7 @@
 """What both halves of ``bench checkpoint``'s ranks share (``checkpoint.ranks``, ``checkpoint.train``).
 
 The event sink, the slowest-rank timer, the sharded view of the test state, the raw-write
-baseline and the manager under test. Imports nothing else of the bench, so neither half
+baseline and the saver under test. Imports nothing else of the bench, so neither half
 imports the other back.
 """
 
@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic_harness.checkpoint.manager import CheckpointManager
+from elastic_harness.checkpoint.collective import Ranks
+from elastic_harness.checkpoint.manager import Checkpoints, Saver
+from elastic_harness.checkpoint.site import Site
 from elastic_harness.checkpoint.storage import LocalStorage
 from elastic_harness.spec import CheckpointSpec
 
@@ -75,9 +77,9 @@ def local_tensors(state: dict) -> list[torch.Tensor]:
     return [d.to_local() for part in state.values() for d in part.values()]
 
 
-def make_manager(rank: int, root: Path, group: Any, async_save: bool, events: Events) -> CheckpointManager:
+def make_saver(rank: int, root: Path, group: Any, async_save: bool, events: Events) -> Saver:
     storage = LocalStorage(root)
     storage.ensure()
     policy = CheckpointSpec(keep=2, async_save=async_save, verify="size")
-    return CheckpointManager(storage, policy, rank=rank, world_size=2, group=group, events=events,
-                             info={"task": "bench", "job": "bench"})
+    site = Site(storage, Ranks(rank, 2, group), events, {"task": "bench", "job": "bench"})
+    return Checkpoints.build(site, policy).saver

@@ -1,6 +1,6 @@
 """The floor under ``bench checkpoint``'s training overhead: raw durable writes, nothing else.
 
-Every ``every`` steps a background thread in ``SCHED_IDLE`` (as the checkpoint manager's
+Every ``every`` steps a background thread in ``SCHED_IDLE`` (as the checkpoint saver's
 write thread runs) writes as many bytes as this rank's share of a save, from one
 page-aligned buffer, with their CRC32 (what the manifest records), then fsyncs the file and
 its directory; the file before last is removed, as retention would. With ``O_DIRECT``

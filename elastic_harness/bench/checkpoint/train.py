@@ -4,7 +4,7 @@ Save measurements (per repeat, interleaved, order rotating):
 
 - ``raw_write``: each rank writes its shard's bytes to one file + fsync (+ directory fsync):
   the disk's bandwidth with DCP's durability.
-- ``dcp_sync_save``: ``CheckpointManager.save(blocking=True)``: DCP write, ``.metadata`` and
+- ``dcp_sync_save``: ``Saver.save(blocking=True)`` (``checkpoint.manager``): DCP write, ``.metadata`` and
   the checksummed manifest (the harness's full commit).
 - ``dcp_only_sync_save``: plain ``dcp.save`` to a fresh directory (no manifest).
 - ``async_blocking``: how long ``save`` blocks with async on (staging into host memory);
@@ -45,7 +45,7 @@ from torch import nn
 from elastic_harness.bench.checkpoint.common import (
     Events,
     local_tensors,
-    make_manager,
+    make_saver,
     raw_write,
     sharded,
     timed,
@@ -58,8 +58,8 @@ from elastic_harness.runtime.state import ModelState, OptimState
 def save_phase(rank: int, full: dict, mesh2: Any, g2: Any, ckpt_group: Any, root: Path,
                repeats: int, samples: dict) -> None:
     state = sharded(full, mesh2, rank, 2, fill=True)
-    sync_m = make_manager(rank, root / "sync", ckpt_group, False, Events())
-    async_m = make_manager(rank, root / "async", ckpt_group, True, Events())
+    sync_m = make_saver(rank, root / "sync", ckpt_group, False, Events())
+    async_m = make_saver(rank, root / "async", ckpt_group, True, Events())
     step = iter(range(1, 10**9))
     scratch = root / "scratch"
     (root / "raw").mkdir(exist_ok=True)
@@ -139,8 +139,8 @@ def train_phase(rank: int, cfg: dict, g2: Any, ckpt_group: Any, root: Path, samp
         optim.step()
 
     managers = {
-        "step_async_save": make_manager(rank, root / "train-async", ckpt_group, True, Events()),
-        "step_sync_save": make_manager(rank, root / "train-sync", ckpt_group, False, Events()),
+        "step_async_save": make_saver(rank, root / "train-async", ckpt_group, True, Events()),
+        "step_sync_save": make_saver(rank, root / "train-sync", ckpt_group, False, Events()),
     }
     floor = Floor(rank, root / "floor", [p.detach() for p in model.parameters()], world=2)
     runs = {**{k: managers.get(k) for k in ("step_no_save", *managers)},

@@ -11,17 +11,18 @@ latest generation that recorded it (as the audit reads them).
 - steps redone: steps recorded by a healthy rank in a generation that did not count, except
   the ones a ``finished`` event says were finished in place (their records carry on);
 - longest gap: between two consecutive ``step`` events (one per committed step, written by
-  rank 0) of healthy processes, beside the median of those intervals;
+  rank 0) of healthy processes, during the loss (``gaps``), beside the whole run's and the
+  median of those intervals;
 - global batch held: every step's counting records hold exactly its global batch's positions.
 """
 
 from __future__ import annotations
 
 import itertools
-import statistics
 from pathlib import Path
 
 from elastic_harness import runfiles
+from elastic_harness.bench.inflight import gaps as gaps_during
 from elastic_harness.bench.inflight import job
 from elastic_harness.bench.recovery.launching import run_harness
 from elastic_harness.data.sampler import micro_batches
@@ -44,7 +45,7 @@ def run(run_dir: Path, *, groups: int, steps: int, kill_at: int, in_step: bool, 
                   global_batch=job.GLOBAL_BATCH, micro_batch=job.MICRO_BATCH)
     verdict = "completed" if code == 0 and out["completed"] else f"exit {code}" if code else "incomplete"
     done = verdict == "completed"
-    keys = ("discarded_micro_batches", "longest_gap_s", "median_step_s", "steps_redone")
+    keys = ("discarded_micro_batches", "longest_gap_s", "longest_gap_anywhere_s", "median_step_s", "steps_redone")
     row = {"verdict": verdict, **{k: out[k] if done else None for k in keys},
            "global_batch_held": done and out["global_batch_held"]}
     return {"row": row, "verdict": verdict, "exit": code, **out}
@@ -92,8 +93,12 @@ def analyze(events: list[dict], records: list[dict], *, steps: int, global_batch
 
 
 def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
-    """Seconds from the fault to a survivor's re-formation (with its phases), to the step in
-    flight finished in place, and to the next step event of a healthy process."""
+    """Seconds from the fault to each moment of the first survivor's recovery, in order: its
+    generation broke under it (``to_detected_s``), it had its place in the next generation
+    from its agent (``to_placed_s``), it re-formed (with its phases), the step in flight
+    finished in place (with the ``finished`` event's phases) and the next step event of a
+    healthy process. The first two are its ``reformed`` event less its phases, which are
+    consecutive from the break (leave, park, reform; ``report.inplace`` reads them so)."""
     fault = next((e for e in events if e["event"] == "fault"), None)
     if fault is None:
         return {"fired": False}
@@ -102,24 +107,27 @@ def fault_figures(events: list[dict], lost_pids: set[int]) -> dict:
     def first(kind: str) -> dict | None:
         return next((e for e in events if e["event"] == kind and e["t"] >= t and e.get("pid") not in lost_pids), None)
 
+    def since(e: dict | None, back: float = 0.0) -> float | None:
+        return round(e["t"] - back - t, 3) if e else None
+
     reformed, finished, step = first("reformed"), first("finished"), first("step")
+    phases = (reformed or {}).get("phases_s") or {}
     return {"fired": True, "after_step": fault.get("step"),
-            "to_reformed_s": round(reformed["t"] - t, 3) if reformed else None,
-            "reformed_phases_s": reformed.get("phases_s") if reformed else None,
-            "to_finished_s": round(finished["t"] - t, 3) if finished else None,
-            "to_next_step_s": round(step["t"] - t, 3) if step else None}
+            "to_detected_s": since(reformed, sum(phases.values())) if phases else None,
+            "to_placed_s": since(reformed, phases.get("reform", 0.0)) if phases else None,
+            "to_reformed_s": since(reformed), "reformed_phases_s": phases or None,
+            "to_finished_s": since(finished), "finished_phases_s": (finished or {}).get("phases_s"),
+            "to_next_step_s": since(step)}
 
 
 def gap_figures(events: list[dict], lost_pids: set[int]) -> dict:
-    """The longest interval between consecutive step events of healthy processes, and the
-    median interval (both in seconds)."""
+    """The intervals between consecutive step events of healthy processes: the longest during
+    the loss, the longest of the run and the median (``gaps.figures``, in seconds)."""
     points = sorted((e["t"], e["step"]) for e in events
                     if e["event"] == "step" and e.get("pid") not in lost_pids)
-    gaps = [(b[0] - a[0], a[1], b[1]) for a, b in itertools.pairwise(points)]
-    longest = max(gaps, default=None, key=lambda g: g[0])
-    return {"longest_gap_s": round(longest[0], 3) if longest else None,
-            "longest_gap_between_steps": list(longest[1:]) if longest else None,
-            "median_step_s": round(statistics.median(g[0] for g in gaps), 4) if gaps else None}
+    fault = next((e for e in events if e["event"] == "fault"), None)
+    gaps = [(b[0] - a[0], a[1], b[1], b[0]) for a, b in itertools.pairwise(points)]
+    return gaps_during.figures([gaps], fault["t"] if fault else None)
 
 
 def batch_figures(records: list[dict], counts: dict[int, str], steps: int, global_batch: int) -> dict:

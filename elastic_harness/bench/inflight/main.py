@@ -16,7 +16,8 @@ Runs alternate (repeat r: harness first when r is even, torchft first when odd),
 drift hits both sides. Per run and side (``harness_side``, ``torchft_stats``):
 
 - micro-batches discarded on healthy ranks (computed for a step that was then thrown away);
-- the healthy ranks' longest gap between two committed steps, beside the median step time;
+- the healthy ranks' longest gap between two committed steps during the loss (the gap the
+  fault falls in and the next: ``gaps``), beside the whole run's and the median step time;
 - steps redone;
 - whether every step's update was over the whole global batch.
 
@@ -128,7 +129,7 @@ def median(values: list) -> float | None:
 def side_row(runs: list[dict]) -> dict:
     """A side's row: medians of each figure over its runs, and each run's verdict."""
     rows = [r["row"] for r in runs]
-    keys = ("discarded_micro_batches", "longest_gap_s", "median_step_s", "steps_redone")
+    keys = ("discarded_micro_batches", "longest_gap_s", "longest_gap_anywhere_s", "median_step_s", "steps_redone")
     return {**{k: median([r.get(k) for r in rows]) for k in keys},
             "global_batch_held": bool(rows) and all(r.get("global_batch_held") for r in rows),
             "verdicts": [r["verdict"] for r in rows], "runs": len(rows),

@@ -3,8 +3,9 @@
 
 - discarded micro-batches: those of the healthy groups' attempts that ``should_commit``
   refused (computed, then dropped; torchft's loader does not give them back);
-- longest gap: the healthy groups' longest time between the ends of two committed steps,
-  beside the median of those intervals (a step time);
+- longest gap: the healthy groups' longest time between the ends of two committed steps
+  during the loss (``gaps``), beside the whole run's and the median of those intervals (a
+  step time);
 - steps redone: per healthy group, attempts less commits (a refused step's number is tried
   again); the most over the groups;
 - global batch held: every step 1..steps was committed as an update over the whole global
@@ -17,10 +18,11 @@ import contextlib
 import itertools
 import json
 import re
-import statistics
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from elastic_harness.bench.inflight import gaps as gaps_during
 
 LIGHTHOUSE_LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}) \[\w+\] \[[\w:]+\] - (.*)$")
 DECISIONS = ("Quorum status", "Detected quorum change", "Detected commit failures")
@@ -58,15 +60,12 @@ def analyze(records: list[dict], cfg: Any, lighthouse: list[tuple[float, str]]) 
     kill = next((r for r in records if r.get("event") == "kill"), None)
     healthy = sorted({r["group"] for r in steps} - {cfg.kill_group})
     per_group = {g: group_figures([r for r in steps if r["group"] == g]) for g in healthy}
-    gaps = [gap for g in healthy for gap in per_group[g].pop("gaps")]
-    longest = max(gaps, default=None, key=lambda gap: gap[0])
+    series = [per_group[g].pop("gaps") for g in healthy]
     refused = [r for r in steps if r["group"] in healthy and not r["committed"]]
     return {
         "discarded_micro_batches": sum(r["micro_batches"] for r in refused),
         "discarded_samples": sum(r["samples"] for r in refused),
-        "longest_gap_s": round(longest[0], 3) if longest else None,
-        "longest_gap_between_steps": list(longest[1:]) if longest else None,
-        "median_step_s": round(statistics.median(g[0] for g in gaps), 4) if gaps else None,
+        **gaps_during.figures(series, kill["t"] if kill else None),
         "steps_redone": max((g["attempts"] - g["commits"] for g in per_group.values()), default=0),
         "completed": bool(healthy) and all(per_group[g]["last_step"] >= cfg.steps for g in healthy),
         **global_batch(steps, cfg),
@@ -77,11 +76,11 @@ def analyze(records: list[dict], cfg: Any, lighthouse: list[tuple[float, str]]) 
 
 def group_figures(records: list[dict]) -> dict:
     """One group's attempts, commits, last committed step, refused steps, and the intervals
-    (seconds, from step, to step) between its consecutive commits."""
+    (seconds, from step, to step, when the later ended) between its consecutive commits."""
     done = sorted((r for r in records if r["committed"]), key=lambda r: r["t"])
     return {"attempts": len(records), "commits": len(done), "last_step": done[-1]["step"] if done else 0,
             "refused_steps": [r["step"] for r in records if not r["committed"]],
-            "gaps": [(b["t"] - a["t"], a["step"], b["step"]) for a, b in itertools.pairwise(done)]}
+            "gaps": [(b["t"] - a["t"], a["step"], b["step"], b["t"]) for a, b in itertools.pairwise(done)]}
 
 
 def global_batch(steps: list[dict], cfg: Any) -> dict:
@@ -130,6 +129,6 @@ def row(out: dict, verdict: str) -> dict:
     """The bench row's four figures for this side; none unless the healthy groups finished
     (a crash is then the answer)."""
     done = verdict == "completed"
-    keys = ("discarded_micro_batches", "longest_gap_s", "median_step_s", "steps_redone")
+    keys = ("discarded_micro_batches", "longest_gap_s", "longest_gap_anywhere_s", "median_step_s", "steps_redone")
     return {"verdict": verdict, **{k: out[k] if done else None for k in keys},
             "global_batch_held": bool(out["global_batch_held"]) and done}
