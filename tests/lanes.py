@@ -1,5 +1,5 @@
 """Tests that must have the machine to themselves while pytest-xdist runs the others in
-parallel (the README's command: ``pytest -n 2 --dist loadgroup``).
+parallel (``pytest -n 2 --dist loadgroup``; the README's command still runs one at a time).
 
 ``@pytest.mark.alone``: no other test of this session runs while it does. Each test takes a
 lock shared between the session's workers (``flock`` on a file in the session's temp dir,
@@ -71,7 +71,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On xdist workers the end-to-end tests come first (in their order), the fast tier after:
-    the scheduler hands tests out in this order, so the minutes-long ones start early and the
+    the scheduler hands tests out in this order (under ``--dist loadgroup`` after the groups,
+    which xdist hands out first, largest first), so the minutes-long ones start early and the
     second-long ones fill the gaps at the end, instead of one worker running the suite's last
     long test while the other has nothing left. Every worker sorts alike (xdist requires one
     collection)."""
