@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist: @pytest.mark.alone, and the order tests are handed out in (tests/lanes.py)
+from tests.lanes import pytest_collection_modifyitems, pytest_runtest_protocol  # noqa: F401
+
 KEEP_TMP_VAR = "ELASTIC_HARNESS_KEEP_TEST_TMP"
 
 

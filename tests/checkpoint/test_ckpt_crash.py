@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MLP, REPO, cli
+from tests.lanes import DETECTION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -90,6 +91,7 @@ def reference(tmp_path_factory):
     return r.summary["model_digest"]
 
 
+@pytest.mark.xdist_group("ckpt-crash-reference")  # computed once, on one worker
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, reference, async_save):
     mode = ["--set", f"checkpoint.async_save={async_save}"]
@@ -108,6 +110,7 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(tmp_path, referenc
     assert (step_dir / "manifest.json").exists()  # step 10 re-saved cleanly on the way
 
 
+@DETECTION
 def test_a_worker_frozen_inside_a_save_is_killed_by_its_watchdog_not_its_peers_timeout(tmp_path):
     """Rank 1 frozen (SIGSTOP) in the middle of a synchronous save, saves every 5 steps (issue
     42): every save's watchdog budget was the process group's timeout, so the frozen worker

@@ -21,7 +21,8 @@ import torch
 
 from tests.servers import spawn_ranks
 
-pytestmark = pytest.mark.timeout(180)
+# The ranks' run most tests read (``seen``) is computed once, on one worker (tests/lanes.py)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("ckpt-manager-ranks")]
 
 
 class Events:

@@ -26,7 +26,8 @@ from elastic_harness.checkpoint.scheduling import (
 from tests.checkpoint.test_ckpt_manager import Events  # the manager tests' event recorder
 from tests.servers import spawn_ranks
 
-pytestmark = pytest.mark.timeout(120)
+# The ranks' run its tests read (``ranks``) is computed once, on one worker (tests/lanes.py)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("ckpt-scheduling-ranks")]
 needs_idle = pytest.mark.skipif(not can_lift(), reason="this process cannot leave SCHED_IDLE again")
 
 

@@ -82,6 +82,7 @@ def saved_run(tmp_path_factory):
         (["train.seed=5"], ["cannot continue this job", "train.seed=0"]),
     ],
 )
+@pytest.mark.xdist_group("saved-run")  # computed once, on one worker
 def test_foreign_checkpoint_is_refused_and_kept(saved_run, overrides, words):
     before = tree_digest(saved_run / "checkpoints")
     args = [a for o in overrides for a in ("--set", o)]
@@ -92,6 +93,7 @@ def test_foreign_checkpoint_is_refused_and_kept(saved_run, overrides, words):
         "the full traceback goes to the run's logs"
 
 
+@pytest.mark.xdist_group("saved-run")  # computed once, on one worker
 @pytest.mark.e2e  # real `run`s of a job that trained to its end (issue 33, item 3)
 def test_rerunning_a_finished_job_says_so_and_refuses_a_fault_that_cannot_fire(saved_run):
     before = tree_digest(saved_run / "checkpoints")

@@ -73,6 +73,14 @@ def test_readme_and_docs_links_resolve():
             assert (page.parent / target).exists(), f"{name} links to missing {target}"
 
 
+def test_ci_runs_the_readmes_test_command():
+    """``.ci/run`` runs the README's test command as written: what the README says of the
+    suite (its command, its time) is what CI does."""
+    readme = (REPO / "README.md").read_text()
+    (command,) = re.findall(r"^bash \.ci/setup && .*$", readme, re.M)
+    assert command in (REPO / ".ci" / "run").read_text().splitlines()
+
+
 def test_readme_is_a_newcomers_page():
     """Short, and its benchmark table has one figure per cell (the details are in docs/)."""
     text = (REPO / "README.md").read_text()

@@ -57,6 +57,7 @@ def reference(corpus, tmp_path_factory):
     return r
 
 
+@pytest.mark.xdist_group("stream-reference")  # computed once, on one worker
 @pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_packed_jsonl_killed_mid_shard_is_bit_identical(reference, corpus, tmp_path):
     r = cli("run", str(JOB), *args(corpus / "jsonl"), "--chaos", "kill-worker:1@16", run_dir=tmp_path)
@@ -68,6 +69,7 @@ def test_packed_jsonl_killed_mid_shard_is_bit_identical(reference, corpus, tmp_p
     assert seen["epochs"] == 2, "the run crosses an epoch boundary"
 
 
+@pytest.mark.xdist_group("stream-reference")  # computed once, on one worker
 def test_stopped_at_2_resumed_at_3_then_1_uses_each_sample_once(reference, corpus, tmp_path):
     common = args(corpus / "jsonl")
     first = cli("run", str(JOB), *common, "--chaos", "preempt:0@8", run_dir=tmp_path)
@@ -93,6 +95,7 @@ def test_stopped_at_2_resumed_at_3_then_1_uses_each_sample_once(reference, corpu
     assert tree_digest(tmp_path / "checkpoints") == before
 
 
+@pytest.mark.xdist_group("stream-reference")  # computed once, on one worker
 def test_hugging_face_streaming_dataset_killed_matches_the_jsonl_reference(reference, corpus, tmp_path):
     pytest.importorskip("datasets")
     r = cli("run", str(JOB), *args(corpus / "jsonl", fmt="hf"), "--chaos", "kill-worker:0@11", run_dir=tmp_path)
@@ -123,6 +126,7 @@ def test_a_dataloader_given_to_run_steps_is_one_line(tmp_path):
     assert "crash loop" not in r.err
 
 
+@pytest.mark.xdist_group("stream-reference")  # computed once, on one worker
 def test_shards_on_the_s3_compatible_server(reference, s3_env, tmp_path):  # noqa: F811
     r = cli("run", str(JOB), *args("s3://eh-ckpts/stream-corpus"), "--chaos", "kill-worker:1@9",
             run_dir=tmp_path, env=s3_env)

@@ -17,9 +17,10 @@ from elastic_harness import exitcodes
 from tests.audit import audit
 from tests.conftest import MLP, REPO, cli, final_ckpt, model_of, read_jsonl
 from tests.e2e.test_e2e_core import assert_close
+from tests.lanes import DETECTION
 from tests.servers import etcd_cluster, etcd_server, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420), DETECTION]
 
 STEPS, G = 300, 30
 HEAVY = ["--set", "task.args.dim=256", "--set", "task.args.hidden=1024", "--set", "task.args.depth=3",

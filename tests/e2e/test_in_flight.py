@@ -16,8 +16,9 @@ from elastic_harness.data.sampler import rank_share
 from tests.audit import audit
 from tests.conftest import MLP, cli, final_ckpt, model_of
 from tests.e2e.test_e2e_core import assert_close
+from tests.lanes import DETECTION
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420), DETECTION]
 
 N, G, STEPS = 1024, 30, 40
 RECORD = ["--set", "train.record_samples=true", "--set", f"train.steps={STEPS}"]

@@ -149,6 +149,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.e2e
+@pytest.mark.alone  # it reads /dev/shm, which the whole machine shares: no other test of ours writes there meanwhile
 @pytest.mark.timeout(300)
 def test_runs_leave_nothing_in_the_temp_dir_even_when_sigkilled(tmp_path):
     """SIGKILL the whole ``run`` process group mid-training: nothing gets to clean up. Its

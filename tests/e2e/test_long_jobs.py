@@ -27,6 +27,7 @@ from elastic_harness.launch.policy import (
 from elastic_harness.records.goodput import GoodputLedger
 from elastic_harness.report.timeline import is_reaction
 from tests.conftest import MLP, cli
+from tests.lanes import DETECTION
 
 
 def opts(backend: str = "c10d", endpoint: str = "127.0.0.1:1") -> NodeOptions:
@@ -237,6 +238,7 @@ def test_a_failed_groups_survivor_is_stopped_within_the_bound(tmp_path):
 
 
 # ----- e2e ---------------------------------------------------------------------------------
+@DETECTION
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_job_with_crashes_far_apart_outlives_max_restarts(tmp_path):
@@ -327,6 +329,7 @@ def test_what_is_still_running_after_the_bound_is_reported():
     assert (code, message) == (exitcodes.FAILED, line)
 
 
+@DETECTION
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_rank_working_after_close_is_waited_for_then_reported(tmp_path):
@@ -365,6 +368,7 @@ def test_bench_keeps_each_recoverys_phases():
                                              "process_group": 0.1, "restore": 0.5, "first_step": 0.1})
 
 
+@DETECTION
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_frozen_rank_is_recorded_as_a_hang_and_booked_as_hang_detection(tmp_path):
@@ -381,6 +385,7 @@ def test_a_frozen_rank_is_recorded_as_a_hang_and_booked_as_hang_detection(tmp_pa
     assert r.summary["goodput"]["badput"]["hang_detection"] > 0
 
 
+@DETECTION
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_frozen_rank_with_the_watchdog_off_is_still_named_as_hung(tmp_path):

@@ -14,12 +14,14 @@ import pytest
 from tests.audit import audit
 from tests.conftest import MLP, cli
 from tests.e2e.test_e2e_cluster import ELASTIC, HEAVY
+from tests.lanes import DETECTION
 from tests.launch.test_liveness_e2e import drops
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(420),
     pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root (CI runs as root)"),
+    DETECTION,
 ]
 
 

@@ -18,12 +18,14 @@ from elastic_harness.cli import main
 from tests.audit import audit
 from tests.conftest import MLP, REPO, Result, cli, read_jsonl
 from tests.e2e.test_e2e_cluster import ELASTIC, HEAVY, G
+from tests.lanes import DETECTION
 from tests.servers import etcd_server, wait_until
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(420),
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)"),
+    DETECTION,
 ]
 # Enough steps after the cut at step 40 for node 1 to find itself cut off (isolation_timeout=6)
 # and the test to heal its link while the survivor still trains (``last_step > heal``): the

@@ -14,8 +14,9 @@ import pytest
 from tests.audit import audit
 from tests.conftest import MLP, cli
 from tests.e2e.test_e2e_cluster import ELASTIC, HEAVY
+from tests.lanes import DETECTION
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420), DETECTION]
 
 DROPPED = "without waiting for its keep-alives to expire"
 

@@ -18,7 +18,8 @@ from elastic_harness.agent.zygote import Zygote
 from tests.conftest import REPO
 from tests.servers import wait_until
 
-pytestmark = pytest.mark.timeout(60)
+# The preloaded interpreter three tests read (``preloaded_entry``) runs once, on one worker (tests/lanes.py)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("zygote-preload")]
 CHILD = "tests.zygote_child"
 
 

@@ -20,11 +20,12 @@ import pytest
 
 from elastic_harness.lifecycle.slurm import parse_scontrol
 from tests.conftest import MLP, cli, read_jsonl
+from tests.lanes import DETECTION
 from tests.lifecycle.test_e2e_lifecycle import SLOW, steps_of
 from tests.servers import free_port, wait_until
 from tests.slurm import slurm_cluster
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), DETECTION]
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import pytest
 from tests.audit import audit
 from tests.conftest import MLP, cli, read_jsonl
 from tests.e2e.test_e2e_core import STEPS, G, N
+from tests.lanes import DETECTION
 from tests.memtier.test_e2e_memory import assert_storage_twin_matches
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420), DETECTION]
 
 FSDP = ["--set", "parallelism=fsdp"]
 LOST_NODE = [*FSDP, "--nodes", "2", "--set", "nodes.min=1", "--set", "nodes.max=2", "--nproc-per-node", "1",

@@ -11,8 +11,9 @@ from elastic_harness.checkpoint.offline import compare
 from tests.audit import audit
 from tests.conftest import MLP, cli, final_ckpt, model_of, read_jsonl
 from tests.e2e.test_e2e_core import STEPS, G, N
+from tests.lanes import DETECTION
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420), DETECTION]
 
 
 @pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)

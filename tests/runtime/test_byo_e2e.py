@@ -120,6 +120,7 @@ def hf_reference(tmp_path_factory):
     return r
 
 
+@pytest.mark.xdist_group("hf-reference")  # computed once, on one worker
 def test_hugging_face_model_task_path_ddp_killed_bit_identical(hf_reference, tmp_path):
     r = cli("run", str(HF), *HF_SMALL, "--set", "parallelism=ddp", "--chaos", "kill-worker:1@13",
             run_dir=tmp_path)
@@ -130,6 +131,7 @@ def test_hugging_face_model_task_path_ddp_killed_bit_identical(hf_reference, tmp
     audit(tmp_path, 6249, 16, 24)
 
 
+@pytest.mark.xdist_group("hf-reference")  # computed once, on one worker
 def test_hugging_face_model_task_path_resized_2_to_3_within_tolerance(hf_reference, tmp_path):
     common = [*HF_SMALL, "--set", "parallelism=ddp"]
     stopped = cli("run", str(HF), *common, "--chaos", "preempt:0@10", run_dir=tmp_path)

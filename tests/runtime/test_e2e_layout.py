@@ -16,6 +16,7 @@ import pytest
 from tests.audit import audit
 from tests.conftest import JOBS, cli, final_ckpt, model_of
 from tests.e2e.test_e2e_core import assert_close
+from tests.lanes import DETECTION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
 
@@ -40,6 +41,7 @@ def finish(r) -> dict:
     return f
 
 
+@pytest.mark.xdist_group("tp-reference")  # computed once, on one worker
 def test_tp_fsdp_killed_worker_is_bit_identical_at_equal_layout(tp_reference, tmp_path):
     seen = audit(tp_reference.run_dir, N, G, STEPS)  # a tensor group's 2 ranks read the same samples
     assert (set(seen["world_sizes"].values()), set(seen["dp_sizes"].values())) == ({4}, {2})
@@ -61,6 +63,7 @@ def test_tp_fsdp_killed_worker_is_bit_identical_at_equal_layout(tp_reference, tm
     assert exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
 
 
+@pytest.mark.xdist_group("tp-reference")  # computed once, on one worker
 @pytest.mark.compat  # .ci/compat's end-to-end set (docs/torch-versions.md)
 def test_stop_at_shard2_tensor2_resume_at_shard4_and_at_replicate2_shard2(tp_reference, tmp_path):
     first = cli("run", str(JOB), *COMMON, *TP, "--set", "train.steps=6", run_dir=tmp_path)
@@ -94,6 +97,7 @@ def test_stop_at_shard2_tensor2_resume_at_shard4_and_at_replicate2_shard2(tp_ref
     print(f"(shard 2, tensor 2) -> (replicate 2, shard 2) vs uninterrupted: {diff}")
 
 
+@DETECTION
 def test_hsdp_node_loss_continues_on_one_replica_and_a_new_node_rejoins(tmp_path):
     # Steps of ~0.2 s here: a joining agent (a fresh interpreter importing torch) needs tens of
     # them (more on a loaded machine: 80 steps were too few there), and the first async save

@@ -114,6 +114,7 @@ def live(tmp_path_factory):
     return seen
 
 
+@pytest.mark.xdist_group("security-live")  # the live run is watched once, on one worker
 def test_live_local_run_listens_on_loopback_only(live):
     ports = live["sockets"]
     assert len(ports) >= 3, ports  # the rendezvous store, rank 0's store, gloo's pairs at least
@@ -122,6 +123,7 @@ def test_live_local_run_listens_on_loopback_only(live):
         assert not any(live["dialled"].values()), f"reachable from {live['outside']}: {live['dialled']}"
 
 
+@pytest.mark.xdist_group("security-live")  # the live run is watched once, on one worker
 def test_forged_rendezvous_write_runs_nothing_and_the_job_finishes(live):
     assert not os.path.exists(live["planted"]), "the forged pickle ran"
     assert live["code"] == 0, live["out"][-2000:]
@@ -129,6 +131,7 @@ def test_forged_rendezvous_write_runs_nothing_and_the_job_finishes(live):
     assert sum(live["refusals"]) >= 1 and max(live["refusals"]) <= 2, live["refusals"]  # rate-limited
 
 
+@pytest.mark.xdist_group("security-live")  # the live run is watched once, on one worker
 def test_garbage_and_a_deleted_rendezvous_key_are_repaired_while_the_job_trains(live):
     """Non-UTF-8 bytes ended the job; a deleted key blocked its end 150 s and failed it."""
     assert live["garbage_overwritten"] == "overwritten" and live["deleted_rewritten"] == "rewritten"
