@@ -23,9 +23,6 @@ PARAMS = 8
 # "path:class": classes over METHODS, each with the reason it waits: a split to come (remove
 # it when it lands), or a signature that stays (a public one).
 WAITING_CLASSES: dict[str, str] = {
-    "agent/elastic.py:HarnessAgent": "waits: 21 methods since the in-place restart budget's check "
-                                     "(_restarts_after_failure); the budget's bookkeeping (failure steps, "
-                                     "window, refill) is the split to come",
     "torchcompat/groups.py:LiveGroup": "stays: torch's ProcessGroup as Python sees it, one method per collective torch "
                                        "calls (each under every name torch 2.11-2.15 gives it)",
 }
