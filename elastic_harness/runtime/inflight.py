@@ -4,8 +4,8 @@ Under DDP each rank computes its share of a step's global batch and only then re
 gradients. A node that dies in the middle of a step takes its share with it, but every
 survivor has computed its own: ``Kept`` keeps each survivor's local gradient of the step (a
 DDP communication hook, torch's public way, reduces a copy of each bucket and leaves the
-bucket itself, the local gradients, as it was). When the generation breaks under the step, the survivors re-form without the lost
-rank (``runtime.inplace``), put their local gradients back, compute the lost share's samples
+bucket itself, the local gradients, as it was). When the generation breaks under the step,
+the survivors re-form without the lost rank (``runtime.inplace``), put their local gradients back, compute the lost share's samples
 among themselves as extra micro-batches (``extra_plan``: the same positions of the same step,
 split over the survivors), reduce at the new membership and divide by the step's own
 data-parallel degree: the update is the mean over the same ``G`` samples the uninterrupted
@@ -63,7 +63,7 @@ class Kept:
         to keep them: the bucket is reduced out of place (the division writes the copy the
         default hook's in-place division would not), DDP copies that result into the
         gradients, and the bucket itself keeps the local values until the next step's
-        backward fills it. A copy of every gradient per step was ~7% of a CPU step here."""
+        backward fills it (a copy of every gradient took ~4 ms of a ~60 ms step in a CPU micro-bench here)."""
         buffer = bucket.buffer()
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
             self.grads[param] = grad.detach().clone() if self.copies else grad.detach()
