@@ -38,15 +38,17 @@ def run_ranks(target, world: int, *args, timeout: float = 90.0, awaited: tuple[i
     that is gone, are SIGKILLed then)."""
     port = port or free_port()
     ctx = rank_context()
-    procs = [ctx.Process(target=_guard, args=(target, r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for r in (range(world) if awaited is None else awaited):
-        procs[r].join(timeout)
-    for p in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join()
+    procs = [ctx.Process(target=_guard, args=(target, r, world, port, *args), daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        for r in (range(world) if awaited is None else awaited):
+            procs[r].join(timeout)
+    finally:  # also when pytest-timeout ends the wait: a rank left alive is joined at exit, forever
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join()
     return [p.exitcode for p in procs]
 
 
