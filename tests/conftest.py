@@ -39,9 +39,22 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    _end_rank_processes_left()
     path = getattr(config, "_eh_basetemp", None)
     if path:
         shutil.rmtree(path, ignore_errors=True)
+
+def _end_rank_processes_left() -> None:
+    """SIGKILL the ``multiprocessing`` children tests started and left running (a test that
+    pytest-timeout ended while it waited for them): the interpreter's exit joins every one,
+    and a rank blocked in a collective never ends (CI hung 40 minutes past the summary)."""
+    import multiprocessing
+
+    for proc in multiprocessing.active_children():
+        with contextlib.suppress(OSError, ValueError):
+            proc.kill()
+            proc.join(10)
+
 
 @pytest.fixture(autouse=True)
 def _undo_torch_patches():
@@ -115,6 +128,17 @@ class Result:
         from elastic_harness.records.summary import current_invocation
 
         return [e for e in current_invocation(self.events) if e["event"] == kind]
+
+    def timeline(self, kinds: tuple[str, ...] = ("fault", "workers", "failure", "reformed", "rendezvous",
+                                                 "recovery", "drain", "resume", "exit")) -> str:
+        """This invocation's membership and failure events, a line each: an assertion's message
+        when a count of rounds or recoveries is not what a test expected (CI keeps no run dir)."""
+        from elastic_harness.records.summary import current_invocation
+
+        keep = ("pid", "node", "rank", "state", "kind", "step", "restart", "world_size", "generation", "mode",
+                "kept", "new", "forked", "code", "message", "reason")
+        return "\n".join(f"{e['event']}: " + ", ".join(f"{k}={e[k]}" for k in keep if e.get(k) not in (None, ""))
+                         for e in current_invocation(self.events) if e["event"] in kinds)
 
 
 def read_jsonl(path: Path) -> list[dict]:

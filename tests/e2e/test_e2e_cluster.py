@@ -47,7 +47,7 @@ def test_node_loss_shrinks_and_new_node_grows(heavy_reference, tmp_path):
     assert r.code == 0, r.err
     assert fault_kinds(r) == ["kill-node", "add-node"]
     gens = r.kinds("rendezvous")
-    assert [g["world_size"] for g in gens] == [2, 1, 2]
+    assert [g["world_size"] for g in gens] == [2, 1, 2], r.timeline()
     # Scale-up is a membership change, not a failure: no restart is spent on it.
     assert gens[2]["restart"] == gens[1]["restart"] == gens[0]["restart"] + 1
     # In place both times: the survivor of the loss keeps its process, and at the join it

@@ -95,6 +95,8 @@ def frozen_until_dropped(run_dir, proc: subprocess.Popen, node: str) -> None:
     try:
         wait_until(lambda: any(g["world_size"] == 1 for g in rounds()[before:]) or proc.poll() is not None, 120,
                    f"the survivor to go on without node {node}")
+    except pytest.fail.Exception as e:
+        pytest.fail(f"{e} (froze {frozen}); the job so far:\n{Result(-1, '', '', run_dir).timeline()}")
     finally:
         signal_all(frozen[::-1], signal.SIGCONT)
 
