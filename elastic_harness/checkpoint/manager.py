@@ -102,6 +102,7 @@ from elastic_harness.checkpoint.streams import write_watch, written_files
 from elastic_harness.checkpoint.verifier import Verifier
 from elastic_harness.errors import CheckpointError
 from elastic_harness.spec import CheckpointSpec
+from elastic_harness.torchcompat import groups as live_groups
 
 MAX_CONSECUTIVE_SAVE_FAILURES = 3
 STALL_S = 300.0
@@ -202,6 +203,10 @@ class Saver:
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         staged = self._staging().stage(plain, plans.written_elsewhere(self._plan_key, plain) or frozenset())
         blocked = time.perf_counter() - t0
+        # Both threads' collectives belong to this generation: one launched after an in-place
+        # re-formation is refused (the save fails, uncommitted) instead of waiting for ranks
+        # of the next generation, which never take part in it.
+        write = live_groups.pinned(self.group, write)
 
         def in_background() -> bool:
             self.tenure.join()  # a generation that restored nothing enters the fence before it writes
@@ -214,10 +219,13 @@ class Saver:
             self._pending_watch = (write_watch(writer), name)
             fut = self.threads.write(write, staged, storage_writer=writer, process_group=self.group,
                                      planner=plans.planner(self._plan_key))
-            return self._finish(fut, writer, step, name, t0, blocked, True)
+            try:
+                return self._finish(fut, writer, step, name, t0, blocked, True)
+            finally:  # also when it was refused half-way (the group re-formed): never committed
+                self.tenure.busy.discard(step)
 
         self._pending_watch = (None, name)
-        self._pending = self.threads.commit(in_background)
+        self._pending = self.threads.commit(live_groups.pinned(self.group, in_background))
 
     def _staging(self) -> Any:
         """One reusable host-memory buffer set for async saves (pinned when CUDA is present)."""

@@ -246,6 +246,10 @@ class StepHook:
         self._report(step, vote, final, user_metrics)
         in_memory = self._keep(train.step, vote, final=final)
         if vote.drain and not final:
+            # Every rank drains at this step: a save still in flight finishes here, in its own
+            # generation (a worker kept in place would otherwise re-form under it, and the save
+            # be refused half-way: ``torchcompat.groups.pinned``).
+            self.keeping.ckpt.wait()
             if self.memory is not None:
                 self.memory.settle(self.spec.timeouts.process_group)
             self.reporting.events.emit("drain", step=train.step, world_size=self.world_size,

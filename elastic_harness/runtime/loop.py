@@ -86,8 +86,9 @@ class Loop:
                  joinable: Callable[[], bool] = lambda: False,
                  opening: Callable[[StepHook, Any], Step | None] = lambda hook, loader: None) -> None:
         """A fault may be recovered in place: ``broken()`` says the generation broke,
-        ``recover()`` parks and re-forms (or raises ``Rerun``); ``joinable()``: a drain the
-        agent asked for a joining node is waited out parked, in place, not by exiting;
+        ``recover()`` parks and re-forms (or raises ``Rerun``); ``joinable()`` takes a drain
+        the agent asked for a joining node (True once per drain): it is waited out parked, in
+        place, not by exiting;
         ``opening(hook, loader)``: the step a loop starts with instead of its next one (a step
         in flight finished after the training function ran again), or None."""
         self._broken, self._recover, self._joinable, self._opening = broken, recover, joinable, opening

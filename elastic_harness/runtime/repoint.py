@@ -74,9 +74,8 @@ class RunInPlace:
         self.shards: inflight.KeptShards | None = None  # HSDP with replicas: the shard-local gradients
         self._finishing = -1  # the step being finished after a re-run (a fault in it: redone)
         self._said: set[str] = set()
-        drain = run.drain
         run._loop.in_place(lambda: run.recovery.broken() is not None, self.recover,
-                           joinable=lambda: drain.requested and not drain.stop, opening=self.opening)
+                           joinable=run.drain.take_join, opening=self.opening)
 
     def registered(self, model: Any) -> None:
         """``run.register``: keep the model's local gradients each step, where the step in flight

@@ -193,6 +193,15 @@ class Drain:
         if signum != JOIN_SIGNAL:
             self.stop = True
 
+    def take_join(self) -> bool:
+        """A drain for a join only (no stop), taken: the worker parks for it and goes on in the
+        next generation. Taking it clears it: a worker re-pointed in place keeps this object,
+        and its next step drained for the same join again (one more round, a worker restarted)."""
+        if not self.requested or self.stop:
+            return False
+        self.requested = False
+        return True
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -51,6 +51,7 @@ from torch.distributed import distributed_c10d as c10d
 from elastic_harness.torchcompat.probe import attrs, feature
 
 BACKEND = "harness"  # the backend name every group of a harness worker is made with
+_PINS = threading.local()  # per thread: {id(lineage): the generation its operations belong to}
 
 
 @feature("live-groups", "in-place recovery",
@@ -144,6 +145,7 @@ class HeldWork(dist._Work):
         self._future: torch.futures.Future = torch.futures.Future()
         self._done = threading.Event()
         self.failed = False
+        self._refused: str | None = None  # why it was never launched on this generation (``refuse``)
 
     def follow(self, inner: Any) -> HeldWork:
         """Complete when ``inner`` does (a work, or a list of works: when all did, or at the
@@ -194,10 +196,24 @@ class HeldWork(dist._Work):
         else:
             self._future.set_result(self._result)
 
+    def refuse(self, reason: str) -> None:
+        """Done without launching, and failed, the lineage's generation untouched: an operation
+        of a generation already left (``Lineage.pinned``). It raises on a lineage that
+        ``raises``, and is not counted in ``skipped`` (not this generation's collective)."""
+        if not self._lineage.settle(self):
+            return
+        self.failed, self._refused = True, reason
+        self._done.set()
+        if self._lineage.raises:
+            self._future.set_exception(RuntimeError(f"collective refused: {reason}"))
+        else:
+            self._future.set_result(self._result)
+
     def wait(self, timeout: dt.timedelta | None = None) -> bool:
         self._done.wait()
         if self.failed and self._lineage.raises:
-            raise RuntimeError(f"collective failed: {self._lineage.broken}")
+            raise RuntimeError(f"collective refused: {self._refused}" if self._refused
+                               else f"collective failed: {self._lineage.broken}")
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -239,6 +255,7 @@ class Lineage:
         # all-reduce is not launched but completes as it is (``runtime.inflight`` defers HSDP's
         # replica all-reduce of a step's gradients to the step's end, where it runs it itself)
         self.defer: Callable[[Any, Any], bool] | None = None
+        self.generation = 0  # how many backends it had (``attach``): a pinned operation's reference
         self._lock = threading.Lock()
         self._pending: set[HeldWork] = set()
         self._waits: queue.SimpleQueue | None = None
@@ -247,6 +264,38 @@ class Lineage:
     def attach(self, inner: Inner, rank: int, size: int) -> None:
         """The next generation's backend; the generation is usable again."""
         self.inner, self.rank, self.size, self.broken = inner, rank, size, None
+        self.generation += 1
+
+    def pinned(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, whose collectives on this lineage belong to the generation current now,
+        whichever thread runs it and whenever: one it launches once that generation was
+        left is refused (``HeldWork.refuse``), not launched on the next one. A background
+        checkpoint save is one: its collectives follow one another over seconds, and one
+        launched after an in-place re-formation would wait forever for the new members,
+        which never make it (a worker hung at a join, its save half-way)."""
+        generation = self.generation
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            pins = _PINS.__dict__.setdefault("by_lineage", {})
+            before = pins.get(id(self))
+            pins[id(self)] = generation
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if before is None:
+                    pins.pop(id(self), None)
+                else:
+                    pins[id(self)] = before
+
+        return run
+
+    def _left_since_pinned(self) -> str | None:
+        """Why an operation the calling thread launches is refused (``pinned``); None if it is not."""
+        pinned = _PINS.__dict__.get("by_lineage", {}).get(id(self))
+        if pinned is None or pinned == self.generation:
+            return None
+        return (f"group {self.name!r} re-formed (generation {self.generation}) since this operation's work began "
+                f"(generation {pinned})")
 
     def leave(self, reason: str) -> Inner | None:
         """End the current generation: mark it broken, complete what is pending, end its
@@ -278,6 +327,10 @@ class Lineage:
         work = HeldWork(self, result)
         with self._lock:
             self._pending.add(work)
+        left = self._left_since_pinned()
+        if left is not None:
+            work.refuse(left)
+            return work
         inner = self.inner
         if inner is None or self.broken is not None:
             work.complete(self.broken or "the group has no backend (between generations)", ran=False)
@@ -482,6 +535,13 @@ class LiveGroup(dist.ProcessGroup):
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> HeldWork:
         return self._run(tensors, tensors, lambda b: b.recv(tensors, src, tag))
+
+
+def pinned(group: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its collectives on ``group`` pinned to the group's generation current now
+    (``Lineage.pinned``); ``fn`` itself for a group that is not a ``LiveGroup``."""
+    lineage = getattr(group, "lineage", None)
+    return lineage.pinned(fn) if isinstance(lineage, Lineage) else fn
 
 
 def make_group(lineage: Lineage, inner: Inner) -> LiveGroup:

@@ -42,6 +42,23 @@ def test_the_join_signal_drains_without_stopping_and_any_sigterm_makes_it_a_stop
     assert signal.getsignal(JOIN_SIGNAL) is signal.SIG_DFL
 
 
+def test_a_join_drain_is_taken_once_and_a_stop_is_never_taken_for_one():
+    """A worker kept in place keeps its ``Drain`` into the next generation: the join it parked
+    for must not drain its next step again (that was one more round, and the joined node's
+    worker restarted). A stop is no join: it is not taken, and stays."""
+    drain = session.Drain()
+    try:
+        os.kill(os.getpid(), JOIN_SIGNAL)
+        assert drain.take_join()
+        assert (drain.requested, drain.take_join()) == (False, False), "taken once: the next step trains on"
+        os.kill(os.getpid(), JOIN_SIGNAL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert not drain.take_join()
+        assert (drain.requested, drain.stop) == (True, True), "a stop stays for the drain that saves it"
+    finally:
+        drain.restore()
+
+
 class FakeTier:
     def __init__(self, saves: bool) -> None:
         self.saves, self.saved = saves, []
