@@ -127,7 +127,12 @@ class Step:
             self.hook.end_batches(reduce=False)
             if model is not None:
                 set_grad_sync(model, True)
-        self.hook.start_vote(self)
+        if not self.thrown:
+            # A thrown step re-formed under it already: its vote would be launched on the next
+            # generation, where only the members thrown with it meet it (a node's kept worker,
+            # broken mid-step, beside a survivor that parked for its join at a step's end: gloo
+            # aborted the worker on the size mismatch).
+            self.hook.start_vote(self)
 
     def _finish_in_flight(self, model: nn.Module | None) -> Iterator[Any]:
         """The generation broke under this step and the survivors finish it in place
