@@ -207,7 +207,10 @@ class _Handler(DynamicRendezvousHandler):
 
     def was_dropped(self) -> bool:
         """Is this agent no longer a participant of the round it joined last (its peers
-        dropped it, or torch's expiry did), by the last read of the state?"""
+        dropped it, or torch's expiry did), by the last read of the state, read again first
+        when it is stale (``rules.judged_on_a_new_read``)?"""
+        if rules.judged_on_a_new_read(time.monotonic() - self._reads.synced_at):
+            self.refresh()
         state = rdzv.state(self)
         return (state is not None and self._mine.round is not None
                 and rdzv.this_node(self) not in rdzv.view(state).participants)

@@ -129,6 +129,19 @@ def poll_for(nodes: int) -> float:
     return max(RUNNING_POLL_S, nodes / STATE_READS_PER_S)
 
 
+# A view of the state older than this may predate a drop of this agent: a running agent reads
+# every ``RUNNING_POLL_S``; one whose last read is older was frozen or cut off meanwhile.
+STALE_VIEW_S = 10 * RUNNING_POLL_S
+
+
+def judged_on_a_new_read(view_age_s: float) -> bool:
+    """Pure: must "was this agent dropped?" wait for a new read of the state? Yes when the last
+    read is older than ``STALE_VIEW_S``: a thawed agent heard its workers' failure before its
+    first read since the freeze, and judged on the view from before it (a drop uncounted, the
+    node never kept out)."""
+    return view_age_s > STALE_VIEW_S
+
+
 def wake_gap(nodes: int) -> float:
     """The least seconds between an agent's reads of the state that a change woke."""
     return nodes / WAKE_READS_PER_S

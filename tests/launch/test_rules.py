@@ -144,3 +144,13 @@ def test_the_shape_of_the_state_others_act_on():
     assert rules.shape(view(participants={"a", "b"}), ours()) == base, "a join alone is not announced"
     assert rules.shape(view(participants={"a"}), ours(broken=3)) != base
     assert rules.shape(view(participants={"a"}, waiting={"w"}), ours()) != base
+
+
+@pytest.mark.parametrize(("age_s", "again"), [
+    (0.0, False),
+    (rules.RUNNING_POLL_S * 1.5, False),  # a running agent's view: one poll late at most
+    (rules.STALE_VIEW_S + 0.01, True),  # frozen or cut off meanwhile: its view may predate its drop
+    (1e9, True),  # never read since the hook was installed
+])
+def test_whether_a_drop_is_judged_on_a_new_read(age_s, again):
+    assert rules.judged_on_a_new_read(age_s) is again
